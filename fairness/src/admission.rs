@@ -1,0 +1,312 @@
+//! The admission decision, pure: what the webhook (and the simulated cluster) asks.
+//!
+//! The webhook parses an AdmissionReview, computes the pod's GPUe
+//! ([`crate::resources::pod_gpue`]), builds a [`LocalView`] from the agent's state and
+//! calls [`decide`]; then it writes the response. Everything that decides lives here.
+
+use serde::{Deserialize, Serialize};
+
+use crate::lease::LeaseStatus;
+use crate::policy::AdmissionMode;
+use crate::units::format_gpue as g;
+use crate::MilliGpue;
+
+/// The scheduling gate kvota adds to pods it queues.
+pub const SCHEDULING_GATE: &str = "kvota.dev/admission";
+
+/// The pod being judged.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodRequest {
+    /// Namespace.
+    pub namespace: String,
+    /// Pod name (or `generateName` prefix, or empty when the API server has not named it).
+    pub name: String,
+    /// GPUe the pod requests, as Kubernetes computes pod requests.
+    pub gpue: MilliGpue,
+}
+
+/// The agent's local view of the pod's tenant in this cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalView {
+    /// This cluster's id.
+    pub cluster: String,
+    /// The tenant owning the namespace; `None`: kvota does not govern it.
+    pub tenant: Option<String>,
+    /// What the tenant's pods over budget get.
+    pub mode: AdmissionMode,
+    /// Queue bound (per tenant, this cluster).
+    pub max_queued: u32,
+    /// Budget enforced now (lease budget, or fallback after expiry).
+    pub budget: MilliGpue,
+    /// Bound plus reserved GPUe of the tenant here.
+    pub inuse: MilliGpue,
+    /// Pods of the tenant waiting behind the gate here.
+    pub queued: u32,
+    /// Federation-wide committed entitlement from the lease (informational).
+    pub entitlement: MilliGpue,
+    /// Most the tenant could ever hold here (e.g. cluster capacity); a pod larger than
+    /// this can never be admitted, so it is not queued. `None`: unknown.
+    pub ceiling: Option<MilliGpue>,
+    /// Lease standing (for the message).
+    pub lease: LeaseStatus,
+}
+
+/// The outcome.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Verdict {
+    /// Admit now (and reserve its GPUe until it binds).
+    Allow,
+    /// Admit behind the scheduling gate; released when budget frees.
+    Queue,
+    /// Refuse.
+    Deny,
+}
+
+/// Why, in one word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reason {
+    /// The pod requests no GPU resources.
+    NoGpu,
+    /// The namespace belongs to no tenant and there is no default tenant.
+    Ungoverned,
+    /// The pod fits in the tenant's budget.
+    WithinBudget,
+    /// Over budget.
+    OverBudget,
+    /// Over budget and the tenant's queue is full.
+    QueueFull,
+    /// Larger than the tenant could ever hold here.
+    NeverFits,
+}
+
+/// A decision with the numbers behind it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Decision {
+    /// Allow, queue or deny.
+    pub verdict: Verdict,
+    /// Why.
+    pub reason: Reason,
+    /// A message a person can act on (goes into the AdmissionReview status).
+    pub message: String,
+    /// Tenant's GPUe here if the pod were admitted now.
+    pub after: MilliGpue,
+}
+
+/// Decides one pod. Pure and total: any input gives a decision.
+///
+/// Holds: a pod with GPUe is allowed only if `inuse + gpue <= budget`; pods without
+/// GPUe and pods of ungoverned namespaces are always allowed; in `queue` mode the
+/// queue never grows past `max_queued`.
+pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
+    let after = view.inuse.saturating_add(pod.gpue);
+    let target = pod_ref(pod);
+    if pod.gpue == 0 {
+        return Decision {
+            verdict: Verdict::Allow,
+            reason: Reason::NoGpu,
+            message: "kvota: pod requests no GPUs; not judged".to_string(),
+            after: view.inuse,
+        };
+    }
+    let Some(tenant) = &view.tenant else {
+        return Decision {
+            verdict: Verdict::Allow,
+            reason: Reason::Ungoverned,
+            message: format!(
+                "kvota: namespace `{}` belongs to no tenant and the policy has no defaultTenant; not judged",
+                pod.namespace
+            ),
+            after,
+        };
+    };
+    if after <= view.budget {
+        return Decision {
+            verdict: Verdict::Allow,
+            reason: Reason::WithinBudget,
+            message: format!(
+                "kvota: admitted: tenant `{tenant}` holds {} + {} = {} of its {} GPUe budget in cluster `{}`",
+                g(view.inuse),
+                g(pod.gpue),
+                g(after),
+                g(view.budget),
+                view.cluster
+            ),
+            after,
+        };
+    }
+    let numbers = format!(
+        "tenant `{tenant}` would hold {} GPUe in cluster `{}` (in use {} + this pod {}), above its budget of {} GPUe here (federation-wide entitlement {} GPUe; lease {})",
+        g(after),
+        view.cluster,
+        g(view.inuse),
+        g(pod.gpue),
+        g(view.budget),
+        g(view.entitlement),
+        view.lease
+    );
+    if let Some(ceiling) = view.ceiling {
+        if pod.gpue > ceiling {
+            return Decision {
+                verdict: Verdict::Deny,
+                reason: Reason::NeverFits,
+                message: format!(
+                    "kvota: denied: the pod requests {} GPUe but tenant `{tenant}` can never hold more than {} GPUe in cluster `{}`. Request fewer GPUs or use a larger cluster. Details: kvota explain pod {target}",
+                    g(pod.gpue),
+                    g(ceiling),
+                    view.cluster
+                ),
+                after,
+            };
+        }
+    }
+    match view.mode {
+        AdmissionMode::Reject => Decision {
+            verdict: Verdict::Deny,
+            reason: Reason::OverBudget,
+            message: format!(
+                "kvota: denied: {numbers}. Retry when the tenant's running pods finish, or ask the platform team for a larger share. Details: kvota explain pod {target}"
+            ),
+            after,
+        },
+        AdmissionMode::Queue if view.queued >= view.max_queued => Decision {
+            verdict: Verdict::Deny,
+            reason: Reason::QueueFull,
+            message: format!(
+                "kvota: denied: {numbers}, and {} of its pods already wait for budget here (maxQueued {}). Retry later. Details: kvota explain pod {target}",
+                view.queued, view.max_queued
+            ),
+            after,
+        },
+        AdmissionMode::Queue => Decision {
+            verdict: Verdict::Queue,
+            reason: Reason::OverBudget,
+            message: format!(
+                "kvota: queued behind scheduling gate {SCHEDULING_GATE}: {numbers}. It starts when budget frees (position {} in the tenant's queue). Details: kvota explain pod {target}",
+                view.queued + 1
+            ),
+            after,
+        },
+    }
+}
+
+fn pod_ref(pod: &PodRequest) -> String {
+    if pod.name.is_empty() {
+        format!("{}/<unnamed>", pod.namespace)
+    } else {
+        format!("{}/{}", pod.namespace, pod.name)
+    }
+}
+
+/// A pod waiting behind the gate.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuedPod {
+    /// Namespace/name.
+    pub key: String,
+    /// Pod priority (higher first).
+    pub priority: i32,
+    /// When it was queued (any monotonic clock).
+    pub queued_at_ms: u64,
+    /// GPUe it requests.
+    pub gpue: MilliGpue,
+}
+
+/// Which queued pods to release now, in order: by priority (highest first), then age
+/// (oldest first), then key; each released only if it fits in what is left of
+/// `budget - inuse`. A pod that does not fit blocks those behind it of equal or lower
+/// priority only if `strict` (no overtaking); otherwise smaller pods may pass it.
+pub fn release_order(queue: &[QueuedPod], budget: MilliGpue, inuse: MilliGpue, strict: bool) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..queue.len()).collect();
+    idx.sort_by(|&a, &b| {
+        let (x, y) = (&queue[a], &queue[b]);
+        y.priority
+            .cmp(&x.priority)
+            .then(x.queued_at_ms.cmp(&y.queued_at_ms))
+            .then(x.key.cmp(&y.key))
+    });
+    let mut free = budget.saturating_sub(inuse);
+    let mut out = Vec::new();
+    for i in idx {
+        if queue[i].gpue <= free {
+            free -= queue[i].gpue;
+            out.push(i);
+        } else if strict {
+            break;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(mode: AdmissionMode, budget: u64, inuse: u64, queued: u32) -> LocalView {
+        LocalView {
+            cluster: "east".into(),
+            tenant: Some("training".into()),
+            mode,
+            max_queued: 2,
+            budget,
+            inuse,
+            queued,
+            entitlement: 40_000,
+            ceiling: Some(32_000),
+            lease: LeaseStatus::Fresh { remaining_ms: 21_000 },
+        }
+    }
+
+    fn pod(gpue: u64) -> PodRequest {
+        PodRequest { namespace: "ml".into(), name: "trainer-0".into(), gpue }
+    }
+
+    #[test]
+    fn within_budget_is_allowed_up_to_the_last_milli() {
+        let d = decide(&pod(2_000), &view(AdmissionMode::Reject, 32_000, 30_000, 0));
+        assert_eq!((d.verdict, d.reason, d.after), (Verdict::Allow, Reason::WithinBudget, 32_000));
+        let d = decide(&pod(2_001), &view(AdmissionMode::Reject, 32_000, 30_000, 0));
+        assert_eq!(d.verdict, Verdict::Deny);
+    }
+
+    #[test]
+    fn denial_message_names_every_number() {
+        let d = decide(&pod(4_000), &view(AdmissionMode::Reject, 32_000, 30_000, 0));
+        assert_eq!((d.verdict, d.reason), (Verdict::Deny, Reason::OverBudget));
+        for needle in ["`training`", "34 GPUe", "in use 30", "this pod 4", "budget of 32", "entitlement 40", "fresh (21s left)", "kvota explain pod ml/trainer-0", "`east`"] {
+            assert!(d.message.contains(needle), "missing {needle:?} in {}", d.message);
+        }
+    }
+
+    #[test]
+    fn queue_mode_queues_until_full() {
+        let d = decide(&pod(4_000), &view(AdmissionMode::Queue, 32_000, 30_000, 1));
+        assert_eq!(d.verdict, Verdict::Queue);
+        assert!(d.message.contains("position 2"), "{}", d.message);
+        let d = decide(&pod(4_000), &view(AdmissionMode::Queue, 32_000, 30_000, 2));
+        assert_eq!((d.verdict, d.reason), (Verdict::Deny, Reason::QueueFull));
+        let d = decide(&pod(64_000), &view(AdmissionMode::Queue, 32_000, 0, 0));
+        assert_eq!((d.verdict, d.reason), (Verdict::Deny, Reason::NeverFits));
+    }
+
+    #[test]
+    fn no_gpu_and_ungoverned_pods_pass() {
+        let d = decide(&pod(0), &view(AdmissionMode::Reject, 0, 99_000, 0));
+        assert_eq!((d.verdict, d.reason), (Verdict::Allow, Reason::NoGpu));
+        let mut v = view(AdmissionMode::Reject, 0, 0, 0);
+        v.tenant = None;
+        let d = decide(&pod(8_000), &v);
+        assert_eq!((d.verdict, d.reason), (Verdict::Allow, Reason::Ungoverned));
+    }
+
+    #[test]
+    fn release_by_priority_then_age() {
+        let q = vec![
+            QueuedPod { key: "a".into(), priority: 0, queued_at_ms: 1, gpue: 2_000 },
+            QueuedPod { key: "b".into(), priority: 10, queued_at_ms: 5, gpue: 2_000 },
+            QueuedPod { key: "c".into(), priority: 0, queued_at_ms: 0, gpue: 4_000 },
+            QueuedPod { key: "d".into(), priority: 0, queued_at_ms: 2, gpue: 1_000 },
+        ];
+        // 5 GPUe free: b (prio), then c (oldest) does not fit, a fits, d fits? 5-2-2=1 -> d.
+        assert_eq!(release_order(&q, 5_000, 0, false), [1, 0, 3]);
+        assert_eq!(release_order(&q, 5_000, 0, true), [1]);
+    }
+}

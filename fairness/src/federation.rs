@@ -1,0 +1,895 @@
+//! The control plane's state machine: commands in, leases and audit records out.
+//!
+//! [`Federation::apply`] is what the Raft state machine calls for every committed log
+//! entry (and what the simulator and the chaos tests call directly). It is a pure
+//! function of the state and `(now_ms, command)`; `now_ms` is stamped by the leader
+//! when it proposes the entry, and the state's clock never runs backwards. A command
+//! that fails changes nothing.
+//!
+//! ## Entitlement in two steps: target and committed
+//! The *target* entitlement `E_t` is the fairness model ([`crate::entitlement`]) on
+//! current inputs. The *committed* entitlement `Ê_t` is what budgets are cut from, and it
+//! moves toward the target by break-before-make:
+//! - down at once, but never below what the tenant's leases may still let clusters
+//!   admit (`Ê'_t = min(Ê_t, max(E_t, L_t))`, `L_t` the left side of the safety
+//!   inequality);
+//! - up only into capacity nobody else holds (`sum Ê <= G`), shared in proportion to
+//!   the shortfall.
+//!
+//! ## Partition safety
+//! For every tenant, at every instant: `sum_c hold_tc <= max(Ê_t, sum_c inuse_tc)` and
+//! `sum_t Ê_t <= G`, where `inuse_tc` is the last reported in-use and
+//! `hold_tc = max(bound_tc, enforceable_tc)` ([`TenantUsage::hold`]): the reported in-use
+//! raised to every budget granted since that report (pods admitted under a lease keep
+//! running after it expires), or what the cluster may still admit under any lease it
+//! may hold ([`ClusterLeases::enforceable`]). A new budget for cluster `c` is clipped so
+//! that the inequality holds given what every *other* cluster may hold
+//! ([`Federation::check_safety`] verifies it).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::entitlement::{self, effective_demand, Entitlement, TenantInput};
+use crate::lease::{ClusterLeases, Lease, TenantBudget, UnknownEpoch};
+use crate::policy::Policy;
+use crate::split::{split_tenant, Cell};
+use crate::{MilliGpue, Millis};
+
+/// Audit records kept (oldest dropped first). Enough for a day of budget changes in a
+/// small federation; the audit log is for explaining recent decisions, not archival.
+pub const AUDIT_CAPACITY: usize = 1_000;
+/// Most clusters in one federation.
+pub const MAX_CLUSTERS: usize = 1_000;
+/// Most tenants one report may carry (a policy has at most this many).
+pub const MAX_REPORT_TENANTS: usize = crate::policy::MAX_TENANTS;
+/// Most resource names in a cluster's capacity.
+pub const MAX_CAPACITY_RESOURCES: usize = 64;
+
+/// A cluster id: DNS-label style, 1-63 characters.
+pub fn valid_cluster_id(id: &str) -> bool {
+    let b = id.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
+/// Last reported numbers of one tenant in one cluster, and what it may hold since.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct TenantUsage {
+    /// Bound plus reserved GPUe, as last reported.
+    pub inuse: MilliGpue,
+    /// GPUe waiting (queued behind the gate, or recently denied), as last reported.
+    pub pending: MilliGpue,
+    /// Upper bound of what the tenant may hold in the cluster now: the reported in-use,
+    /// raised to every budget granted since that report. Pods admitted under a budget
+    /// keep running after its lease expires, so expiry never lowers this; only a newer
+    /// report does.
+    pub bound: MilliGpue,
+}
+
+impl TenantUsage {
+    /// What the control plane must assume the tenant holds in the cluster now:
+    /// `max(bound, enforceable)`.
+    pub fn hold(&self, enforceable: MilliGpue) -> MilliGpue {
+        self.bound.max(self.inuse).max(enforceable)
+    }
+}
+
+/// One tenant's part of a usage report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct TenantReport {
+    /// GPUe x milliseconds used since the previous report (milli-GPUe x ms).
+    pub used_milli_gpue_ms: u64,
+    /// Bound plus reserved GPUe now.
+    pub inuse: MilliGpue,
+    /// GPUe waiting now.
+    pub pending: MilliGpue,
+}
+
+/// A member's usage report; its answer carries the cluster's lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageReport {
+    /// Reporting cluster.
+    pub cluster: String,
+    /// Per-cluster sequence number: the first is 1, each next one is exactly one more.
+    pub seq: u64,
+    /// Lease epoch the agent holds (its acknowledgement; 0 = none).
+    pub held_epoch: u64,
+    /// New capacity per resource (quantity milli), if it changed.
+    pub capacity: Option<BTreeMap<String, u64>>,
+    /// Per-tenant numbers; tenants the policy does not know are ignored.
+    pub tenants: BTreeMap<String, TenantReport>,
+}
+
+/// A state-machine command.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Replace the policy (already validated by [`Policy::from_yaml`]).
+    ApplyPolicy(Policy),
+    /// Add a cluster or update its capacity and labels; answered with a lease.
+    RegisterCluster {
+        /// Cluster id.
+        cluster: String,
+        /// Capacity per resource name, quantity in thousandths.
+        capacity: BTreeMap<String, u64>,
+        /// Free-form labels.
+        labels: BTreeMap<String, String>,
+    },
+    /// Forget a cluster (its leases must have expired).
+    RemoveCluster {
+        /// Cluster id.
+        cluster: String,
+    },
+    /// A usage report; answered with a lease.
+    Report(UsageReport),
+    /// Advance time and recompute committed entitlements.
+    Tick,
+}
+
+/// What a successful command produced.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Applied {
+    /// The policy is in force.
+    PolicyApplied,
+    /// The cluster is registered; send it this lease.
+    Registered(Lease),
+    /// The cluster is gone.
+    Removed,
+    /// The report was applied (or was a duplicate, `applied: false`); send this lease.
+    Reported {
+        /// False for a duplicate sequence number: nothing was counted again.
+        applied: bool,
+        /// The lease to send back.
+        lease: Lease,
+    },
+    /// Time advanced.
+    Ticked,
+}
+
+/// Why a command was refused. Nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum CommandError {
+    /// No policy has been applied yet.
+    #[error("no policy is in force; apply one first (kvota policy apply FILE)")]
+    NoPolicy,
+    /// Unknown cluster id.
+    #[error("cluster `{0}` is not registered")]
+    UnknownCluster(String),
+    /// A report skipped sequence numbers: the member must resend from `expected`.
+    #[error("report sequence {got} from cluster `{cluster}` skips ahead; resend from {expected}")]
+    SequenceGap {
+        /// Cluster id.
+        cluster: String,
+        /// The next sequence number the control plane will accept.
+        expected: u64,
+        /// What was sent.
+        got: u64,
+    },
+    /// The report acknowledged an epoch that was never issued.
+    #[error("cluster `{cluster}`: {source}")]
+    UnknownEpoch {
+        /// Cluster id.
+        cluster: String,
+        /// Details.
+        source: UnknownEpoch,
+    },
+    /// Malformed input.
+    #[error("invalid {what}: {why}")]
+    Invalid {
+        /// What was invalid.
+        what: &'static str,
+        /// Why.
+        why: String,
+    },
+    /// A cluster that may still be enforcing a lease cannot be removed.
+    #[error("cluster `{cluster}` may still enforce a lease until {until_ms} ms; remove it after that")]
+    LeaseInForce {
+        /// Cluster id.
+        cluster: String,
+        /// When its last lease expires (control-plane clock).
+        until_ms: Millis,
+    },
+}
+
+/// One registered member cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterRecord {
+    /// Capacity per resource name (quantity milli).
+    pub capacity: BTreeMap<String, u64>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Capacity in GPUe under the current policy's weights.
+    pub capacity_gpue: MilliGpue,
+    /// Last applied report sequence (0: none).
+    pub last_seq: u64,
+    /// When the last report was applied (control-plane clock).
+    pub last_report_ms: Option<Millis>,
+    /// Last reported numbers per tenant.
+    pub usage: BTreeMap<String, TenantUsage>,
+    /// The lease book.
+    pub leases: ClusterLeases,
+}
+
+/// One budget change, for the audit log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetChange {
+    /// Tenant.
+    pub tenant: String,
+    /// Budget in the previous lease.
+    pub from: MilliGpue,
+    /// Budget in the new lease.
+    pub to: MilliGpue,
+    /// Why, in words.
+    pub why: String,
+}
+
+/// An audit record: why something changed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditRecord {
+    /// Monotonic record number.
+    pub seq: u64,
+    /// Control-plane time.
+    pub at_ms: Millis,
+    /// What happened.
+    pub event: AuditEvent,
+}
+
+/// Kinds of audit records.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AuditEvent {
+    /// A policy came into force.
+    PolicyApplied {
+        /// Its name.
+        name: String,
+        /// Number of tenants.
+        tenants: usize,
+    },
+    /// A cluster registered or changed capacity.
+    ClusterRegistered {
+        /// Cluster id.
+        cluster: String,
+        /// Capacity in GPUe.
+        capacity_gpue: MilliGpue,
+    },
+    /// A cluster was removed.
+    ClusterRemoved {
+        /// Cluster id.
+        cluster: String,
+    },
+    /// A new lease epoch changed budgets.
+    BudgetsChanged {
+        /// Cluster id.
+        cluster: String,
+        /// New epoch.
+        epoch: u64,
+        /// What changed and why.
+        changes: Vec<BudgetChange>,
+    },
+}
+
+/// The numbers behind every tenant's entitlement at one instant.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Federation capacity `G`.
+    pub capacity: MilliGpue,
+    /// Tenants in name order: policy tenants, then retiring ones (no longer in the
+    /// policy but still holding leases).
+    pub tenants: Vec<String>,
+    /// Model outputs per policy tenant (retiring ones get the default).
+    pub entitlements: Vec<Entitlement>,
+    /// Demand used per tenant (effective, with burst headroom and unreachable clusters).
+    pub demand: Vec<MilliGpue>,
+    /// Decayed usage per tenant.
+    pub usage: Vec<u64>,
+    /// `sum_c inuse_tc` per tenant.
+    pub inuse: Vec<MilliGpue>,
+    /// `L_t = sum_c hold_tc` per tenant: what its clusters may hold now.
+    pub held: Vec<MilliGpue>,
+    /// Committed entitlement per tenant after this step.
+    pub committed: Vec<MilliGpue>,
+}
+
+/// A violation of the partition-safety invariant (should never exist).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SafetyViolation {
+    /// Tenant, or `*` for the capacity bound.
+    pub tenant: String,
+    /// Left side.
+    pub held: MilliGpue,
+    /// Right side.
+    pub bound: MilliGpue,
+}
+
+/// The federation's replicated state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Federation {
+    policy: Option<Policy>,
+    clusters: BTreeMap<String, ClusterRecord>,
+    ledger: crate::decay::Ledger,
+    committed: BTreeMap<String, MilliGpue>,
+    now_ms: Millis,
+    audit: VecDeque<AuditRecord>,
+    audit_seq: u64,
+}
+
+impl Federation {
+    /// An empty federation: no policy, no clusters.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> Option<&Policy> {
+        self.policy.as_ref()
+    }
+    /// Registered clusters by id.
+    pub fn clusters(&self) -> &BTreeMap<String, ClusterRecord> {
+        &self.clusters
+    }
+    /// The decayed usage ledger.
+    pub fn ledger(&self) -> &crate::decay::Ledger {
+        &self.ledger
+    }
+    /// Committed entitlements by tenant.
+    pub fn committed(&self) -> &BTreeMap<String, MilliGpue> {
+        &self.committed
+    }
+    /// The state's clock (largest command time applied).
+    pub fn now_ms(&self) -> Millis {
+        self.now_ms
+    }
+    /// Audit records, oldest first.
+    pub fn audit(&self) -> impl DoubleEndedIterator<Item = &AuditRecord> {
+        self.audit.iter()
+    }
+    /// Federation capacity in GPUe.
+    pub fn capacity(&self) -> MilliGpue {
+        self.clusters
+            .values()
+            .fold(0u64, |a, c| a.saturating_add(c.capacity_gpue))
+    }
+
+    /// Applies one command at leader-stamped time `now_ms`. On error nothing changed.
+    pub fn apply(&mut self, now_ms: Millis, cmd: Command) -> Result<Applied, CommandError> {
+        let now = now_ms.max(self.now_ms);
+        match cmd {
+            Command::ApplyPolicy(p) => {
+                self.apply_policy(now, p);
+                Ok(Applied::PolicyApplied)
+            }
+            Command::RegisterCluster {
+                cluster,
+                capacity,
+                labels,
+            } => self.register(now, cluster, capacity, labels),
+            Command::RemoveCluster { cluster } => self.remove(now, &cluster),
+            Command::Report(r) => self.report(now, r),
+            Command::Tick => {
+                self.now_ms = now;
+                if self.policy.is_some() {
+                    self.commit_plan();
+                }
+                Ok(Applied::Ticked)
+            }
+        }
+    }
+
+    fn apply_policy(&mut self, now: Millis, p: Policy) {
+        self.now_ms = now;
+        let weights = p.resource_weights.clone();
+        for c in self.clusters.values_mut() {
+            c.capacity_gpue = weights.capacity_gpue_milli(&c.capacity);
+        }
+        let tenants: BTreeSet<String> = p.tenants.iter().map(|t| t.name.clone()).collect();
+        self.ledger.retain(|t| tenants.contains(t));
+        self.record(AuditEvent::PolicyApplied {
+            name: p.name.clone(),
+            tenants: p.tenants.len(),
+        });
+        self.policy = Some(p);
+        self.commit_plan();
+    }
+
+    fn register(
+        &mut self,
+        now: Millis,
+        cluster: String,
+        capacity: BTreeMap<String, u64>,
+        labels: BTreeMap<String, String>,
+    ) -> Result<Applied, CommandError> {
+        if !valid_cluster_id(&cluster) {
+            return Err(CommandError::Invalid {
+                what: "cluster id",
+                why: format!("`{cluster}`: use 1-63 lowercase letters, digits or '-'"),
+            });
+        }
+        validate_capacity(&capacity)?;
+        if !self.clusters.contains_key(&cluster) && self.clusters.len() >= MAX_CLUSTERS {
+            return Err(CommandError::Invalid {
+                what: "registration",
+                why: format!("the federation already has {MAX_CLUSTERS} clusters"),
+            });
+        }
+        self.now_ms = now;
+        let capacity_gpue = self.weights().capacity_gpue_milli(&capacity);
+        let rec = self
+            .clusters
+            .entry(cluster.clone())
+            .or_insert_with(|| ClusterRecord {
+                capacity: BTreeMap::new(),
+                labels: BTreeMap::new(),
+                capacity_gpue: 0,
+                last_seq: 0,
+                last_report_ms: None,
+                usage: BTreeMap::new(),
+                leases: ClusterLeases::default(),
+            });
+        let changed = rec.capacity != capacity || rec.labels != labels;
+        rec.capacity = capacity;
+        rec.labels = labels;
+        rec.capacity_gpue = capacity_gpue;
+        if changed {
+            self.record(AuditEvent::ClusterRegistered {
+                cluster: cluster.clone(),
+                capacity_gpue,
+            });
+        }
+        if self.policy.is_some() {
+            self.commit_plan();
+        }
+        Ok(Applied::Registered(self.grant(&cluster)))
+    }
+
+    fn remove(&mut self, now: Millis, cluster: &str) -> Result<Applied, CommandError> {
+        let rec = self
+            .clusters
+            .get(cluster)
+            .ok_or_else(|| CommandError::UnknownCluster(cluster.to_string()))?;
+        if !rec.leases.all_expired(now) {
+            let until_ms = rec.leases.open.iter().map(|l| l.expires_at_ms).max().unwrap_or(now);
+            return Err(CommandError::LeaseInForce {
+                cluster: cluster.to_string(),
+                until_ms,
+            });
+        }
+        self.now_ms = now;
+        self.clusters.remove(cluster);
+        self.record(AuditEvent::ClusterRemoved {
+            cluster: cluster.to_string(),
+        });
+        if self.policy.is_some() {
+            self.commit_plan();
+        }
+        Ok(Applied::Removed)
+    }
+
+    fn report(&mut self, now: Millis, r: UsageReport) -> Result<Applied, CommandError> {
+        if self.policy.is_none() {
+            return Err(CommandError::NoPolicy);
+        }
+        let rec = self
+            .clusters
+            .get(&r.cluster)
+            .ok_or_else(|| CommandError::UnknownCluster(r.cluster.clone()))?;
+        if r.seq == 0 {
+            return Err(CommandError::Invalid {
+                what: "report",
+                why: "sequence numbers start at 1".to_string(),
+            });
+        }
+        if r.tenants.len() > MAX_REPORT_TENANTS {
+            return Err(CommandError::Invalid {
+                what: "report",
+                why: format!("{} tenants; at most {MAX_REPORT_TENANTS}", r.tenants.len()),
+            });
+        }
+        if let Some(cap) = &r.capacity {
+            validate_capacity(cap)?;
+        }
+        let expected = rec.last_seq + 1;
+        if r.seq > expected {
+            return Err(CommandError::SequenceGap {
+                cluster: r.cluster.clone(),
+                expected,
+                got: r.seq,
+            });
+        }
+        rec.leases
+            .check_ack(r.held_epoch)
+            .map_err(|source| CommandError::UnknownEpoch {
+                cluster: r.cluster.clone(),
+                source,
+            })?;
+        // Validated: from here on nothing fails.
+        self.now_ms = now;
+        let applied = r.seq == expected;
+        let weights = self.weights().clone();
+        let policy_half_lives: BTreeMap<String, Millis> = self
+            .policy
+            .as_ref()
+            .map(|p| p.tenants.iter().map(|t| (t.name.clone(), t.decay_half_life_ms)).collect())
+            .unwrap_or_default();
+        let rec = self
+            .clusters
+            .get_mut(&r.cluster)
+            .ok_or_else(|| CommandError::UnknownCluster(r.cluster.clone()))?;
+        // An acknowledgement is a fact about the agent whatever the sequence number.
+        let _ = rec.leases.ack(r.held_epoch);
+        if applied {
+            rec.last_seq = r.seq;
+            rec.last_report_ms = Some(now);
+            if let Some(cap) = r.capacity {
+                rec.capacity_gpue = weights.capacity_gpue_milli(&cap);
+                rec.capacity = cap;
+            }
+            rec.usage.clear();
+            for (tenant, tr) in &r.tenants {
+                if let Some(&h) = policy_half_lives.get(tenant) {
+                    rec.usage.insert(
+                        tenant.clone(),
+                        TenantUsage {
+                            inuse: tr.inuse,
+                            pending: tr.pending,
+                            bound: tr.inuse,
+                        },
+                    );
+                    self.ledger.add(tenant, tr.used_milli_gpue_ms, now, h);
+                }
+            }
+        }
+        self.commit_plan();
+        let lease = self.grant(&r.cluster);
+        Ok(Applied::Reported { applied, lease })
+    }
+
+    fn weights(&self) -> &crate::resources::ResourceWeights {
+        static DEFAULT: std::sync::OnceLock<crate::resources::ResourceWeights> =
+            std::sync::OnceLock::new();
+        match &self.policy {
+            Some(p) => &p.resource_weights,
+            None => DEFAULT.get_or_init(crate::resources::ResourceWeights::new),
+        }
+    }
+
+    fn record(&mut self, event: AuditEvent) {
+        self.audit_seq += 1;
+        if self.audit.len() >= AUDIT_CAPACITY {
+            self.audit.pop_front();
+        }
+        self.audit.push_back(AuditRecord {
+            seq: self.audit_seq,
+            at_ms: self.now_ms,
+            event,
+        });
+    }
+
+    /// Clusters whose every lease has expired (control-plane view): they may enforce only
+    /// fallbacks, and the control plane cannot change that until they call again.
+    fn is_unreachable(rec: &ClusterRecord, now: Millis) -> bool {
+        rec.leases.last_epoch > 0 && rec.leases.all_expired(now)
+    }
+
+    /// Computes the plan at the state's clock without changing anything.
+    pub fn plan(&self) -> Plan {
+        let now = self.now_ms;
+        let capacity = self.capacity();
+        let Some(policy) = &self.policy else {
+            return Plan {
+                capacity,
+                tenants: Vec::new(),
+                entitlements: Vec::new(),
+                demand: Vec::new(),
+                usage: Vec::new(),
+                inuse: Vec::new(),
+                held: Vec::new(),
+                committed: Vec::new(),
+            };
+        };
+        let mut names: Vec<String> = policy.tenants.iter().map(|t| t.name.clone()).collect();
+        let retiring: Vec<String> = self
+            .committed
+            .iter()
+            .filter(|(n, &v)| v > 0 && policy.tenant(n).is_none())
+            .map(|(n, _)| n.clone())
+            .collect();
+        names.extend(retiring);
+
+        let mut inputs = Vec::with_capacity(policy.tenants.len());
+        let mut demand = Vec::with_capacity(names.len());
+        let mut usage = Vec::with_capacity(names.len());
+        let mut inuse = Vec::with_capacity(names.len());
+        let mut held = Vec::with_capacity(names.len());
+        for (i, name) in names.iter().enumerate() {
+            let tp = policy.tenants.get(i);
+            let burst = tp.map_or(1_000, |t| t.burst_factor_milli);
+            let (mut d, mut u, mut h) = (0u64, 0u64, 0u64);
+            for rec in self.clusters.values() {
+                let tu = rec.usage.get(name).copied().unwrap_or_default();
+                let enf = rec.leases.enforceable(name, now);
+                let mut cd = effective_demand(tu.inuse, tu.pending, burst);
+                if Self::is_unreachable(rec, now) {
+                    cd = cd.max(tu.hold(enf));
+                }
+                d = d.saturating_add(cd);
+                u = u.saturating_add(tu.inuse);
+                h = h.saturating_add(tu.hold(enf));
+            }
+            let used = tp.map_or(0, |t| self.ledger.usage_at(name, now, t.decay_half_life_ms));
+            if let Some(t) = tp {
+                inputs.push(TenantInput {
+                    weight_milli: t.weight_milli,
+                    min_share_bp: t.min_share_bp,
+                    max_share_bp: t.max_share_bp,
+                    demand: d,
+                    usage: used,
+                });
+            }
+            demand.push(d);
+            usage.push(used);
+            inuse.push(u);
+            held.push(h);
+        }
+        let mut entitlements = entitlement::compute(capacity, &inputs);
+        entitlements.resize(names.len(), Entitlement::default());
+
+        // Committed entitlement: down at once (not below what leases still hold), then up
+        // into free capacity in proportion to the shortfall.
+        let mut committed: Vec<u64> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let prev = self.committed.get(n).copied().unwrap_or(0);
+                prev.min(entitlements[i].total.max(held[i]))
+            })
+            .collect();
+        let used_total: u128 = committed.iter().map(|&c| u128::from(c)).sum();
+        let free = u128::from(capacity).saturating_sub(used_total);
+        let shortfall: Vec<u64> = committed
+            .iter()
+            .zip(&entitlements)
+            .map(|(&c, e)| e.total.saturating_sub(c))
+            .collect();
+        let short_total: u128 = shortfall.iter().map(|&s| u128::from(s)).sum();
+        if short_total > 0 && free > 0 {
+            let give = free.min(short_total);
+            let mut cum: u128 = 0;
+            let mut before: u128 = 0;
+            for (c, s) in committed.iter_mut().zip(&shortfall) {
+                cum += u128::from(*s);
+                let through = give * cum / short_total;
+                *c += u64::try_from(through - before).unwrap_or(0);
+                before = through;
+            }
+        }
+        Plan {
+            capacity,
+            tenants: names,
+            entitlements,
+            demand,
+            usage,
+            inuse,
+            held,
+            committed,
+        }
+    }
+
+    fn commit_plan(&mut self) {
+        let plan = self.plan();
+        self.committed = plan
+            .tenants
+            .iter()
+            .zip(&plan.committed)
+            .filter(|(_, &c)| c > 0)
+            .map(|(n, &c)| (n.clone(), c))
+            .collect();
+    }
+
+    /// Budgets the split would give `cluster` now, before the safety clip, per tenant
+    /// (policy tenants only).
+    pub fn desired_budgets(&self, cluster: &str) -> BTreeMap<String, MilliGpue> {
+        let mut out = BTreeMap::new();
+        let Some(policy) = &self.policy else { return out };
+        let now = self.now_ms;
+        let ids: Vec<&String> = self.clusters.keys().collect();
+        let Some(pos) = ids.iter().position(|c| c.as_str() == cluster) else {
+            return out;
+        };
+        let mut cells = vec![Cell::default(); ids.len()];
+        let mut split = vec![0u64; ids.len()];
+        for t in &policy.tenants {
+            for (cell, rec) in cells.iter_mut().zip(self.clusters.values()) {
+                let tu = rec.usage.get(&t.name).copied().unwrap_or_default();
+                *cell = Cell {
+                    inuse: tu.inuse,
+                    demand: effective_demand(tu.inuse, tu.pending, t.burst_factor_milli),
+                    pinned: Self::is_unreachable(rec, now)
+                        .then(|| tu.hold(rec.leases.enforceable(&t.name, now))),
+                };
+            }
+            let amount = self.committed.get(&t.name).copied().unwrap_or(0);
+            split_tenant(amount, &cells, &mut split);
+            out.insert(t.name.clone(), split[pos]);
+        }
+        out
+    }
+
+    /// The safe budget `S_tc = floor(minShare_t * G_c)`: `sum_c S_tc <= minShare_t * G`.
+    pub fn safe_budget(&self, tenant: &str, cluster: &str) -> MilliGpue {
+        match (&self.policy, self.clusters.get(cluster)) {
+            (Some(p), Some(rec)) => p
+                .tenant(tenant)
+                .map_or(0, |t| entitlement::share_of(rec.capacity_gpue, t.min_share_bp)),
+            _ => 0,
+        }
+    }
+
+    /// Cuts and records the lease for `cluster` (which must exist).
+    fn grant(&mut self, cluster: &str) -> Lease {
+        let now = self.now_ms;
+        let (duration_ms, margin_ms) = self
+            .policy
+            .as_ref()
+            .map_or((crate::policy::defaults::LEASE_DURATION_MS, crate::policy::defaults::CLOCK_SKEW_MARGIN_MS), |p| {
+                (p.lease.duration_ms, p.lease.clock_skew_margin_ms)
+            });
+        let desired = self.desired_budgets(cluster);
+        let mut budgets = BTreeMap::new();
+        let mut changes = Vec::new();
+        let prev = self
+            .clusters
+            .get(cluster)
+            .and_then(|r| r.leases.latest())
+            .map(|l| l.budgets.clone())
+            .unwrap_or_default();
+        for (tenant, want) in &desired {
+            let committed = self.committed.get(tenant).copied().unwrap_or(0);
+            let mut inuse_sum = 0u64;
+            let mut rest = 0u64;
+            let mut own_inuse = 0u64;
+            for (id, rec) in &self.clusters {
+                let tu = rec.usage.get(tenant).copied().unwrap_or_default();
+                inuse_sum = inuse_sum.saturating_add(tu.inuse);
+                if id == cluster {
+                    own_inuse = tu.inuse;
+                } else {
+                    rest = rest.saturating_add(tu.hold(rec.leases.enforceable(tenant, now)));
+                }
+            }
+            let bound = committed.max(inuse_sum).saturating_sub(rest);
+            let budget = (*want).min(bound);
+            let fallback = self.safe_budget(tenant, cluster).min(budget);
+            let b = TenantBudget {
+                budget,
+                fallback,
+                entitlement: committed,
+            };
+            let old = prev.get(tenant).map_or(0, |p| p.budget);
+            if old != budget {
+                changes.push(BudgetChange {
+                    tenant: tenant.clone(),
+                    from: old,
+                    to: budget,
+                    why: explain_change(old, budget, *want, bound, own_inuse, committed),
+                });
+            }
+            budgets.insert(tenant.clone(), b);
+        }
+        let Some(rec) = self.clusters.get_mut(cluster) else {
+            // Callers pass registered clusters only; an empty lease admits nothing.
+            return Lease {
+                cluster: cluster.to_string(),
+                epoch: 0,
+                duration_ms,
+                margin_ms,
+                issued_at_ms: now,
+                budgets: BTreeMap::new(),
+            };
+        };
+        let before = rec.leases.last_epoch;
+        let lease = rec.leases.issue(cluster, budgets, now, duration_ms, margin_ms);
+        // Whatever any open lease allows may be admitted from now until the next report.
+        for l in &rec.leases.open {
+            for (tenant, b) in &l.budgets {
+                let u = rec.usage.entry(tenant.clone()).or_default();
+                u.bound = u.bound.max(b.budget);
+            }
+        }
+        if lease.epoch > before && !changes.is_empty() {
+            self.record(AuditEvent::BudgetsChanged {
+                cluster: cluster.to_string(),
+                epoch: lease.epoch,
+                changes,
+            });
+        }
+        lease
+    }
+
+    /// Checks the partition-safety invariant at the state's clock; empty when it holds.
+    pub fn check_safety(&self) -> Vec<SafetyViolation> {
+        let now = self.now_ms;
+        let mut out = Vec::new();
+        let mut names: BTreeSet<&str> = self.committed.keys().map(String::as_str).collect();
+        for rec in self.clusters.values() {
+            for l in &rec.leases.open {
+                names.extend(l.budgets.keys().map(String::as_str));
+            }
+        }
+        for name in names {
+            let mut held = 0u64;
+            let mut inuse = 0u64;
+            for rec in self.clusters.values() {
+                let tu = rec.usage.get(name).copied().unwrap_or_default();
+                held = held.saturating_add(tu.hold(rec.leases.enforceable(name, now)));
+                inuse = inuse.saturating_add(tu.inuse);
+            }
+            let bound = self.committed.get(name).copied().unwrap_or(0).max(inuse);
+            if held > bound {
+                out.push(SafetyViolation {
+                    tenant: name.to_string(),
+                    held,
+                    bound,
+                });
+            }
+        }
+        let total: u64 = self.committed.values().fold(0, |a, &c| a.saturating_add(c));
+        if total > self.capacity() {
+            out.push(SafetyViolation {
+                tenant: "*".to_string(),
+                held: total,
+                bound: self.capacity(),
+            });
+        }
+        out
+    }
+}
+
+fn validate_capacity(capacity: &BTreeMap<String, u64>) -> Result<(), CommandError> {
+    if capacity.len() > MAX_CAPACITY_RESOURCES {
+        return Err(CommandError::Invalid {
+            what: "capacity",
+            why: format!("{} resource names; at most {MAX_CAPACITY_RESOURCES}", capacity.len()),
+        });
+    }
+    for (name, &q) in capacity {
+        if name.is_empty() || name.len() > 253 {
+            return Err(CommandError::Invalid {
+                what: "capacity",
+                why: format!("resource name `{name}` must be 1-253 characters"),
+            });
+        }
+        // A million GPUs per resource is far beyond any cluster; larger is corruption.
+        if q > 1_000_000_000 {
+            return Err(CommandError::Invalid {
+                what: "capacity",
+                why: format!("{name}: {q} thousandths is implausibly large"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn explain_change(old: u64, new: u64, want: u64, bound: u64, inuse: u64, committed: u64) -> String {
+    use crate::units::format_gpue as g;
+    if new < want {
+        format!(
+            "wanted {} but other clusters may still hold leases for this tenant: only {} is free until they acknowledge lower budgets or their leases expire",
+            g(want),
+            g(bound)
+        )
+    } else if new > old {
+        format!(
+            "demand here (in use {}) and committed entitlement {} allow more",
+            g(inuse),
+            g(committed)
+        )
+    } else {
+        format!(
+            "committed entitlement {} or demand here (in use {}) fell",
+            g(committed),
+            g(inuse)
+        )
+    }
+}

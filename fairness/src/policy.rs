@@ -1,0 +1,1207 @@
+//! The `FairnessPolicy`: loading, validation and lookups.
+//!
+//! The seed article's policy loads unchanged (its `apiVersion: kvitej.io/v1alpha1` is an
+//! alias of `kvota.dev/v1alpha1`). Loading walks the YAML tree by hand instead of
+//! deriving `Deserialize`, so that *every* problem is reported at once with its field
+//! path, unknown fields included (a misspelt `minshare` must not silently default).
+//! A policy with any problem is rejected whole: [`Policy::from_yaml`] returns either a
+//! complete, valid [`Policy`] or a [`PolicyError`] listing all [`PolicyIssue`]s.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use serde_yaml_ng::Value;
+
+use crate::resources::ResourceWeights;
+use crate::units::{parse_duration_ms, parse_quantity_milli};
+use crate::Millis;
+
+/// The API version kvota writes.
+pub const API_VERSION: &str = "kvota.dev/v1alpha1";
+/// The seed article's API version, accepted as an alias of [`API_VERSION`].
+pub const API_VERSION_ALIAS: &str = "kvitej.io/v1alpha1";
+/// The only accepted `kind`.
+pub const KIND: &str = "FairnessPolicy";
+/// Namespace label that names a namespace's tenant; it wins over every selector.
+pub const TENANT_LABEL: &str = "kvota.dev/tenant";
+
+/// Largest policy document accepted, in bytes. A policy for 10,000 tenants is about
+/// 1.5 MB; anything much larger is a mistake or an attack on the parser.
+pub const MAX_POLICY_BYTES: usize = 4 << 20;
+/// Most tenants one policy may name (the entitlement benchmark's size).
+pub const MAX_TENANTS: usize = 10_000;
+
+/// Shares are stored in basis points: 10,000 = 100 % of federation capacity.
+pub const FULL_SHARE_BP: u32 = 10_000;
+
+/// Defaults for the optional fields, chosen to be safe rather than clever.
+pub mod defaults {
+    use crate::Millis;
+    /// The article's half-life.
+    pub const DECAY_HALF_LIFE_MS: Millis = 24 * 3600 * 1000;
+    /// Long enough to ride out a control-plane failover (seconds) several times over,
+    /// short enough that a partitioned cluster falls back to its safe budget quickly.
+    pub const LEASE_DURATION_MS: Millis = 30_000;
+    /// 10 % of the lease: covers clock-rate drift of up to 10 % (crystal drift is ppm).
+    pub const CLOCK_SKEW_MARGIN_MS: Millis = 3_000;
+    /// The article's lesson "bound the queue per namespace".
+    pub const MAX_QUEUED: u32 = 100;
+    /// No burst headroom beyond measured demand unless the operator asks for it.
+    pub const BURST_FACTOR_MILLI: u32 = 1_000;
+    /// Weight of a tenant that gives none.
+    pub const WEIGHT_MILLI: u64 = 1_000;
+}
+
+/// What the admission webhook does with a pod that does not fit its tenant's budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum AdmissionMode {
+    /// Deny the pod with an explanation (validating webhook).
+    #[default]
+    Reject,
+    /// Hold the pod behind the scheduling gate `kvota.dev/admission` until budget frees.
+    Queue,
+}
+
+impl fmt::Display for AdmissionMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AdmissionMode::Reject => "reject",
+            AdmissionMode::Queue => "queue",
+        })
+    }
+}
+
+/// Lease timing, shared by every cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseConfig {
+    /// How long a lease may be enforced, counted from the agent's request.
+    pub duration_ms: Millis,
+    /// Subtracted by the agent from `duration_ms`; must cover clock-rate drift between the
+    /// agent and the control plane over one lease (`margin >= duration * drift`).
+    pub clock_skew_margin_ms: Millis,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        LeaseConfig {
+            duration_ms: defaults::LEASE_DURATION_MS,
+            clock_skew_margin_ms: defaults::CLOCK_SKEW_MARGIN_MS,
+        }
+    }
+}
+
+/// One tenant (team) of the federation, validated.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantPolicy {
+    /// DNS-label style name, unique in the policy.
+    pub name: String,
+    /// Weight in thousandths (the article's `weight: 40` is 40,000). Always > 0.
+    pub weight_milli: u64,
+    /// Guaranteed share of federation capacity, basis points. `min <= max`.
+    pub min_share_bp: u32,
+    /// Largest share of federation capacity, basis points.
+    pub max_share_bp: u32,
+    /// Whether this tenant's pods may ever be preempted (never for inference).
+    pub preemptible: bool,
+    /// Half-life of this tenant's decayed usage. Always > 0.
+    pub decay_half_life_ms: Millis,
+    /// Namespaces named explicitly as this tenant's.
+    pub namespaces: Vec<String>,
+    /// Namespaces whose labels contain all of these belong to this tenant.
+    pub namespace_selector: BTreeMap<String, String>,
+    /// What happens to pods over budget.
+    pub admission: AdmissionMode,
+    /// Bound on pods waiting behind the gate in `queue` mode, per cluster.
+    pub max_queued: u32,
+    /// Demand headroom in thousandths (1,000 = none, 2,000 = the article's "2x"):
+    /// see [`crate::entitlement::effective_demand`].
+    pub burst_factor_milli: u32,
+}
+
+/// A complete, valid policy. Tenants are sorted by name, so index order is the same on
+/// every node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    /// `metadata.name`.
+    pub name: String,
+    /// The `apiVersion` as written (either [`API_VERSION`] or its alias).
+    pub api_version: String,
+    /// Tenant that owns pods in namespaces no tenant claims; `None`: such pods are ignored.
+    pub default_tenant: Option<String>,
+    /// Lease timing.
+    pub lease: LeaseConfig,
+    /// GPUe per resource name (explicit ones; built-in defaults apply to the rest).
+    pub resource_weights: ResourceWeights,
+    /// Tenants, sorted by name.
+    pub tenants: Vec<TenantPolicy>,
+}
+
+/// One problem found in a policy document.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyIssue {
+    /// Field path, e.g. `spec.tenants[1].minShare`; `(document)` for YAML syntax errors.
+    pub path: String,
+    /// What is wrong and what would be accepted.
+    pub message: String,
+}
+
+impl fmt::Display for PolicyIssue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// A rejected policy: every problem found, in document order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub struct PolicyError {
+    /// Never empty.
+    pub issues: Vec<PolicyIssue>,
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.issues.len();
+        write!(
+            f,
+            "policy rejected ({n} problem{}); nothing was changed:",
+            if n == 1 { "" } else { "s" }
+        )?;
+        for issue in &self.issues {
+            write!(f, "\n  - {issue}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Policy {
+    /// Parse and validate a `FairnessPolicy` YAML document.
+    ///
+    /// Either every field is valid and the whole policy is returned, or the error lists
+    /// every problem with its path. Never panics, whatever the input.
+    pub fn from_yaml(text: &str) -> Result<Policy, PolicyError> {
+        if text.len() > MAX_POLICY_BYTES {
+            return Err(PolicyError {
+                issues: vec![issue(
+                    "(document)",
+                    format!(
+                        "document is {} bytes; the limit is {MAX_POLICY_BYTES}",
+                        text.len()
+                    ),
+                )],
+            });
+        }
+        let doc: Value = match serde_yaml_ng::from_str(text) {
+            Ok(v) => v,
+            Err(e) => {
+                let at = e
+                    .location()
+                    .map(|l| format!("line {} column {}", l.line(), l.column()))
+                    .unwrap_or_else(|| "(document)".to_string());
+                return Err(PolicyError {
+                    issues: vec![issue(at, format!("not valid YAML: {e}"))],
+                });
+            }
+        };
+        let mut cx = Checker::default();
+        let policy = cx.policy(&doc);
+        match policy {
+            Some(p) if cx.issues.is_empty() => Ok(p),
+            _ => {
+                if cx.issues.is_empty() {
+                    cx.push("(document)", "policy could not be read".to_string());
+                }
+                Err(PolicyError { issues: cx.issues })
+            }
+        }
+    }
+
+    /// The article's three-tenant policy (training / inference / research), as YAML.
+    pub fn article_example_yaml() -> &'static str {
+        ARTICLE_POLICY
+    }
+
+    /// Index of a tenant by name (tenants are sorted, so this is a binary search).
+    pub fn tenant_index(&self, name: &str) -> Option<usize> {
+        self.tenants
+            .binary_search_by(|t| t.name.as_str().cmp(name))
+            .ok()
+    }
+
+    /// A tenant by name.
+    pub fn tenant(&self, name: &str) -> Option<&TenantPolicy> {
+        self.tenant_index(name).map(|i| &self.tenants[i])
+    }
+
+    /// Which tenant owns a namespace, given the namespace's labels.
+    ///
+    /// Order: the `kvota.dev/tenant` label (if it names a known tenant), an explicit
+    /// `namespaces` entry, the first tenant (by name) whose selector matches, then the
+    /// default tenant. `None`: the namespace's pods are not governed by kvota.
+    pub fn tenant_for_namespace(
+        &self,
+        namespace: &str,
+        labels: &BTreeMap<String, String>,
+    ) -> Option<&TenantPolicy> {
+        if let Some(t) = labels.get(TENANT_LABEL).and_then(|n| self.tenant(n)) {
+            return Some(t);
+        }
+        if let Some(t) = self
+            .tenants
+            .iter()
+            .find(|t| t.namespaces.iter().any(|n| n == namespace))
+        {
+            return Some(t);
+        }
+        if let Some(t) = self.tenants.iter().find(|t| {
+            !t.namespace_selector.is_empty()
+                && t
+                    .namespace_selector
+                    .iter()
+                    .all(|(k, v)| labels.get(k) == Some(v))
+        }) {
+            return Some(t);
+        }
+        self.default_tenant.as_deref().and_then(|n| self.tenant(n))
+    }
+
+    /// Sum of all tenants' weights, thousandths.
+    pub fn total_weight_milli(&self) -> u64 {
+        self.tenants
+            .iter()
+            .fold(0u64, |acc, t| acc.saturating_add(t.weight_milli))
+    }
+}
+
+const ARTICLE_POLICY: &str = "\
+# SIVARO's scheduler config for fair queuing with decay
+apiVersion: kvitej.io/v1alpha1
+kind: FairnessPolicy
+metadata:
+  name: myfair-cluster
+spec:
+  decayHalfLife: \"24h\"
+  tenants:
+  - name: training
+    weight: 40
+    minShare: 20
+    maxShare: 60
+    preemptible: true
+  - name: inference
+    weight: 50
+    minShare: 40
+    maxShare: 80
+    preemptible: false
+  - name: research
+    weight: 10
+    minShare: 5
+    maxShare: 25
+    preemptible: true
+";
+
+fn issue(path: impl Into<String>, message: impl Into<String>) -> PolicyIssue {
+    PolicyIssue {
+        path: path.into(),
+        message: message.into(),
+    }
+}
+
+/// Walks the YAML tree, collecting every problem instead of stopping at the first.
+#[derive(Default)]
+struct Checker {
+    issues: Vec<PolicyIssue>,
+}
+
+/// Spec-level defaults that tenants inherit.
+struct SpecDefaults {
+    half_life_ms: Millis,
+    admission: AdmissionMode,
+    max_queued: u32,
+    burst_factor_milli: u32,
+}
+
+impl Checker {
+    fn push(&mut self, path: &str, message: String) {
+        self.issues.push(issue(path, message));
+    }
+
+    /// Reports keys that are not in `known`, suggesting a near match.
+    fn unknown_keys(&mut self, path: &str, map: &serde_yaml_ng::Mapping, known: &[&str]) {
+        for key in map.keys() {
+            match key.as_str() {
+                Some(k) if known.contains(&k) => {}
+                Some(k) => {
+                    let hint = known
+                        .iter()
+                        .find(|c| c.eq_ignore_ascii_case(k) || edit_distance(c, k) <= 2)
+                        .map(|c| format!("; did you mean `{c}`?"))
+                        .unwrap_or_else(|| format!("; known fields: {}", known.join(", ")));
+                    self.push(&join(path, k), format!("unknown field `{k}`{hint}"));
+                }
+                None => self.push(path, format!("field names must be strings, found {key:?}")),
+            }
+        }
+    }
+
+    fn mapping<'a>(&mut self, path: &str, v: &'a Value) -> Option<&'a serde_yaml_ng::Mapping> {
+        match v {
+            Value::Mapping(m) => Some(m),
+            other => {
+                self.push(path, format!("expected a mapping, found {}", kind_of(other)));
+                None
+            }
+        }
+    }
+
+    fn string(&mut self, path: &str, v: &Value) -> Option<String> {
+        match v {
+            Value::String(s) => Some(s.clone()),
+            other => {
+                self.push(path, format!("expected a string, found {}", kind_of(other)));
+                None
+            }
+        }
+    }
+
+    fn boolean(&mut self, path: &str, v: &Value) -> Option<bool> {
+        match v {
+            Value::Bool(b) => Some(*b),
+            other => {
+                self.push(path, format!("expected true or false, found {}", kind_of(other)));
+                None
+            }
+        }
+    }
+
+    /// A number given as a YAML number or a numeric string, scaled to an integer with
+    /// `decimals` digits after the point (exactly: more digits are an error).
+    fn decimal(&mut self, path: &str, v: &Value, decimals: u32) -> Option<i128> {
+        let text = match v {
+            Value::Number(n) => n.to_string(),
+            Value::String(s) => s.trim().to_string(),
+            other => {
+                self.push(path, format!("expected a number, found {}", kind_of(other)));
+                return None;
+            }
+        };
+        match parse_scaled_decimal(&text, decimals) {
+            Ok(x) => Some(x),
+            Err(why) => {
+                self.push(path, format!("`{text}` {why}"));
+                None
+            }
+        }
+    }
+
+    fn duration(&mut self, path: &str, v: &Value) -> Option<Millis> {
+        let s = match v {
+            Value::String(s) => s.clone(),
+            Value::Number(n) => {
+                self.push(
+                    path,
+                    format!("`{n}` has no unit; write a duration such as \"24h\", \"90m\" or \"30s\""),
+                );
+                return None;
+            }
+            other => {
+                self.push(path, format!("expected a duration such as \"24h\", found {}", kind_of(other)));
+                return None;
+            }
+        };
+        match parse_duration_ms(&s) {
+            Ok(ms) => Some(ms),
+            Err(e) => {
+                self.push(path, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn share(&mut self, path: &str, v: Option<&Value>, default_bp: u32) -> Option<u32> {
+        let Some(v) = v else { return Some(default_bp) };
+        let bp = self.decimal(path, v, 2)?;
+        if !(0..=i128::from(FULL_SHARE_BP)).contains(&bp) {
+            self.push(
+                path,
+                format!("must be a percentage between 0 and 100, found {}", fmt_scaled(bp, 2)),
+            );
+            return None;
+        }
+        u32::try_from(bp).ok()
+    }
+
+    fn policy(&mut self, doc: &Value) -> Option<Policy> {
+        let root = self.mapping("(document)", doc)?;
+        self.unknown_keys("", root, &["apiVersion", "kind", "metadata", "spec"]);
+
+        let api_version = match root.get("apiVersion") {
+            None => {
+                self.push("apiVersion", format!("missing; use `{API_VERSION}`"));
+                None
+            }
+            Some(v) => self.string("apiVersion", v).and_then(|s| {
+                if s == API_VERSION || s == API_VERSION_ALIAS {
+                    Some(s)
+                } else {
+                    self.push(
+                        "apiVersion",
+                        format!("`{s}` is not supported; use `{API_VERSION}` (or its alias `{API_VERSION_ALIAS}`)"),
+                    );
+                    None
+                }
+            }),
+        };
+        match root.get("kind") {
+            None => self.push("kind", format!("missing; use `{KIND}`")),
+            Some(v) => {
+                if let Some(k) = self.string("kind", v) {
+                    if k != KIND {
+                        self.push("kind", format!("`{k}` is not supported; use `{KIND}`"));
+                    }
+                }
+            }
+        }
+        let name = match root.get("metadata") {
+            None => {
+                self.push("metadata.name", "missing; every policy needs a name".to_string());
+                None
+            }
+            Some(m) => self.metadata(m),
+        };
+        let spec = match root.get("spec") {
+            None => {
+                self.push("spec", "missing; a policy needs `spec.tenants`".to_string());
+                None
+            }
+            Some(s) => self.spec(s),
+        };
+        let (default_tenant, lease, resource_weights, tenants) = spec?;
+        Some(Policy {
+            name: name?,
+            api_version: api_version?,
+            default_tenant,
+            lease,
+            resource_weights,
+            tenants,
+        })
+    }
+
+    fn metadata(&mut self, v: &Value) -> Option<String> {
+        let m = self.mapping("metadata", v)?;
+        // Kubernetes metadata carries much more (labels, annotations...): allow it.
+        match m.get("name") {
+            None => {
+                self.push("metadata.name", "missing; every policy needs a name".to_string());
+                None
+            }
+            Some(n) => {
+                let s = self.string("metadata.name", n)?;
+                if s.is_empty() || s.len() > 253 {
+                    self.push("metadata.name", "must be 1 to 253 characters".to_string());
+                    return None;
+                }
+                Some(s)
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn spec(
+        &mut self,
+        v: &Value,
+    ) -> Option<(Option<String>, LeaseConfig, ResourceWeights, Vec<TenantPolicy>)> {
+        let m = self.mapping("spec", v)?;
+        self.unknown_keys(
+            "spec",
+            m,
+            &[
+                "decayHalfLife",
+                "tenants",
+                "defaultTenant",
+                "admission",
+                "maxQueued",
+                "burstFactor",
+                "resourceWeights",
+                "lease",
+            ],
+        );
+        let half_life_ms = match m.get("decayHalfLife") {
+            None => Some(defaults::DECAY_HALF_LIFE_MS),
+            Some(v) => self.positive_duration("spec.decayHalfLife", v),
+        };
+        let admission = match m.get("admission") {
+            None => Some(AdmissionMode::default()),
+            Some(v) => self.admission_mode("spec.admission", v),
+        };
+        let max_queued = match m.get("maxQueued") {
+            None => Some(defaults::MAX_QUEUED),
+            Some(v) => self.max_queued("spec.maxQueued", v),
+        };
+        let burst = match m.get("burstFactor") {
+            None => Some(defaults::BURST_FACTOR_MILLI),
+            Some(v) => self.burst_factor("spec.burstFactor", v),
+        };
+        let lease = match m.get("lease") {
+            None => Some(LeaseConfig::default()),
+            Some(v) => self.lease(v),
+        };
+        let weights = match m.get("resourceWeights") {
+            None => Some(ResourceWeights::new()),
+            Some(v) => self.resource_weights(v),
+        };
+        let defaults = SpecDefaults {
+            half_life_ms: half_life_ms.unwrap_or(defaults::DECAY_HALF_LIFE_MS),
+            admission: admission.unwrap_or_default(),
+            max_queued: max_queued.unwrap_or(defaults::MAX_QUEUED),
+            burst_factor_milli: burst.unwrap_or(defaults::BURST_FACTOR_MILLI),
+        };
+        let tenants = match m.get("tenants") {
+            None => {
+                self.push("spec.tenants", "missing; list at least one tenant".to_string());
+                None
+            }
+            Some(v) => self.tenants(v, &defaults),
+        };
+        let default_tenant = match m.get("defaultTenant") {
+            None => Some(None),
+            Some(v) => {
+                let name = self.string("spec.defaultTenant", v);
+                match (&name, &tenants) {
+                    (Some(n), Some(ts)) if !ts.iter().any(|t| &t.name == n) => {
+                        self.push(
+                            "spec.defaultTenant",
+                            format!("`{n}` is not one of the tenants in spec.tenants"),
+                        );
+                        None
+                    }
+                    _ => name.map(Some),
+                }
+            }
+        };
+        // Every piece must be valid for the policy to exist at all.
+        half_life_ms?;
+        admission?;
+        max_queued?;
+        burst?;
+        Some((default_tenant?, lease?, weights?, tenants?))
+    }
+
+    fn positive_duration(&mut self, path: &str, v: &Value) -> Option<Millis> {
+        let ms = self.duration(path, v)?;
+        if ms == 0 {
+            self.push(path, "must be longer than zero".to_string());
+            return None;
+        }
+        Some(ms)
+    }
+
+    fn admission_mode(&mut self, path: &str, v: &Value) -> Option<AdmissionMode> {
+        match self.string(path, v)?.as_str() {
+            "reject" => Some(AdmissionMode::Reject),
+            "queue" => Some(AdmissionMode::Queue),
+            other => {
+                self.push(path, format!("`{other}` is not a mode; use `reject` or `queue`"));
+                None
+            }
+        }
+    }
+
+    fn max_queued(&mut self, path: &str, v: &Value) -> Option<u32> {
+        let n = self.decimal(path, v, 0)?;
+        match u32::try_from(n) {
+            Ok(n) if n <= 100_000 => Some(n),
+            _ => {
+                self.push(path, format!("must be a whole number from 0 to 100000, found {n}"));
+                None
+            }
+        }
+    }
+
+    fn burst_factor(&mut self, path: &str, v: &Value) -> Option<u32> {
+        let milli = self.decimal(path, v, 3)?;
+        if !(1_000..=10_000).contains(&milli) {
+            self.push(
+                path,
+                format!("must be between 1.0 (no headroom) and 10.0, found {}", fmt_scaled(milli, 3)),
+            );
+            return None;
+        }
+        u32::try_from(milli).ok()
+    }
+
+    fn lease(&mut self, v: &Value) -> Option<LeaseConfig> {
+        let m = self.mapping("spec.lease", v)?;
+        self.unknown_keys("spec.lease", m, &["duration", "clockSkewMargin"]);
+        let duration = match m.get("duration") {
+            None => Some(defaults::LEASE_DURATION_MS),
+            Some(v) => self.positive_duration("spec.lease.duration", v),
+        };
+        let margin = match m.get("clockSkewMargin") {
+            None => duration.map(|d| d / 10),
+            Some(v) => self.duration("spec.lease.clockSkewMargin", v),
+        };
+        let (d, mg) = (duration?, margin?);
+        if d < 1_000 {
+            self.push("spec.lease.duration", "must be at least 1s".to_string());
+            return None;
+        }
+        if mg.saturating_mul(2) > d {
+            self.push(
+                "spec.lease.clockSkewMargin",
+                format!(
+                    "{} is more than half the lease duration {}; a lease would be usable for less than half its life",
+                    crate::units::format_duration_ms(mg),
+                    crate::units::format_duration_ms(d)
+                ),
+            );
+            return None;
+        }
+        Some(LeaseConfig {
+            duration_ms: d,
+            clock_skew_margin_ms: mg,
+        })
+    }
+
+    fn resource_weights(&mut self, v: &Value) -> Option<ResourceWeights> {
+        let m = self.mapping("spec.resourceWeights", v)?;
+        let mut w = ResourceWeights::new();
+        let mut ok = true;
+        for (k, val) in m {
+            let Some(name) = k.as_str() else {
+                self.push("spec.resourceWeights", format!("resource names must be strings, found {k:?}"));
+                ok = false;
+                continue;
+            };
+            let path = format!("spec.resourceWeights[{name}]");
+            if !valid_resource_name(name) {
+                self.push(
+                    &path,
+                    "not a Kubernetes extended resource name (expected `vendor.domain/name`, e.g. `nvidia.com/mig-1g.5gb`)".to_string(),
+                );
+                ok = false;
+                continue;
+            }
+            // A weight is GPUe per unit, written like a quantity ("0.143", "1", "500m").
+            let text = match val {
+                Value::Number(n) => n.to_string(),
+                Value::String(s) => s.clone(),
+                other => {
+                    self.push(&path, format!("expected a number of GPUe per unit, found {}", kind_of(other)));
+                    ok = false;
+                    continue;
+                }
+            };
+            match parse_quantity_milli(&text) {
+                Ok(milli) if milli <= 1_000_000 => w.set(name, milli),
+                Ok(_) => {
+                    self.push(&path, format!("`{text}` GPUe per unit is implausibly large (limit 1000)"));
+                    ok = false;
+                }
+                Err(e) => {
+                    self.push(&path, format!("`{text}`: {e}"));
+                    ok = false;
+                }
+            }
+        }
+        ok.then_some(w)
+    }
+
+    fn tenants(&mut self, v: &Value, defaults: &SpecDefaults) -> Option<Vec<TenantPolicy>> {
+        let Value::Sequence(seq) = v else {
+            self.push("spec.tenants", format!("expected a list of tenants, found {}", kind_of(v)));
+            return None;
+        };
+        if seq.is_empty() {
+            self.push("spec.tenants", "is empty; list at least one tenant".to_string());
+            return None;
+        }
+        if seq.len() > MAX_TENANTS {
+            self.push(
+                "spec.tenants",
+                format!("{} tenants; at most {MAX_TENANTS} are supported", seq.len()),
+            );
+            return None;
+        }
+        let mut out = Vec::with_capacity(seq.len());
+        let mut all_ok = true;
+        let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+        let mut min_sum_bp: u64 = 0;
+        for (i, tv) in seq.iter().enumerate() {
+            let path = format!("spec.tenants[{i}]");
+            // Duplicates are found from the raw names, so a tenant with other problems
+            // still counts as the first holder of its name.
+            if let Some(name) = tv.get("name").and_then(Value::as_str) {
+                if let Some(first) = seen.insert(name.to_string(), i) {
+                    self.push(
+                        &format!("{path}.name"),
+                        format!("duplicate tenant `{name}` (first at spec.tenants[{first}])"),
+                    );
+                    all_ok = false;
+                    seen.insert(name.to_string(), first);
+                }
+            }
+            match self.tenant(&path, tv, defaults) {
+                Some(t) => {
+                    for (j, ns) in t.namespaces.iter().enumerate() {
+                        if let Some(owner) = claimed.insert(ns.clone(), t.name.clone()) {
+                            if owner != t.name {
+                                self.push(
+                                    &format!("{path}.namespaces[{j}]"),
+                                    format!("namespace `{ns}` is already claimed by tenant `{owner}`"),
+                                );
+                                all_ok = false;
+                            }
+                        }
+                    }
+                    min_sum_bp += u64::from(t.min_share_bp);
+                    out.push(t);
+                }
+                None => all_ok = false,
+            }
+        }
+        if min_sum_bp > u64::from(FULL_SHARE_BP) {
+            self.push(
+                "spec.tenants",
+                format!(
+                    "minShare values add up to {}%; guarantees cannot exceed 100% of capacity",
+                    fmt_scaled(i128::from(min_sum_bp), 2)
+                ),
+            );
+            all_ok = false;
+        }
+        if !all_ok {
+            return None;
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Some(out)
+    }
+
+    fn tenant(&mut self, path: &str, v: &Value, d: &SpecDefaults) -> Option<TenantPolicy> {
+        let m = self.mapping(path, v)?;
+        self.unknown_keys(
+            path,
+            m,
+            &[
+                "name",
+                "weight",
+                "minShare",
+                "maxShare",
+                "preemptible",
+                "decayHalfLife",
+                "namespaces",
+                "namespaceSelector",
+                "admission",
+                "maxQueued",
+                "burstFactor",
+            ],
+        );
+        let name = match m.get("name") {
+            None => {
+                self.push(&join(path, "name"), "missing".to_string());
+                None
+            }
+            Some(v) => self.string(&join(path, "name"), v).and_then(|n| {
+                if valid_dns_label(&n) {
+                    Some(n)
+                } else {
+                    self.push(
+                        &join(path, "name"),
+                        format!("`{n}` is not a valid tenant name (lowercase letters, digits and '-', 1-63 characters, starting and ending with a letter or digit)"),
+                    );
+                    None
+                }
+            }),
+        };
+        let weight = match m.get("weight") {
+            None => Some(defaults::WEIGHT_MILLI),
+            Some(v) => self.decimal(&join(path, "weight"), v, 3).and_then(|w| {
+                if w <= 0 {
+                    self.push(
+                        &join(path, "weight"),
+                        format!("must be greater than 0, found {}", fmt_scaled(w, 3)),
+                    );
+                    None
+                } else if w > 1_000_000_000 {
+                    self.push(&join(path, "weight"), "must be at most 1000000".to_string());
+                    None
+                } else {
+                    u64::try_from(w).ok()
+                }
+            }),
+        };
+        let min = self.share(&join(path, "minShare"), m.get("minShare"), 0);
+        let max = self.share(&join(path, "maxShare"), m.get("maxShare"), FULL_SHARE_BP);
+        if let (Some(lo), Some(hi)) = (min, max) {
+            if lo > hi {
+                self.push(
+                    &join(path, "minShare"),
+                    format!(
+                        "minShare {}% is greater than maxShare {}%",
+                        fmt_scaled(i128::from(lo), 2),
+                        fmt_scaled(i128::from(hi), 2)
+                    ),
+                );
+                return None;
+            }
+        }
+        let preemptible = match m.get("preemptible") {
+            None => Some(false),
+            Some(v) => self.boolean(&join(path, "preemptible"), v),
+        };
+        let half_life = match m.get("decayHalfLife") {
+            None => Some(d.half_life_ms),
+            Some(v) => self.positive_duration(&join(path, "decayHalfLife"), v),
+        };
+        let namespaces = match m.get("namespaces") {
+            None => Some(Vec::new()),
+            Some(v) => self.namespaces(&join(path, "namespaces"), v),
+        };
+        let selector = match m.get("namespaceSelector") {
+            None => Some(BTreeMap::new()),
+            Some(v) => self.selector(&join(path, "namespaceSelector"), v),
+        };
+        let admission = match m.get("admission") {
+            None => Some(d.admission),
+            Some(v) => self.admission_mode(&join(path, "admission"), v),
+        };
+        let max_queued = match m.get("maxQueued") {
+            None => Some(d.max_queued),
+            Some(v) => self.max_queued(&join(path, "maxQueued"), v),
+        };
+        let burst = match m.get("burstFactor") {
+            None => Some(d.burst_factor_milli),
+            Some(v) => self.burst_factor(&join(path, "burstFactor"), v),
+        };
+        Some(TenantPolicy {
+            name: name?,
+            weight_milli: weight?,
+            min_share_bp: min?,
+            max_share_bp: max?,
+            preemptible: preemptible?,
+            decay_half_life_ms: half_life?,
+            namespaces: namespaces?,
+            namespace_selector: selector?,
+            admission: admission?,
+            max_queued: max_queued?,
+            burst_factor_milli: burst?,
+        })
+    }
+
+    fn namespaces(&mut self, path: &str, v: &Value) -> Option<Vec<String>> {
+        let Value::Sequence(seq) = v else {
+            self.push(path, format!("expected a list of namespace names, found {}", kind_of(v)));
+            return None;
+        };
+        let mut out = Vec::new();
+        let mut ok = true;
+        for (i, item) in seq.iter().enumerate() {
+            let p = format!("{path}[{i}]");
+            match self.string(&p, item) {
+                Some(s) if valid_dns_label(&s) => out.push(s),
+                Some(s) => {
+                    self.push(&p, format!("`{s}` is not a valid namespace name"));
+                    ok = false;
+                }
+                None => ok = false,
+            }
+        }
+        ok.then_some(out)
+    }
+
+    fn selector(&mut self, path: &str, v: &Value) -> Option<BTreeMap<String, String>> {
+        let m = self.mapping(path, v)?;
+        self.unknown_keys(path, m, &["matchLabels"]);
+        let Some(labels) = m.get("matchLabels") else {
+            self.push(&join(path, "matchLabels"), "missing".to_string());
+            return None;
+        };
+        let lm = self.mapping(&join(path, "matchLabels"), labels)?;
+        let mut out = BTreeMap::new();
+        let mut ok = true;
+        for (k, val) in lm {
+            match (k.as_str(), val) {
+                (Some(k), Value::String(s)) => {
+                    out.insert(k.to_string(), s.clone());
+                }
+                (Some(k), other) => {
+                    self.push(
+                        &format!("{path}.matchLabels[{k}]"),
+                        format!("label values must be strings, found {}", kind_of(other)),
+                    );
+                    ok = false;
+                }
+                (None, _) => {
+                    self.push(&join(path, "matchLabels"), "label keys must be strings".to_string());
+                    ok = false;
+                }
+            }
+        }
+        if out.is_empty() && ok {
+            self.push(&join(path, "matchLabels"), "is empty; it would match every namespace".to_string());
+            return None;
+        }
+        ok.then_some(out)
+    }
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "nothing (null)",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a mapping",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+/// Parses `-12.34` style decimals into an integer scaled by `10^decimals`, exactly.
+fn parse_scaled_decimal(text: &str, decimals: u32) -> Result<i128, String> {
+    let (neg, body) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text.strip_prefix('+').unwrap_or(text)),
+    };
+    let (int_part, frac_part) = match body.split_once('.') {
+        Some((i, f)) => (i, f),
+        None => (body, ""),
+    };
+    let digits_ok = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if (int_part.is_empty() && frac_part.is_empty()) || !digits_ok(int_part) || !digits_ok(frac_part) {
+        return Err("is not a plain decimal number".to_string());
+    }
+    if int_part.len() > 18 {
+        return Err("is too large".to_string());
+    }
+    let frac_trimmed = frac_part.trim_end_matches('0');
+    if frac_trimmed.len() > decimals as usize {
+        return Err(if decimals == 0 {
+            "must be a whole number".to_string()
+        } else {
+            format!("has more than {decimals} digits after the decimal point")
+        });
+    }
+    let mut value: i128 = 0;
+    for b in int_part.bytes() {
+        value = value * 10 + i128::from(b - b'0');
+    }
+    for i in 0..decimals as usize {
+        let digit = frac_trimmed.as_bytes().get(i).map_or(0, |b| b - b'0');
+        value = value * 10 + i128::from(digit);
+    }
+    Ok(if neg { -value } else { value })
+}
+
+fn fmt_scaled(v: i128, decimals: u32) -> String {
+    let scale = 10i128.pow(decimals);
+    let sign = if v < 0 { "-" } else { "" };
+    let a = v.abs();
+    let (i, f) = (a / scale, a % scale);
+    if f == 0 {
+        format!("{sign}{i}")
+    } else {
+        let fs = format!("{f:0width$}", width = decimals as usize);
+        format!("{sign}{i}.{}", fs.trim_end_matches('0'))
+    }
+}
+
+fn valid_dns_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.first().is_some_and(|c| *c != b'-')
+        && b.last().is_some_and(|c| *c != b'-')
+}
+
+fn valid_resource_name(s: &str) -> bool {
+    let Some((domain, name)) = s.split_once('/') else {
+        return false;
+    };
+    let ok = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'+'))
+    };
+    ok(domain) && domain.contains('.') && ok(name)
+}
+
+/// Levenshtein distance, for "did you mean" hints on short field names.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    if a.len() > 64 || b.len() > 64 {
+        return usize::MAX;
+    }
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let cost = usize::from(ca != cb);
+            cur[j + 1] = (prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// Every distinct namespace explicitly claimed in the policy (for diagnostics).
+pub fn claimed_namespaces(p: &Policy) -> BTreeSet<&str> {
+    p.tenants
+        .iter()
+        .flat_map(|t| t.namespaces.iter().map(String::as_str))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn article_policy_loads_unchanged() {
+        let p = Policy::from_yaml(ARTICLE_POLICY).expect("article policy must load");
+        assert_eq!(p.name, "myfair-cluster");
+        assert_eq!(p.api_version, API_VERSION_ALIAS);
+        let names: Vec<_> = p.tenants.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["inference", "research", "training"]);
+        let inf = p.tenant("inference").expect("inference");
+        assert_eq!(inf.weight_milli, 50_000);
+        assert_eq!((inf.min_share_bp, inf.max_share_bp), (4_000, 8_000));
+        assert!(!inf.preemptible);
+        assert_eq!(inf.decay_half_life_ms, 24 * 3600 * 1000);
+        let tr = p.tenant("training").expect("training");
+        assert!(tr.preemptible);
+        assert_eq!((tr.min_share_bp, tr.max_share_bp), (2_000, 6_000));
+        assert_eq!(p.lease, LeaseConfig::default());
+        assert_eq!(inf.admission, AdmissionMode::Reject);
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_its_path() {
+        let yaml = r#"
+apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: bad}
+spec:
+  decayHalfLife: "24 parsecs"
+  tenants:
+  - name: training
+    weight: -5
+    minShare: 70
+    maxShare: 60
+  - name: inference
+    weight: 50
+    minShare: 60
+    maxShare: 80
+  - name: training
+    weight: 1
+    minshare: 5
+"#;
+        let err = Policy::from_yaml(yaml).expect_err("must be rejected");
+        let paths: Vec<&str> = err.issues.iter().map(|i| i.path.as_str()).collect();
+        assert!(paths.contains(&"spec.decayHalfLife"), "{err}");
+        assert!(paths.contains(&"spec.tenants[0].weight"), "{err}");
+        assert!(paths.contains(&"spec.tenants[0].minShare"), "{err}");
+        assert!(paths.contains(&"spec.tenants[2].minshare"), "{err}");
+        let typo = err.issues.iter().find(|i| i.path == "spec.tenants[2].minshare").expect("typo");
+        assert!(typo.message.contains("did you mean `minShare`"), "{typo}");
+        assert!(paths.contains(&"spec.tenants[2].name"), "duplicate: {err}");
+        assert!(err.to_string().contains("nothing was changed"));
+    }
+
+    #[test]
+    fn shares_over_100_percent_are_rejected() {
+        let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec:\n  tenants:\n  - {name: a, minShare: 60}\n  - {name: b, minShare: 50.5}\n";
+        let err = Policy::from_yaml(yaml).expect_err("reject");
+        assert_eq!(err.issues.len(), 1, "{err}");
+        assert_eq!(err.issues[0].path, "spec.tenants");
+        assert!(err.issues[0].message.contains("110.5%"), "{err}");
+    }
+
+    #[test]
+    fn bad_yaml_is_one_issue_with_a_location() {
+        let err = Policy::from_yaml("spec: [unclosed").expect_err("reject");
+        assert_eq!(err.issues.len(), 1);
+        assert!(err.issues[0].path.starts_with("line "), "{err}");
+    }
+
+    #[test]
+    fn extensions_load() {
+        let yaml = r#"
+apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: ext}
+spec:
+  decayHalfLife: 12h
+  defaultTenant: research
+  admission: queue
+  maxQueued: 20
+  burstFactor: 2
+  lease: {duration: 20s, clockSkewMargin: 2s}
+  resourceWeights:
+    nvidia.com/mig-1g.5gb: "0.15"
+  tenants:
+  - name: inference
+    decayHalfLife: 6h
+    admission: reject
+    namespaces: [serving, serving-canary]
+  - name: research
+    namespaceSelector: {matchLabels: {team: research}}
+    maxQueued: 5
+    burstFactor: 1.5
+"#;
+        let p = Policy::from_yaml(yaml).expect("valid");
+        let inf = p.tenant("inference").expect("inference");
+        assert_eq!(inf.decay_half_life_ms, 6 * 3600 * 1000);
+        assert_eq!(inf.admission, AdmissionMode::Reject);
+        assert_eq!(inf.max_queued, 20);
+        assert_eq!(inf.burst_factor_milli, 2_000);
+        let res = p.tenant("research").expect("research");
+        assert_eq!(res.decay_half_life_ms, 12 * 3600 * 1000);
+        assert_eq!(res.admission, AdmissionMode::Queue);
+        assert_eq!((res.max_queued, res.burst_factor_milli), (5, 1_500));
+        assert_eq!(p.lease.duration_ms, 20_000);
+        assert_eq!(p.resource_weights.weight_milli("nvidia.com/mig-1g.5gb"), Some(150));
+
+        let none = BTreeMap::new();
+        let labelled: BTreeMap<String, String> = [("team".to_string(), "research".to_string())].into();
+        let by_label: BTreeMap<String, String> = [(TENANT_LABEL.to_string(), "inference".to_string())].into();
+        assert_eq!(p.tenant_for_namespace("serving", &none).map(|t| t.name.as_str()), Some("inference"));
+        assert_eq!(p.tenant_for_namespace("x", &labelled).map(|t| t.name.as_str()), Some("research"));
+        assert_eq!(p.tenant_for_namespace("x", &by_label).map(|t| t.name.as_str()), Some("inference"));
+        assert_eq!(p.tenant_for_namespace("other", &none).map(|t| t.name.as_str()), Some("research"));
+    }
+
+    #[test]
+    fn lease_margin_and_modes_are_checked() {
+        let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec:\n  admission: drop\n  lease: {duration: 10s, clockSkewMargin: 6s}\n  defaultTenant: nobody\n  tenants:\n  - {name: a}\n";
+        let err = Policy::from_yaml(yaml).expect_err("reject");
+        let paths: Vec<&str> = err.issues.iter().map(|i| i.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            ["spec.admission", "spec.lease.clockSkewMargin", "spec.defaultTenant"],
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn scaled_decimals_are_exact() {
+        assert_eq!(parse_scaled_decimal("40", 3), Ok(40_000));
+        assert_eq!(parse_scaled_decimal("2.5", 2), Ok(250));
+        assert_eq!(parse_scaled_decimal("33.30", 2), Ok(3_330));
+        assert!(parse_scaled_decimal("33.333", 2).is_err());
+        assert!(parse_scaled_decimal("1e3", 2).is_err());
+        assert_eq!(parse_scaled_decimal("-1", 0), Ok(-1));
+    }
+}

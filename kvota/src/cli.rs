@@ -1,0 +1,340 @@
+//! Command-line interface: argument types and dispatch.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
+use kvota_fairness::policy::Policy;
+use kvota_fairness::units::{format_gpue, parse_quantity_milli};
+
+/// kvota keeps GPU sharing fair across several Kubernetes clusters.
+#[derive(Debug, Parser)]
+#[command(name = "kvota", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Work with FairnessPolicy files.
+    #[command(subcommand)]
+    Policy(PolicyCmd),
+    /// Compute entitlements and per-cluster budgets offline for a policy and a
+    /// hypothetical federation ("what would kvota do?"). Uses the same fairness core as
+    /// the control plane.
+    Whatif(WhatifArgs),
+    /// The end-to-end demonstration (3-node control plane, agents, a partition).
+    /// Not available yet: it lands with the demo issue.
+    Demo,
+}
+
+#[derive(Debug, Subcommand)]
+enum PolicyCmd {
+    /// Check a policy file and list every problem with its field path.
+    /// Exit status 0: valid; 2: invalid; 1: the file could not be read.
+    Validate {
+        /// Path to a FairnessPolicy YAML file.
+        file: PathBuf,
+        /// Print the result as JSON (the parsed policy, or the list of problems).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+struct WhatifArgs {
+    /// FairnessPolicy YAML file. Default: the seed article's three-tenant policy
+    /// (training 40 / inference 50 / research 10).
+    #[arg(long, value_name = "FILE")]
+    policy: Option<PathBuf>,
+    /// A member cluster as NAME=GPUS (nvidia.com/gpu count), optionally followed by
+    /// `,RESOURCE=COUNT` for other GPU resources, e.g. `east=32,nvidia.com/mig-1g.5gb=14`.
+    /// Repeat for each cluster.
+    #[arg(long = "cluster", value_name = "NAME=GPUS[,RES=N...]", required = true)]
+    clusters: Vec<String>,
+    /// GPUs a tenant has waiting in a cluster: TENANT@CLUSTER=GPUS. Repeatable.
+    #[arg(long = "pending", value_name = "TENANT@CLUSTER=GPUS")]
+    pending: Vec<String>,
+    /// GPUs a tenant holds (bound) in a cluster: TENANT@CLUSTER=GPUS. Repeatable.
+    #[arg(long = "inuse", value_name = "TENANT@CLUSTER=GPUS")]
+    inuse: Vec<String>,
+    /// Recent GPU-hours of a tenant (already decayed), to see the decay bias:
+    /// TENANT=GPU_HOURS. Repeatable.
+    #[arg(long = "usage", value_name = "TENANT=GPU_HOURS")]
+    usage: Vec<String>,
+    /// Also print the full explanation of this tenant's numbers. Repeatable.
+    #[arg(long, value_name = "TENANT")]
+    explain: Vec<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Cmd::Policy(PolicyCmd::Validate { file, json }) => policy_validate(&file, json),
+        Cmd::Whatif(args) => whatif(args),
+        Cmd::Demo => {
+            eprintln!(
+                "kvota demo is not available yet: it needs the replicated control plane and the member agent,\n\
+                 which are still being built. Meanwhile `kvota whatif --cluster east=32 --cluster west=32 \\\n\
+                 --pending training@east=40 --pending inference@west=30` shows what the fairness core decides."
+            );
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+fn read_policy(path: &Path) -> Result<std::result::Result<Policy, kvota_fairness::policy::PolicyError>> {
+    let meta = std::fs::metadata(path).with_context(|| format!("read policy file {}", path.display()))?;
+    if meta.len() > kvota_fairness::policy::MAX_POLICY_BYTES as u64 {
+        bail!(
+            "policy file {} is {} bytes; the limit is {}",
+            path.display(),
+            meta.len(),
+            kvota_fairness::policy::MAX_POLICY_BYTES
+        );
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("read policy file {}", path.display()))?;
+    Ok(Policy::from_yaml(&text))
+}
+
+fn policy_validate(file: &Path, json: bool) -> Result<ExitCode> {
+    match read_policy(file)? {
+        Ok(p) => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&p)?);
+            } else {
+                println!(
+                    "{}: valid policy `{}` with {} tenants",
+                    file.display(),
+                    p.name,
+                    p.tenants.len()
+                );
+                for t in &p.tenants {
+                    println!(
+                        "  {:<20} weight {:>8}  minShare {:>6}  maxShare {:>6}  {}  {}",
+                        t.name,
+                        format_gpue(t.weight_milli),
+                        bp(t.min_share_bp),
+                        bp(t.max_share_bp),
+                        if t.preemptible { "preemptible    " } else { "not preemptible" },
+                        t.admission
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&e.issues)?);
+            } else {
+                eprintln!("{}: {e}", file.display());
+            }
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+fn bp(v: u32) -> String {
+    if v % 100 == 0 {
+        format!("{}%", v / 100)
+    } else {
+        format!("{}.{:02}%", v / 100, v % 100)
+    }
+}
+
+fn gpus(text: &str, what: &str) -> Result<u64> {
+    parse_quantity_milli(text).with_context(|| format!("{what}: `{text}` is not a GPU count"))
+}
+
+/// `TENANT@CLUSTER=GPUS`.
+fn placed(spec: &str, flag: &str) -> Result<(String, String, u64)> {
+    let (lhs, n) = spec
+        .split_once('=')
+        .with_context(|| format!("--{flag} {spec}: expected TENANT@CLUSTER=GPUS"))?;
+    let (tenant, cluster) = lhs
+        .split_once('@')
+        .with_context(|| format!("--{flag} {spec}: expected TENANT@CLUSTER=GPUS"))?;
+    Ok((tenant.to_string(), cluster.to_string(), gpus(n, &format!("--{flag} {spec}"))?))
+}
+
+fn whatif(args: WhatifArgs) -> Result<ExitCode> {
+    let policy = match &args.policy {
+        Some(p) => match read_policy(p)? {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("{}: {e}", p.display());
+                return Ok(ExitCode::from(2));
+            }
+        },
+        None => Policy::from_yaml(Policy::article_example_yaml())
+            .map_err(|e| anyhow::anyhow!("built-in policy: {e}"))?,
+    };
+    let mut fed = Federation::new();
+    let mut now = 0u64;
+    fed.apply(now, Command::ApplyPolicy(policy.clone()))
+        .map_err(|e| anyhow::anyhow!("apply policy: {e}"))?;
+
+    let mut names = Vec::new();
+    for spec in &args.clusters {
+        let mut parts = spec.split(',');
+        let first = parts.next().unwrap_or_default();
+        let (name, n) = first
+            .split_once('=')
+            .with_context(|| format!("--cluster {spec}: expected NAME=GPUS"))?;
+        let mut capacity = BTreeMap::new();
+        capacity.insert("nvidia.com/gpu".to_string(), gpus(n, &format!("--cluster {spec}"))?);
+        for extra in parts {
+            let (res, q) = extra
+                .split_once('=')
+                .with_context(|| format!("--cluster {spec}: expected RESOURCE=COUNT after ','"))?;
+            capacity.insert(res.to_string(), gpus(q, &format!("--cluster {spec}"))?);
+        }
+        if names.iter().any(|x| x == name) {
+            bail!("--cluster {name} is given twice");
+        }
+        fed.apply(
+            now,
+            Command::RegisterCluster {
+                cluster: name.to_string(),
+                capacity,
+                labels: BTreeMap::new(),
+            },
+        )
+        .map_err(|e| anyhow::anyhow!("--cluster {spec}: {e}"))?;
+        names.push(name.to_string());
+    }
+
+    let mut reports: BTreeMap<String, BTreeMap<String, TenantReport>> = BTreeMap::new();
+    for (flag, list) in [("pending", &args.pending), ("inuse", &args.inuse)] {
+        for spec in list {
+            let (tenant, cluster, n) = placed(spec, flag)?;
+            if policy.tenant(&tenant).is_none() {
+                bail!("--{flag} {spec}: the policy has no tenant `{tenant}`");
+            }
+            if !names.contains(&cluster) {
+                bail!("--{flag} {spec}: no --cluster named `{cluster}`");
+            }
+            let r = reports.entry(cluster).or_default().entry(tenant).or_default();
+            if flag == "pending" {
+                r.pending = r.pending.saturating_add(n);
+            } else {
+                r.inuse = r.inuse.saturating_add(n);
+            }
+        }
+    }
+    for spec in &args.usage {
+        let (tenant, hours) = spec
+            .split_once('=')
+            .with_context(|| format!("--usage {spec}: expected TENANT=GPU_HOURS"))?;
+        if policy.tenant(tenant).is_none() {
+            bail!("--usage {spec}: the policy has no tenant `{tenant}`");
+        }
+        let milli_gpu_hours = gpus(hours, &format!("--usage {spec}"))?;
+        let first = names.first().context("no clusters")?;
+        let r = reports.entry(first.clone()).or_default().entry(tenant.to_string()).or_default();
+        r.used_milli_gpue_ms = milli_gpu_hours.saturating_mul(3_600_000);
+    }
+
+    // Every agent reports in rounds; budgets settle once decreases are acknowledged
+    // (break before make), which takes a few rounds.
+    let mut held: BTreeMap<String, u64> = BTreeMap::new();
+    for round in 1..=6u64 {
+        now += 1_000;
+        for name in &names {
+            let mut tenants = reports.get(name).cloned().unwrap_or_default();
+            if round > 1 {
+                for t in tenants.values_mut() {
+                    t.used_milli_gpue_ms = 0;
+                }
+            }
+            let out = fed
+                .apply(
+                    now,
+                    Command::Report(UsageReport {
+                        cluster: name.clone(),
+                        seq: round,
+                        held_epoch: held.get(name).copied().unwrap_or(0),
+                        capacity: None,
+                        tenants,
+                    }),
+                )
+                .map_err(|e| anyhow::anyhow!("report from {name}: {e}"))?;
+            if let Applied::Reported { lease, .. } = out {
+                held.insert(name.clone(), lease.epoch);
+            }
+        }
+    }
+    let violations = fed.check_safety();
+    if !violations.is_empty() {
+        bail!("internal error: partition-safety invariant violated: {violations:?}");
+    }
+
+    let explanations: Vec<_> = policy
+        .tenants
+        .iter()
+        .filter_map(|t| fed.explain_tenant(&t.name))
+        .collect();
+    if args.json {
+        let budgets: BTreeMap<&String, _> = fed
+            .clusters()
+            .iter()
+            .map(|(id, rec)| (id, rec.leases.latest().map(|l| l.budgets.clone()).unwrap_or_default()))
+            .collect();
+        let out = serde_json::json!({ "tenants": explanations, "budgets": budgets });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "federation: {} GPUe in {} clusters, policy `{}`",
+        format_gpue(fed.capacity()),
+        names.len(),
+        policy.name
+    );
+    print!(
+        "{:<16} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "TENANT", "IN USE", "DEMAND", "GUARANTEE", "CAP", "ENTITLED"
+    );
+    // Explanations list clusters in id order; so does the header.
+    for n in fed.clusters().keys() {
+        print!(" {:>9}", truncate(n, 9));
+    }
+    println!();
+    for e in &explanations {
+        print!(
+            "{:<16} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            truncate(&e.tenant, 16),
+            format_gpue(e.inuse),
+            format_gpue(e.demand),
+            format_gpue(e.guarantee),
+            format_gpue(e.cap),
+            format_gpue(e.committed),
+        );
+        for c in &e.clusters {
+            print!(" {:>9}", format_gpue(c.budget));
+        }
+        println!();
+    }
+    println!("(GPUe; the per-cluster columns are the budgets in each cluster's lease)");
+    for t in &args.explain {
+        match explanations.iter().find(|e| &e.tenant == t) {
+            Some(e) => println!("\n{e}"),
+            None => bail!("--explain {t}: the policy has no tenant `{t}`"),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n.saturating_sub(1)).chain(std::iter::once('~')).collect()
+    }
+}
