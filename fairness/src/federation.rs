@@ -39,6 +39,9 @@ use crate::{MilliGpue, Millis};
 /// Audit records kept (oldest dropped first). Enough for a day of budget changes in a
 /// small federation; the audit log is for explaining recent decisions, not archival.
 pub const AUDIT_CAPACITY: usize = 1_000;
+/// Smallest budget change recorded in the audit log (0.1 GPUe), unless a budget starts or
+/// stops being zero.
+pub const AUDIT_MIN_CHANGE: MilliGpue = 100;
 /// Most clusters in one federation.
 pub const MAX_CLUSTERS: usize = 1_000;
 /// Most tenants one report may carry (a policy has at most this many).
@@ -310,6 +313,8 @@ pub struct Federation {
     clusters: BTreeMap<String, ClusterRecord>,
     ledger: crate::decay::Ledger,
     committed: BTreeMap<String, MilliGpue>,
+    /// Target entitlements of the last plan (derived, kept so grants need no replan).
+    targets: BTreeMap<String, MilliGpue>,
     now_ms: Millis,
     audit: VecDeque<AuditRecord>,
     audit_seq: u64,
@@ -539,6 +544,9 @@ impl Federation {
                     self.ledger.add(tenant, tr.used_milli_gpue_ms, now, h);
                 }
             }
+            // The snapshot is from when the report was written; since then the agent may
+            // have admitted up to any lease it may hold (epoch >= its acknowledgement).
+            raise_bounds(rec);
         }
         self.commit_plan();
         let lease = self.grant(&r.cluster);
@@ -678,6 +686,12 @@ impl Federation {
 
     fn commit_plan(&mut self) {
         let plan = self.plan();
+        self.targets = plan
+            .tenants
+            .iter()
+            .zip(&plan.entitlements)
+            .map(|(n, e)| (n.clone(), e.total))
+            .collect();
         self.committed = plan
             .tenants
             .iter()
@@ -688,7 +702,8 @@ impl Federation {
     }
 
     /// Budgets the split would give `cluster` now, before the safety clip, per tenant
-    /// (policy tenants only).
+    /// (policy tenants only): each tenant's `min(committed, target)` split by
+    /// [`split_tenant`].
     pub fn desired_budgets(&self, cluster: &str) -> BTreeMap<String, MilliGpue> {
         let mut out = BTreeMap::new();
         let Some(policy) = &self.policy else { return out };
@@ -709,7 +724,14 @@ impl Federation {
                         .then(|| tu.hold(rec.leases.enforceable(&t.name, now))),
                 };
             }
-            let amount = self.committed.get(&t.name).copied().unwrap_or(0);
+            // Cut from min(committed, target): a committed entitlement above target must
+            // be able to fall, which it does only once budgets stop holding it up.
+            let amount = self
+                .committed
+                .get(&t.name)
+                .copied()
+                .unwrap_or(0)
+                .min(self.targets.get(&t.name).copied().unwrap_or(0));
             split_tenant(amount, &cells, &mut split);
             out.insert(t.name.clone(), split[pos]);
         }
@@ -791,13 +813,13 @@ impl Federation {
         let before = rec.leases.last_epoch;
         let lease = rec.leases.issue(cluster, budgets, now, duration_ms, margin_ms);
         // Whatever any open lease allows may be admitted from now until the next report.
-        for l in &rec.leases.open {
-            for (tenant, b) in &l.budgets {
-                let u = rec.usage.entry(tenant.clone()).or_default();
-                u.bound = u.bound.max(b.budget);
-            }
-        }
-        if lease.epoch > before && !changes.is_empty() {
+        raise_bounds(rec);
+        // Budgets follow decayed usage, so they drift by a few milli-GPUe between reports;
+        // only changes a person would care about go into the audit log.
+        let notable = changes
+            .iter()
+            .any(|c| c.from.abs_diff(c.to) >= AUDIT_MIN_CHANGE || c.from == 0 || c.to == 0);
+        if lease.epoch > before && notable {
             self.record(AuditEvent::BudgetsChanged {
                 cluster: cluster.to_string(),
                 epoch: lease.epoch,
@@ -843,6 +865,18 @@ impl Federation {
             });
         }
         out
+    }
+}
+
+/// Raises every tenant's in-use bound in `rec` to the budgets of its open leases.
+fn raise_bounds(rec: &mut ClusterRecord) {
+    for l in &rec.leases.open {
+        for (tenant, b) in &l.budgets {
+            if b.budget > 0 {
+                let u = rec.usage.entry(tenant.clone()).or_default();
+                u.bound = u.bound.max(b.budget);
+            }
+        }
     }
 }
 
