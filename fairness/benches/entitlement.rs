@@ -51,7 +51,7 @@ fn input(tenants: usize, clusters: usize) -> Input {
                 (0, 0)
             };
             demand += d;
-            cells.push(Cell { inuse, demand: d, pinned: None });
+            cells.push(Cell::new(inuse, d));
         }
         ts.push(TenantInput {
             weight_milli: 1_000 + rng.below(99_000),

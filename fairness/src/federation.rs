@@ -717,11 +717,10 @@ impl Federation {
         for t in &policy.tenants {
             for (cell, rec) in cells.iter_mut().zip(self.clusters.values()) {
                 let tu = rec.usage.get(&t.name).copied().unwrap_or_default();
-                *cell = Cell {
-                    inuse: tu.inuse,
-                    demand: effective_demand(tu.inuse, tu.pending, t.burst_factor_milli),
-                    pinned: Self::is_unreachable(rec, now)
-                        .then(|| tu.hold(rec.leases.enforceable(&t.name, now))),
+                *cell = if Self::is_unreachable(rec, now) {
+                    Cell::pinned(tu.hold(rec.leases.enforceable(&t.name, now)))
+                } else {
+                    Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, t.burst_factor_milli))
                 };
             }
             // Cut from min(committed, target): a committed entitlement above target must

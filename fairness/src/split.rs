@@ -20,14 +20,41 @@ use serde::{Deserialize, Serialize};
 use crate::MilliGpue;
 
 /// One cluster's view of one tenant, input to [`split_tenant`].
+///
+/// 16 bytes on purpose: a recompute streams through `T x C` of these (10,000 x 100 is
+/// a million), so the layout is what bounds its speed. A *pinned* cell (the cluster is
+/// unreachable; its budget is what it may hold, `inuse`) is marked by
+/// `demand == Cell::PINNED`; build cells with [`Cell::new`] and [`Cell::pinned`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Cell {
-    /// Bound plus reserved GPUe last reported.
+    /// Bound plus reserved GPUe last reported (for a pinned cell: what it may hold).
     pub inuse: MilliGpue,
     /// Effective demand last reported (`>= inuse` for sensible reports).
     pub demand: MilliGpue,
-    /// `Some(b)`: the cluster is unreachable and may enforce `b`; its budget is `b`.
-    pub pinned: Option<MilliGpue>,
+}
+
+impl Cell {
+    /// The `demand` value that marks a pinned cell.
+    pub const PINNED: MilliGpue = u64::MAX;
+
+    /// A reachable cluster's cell (demand is clamped below the pinned marker).
+    pub fn new(inuse: MilliGpue, demand: MilliGpue) -> Cell {
+        Cell { inuse, demand: demand.min(Self::PINNED - 1) }
+    }
+
+    /// An unreachable cluster that may hold `hold`: its budget is exactly that.
+    pub fn pinned(hold: MilliGpue) -> Cell {
+        Cell { inuse: hold, demand: Self::PINNED }
+    }
+
+    /// `Some(hold)` for a pinned cell.
+    pub fn pinned_amount(&self) -> Option<MilliGpue> {
+        (self.demand == Self::PINNED).then_some(self.inuse)
+    }
+
+    fn pending(&self) -> MilliGpue {
+        self.demand.saturating_sub(self.inuse)
+    }
 }
 
 /// Splits `amount` across `cells` into `out` (same length). See the module docs.
@@ -40,62 +67,114 @@ pub fn split_tenant(amount: MilliGpue, cells: &[Cell], out: &mut [MilliGpue]) {
     let mut inuse_sum: u128 = 0;
     let mut pending_sum: u128 = 0;
     for (c, o) in cells.iter().zip(out.iter_mut()) {
-        match c.pinned {
+        match c.pinned_amount() {
             Some(p) => {
                 *o = p;
                 left = left.saturating_sub(p);
             }
             None => {
-                *o = 0;
                 inuse_sum += u128::from(c.inuse);
-                pending_sum += u128::from(c.demand.saturating_sub(c.inuse));
+                pending_sum += u128::from(c.pending());
             }
         }
     }
     if inuse_sum <= u128::from(left) {
-        for (c, o) in cells.iter().zip(out.iter_mut()) {
-            if c.pinned.is_none() {
-                *o = c.inuse;
-            }
-        }
+        // In-use first; `apportion` adds the pending shares on top.
         let rest = u128::from(left) - inuse_sum;
         if rest >= pending_sum {
             for (c, o) in cells.iter().zip(out.iter_mut()) {
-                if c.pinned.is_none() {
-                    *o += c.demand.saturating_sub(c.inuse);
+                if c.pinned_amount().is_none() {
+                    *o = c.inuse.max(c.demand);
                 }
             }
         } else {
-            apportion(rest, pending_sum, cells, out, |c| c.demand.saturating_sub(c.inuse));
+            apportion(rest, pending_sum, cells, out, |c| c.inuse, Cell::pending);
         }
     } else {
-        apportion(u128::from(left), inuse_sum, cells, out, |c| c.inuse);
+        apportion(u128::from(left), inuse_sum, cells, out, |_| 0, |c| c.inuse);
     }
 }
 
-/// Adds to each non-pinned `out[i]` its cumulative-rounding share of `amount`, in
-/// proportion to `claim(cell)`, where `total = sum claim` and `amount <= total`.
+/// Sets each non-pinned `out[i]` to `base(cell)` plus its cumulative-rounding share of
+/// `amount`, in proportion to `claim(cell)`, where `total = sum claim` and
+/// `amount <= total`.
+///
+/// This is the hot loop of a recompute (one pass over T x C cells), so: no division for
+/// a zero claim (most cells), and 64-bit division whenever the product fits.
 fn apportion(
     amount: u128,
     total: u128,
     cells: &[Cell],
     out: &mut [MilliGpue],
+    base: impl Fn(&Cell) -> MilliGpue,
     claim: impl Fn(&Cell) -> MilliGpue,
 ) {
-    if total == 0 || amount == 0 {
+    if let (Ok(a), Ok(t)) = (u32::try_from(amount), u32::try_from(total)) {
+        // amount, cum <= total < 2^32: every product fits in 64 bits, and the divisor is
+        // the same for the whole row, so divide by multiplying with its reciprocal.
+        let (a, t) = (u64::from(a), u64::from(t).max(1));
+        let div = Divisor::new(t);
+        let (mut cum, mut before) = (0u64, 0u64);
+        for (c, o) in cells.iter().zip(out.iter_mut()) {
+            if c.demand == Cell::PINNED {
+                continue;
+            }
+            // Branch-free on purpose: which cells have a claim is data, and mispredicted
+            // branches cost more than the multiply they would save.
+            cum += claim(c);
+            let through = div.divide(a * cum);
+            *o = base(c) + (through - before);
+            before = through;
+        }
         return;
     }
-    let mut cum: u128 = 0;
-    let mut given_before: u128 = 0;
+    let (mut cum, mut before) = (0u128, 0u128);
     for (c, o) in cells.iter().zip(out.iter_mut()) {
-        if c.pinned.is_some() {
+        if c.demand == Cell::PINNED {
             continue;
         }
-        cum += u128::from(claim(c));
-        let given_through = amount * cum / total;
-        let share = given_through - given_before;
-        given_before = given_through;
-        *o = o.saturating_add(u64::try_from(share).unwrap_or(u64::MAX));
+        let k = claim(c);
+        let mut through = before;
+        if k > 0 && total > 0 {
+            cum += u128::from(k);
+            through = amount * cum / total;
+        }
+        let share = u64::try_from(through - before).unwrap_or(u64::MAX);
+        *o = base(c).saturating_add(share);
+        before = through;
+    }
+}
+
+/// Exact division of 64-bit numerators by a fixed divisor, by multiplication.
+///
+/// With `m = floor(2^64 / d)`, `q' = (n * m) >> 64` is `floor(n / d)` or one less
+/// (`n/d - 1 < n*m/2^64 <= n/d` for `n < 2^64`), and one comparison fixes it. Gives the
+/// same bits as `n / d` (checked by a property test); a hardware 64-bit division costs
+/// tens of cycles, this a multiply.
+#[derive(Clone, Copy, Debug)]
+pub struct Divisor {
+    d: u64,
+    m: u64,
+}
+
+impl Divisor {
+    /// A divisor; 0 is treated as 1.
+    pub fn new(d: u64) -> Divisor {
+        let d = d.max(1);
+        // For d = 1 the reciprocal 2^64 does not fit; `divide` handles it.
+        let m = if d == 1 { 0 } else { u64::try_from((1u128 << 64) / u128::from(d)).unwrap_or(u64::MAX) };
+        Divisor { d, m }
+    }
+
+    /// `floor(n / d)`.
+    #[inline]
+    pub fn divide(&self, n: u64) -> u64 {
+        if self.d == 1 {
+            return n;
+        }
+        let q = u64::try_from((u128::from(n) * u128::from(self.m)) >> 64).unwrap_or(u64::MAX);
+        let r = n - q * self.d;
+        q + u64::from(r >= self.d)
     }
 }
 
@@ -104,7 +183,7 @@ mod tests {
     use super::*;
 
     fn cell(inuse: u64, demand: u64) -> Cell {
-        Cell { inuse, demand, pinned: None }
+        Cell::new(inuse, demand)
     }
 
     #[test]
@@ -130,7 +209,7 @@ mod tests {
 
     #[test]
     fn pinned_clusters_are_subtracted_first() {
-        let cells = [Cell { inuse: 4, demand: 4, pinned: Some(8) }, cell(0, 50)];
+        let cells = [Cell::pinned(8), cell(0, 50)];
         let mut out = [0; 2];
         split_tenant(20, &cells, &mut out);
         assert_eq!(out, [8, 12]);
@@ -143,5 +222,19 @@ mod tests {
         split_tenant(2, &cells, &mut out);
         assert_eq!(out.iter().sum::<u64>(), 2);
         assert!(out.iter().all(|&b| b <= 1));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn divisor_matches_hardware_division(n: u64, d: u64) {
+            let d = d.max(1);
+            proptest::prop_assert_eq!(Divisor::new(d).divide(n), n / d);
+        }
+
+        #[test]
+        fn divisor_exact_near_multiples(d in 1u64..u64::from(u32::MAX), k in 0u64..u64::from(u32::MAX), delta in 0u64..3) {
+            let n = (d.saturating_mul(k)).saturating_sub(delta);
+            proptest::prop_assert_eq!(Divisor::new(d).divide(n), n / d);
+        }
     }
 }

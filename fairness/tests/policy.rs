@@ -1,0 +1,98 @@
+//! Policy loading: the article's policy, the shipped examples, and malformed policies
+//! rejected whole with every problem listed by field path.
+
+use kvota_fairness::policy::{AdmissionMode, Policy};
+use proptest::prelude::*;
+
+fn load(path: &str) -> String {
+    let p = format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {p}: {e}"))
+}
+
+#[test]
+fn shipped_policies_load() {
+    let article = Policy::from_yaml(&load("deploy/policies/article.yaml")).expect("article");
+    assert_eq!(article, Policy::from_yaml(Policy::article_example_yaml()).expect("built-in"));
+    let ext = Policy::from_yaml(&load("deploy/policies/extended.yaml")).expect("extended");
+    assert_eq!(ext.tenant("training").map(|t| t.admission), Some(AdmissionMode::Queue));
+    assert_eq!(ext.default_tenant.as_deref(), Some("research"));
+}
+
+/// The issue's list: negative weight, minShare > maxShare, shares over 100 %, duplicate
+/// tenant, unknown unit -- all in one document, all reported at once, with paths.
+#[test]
+fn every_problem_in_one_error() {
+    let yaml = r#"
+apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: broken}
+spec:
+  decayHalfLife: 3fortnights
+  tenants:
+  - {name: training, weight: -1, minShare: 50, maxShare: 40}
+  - {name: inference, weight: 50, minShare: 60, maxShare: 80}
+  - {name: inference, weight: 10, minShare: 45}
+"#;
+    let err = Policy::from_yaml(yaml).expect_err("broken policy must be rejected");
+    let got: Vec<(&str, &str)> = err.issues.iter().map(|i| (i.path.as_str(), i.message.as_str())).collect();
+    let expect = [
+        ("spec.decayHalfLife", "unknown unit"),
+        ("spec.tenants[0].weight", "greater than 0"),
+        ("spec.tenants[0].minShare", "greater than maxShare"),
+        ("spec.tenants[2].name", "duplicate tenant `inference`"),
+        ("spec.tenants", "add up to 105%"),
+    ];
+    for (path, needle) in expect {
+        assert!(
+            got.iter().any(|(p, m)| *p == path && m.contains(needle)),
+            "missing {path}: {needle}\n{err}"
+        );
+    }
+    assert_eq!(got.len(), expect.len(), "{err}");
+}
+
+#[test]
+fn bad_yaml_and_wrong_shapes() {
+    for (doc, path) in [
+        ("{", "line "),
+        ("- just\n- a list\n", "(document)"),
+        ("apiVersion: v1\nkind: Pod\nmetadata: {name: x}\nspec: {tenants: [{name: a}]}\n", "apiVersion"),
+        ("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec: {tenants: []}\n", "spec.tenants"),
+        ("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec: {tenants: [{name: A_B}]}\n", "spec.tenants[0].name"),
+        ("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec: {tenants: [{name: a, maxShare: 101}]}\n", "spec.tenants[0].maxShare"),
+        ("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec: {decayHalfLife: 86400, tenants: [{name: a}]}\n", "spec.decayHalfLife"),
+        ("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec: {tenants: [{name: a, preemptible: maybe}]}\n", "spec.tenants[0].preemptible"),
+        ("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec: {resourceWeights: {gpu: 1}, tenants: [{name: a}]}\n", "spec.resourceWeights[gpu]"),
+    ] {
+        let err = Policy::from_yaml(doc).expect_err(doc);
+        assert!(err.issues.iter().any(|i| i.path.starts_with(path)), "{doc:?}: expected a problem at {path}, got {err}");
+    }
+}
+
+proptest! {
+    /// Arbitrary text never panics the loader; it either loads or explains.
+    #[test]
+    fn never_panics_on_text(s in ".{0,400}") {
+        if let Err(e) = Policy::from_yaml(&s) {
+            prop_assert!(!e.issues.is_empty());
+        }
+    }
+
+    /// Mutations of the article's policy: replace one value with another YAML scalar.
+    #[test]
+    fn never_panics_on_mutated_policies(line in 0usize..24, value in prop_oneof![
+        Just("-1".to_string()), Just("1e309".to_string()), Just("~".to_string()), Just("[]".to_string()),
+        Just("{a: b}".to_string()), Just("\"\"".to_string()), Just("99999999999999999999999".to_string()),
+        "[a-z0-9.%-]{0,12}",
+    ]) {
+        let text: String = Policy::article_example_yaml()
+            .lines()
+            .enumerate()
+            .map(|(i, l)| match (i == line, l.split_once(": ")) {
+                (true, Some((k, _))) => format!("{k}: {value}\n"),
+                _ => format!("{l}\n"),
+            })
+            .collect();
+        let _ = Policy::from_yaml(&text);
+    }
+}

@@ -1,0 +1,84 @@
+//! The `kvota` binary as a user runs it: exit codes, messages, and what it prints.
+
+use std::process::Command;
+
+fn kvota(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvota")).args(args).output().expect("run kvota");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn repo(path: &str) -> String {
+    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn validate_accepts_the_article_policy() {
+    let (code, out, _) = kvota(&["policy", "validate", &repo("deploy/policies/article.yaml")]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("valid policy `myfair-cluster` with 3 tenants"), "{out}");
+}
+
+#[test]
+fn validate_lists_every_problem_and_exits_2() {
+    let dir = std::env::temp_dir().join(format!("kvota-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let f = dir.join("bad.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec:\n  tenants:\n  - {name: a, weight: 0}\n  - {name: b, minShare: 90, maxShare: 10}\n",
+    )
+    .expect("write");
+    let (code, _, err) = kvota(&["policy", "validate", f.to_str().expect("utf8")]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("spec.tenants[0].weight") && err.contains("spec.tenants[1].minShare"), "{err}");
+    assert!(err.contains("2 problems"), "{err}");
+    let (code, out, _) = kvota(&["policy", "validate", "--json", f.to_str().expect("utf8")]);
+    assert_eq!(code, 2);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v.as_array().map(Vec::len), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn missing_file_is_a_one_line_error() {
+    let (code, _, err) = kvota(&["policy", "validate", "/nonexistent/policy.yaml"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("read policy file /nonexistent/policy.yaml"), "{err}");
+}
+
+#[test]
+fn whatif_prints_entitlements_and_budgets() {
+    let (code, out, err) = kvota(&[
+        "whatif", "--cluster", "c1=32", "--cluster", "c2=32", "--cluster", "c3=32",
+        "--pending", "training@c1=64", "--pending", "training@c2=64", "--pending", "training@c3=64",
+        "--inuse", "inference@c1=20", "--pending", "inference@c2=10", "--inuse", "research@c3=4",
+        "--explain", "training",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let row = out.lines().find(|l| l.starts_with("training")).expect("training row");
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    // TENANT IN-USE DEMAND GUARANTEE CAP ENTITLED c1 c2 c3
+    assert_eq!(cols, ["training", "0", "192", "19.2", "57.6", "57.6", "19.2", "19.2", "19.2"], "{out}");
+    assert!(out.contains("guarantee 19.2 + surplus 38.4 = 57.6"), "{out}");
+}
+
+#[test]
+fn whatif_rejects_unknown_names_clearly() {
+    let (code, _, err) = kvota(&["whatif", "--cluster", "c1=8", "--pending", "nobody@c1=1"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("the policy has no tenant `nobody`"), "{err}");
+    let (code, _, err) = kvota(&["whatif", "--cluster", "c1=eight"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not a GPU count"), "{err}");
+}
+
+#[test]
+fn demo_says_plainly_it_is_not_there_yet() {
+    let (code, _, err) = kvota(&["demo"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("not available yet"), "{err}");
+}
