@@ -13,6 +13,7 @@
 //!   assumes the cluster may hold (`hold`) or may still admit (`enforceable`);
 //! - hence `sum_c max(true inuse, true budget) <= max(committed, sum reported inuse)`;
 //! - committed entitlements never exceed capacity; epochs never go back at an agent.
+//!
 //! At the end, all faults heal: entitlements converge to the model's target, every
 //! report was applied exactly once, and the usage the control plane counted equals the
 //! usage the agents produced.
@@ -291,7 +292,7 @@ impl World {
                 }
             }
             Op::Finish(i, t) => {
-                let k = self.rng.next() as usize;
+                let k = usize::try_from(self.rng.next() % 1024).unwrap_or(0);
                 if let Some(p) = self.agents[i].pods.get_mut(TENANTS[t]) {
                     if !p.is_empty() {
                         let idx = k % p.len();

@@ -15,7 +15,7 @@ fn tenants(max_n: usize) -> impl Strategy<Value = Vec<TenantInput>> {
         1..max_n,
     )
     .prop_map(|raw| {
-        let n = raw.len() as u32;
+        let n = u32::try_from(raw.len()).unwrap_or(u32::MAX);
         raw.into_iter()
             .map(|(w, a, b, d, u, zero_usage)| {
                 let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
