@@ -1,5 +1,21 @@
 //! The kvota control plane (`kvota server`): a Raft group (openraft + sled) whose state
 //! machine is [`kvota_fairness::federation::Federation`].
 //!
-//! Not written yet: issue #3. The replicated state machine it will wrap already exists
-//! in the fairness core, so the adapter here stays thin: decode a command, call the core.
+//! The adapter stays thin: a log entry carries a leader-stamped
+//! [`kvota_fairness::federation::Command`]; applying it calls `Federation::apply`.
+//!
+//! Map: [`types`] (Raft type config), [`store`] (sled log and state machine),
+//! [`network`] (Raft over gRPC), [`node`] (write path, forwarding, readiness),
+//! [`service`] (Member and Admin gRPC), [`metrics`], [`http`] (health, readiness,
+//! metrics, JSON), [`server`] (configuration and startup), [`client`] (for the CLI and
+//! agents: any node, leader-following, retries).
+
+pub mod client;
+pub mod http;
+pub mod metrics;
+pub mod network;
+pub mod node;
+pub mod server;
+pub mod service;
+pub mod store;
+pub mod types;

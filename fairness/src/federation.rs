@@ -183,7 +183,7 @@ pub enum CommandError {
     #[error("invalid {what}: {why}")]
     Invalid {
         /// What was invalid.
-        what: &'static str,
+        what: String,
         /// Why.
         why: String,
     },
@@ -407,14 +407,14 @@ impl Federation {
     ) -> Result<Applied, CommandError> {
         if !valid_cluster_id(&cluster) {
             return Err(CommandError::Invalid {
-                what: "cluster id",
+                what: "cluster id".to_string(),
                 why: format!("`{cluster}`: use 1-63 lowercase letters, digits or '-'"),
             });
         }
         validate_capacity(&capacity)?;
         if !self.clusters.contains_key(&cluster) && self.clusters.len() >= MAX_CLUSTERS {
             return Err(CommandError::Invalid {
-                what: "registration",
+                what: "registration".to_string(),
                 why: format!("the federation already has {MAX_CLUSTERS} clusters"),
             });
         }
@@ -481,13 +481,13 @@ impl Federation {
             .ok_or_else(|| CommandError::UnknownCluster(r.cluster.clone()))?;
         if r.seq == 0 {
             return Err(CommandError::Invalid {
-                what: "report",
+                what: "report".to_string(),
                 why: "sequence numbers start at 1".to_string(),
             });
         }
         if r.tenants.len() > MAX_REPORT_TENANTS {
             return Err(CommandError::Invalid {
-                what: "report",
+                what: "report".to_string(),
                 why: format!("{} tenants; at most {MAX_REPORT_TENANTS}", r.tenants.len()),
             });
         }
@@ -882,21 +882,21 @@ fn raise_bounds(rec: &mut ClusterRecord) {
 fn validate_capacity(capacity: &BTreeMap<String, u64>) -> Result<(), CommandError> {
     if capacity.len() > MAX_CAPACITY_RESOURCES {
         return Err(CommandError::Invalid {
-            what: "capacity",
+            what: "capacity".to_string(),
             why: format!("{} resource names; at most {MAX_CAPACITY_RESOURCES}", capacity.len()),
         });
     }
     for (name, &q) in capacity {
         if name.is_empty() || name.len() > 253 {
             return Err(CommandError::Invalid {
-                what: "capacity",
+                what: "capacity".to_string(),
                 why: format!("resource name `{name}` must be 1-253 characters"),
             });
         }
         // A million GPUs per resource is far beyond any cluster; larger is corruption.
         if q > 1_000_000_000 {
             return Err(CommandError::Invalid {
-                what: "capacity",
+                what: "capacity".to_string(),
                 why: format!("{name}: {q} thousandths is implausibly large"),
             });
         }

@@ -1,5 +1,13 @@
 //! The kvota wire API (`kvota.v1`): member, admin and Raft transport services.
 //!
-//! Not written yet: issue #3 (the control plane) defines the protobuf files and the
-//! `TryFrom` conversions into the domain types of `kvota-fairness`. The crate exists now
-//! so that the workspace has its final shape.
+//! Generated code lives in [`v1`]; [`convert`] turns wire messages into the fairness
+//! core's types with validation (and back), so nothing unvalidated crosses into the
+//! core.
+
+/// Generated protobuf types and gRPC stubs for `kvota.v1`.
+#[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
+pub mod v1 {
+    tonic::include_proto!("kvota.v1");
+}
+
+pub mod convert;

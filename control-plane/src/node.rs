@@ -1,0 +1,171 @@
+//! One control-plane node: its Raft handle, its view of the replicated state, and the
+//! write path that any gRPC handler uses (propose here if leader, else forward).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvota_fairness::federation::{Applied, Command, CommandError};
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::ServerState;
+use tokio::sync::{Mutex, RwLock};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::metrics::Metrics;
+use crate::store::StateMachineData;
+use crate::types::{Node as NodeAddr, NodeId, Raft, Request};
+
+/// Metadata key on a request a follower forwarded, so it is never forwarded twice.
+pub const FORWARDED_HEADER: &str = "kvota-forwarded";
+/// Metadata key carrying the leader's address on `UNAVAILABLE` answers.
+pub const LEADER_HEADER: &str = "kvota-leader";
+
+/// How long a write may wait for commit before the caller gets `UNAVAILABLE`: a few
+/// election timeouts, so a write survives one failover but never hangs.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The node shared by all handlers.
+pub struct NodeCtx {
+    /// This node's id.
+    pub id: NodeId,
+    /// Raft.
+    pub raft: Raft,
+    /// The applied state (read locally; a follower may lag by what is in flight).
+    pub state: Arc<RwLock<StateMachineData>>,
+    /// Metrics registry and handles.
+    pub metrics: Metrics,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl std::fmt::Debug for NodeCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeCtx").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+/// Outcome of a write attempted on this node.
+#[derive(Debug)]
+pub enum Proposed {
+    /// Committed and applied; the state machine's answer.
+    Done(Result<Applied, CommandError>),
+    /// This node is not the leader; the leader is at this gRPC address.
+    Forward(String),
+}
+
+/// Unix milliseconds from the wall clock. The leader stamps commands with it; the state
+/// machine never lets time run backwards, so a leader with a slow clock stalls time
+/// (leases last longer: safe) rather than rewinding it.
+pub fn wall_clock_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+impl NodeCtx {
+    /// A node context.
+    pub fn new(id: NodeId, raft: Raft, state: Arc<RwLock<StateMachineData>>, metrics: Metrics) -> Self {
+        NodeCtx {
+            id,
+            raft,
+            state,
+            metrics,
+            channels: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Proposes `command` if this node leads; otherwise says where the leader is.
+    pub async fn propose(&self, command: Command) -> Result<Proposed, tonic::Status> {
+        let started = Instant::now();
+        let req = Request {
+            now_ms: wall_clock_ms(),
+            command,
+        };
+        let write = tokio::time::timeout(WRITE_TIMEOUT, self.raft.client_write(req)).await;
+        match write {
+            Err(_) => Err(tonic::Status::unavailable(
+                "the write was not committed in time; the control plane may have lost its quorum",
+            )),
+            Ok(Ok(resp)) => {
+                self.metrics.observe_apply(started.elapsed());
+                match resp.data.0 {
+                    Some(result) => Ok(Proposed::Done(result)),
+                    None => Err(tonic::Status::internal("state machine gave no answer to a command")),
+                }
+            }
+            Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => match f.leader_node {
+                Some(node) => Ok(Proposed::Forward(node.rpc_addr)),
+                None => Err(no_leader()),
+            },
+            Ok(Err(e)) => Err(tonic::Status::unavailable(format!("Raft cannot take writes: {e}"))),
+        }
+    }
+
+    /// A channel to another node's gRPC address (cached).
+    pub async fn channel(&self, addr: &str) -> Result<Channel, tonic::Status> {
+        let mut map = self.channels.lock().await;
+        if let Some(c) = map.get(addr) {
+            return Ok(c.clone());
+        }
+        let ep = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| tonic::Status::internal(format!("bad leader address {addr}: {e}")))?
+            .connect_timeout(Duration::from_millis(500))
+            .timeout(WRITE_TIMEOUT)
+            .tcp_nodelay(true);
+        let c = ep.connect_lazy();
+        map.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// Forgets a cached channel (after it failed).
+    pub async fn drop_channel(&self, addr: &str) {
+        self.channels.lock().await.remove(addr);
+    }
+
+    /// Current leader id and address, if known.
+    pub fn leader(&self) -> Option<(NodeId, NodeAddr)> {
+        let m = self.raft.metrics().borrow().clone();
+        let id = m.current_leader?;
+        let node = m.membership_config.membership().get_node(&id).cloned()?;
+        Some((id, node))
+    }
+
+    /// Ready: part of a quorum with a known leader. A leader must have heard from a
+    /// quorum recently; a follower or learner must know a leader.
+    pub fn ready(&self) -> Result<(), String> {
+        let m = self.raft.metrics().borrow().clone();
+        match (m.state, m.current_leader) {
+            (ServerState::Leader, _) => match m.millis_since_quorum_ack {
+                Some(ms) if ms < 3_000 => Ok(()),
+                Some(ms) => Err(format!("leader without a quorum ack for {ms} ms")),
+                None => Err("leader that has not yet heard from a quorum".to_string()),
+            },
+            (_, Some(_)) => Ok(()),
+            (state, None) => Err(format!("{state:?} with no known leader")),
+        }
+    }
+}
+
+/// The status every caller gets when no leader is known.
+pub fn no_leader() -> tonic::Status {
+    tonic::Status::unavailable("no control-plane leader is known right now (election in progress or no quorum); retry shortly")
+}
+
+/// Turns a state-machine refusal into a gRPC status.
+pub fn refusal(e: CommandError) -> tonic::Status {
+    match &e {
+        CommandError::NoPolicy => tonic::Status::failed_precondition(e.to_string()),
+        CommandError::UnknownCluster(_) => tonic::Status::not_found(e.to_string()),
+        CommandError::SequenceGap { expected, .. } => {
+            let mut s = tonic::Status::failed_precondition(e.to_string());
+            if let Ok(v) = expected.to_string().parse() {
+                s.metadata_mut().insert("kvota-expected-seq", v);
+            }
+            s
+        }
+        CommandError::UnknownEpoch { .. } | CommandError::Invalid { .. } => {
+            tonic::Status::invalid_argument(e.to_string())
+        }
+        CommandError::LeaseInForce { .. } => tonic::Status::failed_precondition(e.to_string()),
+    }
+}

@@ -1,0 +1,489 @@
+//! gRPC handlers: `kvota.v1.Member` and `kvota.v1.Admin`.
+//!
+//! Each handler validates its message (the `proto` crate's `TryFrom`), then either
+//! proposes a command through Raft (writes) or reads this node's applied state (reads).
+//! A follower forwards writes to the leader once; a forwarded write that lands on a
+//! non-leader is answered `UNAVAILABLE` with the leader's address in `kvota-leader`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use kvota_fairness::federation::{Applied, Command, UsageReport};
+use kvota_fairness::policy::Policy;
+use kvota_proto::convert::{self, Registration};
+use kvota_proto::v1::{self, admin_client::AdminClient, member_client::MemberClient};
+use openraft::error::{ClientWriteError, RaftError};
+use tonic::{Request, Response, Status};
+
+use crate::node::{no_leader, refusal, NodeCtx, Proposed, FORWARDED_HEADER, LEADER_HEADER};
+use crate::types::Node as NodeAddr;
+
+/// The Member service.
+#[derive(Clone, Debug)]
+pub struct MemberSvc {
+    ctx: Arc<NodeCtx>,
+}
+
+/// The Admin service.
+#[derive(Clone, Debug)]
+pub struct AdminSvc {
+    ctx: Arc<NodeCtx>,
+}
+
+impl MemberSvc {
+    /// Handlers over `ctx`.
+    pub fn new(ctx: Arc<NodeCtx>) -> Self {
+        MemberSvc { ctx }
+    }
+}
+
+impl AdminSvc {
+    /// Handlers over `ctx`.
+    pub fn new(ctx: Arc<NodeCtx>) -> Self {
+        AdminSvc { ctx }
+    }
+}
+
+fn invalid(e: convert::Invalid) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+fn was_forwarded<T>(req: &Request<T>) -> bool {
+    req.metadata().contains_key(FORWARDED_HEADER)
+}
+
+/// `UNAVAILABLE` naming the leader, for a request that must not be forwarded again.
+fn not_leader(addr: &str) -> Status {
+    let mut s = Status::unavailable(format!("not the leader; the leader is at {addr}"));
+    if let Ok(v) = addr.parse() {
+        s.metadata_mut().insert(LEADER_HEADER, v);
+    }
+    s
+}
+
+fn forwarded<T>(msg: T) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.metadata_mut().insert(FORWARDED_HEADER, tonic::metadata::MetadataValue::from_static("1"));
+    r
+}
+
+fn unexpected(what: &str, got: &Applied) -> Status {
+    Status::internal(format!("state machine answered {what} with {got:?}"))
+}
+
+impl NodeCtx {
+    /// Proposes, or forwards to the leader through `via` (once).
+    async fn write_or_forward<M: Clone>(
+        self: &Arc<Self>,
+        command: Command,
+        already_forwarded: bool,
+        msg: M,
+        via: impl AsyncFnOnce(tonic::transport::Channel, Request<M>) -> Result<Response<Applied>, Status>,
+    ) -> Result<Applied, Status> {
+        match self.propose(command).await? {
+            Proposed::Done(Ok(a)) => Ok(a),
+            Proposed::Done(Err(e)) => Err(refusal(e)),
+            Proposed::Forward(addr) if already_forwarded => Err(not_leader(&addr)),
+            Proposed::Forward(addr) => {
+                let ch = self.channel(&addr).await?;
+                match via(ch, forwarded(msg)).await {
+                    Ok(r) => Ok(r.into_inner()),
+                    Err(s) => {
+                        if s.code() == tonic::Code::Unavailable {
+                            self.drop_channel(&addr).await;
+                        }
+                        Err(s)
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl v1::member_server::Member for MemberSvc {
+    async fn register(&self, request: Request<v1::RegisterRequest>) -> Result<Response<v1::LeaseReply>, Status> {
+        let fwd = was_forwarded(&request);
+        let msg = request.into_inner();
+        let reg = Registration::try_from(msg.clone()).map_err(invalid)?;
+        let cmd = Command::RegisterCluster {
+            cluster: reg.cluster,
+            capacity: reg.capacity,
+            labels: reg.labels,
+        };
+        let applied = self
+            .ctx
+            .write_or_forward(cmd, fwd, msg, async |ch, req| {
+                let lease = MemberClient::new(ch).register(req).await?.into_inner().lease;
+                let lease = lease.ok_or_else(|| Status::internal("leader answered without a lease"))?;
+                let lease = kvota_fairness::lease::Lease::try_from(lease).map_err(invalid)?;
+                Ok(Response::new(Applied::Registered(lease)))
+            })
+            .await?;
+        match applied {
+            Applied::Registered(lease) => Ok(Response::new(v1::LeaseReply {
+                lease: Some(v1::Lease::from(&lease)),
+            })),
+            other => Err(unexpected("a registration", &other)),
+        }
+    }
+
+    async fn report(&self, request: Request<v1::ReportRequest>) -> Result<Response<v1::ReportReply>, Status> {
+        let fwd = was_forwarded(&request);
+        let msg = request.into_inner();
+        let report = match UsageReport::try_from(msg.clone()) {
+            Ok(r) => r,
+            Err(e) => {
+                self.ctx.metrics.report("rejected");
+                return Err(invalid(e));
+            }
+        };
+        let result = self
+            .ctx
+            .write_or_forward(Command::Report(report), fwd, msg, async |ch, req| {
+                let r = MemberClient::new(ch).report(req).await?.into_inner();
+                let lease = r.lease.ok_or_else(|| Status::internal("leader answered without a lease"))?;
+                let lease = kvota_fairness::lease::Lease::try_from(lease).map_err(invalid)?;
+                Ok(Response::new(Applied::Reported {
+                    applied: r.applied,
+                    lease,
+                }))
+            })
+            .await;
+        match result {
+            Ok(Applied::Reported { applied, lease }) => {
+                self.ctx.metrics.report(if applied { "applied" } else { "duplicate" });
+                Ok(Response::new(v1::ReportReply {
+                    applied,
+                    lease: Some(v1::Lease::from(&lease)),
+                }))
+            }
+            Ok(other) => Err(unexpected("a report", &other)),
+            Err(s) => {
+                self.ctx.metrics.report("rejected");
+                Err(s)
+            }
+        }
+    }
+
+    async fn describe_cluster(
+        &self,
+        request: Request<v1::DescribeClusterRequest>,
+    ) -> Result<Response<v1::ClusterInfo>, Status> {
+        let id = convert::cluster_id("cluster", &request.into_inner().cluster).map_err(invalid)?;
+        let state = self.ctx.state.read().await;
+        cluster_info(&state.federation, &id)
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("cluster `{id}` is not registered")))
+    }
+}
+
+/// A cluster as the wire shows it.
+pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> Option<v1::ClusterInfo> {
+    let rec = fed.clusters().get(id)?;
+    let now = fed.now_ms();
+    let newest = rec.leases.latest();
+    let mut names: BTreeSet<&String> = rec.usage.keys().collect();
+    if let Some(l) = newest {
+        names.extend(l.budgets.keys());
+    }
+    let tenants = names
+        .into_iter()
+        .map(|t| {
+            let u = rec.usage.get(t).copied().unwrap_or_default();
+            let b = newest.and_then(|l| l.budgets.get(t)).copied().unwrap_or_default();
+            v1::ClusterTenant {
+                tenant: t.clone(),
+                inuse_milli_gpue: u.inuse,
+                pending_milli_gpue: u.pending,
+                budget_milli_gpue: b.budget,
+                fallback_milli_gpue: b.fallback,
+                enforceable_milli_gpue: rec.leases.enforceable(t, now),
+            }
+        })
+        .collect();
+    Some(v1::ClusterInfo {
+        cluster: id.to_string(),
+        capacity: convert::resources(&rec.capacity),
+        labels: rec.labels.clone().into_iter().collect(),
+        capacity_milli_gpue: rec.capacity_gpue,
+        last_seq: rec.last_seq,
+        last_report_ms: rec.last_report_ms.unwrap_or(0),
+        last_epoch: rec.leases.last_epoch,
+        acked_epoch: rec.leases.acked_epoch,
+        unreachable: rec.leases.last_epoch > 0 && rec.leases.all_expired(now),
+        tenants,
+    })
+}
+
+fn policy_reply(p: &Policy) -> v1::PolicyReply {
+    v1::PolicyReply {
+        name: p.name.clone(),
+        tenants: u32::try_from(p.tenants.len()).unwrap_or(u32::MAX),
+        problems: Vec::new(),
+        json: serde_json::to_string(p).unwrap_or_default(),
+    }
+}
+
+fn problems(e: &kvota_fairness::policy::PolicyError) -> Vec<v1::PolicyProblem> {
+    e.issues
+        .iter()
+        .map(|i| v1::PolicyProblem {
+            path: i.path.clone(),
+            message: i.message.clone(),
+        })
+        .collect()
+}
+
+fn node_info(id: u64, n: &NodeAddr, voter: bool) -> v1::NodeInfo {
+    v1::NodeInfo {
+        id,
+        rpc_addr: n.rpc_addr.clone(),
+        http_addr: n.http_addr.clone(),
+        voter,
+    }
+}
+
+impl AdminSvc {
+    async fn status_reply(&self) -> v1::StatusReply {
+        let m = self.ctx.raft.metrics().borrow().clone();
+        let state = self.ctx.state.read().await;
+        let membership = m.membership_config.membership();
+        let voters: BTreeSet<u64> = membership.voter_ids().collect();
+        let members = membership
+            .nodes()
+            .map(|(id, n)| node_info(*id, n, voters.contains(id)))
+            .collect();
+        let leader_addr = m
+            .current_leader
+            .and_then(|id| membership.get_node(&id).map(|n| n.rpc_addr.clone()))
+            .unwrap_or_default();
+        v1::StatusReply {
+            node_id: self.ctx.id,
+            role: crate::metrics::role_name(&m).to_string(),
+            term: m.current_term,
+            leader_id: m.current_leader.unwrap_or(0),
+            leader_rpc_addr: leader_addr,
+            last_log_index: m.last_log_index.unwrap_or(0),
+            last_applied_index: m.last_applied.map_or(0, |l| l.index),
+            committed_index: state.last_applied.map_or(0, |l| l.index),
+            members,
+            state_time_ms: state.federation.now_ms(),
+            policy: state.federation.policy().map(|p| p.name.clone()).unwrap_or_default(),
+            clusters: u32::try_from(state.federation.clusters().len()).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// Runs a membership call on the leader, forwarding once if needed.
+    async fn leader_only<T, E>(
+        &self,
+        fwd: bool,
+        result: Result<T, RaftError<u64, ClientWriteError<u64, NodeAddr>>>,
+        forward: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> Result<Response<v1::StatusReply>, Status>,
+    ) -> Result<Response<v1::StatusReply>, Status>
+    where
+        E: std::fmt::Display,
+    {
+        match result {
+            Ok(_) => Ok(Response::new(self.status_reply().await)),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
+                let addr = f.leader_node.map(|n| n.rpc_addr).ok_or_else(no_leader)?;
+                if fwd {
+                    return Err(not_leader(&addr));
+                }
+                let ch = self.ctx.channel(&addr).await?;
+                forward(AdminClient::new(ch)).await
+            }
+            Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(e))) => {
+                Err(Status::failed_precondition(format!("membership change refused: {e}")))
+            }
+            Err(e) => Err(Status::unavailable(format!("membership change failed: {e}"))),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl v1::admin_server::Admin for AdminSvc {
+    async fn apply_policy(&self, request: Request<v1::PolicyRequest>) -> Result<Response<v1::PolicyReply>, Status> {
+        let fwd = was_forwarded(&request);
+        let msg = request.into_inner();
+        let policy = Policy::from_yaml(&msg.yaml).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let reply = policy_reply(&policy);
+        let applied = self
+            .ctx
+            .write_or_forward(Command::ApplyPolicy(policy), fwd, msg, async |ch, req| {
+                AdminClient::new(ch).apply_policy(req).await?;
+                Ok(Response::new(Applied::PolicyApplied))
+            })
+            .await?;
+        match applied {
+            Applied::PolicyApplied => Ok(Response::new(reply)),
+            other => Err(unexpected("a policy", &other)),
+        }
+    }
+
+    async fn validate_policy(&self, request: Request<v1::PolicyRequest>) -> Result<Response<v1::PolicyReply>, Status> {
+        Ok(Response::new(match Policy::from_yaml(&request.into_inner().yaml) {
+            Ok(p) => policy_reply(&p),
+            Err(e) => v1::PolicyReply {
+                problems: problems(&e),
+                ..Default::default()
+            },
+        }))
+    }
+
+    async fn get_policy(&self, _: Request<v1::Empty>) -> Result<Response<v1::PolicyReply>, Status> {
+        let state = self.ctx.state.read().await;
+        Ok(Response::new(
+            state.federation.policy().map(policy_reply).unwrap_or_default(),
+        ))
+    }
+
+    async fn status(&self, _: Request<v1::Empty>) -> Result<Response<v1::StatusReply>, Status> {
+        Ok(Response::new(self.status_reply().await))
+    }
+
+    async fn list_tenants(&self, _: Request<v1::Empty>) -> Result<Response<v1::ListTenantsReply>, Status> {
+        let state = self.ctx.state.read().await;
+        let fed = &state.federation;
+        let Some(policy) = fed.policy() else {
+            return Ok(Response::new(v1::ListTenantsReply::default()));
+        };
+        let plan = fed.plan();
+        let tenants = policy
+            .tenants
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let committed = fed.committed().get(&t.name).copied().unwrap_or(0);
+                let inuse = plan.inuse.get(i).copied().unwrap_or(0);
+                v1::TenantInfo {
+                    tenant: t.name.clone(),
+                    weight_milli: t.weight_milli,
+                    min_share_bp: t.min_share_bp,
+                    max_share_bp: t.max_share_bp,
+                    preemptible: t.preemptible,
+                    demand_milli_gpue: plan.demand.get(i).copied().unwrap_or(0),
+                    inuse_milli_gpue: inuse,
+                    target_milli_gpue: plan.entitlements.get(i).map_or(0, |e| e.total),
+                    entitlement_milli_gpue: committed,
+                    drift_ppm: kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity),
+                    fairness_score: kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity),
+                    decayed_usage: plan.usage.get(i).copied().unwrap_or(0),
+                }
+            })
+            .collect();
+        Ok(Response::new(v1::ListTenantsReply {
+            capacity_milli_gpue: plan.capacity,
+            tenants,
+        }))
+    }
+
+    async fn list_clusters(&self, _: Request<v1::Empty>) -> Result<Response<v1::ListClustersReply>, Status> {
+        let state = self.ctx.state.read().await;
+        let fed = &state.federation;
+        let clusters = fed.clusters().keys().filter_map(|id| cluster_info(fed, id)).collect();
+        Ok(Response::new(v1::ListClustersReply { clusters }))
+    }
+
+    async fn explain_tenant(
+        &self,
+        request: Request<v1::ExplainTenantRequest>,
+    ) -> Result<Response<v1::ExplainTenantReply>, Status> {
+        let name = request.into_inner().tenant;
+        let state = self.ctx.state.read().await;
+        let e = state.federation.explain_tenant(&name).ok_or_else(|| {
+            Status::not_found(format!("the policy in force has no tenant `{}`", name.chars().take(64).collect::<String>()))
+        })?;
+        Ok(Response::new(v1::ExplainTenantReply {
+            text: e.to_string(),
+            json: serde_json::to_string(&e).unwrap_or_default(),
+        }))
+    }
+
+    async fn audit_log(&self, request: Request<v1::AuditLogRequest>) -> Result<Response<v1::AuditLogReply>, Status> {
+        let limit = request.into_inner().limit as usize;
+        let state = self.ctx.state.read().await;
+        let all: Vec<String> = state
+            .federation
+            .audit()
+            .map(|r| serde_json::to_string(r).unwrap_or_default())
+            .collect();
+        let skip = if limit == 0 { 0 } else { all.len().saturating_sub(limit) };
+        Ok(Response::new(v1::AuditLogReply {
+            records: all.into_iter().skip(skip).collect(),
+        }))
+    }
+
+    async fn remove_cluster(&self, request: Request<v1::DescribeClusterRequest>) -> Result<Response<v1::Empty>, Status> {
+        let fwd = was_forwarded(&request);
+        let msg = request.into_inner();
+        let id = convert::cluster_id("cluster", &msg.cluster).map_err(invalid)?;
+        self.ctx
+            .write_or_forward(Command::RemoveCluster { cluster: id }, fwd, msg, async |ch, req| {
+                AdminClient::new(ch).remove_cluster(req).await?;
+                Ok(Response::new(Applied::Removed))
+            })
+            .await?;
+        Ok(Response::new(v1::Empty {}))
+    }
+
+    async fn initialize(&self, request: Request<v1::InitializeRequest>) -> Result<Response<v1::StatusReply>, Status> {
+        let msg = request.into_inner();
+        if msg.members.is_empty() {
+            return Err(Status::invalid_argument("initialize needs at least this node as a member"));
+        }
+        let mut members = BTreeMap::new();
+        for m in msg.members {
+            if m.id == 0 || m.rpc_addr.is_empty() {
+                return Err(Status::invalid_argument("every member needs an id > 0 and an rpc address"));
+            }
+            members.insert(m.id, NodeAddr { rpc_addr: m.rpc_addr, http_addr: m.http_addr });
+        }
+        if !members.contains_key(&self.ctx.id) {
+            return Err(Status::invalid_argument(format!(
+                "the members must include this node (id {})",
+                self.ctx.id
+            )));
+        }
+        self.ctx
+            .raft
+            .initialize(members)
+            .await
+            .map_err(|e| Status::failed_precondition(format!("cannot initialize: {e}")))?;
+        Ok(Response::new(self.status_reply().await))
+    }
+
+    async fn add_learner(&self, request: Request<v1::AddLearnerRequest>) -> Result<Response<v1::StatusReply>, Status> {
+        let fwd = was_forwarded(&request);
+        let msg = request.into_inner();
+        let node = msg.node.clone().ok_or_else(|| Status::invalid_argument("node is required"))?;
+        if node.id == 0 || node.rpc_addr.is_empty() {
+            return Err(Status::invalid_argument("the learner needs an id > 0 and an rpc address"));
+        }
+        let addr = NodeAddr { rpc_addr: node.rpc_addr, http_addr: node.http_addr };
+        // `blocking = true`: answer once the learner has caught up with the log.
+        let result = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            self.ctx.raft.add_learner(node.id, addr, true),
+        )
+        .await
+        .map_err(|_| Status::deadline_exceeded("the learner did not catch up within 60 s; is it running and reachable?"))?;
+        self.leader_only::<_, String>(fwd, result, async |mut c| c.add_learner(forwarded(msg)).await).await
+    }
+
+    async fn change_membership(
+        &self,
+        request: Request<v1::ChangeMembershipRequest>,
+    ) -> Result<Response<v1::StatusReply>, Status> {
+        let fwd = was_forwarded(&request);
+        let msg = request.into_inner();
+        if msg.voters.is_empty() {
+            return Err(Status::invalid_argument("a group needs at least one voter"));
+        }
+        let voters: BTreeSet<u64> = msg.voters.iter().copied().collect();
+        let result = self.ctx.raft.change_membership(voters, msg.retain).await;
+        self.leader_only::<_, String>(fwd, result, async |mut c| c.change_membership(forwarded(msg)).await)
+            .await
+    }
+}

@@ -1,0 +1,737 @@
+//! Durable Raft storage on sled: the log store and the state-machine store
+//! (openraft 0.9 storage v2).
+//!
+//! One [`sled::Db`] holds three trees:
+//! - `logs`: log entries keyed by the big-endian `u64` index, so key order is index order;
+//! - `meta`: the vote, the committed log id and the last purged log id;
+//! - `state`: the state machine (`sm`) and the current snapshot (`snapshot_meta`,
+//!   `snapshot_data`).
+//!
+//! Values are serde_json. Every write that openraft relies on surviving a crash (vote,
+//! appended entries, truncation, purge, committed log id, applied state, installed
+//! snapshot) is followed by an explicit `fsync` of the database before the call returns,
+//! and before an append is acknowledged through [`LogFlushed`]: sled's own background
+//! flush (every 500 ms) is not relied upon, so a process killed with SIGKILL restarts
+//! with everything it acknowledged.
+//!
+//! The persisted state machine and a snapshot share one format, [`StateMachineData`] as
+//! JSON, so installing a snapshot is "decode, check, write the same bytes as the state".
+
+// openraft's traits fix the error type to `StorageError` (over 200 bytes); the private
+// helpers return it too so `?` needs no conversions.
+#![allow(clippy::result_large_err)]
+
+use std::fmt;
+use std::io;
+use std::io::Cursor;
+use std::ops::Bound;
+use std::ops::RangeBounds;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvota_fairness::federation::Federation;
+use openraft::storage::{LogFlushed, RaftLogStorage, RaftStateMachine, Snapshot};
+use openraft::{
+    DefensiveError, EntryPayload, ErrorSubject, LogId, LogState, OptionalSend, RaftLogReader,
+    RaftSnapshotBuilder, SnapshotMeta, StorageError, StorageIOError, StoredMembership, Violation,
+    Vote,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Mutex, RwLock};
+
+use crate::types::{Node, NodeId, Request, Response, TypeConfig};
+
+/// The Raft log entry type stored here.
+type Entry = openraft::Entry<TypeConfig>;
+
+const LOGS_TREE: &str = "logs";
+const META_TREE: &str = "meta";
+const STATE_TREE: &str = "state";
+
+const VOTE_KEY: &[u8] = b"vote";
+const COMMITTED_KEY: &[u8] = b"committed";
+const LAST_PURGED_KEY: &[u8] = b"last_purged_log_id";
+const SM_KEY: &[u8] = b"sm";
+const SNAPSHOT_META_KEY: &[u8] = b"snapshot_meta";
+const SNAPSHOT_DATA_KEY: &[u8] = b"snapshot_data";
+
+/// Why the data directory could not be opened. Nothing has been written when this is
+/// returned.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// sled could not open the directory (missing permissions, another process holds
+    /// its lock, unreadable files).
+    #[error("open data directory {}: {source}", path.display())]
+    Open {
+        /// The data directory.
+        path: PathBuf,
+        /// What sled reported.
+        source: sled::Error,
+    },
+    /// sled failed while reading or preparing the stored state.
+    #[error("data directory: {what}: {source}")]
+    Sled {
+        /// What was being done.
+        what: &'static str,
+        /// What sled reported.
+        source: sled::Error,
+    },
+    /// A stored value does not decode: the directory is damaged or was written by an
+    /// incompatible version.
+    #[error("data directory holds a corrupt {what}: {why}")]
+    Corrupt {
+        /// Which value.
+        what: &'static str,
+        /// Why it does not decode.
+        why: String,
+    },
+}
+
+/// The replicated state: what the state machine has applied and the resulting
+/// [`Federation`].
+///
+/// Holds: `federation` is exactly the result of applying, in order, every normal entry
+/// up to and including `last_applied` (directly or through an installed snapshot);
+/// `last_membership` is the last membership entry at or before `last_applied`. Its JSON
+/// form is both the persisted state machine and the snapshot format.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateMachineData {
+    /// The last log entry applied, `None` before the first.
+    pub last_applied: Option<LogId<NodeId>>,
+    /// The last membership applied (with its log id).
+    pub last_membership: StoredMembership<NodeId, Node>,
+    /// The deterministic state machine.
+    pub federation: Federation,
+}
+
+/// Open (or create) the data directory at `path` and return its log store and
+/// state-machine store, which share the one sled database.
+///
+/// Holds on success: the state machine is the one last persisted (as of the last
+/// acknowledged `apply` or `install_snapshot`), and the log is what was last
+/// acknowledged. Only one process may have a directory open at a time (sled locks it).
+pub fn open(path: &Path) -> Result<(LogStore, StateMachineStore), StoreError> {
+    let db = sled::Config::new()
+        .path(path)
+        .open()
+        .map_err(|source| StoreError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    open_db(db)
+}
+
+/// Build the two stores on an already opened sled database (e.g. a temporary one in
+/// tests). Same guarantees as [`open`].
+pub fn open_db(db: sled::Db) -> Result<(LogStore, StateMachineStore), StoreError> {
+    let tree = |name: &'static str| {
+        db.open_tree(name).map_err(|source| StoreError::Sled {
+            what: "open tree",
+            source,
+        })
+    };
+    let logs = tree(LOGS_TREE)?;
+    let meta = tree(META_TREE)?;
+    let state = tree(STATE_TREE)?;
+
+    let log_store = LogStore {
+        db: db.clone(),
+        logs,
+        meta,
+    };
+    log_store.drop_purged_leftovers()?;
+
+    let data = match state.get(SM_KEY).map_err(|source| StoreError::Sled {
+        what: "read the state machine",
+        source,
+    })? {
+        Some(bytes) => {
+            serde_json::from_slice::<StateMachineData>(&bytes).map_err(|e| StoreError::Corrupt {
+                what: "state machine",
+                why: e.to_string(),
+            })?
+        }
+        None => StateMachineData::default(),
+    };
+
+    let sm_store = StateMachineStore {
+        db,
+        state,
+        data: Arc::new(RwLock::new(data)),
+        snapshot_lock: Arc::new(Mutex::new(())),
+    };
+    Ok((log_store, sm_store))
+}
+
+/// The sled key of log index `index`: big-endian, so byte order is index order.
+fn log_key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+/// The log index a `logs` key stands for, `None` if the key is not 8 bytes.
+fn key_index(key: &[u8]) -> Option<u64> {
+    let bytes: [u8; 8] = key.try_into().ok()?;
+    Some(u64::from_be_bytes(bytes))
+}
+
+/// `fsync` everything written to `db` so far. Runs on the blocking pool: an fsync can
+/// take milliseconds and must not stall the Raft tasks sharing the runtime.
+async fn flush(db: &sled::Db) -> Result<(), io::Error> {
+    let db = db.clone();
+    match tokio::task::spawn_blocking(move || db.flush()).await {
+        Ok(Ok(_bytes)) => Ok(()),
+        Ok(Err(e)) => Err(io::Error::from(e)),
+        Err(join) => Err(io::Error::other(join)),
+    }
+}
+
+/// Decode the entry stored under `key`, checking that it is the entry the key says.
+fn decode_entry(key: &[u8], value: &[u8]) -> Result<Entry, StorageError<NodeId>> {
+    let index = key_index(key).ok_or_else(|| {
+        StorageIOError::read_logs(openraft::AnyError::error(format!(
+            "log key of {} bytes, expected 8",
+            key.len()
+        )))
+    })?;
+    let entry: Entry =
+        serde_json::from_slice(value).map_err(|e| StorageIOError::read_log_at_index(index, &e))?;
+    if entry.log_id.index != index {
+        return Err(StorageIOError::read_log_at_index(
+            index,
+            openraft::AnyError::error(format!(
+                "entry stored at index {index} is entry {}",
+                entry.log_id
+            )),
+        )
+        .into());
+    }
+    Ok(entry)
+}
+
+/// The Raft log and the vote: [`RaftLogStorage`] (and its own [`RaftLogReader`]).
+///
+/// Holds: entries are contiguous from `last_purged_log_id + 1` (or the first entry) to
+/// the last entry; every write is on disk before the call that made it returns (for
+/// `append`, before the [`LogFlushed`] callback fires). Cloning gives another handle
+/// to the same log (the log reader is such a clone).
+#[derive(Clone)]
+pub struct LogStore {
+    db: sled::Db,
+    logs: sled::Tree,
+    meta: sled::Tree,
+}
+
+impl fmt::Debug for LogStore {
+    // sled's own `Debug` for a tree dumps every node; keep it short.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LogStore")
+            .field("entries", &self.logs.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LogStore {
+    /// Read and decode a `meta` value; `subject` tags errors.
+    fn read_meta<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &[u8],
+        subject: ErrorSubject<NodeId>,
+    ) -> Result<Option<T>, StorageError<NodeId>> {
+        let Some(bytes) = self
+            .meta
+            .get(key)
+            .map_err(|e| StorageIOError::new(subject.clone(), openraft::ErrorVerb::Read, &e))?
+        else {
+            return Ok(None);
+        };
+        let value = serde_json::from_slice(&bytes)
+            .map_err(|e| StorageIOError::new(subject, openraft::ErrorVerb::Read, &e))?;
+        Ok(Some(value))
+    }
+
+    /// Encode and write a `meta` value, then fsync; `subject` tags errors.
+    async fn write_meta<T: Serialize>(
+        &self,
+        key: &[u8],
+        value: &T,
+        subject: ErrorSubject<NodeId>,
+    ) -> Result<(), StorageError<NodeId>> {
+        let write_err = |e: &dyn std::error::Error| {
+            StorageIOError::new(
+                subject.clone(),
+                openraft::ErrorVerb::Write,
+                openraft::AnyError::error(e),
+            )
+        };
+        let bytes = serde_json::to_vec(value).map_err(|e| write_err(&e))?;
+        self.meta.insert(key, bytes).map_err(|e| write_err(&e))?;
+        flush(&self.db).await.map_err(|e| write_err(&e))?;
+        Ok(())
+    }
+
+    fn last_purged(&self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+        self.read_meta(LAST_PURGED_KEY, ErrorSubject::Logs)
+    }
+
+    /// Remove entries at or below the last purged index that a crash between recording
+    /// the purge and deleting the entries may have left (harmless, but they would show
+    /// through `try_get_log_entries`).
+    fn drop_purged_leftovers(&self) -> Result<(), StoreError> {
+        let stored = self
+            .meta
+            .get(LAST_PURGED_KEY)
+            .map_err(|source| StoreError::Sled {
+                what: "read the last purged log id",
+                source,
+            })?;
+        let Some(stored) = stored else {
+            return Ok(());
+        };
+        let purged: LogId<NodeId> =
+            serde_json::from_slice(&stored).map_err(|e| StoreError::Corrupt {
+                what: "last purged log id",
+                why: e.to_string(),
+            })?;
+        let mut batch = sled::Batch::default();
+        for item in self.logs.range(..=log_key(purged.index)) {
+            let (key, _) = item.map_err(|source| StoreError::Sled {
+                what: "scan purged log entries",
+                source,
+            })?;
+            batch.remove(key);
+        }
+        self.logs
+            .apply_batch(batch)
+            .map_err(|source| StoreError::Sled {
+                what: "remove purged log entries",
+                source,
+            })
+    }
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    /// Entries in `range` that are present, in index order (missing ones are skipped,
+    /// as openraft allows).
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + fmt::Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry>, StorageError<NodeId>> {
+        // Normalise to `[start, end)` with `end == None` meaning unbounded, so an empty
+        // or inverted range never reaches sled.
+        let start = match range.start_bound() {
+            Bound::Included(&i) => i,
+            Bound::Excluded(&i) => match i.checked_add(1) {
+                Some(i) => i,
+                None => return Ok(Vec::new()),
+            },
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&i) => i.checked_add(1),
+            Bound::Excluded(&i) => Some(i),
+            Bound::Unbounded => None,
+        };
+        let iter = match end {
+            Some(end) if start >= end => return Ok(Vec::new()),
+            Some(end) => self.logs.range(log_key(start)..log_key(end)),
+            None => self.logs.range(log_key(start)..),
+        };
+        let mut entries = Vec::new();
+        for item in iter {
+            let (key, value) = item.map_err(|e| StorageIOError::read_logs(&e))?;
+            entries.push(decode_entry(&key, &value)?);
+        }
+        Ok(entries)
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
+        let last_purged_log_id = self.last_purged()?;
+        let last_entry = match self
+            .logs
+            .last()
+            .map_err(|e| StorageIOError::read_logs(&e))?
+        {
+            Some((key, value)) => Some(decode_entry(&key, &value)?.log_id),
+            None => None,
+        };
+        // `max`: after a crash mid-purge only entries at or below the purge point may
+        // remain, and then the purge point is the last log id.
+        let last_log_id = std::cmp::max(last_entry, last_purged_log_id);
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
+        self.write_meta(VOTE_KEY, vote, ErrorSubject::Vote).await
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
+        self.read_meta(VOTE_KEY, ErrorSubject::Vote)
+    }
+
+    async fn save_committed(
+        &mut self,
+        committed: Option<LogId<NodeId>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        self.write_meta(COMMITTED_KEY, &committed, ErrorSubject::Store)
+            .await
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+        // Stored as `Option<LogId>`, so a saved `None` reads back as `None` too.
+        Ok(self
+            .read_meta::<Option<LogId<NodeId>>>(COMMITTED_KEY, ErrorSubject::Store)?
+            .flatten())
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        // One batch: sled applies it atomically, so a crash leaves all of it or none
+        // (never a hole).
+        let mut batch = sled::Batch::default();
+        for entry in entries {
+            let bytes = serde_json::to_vec(&entry)
+                .map_err(|e| StorageIOError::write_log_entry(entry.log_id, &e))?;
+            batch.insert(&log_key(entry.log_id.index), bytes);
+        }
+        self.logs
+            .apply_batch(batch)
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        // Acknowledge only once on disk: openraft counts this node towards the quorum
+        // as soon as the callback fires.
+        match flush(&self.db).await {
+            Ok(()) => {
+                callback.log_io_completed(Ok(()));
+                Ok(())
+            }
+            Err(e) => {
+                let err = StorageIOError::write_logs(&e);
+                callback.log_io_completed(Err(e));
+                Err(err.into())
+            }
+        }
+    }
+
+    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        let mut batch = sled::Batch::default();
+        for item in self.logs.range(log_key(log_id.index)..) {
+            let (key, _) = item.map_err(|e| StorageIOError::write_logs(&e))?;
+            batch.remove(key);
+        }
+        // Atomic: the log never ends up with a hole at the truncation point.
+        self.logs
+            .apply_batch(batch)
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        flush(&self.db)
+            .await
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        Ok(())
+    }
+
+    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        // Record the purge point first, durably: if we crash before the entries are
+        // gone, the log state is still right (and `open` removes the leftovers).
+        // Deleting first could instead leave a log whose first entry is not
+        // `last_purged + 1`.
+        self.write_meta(LAST_PURGED_KEY, &log_id, ErrorSubject::Logs)
+            .await?;
+        let mut batch = sled::Batch::default();
+        for item in self.logs.range(..=log_key(log_id.index)) {
+            let (key, _) = item.map_err(|e| StorageIOError::write_logs(&e))?;
+            batch.remove(key);
+        }
+        self.logs
+            .apply_batch(batch)
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        flush(&self.db)
+            .await
+            .map_err(|e| StorageIOError::write_logs(&e))?;
+        Ok(())
+    }
+}
+
+/// The state machine and its snapshots: [`RaftStateMachine`].
+///
+/// Holds: the in-memory [`StateMachineData`] equals what is persisted under `sm` once
+/// `apply` or `install_snapshot` returns (they fsync first); the current snapshot (if
+/// any) is persisted with its meta and bytes together.
+pub struct StateMachineStore {
+    db: sled::Db,
+    state: sled::Tree,
+    data: Arc<RwLock<StateMachineData>>,
+    /// Serialises writes of the current snapshot (from snapshot builders, which run
+    /// concurrently with the state machine, and from `install_snapshot`) and reads of
+    /// it, so meta and bytes always match and a newer snapshot is never replaced by an
+    /// older build.
+    snapshot_lock: Arc<Mutex<()>>,
+}
+
+impl fmt::Debug for StateMachineStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StateMachineStore").finish_non_exhaustive()
+    }
+}
+
+impl StateMachineStore {
+    /// A read handle on the live state, for serving reads without going through Raft.
+    ///
+    /// Holds: what a reader sees under the lock is a state some prefix of the log
+    /// produced (`last_applied` and `federation` always agree); it may be ahead of what
+    /// is on disk only while an `apply` batch is being persisted. Hold the lock briefly:
+    /// `apply` waits for readers.
+    pub fn shared(&self) -> Arc<RwLock<StateMachineData>> {
+        Arc::clone(&self.data)
+    }
+}
+
+/// Write `meta` + `bytes` as the current snapshot (and, with `also_state`, the same
+/// bytes as the persisted state machine), in one atomic batch, then fsync. With
+/// `only_if_newer`, an existing snapshot with a later `last_log_id` is kept instead.
+/// The caller holds the snapshot lock.
+async fn persist_snapshot(
+    db: &sled::Db,
+    tree: &sled::Tree,
+    meta: &SnapshotMeta<NodeId, Node>,
+    bytes: &[u8],
+    also_state: bool,
+    only_if_newer: bool,
+) -> Result<(), StorageError<NodeId>> {
+    let signature = || Some(meta.signature());
+    if only_if_newer {
+        if let Some(existing) = tree
+            .get(SNAPSHOT_META_KEY)
+            .map_err(|e| StorageIOError::read_snapshot(signature(), &e))?
+        {
+            let existing: SnapshotMeta<NodeId, Node> = serde_json::from_slice(&existing)
+                .map_err(|e| StorageIOError::read_snapshot(signature(), &e))?;
+            if existing.last_log_id > meta.last_log_id {
+                return Ok(());
+            }
+        }
+    }
+    let meta_bytes =
+        serde_json::to_vec(meta).map_err(|e| StorageIOError::write_snapshot(signature(), &e))?;
+    let mut batch = sled::Batch::default();
+    batch.insert(SNAPSHOT_META_KEY, meta_bytes);
+    batch.insert(SNAPSHOT_DATA_KEY, bytes);
+    if also_state {
+        batch.insert(SM_KEY, bytes);
+    }
+    tree.apply_batch(batch)
+        .map_err(|e| StorageIOError::write_snapshot(signature(), &e))?;
+    flush(db)
+        .await
+        .map_err(|e| StorageIOError::write_snapshot(signature(), &e))?;
+    Ok(())
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = SledSnapshotBuilder;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, Node>), StorageError<NodeId>> {
+        let data = self.data.read().await;
+        Ok((data.last_applied, data.last_membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut replies = Vec::new();
+        let bytes = {
+            let mut data = self.data.write().await;
+            for entry in entries {
+                // Applying an entry twice would not be idempotent (a second
+                // registration issues another lease), and nodes would diverge; refuse
+                // rather than corrupt. A storage error stops this Raft node.
+                if Some(entry.log_id) <= data.last_applied {
+                    return Err(DefensiveError::new(
+                        ErrorSubject::Apply(entry.log_id),
+                        Violation::ApplyNonConsecutive {
+                            prev: data.last_applied,
+                            next: entry.log_id,
+                        },
+                    )
+                    .into());
+                }
+                data.last_applied = Some(entry.log_id);
+                let reply = match entry.payload {
+                    EntryPayload::Blank => Response(None),
+                    EntryPayload::Normal(Request { now_ms, command }) => {
+                        Response(Some(data.federation.apply(now_ms, command)))
+                    }
+                    EntryPayload::Membership(membership) => {
+                        data.last_membership =
+                            StoredMembership::new(Some(entry.log_id), membership);
+                        Response(None)
+                    }
+                };
+                replies.push(reply);
+            }
+            if replies.is_empty() {
+                return Ok(replies);
+            }
+            serde_json::to_vec(&*data).map_err(|e| StorageIOError::write_state_machine(&e))?
+        };
+        // Persist before answering so a restart resumes from here rather than
+        // replaying the whole log.
+        self.state
+            .insert(SM_KEY, bytes)
+            .map_err(|e| StorageIOError::write_state_machine(&e))?;
+        flush(&self.db)
+            .await
+            .map_err(|e| StorageIOError::write_state_machine(&e))?;
+        Ok(replies)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SledSnapshotBuilder {
+            db: self.db.clone(),
+            state: self.state.clone(),
+            data: Arc::clone(&self.data),
+            snapshot_lock: Arc::clone(&self.snapshot_lock),
+        }
+    }
+
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, Node>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        let bytes = snapshot.into_inner();
+        // Decode and check everything before touching disk or memory: a bad snapshot
+        // must leave the state machine as it was.
+        let new: StateMachineData = serde_json::from_slice(&bytes)
+            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        if new.last_applied != meta.last_log_id || new.last_membership != meta.last_membership {
+            return Err(StorageIOError::read_snapshot(
+                Some(meta.signature()),
+                openraft::AnyError::error(format!(
+                    "snapshot content (last applied {:?}, membership {:?}) does not match its \
+                     meta {}",
+                    new.last_applied, new.last_membership, meta
+                )),
+            )
+            .into());
+        }
+        {
+            let _guard = self.snapshot_lock.lock().await;
+            persist_snapshot(&self.db, &self.state, meta, &bytes, true, false).await?;
+        }
+        *self.data.write().await = new;
+        Ok(())
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
+        let _guard = self.snapshot_lock.lock().await;
+        let read_err = |e: &dyn std::error::Error| {
+            StorageIOError::read_snapshot(None, openraft::AnyError::error(e))
+        };
+        let meta = self
+            .state
+            .get(SNAPSHOT_META_KEY)
+            .map_err(|e| read_err(&e))?;
+        let data = self
+            .state
+            .get(SNAPSHOT_DATA_KEY)
+            .map_err(|e| read_err(&e))?;
+        match (meta, data) {
+            (None, None) => Ok(None),
+            (Some(meta), Some(data)) => {
+                let meta: SnapshotMeta<NodeId, Node> =
+                    serde_json::from_slice(&meta).map_err(|e| read_err(&e))?;
+                Ok(Some(Snapshot {
+                    meta,
+                    snapshot: Box::new(Cursor::new(data.to_vec())),
+                }))
+            }
+            // Both are written in one batch; one without the other means damage.
+            _ => Err(StorageIOError::read_snapshot(
+                None,
+                openraft::AnyError::error("snapshot meta and data are not both present"),
+            )
+            .into()),
+        }
+    }
+}
+
+/// Builds snapshots of the live state machine (openraft runs it alongside `apply`).
+///
+/// Holds: a built snapshot's bytes and meta come from one consistent read of the state,
+/// and the snapshot is the persisted current snapshot unless a newer one was installed
+/// meanwhile.
+pub struct SledSnapshotBuilder {
+    db: sled::Db,
+    state: sled::Tree,
+    data: Arc<RwLock<StateMachineData>>,
+    snapshot_lock: Arc<Mutex<()>>,
+}
+
+impl fmt::Debug for SledSnapshotBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SledSnapshotBuilder")
+            .finish_non_exhaustive()
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SledSnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
+        let (bytes, last_log_id, last_membership) = {
+            let data = self.data.read().await;
+            let bytes =
+                serde_json::to_vec(&*data).map_err(|e| StorageIOError::read_state_machine(&e))?;
+            (bytes, data.last_applied, data.last_membership.clone())
+        };
+        // sled's id generator never repeats, even across crashes, so two builds at the
+        // same log id still get distinct snapshot ids.
+        let unique = self
+            .db
+            .generate_id()
+            .map_err(|e| StorageIOError::write_snapshot(None, &e))?;
+        let snapshot_id = match last_log_id {
+            Some(id) => format!("{}-{}-{unique}", id.leader_id.term, id.index),
+            None => format!("none-{unique}"),
+        };
+        let meta = SnapshotMeta {
+            last_log_id,
+            last_membership,
+            snapshot_id,
+        };
+        {
+            let _guard = self.snapshot_lock.lock().await;
+            persist_snapshot(&self.db, &self.state, &meta, &bytes, false, true).await?;
+        }
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        })
+    }
+}

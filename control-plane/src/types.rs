@@ -1,0 +1,69 @@
+//! The Raft type configuration: what a log entry carries and what applying it returns.
+
+use std::fmt;
+use std::io::Cursor;
+
+use kvota_fairness::federation::{Applied, Command, CommandError};
+use serde::{Deserialize, Serialize};
+
+/// A control-plane node's id (stable for the node's life; chosen by the operator).
+pub type NodeId = u64;
+
+/// How to reach a control-plane node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    /// gRPC address (`host:port`): member, admin and Raft services.
+    pub rpc_addr: String,
+    /// HTTP admin address (`host:port`): health, readiness, metrics.
+    pub http_addr: String,
+}
+
+impl fmt::Display for Node {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rpc={} http={}", self.rpc_addr, self.http_addr)
+    }
+}
+
+/// A log entry's payload: a state-machine command stamped by the leader that proposed
+/// it. Time enters the state machine only through this stamp, so replaying the log gives
+/// the same state on every node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// Leader's clock (Unix milliseconds) when it proposed the entry.
+    pub now_ms: u64,
+    /// The command.
+    pub command: Command,
+}
+
+impl fmt::Display for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match &self.command {
+            Command::ApplyPolicy(p) => format!("apply-policy {}", p.name),
+            Command::RegisterCluster { cluster, .. } => format!("register {cluster}"),
+            Command::RemoveCluster { cluster } => format!("remove {cluster}"),
+            Command::Report(r) => format!("report {} seq {}", r.cluster, r.seq),
+            Command::Tick => "tick".to_string(),
+        };
+        write!(f, "{what} @{}", self.now_ms)
+    }
+}
+
+/// What applying an entry returned: the state machine's answer, success or refusal.
+/// Membership and blank entries answer `None`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Response(pub Option<Result<Applied, CommandError>>);
+
+openraft::declare_raft_types!(
+    /// kvota's Raft types.
+    pub TypeConfig:
+        D = Request,
+        R = Response,
+        NodeId = NodeId,
+        Node = Node,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+/// The Raft handle.
+pub type Raft = openraft::Raft<TypeConfig>;

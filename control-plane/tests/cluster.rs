@@ -1,0 +1,350 @@
+//! A 3-node control plane in one test process over real loopback gRPC and real sled
+//! directories: election, policy, reports from several clusters, the same state on
+//! every node, a leader killed mid-stream, restart from disk, and bad input.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvota_control_plane::client::Client;
+use kvota_control_plane::server::{start, ServerConfig, ServerHandle};
+use kvota_control_plane::types::Node;
+use kvota_fairness::federation::Federation;
+use kvota_fairness::policy::Policy;
+use kvota_proto::v1;
+use tokio::net::TcpListener;
+use tonic::Code;
+
+struct Cluster {
+    dirs: Vec<PathBuf>,
+    nodes: Vec<Option<ServerHandle>>,
+    members: BTreeMap<u64, Node>,
+    _tmp: tempfile::TempDir,
+}
+
+async fn bind() -> (TcpListener, TcpListener) {
+    let rpc = TcpListener::bind("127.0.0.1:0").await.expect("bind rpc");
+    let http = TcpListener::bind("127.0.0.1:0").await.expect("bind http");
+    (rpc, http)
+}
+
+fn config(id: u64, dir: PathBuf, m: &Node) -> ServerConfig {
+    let mut c = ServerConfig::new(id, dir, m.rpc_addr.clone(), m.http_addr.clone());
+    c.tick_ms = 200;
+    c
+}
+
+impl Cluster {
+    async fn start(n: u64) -> Cluster {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mut listeners = Vec::new();
+        let mut members = BTreeMap::new();
+        for id in 1..=n {
+            let (rpc, http) = bind().await;
+            members.insert(
+                id,
+                Node {
+                    rpc_addr: rpc.local_addr().expect("addr").to_string(),
+                    http_addr: http.local_addr().expect("addr").to_string(),
+                },
+            );
+            listeners.push((rpc, http));
+        }
+        let mut nodes = Vec::new();
+        let mut dirs = Vec::new();
+        for (i, (rpc, http)) in listeners.into_iter().enumerate() {
+            let id = i as u64 + 1;
+            let dir = tmp.path().join(format!("node{id}"));
+            let mut cfg = config(id, dir.clone(), &members[&id]);
+            if id == 1 {
+                cfg.initial_members = Some(members.clone());
+            }
+            nodes.push(Some(start(cfg, rpc, http).await.expect("start node")));
+            dirs.push(dir);
+        }
+        Cluster { dirs, nodes, members, _tmp: tmp }
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        self.members.values().map(|m| m.rpc_addr.clone()).collect()
+    }
+
+    async fn leader(&self, within: Duration) -> u64 {
+        let deadline = Instant::now() + within;
+        loop {
+            for n in self.nodes.iter().flatten() {
+                let m = n.raft().metrics().borrow().clone();
+                if m.state == openraft::ServerState::Leader {
+                    return n.id;
+                }
+            }
+            assert!(Instant::now() < deadline, "no leader within {within:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn stop(&mut self, id: u64) {
+        if let Some(n) = self.nodes[(id - 1) as usize].take() {
+            n.shutdown().await;
+        }
+    }
+
+    async fn restart(&mut self, id: u64) {
+        let m = &self.members[&id];
+        // Rebind the same ports: the members' addresses are part of the replicated state.
+        let mut tries = 0;
+        let (rpc, http) = loop {
+            let rpc = TcpListener::bind(&m.rpc_addr).await;
+            let http = TcpListener::bind(&m.http_addr).await;
+            match (rpc, http) {
+                (Ok(r), Ok(h)) => break (r, h),
+                _ if tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                (r, h) => panic!("rebind {m:?}: {:?} {:?}", r.err(), h.err()),
+            }
+        };
+        let cfg = config(id, self.dirs[(id - 1) as usize].clone(), m);
+        self.nodes[(id - 1) as usize] = Some(start(cfg, rpc, http).await.expect("restart node"));
+    }
+
+    async fn federation(&self, id: u64) -> Federation {
+        let n = self.nodes[(id - 1) as usize].as_ref().expect("running");
+        n.ctx.state.read().await.federation.clone()
+    }
+
+    /// Waits until every running node has applied the same log index, then returns
+    /// their federations.
+    async fn converged(&self, within: Duration) -> Vec<Federation> {
+        let deadline = Instant::now() + within;
+        loop {
+            let applied: Vec<u64> = self
+                .nodes
+                .iter()
+                .flatten()
+                .map(|n| n.raft().metrics().borrow().last_applied.map_or(0, |l| l.index))
+                .collect();
+            if applied.windows(2).all(|w| w[0] == w[1]) {
+                let mut out = Vec::new();
+                for n in self.nodes.iter().flatten() {
+                    out.push(self.federation(n.id).await);
+                }
+                if out.windows(2).all(|w| w[0] == w[1]) {
+                    return out;
+                }
+            }
+            assert!(Instant::now() < deadline, "nodes did not converge: applied {applied:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn shutdown(mut self) {
+        for id in 1..=self.nodes.len() as u64 {
+            self.stop(id).await;
+        }
+    }
+}
+
+async fn apply_policy(c: &Client, yaml: &str) -> Result<v1::PolicyReply, tonic::Status> {
+    let yaml = yaml.to_string();
+    c.call(|ch| {
+        let yaml = yaml.clone();
+        async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+    })
+    .await
+}
+
+async fn register(c: &Client, cluster: &str, gpus: u64) -> v1::Lease {
+    let req = v1::RegisterRequest {
+        cluster: cluster.to_string(),
+        capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: gpus * 1000 }],
+        labels: Default::default(),
+    };
+    c.call(|ch| {
+        let req = req.clone();
+        async move { Ok(Client::member(ch).register(req).await?.into_inner()) }
+    })
+    .await
+    .expect("register")
+    .lease
+    .expect("lease")
+}
+
+fn report(cluster: &str, seq: u64, held: u64, used: u64) -> v1::ReportRequest {
+    v1::ReportRequest {
+        cluster: cluster.to_string(),
+        seq,
+        held_epoch: held,
+        tenants: vec![
+            v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: used, inuse_milli_gpue: 4000, pending_milli_gpue: 8000 },
+            v1::TenantUsage { tenant: "inference".into(), used_milli_gpue_ms: used / 2, inuse_milli_gpue: 2000, pending_milli_gpue: 0 },
+        ],
+        capacity: vec![],
+    }
+}
+
+async fn send(c: &Client, r: &v1::ReportRequest) -> Result<v1::ReportReply, tonic::Status> {
+    c.call(|ch| {
+        let r = r.clone();
+        async move { Ok(Client::member(ch).report(r).await?.into_inner()) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
+    let mut cl = Cluster::start(3).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).expect("client");
+
+    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    let mut held = BTreeMap::new();
+    for (c, g) in [("east", 32), ("west", 32), ("edge", 16)] {
+        held.insert(c, register(&client, c, g).await.epoch);
+    }
+
+    // A stream of reports from three clusters; the leader dies in the middle.
+    let mut seq: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut acked_usage: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut killed = None;
+    for round in 1..=30u64 {
+        if round == 12 {
+            let leader = cl.leader(Duration::from_secs(5)).await;
+            cl.stop(leader).await;
+            killed = Some(leader);
+        }
+        for c in ["east", "west", "edge"] {
+            let s = seq.entry(c).or_insert(0);
+            *s += 1;
+            let r = report(c, *s, held[c], 1_000 * round);
+            let reply = send(&client, &r).await.unwrap_or_else(|e| panic!("report {c} #{s}: {e}"));
+            assert!(reply.applied, "{c} #{s} must be applied once");
+            held.insert(c, reply.lease.expect("lease").epoch);
+            *acked_usage.entry(c).or_default() += 1_000 * round + 500 * round;
+        }
+    }
+    // Resending acknowledged reports changes nothing.
+    for c in ["east", "west"] {
+        let r = report(c, 5, 0, 1_000 * 5);
+        let reply = send(&client, &r).await.expect("duplicate");
+        assert!(!reply.applied, "a duplicate must not be applied again");
+    }
+    let feds = cl.converged(Duration::from_secs(10)).await;
+    assert_eq!(feds.len(), 2);
+    let fed = &feds[0];
+    for c in ["east", "west", "edge"] {
+        assert_eq!(fed.clusters()[c].last_seq, 30, "{c}");
+    }
+    // The ledger holds every acknowledged report's usage exactly once (decay over a
+    // few seconds of a 24 h half-life is below one part in 10^4).
+    let total: u64 = acked_usage.values().sum();
+    let ledger: u64 = fed.ledger().entries().values().map(|u| u.value_milli_gpue_ms).sum();
+    assert!(ledger <= total && ledger * 10_000 >= total * 9_999, "ledger {ledger} vs reported {total}");
+    assert!(fed.check_safety().is_empty());
+
+    // The killed node restarts from its directory and catches up to the same state.
+    let killed = killed.expect("killed");
+    cl.restart(killed).await;
+    let feds = cl.converged(Duration::from_secs(15)).await;
+    assert_eq!(feds.len(), 3);
+
+    // Every node answers reads with the same numbers.
+    for m in cl.members.values() {
+        let one = Client::new(&[m.rpc_addr.clone()]).expect("client");
+        let t = one
+            .call(|ch| async move { Ok(Client::admin(ch).list_tenants(v1::Empty {}).await?.into_inner()) })
+            .await
+            .expect("tenants");
+        assert_eq!(t.capacity_milli_gpue, 80_000);
+        assert_eq!(t.tenants.len(), 3);
+    }
+
+    // Stop everything; start again from disk: identical state.
+    let before = cl.federation(1).await;
+    for id in 1..=3 {
+        cl.stop(id).await;
+    }
+    for id in 1..=3 {
+        cl.restart(id).await;
+    }
+    cl.leader(Duration::from_secs(10)).await;
+    let after = cl.converged(Duration::from_secs(10)).await;
+    // Ticks after the restart may advance the clock; compare what was there before.
+    assert_eq!(after[0].clusters().keys().collect::<Vec<_>>(), before.clusters().keys().collect::<Vec<_>>());
+    assert_eq!(after[0].ledger(), before.ledger());
+    assert_eq!(after[0].policy(), before.policy());
+    for c in ["east", "west", "edge"] {
+        assert_eq!(after[0].clusters()[c].last_seq, before.clusters()[c].last_seq);
+    }
+    cl.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_input_gets_a_clear_status_and_changes_nothing() {
+    let mut cl = Cluster::start(3).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).expect("client");
+
+    // Reports before any policy.
+    let e = send(&client, &report("east", 1, 0, 1)).await.expect_err("no policy");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+
+    // An invalid policy lists its problems; nothing is applied.
+    let e = apply_policy(&client, "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec:\n  tenants:\n  - {name: a, weight: -1}\n  - {name: a}\n")
+        .await
+        .expect_err("invalid");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("spec.tenants[0].weight") && e.message().contains("duplicate"), "{}", e.message());
+    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    let held = register(&client, "east", 8).await.epoch;
+    let before = cl.converged(Duration::from_secs(5)).await.remove(0);
+
+    // Unknown cluster.
+    let e = send(&client, &report("nowhere", 1, 0, 1)).await.expect_err("unknown");
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    // Malformed fields.
+    let mut bad = report("east", 1, held, 1);
+    bad.tenants[0].tenant = "Not A Tenant".into();
+    let e = send(&client, &bad).await.expect_err("bad tenant");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    let e = send(&client, &report("East!", 1, held, 1)).await.expect_err("bad id");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    // A gap in sequence numbers says where to resume.
+    let e = send(&client, &report("east", 3, held, 1)).await.expect_err("gap");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert_eq!(e.metadata().get("kvota-expected-seq").and_then(|v| v.to_str().ok()), Some("1"));
+    // An acknowledgement of an epoch never issued.
+    let e = send(&client, &report("east", 1, 999, 1)).await.expect_err("epoch");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    // Oversized: more than the 4 MiB message limit.
+    let mut huge = report("east", 1, held, 1);
+    huge.tenants = (0..200_000)
+        .map(|i| v1::TenantUsage { tenant: format!("tenant-{i:08}"), ..Default::default() })
+        .collect();
+    let e = send(&client, &huge).await.expect_err("oversized");
+    assert!(matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted | Code::InvalidArgument), "{e}");
+
+    let after = cl.converged(Duration::from_secs(5)).await.remove(0);
+    assert_eq!(before.clusters()["east"], after.clusters()["east"], "refused reports changed nothing");
+    assert_eq!(before.ledger(), after.ledger());
+
+    // Duplicate sequence numbers are answered but not applied.
+    let first = send(&client, &report("east", 1, held, 10)).await.expect("first");
+    assert!(first.applied);
+    let again = send(&client, &report("east", 1, held, 10)).await.expect("again");
+    assert!(!again.applied);
+
+    // No quorum: two of three nodes down; the survivor answers UNAVAILABLE, in time.
+    let leader = cl.leader(Duration::from_secs(5)).await;
+    let others: Vec<u64> = (1..=3).filter(|&i| i != leader).collect();
+    cl.stop(others[0]).await;
+    cl.stop(leader).await;
+    let survivor = others[1];
+    let lone = Client::new(&[cl.members[&survivor].rpc_addr.clone()]).expect("client");
+    let started = Instant::now();
+    let e = send(&lone, &report("east", 2, held, 1)).await.expect_err("no quorum");
+    assert!(matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(60), "gave up after {:?}", started.elapsed());
+    cl.shutdown().await;
+}

@@ -1,0 +1,461 @@
+//! The sled store survives restarts and crashes, and refuses bad snapshots.
+//!
+//! The SIGKILL test re-runs this test binary as a child (`sigkill_child_writer`, which
+//! does nothing unless `KVOTA_STORE_CRASH_DIR` is set): the child writes and prints
+//! what it has had acknowledged, the parent kills it with SIGKILL and checks that
+//! everything printed is still there after reopening.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Cursor};
+use std::path::Path;
+use std::process::{Command as Process, Stdio};
+use std::time::{Duration, Instant};
+
+use kvota_control_plane::store::{self, LogStore, StateMachineData};
+use kvota_control_plane::types::{Node, Request, Response, TypeConfig};
+use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
+use kvota_fairness::policy::Policy;
+use openraft::storage::{RaftLogStorage, RaftLogStorageExt, RaftStateMachine};
+use openraft::testing::log_id;
+use openraft::{
+    Entry, EntryPayload, Membership, RaftLogReader, RaftSnapshotBuilder, SnapshotMeta,
+    StoredMembership, Vote,
+};
+use tempfile::TempDir;
+
+const CRASH_DIR_ENV: &str = "KVOTA_STORE_CRASH_DIR";
+
+fn entry(term: u64, index: u64, payload: EntryPayload<TypeConfig>) -> Entry<TypeConfig> {
+    Entry {
+        log_id: log_id(term, 1, index),
+        payload,
+    }
+}
+
+fn normal(now_ms: u64, command: Command) -> EntryPayload<TypeConfig> {
+    EntryPayload::Normal(Request { now_ms, command })
+}
+
+fn register(cluster: &str, gpus: u64) -> Command {
+    Command::RegisterCluster {
+        cluster: cluster.to_string(),
+        capacity: [("nvidia.com/gpu".to_string(), gpus * 1000)].into(),
+        labels: BTreeMap::new(),
+    }
+}
+
+fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
+    Command::Report(UsageReport {
+        cluster: cluster.to_string(),
+        seq,
+        held_epoch: 0,
+        capacity: None,
+        tenants: [(
+            "training".to_string(),
+            TenantReport {
+                used_milli_gpue_ms: inuse * 30_000,
+                inuse,
+                pending: 2_000,
+            },
+        )]
+        .into(),
+    })
+}
+
+fn policy() -> Command {
+    Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).unwrap())
+}
+
+/// A realistic log: membership, blank, then commands including a refused one.
+fn sample_log() -> Vec<Entry<TypeConfig>> {
+    let membership = Membership::new(
+        vec![[1u64].into()],
+        BTreeMap::from([(
+            1u64,
+            Node {
+                rpc_addr: "127.0.0.1:7000".into(),
+                http_addr: "127.0.0.1:7001".into(),
+            },
+        )]),
+    );
+    vec![
+        entry(1, 1, EntryPayload::Membership(membership)),
+        entry(1, 2, EntryPayload::Blank),
+        entry(1, 3, normal(1_000, policy())),
+        entry(1, 4, normal(2_000, register("east", 32))),
+        entry(2, 5, normal(3_000, register("west", 16))),
+        entry(2, 6, normal(4_000, report("east", 1, 5_000))),
+        // Refused (sequence gap): answered with an error, changes nothing.
+        entry(2, 7, normal(5_000, report("west", 9, 1_000))),
+        entry(2, 8, normal(6_000, Command::Tick)),
+    ]
+}
+
+/// The Federation obtained by applying the normal entries of `log` directly.
+fn replay(log: &[Entry<TypeConfig>]) -> Federation {
+    let mut fed = Federation::new();
+    for e in log {
+        if let EntryPayload::Normal(Request { now_ms, command }) = &e.payload {
+            let _ = fed.apply(*now_ms, command.clone());
+        }
+    }
+    fed
+}
+
+async fn all_entries(log: &mut LogStore) -> Vec<Entry<TypeConfig>> {
+    log.try_get_log_entries(..).await.unwrap()
+}
+
+#[tokio::test]
+async fn restart_keeps_vote_log_state_machine_and_snapshot() {
+    let dir = TempDir::new().unwrap();
+    let log_entries = sample_log();
+
+    let (before_entries, before_log_state, before_applied, before_data, before_snapshot) = {
+        let (mut log, mut sm) = store::open(dir.path()).unwrap();
+        log.save_vote(&Vote::new_committed(2, 1)).await.unwrap();
+        log.blocking_append(log_entries.clone()).await.unwrap();
+        log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();
+
+        let replies = sm.apply(log_entries.clone()).await.unwrap();
+        assert_eq!(replies.len(), log_entries.len());
+        assert_eq!(replies[0], Response(None), "membership");
+        assert_eq!(replies[1], Response(None), "blank");
+        assert_eq!(replies[2], Response(Some(Ok(Applied::PolicyApplied))));
+        assert!(matches!(
+            replies[3],
+            Response(Some(Ok(Applied::Registered(_))))
+        ));
+        assert!(
+            matches!(replies[6], Response(Some(Err(_)))),
+            "{:?}",
+            replies[6]
+        );
+        assert_eq!(replies[7], Response(Some(Ok(Applied::Ticked))));
+
+        let snapshot = sm
+            .get_snapshot_builder()
+            .await
+            .build_snapshot()
+            .await
+            .unwrap();
+        log.purge(log_id(1, 1, 2)).await.unwrap();
+
+        let data = sm.shared().read().await.clone();
+        assert_eq!(data.federation, replay(&log_entries));
+        assert!(data.federation.policy().is_some());
+        assert_eq!(data.federation.clusters().len(), 2);
+        (
+            all_entries(&mut log).await,
+            log.get_log_state().await.unwrap(),
+            sm.applied_state().await.unwrap(),
+            data,
+            snapshot,
+        )
+        // Both stores (and the db) are dropped here.
+    };
+    assert_eq!(before_entries, log_entries[2..].to_vec());
+
+    let (mut log, mut sm) = store::open(dir.path()).unwrap();
+    assert_eq!(
+        log.read_vote().await.unwrap(),
+        Some(Vote::new_committed(2, 1))
+    );
+    assert_eq!(log.read_committed().await.unwrap(), Some(log_id(2, 1, 8)));
+    let state = log.get_log_state().await.unwrap();
+    assert_eq!(state, before_log_state);
+    assert_eq!(state.last_purged_log_id, Some(log_id(1, 1, 2)));
+    assert_eq!(state.last_log_id, Some(log_id(2, 1, 8)));
+    assert_eq!(all_entries(&mut log).await, before_entries);
+
+    assert_eq!(sm.applied_state().await.unwrap(), before_applied);
+    let after = sm.shared().read().await.clone();
+    assert_eq!(after, before_data);
+    // Bit-identical, not merely equal.
+    assert_eq!(
+        serde_json::to_vec(&after).unwrap(),
+        serde_json::to_vec(&before_data).unwrap()
+    );
+
+    let current = sm.get_current_snapshot().await.unwrap().unwrap();
+    assert_eq!(current.meta, before_snapshot.meta);
+    assert_eq!(
+        current.snapshot.into_inner(),
+        before_snapshot.snapshot.into_inner()
+    );
+}
+
+#[tokio::test]
+async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
+    let (dir_a, dir_b) = (TempDir::new().unwrap(), TempDir::new().unwrap());
+    let log_entries = sample_log();
+    let (_log_a, mut sm_a) = store::open(dir_a.path()).unwrap();
+    sm_a.apply(log_entries.clone()).await.unwrap();
+    let snapshot = sm_a
+        .get_snapshot_builder()
+        .await
+        .build_snapshot()
+        .await
+        .unwrap();
+    let want = sm_a.shared().read().await.clone();
+    assert_eq!(snapshot.meta.last_log_id, Some(log_id(2, 1, 8)));
+
+    {
+        let (_log_b, mut sm_b) = store::open(dir_b.path()).unwrap();
+        let mut received = sm_b.begin_receiving_snapshot().await.unwrap();
+        assert!(received.get_ref().is_empty());
+        *received = Cursor::new(snapshot.snapshot.get_ref().clone());
+        sm_b.install_snapshot(&snapshot.meta, received)
+            .await
+            .unwrap();
+        assert_eq!(*sm_b.shared().read().await, want);
+    }
+
+    let (_log_b, mut sm_b) = store::open(dir_b.path()).unwrap();
+    assert_eq!(*sm_b.shared().read().await, want);
+    let current = sm_b.get_current_snapshot().await.unwrap().unwrap();
+    assert_eq!(current.meta, snapshot.meta);
+
+    // Applying on after the snapshot works from the installed state.
+    let next = entry(3, 9, normal(7_000, report("east", 2, 6_000)));
+    let replies = sm_b.apply([next.clone()]).await.unwrap();
+    assert!(matches!(
+        replies[0],
+        Response(Some(Ok(Applied::Reported { applied: true, .. })))
+    ));
+    let mut all = log_entries;
+    all.push(next);
+    assert_eq!(sm_b.shared().read().await.federation, replay(&all));
+}
+
+#[tokio::test]
+async fn corrupt_snapshot_is_refused_and_changes_nothing() {
+    let dir = TempDir::new().unwrap();
+    let log_entries = sample_log();
+    let (_log, mut sm) = store::open(dir.path()).unwrap();
+    sm.apply(log_entries[..5].to_vec()).await.unwrap();
+    let good = sm
+        .get_snapshot_builder()
+        .await
+        .build_snapshot()
+        .await
+        .unwrap();
+    let before = sm.shared().read().await.clone();
+    let before_applied = sm.applied_state().await.unwrap();
+
+    let meta = SnapshotMeta {
+        last_log_id: Some(log_id(5, 1, 50)),
+        last_membership: StoredMembership::default(),
+        snapshot_id: "5-50-1".to_string(),
+    };
+    // Garbage bytes.
+    let garbage = Box::new(Cursor::new(b"\x00not json{".to_vec()));
+    assert!(sm.install_snapshot(&meta, garbage).await.is_err());
+    // Truncated snapshot.
+    let bytes = good.snapshot.get_ref();
+    let truncated = Box::new(Cursor::new(bytes[..bytes.len() / 2].to_vec()));
+    assert!(sm.install_snapshot(&good.meta, truncated).await.is_err());
+    // Well-formed state whose content does not match the meta.
+    let mismatched = Box::new(Cursor::new(
+        serde_json::to_vec(&StateMachineData::default()).unwrap(),
+    ));
+    assert!(sm.install_snapshot(&meta, mismatched).await.is_err());
+
+    assert_eq!(*sm.shared().read().await, before);
+    assert_eq!(sm.applied_state().await.unwrap(), before_applied);
+    assert_eq!(
+        sm.get_current_snapshot().await.unwrap().unwrap().meta,
+        good.meta
+    );
+    drop((_log, sm));
+
+    // Nothing reached the disk either.
+    let (_log, mut sm) = store::open(dir.path()).unwrap();
+    assert_eq!(*sm.shared().read().await, before);
+    assert_eq!(
+        sm.get_current_snapshot().await.unwrap().unwrap().meta,
+        good.meta
+    );
+}
+
+#[tokio::test]
+async fn applying_an_entry_twice_is_refused() {
+    let dir = TempDir::new().unwrap();
+    let (_log, mut sm) = store::open(dir.path()).unwrap();
+    let log_entries = sample_log();
+    sm.apply(log_entries[..4].to_vec()).await.unwrap();
+    let before = sm.shared().read().await.clone();
+    assert!(sm.apply([log_entries[3].clone()]).await.is_err());
+    assert_eq!(*sm.shared().read().await, before);
+}
+
+#[tokio::test]
+async fn truncate_removes_the_tail_durably() {
+    let dir = TempDir::new().unwrap();
+    let log_entries = sample_log();
+    {
+        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        log.blocking_append(log_entries.clone()).await.unwrap();
+        log.truncate(log_id(2, 1, 6)).await.unwrap();
+        assert_eq!(all_entries(&mut log).await, log_entries[..5].to_vec());
+    }
+    let (mut log, _sm) = store::open(dir.path()).unwrap();
+    assert_eq!(all_entries(&mut log).await, log_entries[..5].to_vec());
+    assert_eq!(
+        log.get_log_state().await.unwrap().last_log_id,
+        Some(log_id(2, 1, 5))
+    );
+    assert_eq!(
+        log.try_get_log_entries(3..5).await.unwrap(),
+        log_entries[2..4].to_vec()
+    );
+    assert!(log.try_get_log_entries(5..5).await.unwrap().is_empty());
+    assert!(log.try_get_log_entries(9..).await.unwrap().is_empty());
+}
+
+#[test]
+fn open_reports_the_directory() {
+    let dir = TempDir::new().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let err = store::open(&file).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.starts_with("open data directory "), "{msg}");
+    assert!(msg.contains("not-a-dir"), "{msg}");
+}
+
+/// The command the crash child writes at `index` (deterministic, so the parent can
+/// replay it).
+fn crash_command(index: u64) -> Command {
+    match index {
+        1 => policy(),
+        2 => register("east", 32),
+        i if i % 3 == 0 => report("east", i / 3, 1_000 * (i % 7)),
+        _ => Command::Tick,
+    }
+}
+
+fn crash_entry(index: u64) -> Entry<TypeConfig> {
+    entry(1, index, normal(index * 1_000, crash_command(index)))
+}
+
+/// Child side of `sigkill_loses_nothing_acknowledged`: appends, applies and votes in a
+/// loop, printing each acknowledgement, until killed.
+#[tokio::test]
+async fn sigkill_child_writer() {
+    let Ok(dir) = std::env::var(CRASH_DIR_ENV) else {
+        return; // Only meaningful as the child of the SIGKILL test.
+    };
+    let (mut log, mut sm) = store::open(Path::new(&dir)).unwrap();
+    let start = log
+        .get_log_state()
+        .await
+        .unwrap()
+        .last_log_id
+        .map_or(1, |l| l.index + 1);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for index in start.. {
+        if Instant::now() > deadline {
+            break;
+        }
+        log.blocking_append([crash_entry(index)]).await.unwrap();
+        println!("log {index}");
+        sm.apply([crash_entry(index)]).await.unwrap();
+        println!("applied {index}");
+        if index % 5 == 0 {
+            log.save_vote(&Vote::new(index, 1)).await.unwrap();
+            println!("vote {index}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn sigkill_loses_nothing_acknowledged() {
+    let dir = TempDir::new().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let (mut max_log, mut max_applied, mut max_vote) = (0u64, 0u64, 0u64);
+
+    // Several crashes, each resuming from the directory the previous one left.
+    for kill_after in [25u64, 60, 110] {
+        let mut child = Process::new(&exe)
+            .args([
+                "sigkill_child_writer",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CRASH_DIR_ENV, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut record = |line: &str| {
+            let mut parts = line.split(' ');
+            let (Some(kind), Some(n)) = (parts.next(), parts.next()) else {
+                return;
+            };
+            let Ok(n) = n.parse::<u64>() else { return };
+            match kind {
+                "log" => max_log = max_log.max(n),
+                "applied" => max_applied = max_applied.max(n),
+                "vote" => max_vote = max_vote.max(n),
+                _ => {}
+            }
+        };
+        let mut seen = 0;
+        while seen < kill_after {
+            let Some(line) = lines.next() else { break };
+            let line = line.unwrap();
+            if line.starts_with("applied ") {
+                seen += 1;
+            }
+            record(&line);
+        }
+        assert_eq!(seen, kill_after, "child stopped early");
+        // `Child::kill` is SIGKILL on Unix: no destructors, no sled shutdown flush.
+        child.kill().unwrap();
+        // Whatever the child printed before dying was acknowledged: read it all.
+        for line in lines {
+            record(&line.unwrap());
+        }
+        child.wait().unwrap();
+
+        let (mut log, mut sm) = store::open(dir.path()).unwrap();
+        let entries = all_entries(&mut log).await;
+        let last = log
+            .get_log_state()
+            .await
+            .unwrap()
+            .last_log_id
+            .unwrap()
+            .index;
+        assert!(
+            last >= max_log,
+            "log lost entries: last {last}, acknowledged {max_log}"
+        );
+        let want: Vec<_> = (1..=last).map(crash_entry).collect();
+        assert_eq!(entries, want, "log is not the contiguous prefix written");
+        let vote = log.read_vote().await.unwrap().unwrap();
+        assert!(
+            vote.leader_id().get_term() >= max_vote,
+            "vote {vote} < {max_vote}"
+        );
+        let applied = sm.applied_state().await.unwrap().0.unwrap().index;
+        assert!(
+            applied >= max_applied,
+            "applied {applied} < acknowledged {max_applied}"
+        );
+        assert_eq!(
+            applied,
+            sm.shared().read().await.last_applied.unwrap().index
+        );
+        assert_eq!(
+            sm.shared().read().await.federation,
+            replay(&want[..usize::try_from(applied).unwrap()])
+        );
+    }
+    assert!(max_applied >= 195, "three rounds applied {max_applied}");
+}

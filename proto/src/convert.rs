@@ -1,0 +1,321 @@
+//! Conversions between wire messages and the fairness core's types.
+//!
+//! Wire to core is `TryFrom` with validation: names are checked, duplicates refused,
+//! sizes bounded. A message that fails gets an [`Invalid`] naming the field, which the
+//! server turns into `INVALID_ARGUMENT`. Core to wire is infallible `From`.
+
+use std::collections::BTreeMap;
+
+use kvota_fairness::federation::{
+    valid_cluster_id, TenantReport, UsageReport, MAX_CAPACITY_RESOURCES, MAX_REPORT_TENANTS,
+};
+use kvota_fairness::lease::{Lease, TenantBudget};
+
+use crate::v1;
+
+/// Most labels a cluster may carry (Kubernetes objects rarely carry more than a few dozen).
+pub const MAX_LABELS: usize = 64;
+
+/// A wire message that does not describe anything valid.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {why}")]
+pub struct Invalid {
+    /// Which field.
+    pub field: String,
+    /// What is wrong with it.
+    pub why: String,
+}
+
+fn invalid(field: impl Into<String>, why: impl Into<String>) -> Invalid {
+    Invalid {
+        field: field.into(),
+        why: why.into(),
+    }
+}
+
+/// Checks a cluster id (DNS label).
+pub fn cluster_id(field: &str, id: &str) -> Result<String, Invalid> {
+    if valid_cluster_id(id) {
+        Ok(id.to_string())
+    } else {
+        Err(invalid(
+            field,
+            format!("`{}` is not a cluster id (1-63 lowercase letters, digits or '-')", truncate(id)),
+        ))
+    }
+}
+
+fn truncate(s: &str) -> String {
+    if s.chars().count() > 70 {
+        format!("{}...", s.chars().take(64).collect::<String>())
+    } else {
+        s.to_string()
+    }
+}
+
+fn tenant_name(field: &str, name: &str) -> Result<String, Invalid> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-');
+    if ok {
+        Ok(name.to_string())
+    } else {
+        Err(invalid(field, format!("`{}` is not a tenant name", truncate(name))))
+    }
+}
+
+/// A list of resources as a map, refusing duplicates and empty names.
+pub fn capacity(field: &str, list: &[v1::Resource]) -> Result<BTreeMap<String, u64>, Invalid> {
+    if list.len() > MAX_CAPACITY_RESOURCES {
+        return Err(invalid(
+            field,
+            format!("{} resources; at most {MAX_CAPACITY_RESOURCES}", list.len()),
+        ));
+    }
+    let mut out = BTreeMap::new();
+    for (i, r) in list.iter().enumerate() {
+        if r.name.is_empty() || r.name.len() > 253 {
+            return Err(invalid(format!("{field}[{i}].name"), "must be 1-253 characters"));
+        }
+        if out.insert(r.name.clone(), r.quantity_milli).is_some() {
+            return Err(invalid(format!("{field}[{i}].name"), format!("`{}` appears twice", r.name)));
+        }
+    }
+    Ok(out)
+}
+
+/// The wire form of a capacity map.
+pub fn resources(map: &BTreeMap<String, u64>) -> Vec<v1::Resource> {
+    map.iter()
+        .map(|(name, &quantity_milli)| v1::Resource {
+            name: name.clone(),
+            quantity_milli,
+        })
+        .collect()
+}
+
+/// A validated registration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// Cluster id.
+    pub cluster: String,
+    /// Capacity per resource, thousandths.
+    pub capacity: BTreeMap<String, u64>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl TryFrom<v1::RegisterRequest> for Registration {
+    type Error = Invalid;
+    fn try_from(r: v1::RegisterRequest) -> Result<Self, Invalid> {
+        if r.labels.len() > MAX_LABELS {
+            return Err(invalid("labels", format!("{} labels; at most {MAX_LABELS}", r.labels.len())));
+        }
+        if let Some((k, _)) = r.labels.iter().find(|(k, v)| k.len() > 317 || v.len() > 63) {
+            return Err(invalid("labels", format!("label `{}` is too long", truncate(k))));
+        }
+        Ok(Registration {
+            cluster: cluster_id("cluster", &r.cluster)?,
+            capacity: capacity("capacity", &r.capacity)?,
+            labels: r.labels.into_iter().collect(),
+        })
+    }
+}
+
+impl TryFrom<v1::ReportRequest> for UsageReport {
+    type Error = Invalid;
+    fn try_from(r: v1::ReportRequest) -> Result<Self, Invalid> {
+        let cluster = cluster_id("cluster", &r.cluster)?;
+        if r.seq == 0 {
+            return Err(invalid("seq", "sequence numbers start at 1"));
+        }
+        if r.tenants.len() > MAX_REPORT_TENANTS {
+            return Err(invalid(
+                "tenants",
+                format!("{} entries; at most {MAX_REPORT_TENANTS}", r.tenants.len()),
+            ));
+        }
+        let mut tenants = BTreeMap::new();
+        for (i, t) in r.tenants.iter().enumerate() {
+            let name = tenant_name(&format!("tenants[{i}].tenant"), &t.tenant)?;
+            let row = TenantReport {
+                used_milli_gpue_ms: t.used_milli_gpue_ms,
+                inuse: t.inuse_milli_gpue,
+                pending: t.pending_milli_gpue,
+            };
+            if tenants.insert(name, row).is_some() {
+                return Err(invalid(
+                    format!("tenants[{i}].tenant"),
+                    format!("`{}` appears twice", t.tenant),
+                ));
+            }
+        }
+        let capacity = if r.capacity.is_empty() {
+            None
+        } else {
+            Some(capacity("capacity", &r.capacity)?)
+        };
+        Ok(UsageReport {
+            cluster,
+            seq: r.seq,
+            held_epoch: r.held_epoch,
+            capacity,
+            tenants,
+        })
+    }
+}
+
+impl From<&UsageReport> for v1::ReportRequest {
+    fn from(r: &UsageReport) -> Self {
+        v1::ReportRequest {
+            cluster: r.cluster.clone(),
+            seq: r.seq,
+            held_epoch: r.held_epoch,
+            tenants: r
+                .tenants
+                .iter()
+                .map(|(t, u)| v1::TenantUsage {
+                    tenant: t.clone(),
+                    used_milli_gpue_ms: u.used_milli_gpue_ms,
+                    inuse_milli_gpue: u.inuse,
+                    pending_milli_gpue: u.pending,
+                })
+                .collect(),
+            capacity: r.capacity.as_ref().map(resources).unwrap_or_default(),
+        }
+    }
+}
+
+impl From<&Lease> for v1::Lease {
+    fn from(l: &Lease) -> Self {
+        v1::Lease {
+            cluster: l.cluster.clone(),
+            epoch: l.epoch,
+            duration_ms: l.duration_ms,
+            margin_ms: l.margin_ms,
+            issued_at_ms: l.issued_at_ms,
+            budgets: l
+                .budgets
+                .iter()
+                .map(|(t, b)| v1::TenantBudget {
+                    tenant: t.clone(),
+                    budget_milli_gpue: b.budget,
+                    fallback_milli_gpue: b.fallback,
+                    entitlement_milli_gpue: b.entitlement,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl TryFrom<v1::Lease> for Lease {
+    type Error = Invalid;
+    fn try_from(l: v1::Lease) -> Result<Self, Invalid> {
+        let cluster = cluster_id("lease.cluster", &l.cluster)?;
+        if l.epoch == 0 {
+            return Err(invalid("lease.epoch", "epochs start at 1"));
+        }
+        if l.margin_ms.saturating_mul(2) > l.duration_ms {
+            return Err(invalid("lease.margin_ms", "more than half the duration"));
+        }
+        let mut budgets = BTreeMap::new();
+        for (i, b) in l.budgets.iter().enumerate() {
+            let name = tenant_name(&format!("lease.budgets[{i}].tenant"), &b.tenant)?;
+            if b.fallback_milli_gpue > b.budget_milli_gpue {
+                return Err(invalid(
+                    format!("lease.budgets[{i}].fallback_milli_gpue"),
+                    "fallback exceeds the budget",
+                ));
+            }
+            let v = TenantBudget {
+                budget: b.budget_milli_gpue,
+                fallback: b.fallback_milli_gpue,
+                entitlement: b.entitlement_milli_gpue,
+            };
+            if budgets.insert(name, v).is_some() {
+                return Err(invalid(format!("lease.budgets[{i}].tenant"), "appears twice"));
+            }
+        }
+        Ok(Lease {
+            cluster,
+            epoch: l.epoch,
+            duration_ms: l.duration_ms,
+            margin_ms: l.margin_ms,
+            issued_at_ms: l.issued_at_ms,
+            budgets,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report() -> v1::ReportRequest {
+        v1::ReportRequest {
+            cluster: "east".into(),
+            seq: 3,
+            held_epoch: 2,
+            tenants: vec![v1::TenantUsage {
+                tenant: "training".into(),
+                used_milli_gpue_ms: 10,
+                inuse_milli_gpue: 2000,
+                pending_milli_gpue: 1000,
+            }],
+            capacity: vec![],
+        }
+    }
+
+    #[test]
+    fn report_round_trips() {
+        let core = UsageReport::try_from(report()).expect("valid");
+        assert_eq!(core.tenants["training"].inuse, 2000);
+        assert_eq!(core.capacity, None);
+        assert_eq!(v1::ReportRequest::from(&core), report());
+    }
+
+    #[test]
+    fn bad_reports_name_the_field() {
+        let mut r = report();
+        r.cluster = "East_1".into();
+        assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("cluster".to_string()));
+        let mut r = report();
+        r.seq = 0;
+        assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("seq".to_string()));
+        let mut r = report();
+        r.tenants.push(r.tenants[0].clone());
+        let e = UsageReport::try_from(r).expect_err("duplicate");
+        assert_eq!(e.field, "tenants[1].tenant");
+        let mut r = report();
+        r.tenants[0].tenant = String::new();
+        assert!(UsageReport::try_from(r).is_err());
+        let mut r = report();
+        r.capacity = vec![
+            v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 1 },
+            v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 2 },
+        ];
+        assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("capacity[1].name".to_string()));
+    }
+
+    #[test]
+    fn lease_round_trips_and_rejects_nonsense() {
+        let lease = Lease {
+            cluster: "east".into(),
+            epoch: 4,
+            duration_ms: 30_000,
+            margin_ms: 3_000,
+            issued_at_ms: 99,
+            budgets: [("training".to_string(), TenantBudget { budget: 5, fallback: 2, entitlement: 9 })].into(),
+        };
+        let wire = v1::Lease::from(&lease);
+        assert_eq!(Lease::try_from(wire.clone()), Ok(lease));
+        let mut bad = wire.clone();
+        bad.budgets[0].fallback_milli_gpue = 6;
+        assert!(Lease::try_from(bad).is_err());
+        let mut bad = wire;
+        bad.epoch = 0;
+        assert!(Lease::try_from(bad).is_err());
+    }
+}
