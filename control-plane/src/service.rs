@@ -275,15 +275,12 @@ impl AdminSvc {
     }
 
     /// Runs a membership call on the leader, forwarding once if needed.
-    async fn leader_only<T, E>(
+    async fn leader_only<T>(
         &self,
         fwd: bool,
         result: Result<T, RaftError<u64, ClientWriteError<u64, NodeAddr>>>,
         forward: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> Result<Response<v1::StatusReply>, Status>,
-    ) -> Result<Response<v1::StatusReply>, Status>
-    where
-        E: std::fmt::Display,
-    {
+    ) -> Result<Response<v1::StatusReply>, Status> {
         match result {
             Ok(_) => Ok(Response::new(self.status_reply().await)),
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
@@ -469,7 +466,7 @@ impl v1::admin_server::Admin for AdminSvc {
         )
         .await
         .map_err(|_| Status::deadline_exceeded("the learner did not catch up within 60 s; is it running and reachable?"))?;
-        self.leader_only::<_, String>(fwd, result, async |mut c| c.add_learner(forwarded(msg)).await).await
+        self.leader_only(fwd, result, async |mut c| c.add_learner(forwarded(msg)).await).await
     }
 
     async fn change_membership(
@@ -483,7 +480,7 @@ impl v1::admin_server::Admin for AdminSvc {
         }
         let voters: BTreeSet<u64> = msg.voters.iter().copied().collect();
         let result = self.ctx.raft.change_membership(voters, msg.retain).await;
-        self.leader_only::<_, String>(fwd, result, async |mut c| c.change_membership(forwarded(msg)).await)
+        self.leader_only(fwd, result, async |mut c| c.change_membership(forwarded(msg)).await)
             .await
     }
 }

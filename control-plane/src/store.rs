@@ -55,8 +55,9 @@ const SM_KEY: &[u8] = b"sm";
 const SNAPSHOT_META_KEY: &[u8] = b"snapshot_meta";
 const SNAPSHOT_DATA_KEY: &[u8] = b"snapshot_data";
 
-/// Why the data directory could not be opened. Nothing has been written when this is
-/// returned.
+/// Why [`open`] or [`open_db`] failed: the directory could not be opened, or what it
+/// holds could not be read back. No store exists then; the directory is left for an
+/// operator to inspect.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// sled could not open the directory (missing permissions, another process holds
@@ -470,8 +471,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 /// The state machine and its snapshots: [`RaftStateMachine`].
 ///
 /// Holds: the in-memory [`StateMachineData`] equals what is persisted under `sm` once
-/// `apply` or `install_snapshot` returns (they fsync first); the current snapshot (if
-/// any) is persisted with its meta and bytes together.
+/// `apply` or `install_snapshot` returns (both fsync before returning); the current
+/// snapshot (if any) is persisted with its meta and bytes together.
 pub struct StateMachineStore {
     db: sled::Db,
     state: sled::Tree,
@@ -608,7 +609,6 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         SledSnapshotBuilder {
             db: self.db.clone(),
             state: self.state.clone(),
-            data: Arc::clone(&self.data),
             snapshot_lock: Arc::clone(&self.snapshot_lock),
         }
     }
@@ -683,15 +683,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 }
 
-/// Builds snapshots of the live state machine (openraft runs it alongside `apply`).
+/// Builds snapshots of the state machine (openraft runs it alongside `apply`).
 ///
-/// Holds: a built snapshot's bytes and meta come from one consistent read of the state,
-/// and the snapshot is the persisted current snapshot unless a newer one was installed
-/// meanwhile.
+/// Holds: a snapshot is the state machine as persisted by the last `apply` or
+/// `install_snapshot` that completed, never state still being applied, so everything a
+/// snapshot covers is on disk and openraft may purge the log up to it. Its bytes and
+/// meta come from one read. It becomes the persisted current snapshot unless a newer
+/// one was installed meanwhile.
 pub struct SledSnapshotBuilder {
     db: sled::Db,
     state: sled::Tree,
-    data: Arc<RwLock<StateMachineData>>,
     snapshot_lock: Arc<Mutex<()>>,
 }
 
@@ -702,14 +703,31 @@ impl fmt::Debug for SledSnapshotBuilder {
     }
 }
 
+/// The part of [`StateMachineData`] a snapshot's meta needs (serde skips the rest).
+#[derive(Deserialize)]
+struct AppliedHeader {
+    last_applied: Option<LogId<NodeId>>,
+    last_membership: StoredMembership<NodeId, Node>,
+}
+
 impl RaftSnapshotBuilder<TypeConfig> for SledSnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
-        let (bytes, last_log_id, last_membership) = {
-            let data = self.data.read().await;
-            let bytes =
-                serde_json::to_vec(&*data).map_err(|e| StorageIOError::read_state_machine(&e))?;
-            (bytes, data.last_applied, data.last_membership.clone())
+        // Read the persisted state, not the in-memory one: the latter may hold a batch
+        // whose fsync has not finished, and a snapshot (and the log purge openraft bases
+        // on it) must not get ahead of what a restart would load.
+        let bytes = match self
+            .state
+            .get(SM_KEY)
+            .map_err(|e| StorageIOError::read_state_machine(&e))?
+        {
+            Some(bytes) => bytes.to_vec(),
+            None => serde_json::to_vec(&StateMachineData::default())
+                .map_err(|e| StorageIOError::read_state_machine(&e))?,
         };
+        let AppliedHeader {
+            last_applied: last_log_id,
+            last_membership,
+        } = serde_json::from_slice(&bytes).map_err(|e| StorageIOError::read_state_machine(&e))?;
         // sled's id generator never repeats, even across crashes, so two builds at the
         // same log id still get distinct snapshot ids.
         let unique = self

@@ -15,6 +15,10 @@ use kvota_proto::v1;
 use tokio::net::TcpListener;
 use tonic::Code;
 
+fn idx(id: u64) -> usize {
+    usize::try_from(id - 1).expect("small id")
+}
+
 struct Cluster {
     dirs: Vec<PathBuf>,
     nodes: Vec<Option<ServerHandle>>,
@@ -84,7 +88,7 @@ impl Cluster {
     }
 
     async fn stop(&mut self, id: u64) {
-        if let Some(n) = self.nodes[(id - 1) as usize].take() {
+        if let Some(n) = self.nodes[idx(id)].take() {
             n.shutdown().await;
         }
     }
@@ -105,12 +109,12 @@ impl Cluster {
                 (r, h) => panic!("rebind {m:?}: {:?} {:?}", r.err(), h.err()),
             }
         };
-        let cfg = config(id, self.dirs[(id - 1) as usize].clone(), m);
-        self.nodes[(id - 1) as usize] = Some(start(cfg, rpc, http).await.expect("restart node"));
+        let cfg = config(id, self.dirs[idx(id)].clone(), m);
+        self.nodes[idx(id)] = Some(start(cfg, rpc, http).await.expect("restart node"));
     }
 
     async fn federation(&self, id: u64) -> Federation {
-        let n = self.nodes[(id - 1) as usize].as_ref().expect("running");
+        let n = self.nodes[idx(id)].as_ref().expect("running");
         n.ctx.state.read().await.federation.clone()
     }
 
@@ -251,7 +255,7 @@ async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
 
     // Every node answers reads with the same numbers.
     for m in cl.members.values() {
-        let one = Client::new(&[m.rpc_addr.clone()]).expect("client");
+        let one = Client::new(std::slice::from_ref(&m.rpc_addr)).expect("client");
         let t = one
             .call(|ch| async move { Ok(Client::admin(ch).list_tenants(v1::Empty {}).await?.into_inner()) })
             .await

@@ -11,18 +11,59 @@ use kvota_fairness::policy::Policy;
 use kvota_fairness::units::{format_gpue, parse_quantity_milli};
 
 /// kvota keeps GPU sharing fair across several Kubernetes clusters.
+///
+/// Run a control plane with `kvota server`, then operate it with `kvota status`,
+/// `kvota policy apply`, `kvota tenants`, `kvota clusters`, `kvota explain tenant`.
+/// Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=kvota=debug) for more.
 #[derive(Debug, Parser)]
-#[command(name = "kvota", version, about, long_about = None, propagate_version = true)]
+#[command(name = "kvota", version, about, long_about, propagate_version = true)]
 pub struct Cli {
     #[command(subcommand)]
     command: Cmd,
+    #[command(flatten)]
+    cp: crate::admin_cmd::Cp,
 }
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Work with FairnessPolicy files.
+    /// Run a control-plane node (one of 3 or 5 forming a Raft group).
+    Server(crate::server_cmd::ServerArgs),
+    /// Show the control-plane node's Raft role, leader, log and members.
+    Status {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Work with FairnessPolicy files and the policy in force.
     #[command(subcommand)]
     Policy(PolicyCmd),
+    /// List tenants: demand, in use, target and committed entitlement, drift, score.
+    Tenants {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List member clusters: capacity, last report, lease epochs, budgets per tenant.
+    Clusters {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Explain the numbers behind a decision.
+    #[command(subcommand)]
+    Explain(crate::admin_cmd::ExplainCmd),
+    /// Print the audit log (why budgets changed), one JSON record per line.
+    Audit {
+        /// Most recent records to show (0: all kept).
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// Change the control plane's Raft membership.
+    #[command(subcommand)]
+    Members(crate::admin_cmd::MembersCmd),
+    /// Manage member clusters.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
     /// Compute entitlements and per-cluster budgets offline for a policy and a
     /// hypothetical federation ("what would kvota do?"). Uses the same fairness core as
     /// the control plane.
@@ -33,7 +74,23 @@ enum Cmd {
 }
 
 #[derive(Debug, Subcommand)]
+enum ClusterCmd {
+    /// Forget a member cluster whose leases have all expired.
+    Remove {
+        /// Cluster id.
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum PolicyCmd {
+    /// Validate a policy file and make it the policy in force (every node, through Raft).
+    Apply {
+        /// Path to a FairnessPolicy YAML file.
+        file: PathBuf,
+    },
+    /// Print the policy in force (as the control plane parsed it), as JSON.
+    Get,
     /// Check a policy file and list every problem with its field path.
     /// Exit status 0: valid; 2: invalid; 1: the file could not be read.
     Validate {
@@ -76,7 +133,20 @@ struct WhatifArgs {
 
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<ExitCode> {
+    let cp = cli.cp;
     match cli.command {
+        Cmd::Server(args) => crate::server_cmd::run(args).map(|()| ExitCode::SUCCESS),
+        Cmd::Status { json } => crate::admin_cmd::status(&cp, json).map(|()| ExitCode::SUCCESS),
+        Cmd::Policy(PolicyCmd::Apply { file }) => crate::admin_cmd::policy_apply(&cp, &file),
+        Cmd::Policy(PolicyCmd::Get) => crate::admin_cmd::policy_get(&cp).map(|()| ExitCode::SUCCESS),
+        Cmd::Tenants { json } => crate::admin_cmd::tenants(&cp, json).map(|()| ExitCode::SUCCESS),
+        Cmd::Clusters { json } => crate::admin_cmd::clusters(&cp, json).map(|()| ExitCode::SUCCESS),
+        Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),
+        Cmd::Audit { limit } => crate::admin_cmd::audit(&cp, limit).map(|()| ExitCode::SUCCESS),
+        Cmd::Members(m) => crate::admin_cmd::members(&cp, &m).map(|()| ExitCode::SUCCESS),
+        Cmd::Cluster(ClusterCmd::Remove { name }) => {
+            crate::admin_cmd::cluster_remove(&cp, &name).map(|()| ExitCode::SUCCESS)
+        }
         Cmd::Policy(PolicyCmd::Validate { file, json }) => policy_validate(&file, json),
         Cmd::Whatif(args) => whatif(args),
         Cmd::Demo => {

@@ -1,7 +1,9 @@
 //! `kvota`: one binary for every role. This file only parses arguments and dispatches;
 //! the work lives in the library crates.
 
+mod admin_cmd;
 mod cli;
+mod server_cmd;
 
 use std::process::ExitCode;
 
@@ -9,6 +11,15 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
+    // Logs to stderr; RUST_LOG overrides the default (info for kvota, warn elsewhere).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kvota=info,kvota_control_plane=info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .try_init();
     match cli::run(args) {
         Ok(code) => code,
         Err(e) => {

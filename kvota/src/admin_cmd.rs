@@ -1,0 +1,357 @@
+//! Operator commands against a running control plane: `status`, `policy apply|get`,
+//! `tenants`, `clusters`, `explain tenant`, `audit`, `members ...`, `cluster remove`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use kvota_control_plane::client::Client;
+use kvota_fairness::units::{format_duration_ms, format_gpue};
+use kvota_proto::v1;
+
+/// Where the control plane is.
+#[derive(Debug, Args, Clone)]
+pub struct Cp {
+    /// Control-plane gRPC addresses (any nodes; the client follows the leader), comma
+    /// separated.
+    #[arg(long = "cp", env = "KVOTA_CONTROL_PLANE", value_delimiter = ',', default_value = "127.0.0.1:7401", global = true)]
+    pub addrs: Vec<String>,
+}
+
+/// `kvota members ...`
+#[derive(Debug, Subcommand)]
+pub enum MembersCmd {
+    /// Initialize a new group from a node that started without --init. Give every
+    /// initial member, including that node.
+    Init {
+        /// ID=GRPC_ADDR[,HTTP_ADDR]; repeat for each member.
+        #[arg(long = "member", value_name = "ID=GRPC[,HTTP]", required = true)]
+        members: Vec<String>,
+    },
+    /// Add a node as a learner (it receives the log but does not vote). Waits until it
+    /// has caught up.
+    AddLearner {
+        /// The new node's id.
+        #[arg(long)]
+        id: u64,
+        /// Its gRPC address.
+        #[arg(long)]
+        rpc: String,
+        /// Its HTTP address.
+        #[arg(long, default_value = "")]
+        http: String,
+    },
+    /// Set the voters (promote learners, demote or remove voters).
+    SetVoters {
+        /// Node ids of the new voter set, comma separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        voters: Vec<u64>,
+        /// Keep nodes dropped from the voter set as learners instead of removing them.
+        #[arg(long)]
+        keep_as_learners: bool,
+    },
+}
+
+/// `kvota explain ...`
+#[derive(Debug, Subcommand)]
+pub enum ExplainCmd {
+    /// Every number behind a tenant's entitlement and budgets.
+    Tenant {
+        /// Tenant name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn client(cp: &Cp) -> Result<Client> {
+    Client::new(&cp.addrs).map_err(|e| anyhow::anyhow!("{}", e.message()))
+}
+
+fn rt() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")
+}
+
+fn status_err(cp: &Cp, e: tonic::Status) -> anyhow::Error {
+    match e.code() {
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => anyhow::anyhow!(
+            "control plane at {} is unavailable: {}\n  (is `kvota server` running there? set --cp or KVOTA_CONTROL_PLANE)",
+            cp.addrs.join(","),
+            e.message()
+        ),
+        _ => anyhow::anyhow!("{}", e.message()),
+    }
+}
+
+fn pct_bp(bp: u32) -> String {
+    if bp % 100 == 0 { format!("{}%", bp / 100) } else { format!("{}.{:02}%", bp / 100, bp % 100) }
+}
+
+/// `kvota status`
+pub fn status(cp: &Cp, json: bool) -> Result<()> {
+    let c = client(cp)?;
+    let s = rt()?
+        .block_on(c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }))
+        .map_err(|e| status_err(cp, e))?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "node_id": s.node_id, "role": s.role, "term": s.term, "leader_id": s.leader_id,
+                "leader_rpc_addr": s.leader_rpc_addr, "last_log_index": s.last_log_index,
+                "last_applied_index": s.last_applied_index, "policy": s.policy, "clusters": s.clusters,
+                "members": s.members.iter().map(|m| serde_json::json!({"id": m.id, "rpc": m.rpc_addr, "http": m.http_addr, "voter": m.voter})).collect::<Vec<_>>(),
+            })
+        );
+        return Ok(());
+    }
+    println!("node {} is {} (term {})", s.node_id, s.role, s.term);
+    if s.leader_id == 0 {
+        println!("leader: none known (election in progress or no quorum)");
+    } else {
+        println!("leader: node {} at {}", s.leader_id, s.leader_rpc_addr);
+    }
+    println!("log: last index {}, applied {}", s.last_log_index, s.last_applied_index);
+    println!(
+        "policy: {}; {} member cluster(s)",
+        if s.policy.is_empty() { "none (apply one: kvota policy apply FILE)" } else { &s.policy },
+        s.clusters
+    );
+    println!("members:");
+    for m in &s.members {
+        println!(
+            "  {:>3}  {:<8} grpc {:<22} http {}",
+            m.id,
+            if m.voter { "voter" } else { "learner" },
+            m.rpc_addr,
+            m.http_addr
+        );
+    }
+    Ok(())
+}
+
+/// `kvota policy apply FILE`
+pub fn policy_apply(cp: &Cp, file: &PathBuf) -> Result<std::process::ExitCode> {
+    let yaml = std::fs::read_to_string(file).with_context(|| format!("read policy file {}", file.display()))?;
+    if let Err(e) = kvota_fairness::policy::Policy::from_yaml(&yaml) {
+        eprintln!("{}: {e}", file.display());
+        return Ok(std::process::ExitCode::from(2));
+    }
+    let c = client(cp)?;
+    let r = rt()?
+        .block_on(c.call(|ch| {
+            let yaml = yaml.clone();
+            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+        }))
+        .map_err(|e| status_err(cp, e))?;
+    println!("policy `{}` with {} tenants is in force", r.name, r.tenants);
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// `kvota policy get`
+pub fn policy_get(cp: &Cp) -> Result<()> {
+    let c = client(cp)?;
+    let r = rt()?
+        .block_on(c.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }))
+        .map_err(|e| status_err(cp, e))?;
+    if r.name.is_empty() {
+        bail!("no policy is in force; apply one with `kvota policy apply FILE`");
+    }
+    let v: serde_json::Value = serde_json::from_str(&r.json).context("decode the policy")?;
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+/// `kvota tenants`
+pub fn tenants(cp: &Cp, json: bool) -> Result<()> {
+    let c = client(cp)?;
+    let r = rt()?
+        .block_on(c.call(|ch| async move { Ok(Client::admin(ch).list_tenants(v1::Empty {}).await?.into_inner()) }))
+        .map_err(|e| status_err(cp, e))?;
+    if json {
+        let list: Vec<_> = r.tenants.iter().map(|t| serde_json::json!({
+            "tenant": t.tenant, "weight_milli": t.weight_milli, "min_share_bp": t.min_share_bp,
+            "max_share_bp": t.max_share_bp, "preemptible": t.preemptible, "demand_milli_gpue": t.demand_milli_gpue,
+            "inuse_milli_gpue": t.inuse_milli_gpue, "target_milli_gpue": t.target_milli_gpue,
+            "entitlement_milli_gpue": t.entitlement_milli_gpue, "drift_ppm": t.drift_ppm, "fairness_score": t.fairness_score,
+        })).collect();
+        println!("{}", serde_json::json!({"capacity_milli_gpue": r.capacity_milli_gpue, "tenants": list}));
+        return Ok(());
+    }
+    if r.tenants.is_empty() {
+        println!("no policy is in force");
+        return Ok(());
+    }
+    println!("federation capacity: {} GPUe", format_gpue(r.capacity_milli_gpue));
+    println!(
+        "{:<16} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5}",
+        "TENANT", "WEIGHT", "MIN", "MAX", "DEMAND", "IN USE", "TARGET", "ENTITLED", "DRIFT", "SCORE"
+    );
+    for t in &r.tenants {
+        println!(
+            "{:<16} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>6.1}% {:>5.2}",
+            t.tenant,
+            format_gpue(t.weight_milli),
+            pct_bp(t.min_share_bp),
+            pct_bp(t.max_share_bp),
+            format_gpue(t.demand_milli_gpue),
+            format_gpue(t.inuse_milli_gpue),
+            format_gpue(t.target_milli_gpue),
+            format_gpue(t.entitlement_milli_gpue),
+            t.drift_ppm as f64 / 10_000.0,
+            t.fairness_score
+        );
+    }
+    Ok(())
+}
+
+/// `kvota clusters`
+pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
+    let c = client(cp)?;
+    let (r, st) = rt()?
+        .block_on(async {
+            let r = c
+                .call(|ch| async move { Ok(Client::admin(ch).list_clusters(v1::Empty {}).await?.into_inner()) })
+                .await?;
+            let st = c
+                .call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) })
+                .await?;
+            Ok::<_, tonic::Status>((r, st))
+        })
+        .map_err(|e| status_err(cp, e))?;
+    if json {
+        let list: Vec<_> = r.clusters.iter().map(|c| serde_json::json!({
+            "cluster": c.cluster, "capacity_milli_gpue": c.capacity_milli_gpue, "last_seq": c.last_seq,
+            "last_report_ms": c.last_report_ms, "last_epoch": c.last_epoch, "acked_epoch": c.acked_epoch,
+            "unreachable": c.unreachable,
+            "tenants": c.tenants.iter().map(|t| serde_json::json!({"tenant": t.tenant, "inuse_milli_gpue": t.inuse_milli_gpue,
+                "pending_milli_gpue": t.pending_milli_gpue, "budget_milli_gpue": t.budget_milli_gpue,
+                "fallback_milli_gpue": t.fallback_milli_gpue, "enforceable_milli_gpue": t.enforceable_milli_gpue})).collect::<Vec<_>>(),
+        })).collect();
+        println!("{}", serde_json::Value::Array(list));
+        return Ok(());
+    }
+    if r.clusters.is_empty() {
+        println!("no member clusters registered yet");
+        return Ok(());
+    }
+    for c in &r.clusters {
+        let ago = if c.last_report_ms == 0 {
+            "never reported".to_string()
+        } else {
+            format!("last report {} ago", format_duration_ms(st.state_time_ms.saturating_sub(c.last_report_ms)))
+        };
+        println!(
+            "{}: {} GPUe, {ago}, lease epoch {} (acknowledged {}){}",
+            c.cluster,
+            format_gpue(c.capacity_milli_gpue),
+            c.last_epoch,
+            c.acked_epoch,
+            if c.unreachable { ", UNREACHABLE: lease expired, safe budgets apply" } else { "" }
+        );
+        for t in &c.tenants {
+            println!(
+                "  {:<16} in use {:>8}  pending {:>8}  budget {:>8}  safe {:>8}  may enforce {:>8}",
+                t.tenant,
+                format_gpue(t.inuse_milli_gpue),
+                format_gpue(t.pending_milli_gpue),
+                format_gpue(t.budget_milli_gpue),
+                format_gpue(t.fallback_milli_gpue),
+                format_gpue(t.enforceable_milli_gpue)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `kvota explain tenant NAME`
+pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
+    let ExplainCmd::Tenant { name, json } = cmd;
+    let c = client(cp)?;
+    let tenant = name.clone();
+    let r = rt()?
+        .block_on(c.call(|ch| {
+            let tenant = tenant.clone();
+            async move { Ok(Client::admin(ch).explain_tenant(v1::ExplainTenantRequest { tenant }).await?.into_inner()) }
+        }))
+        .map_err(|e| status_err(cp, e))?;
+    if *json {
+        println!("{}", r.json);
+    } else {
+        println!("{}", r.text);
+    }
+    Ok(())
+}
+
+/// `kvota audit`
+pub fn audit(cp: &Cp, limit: u32) -> Result<()> {
+    let c = client(cp)?;
+    let r = rt()?
+        .block_on(c.call(|ch| async move {
+            Ok(Client::admin(ch).audit_log(v1::AuditLogRequest { limit }).await?.into_inner())
+        }))
+        .map_err(|e| status_err(cp, e))?;
+    for rec in &r.records {
+        println!("{rec}");
+    }
+    Ok(())
+}
+
+fn member(spec: &str) -> Result<v1::NodeInfo> {
+    let (id, addrs) = spec
+        .split_once('=')
+        .with_context(|| format!("--member {spec}: expected ID=GRPC_ADDR[,HTTP_ADDR]"))?;
+    let id: u64 = id.parse().ok().filter(|&i| i > 0).with_context(|| format!("--member {spec}: bad id"))?;
+    let (rpc, http) = addrs.split_once(',').unwrap_or((addrs, ""));
+    Ok(v1::NodeInfo { id, rpc_addr: rpc.to_string(), http_addr: http.to_string(), voter: true })
+}
+
+/// `kvota members ...`
+pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
+    let c = client(cp)?;
+    let rt = rt()?;
+    let reply = match cmd {
+        MembersCmd::Init { members } => {
+            let members = members.iter().map(|m| member(m)).collect::<Result<Vec<_>>>()?;
+            rt.block_on(c.call(|ch| {
+                let members = members.clone();
+                async move { Ok(Client::admin(ch).initialize(v1::InitializeRequest { members }).await?.into_inner()) }
+            }))
+        }
+        MembersCmd::AddLearner { id, rpc, http } => {
+            let node = v1::NodeInfo { id: *id, rpc_addr: rpc.clone(), http_addr: http.clone(), voter: false };
+            rt.block_on(c.call(|ch| {
+                let node = node.clone();
+                async move { Ok(Client::admin(ch).add_learner(v1::AddLearnerRequest { node: Some(node) }).await?.into_inner()) }
+            }))
+        }
+        MembersCmd::SetVoters { voters, keep_as_learners } => rt.block_on(c.call(|ch| {
+            let req = v1::ChangeMembershipRequest { voters: voters.clone(), retain: *keep_as_learners };
+            async move { Ok(Client::admin(ch).change_membership(req).await?.into_inner()) }
+        })),
+    }
+    .map_err(|e| status_err(cp, e))?;
+    println!("membership now:");
+    for m in &reply.members {
+        println!("  {:>3}  {:<8} grpc {}", m.id, if m.voter { "voter" } else { "learner" }, m.rpc_addr);
+    }
+    Ok(())
+}
+
+/// `kvota cluster remove NAME`
+pub fn cluster_remove(cp: &Cp, name: &str) -> Result<()> {
+    let c = client(cp)?;
+    let cluster = name.to_string();
+    rt()?
+        .block_on(c.call(|ch| {
+            let cluster = cluster.clone();
+            async move { Ok(Client::admin(ch).remove_cluster(v1::DescribeClusterRequest { cluster }).await?.into_inner()) }
+        }))
+        .map_err(|e| status_err(cp, e))?;
+    println!("cluster `{name}` removed");
+    Ok(())
+}
