@@ -384,8 +384,17 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         &mut self,
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError<NodeId>> {
-        self.write_meta(COMMITTED_KEY, &committed, ErrorSubject::Store)
-            .await
+        // Not flushed: openraft awaits this on every commit, in its core loop, and the
+        // value need not be durable. A stale one after a crash only means re-applying
+        // fewer entries at startup and learning the rest from the leader. The next log
+        // append's flush (or sled's background flush) persists it anyway.
+        let bytes = serde_json::to_vec(&committed).map_err(|e| {
+            StorageIOError::new(ErrorSubject::Store, openraft::ErrorVerb::Write, openraft::AnyError::error(&e))
+        })?;
+        self.meta.insert(COMMITTED_KEY, bytes).map_err(|e| {
+            StorageIOError::new(ErrorSubject::Store, openraft::ErrorVerb::Write, openraft::AnyError::error(&e))
+        })?;
+        Ok(())
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
@@ -559,7 +568,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I::IntoIter: OptionalSend,
     {
         let mut replies = Vec::new();
-        let bytes = {
+        {
             let mut data = self.data.write().await;
             for entry in entries {
                 // Applying an entry twice would not be idempotent (a second
@@ -589,27 +598,26 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 };
                 replies.push(reply);
             }
-            if replies.is_empty() {
-                return Ok(replies);
-            }
-            serde_json::to_vec(&*data).map_err(|e| StorageIOError::write_state_machine(&e))?
-        };
-        // Persist before answering so a restart resumes from here rather than
-        // replaying the whole log.
-        self.state
-            .insert(SM_KEY, bytes)
-            .map_err(|e| StorageIOError::write_state_machine(&e))?;
-        flush(&self.db)
-            .await
-            .map_err(|e| StorageIOError::write_state_machine(&e))?;
+        }
+        // The applied state is not written here: the log is the durable record. A restart
+        // loads the last snapshot and openraft re-applies the committed entries after it
+        // (the state machine is deterministic, so the result is the same). Writing the
+        // whole state and an fsync per batch cost more than the log append itself.
         Ok(replies)
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        // openraft calls this on the state-machine task, between applies: the state read
+        // here is exactly "everything up to last_applied", consistent with its header.
+        let bytes = {
+            let data = self.data.read().await;
+            serde_json::to_vec(&*data).map_err(|e| e.to_string())
+        };
         SledSnapshotBuilder {
             db: self.db.clone(),
             state: self.state.clone(),
             snapshot_lock: Arc::clone(&self.snapshot_lock),
+            bytes,
         }
     }
 
@@ -685,15 +693,16 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 
 /// Builds snapshots of the state machine (openraft runs it alongside `apply`).
 ///
-/// Holds: a snapshot is the state machine as persisted by the last `apply` or
-/// `install_snapshot` that completed, never state still being applied, so everything a
-/// snapshot covers is on disk and openraft may purge the log up to it. Its bytes and
-/// meta come from one read. It becomes the persisted current snapshot unless a newer
-/// one was installed meanwhile.
+/// Holds: a snapshot is the state machine as it was when the builder was made (between
+/// two applies), its bytes and meta from one serialization. Building persists it, in one
+/// fsynced batch, both as the current snapshot and as the state a restart loads, before
+/// openraft may purge the log up to it; unless a newer one was installed meanwhile.
 pub struct SledSnapshotBuilder {
     db: sled::Db,
     state: sled::Tree,
     snapshot_lock: Arc<Mutex<()>>,
+    /// The state machine, serialized when the builder was made.
+    bytes: Result<Vec<u8>, String>,
 }
 
 impl fmt::Debug for SledSnapshotBuilder {
@@ -712,18 +721,8 @@ struct AppliedHeader {
 
 impl RaftSnapshotBuilder<TypeConfig> for SledSnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
-        // Read the persisted state, not the in-memory one: the latter may hold a batch
-        // whose fsync has not finished, and a snapshot (and the log purge openraft bases
-        // on it) must not get ahead of what a restart would load.
-        let bytes = match self
-            .state
-            .get(SM_KEY)
-            .map_err(|e| StorageIOError::read_state_machine(&e))?
-        {
-            Some(bytes) => bytes.to_vec(),
-            None => serde_json::to_vec(&StateMachineData::default())
-                .map_err(|e| StorageIOError::read_state_machine(&e))?,
-        };
+        let bytes = std::mem::replace(&mut self.bytes, Err("snapshot already built".to_string()))
+            .map_err(|e| StorageIOError::read_state_machine(openraft::AnyError::error(e)))?;
         let AppliedHeader {
             last_applied: last_log_id,
             last_membership,
@@ -745,7 +744,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SledSnapshotBuilder {
         };
         {
             let _guard = self.snapshot_lock.lock().await;
-            persist_snapshot(&self.db, &self.state, &meta, &bytes, false, true).await?;
+            persist_snapshot(&self.db, &self.state, &meta, &bytes, true, true).await?;
         }
         Ok(Snapshot {
             meta,

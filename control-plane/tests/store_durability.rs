@@ -341,6 +341,17 @@ fn crash_entry(index: u64) -> Entry<TypeConfig> {
     entry(1, index, normal(index * 1_000, crash_command(index)))
 }
 
+/// Re-applies the log entries after the state machine's last applied one, as openraft
+/// does on startup (the applied state is persisted only with snapshots).
+async fn catch_up(log: &mut store::LogStore, sm: &mut store::StateMachineStore) {
+    let applied = sm.applied_state().await.unwrap().0.map_or(0, |l| l.index);
+    let entries = all_entries(log).await;
+    let rest: Vec<_> = entries.into_iter().filter(|e| e.log_id.index > applied).collect();
+    if !rest.is_empty() {
+        sm.apply(rest).await.unwrap();
+    }
+}
+
 /// Child side of `sigkill_loses_nothing_acknowledged`: appends, applies and votes in a
 /// loop, printing each acknowledgement, until killed.
 #[tokio::test]
@@ -355,6 +366,8 @@ async fn sigkill_child_writer() {
         .unwrap()
         .last_log_id
         .map_or(1, |l| l.index + 1);
+    // What openraft does on startup: re-apply the log after the loaded state.
+    catch_up(&mut log, &mut sm).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     for index in start.. {
         if Instant::now() > deadline {
@@ -443,6 +456,9 @@ async fn sigkill_loses_nothing_acknowledged() {
             vote.leader_id().get_term() >= max_vote,
             "vote {vote} < {max_vote}"
         );
+        // The applied state survives through the log: after the startup catch-up it
+        // covers every acknowledged apply.
+        catch_up(&mut log, &mut sm).await;
         let applied = sm.applied_state().await.unwrap().0.unwrap().index;
         assert!(
             applied >= max_applied,

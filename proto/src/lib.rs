@@ -11,3 +11,9 @@ pub mod v1 {
 }
 
 pub mod convert;
+
+/// A client for etcd's `KV.Put`, for the benchmark that compares kvota with etcd.
+#[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
+pub mod etcd {
+    tonic::include_proto!("etcdserverpb");
+}

