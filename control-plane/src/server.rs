@@ -64,9 +64,12 @@ impl ServerConfig {
             data_dir,
             advertise_rpc,
             advertise_http,
-            heartbeat_ms: 100,
-            election_timeout_min_ms: 300,
-            election_timeout_max_ms: 600,
+            // Measured on 2 loaded cores (docs/benchmarks.md): 50/150-300 ms fails over in
+            // well under a second with no spurious elections under load; 40/120-240
+            // already caused spurious elections, 100/300-600 takes over a second.
+            heartbeat_ms: 50,
+            election_timeout_min_ms: 150,
+            election_timeout_max_ms: 300,
             snapshot_every: 10_000,
             tick_ms: 1_000,
             initial_members: None,

@@ -587,9 +587,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 data.last_applied = Some(entry.log_id);
                 let reply = match entry.payload {
                     EntryPayload::Blank => Response(None),
-                    EntryPayload::Normal(Request { now_ms, command }) => {
-                        Response(Some(data.federation.apply(now_ms, command)))
-                    }
+                    EntryPayload::Normal(Request { now_ms, commands }) => Response(Some(
+                        commands
+                            .into_iter()
+                            .map(|c| data.federation.apply(now_ms, c))
+                            .collect(),
+                    )),
                     EntryPayload::Membership(membership) => {
                         data.last_membership =
                             StoredMembership::new(Some(entry.log_id), membership);

@@ -24,34 +24,41 @@ impl fmt::Display for Node {
     }
 }
 
-/// A log entry's payload: a state-machine command stamped by the leader that proposed
-/// it. Time enters the state machine only through this stamp, so replaying the log gives
-/// the same state on every node.
+/// A log entry's payload: state-machine commands stamped by the leader that proposed
+/// them, applied in order. Time enters the state machine only through this stamp, so
+/// replaying the log gives the same state on every node.
+///
+/// One entry carries every command that queued up while the previous entry was being
+/// committed (group commit): one log append and one fsync for many writes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {
     /// Leader's clock (Unix milliseconds) when it proposed the entry.
     pub now_ms: u64,
-    /// The command.
-    pub command: Command,
+    /// The commands, applied in this order.
+    pub commands: Vec<Command>,
 }
 
 impl fmt::Display for Request {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let what = match &self.command {
-            Command::ApplyPolicy(p) => format!("apply-policy {}", p.name),
-            Command::RegisterCluster { cluster, .. } => format!("register {cluster}"),
-            Command::RemoveCluster { cluster } => format!("remove {cluster}"),
-            Command::Report(r) => format!("report {} seq {}", r.cluster, r.seq),
-            Command::Tick => "tick".to_string(),
-        };
-        write!(f, "{what} @{}", self.now_ms)
+        write!(f, "{} command(s) @{}", self.commands.len(), self.now_ms)?;
+        if let Some(first) = self.commands.first() {
+            let what = match first {
+                Command::ApplyPolicy(p) => format!("apply-policy {}", p.name),
+                Command::RegisterCluster { cluster, .. } => format!("register {cluster}"),
+                Command::RemoveCluster { cluster } => format!("remove {cluster}"),
+                Command::Report(r) => format!("report {} seq {}", r.cluster, r.seq),
+                Command::Tick => "tick".to_string(),
+            };
+            write!(f, ", first: {what}")?;
+        }
+        Ok(())
     }
 }
 
-/// What applying an entry returned: the state machine's answer, success or refusal.
-/// Membership and blank entries answer `None`.
+/// What applying an entry returned: the state machine's answer to each command, in
+/// order (success or refusal). Membership and blank entries answer `None`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub struct Response(pub Option<Result<Applied, CommandError>>);
+pub struct Response(pub Option<Vec<Result<Applied, CommandError>>>);
 
 openraft::declare_raft_types!(
     /// kvota's Raft types.

@@ -35,7 +35,7 @@ fn entry(term: u64, index: u64, payload: EntryPayload<TypeConfig>) -> Entry<Type
 }
 
 fn normal(now_ms: u64, command: Command) -> EntryPayload<TypeConfig> {
-    EntryPayload::Normal(Request { now_ms, command })
+    EntryPayload::Normal(Request { now_ms, commands: vec![command] })
 }
 
 fn register(cluster: &str, gpus: u64) -> Command {
@@ -97,8 +97,10 @@ fn sample_log() -> Vec<Entry<TypeConfig>> {
 fn replay(log: &[Entry<TypeConfig>]) -> Federation {
     let mut fed = Federation::new();
     for e in log {
-        if let EntryPayload::Normal(Request { now_ms, command }) = &e.payload {
-            let _ = fed.apply(*now_ms, command.clone());
+        if let EntryPayload::Normal(Request { now_ms, commands }) = &e.payload {
+            for command in commands {
+                let _ = fed.apply(*now_ms, command.clone());
+            }
         }
     }
     fed
@@ -123,17 +125,17 @@ async fn restart_keeps_vote_log_state_machine_and_snapshot() {
         assert_eq!(replies.len(), log_entries.len());
         assert_eq!(replies[0], Response(None), "membership");
         assert_eq!(replies[1], Response(None), "blank");
-        assert_eq!(replies[2], Response(Some(Ok(Applied::PolicyApplied))));
+        assert_eq!(replies[2], Response(Some(vec![Ok(Applied::PolicyApplied)])));
         assert!(matches!(
-            replies[3],
-            Response(Some(Ok(Applied::Registered(_))))
+            replies[3].0.as_deref(),
+            Some([Ok(Applied::Registered(_))])
         ));
         assert!(
-            matches!(replies[6], Response(Some(Err(_)))),
+            matches!(replies[6].0.as_deref(), Some([Err(_)])),
             "{:?}",
             replies[6]
         );
-        assert_eq!(replies[7], Response(Some(Ok(Applied::Ticked))));
+        assert_eq!(replies[7], Response(Some(vec![Ok(Applied::Ticked)])));
 
         let snapshot = sm
             .get_snapshot_builder()
@@ -222,8 +224,8 @@ async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
     let next = entry(3, 9, normal(7_000, report("east", 2, 6_000)));
     let replies = sm_b.apply([next.clone()]).await.unwrap();
     assert!(matches!(
-        replies[0],
-        Response(Some(Ok(Applied::Reported { applied: true, .. })))
+        replies[0].0.as_deref(),
+        Some([Ok(Applied::Reported { applied: true, .. })])
     ));
     let mut all = log_entries;
     all.push(next);

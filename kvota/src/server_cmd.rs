@@ -40,14 +40,14 @@ pub struct ServerArgs {
     #[arg(long = "member", value_name = "ID=GRPC[,HTTP]")]
     members: Vec<String>,
     /// Leader heartbeat interval, milliseconds.
-    #[arg(long, env = "KVOTA_HEARTBEAT_MS", default_value_t = 100)]
+    #[arg(long, env = "KVOTA_HEARTBEAT_MS", default_value_t = 50)]
     heartbeat_ms: u64,
     /// Lower bound of the election timeout, milliseconds (a follower that hears no
     /// leader for a random time between min and max starts an election).
-    #[arg(long, env = "KVOTA_ELECTION_TIMEOUT_MIN_MS", default_value_t = 300)]
+    #[arg(long, env = "KVOTA_ELECTION_TIMEOUT_MIN_MS", default_value_t = 150)]
     election_timeout_min_ms: u64,
     /// Upper bound of the election timeout, milliseconds.
-    #[arg(long, env = "KVOTA_ELECTION_TIMEOUT_MAX_MS", default_value_t = 600)]
+    #[arg(long, env = "KVOTA_ELECTION_TIMEOUT_MAX_MS", default_value_t = 300)]
     election_timeout_max_ms: u64,
     /// Take a snapshot and compact the log after this many entries.
     #[arg(long, env = "KVOTA_SNAPSHOT_EVERY", default_value_t = 10_000)]
