@@ -352,3 +352,102 @@ async fn bad_input_gets_a_clear_status_and_changes_nothing() {
     assert!(started.elapsed() < Duration::from_secs(60), "gave up after {:?}", started.elapsed());
     cl.shutdown().await;
 }
+
+/// A plain HTTP/1.1 GET on loopback (no client library needed for three endpoints).
+async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect http");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.expect("read");
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (code, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn membership_changes_and_admin_http() {
+    let mut cl = Cluster::start(3).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).expect("client");
+    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    register(&client, "east", 8).await;
+
+    // Health, readiness and metrics on every node.
+    for m in cl.members.values() {
+        assert_eq!(http_get(&m.http_addr, "/healthz").await.0, 200);
+        let (code, body) = http_get(&m.http_addr, "/readyz").await;
+        assert_eq!(code, 200, "{body}");
+        let (code, metrics) = http_get(&m.http_addr, "/metrics").await;
+        assert_eq!(code, 200);
+        for name in ["kvota_raft_term", "kvota_raft_role", "kvota_tenant_entitlement_milli_gpue", "kvota_apply_duration_seconds"] {
+            assert!(metrics.contains(name), "{name} missing from /metrics of {}", m.http_addr);
+        }
+        let (code, json) = http_get(&m.http_addr, "/api/v1/tenants").await;
+        assert_eq!(code, 200);
+        let v: serde_json::Value = serde_json::from_str(&json).expect("tenants json");
+        assert_eq!(v.as_array().map(Vec::len), Some(3));
+    }
+
+    // A fourth node joins as a learner, is promoted, then node 1 is removed.
+    let (rpc, http) = bind().await;
+    let fourth = Node {
+        rpc_addr: rpc.local_addr().expect("addr").to_string(),
+        http_addr: http.local_addr().expect("addr").to_string(),
+    };
+    let dir = cl._tmp.path().join("node4");
+    let n4 = start(config(4, dir, &fourth), rpc, http).await.expect("start node 4");
+    let req = v1::AddLearnerRequest {
+        node: Some(v1::NodeInfo { id: 4, rpc_addr: fourth.rpc_addr.clone(), http_addr: fourth.http_addr.clone(), voter: false }),
+    };
+    let st = client
+        .call(|ch| {
+            let req = req.clone();
+            async move { Ok(Client::admin(ch).add_learner(req).await?.into_inner()) }
+        })
+        .await
+        .expect("add learner");
+    assert!(st.members.iter().any(|m| m.id == 4 && !m.voter), "{:?}", st.members);
+    // The learner has the replicated state.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while n4.ctx.state.read().await.federation.clusters().get("east").is_none() {
+        assert!(Instant::now() < deadline, "learner did not catch up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let promote = v1::ChangeMembershipRequest { voters: vec![1, 2, 3, 4], retain: false };
+    let st = client
+        .call(|ch| {
+            let r = promote.clone();
+            async move { Ok(Client::admin(ch).change_membership(r).await?.into_inner()) }
+        })
+        .await
+        .expect("promote");
+    assert_eq!(st.members.iter().filter(|m| m.voter).count(), 4, "{:?}", st.members);
+    let shrink = v1::ChangeMembershipRequest { voters: vec![2, 3, 4], retain: false };
+    let st = client
+        .call(|ch| {
+            let r = shrink.clone();
+            async move { Ok(Client::admin(ch).change_membership(r).await?.into_inner()) }
+        })
+        .await
+        .expect("remove node 1");
+    let ids: Vec<u64> = st.members.iter().map(|m| m.id).collect();
+    assert_eq!(ids, [2, 3, 4], "{:?}", st.members);
+    // Node 1 can go; the group of 2, 3, 4 still takes writes.
+    cl.stop(1).await;
+    let c234 = Client::new(&[cl.members[&2].rpc_addr.clone(), fourth.rpc_addr.clone()]).expect("client");
+    register(&c234, "west", 8).await;
+    let bad = v1::ChangeMembershipRequest { voters: vec![], retain: false };
+    let e = c234
+        .call(|ch| {
+            let r = bad.clone();
+            async move { Ok(Client::admin(ch).change_membership(r).await?.into_inner()) }
+        })
+        .await
+        .expect_err("empty voter set");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    n4.shutdown().await;
+    cl.shutdown().await;
+}
