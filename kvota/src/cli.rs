@@ -151,9 +151,9 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Whatif(args) => whatif(args),
         Cmd::Demo => {
             eprintln!(
-                "kvota demo is not available yet: it needs the replicated control plane and the member agent,\n\
-                 which are still being built. Meanwhile `kvota whatif --cluster east=32 --cluster west=32 \\\n\
-                 --pending training@east=40 --pending inference@west=30` shows what the fairness core decides."
+                "kvota demo is not available yet: it needs the member agent, which is still being built.\n\
+                 Meanwhile: `kvota server` runs the control plane (see README), and `kvota whatif --cluster east=32 \\\n\
+                 --cluster west=32 --pending training@east=40 --pending inference@west=30` shows what the fairness core decides."
             );
             Ok(ExitCode::from(2))
         }
