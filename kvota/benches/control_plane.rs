@@ -228,8 +228,8 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
 
     // Failover: SIGKILL the leader; time until a write commits through any survivor.
     let mut times = Vec::new();
-    let mut seq = next_seq[0];
-    for _ in 0..failovers {
+    for k in 0..failovers {
+        let seq = next_seq[0] + k;
         let l = kvota_leader(&rpcs).await;
         let survivors: Vec<String> = (0..3).filter(|&i| i != l).map(|i| rpcs[i].clone()).collect();
         let mut chans = Vec::new();
@@ -253,7 +253,6 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         times.push(u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX));
-        seq += 1;
         procs.0[l] = Some(spawn_kvota(l + 1, &rpcs[l], &https[l], &dirs[l], None));
         // Let it rejoin before the next round.
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -98,7 +98,7 @@ pub fn status(cp: &Cp, json: bool) -> Result<()> {
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }))
         .map_err(|e| status_err(cp, e))?;
     if json {
-        println!(
+        out!(
             "{}",
             serde_json::json!({
                 "node_id": s.node_id, "role": s.role, "term": s.term, "leader_id": s.leader_id,
@@ -109,21 +109,21 @@ pub fn status(cp: &Cp, json: bool) -> Result<()> {
         );
         return Ok(());
     }
-    println!("node {} is {} (term {})", s.node_id, s.role, s.term);
+    out!("node {} is {} (term {})", s.node_id, s.role, s.term);
     if s.leader_id == 0 {
-        println!("leader: none known (election in progress or no quorum)");
+        out!("leader: none known (election in progress or no quorum)");
     } else {
-        println!("leader: node {} at {}", s.leader_id, s.leader_rpc_addr);
+        out!("leader: node {} at {}", s.leader_id, s.leader_rpc_addr);
     }
-    println!("log: last index {}, applied {}", s.last_log_index, s.last_applied_index);
-    println!(
+    out!("log: last index {}, applied {}", s.last_log_index, s.last_applied_index);
+    out!(
         "policy: {}; {} member cluster(s)",
         if s.policy.is_empty() { "none (apply one: kvota policy apply FILE)" } else { &s.policy },
         s.clusters
     );
-    println!("members:");
+    out!("members:");
     for m in &s.members {
-        println!(
+        out!(
             "  {:>3}  {:<8} grpc {:<22} http {}",
             m.id,
             if m.voter { "voter" } else { "learner" },
@@ -148,7 +148,7 @@ pub fn policy_apply(cp: &Cp, file: &PathBuf) -> Result<std::process::ExitCode> {
             async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
         }))
         .map_err(|e| status_err(cp, e))?;
-    println!("policy `{}` with {} tenants is in force", r.name, r.tenants);
+    out!("policy `{}` with {} tenants is in force", r.name, r.tenants);
     Ok(std::process::ExitCode::SUCCESS)
 }
 
@@ -162,7 +162,7 @@ pub fn policy_get(cp: &Cp) -> Result<()> {
         bail!("no policy is in force; apply one with `kvota policy apply FILE`");
     }
     let v: serde_json::Value = serde_json::from_str(&r.json).context("decode the policy")?;
-    println!("{}", serde_json::to_string_pretty(&v)?);
+    out!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }
 
@@ -179,20 +179,20 @@ pub fn tenants(cp: &Cp, json: bool) -> Result<()> {
             "inuse_milli_gpue": t.inuse_milli_gpue, "target_milli_gpue": t.target_milli_gpue,
             "entitlement_milli_gpue": t.entitlement_milli_gpue, "drift_ppm": t.drift_ppm, "fairness_score": t.fairness_score,
         })).collect();
-        println!("{}", serde_json::json!({"capacity_milli_gpue": r.capacity_milli_gpue, "tenants": list}));
+        out!("{}", serde_json::json!({"capacity_milli_gpue": r.capacity_milli_gpue, "tenants": list}));
         return Ok(());
     }
     if r.tenants.is_empty() {
-        println!("no policy is in force");
+        out!("no policy is in force");
         return Ok(());
     }
-    println!("federation capacity: {} GPUe", format_gpue(r.capacity_milli_gpue));
-    println!(
+    out!("federation capacity: {} GPUe", format_gpue(r.capacity_milli_gpue));
+    out!(
         "{:<16} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7} {:>5}",
         "TENANT", "WEIGHT", "MIN", "MAX", "DEMAND", "IN USE", "TARGET", "ENTITLED", "DRIFT", "SCORE"
     );
     for t in &r.tenants {
-        println!(
+        out!(
             "{:<16} {:>7} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>6.1}% {:>5.2}",
             t.tenant,
             format_gpue(t.weight_milli),
@@ -232,11 +232,11 @@ pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
                 "pending_milli_gpue": t.pending_milli_gpue, "budget_milli_gpue": t.budget_milli_gpue,
                 "fallback_milli_gpue": t.fallback_milli_gpue, "enforceable_milli_gpue": t.enforceable_milli_gpue})).collect::<Vec<_>>(),
         })).collect();
-        println!("{}", serde_json::Value::Array(list));
+        out!("{}", serde_json::Value::Array(list));
         return Ok(());
     }
     if r.clusters.is_empty() {
-        println!("no member clusters registered yet");
+        out!("no member clusters registered yet");
         return Ok(());
     }
     for c in &r.clusters {
@@ -245,7 +245,7 @@ pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
         } else {
             format!("last report {} ago", format_duration_ms(st.state_time_ms.saturating_sub(c.last_report_ms)))
         };
-        println!(
+        out!(
             "{}: {} GPUe, {ago}, lease epoch {} (acknowledged {}){}",
             c.cluster,
             format_gpue(c.capacity_milli_gpue),
@@ -254,7 +254,7 @@ pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
             if c.unreachable { ", UNREACHABLE: lease expired, safe budgets apply" } else { "" }
         );
         for t in &c.tenants {
-            println!(
+            out!(
                 "  {:<16} in use {:>8}  pending {:>8}  budget {:>8}  safe {:>8}  may enforce {:>8}",
                 t.tenant,
                 format_gpue(t.inuse_milli_gpue),
@@ -280,9 +280,9 @@ pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
         }))
         .map_err(|e| status_err(cp, e))?;
     if *json {
-        println!("{}", r.json);
+        out!("{}", r.json);
     } else {
-        println!("{}", r.text);
+        out!("{}", r.text);
     }
     Ok(())
 }
@@ -296,7 +296,7 @@ pub fn audit(cp: &Cp, limit: u32) -> Result<()> {
         }))
         .map_err(|e| status_err(cp, e))?;
     for rec in &r.records {
-        println!("{rec}");
+        out!("{rec}");
     }
     Ok(())
 }
@@ -335,9 +335,9 @@ pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
         })),
     }
     .map_err(|e| status_err(cp, e))?;
-    println!("membership now:");
+    out!("membership now:");
     for m in &reply.members {
-        println!("  {:>3}  {:<8} grpc {}", m.id, if m.voter { "voter" } else { "learner" }, m.rpc_addr);
+        out!("  {:>3}  {:<8} grpc {}", m.id, if m.voter { "voter" } else { "learner" }, m.rpc_addr);
     }
     Ok(())
 }
@@ -352,6 +352,6 @@ pub fn cluster_remove(cp: &Cp, name: &str) -> Result<()> {
             async move { Ok(Client::admin(ch).remove_cluster(v1::DescribeClusterRequest { cluster }).await?.into_inner()) }
         }))
         .map_err(|e| status_err(cp, e))?;
-    println!("cluster `{name}` removed");
+    out!("cluster `{name}` removed");
     Ok(())
 }

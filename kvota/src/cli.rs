@@ -178,16 +178,16 @@ fn policy_validate(file: &Path, json: bool) -> Result<ExitCode> {
     match read_policy(file)? {
         Ok(p) => {
             if json {
-                println!("{}", serde_json::to_string_pretty(&p)?);
+                out!("{}", serde_json::to_string_pretty(&p)?);
             } else {
-                println!(
+                out!(
                     "{}: valid policy `{}` with {} tenants",
                     file.display(),
                     p.name,
                     p.tenants.len()
                 );
                 for t in &p.tenants {
-                    println!(
+                    out!(
                         "  {:<20} weight {:>8}  minShare {:>6}  maxShare {:>6}  {}  {}",
                         t.name,
                         format_gpue(t.weight_milli),
@@ -202,7 +202,7 @@ fn policy_validate(file: &Path, json: bool) -> Result<ExitCode> {
         }
         Err(e) => {
             if json {
-                println!("{}", serde_json::to_string_pretty(&e.issues)?);
+                out!("{}", serde_json::to_string_pretty(&e.issues)?);
             } else {
                 eprintln!("{}: {e}", file.display());
             }
@@ -358,26 +358,26 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
             .map(|(id, rec)| (id, rec.leases.latest().map(|l| l.budgets.clone()).unwrap_or_default()))
             .collect();
         let out = serde_json::json!({ "tenants": explanations, "budgets": budgets });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        out!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    out!(
         "federation: {} GPUe in {} clusters, policy `{}`",
         format_gpue(fed.capacity()),
         names.len(),
         policy.name
     );
-    print!(
+    outp!(
         "{:<16} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "TENANT", "IN USE", "DEMAND", "GUARANTEE", "CAP", "ENTITLED"
     );
     // Explanations list clusters in id order; so does the header.
     for n in fed.clusters().keys() {
-        print!(" {:>9}", truncate(n, 9));
+        outp!(" {:>9}", truncate(n, 9));
     }
-    println!();
+    out!();
     for e in &explanations {
-        print!(
+        outp!(
             "{:<16} {:>9} {:>9} {:>9} {:>9} {:>9}",
             truncate(&e.tenant, 16),
             format_gpue(e.inuse),
@@ -387,14 +387,14 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
             format_gpue(e.committed),
         );
         for c in &e.clusters {
-            print!(" {:>9}", format_gpue(c.budget));
+            outp!(" {:>9}", format_gpue(c.budget));
         }
-        println!();
+        out!();
     }
-    println!("(GPUe; the per-cluster columns are the budgets in each cluster's lease)");
+    out!("(GPUe; the per-cluster columns are the budgets in each cluster's lease)");
     for t in &args.explain {
         match explanations.iter().find(|e| &e.tenant == t) {
-            Some(e) => println!("\n{e}"),
+            Some(e) => out!("\n{e}"),
             None => bail!("--explain {t}: the policy has no tenant `{t}`"),
         }
     }

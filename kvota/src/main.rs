@@ -1,6 +1,27 @@
 //! `kvota`: one binary for every role. This file only parses arguments and dispatches;
 //! the work lives in the library crates.
 
+/// `println!` that ends the process quietly when stdout is gone (`kvota tenants | head`)
+/// instead of panicking on a broken pipe.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout(), $($t)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
+/// `print!` with the same behaviour as [`out!`].
+macro_rules! outp {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if write!(std::io::stdout(), $($t)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 mod admin_cmd;
 mod cli;
 mod server_cmd;
