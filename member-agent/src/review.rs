@@ -1,0 +1,310 @@
+//! AdmissionReview handling (`admission.k8s.io/v1`), without the HTTP server around it.
+//!
+//! [`review`] takes the raw request body and the agent's admission state, and returns
+//! the response body: always a well-formed AdmissionReview (the request's `uid` echoed
+//! whenever it could be read), never a panic, whatever the input. The decision itself is
+//! the fairness core's [`decide`]; this module parses, maps the namespace to its tenant,
+//! computes the pod's GPUe as Kubernetes computes pod requests, and records the effect
+//! (a reservation or a queue entry) through [`AdmissionState`] in the same call, so the
+//! caller can make decide-and-reserve atomic by holding one lock around it.
+//!
+//! Two endpoints: the **validating** one judges tenants in `reject` mode; the
+//! **mutating** one judges tenants in `queue` mode and gates pods over budget with
+//! `kvota.dev/admission`. Each lets the other mode's pods through untouched, so a pod is
+//! judged exactly once.
+
+use std::collections::BTreeMap;
+
+use base64::Engine as _;
+use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Verdict, SCHEDULING_GATE};
+use kvota_fairness::policy::{AdmissionMode, Policy};
+use kvota_fairness::resources::{pod_gpue, ContainerResources, PodResources};
+use kvota_fairness::MilliGpue;
+use serde_json::{json, Value};
+
+/// Largest review body accepted. The API server caps objects near 3 MiB; a bigger body
+/// is not a real AdmissionReview.
+pub const MAX_REVIEW_BYTES: usize = 4 << 20;
+
+/// Which webhook endpoint received the review.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/validate`: judges `reject`-mode tenants.
+    Validate,
+    /// `/mutate`: judges `queue`-mode tenants (adds the scheduling gate).
+    Mutate,
+}
+
+/// A side effect of an admission, applied by the agent under the same lock as the
+/// decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Hold `gpue` for the pod until it binds, is deleted, or the reservation expires.
+    Reserve {
+        /// Tenant.
+        tenant: String,
+        /// `namespace/name` (or `namespace/generateName*uid` before a name exists).
+        pod: String,
+        /// GPUe reserved.
+        gpue: MilliGpue,
+    },
+    /// The pod waits behind the gate; release it when budget frees.
+    Enqueue {
+        /// Tenant.
+        tenant: String,
+        /// Pod key as above.
+        pod: String,
+        /// GPUe it requests.
+        gpue: MilliGpue,
+        /// Pod priority (`spec.priority`, 0 if unset).
+        priority: i32,
+    },
+    /// The pod is being deleted: drop its reservation or queue entry.
+    Forget {
+        /// Pod key.
+        pod: String,
+    },
+}
+
+/// What the webhook needs from the agent.
+pub trait AdmissionState {
+    /// This cluster's id.
+    fn cluster(&self) -> &str;
+    /// The policy in force (from the last lease's control plane).
+    fn policy(&self) -> Option<&Policy>;
+    /// Labels of a namespace, from the inventory (empty if unknown).
+    fn namespace_labels(&self, namespace: &str) -> BTreeMap<String, String>;
+    /// The tenant's local view now: budget, in use (bound + reserved), queue, lease.
+    fn view(&self, tenant: &str) -> LocalView;
+    /// Records an effect (not called for dry-run requests).
+    fn record(&mut self, effect: Effect);
+}
+
+/// Outcome of one review, for logs and metrics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reviewed {
+    /// The response body (JSON AdmissionReview).
+    pub body: Vec<u8>,
+    /// Tenant judged, if any.
+    pub tenant: Option<String>,
+    /// `allowed`, `denied`, `queued`, `passed` (not judged here), `error`.
+    pub outcome: &'static str,
+    /// GPUe the pod requests (0 if not computed).
+    pub gpue: MilliGpue,
+}
+
+/// A problem with the request itself (answered as a 400 review).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Malformed(pub String);
+
+fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<&Value>) -> Vec<u8> {
+    let mut resp = json!({ "uid": uid, "allowed": allowed });
+    if !message.is_empty() || !allowed {
+        resp["status"] = json!({ "code": code, "message": message });
+    }
+    if let Some(p) = patch {
+        let bytes = serde_json::to_vec(p).unwrap_or_default();
+        resp["patchType"] = json!("JSONPatch");
+        resp["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+    }
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": resp,
+    });
+    serde_json::to_vec(&review).unwrap_or_default()
+}
+
+fn error_reply(uid: &str, why: &str) -> Reviewed {
+    Reviewed {
+        body: response(uid, false, 400, &format!("kvota: malformed AdmissionReview: {why}"), None),
+        tenant: None,
+        outcome: "error",
+        gpue: 0,
+    }
+}
+
+fn pass(uid: &str, message: &str) -> Reviewed {
+    Reviewed {
+        body: response(uid, true, 200, message, None),
+        tenant: None,
+        outcome: "passed",
+        gpue: 0,
+    }
+}
+
+/// Handles one AdmissionReview body. Never panics; always returns a well-formed review.
+pub fn review(body: &[u8], endpoint: Endpoint, state: &mut dyn AdmissionState) -> Reviewed {
+    if body.len() > MAX_REVIEW_BYTES {
+        return error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len()));
+    }
+    let doc: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return error_reply("", &format!("not JSON: {e}")),
+    };
+    let uid = doc
+        .pointer("/request/uid")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    match judge(&doc, &uid, endpoint, state) {
+        Ok(r) => r,
+        Err(Malformed(why)) => error_reply(&uid, &why),
+    }
+}
+
+fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Result<Reviewed, Malformed> {
+    let api = doc.get("apiVersion").and_then(Value::as_str).unwrap_or_default();
+    let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
+    if api != "admission.k8s.io/v1" || kind != "AdmissionReview" {
+        return Err(Malformed(format!(
+            "expected apiVersion admission.k8s.io/v1 and kind AdmissionReview, got `{api}` `{kind}`"
+        )));
+    }
+    let req = doc.get("request").ok_or_else(|| Malformed("no `request`".into()))?;
+    if uid.is_empty() {
+        return Err(Malformed("request.uid is missing".into()));
+    }
+    // Only pods are judged; the webhook configuration should route nothing else here.
+    let res = req.pointer("/resource/resource").and_then(Value::as_str).unwrap_or_default();
+    let group = req.pointer("/resource/group").and_then(Value::as_str).unwrap_or_default();
+    if res != "pods" || !group.is_empty() {
+        return Ok(pass(uid, &format!("kvota: {group}/{res} is not judged (only pods)")));
+    }
+    if req.get("subResource").and_then(Value::as_str).is_some_and(|s| !s.is_empty()) {
+        return Ok(pass(uid, "kvota: pod subresources are not judged"));
+    }
+    let namespace = req
+        .get("namespace")
+        .and_then(Value::as_str)
+        .or_else(|| req.pointer("/object/metadata/namespace").and_then(Value::as_str))
+        .unwrap_or_default()
+        .to_string();
+    let name = req
+        .get("name")
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .or_else(|| req.pointer("/object/metadata/name").and_then(Value::as_str))
+        .unwrap_or_default()
+        .to_string();
+    let key = if name.is_empty() {
+        let prefix = req.pointer("/object/metadata/generateName").and_then(Value::as_str).unwrap_or_default();
+        format!("{namespace}/{prefix}*{uid}")
+    } else {
+        format!("{namespace}/{name}")
+    };
+    let dry_run = req.get("dryRun").and_then(Value::as_bool).unwrap_or(false);
+    match req.get("operation").and_then(Value::as_str).unwrap_or_default() {
+        "CREATE" => {}
+        "DELETE" => {
+            if !dry_run {
+                state.record(Effect::Forget { pod: key });
+            }
+            return Ok(pass(uid, ""));
+        }
+        // Pod resource requests are immutable (and scheduling gates can only be
+        // removed), so an update cannot take a tenant over budget.
+        "UPDATE" | "CONNECT" => return Ok(pass(uid, "")),
+        other => return Err(Malformed(format!("unknown operation `{other}`"))),
+    }
+    let object = req.get("object").ok_or_else(|| Malformed("CREATE without `object`".into()))?;
+    let pod = pod_resources(object)?;
+    let Some(policy) = state.policy() else {
+        // No policy yet: the agent enforces its (zero) budgets through `view`; without a
+        // policy there are no tenants, so nothing is governed.
+        return Ok(pass(uid, "kvota: no policy received yet; not judged"));
+    };
+    let weights = policy.resource_weights.clone();
+    let gpue = pod_gpue(&pod, &weights)
+        .map_err(|e| Malformed(format!("pod resources: {e}")))?
+        .total_milli;
+    let labels = state.namespace_labels(&namespace);
+    let tenant = policy.tenant_for_namespace(&namespace, &labels).map(|t| (t.name.clone(), t.admission));
+    let (tenant, mode) = match tenant {
+        Some(t) => t,
+        None => {
+            let v = LocalView { tenant: None, ..state.view("") };
+            let d = decide(&PodRequest { namespace, name, gpue }, &v);
+            return Ok(Reviewed { body: response(uid, true, 200, &d.message, None), tenant: None, outcome: "passed", gpue });
+        }
+    };
+    // Each endpoint judges only its mode's tenants.
+    let mine = matches!((endpoint, mode), (Endpoint::Validate, AdmissionMode::Reject) | (Endpoint::Mutate, AdmissionMode::Queue));
+    if !mine || gpue == 0 {
+        let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
+        return Ok(Reviewed { body: response(uid, true, 200, msg, None), tenant: Some(tenant), outcome: "passed", gpue });
+    }
+    let view = state.view(&tenant);
+    let d: Decision = decide(&PodRequest { namespace, name, gpue }, &view);
+    let priority = object
+        .pointer("/spec/priority")
+        .and_then(Value::as_i64)
+        .and_then(|p| i32::try_from(p).ok())
+        .unwrap_or(0);
+    let (body, outcome) = match d.verdict {
+        Verdict::Allow => {
+            if !dry_run {
+                state.record(Effect::Reserve { tenant: tenant.clone(), pod: key, gpue });
+            }
+            (response(uid, true, 200, &d.message, None), "allowed")
+        }
+        Verdict::Deny => (response(uid, false, 403, &d.message, None), "denied"),
+        Verdict::Queue => {
+            let has_gates = object.pointer("/spec/schedulingGates").is_some_and(Value::is_array);
+            let patch = if has_gates {
+                json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])
+            } else {
+                json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])
+            };
+            if !dry_run {
+                state.record(Effect::Enqueue { tenant: tenant.clone(), pod: key, gpue, priority });
+            }
+            (response(uid, true, 200, &d.message, Some(&patch)), "queued")
+        }
+    };
+    Ok(Reviewed { body, tenant: Some(tenant), outcome, gpue })
+}
+
+fn quantity_map(v: Option<&Value>, path: &str) -> Result<BTreeMap<String, String>, Malformed> {
+    let mut out = BTreeMap::new();
+    let Some(v) = v else { return Ok(out) };
+    let m = v.as_object().ok_or_else(|| Malformed(format!("{path} is not a map")))?;
+    for (k, q) in m {
+        let s = match q {
+            Value::String(s) => s.clone(),
+            Value::Number(n) => n.to_string(),
+            _ => return Err(Malformed(format!("{path}[{k}] is not a quantity"))),
+        };
+        out.insert(k.clone(), s);
+    }
+    Ok(out)
+}
+
+fn containers(spec: &Value, field: &str) -> Result<Vec<ContainerResources>, Malformed> {
+    let Some(list) = spec.get(field) else { return Ok(Vec::new()) };
+    let list = list.as_array().ok_or_else(|| Malformed(format!("spec.{field} is not a list")))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let path = format!("spec.{field}[{i}]");
+            let res = c.get("resources");
+            Ok(ContainerResources {
+                name: c.get("name").and_then(Value::as_str).unwrap_or_default().to_string(),
+                requests: quantity_map(res.and_then(|r| r.get("requests")), &format!("{path}.resources.requests"))?,
+                limits: quantity_map(res.and_then(|r| r.get("limits")), &format!("{path}.resources.limits"))?,
+                restartable: c.get("restartPolicy").and_then(Value::as_str) == Some("Always"),
+            })
+        })
+        .collect()
+}
+
+/// A pod's resources as the core models them, from the pod object's JSON.
+pub fn pod_resources(object: &Value) -> Result<PodResources, Malformed> {
+    let spec = object.get("spec").ok_or_else(|| Malformed("pod has no spec".into()))?;
+    Ok(PodResources {
+        init_containers: containers(spec, "initContainers")?,
+        containers: containers(spec, "containers")?,
+        overhead: quantity_map(spec.get("overhead"), "spec.overhead")?,
+    })
+}
