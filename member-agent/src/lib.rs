@@ -1,11 +1,21 @@
 //! The kvota member agent (`kvota agent`): cluster inventory, usage journal, lease
 //! enforcement and the admission webhook.
 //!
-//! Built so far (issue #4 in progress): [`review`], the AdmissionReview handling the
-//! webhook serves (pure: parse, map to tenant, decide, record the effect atomically),
-//! and [`journal`], the durable usage journal that keeps every report until the control
-//! plane acknowledges it. The HTTPS server, the Kubernetes inventory, the reporting loop
-//! and the simulated cluster are not written yet.
+//! Built so far (issue #4 in progress):
+//! - [`review`]: the AdmissionReview handling the webhook serves (pure: parse, map to
+//!   tenant, decide, record the effect atomically);
+//! - [`state`]: the agent's admission state (lease, pods, reservations, gate queue,
+//!   recent denials, usage meter);
+//! - [`journal`]: the durable usage journal;
+//! - [`agent`]: registration, policy fetch, journaled reporting and lease adoption;
+//! - [`sim`]: a simulated cluster whose pods go through `review`.
+//!
+//! Not written yet: the HTTPS webhook server (rustls), the Kubernetes inventory
+//! (kube-rs), the gate controller against the API, replica leader election, metrics, and
+//! the `kvota agent` command.
 
+pub mod agent;
 pub mod journal;
 pub mod review;
+pub mod sim;
+pub mod state;

@@ -59,6 +59,16 @@ pub enum Effect {
         /// Pod priority (`spec.priority`, 0 if unset).
         priority: i32,
     },
+    /// The pod was denied: it still counts as this tenant's demand for a while, or a
+    /// tenant in `reject` mode could never show the control plane it needs more.
+    Denied {
+        /// Tenant.
+        tenant: String,
+        /// Pod key.
+        pod: String,
+        /// GPUe it requested.
+        gpue: MilliGpue,
+    },
     /// The pod is being deleted: drop its reservation or queue entry.
     Forget {
         /// Pod key.
@@ -249,7 +259,12 @@ fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionSt
             }
             (response(uid, true, 200, &d.message, None), "allowed")
         }
-        Verdict::Deny => (response(uid, false, 403, &d.message, None), "denied"),
+        Verdict::Deny => {
+            if !dry_run {
+                state.record(Effect::Denied { tenant: tenant.clone(), pod: key, gpue });
+            }
+            (response(uid, false, 403, &d.message, None), "denied")
+        }
         Verdict::Queue => {
             let has_gates = object.pointer("/spec/schedulingGates").is_some_and(Value::is_array);
             let patch = if has_gates {

@@ -59,7 +59,7 @@ impl AdmissionState for State {
         match &effect {
             Effect::Reserve { gpue, .. } => self.inuse += gpue,
             Effect::Enqueue { .. } => self.queued += 1,
-            Effect::Forget { .. } => {}
+            Effect::Forget { .. } | Effect::Denied { .. } => {}
         }
         self.effects.push(effect);
     }
@@ -111,7 +111,7 @@ fn gpu_pod_over_budget_is_denied_with_an_actionable_message() {
         assert!(msg.contains(needle), "{needle:?} missing: {msg}");
     }
     assert_eq!(outcome, "denied");
-    assert!(st.effects.is_empty());
+    assert_eq!(st.effects, [Effect::Denied { tenant: "training".into(), pod: "default/nginx".into(), gpue: 2_000 }]);
 }
 
 #[test]

@@ -1,0 +1,234 @@
+//! The agent's admission state: the lease it enforces, the pods it knows, reservations
+//! for admitted-not-yet-bound pods, the gate queue, recent denials, and the usage meter.
+//!
+//! Time is the agent's monotonic clock in milliseconds, passed in by the caller
+//! ([`AgentState::set_now`]); nothing here reads a clock. One lock around this struct
+//! makes each admission's decide-and-reserve atomic.
+
+use std::collections::BTreeMap;
+
+use kvota_fairness::admission::{release_order, LocalView, QueuedPod};
+use kvota_fairness::federation::TenantReport;
+use kvota_fairness::lease::AgentLease;
+use kvota_fairness::policy::Policy;
+use kvota_fairness::{MilliGpue, Millis};
+
+use crate::review::{AdmissionState, Effect};
+
+/// How long an admitted pod holds its GPUe before it binds. Long enough for a busy
+/// scheduler and image pulls of the pod's sandbox, short enough that a pod that never
+/// appears stops blocking budget.
+pub const RESERVATION_TTL_MS: Millis = 120_000;
+/// How long a denied pod counts as pending demand (the client usually retries within a
+/// minute; a retry refreshes it).
+pub const DENIED_DEMAND_TTL_MS: Millis = 60_000;
+
+/// A pod the inventory reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodRec {
+    /// Tenant (None: not governed).
+    pub tenant: Option<String>,
+    /// GPUe it requests.
+    pub gpue: MilliGpue,
+}
+
+#[derive(Clone, Debug)]
+struct Queued {
+    tenant: String,
+    pod: QueuedPod,
+}
+
+/// The agent's state. See the module docs.
+#[derive(Debug)]
+pub struct AgentState {
+    cluster: String,
+    /// The lease rules (epoch, expiry, fallbacks).
+    pub lease: AgentLease,
+    policy: Option<Policy>,
+    capacity_gpue: MilliGpue,
+    namespaces: BTreeMap<String, BTreeMap<String, String>>,
+    bound: BTreeMap<String, PodRec>,
+    reserved: BTreeMap<String, (String, MilliGpue, Millis)>,
+    queue: BTreeMap<String, Queued>,
+    denied: BTreeMap<String, (String, MilliGpue, Millis)>,
+    used: BTreeMap<String, u64>,
+    now_ms: Millis,
+}
+
+impl AgentState {
+    /// State for `cluster` with `capacity_gpue` of GPUs and no lease.
+    pub fn new(cluster: &str, capacity_gpue: MilliGpue, lease: AgentLease) -> Self {
+        AgentState {
+            cluster: cluster.to_string(),
+            lease,
+            policy: None,
+            capacity_gpue,
+            namespaces: BTreeMap::new(),
+            bound: BTreeMap::new(),
+            reserved: BTreeMap::new(),
+            queue: BTreeMap::new(),
+            denied: BTreeMap::new(),
+            used: BTreeMap::new(),
+            now_ms: 0,
+        }
+    }
+
+    /// Advances the clock: meters usage of bound pods since the last call and drops
+    /// expired reservations and denials. Time never goes back.
+    pub fn set_now(&mut self, now_ms: Millis) {
+        if now_ms <= self.now_ms {
+            return;
+        }
+        let dt = now_ms - self.now_ms;
+        for p in self.bound.values() {
+            if let Some(t) = &p.tenant {
+                *self.used.entry(t.clone()).or_default() += p.gpue.saturating_mul(dt);
+            }
+        }
+        self.now_ms = now_ms;
+        self.reserved.retain(|_, (_, _, until)| *until > now_ms);
+        self.denied.retain(|_, (_, _, until)| *until > now_ms);
+    }
+
+    /// The clock.
+    pub fn now_ms(&self) -> Millis {
+        self.now_ms
+    }
+
+    /// The policy the agent enforces (fetched from the control plane).
+    pub fn set_policy(&mut self, p: Policy) {
+        self.policy = Some(p);
+    }
+
+    /// Records a namespace's labels (from the inventory).
+    pub fn set_namespace(&mut self, name: &str, labels: BTreeMap<String, String>) {
+        self.namespaces.insert(name.to_string(), labels);
+    }
+
+    /// The inventory saw `pod` bound to a node: its reservation becomes in-use.
+    pub fn pod_bound(&mut self, pod: &str, rec: PodRec) {
+        self.reserved.remove(pod);
+        self.queue.remove(pod);
+        self.denied.remove(pod);
+        self.bound.insert(pod.to_string(), rec);
+    }
+
+    /// The pod finished or was deleted.
+    pub fn pod_gone(&mut self, pod: &str) {
+        self.bound.remove(pod);
+        self.reserved.remove(pod);
+        self.queue.remove(pod);
+    }
+
+    /// Bound plus reserved GPUe of `tenant`.
+    pub fn inuse(&self, tenant: &str) -> MilliGpue {
+        let bound: u64 = self.bound.values().filter(|p| p.tenant.as_deref() == Some(tenant)).map(|p| p.gpue).sum();
+        let reserved: u64 = self.reserved.values().filter(|r| r.0 == tenant).map(|r| r.1).sum();
+        bound + reserved
+    }
+
+    /// Bound GPUe of `tenant` (what the scheduler placed).
+    pub fn bound(&self, tenant: &str) -> MilliGpue {
+        self.bound.values().filter(|p| p.tenant.as_deref() == Some(tenant)).map(|p| p.gpue).sum()
+    }
+
+    /// Queued plus recently denied GPUe of `tenant`: demand not yet admitted.
+    pub fn pending(&self, tenant: &str) -> MilliGpue {
+        let q: u64 = self.queue.values().filter(|q| q.tenant == tenant).map(|q| q.pod.gpue).sum();
+        let d: u64 = self.denied.values().filter(|d| d.0 == tenant).map(|d| d.1).sum();
+        q + d
+    }
+
+    /// Per-tenant numbers for a report: usage since the last call (reset), in-use and
+    /// pending now.
+    pub fn take_usage(&mut self) -> BTreeMap<String, TenantReport> {
+        let mut names: Vec<String> = self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect();
+        names.extend(self.used.keys().cloned());
+        names.sort();
+        names.dedup();
+        let mut out = BTreeMap::new();
+        for t in names {
+            let used = self.used.remove(&t).unwrap_or(0);
+            out.insert(
+                t.clone(),
+                TenantReport { used_milli_gpue_ms: used, inuse: self.inuse(&t), pending: self.pending(&t) },
+            );
+        }
+        out
+    }
+
+    /// Gated pods that fit their tenant's budget now, in release order (priority, then
+    /// age); they become reservations until they bind.
+    pub fn release_queue(&mut self) -> Vec<String> {
+        let tenants: Vec<String> = {
+            let mut t: Vec<String> = self.queue.values().map(|q| q.tenant.clone()).collect();
+            t.dedup();
+            t.sort();
+            t.dedup();
+            t
+        };
+        let mut out = Vec::new();
+        for t in tenants {
+            let keys: Vec<String> = self.queue.iter().filter(|(_, q)| q.tenant == t).map(|(k, _)| k.clone()).collect();
+            let pods: Vec<QueuedPod> = keys.iter().map(|k| self.queue[k].pod.clone()).collect();
+            let budget = self.lease.budget(&t, self.now_ms);
+            for i in release_order(&pods, budget, self.inuse(&t), false) {
+                let key = &keys[i];
+                if let Some(q) = self.queue.remove(key) {
+                    self.reserved.insert(key.clone(), (t.clone(), q.pod.gpue, self.now_ms + RESERVATION_TTL_MS));
+                    out.push(key.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+impl AdmissionState for AgentState {
+    fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    fn policy(&self) -> Option<&Policy> {
+        self.policy.as_ref()
+    }
+
+    fn namespace_labels(&self, namespace: &str) -> BTreeMap<String, String> {
+        self.namespaces.get(namespace).cloned().unwrap_or_default()
+    }
+
+    fn view(&self, tenant: &str) -> LocalView {
+        let tp = self.policy.as_ref().and_then(|p| p.tenant(tenant));
+        let entitlement = self.lease.lease().and_then(|l| l.budgets.get(tenant)).map_or(0, |b| b.entitlement);
+        LocalView {
+            cluster: self.cluster.clone(),
+            tenant: tp.map(|t| t.name.clone()),
+            mode: tp.map(|t| t.admission).unwrap_or_default(),
+            max_queued: tp.map_or(0, |t| t.max_queued),
+            budget: self.lease.budget(tenant, self.now_ms),
+            inuse: self.inuse(tenant),
+            queued: u32::try_from(self.queue.values().filter(|q| q.tenant == tenant).count()).unwrap_or(u32::MAX),
+            entitlement,
+            ceiling: Some(self.capacity_gpue),
+            lease: self.lease.status(self.now_ms),
+        }
+    }
+
+    fn record(&mut self, effect: Effect) {
+        let now = self.now_ms;
+        match effect {
+            Effect::Reserve { tenant, pod, gpue } => {
+                self.denied.remove(&pod);
+                self.reserved.insert(pod, (tenant, gpue, now + RESERVATION_TTL_MS));
+            }
+            Effect::Enqueue { tenant, pod, gpue, priority } => {
+                let q = QueuedPod { key: pod.clone(), priority, queued_at_ms: now, gpue };
+                self.queue.insert(pod, Queued { tenant, pod: q });
+            }
+            Effect::Denied { tenant, pod, gpue } => {
+                self.denied.insert(pod, (tenant, gpue, now + DENIED_DEMAND_TTL_MS));
+            }
+            Effect::Forget { pod } => self.pod_gone(&pod),
+        }
+    }
+}
