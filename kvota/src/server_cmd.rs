@@ -136,6 +136,13 @@ async fn serve(args: ServerArgs) -> Result<()> {
         handle.http_addr,
         args.data_dir.display()
     );
+    if !handle.raft().is_initialized().await.unwrap_or(true) {
+        eprintln!(
+            "kvota server: this node belongs to no group yet: it waits for a leader to add it \
+             (`kvota members add-learner --id {} --rpc {}`), or start it with --init to create a new group",
+            args.id, handle.rpc_addr
+        );
+    }
     wait_for_signal().await;
     eprintln!("kvota server: stopping");
     handle.shutdown().await;

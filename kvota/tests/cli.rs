@@ -82,3 +82,25 @@ fn demo_says_plainly_it_is_not_there_yet() {
     assert_eq!(code, 2);
     assert!(err.contains("not available yet"), "{err}");
 }
+
+#[test]
+fn operator_commands_explain_an_unreachable_control_plane() {
+    let start = std::time::Instant::now();
+    let (code, _, err) = kvota(&["status", "--cp", "127.0.0.1:1"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("control plane at 127.0.0.1:1 is unavailable"), "{err}");
+    assert!(err.contains("is `kvota server` running there?"), "{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(30), "gave up only after {:?}", start.elapsed());
+}
+
+#[test]
+fn server_refuses_a_port_in_use_with_a_hint() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = busy.local_addr().expect("addr").to_string();
+    let dir = tempfile::tempdir().expect("tmp");
+    let (code, _, err) = kvota(&[
+        "server", "--listen", &addr, "--http", "127.0.0.1:0", "--data-dir", dir.path().to_str().expect("utf8"),
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(&format!("listen for gRPC on {addr}")) && err.contains("pick another --listen"), "{err}");
+}
