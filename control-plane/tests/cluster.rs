@@ -374,6 +374,8 @@ async fn membership_changes_and_admin_http() {
     let client = Client::new(&cl.endpoints()).expect("client");
     apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
     register(&client, "east", 8).await;
+    // Followers serve their applied state: wait until every node has the policy.
+    cl.converged(Duration::from_secs(10)).await;
 
     // Health, readiness and metrics on every node.
     for m in cl.members.values() {
