@@ -94,23 +94,30 @@ impl Cluster {
     }
 
     async fn restart(&mut self, id: u64) {
-        let m = &self.members[&id];
-        // Rebind the same ports: the members' addresses are part of the replicated state.
+        let m = self.members[&id].clone();
+        // Rebind the same ports (the members' addresses are part of the replicated state)
+        // and reopen the directory. In one process, the stopped instance's last blocking
+        // tasks may still hold sled's directory lock for a moment (a real restart is a new
+        // process, whose exit released it), so retry for a few seconds.
         let mut tries = 0;
-        let (rpc, http) = loop {
+        let node = loop {
             let rpc = TcpListener::bind(&m.rpc_addr).await;
             let http = TcpListener::bind(&m.http_addr).await;
-            match (rpc, http) {
-                (Ok(r), Ok(h)) => break (r, h),
-                _ if tries < 50 => {
+            let attempt = match (rpc, http) {
+                (Ok(r), Ok(h)) => start(config(id, self.dirs[idx(id)].clone(), &m), r, h).await.map_err(|e| format!("{e:#}")),
+                (r, h) => Err(format!("rebind {m:?}: {:?} {:?}", r.err(), h.err())),
+            };
+            match attempt {
+                Ok(n) => break n,
+                Err(e) if tries < 50 => {
                     tries += 1;
+                    let _ = e;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                (r, h) => panic!("rebind {m:?}: {:?} {:?}", r.err(), h.err()),
+                Err(e) => panic!("restart node {id}: {e}"),
             }
         };
-        let cfg = config(id, self.dirs[idx(id)].clone(), m);
-        self.nodes[idx(id)] = Some(start(cfg, rpc, http).await.expect("restart node"));
+        self.nodes[idx(id)] = Some(node);
     }
 
     async fn federation(&self, id: u64) -> Federation {
