@@ -440,19 +440,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
-        let mut batch = sled::Batch::default();
-        for item in self.logs.range(log_key(log_id.index)..) {
-            let (key, _) = item.map_err(|e| StorageIOError::write_logs(&e))?;
-            batch.remove(key);
-        }
         // Atomic: the log never ends up with a hole at the truncation point.
-        self.logs
-            .apply_batch(batch)
-            .map_err(|e| StorageIOError::write_logs(&e))?;
-        flush(&self.db)
-            .await
-            .map_err(|e| StorageIOError::write_logs(&e))?;
-        Ok(())
+        self.remove_durably(log_key(log_id.index)..).await
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
@@ -462,8 +451,18 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // `last_purged + 1`.
         self.write_meta(LAST_PURGED_KEY, &log_id, ErrorSubject::Logs)
             .await?;
+        self.remove_durably(..=log_key(log_id.index)).await
+    }
+}
+
+impl LogStore {
+    /// Removes the log entries in `range` in one atomic sled batch, then fsyncs.
+    async fn remove_durably<R>(&self, range: R) -> Result<(), StorageError<NodeId>>
+    where
+        R: RangeBounds<[u8; 8]>,
+    {
         let mut batch = sled::Batch::default();
-        for item in self.logs.range(..=log_key(log_id.index)) {
+        for item in self.logs.range(range) {
             let (key, _) = item.map_err(|e| StorageIOError::write_logs(&e))?;
             batch.remove(key);
         }
