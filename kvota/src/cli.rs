@@ -68,9 +68,10 @@ enum Cmd {
     /// hypothetical federation ("what would kvota do?"). Uses the same fairness core as
     /// the control plane.
     Whatif(WhatifArgs),
-    /// The end-to-end demonstration (3-node control plane, agents, a partition).
-    /// Not available yet: it lands with the demo issue.
-    Demo,
+    /// See kvota keep three GPU clusters fair on this machine: a 3-node control plane
+    /// (child processes), three agents with simulated clusters, a morning burst, a
+    /// partition and a leader killed; then a measured summary.
+    Demo(crate::demo::DemoArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -149,14 +150,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Policy(PolicyCmd::Validate { file, json }) => policy_validate(&file, json),
         Cmd::Whatif(args) => whatif(args),
-        Cmd::Demo => {
-            eprintln!(
-                "kvota demo is not available yet: it needs the member agent, which is still being built.\n\
-                 Meanwhile: `kvota server` runs the control plane (see README), and `kvota whatif --cluster east=32 \\\n\
-                 --cluster west=32 --pending training@east=40 --pending inference@west=30` shows what the fairness core decides."
-            );
-            Ok(ExitCode::from(2))
-        }
+        Cmd::Demo(a) => crate::demo::run(a),
     }
 }
 

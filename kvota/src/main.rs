@@ -24,6 +24,7 @@ macro_rules! outp {
 
 mod admin_cmd;
 mod cli;
+mod demo;
 mod server_cmd;
 
 use std::process::ExitCode;

@@ -55,6 +55,10 @@ pub struct ServerArgs {
     /// How often the leader recomputes entitlements without new reports, milliseconds.
     #[arg(long, env = "KVOTA_TICK_MS", default_value_t = 1_000)]
     tick_ms: u64,
+    /// Stop when standard input reaches end of file: a parent that starts servers (the
+    /// demo) gives each a pipe, so they exit with it even if it is killed.
+    #[arg(long, hide = true)]
+    exit_with_parent: bool,
 }
 
 fn parse_member(spec: &str) -> Result<(u64, Node)> {
@@ -143,7 +147,24 @@ async fn serve(args: ServerArgs) -> Result<()> {
             args.id, handle.rpc_addr
         );
     }
-    wait_for_signal().await;
+    if args.exit_with_parent {
+        // A plain thread, not the runtime's blocking pool: the runtime would wait for a
+        // read that never ends when the server stops for another reason.
+        let (tx, stdin_closed) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 256];
+            let mut stdin = std::io::stdin();
+            // Reads until end of file or an error: either way the parent is gone.
+            while matches!(std::io::Read::read(&mut stdin, &mut sink), Ok(n) if n > 0) {}
+            let _ = tx.send(());
+        });
+        tokio::select! {
+            _ = wait_for_signal() => {}
+            _ = stdin_closed => eprintln!("kvota server: the parent process is gone"),
+        }
+    } else {
+        wait_for_signal().await;
+    }
     eprintln!("kvota server: stopping");
     handle.shutdown().await;
     Ok(())

@@ -168,6 +168,23 @@ mod tests {
     use kvota_fairness::lease::{AgentLease, LeaseStatus, TenantBudget};
     use std::collections::BTreeMap;
 
+    /// Reopens a journal closed a moment ago in this same process: sled's background
+    /// flusher may still hold the directory lock briefly after the last handle is dropped
+    /// (a restarted agent is a new process, whose exit released it).
+    fn reopen(dir: &Path) -> Journal {
+        let mut tries = 0;
+        loop {
+            match Journal::open(dir) {
+                Ok(j) => return j,
+                Err(e) if tries < 50 && e.to_string().contains("lock") => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                Err(e) => panic!("reopen {}: {e}", dir.display()),
+            }
+        }
+    }
+
     fn report(used: u64) -> impl FnOnce(u64) -> UsageReport {
         move |seq| UsageReport {
             cluster: "east".into(),
@@ -188,7 +205,7 @@ mod tests {
             assert_eq!(j.write(report(30)).expect("w").seq, 3);
             j.ack_through(1).expect("ack");
         }
-        let j = Journal::open(dir.path()).expect("reopen");
+        let j = reopen(dir.path());
         let left = j.unacked(100).expect("read");
         assert_eq!(left.iter().map(|r| r.seq).collect::<Vec<_>>(), [2, 3]);
         assert_eq!(left[0].tenants["training"].used_milli_gpue_ms, 20, "resent unchanged");
@@ -196,7 +213,7 @@ mod tests {
         j.ack_through(3).expect("ack");
         assert_eq!(j.backlog(), 0);
         drop(j);
-        let j = Journal::open(dir.path()).expect("reopen");
+        let j = reopen(dir.path());
         assert_eq!(j.write(report(40)).expect("w").seq, 4);
     }
 
@@ -214,7 +231,7 @@ mod tests {
                 .collect::<BTreeMap<_, _>>(),
         };
         Journal::open(dir.path()).expect("open").save_lease(&lease).expect("save");
-        let back = Journal::open(dir.path()).expect("reopen").load_lease().expect("load").expect("some");
+        let back = reopen(dir.path()).load_lease().expect("load").expect("some");
         assert_eq!(back, lease);
         let agent = AgentLease::restored(back);
         assert_eq!(agent.held_epoch(), 7);

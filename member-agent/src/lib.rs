@@ -8,7 +8,8 @@
 //!   recent denials, usage meter);
 //! - [`journal`]: the durable usage journal;
 //! - [`agent`]: registration, policy fetch, journaled reporting and lease adoption;
-//! - [`sim`]: a simulated cluster whose pods go through `review`.
+//! - [`sim`]: a simulated cluster whose pods go through `review`;
+//! - [`netfault`]: a TCP proxy whose link can be cut (tests and the demo).
 //!
 //! Not written yet: the HTTPS webhook server (rustls), the Kubernetes inventory
 //! (kube-rs), the gate controller against the API, replica leader election, metrics, and
@@ -16,6 +17,7 @@
 
 pub mod agent;
 pub mod journal;
+pub mod netfault;
 pub mod review;
 pub mod sim;
 pub mod state;

@@ -1,11 +1,13 @@
-//! A simulated member cluster: nodes with GPUs, a first-fit scheduler that binds admitted
-//! pods to nodes with free GPUs, and pods that run for a while and finish.
+//! A simulated member cluster: nodes with GPUs (whole or MIG slices), a first-fit
+//! scheduler that binds admitted pods to nodes with free devices, and pods that run for a
+//! while and finish.
 //!
 //! Pods enter exactly as real ones do: as an `admission.k8s.io/v1` AdmissionReview
 //! handed to [`crate::review::review`] (the same `decide`), against the agent's state.
 
 use std::collections::BTreeMap;
 
+use kvota_fairness::resources::NVIDIA_GPU;
 use kvota_fairness::{MilliGpue, Millis};
 use serde_json::json;
 
@@ -19,12 +21,33 @@ pub struct SimPod {
     pub namespace: String,
     /// Pod name (unique in the namespace).
     pub name: String,
-    /// Whole GPUs requested (`nvidia.com/gpu` limit).
-    pub gpus: u32,
+    /// Device resource requested (`nvidia.com/gpu`, `nvidia.com/mig-3g.40gb`, ...).
+    pub resource: String,
+    /// How many of `resource` (a limit on its one container).
+    pub count: u32,
     /// How long it runs once bound.
     pub duration_ms: Millis,
     /// Pod priority.
     pub priority: i32,
+}
+
+impl SimPod {
+    /// A pod asking for `gpus` whole `nvidia.com/gpu`.
+    pub fn gpus(namespace: &str, name: &str, gpus: u32, duration_ms: Millis, priority: i32) -> SimPod {
+        SimPod {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            resource: NVIDIA_GPU.to_string(),
+            count: gpus,
+            duration_ms,
+            priority,
+        }
+    }
+
+    /// `namespace/name`, the key the agent knows the pod by.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -37,14 +60,29 @@ struct Waiting {
 #[derive(Clone, Debug)]
 struct Running {
     node: usize,
+    pod: SimPod,
+    tenant: Option<String>,
     gpue: MilliGpue,
     ends_at_ms: Millis,
+}
+
+/// A pod the scheduler bound in a [`SimCluster::bind`] call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bound {
+    /// `namespace/name`.
+    pub key: String,
+    /// Tenant the webhook mapped it to.
+    pub tenant: Option<String>,
+    /// GPUe it holds.
+    pub gpue: MilliGpue,
 }
 
 /// The simulated cluster.
 #[derive(Debug, Default)]
 pub struct SimCluster {
-    free: Vec<MilliGpue>,
+    /// Free devices per node: resource name -> count.
+    free: Vec<BTreeMap<String, u64>>,
+    capacity: BTreeMap<String, u64>,
     unbound: BTreeMap<String, Waiting>,
     gated: BTreeMap<String, Waiting>,
     running: BTreeMap<String, Running>,
@@ -52,20 +90,48 @@ pub struct SimCluster {
 }
 
 impl SimCluster {
-    /// A cluster with these nodes (GPUs per node).
+    /// A cluster of nodes with this many whole GPUs each.
     pub fn new(node_gpus: &[u32]) -> Self {
-        SimCluster { free: node_gpus.iter().map(|&g| u64::from(g) * 1000).collect(), ..Default::default() }
+        let nodes: Vec<BTreeMap<String, u64>> =
+            node_gpus.iter().map(|&g| [(NVIDIA_GPU.to_string(), u64::from(g))].into()).collect();
+        Self::with_nodes(nodes)
     }
 
-    /// GPUe of all nodes.
-    pub fn capacity_gpue(&self) -> MilliGpue {
-        let used: u64 = self.running.values().map(|r| r.gpue).sum();
-        self.free.iter().sum::<u64>() + used
+    /// A cluster of nodes given as device counts per resource name (e.g. one node with
+    /// 14 `nvidia.com/mig-3g.40gb` slices).
+    pub fn with_nodes(nodes: Vec<BTreeMap<String, u64>>) -> Self {
+        let mut capacity = BTreeMap::new();
+        for n in &nodes {
+            for (r, c) in n {
+                *capacity.entry(r.clone()).or_insert(0) += c;
+            }
+        }
+        SimCluster { free: nodes, capacity, ..Default::default() }
+    }
+
+    /// Capacity per resource in quantity thousandths, as the agent registers it.
+    pub fn capacity_milli(&self) -> BTreeMap<String, u64> {
+        self.capacity.iter().map(|(r, c)| (r.clone(), c * 1000)).collect()
     }
 
     /// Pods running.
     pub fn running(&self) -> usize {
         self.running.len()
+    }
+
+    /// GPUe held by running pods.
+    pub fn running_gpue(&self) -> MilliGpue {
+        self.running.values().map(|r| r.gpue).sum()
+    }
+
+    /// Pods admitted (or released from the gate) but not yet bound.
+    pub fn unbound(&self) -> usize {
+        self.unbound.len()
+    }
+
+    /// Pods waiting behind the scheduling gate.
+    pub fn gated(&self) -> usize {
+        self.gated.len()
     }
 
     /// Submits a pod through admission: `allowed`, `queued`, `denied`, `passed` or
@@ -90,7 +156,7 @@ impl SimCluster {
                     "metadata": {"name": pod.name, "namespace": pod.namespace},
                     "spec": {
                         "priority": pod.priority,
-                        "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": pod.gpus.to_string()}}}]
+                        "containers": [{"name": "main", "resources": {"limits": {pod.resource.clone(): pod.count.to_string()}}}]
                     }
                 }
             }
@@ -98,44 +164,119 @@ impl SimCluster {
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mutate = review(&bytes, Endpoint::Mutate, state);
         let verdict = if mutate.outcome == "passed" { review(&bytes, Endpoint::Validate, state) } else { mutate };
-        let key = format!("{}/{}", pod.namespace, pod.name);
-        let w = Waiting { pod: pod.clone(), tenant: verdict.tenant.clone(), gpue: u64::from(pod.gpus) * 1000 };
+        let w = Waiting { pod: pod.clone(), tenant: verdict.tenant.clone(), gpue: verdict.gpue };
         match verdict.outcome {
             "allowed" | "passed" => {
-                self.unbound.insert(key, w);
+                self.unbound.insert(pod.key(), w);
             }
             "queued" => {
-                self.gated.insert(key, w);
+                self.gated.insert(pod.key(), w);
             }
             _ => {}
         }
         verdict.outcome
     }
 
-    /// Advances to `now_ms`: finishes pods, ungates what the agent releases, binds what
-    /// fits (first fit, oldest first).
-    pub fn step(&mut self, state: &mut AgentState, now_ms: Millis) {
+    /// Finishes the pods whose time is up (their devices free, the agent forgets them).
+    /// Returns the keys of the finished pods.
+    pub fn finish(&mut self, state: &mut AgentState, now_ms: Millis) -> Vec<String> {
         let done: Vec<String> = self.running.iter().filter(|(_, r)| r.ends_at_ms <= now_ms).map(|(k, _)| k.clone()).collect();
-        for k in done {
-            if let Some(r) = self.running.remove(&k) {
-                self.free[r.node] += r.gpue;
+        for k in &done {
+            if let Some(r) = self.running.remove(k) {
+                if let Some(node) = self.free.get_mut(r.node) {
+                    *node.entry(r.pod.resource.clone()).or_insert(0) += u64::from(r.pod.count);
+                }
             }
-            state.pod_gone(&k);
+            state.pod_gone(k);
         }
-        for k in state.release_queue() {
-            if let Some(w) = self.gated.remove(&k) {
-                self.unbound.insert(k, w);
+        done
+    }
+
+    /// Removes the scheduling gate from the pods the agent releases (they hold a
+    /// reservation from now on). Returns their keys.
+    pub fn release(&mut self, state: &mut AgentState) -> Vec<String> {
+        let released = state.release_queue();
+        for k in &released {
+            if let Some(w) = self.gated.remove(k) {
+                self.unbound.insert(k.clone(), w);
             }
         }
+        released
+    }
+
+    /// Binds what fits (first fit, in key order) and returns what was bound.
+    pub fn bind(&mut self, state: &mut AgentState, now_ms: Millis) -> Vec<Bound> {
+        let mut out = Vec::new();
         let keys: Vec<String> = self.unbound.keys().cloned().collect();
         for k in keys {
             let Some(w) = self.unbound.get(&k) else { continue };
-            if let Some(node) = self.free.iter().position(|&f| f >= w.gpue) {
-                self.free[node] -= w.gpue;
-                let Some(w) = self.unbound.remove(&k) else { continue };
-                state.pod_bound(&k, PodRec { tenant: w.tenant.clone(), gpue: w.gpue });
-                self.running.insert(k, Running { node, gpue: w.gpue, ends_at_ms: now_ms + w.pod.duration_ms });
+            let need = u64::from(w.pod.count);
+            let res = w.pod.resource.clone();
+            let Some(node) = self.free.iter().position(|f| f.get(&res).copied().unwrap_or(0) >= need) else { continue };
+            let Some(w) = self.unbound.remove(&k) else { continue };
+            if let Some(f) = self.free.get_mut(node).and_then(|f| f.get_mut(&res)) {
+                *f -= need;
+            }
+            state.pod_bound(&k, PodRec { tenant: w.tenant.clone(), gpue: w.gpue });
+            out.push(Bound { key: k.clone(), tenant: w.tenant.clone(), gpue: w.gpue });
+            self.running.insert(
+                k,
+                Running { node, ends_at_ms: now_ms + w.pod.duration_ms, pod: w.pod, tenant: w.tenant, gpue: w.gpue },
+            );
+        }
+        out
+    }
+
+    /// Whether some node has `count` free devices of `resource` right now.
+    pub fn fits(&self, resource: &str, count: u32) -> bool {
+        self.free.iter().any(|f| f.get(resource).copied().unwrap_or(0) >= u64::from(count))
+    }
+
+    /// GPUe running per tenant.
+    pub fn running_by_tenant(&self) -> BTreeMap<String, MilliGpue> {
+        let mut m = BTreeMap::new();
+        for r in self.running.values() {
+            if let Some(t) = &r.tenant {
+                *m.entry(t.clone()).or_insert(0) += r.gpue;
             }
         }
+        m
+    }
+
+    /// Advances to `now_ms`: finishes pods, ungates what the agent releases, binds what
+    /// fits.
+    pub fn step(&mut self, state: &mut AgentState, now_ms: Millis) {
+        self.finish(state, now_ms);
+        self.release(state);
+        self.bind(state, now_ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvota_fairness::lease::AgentLease;
+
+    #[test]
+    fn mig_slices_bind_only_where_that_slice_is_free() {
+        let mut c = SimCluster::with_nodes(vec![
+            [(NVIDIA_GPU.to_string(), 1)].into(),
+            [("nvidia.com/mig-3g.40gb".to_string(), 2)].into(),
+        ]);
+        assert_eq!(c.capacity_milli().get("nvidia.com/mig-3g.40gb"), Some(&2000));
+        let mut st = AgentState::new("c", 1858, AgentLease::new("c"));
+        // No policy: pods are not governed, so they pass and bind by fit alone.
+        let mut p = SimPod::gpus("ns", "a", 1, 1_000, 0);
+        p.resource = "nvidia.com/mig-3g.40gb".into();
+        assert_eq!(c.submit(&mut st, &p), "passed");
+        p.name = "b".into();
+        c.submit(&mut st, &p);
+        p.name = "c".into();
+        c.submit(&mut st, &p);
+        let bound = c.bind(&mut st, 0);
+        assert_eq!(bound.len(), 2, "two slices, three pods: {bound:?}");
+        assert_eq!(c.unbound(), 1);
+        assert_eq!(c.finish(&mut st, 1_000).len(), 2);
+        assert_eq!(c.bind(&mut st, 1_000).len(), 1);
     }
 }

@@ -19,8 +19,8 @@ use crate::review::{AdmissionState, Effect};
 /// scheduler and image pulls of the pod's sandbox, short enough that a pod that never
 /// appears stops blocking budget.
 pub const RESERVATION_TTL_MS: Millis = 120_000;
-/// How long a denied pod counts as pending demand (the client usually retries within a
-/// minute; a retry refreshes it).
+/// How long a denied pod counts as pending demand by default (the client usually retries
+/// within a minute; a retry refreshes it). See [`AgentState::set_denied_demand_ttl`].
 pub const DENIED_DEMAND_TTL_MS: Millis = 60_000;
 
 /// A pod the inventory reports.
@@ -53,6 +53,7 @@ pub struct AgentState {
     denied: BTreeMap<String, (String, MilliGpue, Millis)>,
     used: BTreeMap<String, u64>,
     now_ms: Millis,
+    denied_ttl_ms: Millis,
 }
 
 impl AgentState {
@@ -70,6 +71,7 @@ impl AgentState {
             denied: BTreeMap::new(),
             used: BTreeMap::new(),
             now_ms: 0,
+            denied_ttl_ms: DENIED_DEMAND_TTL_MS,
         }
     }
 
@@ -88,6 +90,14 @@ impl AgentState {
         self.now_ms = now_ms;
         self.reserved.retain(|_, (_, _, until)| *until > now_ms);
         self.denied.retain(|_, (_, _, until)| *until > now_ms);
+    }
+
+    /// How long a denial keeps counting as its tenant's demand: about as long as the
+    /// pod's owner takes to retry. Too long overstates demand (a pod admitted elsewhere,
+    /// or given up, still counts); too short hides the demand of a tenant in `reject`
+    /// mode between its retries.
+    pub fn set_denied_demand_ttl(&mut self, ttl_ms: Millis) {
+        self.denied_ttl_ms = ttl_ms.max(1);
     }
 
     /// The clock.
@@ -226,7 +236,7 @@ impl AdmissionState for AgentState {
                 self.queue.insert(pod, Queued { tenant, pod: q });
             }
             Effect::Denied { tenant, pod, gpue } => {
-                self.denied.insert(pod, (tenant, gpue, now + DENIED_DEMAND_TTL_MS));
+                self.denied.insert(pod, (tenant, gpue, now + self.denied_ttl_ms));
             }
             Effect::Forget { pod } => self.pod_gone(&pod),
         }

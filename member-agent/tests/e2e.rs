@@ -6,8 +6,6 @@
 //! the usage the clusters produced.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvota_control_plane::client::Client;
@@ -15,9 +13,10 @@ use kvota_control_plane::server::{start, ServerConfig, ServerHandle};
 use kvota_control_plane::types::Node;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_member_agent::agent::Agent;
+use kvota_member_agent::netfault::LinkProxy;
 use kvota_member_agent::sim::{SimCluster, SimPod};
 use kvota_proto::v1;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 const POLICY: &str = "
 apiVersion: kvota.dev/v1alpha1
@@ -31,41 +30,6 @@ spec:
   - {name: inference, weight: 50, minShare: 40, maxShare: 80, namespaces: [serving]}
   - {name: research, weight: 10, minShare: 5, maxShare: 25, preemptible: true, namespaces: [lab]}
 ";
-
-/// A TCP proxy whose link can be cut: a real socket fault between an agent and the
-/// control plane (open connections are dropped and new ones refused while cut).
-struct Proxy {
-    addr: String,
-    cut: Arc<AtomicBool>,
-}
-
-async fn proxy(target: String) -> Proxy {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-    let addr = l.local_addr().expect("addr").to_string();
-    let cut = Arc::new(AtomicBool::new(false));
-    let c = cut.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut inbound, _)) = l.accept().await else { return };
-            if c.load(Ordering::SeqCst) {
-                continue; // dropped: connection refused in effect
-            }
-            let target = target.clone();
-            let c2 = c.clone();
-            tokio::spawn(async move {
-                let Ok(mut out) = TcpStream::connect(&target).await else { return };
-                let copy = tokio::io::copy_bidirectional(&mut inbound, &mut out);
-                let watch = async {
-                    while !c2.load(Ordering::SeqCst) {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                };
-                tokio::select! { _ = copy => {}, _ = watch => {} }
-            });
-        }
-    });
-    Proxy { addr, cut }
-}
 
 async fn control_plane(tmp: &std::path::Path) -> (Vec<ServerHandle>, Vec<String>) {
     let mut ls = Vec::new();
@@ -121,9 +85,9 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     // Agent A reaches the control plane only through proxies we can cut.
     let mut proxies = Vec::new();
     for e in &endpoints {
-        proxies.push(proxy(e.clone()).await);
+        proxies.push(LinkProxy::start(e.clone()).await.expect("proxy"));
     }
-    let a_eps: Vec<String> = proxies.iter().map(|p| p.addr.clone()).collect();
+    let a_eps: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
     let a = Agent::open("east", gpu_capacity(32), &tmp.path().join("agent-east"), &a_eps).expect("agent a");
     let b = Agent::open("west", gpu_capacity(32), &tmp.path().join("agent-west"), &endpoints).expect("agent b");
     for ag in [&a, &b] {
@@ -138,7 +102,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     {
         let mut st = b.state();
         for i in 0..10 {
-            let p = SimPod { namespace: "serving".into(), name: format!("inf-{i}"), gpus: 1, duration_ms: 600_000, priority: 100 };
+            let p = SimPod::gpus("serving", &format!("inf-{i}"), 1, 600_000, 100);
             sim_b.submit(&mut st, &p);
         }
     }
@@ -152,7 +116,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
             let mut st = a.state();
             for _ in 0..20 {
                 if next >= 200 { break; }
-                let p = SimPod { namespace: "ml".into(), name: format!("train-{next}"), gpus: 1, duration_ms: 600_000, priority: 0 };
+                let p = SimPod::gpus("ml", &format!("train-{next}"), 1, 600_000, 0);
                 let before = st.inuse("training");
                 let budget = st.lease.budget("training", st.now_ms());
                 match sim_a.submit(&mut st, &p) {
@@ -175,7 +139,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     let held_before_cut = a.state().inuse("training");
 
     // Cut east off. Its lease expires (3 s) and it falls back to safe budgets.
-    for p in &proxies { p.cut.store(true, Ordering::SeqCst); }
+    for p in &proxies { p.set_cut(true); }
     let cut_at = Instant::now();
     let mut denied_while_cut = 0;
     while cut_at.elapsed() < Duration::from_secs(5) {
@@ -184,7 +148,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
             let now = st.now_ms();
             let budget = st.lease.budget("training", now);
             let before = st.inuse("training");
-            let p = SimPod { namespace: "ml".into(), name: format!("train-cut-{denied_while_cut}"), gpus: 1, duration_ms: 600_000, priority: 0 };
+            let p = SimPod::gpus("ml", &format!("train-cut-{denied_while_cut}"), 1, 600_000, 0);
             let out = sim_a.submit(&mut st, &p);
             if out == "allowed" {
                 assert!(before + 1_000 <= budget, "partitioned agent admitted past its budget");
@@ -207,7 +171,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     assert!(denied_while_cut > 0);
 
     // Heal: the journal drains, the control plane catches up.
-    for p in &proxies { p.cut.store(false, Ordering::SeqCst); }
+    for p in &proxies { p.set_cut(false); }
     let healed = Instant::now();
     while a.backlog() > 0 || b.backlog() > 0 {
         assert!(healed.elapsed() < Duration::from_secs(20), "journal did not drain: {}", a.backlog());

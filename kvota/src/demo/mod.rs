@@ -1,0 +1,1030 @@
+//! `kvota demo`: three GPU clusters kept fair through a morning rush, a partition and a
+//! control-plane failover, on one machine, with nothing else installed.
+//!
+//! What is real: three `kvota server` processes (this binary, spawned as children, each
+//! with its own sled data directory) forming one Raft group on loopback; three member
+//! agents with their sled journals, reporting over gRPC and enforcing leases; the
+//! admission path (every pod is an AdmissionReview through the webhook code); the
+//! partition (a TCP proxy that drops the agent's connections); the leader's death
+//! (SIGKILL). What is simulated: the clusters themselves (nodes, a first-fit scheduler,
+//! pods that run for a while) and the workload, generated from `--seed`.
+//!
+//! Children are tied to this process: each reads a pipe from it and exits when it
+//! closes, so none outlive the demo, even if it is killed.
+
+mod measure;
+mod scenario;
+mod view;
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvota_control_plane::client::Client;
+use kvota_fairness::lease::LeaseStatus;
+use kvota_fairness::policy::{Policy, TENANT_LABEL};
+use kvota_fairness::resources::ResourceWeights;
+use kvota_fairness::MilliGpue;
+use kvota_member_agent::agent::Agent;
+use kvota_member_agent::netfault::LinkProxy;
+use kvota_member_agent::sim::{SimCluster, SimPod};
+use kvota_proto::v1;
+use serde::Serialize;
+
+use measure::{pct, Candidate, Measures, Sample, TenantPoint, TenantSummary, UsageCheck};
+use scenario::{Arrival, ClusterSpec};
+
+/// The tenants the demo's workload is written for.
+pub const TENANTS: [&str; 3] = ["inference", "research", "training"];
+/// How often agents report (and so renew their leases), wall clock.
+const REPORT_EVERY: Duration = Duration::from_millis(300);
+/// How often the demo advances the simulated clusters.
+const TICK: Duration = Duration::from_millis(100);
+/// Demand younger than this is not yet "starved": one report and one lease round trip,
+/// plus one retry of a denied pod, is how fast any control loop can react.
+const STARVATION_GRACE_MS: u64 = 2_000;
+/// The fastest `--speed`: leases, reports and Raft run in real time; beyond this the
+/// compressed jobs become shorter than a few report rounds.
+const MAX_SPEED: f64 = 3.0;
+
+/// Options of `kvota demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// How fast the scenario runs: 1 takes about 95 s, 2 about 50 s; `max` (= 3) is the
+    /// fastest at which leases and reports (real time) still keep up.
+    #[arg(long, default_value = "1", value_parser = parse_speed)]
+    speed: f64,
+    /// Seed of the workload (which pods, when, where, how long): the same seed replays
+    /// the same morning.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// A FairnessPolicy file instead of the article's policy. It must define the tenants
+    /// inference, research and training (the workload's teams); others get no load.
+    #[arg(long, value_name = "FILE")]
+    policy: Option<PathBuf>,
+    /// Keep the control plane's and agents' data (and the servers' logs) here instead of
+    /// a temporary directory that is removed at the end. Must be empty or not exist.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Also write the summary (and the timeline) as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Print periodic lines instead of the live table, even on a terminal.
+    #[arg(long)]
+    plain: bool,
+}
+
+fn parse_speed(s: &str) -> Result<f64, String> {
+    if s == "max" {
+        return Ok(MAX_SPEED);
+    }
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number (or `max`)"))?;
+    if !(0.25..=MAX_SPEED).contains(&v) {
+        return Err(format!("{v} is outside 0.25..={MAX_SPEED}"));
+    }
+    Ok(v)
+}
+
+/// The article's policy, with leases short enough that the partition shows a lease
+/// expiring (scaled with the speed).
+fn default_policy_yaml(speed: f64) -> String {
+    let duration_ms = real_ms(6_000, speed).max(1_000);
+    let margin_ms = duration_ms / 6;
+    format!(
+        "apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata:
+  name: article-demo
+spec:
+  decayHalfLife: 24h
+  lease: {{duration: {duration_ms}ms, clockSkewMargin: {margin_ms}ms}}
+  tenants:
+  - {{name: training, weight: 40, minShare: 20, maxShare: 60, preemptible: true}}
+  - {{name: inference, weight: 50, minShare: 40, maxShare: 80, preemptible: false}}
+  - {{name: research, weight: 10, minShare: 5, maxShare: 25, preemptible: true}}
+"
+    )
+}
+
+fn load_policy(args: &DemoArgs) -> Result<(String, Policy)> {
+    let yaml = match &args.policy {
+        None => default_policy_yaml(args.speed),
+        Some(p) => std::fs::read_to_string(p)
+            .with_context(|| format!("read --policy {}: check the path and that it is readable", p.display()))?,
+    };
+    let policy = match Policy::from_yaml(&yaml) {
+        Ok(p) => p,
+        Err(e) => bail!(
+            "{} is not a valid FairnessPolicy (`kvota policy validate FILE` shows the same): {e}",
+            args.policy.as_deref().map_or_else(|| "the demo policy".to_string(), |p| p.display().to_string())
+        ),
+    };
+    let missing: Vec<&str> = TENANTS.iter().copied().filter(|t| policy.tenant(t).is_none()).collect();
+    if !missing.is_empty() {
+        bail!(
+            "the demo's workload belongs to the tenants {}; the policy lacks {} (add them, or run without --policy)",
+            TENANTS.join(", "),
+            missing.join(", ")
+        );
+    }
+    Ok((yaml, policy))
+}
+
+fn prepare_dir(args: &DemoArgs) -> Result<(PathBuf, Option<tempfile::TempDir>)> {
+    match &args.data_dir {
+        Some(d) => {
+            if d.exists() {
+                let mut entries = std::fs::read_dir(d)
+                    .with_context(|| format!("--data-dir {}: cannot read it; pick a directory you can write", d.display()))?;
+                if entries.next().is_some() {
+                    bail!("--data-dir {} is not empty: the demo starts a new federation; give an empty or new directory", d.display());
+                }
+            }
+            std::fs::create_dir_all(d)
+                .with_context(|| format!("--data-dir {}: cannot create it; pick a directory you can write", d.display()))?;
+            let probe = d.join(".kvota-write-test");
+            std::fs::write(&probe, b"ok")
+                .with_context(|| format!("--data-dir {}: cannot write there; pick a directory you can write", d.display()))?;
+            let _ = std::fs::remove_file(probe);
+            Ok((d.clone(), None))
+        }
+        None => {
+            let t = tempfile::Builder::new().prefix("kvota-demo-").tempdir().context(
+                "create a temporary directory (is TMPDIR writable?); or pass --data-dir to a writable directory",
+            )?;
+            Ok((t.path().to_path_buf(), Some(t)))
+        }
+    }
+}
+
+/// Runs the demo.
+pub fn run(args: DemoArgs) -> Result<ExitCode> {
+    let (yaml, policy) = load_policy(&args)?;
+    if let Some(j) = &args.json {
+        if let Some(parent) = j.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if !parent.is_dir() {
+                bail!("--json {}: directory {} does not exist", j.display(), parent.display());
+            }
+        }
+    }
+    let (dir, tmp) = prepare_dir(&args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    let result = rt.block_on(demo(&args, yaml, policy, &dir));
+    rt.shutdown_timeout(Duration::from_secs(2));
+    match result {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            if let Some(t) = tmp {
+                let kept = t.keep();
+                eprintln!("kvota demo: logs and data kept in {} for a look", kept.display());
+            }
+            Err(e)
+        }
+    }
+}
+
+/// One `kvota server` child.
+struct CpProc {
+    id: u64,
+    rpc: String,
+    http: String,
+    dir: PathBuf,
+    log: PathBuf,
+    child: Option<tokio::process::Child>,
+    _stdin: Option<tokio::process::ChildStdin>,
+}
+
+impl CpProc {
+    fn spawn(&mut self, exe: &Path, init: Option<&[String]>) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("open log file {}", self.log.display()))?;
+        let mut cmd = tokio::process::Command::new(exe);
+        cmd.arg("server")
+            .args(["--id", &self.id.to_string(), "--listen", &self.rpc, "--http", &self.http])
+            .args(["--tick-ms", "250", "--exit-with-parent"])
+            .arg("--data-dir")
+            .arg(&self.dir)
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true);
+        if let Some(members) = init {
+            cmd.arg("--init");
+            for m in members {
+                cmd.args(["--member", m]);
+            }
+        }
+        let mut child = cmd.spawn().with_context(|| format!("start control-plane node {} ({})", self.id, exe.display()))?;
+        self._stdin = child.stdin.take();
+        self.child = Some(child);
+        Ok(())
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill().await;
+        }
+        self._stdin = None;
+    }
+
+    /// If the process has exited: why, with the end of its log.
+    fn exited(&mut self) -> Option<String> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(3).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        Some(format!("control-plane node {} exited ({status}): {}", self.id, tail.join(" | ")))
+    }
+}
+
+fn free_addr() -> Result<String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("find a free loopback port")?;
+    Ok(l.local_addr().context("read a local address")?.to_string())
+}
+
+/// Starts three servers on free loopback ports and waits for a leader. A port found free
+/// can be taken by another program before the server binds it; then the attempt is
+/// thrown away (fresh directories, fresh ports) and made again.
+async fn start_control_plane(exe: &Path, dir: &Path) -> Result<(Vec<CpProc>, Vec<(u64, Client)>, u64)> {
+    let mut attempt = 0;
+    'attempt: loop {
+        attempt += 1;
+        let mut procs = Vec::new();
+        for id in 1..=3u64 {
+            let node_dir = dir.join(format!("cp{id}"));
+            if node_dir.exists() {
+                std::fs::remove_dir_all(&node_dir).with_context(|| format!("clear {}", node_dir.display()))?;
+            }
+            procs.push(CpProc {
+                id,
+                rpc: free_addr()?,
+                http: free_addr()?,
+                dir: node_dir,
+                log: dir.join(format!("cp{id}.log")),
+                child: None,
+                _stdin: None,
+            });
+        }
+        let members: Vec<String> = procs.iter().map(|p| format!("{}={},{}", p.id, p.rpc, p.http)).collect();
+        for (i, p) in procs.iter_mut().enumerate() {
+            p.spawn(exe, if i == 0 { Some(&members) } else { None })?;
+        }
+        let node_clients = clients_of(&procs)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut failed = None;
+            for p in &mut procs {
+                if let Some(why) = p.exited() {
+                    failed = Some(why);
+                }
+            }
+            if let Some(why) = failed {
+                for p in &mut procs {
+                    p.kill().await;
+                }
+                if why.contains("already in use") && attempt < 3 {
+                    continue 'attempt;
+                }
+                bail!("{why}");
+            }
+            if let Some((id, _, _)) = find_leader(&node_clients).await {
+                return Ok((procs, node_clients, id));
+            }
+            if Instant::now() > deadline {
+                bail!("the control plane elected no leader within 30 s; see the logs cp1.log..cp3.log in {}", dir.display());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// The control plane as the demo last saw it.
+#[derive(Clone, Debug, Default)]
+struct CpView {
+    seq: u64,
+    capacity: MilliGpue,
+    tenants: BTreeMap<String, v1::TenantInfo>,
+    leader: Option<u64>,
+    term: u64,
+}
+
+async fn timed<T>(f: impl std::future::Future<Output = Result<T, tonic::Status>>) -> Option<T> {
+    tokio::time::timeout(Duration::from_millis(700), f).await.ok()?.ok()
+}
+
+async fn status_of(c: &Client) -> Option<v1::StatusReply> {
+    timed(c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) })).await
+}
+
+async fn tenants_of(c: &Client) -> Option<v1::ListTenantsReply> {
+    timed(c.call(|ch| async move { Ok(Client::admin(ch).list_tenants(v1::Empty {}).await?.into_inner()) })).await
+}
+
+/// The node that says it leads, and its client.
+async fn find_leader(nodes: &[(u64, Client)]) -> Option<(u64, u64, &Client)> {
+    for (id, c) in nodes {
+        if let Some(s) = status_of(c).await {
+            if s.role == "leader" {
+                return Some((*id, s.term, c));
+            }
+        }
+    }
+    None
+}
+
+/// Polls the leader for entitlements, ten times a second.
+fn spawn_poller(nodes: Vec<(u64, Client)>, view: Arc<Mutex<CpView>>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while !stop.load(Ordering::SeqCst) {
+            if let Some((id, term, c)) = find_leader(&nodes).await {
+                if let Some(t) = tenants_of(c).await {
+                    let mut v = view.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    v.seq += 1;
+                    v.capacity = t.capacity_milli_gpue;
+                    v.tenants = t.tenants.into_iter().map(|x| (x.tenant.clone(), x)).collect();
+                    v.leader = Some(id);
+                    v.term = term;
+                }
+            } else {
+                let mut v = view.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                v.leader = None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// A member cluster: its agent, its simulated cluster, and the proxies between the
+/// agent and each control-plane node.
+struct Member {
+    spec: ClusterSpec,
+    agent: Arc<Agent>,
+    sim: SimCluster,
+    capacity: MilliGpue,
+    proxies: Vec<LinkProxy>,
+    lease_kind: &'static str,
+}
+
+fn lease_kind(s: LeaseStatus) -> &'static str {
+    match s {
+        LeaseStatus::None => "none",
+        LeaseStatus::Fresh { .. } => "fresh",
+        LeaseStatus::Expiring { .. } => "expiring",
+        LeaseStatus::Safe => "safe",
+    }
+}
+
+/// The demo's output: what happened, measured.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    /// Workload seed.
+    pub seed: u64,
+    /// Scenario speed.
+    pub speed: f64,
+    /// Wall-clock length of the scenario, seconds.
+    pub duration_s: f64,
+    /// Federation capacity, GPUe.
+    pub capacity_gpue: f64,
+    /// Per tenant.
+    pub tenants: BTreeMap<String, TenantSummary>,
+    /// Mean GPUe bound / capacity.
+    pub gpu_utilization: f64,
+    /// Admissions judged for over-admission.
+    pub admissions_checked: u64,
+    /// Admissions beyond `max(committed entitlement, held)` (must be 0).
+    pub over_admissions: u64,
+    /// GPUe admitted beyond entitlement, summed (must be 0).
+    pub over_admitted_gpue: f64,
+    /// Admissions beyond maxShare (must be 0).
+    pub over_max_share: u64,
+    /// Ledger against measured usage.
+    pub usage: UsageCheck,
+    /// Seconds from the burst until every tenant was fair (stable 2 s); None: never.
+    pub recovery_after_burst_s: Option<f64>,
+    /// Seconds from healing the partition until every tenant was fair.
+    pub recovery_after_partition_s: Option<f64>,
+    /// Whether the partitioned cluster's lease expired into safe budgets while cut off.
+    pub partition_lease_expired: bool,
+    /// Seconds from killing the leader until another node led.
+    pub failover_s: Option<f64>,
+    /// The killed node caught up after its restart.
+    pub killed_node_rejoined: bool,
+    /// Fairness over time.
+    pub timeline: Vec<Sample>,
+}
+
+struct Open {
+    tenant: String,
+    gpue: MilliGpue,
+    first_ms: u64,
+    cluster: usize,
+    resource: &'static str,
+    count: u32,
+}
+
+/// A non-negative duration in ms from a float (speeds are in 0.25..=3, times far below
+/// 2^53 ms).
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn ms_of(v: f64) -> u64 {
+    v.max(0.0) as u64
+}
+
+fn real_ms(scenario_ms: u64, speed: f64) -> u64 {
+    ms_of(scenario_ms as f64 / speed)
+}
+
+/// One client per control-plane node (status and reads from that very node).
+fn clients_of(procs: &[CpProc]) -> Result<Vec<(u64, Client)>> {
+    procs
+        .iter()
+        .map(|p| Client::new(std::slice::from_ref(&p.rpc)).map(|c| (p.id, c)))
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("control-plane address: {}", e.message()))
+}
+
+async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Result<ExitCode> {
+    let speed = args.speed;
+    let tty = !args.plain && std::io::stdout().is_terminal();
+    let mut out = view::Out::new(tty);
+    let exe = std::env::current_exe().context("find the kvota executable to start the control plane")?;
+    let script = scenario::script(args.seed);
+    out.line(&format!(
+        "kvota demo: 3 control-plane nodes and 3 member clusters on this machine; seed {}, speed {speed}x (about {:.0} s); data in {}",
+        args.seed,
+        real_ms(scenario::END_MS, speed) as f64 / 1000.0 + 8.0,
+        dir.display()
+    ));
+
+    // --- Control plane: three `kvota server` processes.
+    let (mut procs, node_clients, leader) = start_control_plane(&exe, dir).await?;
+    let endpoints: Vec<String> = procs.iter().map(|p| p.rpc.clone()).collect();
+    let admin = Client::new(&endpoints).map_err(|e| anyhow::anyhow!("control-plane address: {}", e.message()))?;
+    let y = yaml.clone();
+    let applied = admin
+        .call(|ch| {
+            let y = y.clone();
+            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) }
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("apply the policy: {}", e.message()))?;
+    if !applied.problems.is_empty() {
+        bail!("the control plane rejected the policy: {:?}", applied.problems);
+    }
+    out.event(0, &format!("control plane up: node {leader} leads; policy `{}` applied", policy.name));
+
+    // --- Member clusters: agent + simulated cluster, reaching the CP through proxies.
+    let weights = ResourceWeights::new();
+    let mut fleet: Vec<Member> = Vec::new();
+    for spec in scenario::clusters() {
+        let sim = SimCluster::with_nodes(spec.nodes.clone());
+        let mut proxies = Vec::new();
+        for e in &endpoints {
+            proxies.push(LinkProxy::start(e.clone()).await.context("start a loopback proxy")?);
+        }
+        let via: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
+        let agent = Agent::open(spec.name, sim.capacity_milli(), &dir.join(format!("agent-{}", spec.name)), &via)
+            .map_err(|e| anyhow::anyhow!("open agent {}: {}", spec.name, e.message()))?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = async { agent.register().await?; agent.fetch_policy().await }.await;
+            match r {
+                Ok(()) => break,
+                Err(e) if Instant::now() > deadline => bail!("agent {} could not register: {}", spec.name, e.message()),
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+        {
+            let mut st = agent.state();
+            for t in TENANTS {
+                st.set_namespace(t, [(TENANT_LABEL.to_string(), t.to_string())].into());
+            }
+            // A denial counts as demand until the owner's next retry would have refreshed
+            // it (with compressed time, the production default of a minute would hold
+            // stale demand for the whole scenario).
+            st.set_denied_demand_ttl(real_ms(3 * scenario::RETRY_MS, args.speed));
+        }
+        let capacity = weights.capacity_gpue_milli(&sim.capacity_milli());
+        out.event(0, &format!("cluster {} joined: {} ({})", spec.name, spec.description, view::gpue(capacity)));
+        fleet.push(Member { spec, agent: Arc::new(agent), sim, capacity, proxies, lease_kind: "none" });
+    }
+    let capacity: MilliGpue = fleet.iter().map(|m| m.capacity).sum();
+
+    // --- Background: agents report (renewing leases); the demo watches the CP.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut reporters = Vec::new();
+    for m in &fleet {
+        let a = m.agent.clone();
+        let stop = stop.clone();
+        reporters.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let _ = tokio::time::timeout(Duration::from_secs(2), a.report_once()).await;
+                tokio::time::sleep(REPORT_EVERY).await;
+            }
+        }));
+    }
+    let cp_view = Arc::new(Mutex::new(CpView::default()));
+    let poller = spawn_poller(node_clients, cp_view.clone(), stop.clone());
+
+    // --- The scenario.
+    let mut measures = Measures::default();
+    for t in TENANTS {
+        measures.tenants.entry(t.to_string()).or_default();
+    }
+    let max_share: BTreeMap<String, MilliGpue> = policy
+        .tenants
+        .iter()
+        .map(|t| (t.name.clone(), capacity * u64::from(t.max_share_bp) / 10_000))
+        .collect();
+    let guarantee: BTreeMap<String, MilliGpue> = policy
+        .tenants
+        .iter()
+        .map(|t| (t.name.clone(), capacity * u64::from(t.min_share_bp) / 10_000))
+        .collect();
+    let mut open: BTreeMap<String, Open> = BTreeMap::new();
+    let mut retries: Vec<(u64, usize)> = Vec::new(); // (due, arrival)
+    let mut next_arrival = 0usize;
+    let mut next_phase = 0usize;
+    let mut phase_name = "starting";
+    let mut pending: Vec<Candidate> = Vec::new();
+    let mut prev_committed: BTreeMap<String, MilliGpue> = BTreeMap::new();
+    let mut seen_seq = 0u64;
+    let mut killed: Option<(usize, u64, u64)> = None; // (proc index, killed at, poll seq at kill)
+    let mut failover_ms: Option<u64> = None;
+    let mut partition_lease_expired = false;
+    let mut last_sample = 0u64;
+    let mut last_render = 0u64;
+    let mut interrupted = false;
+    let t0 = Instant::now();
+    let end_real = real_ms(scenario::END_MS, speed);
+    let mut ctrl_c = Box::pin(tokio::signal::ctrl_c());
+    let mut ticker = tokio::time::interval(TICK);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = &mut ctrl_c => { interrupted = true; break; }
+        }
+        let now = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if now >= end_real {
+            break;
+        }
+        let s_now = ms_of(now as f64 * speed);
+
+        // Script: phases and faults.
+        while let Some(ph) = script.phases.get(next_phase).filter(|p| p.at_ms <= s_now) {
+            phase_name = ph.name;
+            out.event(now, &ph.text);
+            match ph.at_ms {
+                scenario::BURST_AT_MS => measures.after_burst.arm(now),
+                scenario::PARTITION_FROM_MS => {
+                    for p in &fleet[scenario::PARTITIONED].proxies {
+                        p.set_cut(true);
+                    }
+                }
+                scenario::PARTITION_TO_MS => {
+                    for p in &fleet[scenario::PARTITIONED].proxies {
+                        p.set_cut(false);
+                    }
+                    measures.after_partition.arm(now);
+                }
+                scenario::KILL_LEADER_AT_MS => {
+                    let (leader, seq) = {
+                        let v = cp_view.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        (v.leader, v.seq)
+                    };
+                    match leader.and_then(|l| procs.iter().position(|p| p.id == l)) {
+                        Some(i) => {
+                            procs[i].kill().await;
+                            out.event(now, &format!("control-plane node {} (the leader) killed", procs[i].id));
+                            killed = Some((i, now, seq));
+                        }
+                        None => out.event(now, "no leader known at this moment; nothing killed"),
+                    }
+                }
+                scenario::RESTART_AT_MS => {
+                    if let Some((i, _, _)) = killed {
+                        procs[i].spawn(&exe, None)?;
+                        out.event(now, &format!("control-plane node {} restarted from its data directory", procs[i].id));
+                    }
+                }
+                _ => {}
+            }
+            next_phase += 1;
+        }
+
+        // A new reading of the control plane: judge the admissions made before it.
+        let view_now = cp_view.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        if view_now.seq != seen_seq {
+            let committed: BTreeMap<String, MilliGpue> =
+                view_now.tenants.iter().map(|(t, i)| (t.clone(), i.entitlement_milli_gpue)).collect();
+            if seen_seq > 0 {
+                measures.judge(&pending, &prev_committed, &committed, &max_share);
+                pending.clear();
+            }
+            prev_committed = committed;
+            seen_seq = view_now.seq;
+        }
+        if let (Some((i, at, seq)), None) = (killed, failover_ms) {
+            if view_now.seq > seq && view_now.leader.is_some_and(|l| l != procs[i].id) {
+                failover_ms = Some(now - at);
+                out.event(now, &format!("node {} leads now (term {}), {} ms after the kill", view_now.leader.unwrap_or(0), view_now.term, now - at));
+            }
+        }
+
+        // 1. Pods finish.
+        for m in &mut fleet {
+            let mut st = m.agent.state();
+            let t = st.now_ms();
+            m.sim.finish(&mut st, t);
+        }
+        let before = totals(&fleet);
+        // 2. New pods and retries go through admission; gates open where budget freed.
+        let mut lease_e: BTreeMap<String, MilliGpue> = BTreeMap::new();
+        let mut due: Vec<usize> = Vec::new();
+        while script.arrivals.get(next_arrival).is_some_and(|a| a.at_ms <= s_now) {
+            due.push(next_arrival);
+            next_arrival += 1;
+        }
+        retries.retain(|&(at, idx)| {
+            if at <= now {
+                due.push(idx);
+                false
+            } else {
+                true
+            }
+        });
+        for idx in due {
+            let Some(a) = script.arrivals.get(idx) else { continue };
+            // Retries go to the same cluster (a job stays where it was submitted; moving it
+            // would chase budgets that follow demand).
+            let outcome = submit(&mut fleet[a.cluster], a, speed, &weights, &mut open, now, &mut lease_e);
+            if matches!(outcome, "denied" | "error") {
+                retries.push((now + real_ms(scenario::RETRY_MS, speed), idx));
+                if let Some(t) = measures.tenants.get_mut(a.tenant) {
+                    t.denials += 1;
+                }
+            }
+        }
+        for m in &mut fleet {
+            let mut st = m.agent.state();
+            for key in m.sim.release(&mut st) {
+                if let Some(o) = open.get(&key) {
+                    let e = st.lease.lease().and_then(|l| l.budgets.get(&o.tenant)).map_or(0, |b| b.entitlement);
+                    let slot = lease_e.entry(o.tenant.clone()).or_insert(0);
+                    *slot = (*slot).max(e);
+                }
+            }
+        }
+        let after = totals(&fleet);
+        for (t, &a) in &after {
+            let b = before.get(t).copied().unwrap_or(0);
+            if a > b {
+                pending.push(Candidate { tenant: t.clone(), before: b, after: a, lease_entitlement: lease_e.get(t).copied().unwrap_or(0) });
+            }
+        }
+        // 3. The scheduler binds.
+        let mut bound_total = 0;
+        for m in &mut fleet {
+            let mut st = m.agent.state();
+            let t = st.now_ms();
+            for b in m.sim.bind(&mut st, t) {
+                if let Some(o) = open.remove(&b.key) {
+                    if let Some(tm) = measures.tenants.get_mut(&o.tenant) {
+                        tm.delays_ms.push(now - o.first_ms);
+                    }
+                }
+            }
+            bound_total += m.sim.running_gpue();
+            // Lease state changes are events.
+            let kind = lease_kind(st.lease.status(st.now_ms()));
+            if kind != m.lease_kind && (kind == "safe" || m.lease_kind == "safe" || m.lease_kind == "none") {
+                let text = match kind {
+                    "safe" => format!("{}: lease expired; enforcing safe budgets", m.spec.name),
+                    _ => format!("{}: {} lease, epoch {}", m.spec.name, kind, st.lease.held_epoch()),
+                };
+                out.event(now, &text);
+            }
+            if kind == "safe" && m.proxies.iter().any(LinkProxy::is_cut) {
+                partition_lease_expired = true;
+            }
+            m.lease_kind = kind;
+        }
+
+        // 4. Measures.
+        measures.util_num += bound_total as f64 * TICK.as_millis() as f64;
+        measures.util_den += capacity as f64 * TICK.as_millis() as f64;
+        if view_now.seq > 0 {
+            let mut all_fair = true;
+            let sample_now = now - last_sample >= 1_000;
+            let mut points = BTreeMap::new();
+            for t in TENANTS {
+                let inuse = after.get(t).copied().unwrap_or(0);
+                let target = view_now.tenants.get(t).map_or(0, |i| i.target_milli_gpue);
+                // Waiting pods that would fit on a node right now: held back by kvota, not
+                // by physics (a job pinned to a full cluster is not kvota's to place).
+                let fittable: MilliGpue = open
+                    .values()
+                    .filter(|o| o.tenant == t && fleet[o.cluster].sim.fits(o.resource, o.count))
+                    .map(|o| o.gpue)
+                    .sum();
+                let aged: MilliGpue = open
+                    .values()
+                    .filter(|o| o.tenant == t && now - o.first_ms >= STARVATION_GRACE_MS)
+                    .map(|o| o.gpue)
+                    .sum();
+                let g = guarantee.get(t).copied().unwrap_or(0);
+                if let Some(tm) = measures.tenants.get_mut(t) {
+                    tm.clock.observe(now, inuse, target, inuse + aged, g);
+                }
+                all_fair &= measure::tenant_fair(inuse, target, fittable);
+                if sample_now {
+                    let score = measures.score(t, inuse, target, capacity);
+                    points.insert(
+                        t.to_string(),
+                        TenantPoint {
+                            inuse_gpue: inuse as f64 / 1000.0,
+                            entitlement_gpue: target as f64 / 1000.0,
+                            waiting: open.values().filter(|o| o.tenant == t).count(),
+                            score,
+                        },
+                    );
+                }
+            }
+            // After the burst, fairness also means training got what it is entitled to
+            // (not merely that the control plane had not heard of its demand yet).
+            let t_in = after.get("training").copied().unwrap_or(0) as f64;
+            let t_target = view_now.tenants.get("training").map_or(0, |i| i.target_milli_gpue) as f64;
+            let burst_served = t_target > 0.0 && t_in >= t_target * 0.8 - 1_000.0;
+            measures.after_burst.observe(now, all_fair && burst_served);
+            measures.after_partition.observe(now, all_fair);
+            if sample_now {
+                last_sample = now;
+                measures.timeline.push(Sample {
+                    t_s: now as f64 / 1000.0,
+                    phase: phase_name.to_string(),
+                    utilization: bound_total as f64 / capacity.max(1) as f64,
+                    tenants: points,
+                });
+            }
+        }
+
+        // 5. The view.
+        if now - last_render >= if tty { 500 } else { 5_000 } {
+            last_render = now;
+            let waiting: BTreeMap<String, usize> = TENANTS
+                .iter()
+                .map(|t| (t.to_string(), open.values().filter(|o| o.tenant == *t).count()))
+                .collect();
+            let clusters: Vec<view::ClusterRow> = fleet
+                .iter()
+                .map(|m| {
+                    let st = m.agent.state();
+                    view::ClusterRow {
+                        name: m.spec.name.to_string(),
+                        capacity: m.capacity,
+                        running: m.sim.running(),
+                        gated: m.sim.gated(),
+                        lease: st.lease.status(st.now_ms()),
+                        epoch: st.lease.held_epoch(),
+                        backlog: m.agent.backlog(),
+                        cut: m.proxies.iter().any(LinkProxy::is_cut),
+                    }
+                })
+                .collect();
+            out.frame(&view::Frame {
+                seed: args.seed,
+                speed,
+                now_ms: now,
+                end_ms: end_real,
+                phase: phase_name,
+                cp: &view_now,
+                http: procs.iter().find(|p| Some(p.id) == view_now.leader).map(|p| p.http.clone()),
+                inuse: &after,
+                waiting: &waiting,
+                capacity,
+                clusters: &clusters,
+                utilization: bound_total as f64 / capacity.max(1) as f64,
+            });
+        }
+    }
+    let run_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+
+    // --- Wind down: stop the load, drain every journal, read the ledger.
+    stop.store(true, Ordering::SeqCst);
+    for r in reporters {
+        let _ = tokio::time::timeout(Duration::from_secs(3), r).await;
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(2), poller).await;
+    if interrupted {
+        out.finish();
+        for p in &mut procs {
+            p.kill().await;
+        }
+        eprintln!("kvota demo: interrupted; every process it started is stopped");
+        return Ok(ExitCode::from(130));
+    }
+    out.finish();
+    out.line("scenario over; draining the agents' journals and reading the ledger...");
+    for m in &fleet {
+        m.proxies.iter().for_each(|p| p.set_cut(false));
+    }
+    let drain_deadline = Instant::now() + Duration::from_secs(20);
+    for m in &fleet {
+        while Instant::now() < drain_deadline {
+            let r = tokio::time::timeout(Duration::from_secs(3), m.agent.report_once()).await;
+            if matches!(r, Ok(Ok(()))) && m.agent.backlog() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let node_clients = clients_of(&procs)?;
+    let mut ledger = None;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ledger.is_none() && Instant::now() < deadline {
+        if let Some((_, _, c)) = find_leader(&node_clients).await {
+            ledger = tenants_of(c).await;
+        }
+        if ledger.is_none() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let ledger = ledger.context("the control plane did not answer at the end of the demo")?;
+    // Did the killed node catch up?
+    let mut rejoined = false;
+    if let Some((i, _, _)) = killed {
+        let mut applied = Vec::new();
+        for (_, c) in &node_clients {
+            applied.push(status_of(c).await.map(|s| (s.node_id, s.last_applied_index)));
+        }
+        let max_applied = applied.iter().flatten().map(|(_, a)| *a).max().unwrap_or(0);
+        let mine = applied.iter().flatten().find(|(id, _)| *id == procs[i].id).map_or(0, |(_, a)| *a);
+        rejoined = mine > 0 && mine + 50 >= max_applied;
+    }
+
+    // --- Summary.
+    let summary = summarize(
+        args, &policy, &fleet, &measures, &open, &ledger, capacity, run_ms, failover_ms, rejoined, partition_lease_expired,
+    );
+    for p in &mut procs {
+        p.kill().await;
+    }
+    out.line(&view::summary_text(&summary));
+    if let Some(j) = &args.json {
+        let text = serde_json::to_string_pretty(&summary).context("encode the summary")?;
+        std::fs::write(j, text).with_context(|| format!("write --json {}", j.display()))?;
+        out.line(&format!("summary written to {}", j.display()));
+    }
+    let ok = summary.over_admissions == 0
+        && summary.over_max_share == 0
+        && summary.usage.lost_gpue_s == 0.0
+        && summary.usage.double_counted_gpue_s == 0.0
+        && summary.usage.unacknowledged_reports == 0;
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// Federation-wide in-use (bound + reserved) per tenant, from the agents' state.
+fn totals(fleet: &[Member]) -> BTreeMap<String, MilliGpue> {
+    let mut m = BTreeMap::new();
+    for member in fleet {
+        let st = member.agent.state();
+        for t in TENANTS {
+            *m.entry(t.to_string()).or_insert(0) += st.inuse(t);
+        }
+    }
+    m
+}
+
+fn submit(
+    m: &mut Member,
+    a: &Arrival,
+    speed: f64,
+    weights: &ResourceWeights,
+    open: &mut BTreeMap<String, Open>,
+    now: u64,
+    lease_e: &mut BTreeMap<String, MilliGpue>,
+) -> &'static str {
+    let pod = SimPod {
+        namespace: a.tenant.to_string(),
+        name: a.name.clone(),
+        resource: a.resource.to_string(),
+        count: a.count,
+        duration_ms: real_ms(a.duration_ms, speed).max(1),
+        priority: a.priority,
+    };
+    open.entry(pod.key()).or_insert_with(|| Open {
+        tenant: a.tenant.to_string(),
+        gpue: weights.gpue_milli(a.resource, u64::from(a.count) * 1000),
+        first_ms: now,
+        cluster: a.cluster,
+        resource: a.resource,
+        count: a.count,
+    });
+    let mut st = m.agent.state();
+    let outcome = m.sim.submit(&mut st, &pod);
+    if outcome == "allowed" {
+        let e = st.lease.lease().and_then(|l| l.budgets.get(a.tenant)).map_or(0, |b| b.entitlement);
+        let slot = lease_e.entry(a.tenant.to_string()).or_insert(0);
+        *slot = (*slot).max(e);
+    }
+    outcome
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summarize(
+    args: &DemoArgs,
+    policy: &Policy,
+    fleet: &[Member],
+    m: &Measures,
+    open: &BTreeMap<String, Open>,
+    ledger: &v1::ListTenantsReply,
+    capacity: MilliGpue,
+    run_ms: u64,
+    failover_ms: Option<u64>,
+    rejoined: bool,
+    partition_lease_expired: bool,
+) -> Summary {
+    let mut produced: BTreeMap<String, u64> = BTreeMap::new();
+    for member in fleet {
+        for (t, u) in member.agent.written_usage() {
+            *produced.entry(t).or_insert(0) += u;
+        }
+    }
+    let ledger_of: BTreeMap<String, u64> = ledger.tenants.iter().map(|t| (t.tenant.clone(), t.decayed_usage)).collect();
+    let to_s = |milli_ms: f64| milli_ms / 1e6;
+    let (mut prod_sum, mut ledger_sum, mut allowance_sum, mut lost_sum, mut double_sum) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    let mut tenants = BTreeMap::new();
+    for t in TENANTS {
+        let tm = m.tenants.get(t).cloned().unwrap_or_default();
+        let prod = produced.get(t).copied().unwrap_or(0) as f64;
+        let led = ledger_of.get(t).copied().unwrap_or(0) as f64;
+        let half_life = policy.tenant(t).map_or(86_400_000, |p| p.decay_half_life_ms) as f64;
+        // The ledger decays each report from when it arrived; the most it can have lost
+        // is the whole amount decayed over the whole run.
+        let allowance = prod * (1.0 - (-(run_ms as f64 + 30_000.0) / half_life).exp2());
+        // One milli-GPUe x ms of rounding per report applied, at most.
+        let rounding = 10_000.0;
+        let lost = (prod - allowance - led - rounding).max(0.0);
+        let double = (led - prod - rounding).max(0.0);
+        prod_sum += prod;
+        ledger_sum += led;
+        allowance_sum += allowance;
+        lost_sum += lost;
+        double_sum += double;
+        tenants.insert(
+            t.to_string(),
+            TenantSummary {
+                pods_started: tm.delays_ms.len(),
+                pods_waiting_at_end: open.values().filter(|o| o.tenant == t).count(),
+                delay_p50_ms: pct(&tm.delays_ms, 50),
+                delay_p99_ms: pct(&tm.delays_ms, 99),
+                share_violation_ms: tm.clock.violation_ms,
+                share_violation_fraction: tm.clock.violation_fraction(),
+                starved_below_guarantee_ms: tm.clock.starved_ms,
+                mean_fairness_score: if tm.score_n == 0 { 1.0 } else { tm.score_sum / tm.score_n as f64 },
+                denials: tm.denials,
+                used_gpue_s: to_s(prod),
+                ledger_gpue_s: to_s(led),
+            },
+        );
+    }
+    Summary {
+        seed: args.seed,
+        speed: args.speed,
+        duration_s: run_ms as f64 / 1000.0,
+        capacity_gpue: capacity as f64 / 1000.0,
+        tenants,
+        gpu_utilization: if m.util_den > 0.0 { m.util_num / m.util_den } else { 0.0 },
+        admissions_checked: m.admissions_checked,
+        over_admissions: m.over_admissions,
+        over_admitted_gpue: m.over_admitted_milli as f64 / 1000.0,
+        over_max_share: m.over_max_share,
+        usage: UsageCheck {
+            produced_gpue_s: to_s(prod_sum),
+            ledger_gpue_s: to_s(ledger_sum),
+            decay_allowance_gpue_s: to_s(allowance_sum),
+            lost_gpue_s: to_s(lost_sum),
+            double_counted_gpue_s: to_s(double_sum),
+            unacknowledged_reports: fleet.iter().map(|f| f.agent.backlog()).sum(),
+        },
+        recovery_after_burst_s: m.after_burst.done_ms.map(|v| v as f64 / 1000.0),
+        recovery_after_partition_s: m.after_partition.done_ms.map(|v| v as f64 / 1000.0),
+        partition_lease_expired,
+        failover_s: failover_ms.map(|v| v as f64 / 1000.0),
+        killed_node_rejoined: rejoined,
+        timeline: m.timeline.clone(),
+    }
+}
