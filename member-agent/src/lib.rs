@@ -17,7 +17,9 @@
 
 pub mod agent;
 pub mod journal;
+pub mod metrics;
 pub mod netfault;
 pub mod review;
 pub mod sim;
 pub mod state;
+pub mod webhook;

@@ -126,7 +126,9 @@ fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<&V
     serde_json::to_vec(&review).unwrap_or_default()
 }
 
-fn error_reply(uid: &str, why: &str) -> Reviewed {
+/// A well-formed AdmissionReview that answers a request the webhook could not judge
+/// (code 400, not allowed), with `why` as the message.
+pub fn error_reply(uid: &str, why: &str) -> Reviewed {
     Reviewed {
         body: response(uid, false, 400, &format!("kvota: malformed AdmissionReview: {why}"), None),
         tenant: None,

@@ -142,6 +142,27 @@ impl AgentState {
         self.bound.values().filter(|p| p.tenant.as_deref() == Some(tenant)).map(|p| p.gpue).sum()
     }
 
+    /// Pods of `tenant` waiting behind the gate.
+    pub fn queued(&self, tenant: &str) -> usize {
+        self.queue.values().filter(|q| q.tenant == tenant).count()
+    }
+
+    /// Tenants of the policy in force (empty without one).
+    pub fn tenants(&self) -> Vec<String> {
+        self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect()
+    }
+
+    /// Whether the agent can judge pods: it has a policy and has held a lease.
+    pub fn ready(&self) -> Result<(), &'static str> {
+        if self.policy.is_none() {
+            return Err("no policy yet (the control plane has not answered)");
+        }
+        if self.lease.held_epoch() == 0 {
+            return Err("no lease yet: every budget is 0 until the control plane answers");
+        }
+        Ok(())
+    }
+
     /// Queued plus recently denied GPUe of `tenant`: demand not yet admitted.
     pub fn pending(&self, tenant: &str) -> MilliGpue {
         let q: u64 = self.queue.values().filter(|q| q.tenant == tenant).map(|q| q.pod.gpue).sum();

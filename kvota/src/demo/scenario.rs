@@ -28,11 +28,11 @@ pub const PARTITION_TO_MS: u64 = 72_000;
 /// Index of the cluster that is cut off.
 pub const PARTITIONED: usize = 1;
 /// The control-plane leader is killed.
-pub const KILL_LEADER_AT_MS: u64 = 76_000;
+pub const KILL_LEADER_AT_MS: u64 = 80_000;
 /// And its node restarted from its data directory.
-pub const RESTART_AT_MS: u64 = 82_000;
+pub const RESTART_AT_MS: u64 = 86_000;
 /// Workload stops; the summary follows.
-pub const END_MS: u64 = 92_000;
+pub const END_MS: u64 = 100_000;
 /// A denied pod's owner (a job controller) retries after this long.
 pub const RETRY_MS: u64 = 1_000;
 

@@ -1,0 +1,142 @@
+//! Prometheus metrics of an agent (prefix `kvota_agent`): admissions by tenant and
+//! outcome, admission latency, gate queue depth, lease state and time to expiry, journal
+//! backlog, budgets and in-use per tenant, certificate reloads.
+
+use std::sync::Arc;
+
+use kvota_fairness::lease::LeaseStatus;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::agent::Agent;
+
+/// Tenant and outcome of an admission.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdmissionLabel {
+    /// Tenant (`-` for pods no tenant owns).
+    pub tenant: String,
+    /// `allowed`, `denied`, `queued`, `passed`, `error`, `busy`.
+    pub outcome: String,
+}
+
+/// A tenant.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabel {
+    /// Tenant name.
+    pub tenant: String,
+}
+
+/// A lease state or an outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// `none`, `fresh`, `expiring`, `safe`; or `ok`/`error` for reloads.
+    pub state: String,
+}
+
+/// The agent's metrics. Cloning shares them.
+#[derive(Clone, Debug)]
+pub struct AgentMetrics {
+    registry: Arc<Registry>,
+    admissions: Family<AdmissionLabel, Counter>,
+    latency: Histogram,
+    queue: Family<TenantLabel, Gauge>,
+    budget: Family<TenantLabel, Gauge>,
+    inuse: Family<TenantLabel, Gauge>,
+    lease_state: Family<StateLabel, Gauge>,
+    lease_remaining_ms: Gauge,
+    lease_epoch: Gauge,
+    backlog: Gauge,
+    tls_reloads: Family<StateLabel, Counter>,
+}
+
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AgentMetrics {
+    /// Registers everything.
+    pub fn new() -> Self {
+        let mut r = Registry::with_prefix("kvota_agent");
+        let m = AgentMetrics {
+            registry: Arc::new(Registry::default()),
+            admissions: Family::default(),
+            // 10 µs .. ~160 ms: a decision is microseconds; milliseconds mean contention.
+            latency: Histogram::new(exponential_buckets(0.000_01, 2.0, 15)),
+            queue: Family::default(),
+            budget: Family::default(),
+            inuse: Family::default(),
+            lease_state: Family::default(),
+            lease_remaining_ms: Gauge::default(),
+            lease_epoch: Gauge::default(),
+            backlog: Gauge::default(),
+            tls_reloads: Family::default(),
+        };
+        r.register("admissions", "Admission reviews answered, by tenant and outcome", m.admissions.clone());
+        r.register("admission_duration_seconds", "Time to judge one review (parse, decide, record)", m.latency.clone());
+        r.register("queue_depth", "Pods waiting behind the scheduling gate, per tenant", m.queue.clone());
+        r.register("budget_milli_gpue", "Budget enforced now per tenant (the lease's, or the safe one)", m.budget.clone());
+        r.register("inuse_milli_gpue", "Bound plus reserved GPUe per tenant", m.inuse.clone());
+        r.register("lease_state", "1 for the lease's current state (none, fresh, expiring, safe)", m.lease_state.clone());
+        r.register("lease_remaining_milliseconds", "Until the held lease stops being enforced (0: expired or none)", m.lease_remaining_ms.clone());
+        r.register("lease_epoch", "Epoch of the held lease", m.lease_epoch.clone());
+        r.register("journal_backlog", "Usage reports written but not acknowledged by the control plane", m.backlog.clone());
+        r.register("tls_reloads", "Certificate reloads, by outcome", m.tls_reloads.clone());
+        AgentMetrics { registry: Arc::new(r), ..m }
+    }
+
+    /// Counts one review.
+    pub fn admission(&self, tenant: Option<&str>, outcome: &str, seconds: f64) {
+        self.admissions
+            .get_or_create(&AdmissionLabel { tenant: tenant.unwrap_or("-").to_string(), outcome: outcome.to_string() })
+            .inc();
+        self.latency.observe(seconds);
+    }
+
+    /// Counts a certificate reload.
+    pub fn tls_reload(&self, ok: bool) {
+        self.tls_reloads.get_or_create(&StateLabel { state: if ok { "ok" } else { "error" }.to_string() }).inc();
+    }
+
+    /// Brings the gauges up to date from the agent and renders the text format.
+    pub fn render(&self, agent: &Agent) -> String {
+        {
+            let st = agent.state();
+            let now = st.now_ms();
+            let status = st.lease.status(now);
+            for s in ["none", "fresh", "expiring", "safe"] {
+                let on = match (s, status) {
+                    ("none", LeaseStatus::None)
+                    | ("fresh", LeaseStatus::Fresh { .. })
+                    | ("expiring", LeaseStatus::Expiring { .. })
+                    | ("safe", LeaseStatus::Safe) => 1,
+                    _ => 0,
+                };
+                self.lease_state.get_or_create(&StateLabel { state: s.to_string() }).set(on);
+            }
+            let remaining = match status {
+                LeaseStatus::Fresh { remaining_ms } | LeaseStatus::Expiring { remaining_ms } => remaining_ms,
+                _ => 0,
+            };
+            self.lease_remaining_ms.set(i64::try_from(remaining).unwrap_or(i64::MAX));
+            self.lease_epoch.set(i64::try_from(st.lease.held_epoch()).unwrap_or(i64::MAX));
+            for t in st.tenants() {
+                let l = TenantLabel { tenant: t.clone() };
+                self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
+                self.budget.get_or_create(&l).set(i64::try_from(st.lease.budget(&t, now)).unwrap_or(i64::MAX));
+                self.inuse.get_or_create(&l).set(i64::try_from(st.inuse(&t)).unwrap_or(i64::MAX));
+            }
+        }
+        self.backlog.set(i64::try_from(agent.backlog()).unwrap_or(i64::MAX));
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
