@@ -28,6 +28,9 @@ pub struct Cli {
 enum Cmd {
     /// Run a control-plane node (one of 3 or 5 forming a Raft group).
     Server(crate::server_cmd::ServerArgs),
+    /// Run a member cluster's agent: usage reports, lease enforcement, the HTTPS
+    /// admission webhook (with --simulate for now: a simulated cluster).
+    Agent(crate::agent_cmd::AgentArgs),
     /// Show the control-plane node's Raft role, leader, log and members.
     Status {
         /// Print JSON.
@@ -137,6 +140,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     let cp = cli.cp;
     match cli.command {
         Cmd::Server(args) => crate::server_cmd::run(args).map(|()| ExitCode::SUCCESS),
+        Cmd::Agent(args) => crate::agent_cmd::run(args, &cp.addrs).map(|()| ExitCode::SUCCESS),
         Cmd::Status { json } => crate::admin_cmd::status(&cp, json).map(|()| ExitCode::SUCCESS),
         Cmd::Policy(PolicyCmd::Apply { file }) => crate::admin_cmd::policy_apply(&cp, &file),
         Cmd::Policy(PolicyCmd::Get) => crate::admin_cmd::policy_get(&cp).map(|()| ExitCode::SUCCESS),

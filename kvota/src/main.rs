@@ -23,6 +23,7 @@ macro_rules! outp {
 }
 
 mod admin_cmd;
+mod agent_cmd;
 mod cli;
 mod demo;
 mod server_cmd;

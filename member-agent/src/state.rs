@@ -142,6 +142,11 @@ impl AgentState {
         self.bound.values().filter(|p| p.tenant.as_deref() == Some(tenant)).map(|p| p.gpue).sum()
     }
 
+    /// Admitted pods not yet bound: `(pod key, tenant, GPUe)`.
+    pub fn reservations(&self) -> Vec<(String, String, MilliGpue)> {
+        self.reserved.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
+    }
+
     /// Pods of `tenant` waiting behind the gate.
     pub fn queued(&self, tenant: &str) -> usize {
         self.queue.values().filter(|q| q.tenant == tenant).count()

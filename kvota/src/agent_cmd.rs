@@ -1,0 +1,260 @@
+//! `kvota agent`: one member cluster's agent. Registers with the control plane, reports
+//! usage through its journal, enforces leases, and serves the admission webhook over
+//! HTTPS.
+//!
+//! Inventory: the Kubernetes inventory (kube-rs watchers) is not built yet; `--simulate`
+//! runs the agent against a simulated cluster whose scheduler binds every pod the
+//! webhook admits (first fit by GPUe) and lets it run for `--simulate-pod-seconds`. Real
+//! AdmissionReviews sent to the webhook drive it.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvota_fairness::lease::LeaseStatus;
+use kvota_fairness::resources::NVIDIA_GPU;
+use kvota_member_agent::agent::Agent;
+use kvota_member_agent::metrics::AgentMetrics;
+use kvota_member_agent::state::PodRec;
+use kvota_member_agent::webhook::{self, TlsFiles, WebhookCtx};
+use tokio::sync::watch;
+
+/// Options of `kvota agent`.
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// This member cluster's id (lowercase letters, digits, '-'), unique in the federation.
+    #[arg(long, env = "KVOTA_CLUSTER")]
+    cluster: String,
+    /// Directory for the usage journal and the last lease (created if missing). Keep it
+    /// on durable storage: unacknowledged usage is resent from it after a restart.
+    #[arg(long, env = "KVOTA_AGENT_DATA_DIR", default_value = "./kvota-agent")]
+    data_dir: PathBuf,
+    /// Address the HTTPS admission webhook listens on (/validate, /mutate, /healthz,
+    /// /readyz, /metrics).
+    #[arg(long, env = "KVOTA_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
+    webhook_listen: String,
+    /// PEM certificate chain of the webhook (reread when the file changes).
+    #[arg(long, env = "KVOTA_TLS_CERT")]
+    tls_cert: PathBuf,
+    /// PEM private key of the webhook (reread when the file changes).
+    #[arg(long, env = "KVOTA_TLS_KEY")]
+    tls_key: PathBuf,
+    /// How often usage is reported (each report also renews the lease), milliseconds.
+    /// Keep it well under the policy's lease duration (default 30 s).
+    #[arg(long, env = "KVOTA_REPORT_INTERVAL_MS", default_value_t = 5_000)]
+    report_interval_ms: u64,
+    /// Run against a simulated cluster: node groups COUNTxGPUS, comma separated, e.g.
+    /// `4x8,2x4`. Required until the Kubernetes inventory lands.
+    #[arg(long, value_name = "NODES")]
+    simulate: Option<String>,
+    /// How long a simulated pod runs once bound, seconds.
+    #[arg(long, default_value_t = 600)]
+    simulate_pod_seconds: u64,
+}
+
+/// `4x8,2x4` -> [8, 8, 8, 8, 4, 4].
+fn parse_nodes(spec: &str) -> Result<Vec<u64>> {
+    let mut nodes = Vec::new();
+    for group in spec.split(',').map(str::trim).filter(|g| !g.is_empty()) {
+        let (count, gpus) = group
+            .split_once('x')
+            .with_context(|| format!("--simulate {spec}: `{group}` is not COUNTxGPUS (e.g. 4x8)"))?;
+        let count: u64 = count.parse().with_context(|| format!("--simulate: `{count}` in `{group}` is not a node count"))?;
+        let gpus: u64 = gpus.parse().with_context(|| format!("--simulate: `{gpus}` in `{group}` is not a GPU count"))?;
+        if count == 0 || gpus == 0 || count > 10_000 || gpus > 64 {
+            bail!("--simulate: `{group}`: 1..=10000 nodes of 1..=64 GPUs");
+        }
+        nodes.extend(std::iter::repeat_n(gpus, usize::try_from(count).unwrap_or(0)));
+    }
+    if nodes.is_empty() {
+        bail!("--simulate {spec}: no nodes (e.g. --simulate 4x8)");
+    }
+    Ok(nodes)
+}
+
+/// Runs the agent until Ctrl-C or SIGTERM.
+pub fn run(args: AgentArgs, cp: &[String]) -> Result<()> {
+    if !kvota_fairness::federation::valid_cluster_id(&args.cluster) {
+        bail!("--cluster `{}`: use lowercase letters, digits and '-', starting with a letter", args.cluster);
+    }
+    let Some(spec) = &args.simulate else {
+        bail!(
+            "the Kubernetes inventory is not built yet; run the agent against a simulated cluster with \
+             --simulate NODES (e.g. --simulate 4x8)"
+        );
+    };
+    let nodes = parse_nodes(spec)?;
+    if args.report_interval_ms < 100 {
+        bail!("--report-interval-ms {}: at least 100", args.report_interval_ms);
+    }
+    // Certificate problems are reported before anything starts.
+    let tls = Arc::new(TlsFiles::load(&args.tls_cert, &args.tls_key)?);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("start the async runtime")?;
+    rt.block_on(serve(args, cp.to_vec(), nodes, tls))
+}
+
+async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFiles>) -> Result<()> {
+    let capacity: BTreeMap<String, u64> = [(NVIDIA_GPU.to_string(), nodes.iter().sum::<u64>() * 1000)].into();
+    let agent = Arc::new(
+        Agent::open(&args.cluster, capacity.clone(), &args.data_dir, &cp)
+            .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
+    );
+    let listener = tokio::net::TcpListener::bind(&args.webhook_listen).await.map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse { "; another process uses it: pick another --webhook-listen" } else { "" };
+        anyhow::anyhow!("listen for the webhook on {}: {e}{hint}", args.webhook_listen)
+    })?;
+    let metrics = AgentMetrics::new();
+    let (stop_tx, stop) = watch::channel(false);
+    let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
+    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, stop.clone()));
+    eprintln!(
+        "kvota agent: cluster {} ({} GPUs simulated on {} nodes), webhook https://{} (/validate, /mutate), control plane {}; Ctrl-C to stop",
+        args.cluster,
+        nodes.iter().sum::<u64>(),
+        nodes.len(),
+        args.webhook_listen,
+        cp.join(",")
+    );
+    let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), stop.clone()));
+    let sim = tokio::spawn(simulated_cluster(agent.clone(), nodes, Duration::from_secs(args.simulate_pod_seconds), stop));
+    wait_for_signal().await;
+    eprintln!("kvota agent: stopping");
+    let _ = stop_tx.send(true);
+    for t in [server, reporter, sim] {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    Ok(())
+}
+
+/// Registers, fetches the policy, then reports every `every`; retries with backoff and
+/// jitter, and logs what a person on call needs: lease changes, expiry, backlog.
+async fn report_loop(agent: Arc<Agent>, every: Duration, mut stop: watch::Receiver<bool>) {
+    let mut registered = false;
+    let mut failures = 0u32;
+    let mut round = 0u64;
+    let mut last_status = "none";
+    loop {
+        let result = async {
+            if !registered {
+                agent.register().await?;
+                registered = true;
+                tracing::info!(cluster = agent.cluster(), "registered with the control plane");
+            }
+            if round % 12 == 0 {
+                agent.fetch_policy().await?;
+            }
+            agent.report_once().await
+        }
+        .await;
+        round += 1;
+        match result {
+            Ok(()) => {
+                if failures > 0 {
+                    tracing::info!(after_failures = failures, "control plane reachable again; journal drained");
+                }
+                failures = 0;
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e.message(), failures, backlog = agent.backlog(), "report not delivered; kept in the journal");
+            }
+        }
+        {
+            let st = agent.state();
+            let status = st.lease.status(st.now_ms());
+            let kind = match status {
+                LeaseStatus::None => "none",
+                LeaseStatus::Fresh { .. } => "fresh",
+                LeaseStatus::Expiring { .. } => "expiring",
+                LeaseStatus::Safe => "safe",
+            };
+            if kind != last_status {
+                match status {
+                    LeaseStatus::Safe => tracing::warn!(epoch = st.lease.held_epoch(), "lease expired: enforcing safe budgets until the control plane answers"),
+                    _ => tracing::info!(epoch = st.lease.held_epoch(), lease = %status, "lease"),
+                }
+                last_status = kind;
+            }
+        }
+        // Backoff with jitter while failing: every, 2x, 4x ... up to 8x.
+        let factor = 1u32 << failures.min(3);
+        let jitter = u64::from(std::process::id().wrapping_add(u32::try_from(round % 997).unwrap_or(0))) % 250;
+        let wait = every * factor + Duration::from_millis(if failures > 0 { jitter } else { 0 });
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        }
+    }
+}
+
+/// The simulated cluster: releases gated pods as budget frees (the gate controller),
+/// binds admitted pods first-fit by GPUe, finishes them after `run_for`.
+async fn simulated_cluster(agent: Arc<Agent>, nodes: Vec<u64>, run_for: Duration, mut stop: watch::Receiver<bool>) {
+    let mut free: Vec<u64> = nodes.iter().map(|g| g * 1000).collect();
+    let mut running: BTreeMap<String, (usize, u64, u64)> = BTreeMap::new();
+    let run_ms = u64::try_from(run_for.as_millis()).unwrap_or(u64::MAX);
+    loop {
+        {
+            let mut st = agent.state();
+            let now = st.now_ms();
+            let done: Vec<String> = running.iter().filter(|(_, r)| r.2 <= now).map(|(k, _)| k.clone()).collect();
+            for k in done {
+                if let Some((n, g, _)) = running.remove(&k) {
+                    if let Some(f) = free.get_mut(n) {
+                        *f += g;
+                    }
+                }
+                st.pod_gone(&k);
+            }
+            let released = st.release_queue();
+            if !released.is_empty() {
+                tracing::info!(pods = released.len(), "gates removed as budget freed");
+            }
+            for (key, tenant, gpue) in st.reservations() {
+                if running.contains_key(&key) {
+                    continue;
+                }
+                if let Some(n) = free.iter().position(|&f| f >= gpue) {
+                    free[n] -= gpue;
+                    st.pod_bound(&key, PodRec { tenant: Some(tenant), gpue });
+                    running.insert(key, (n, gpue, now.saturating_add(run_ms)));
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        }
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_groups_parse_and_bad_ones_are_explained() {
+        assert_eq!(parse_nodes("2x8,1x4").expect("ok"), vec![8, 8, 4]);
+        for bad in ["", "8", "0x8", "2x0", "axb", "2x100"] {
+            assert!(parse_nodes(bad).is_err(), "{bad}");
+        }
+    }
+}

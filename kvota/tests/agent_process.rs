@@ -1,0 +1,234 @@
+//! The real `kvota agent` binary against a real one-node `kvota server`: HTTPS reviews
+//! decided from the lease, usage reaching the control plane, and enforcement that goes on
+//! (falling back to safe budgets) after the control plane is killed. The cluster is the
+//! agent's simulated one (`--simulate`): no Kubernetes API server runs here.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::{CertificateDer, ServerName};
+use serde_json::{json, Value};
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
+    held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
+}
+
+fn kvota() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvota"))
+}
+
+const POLICY: &str = "apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: agent-test}
+spec:
+  lease: {duration: 3s, clockSkewMargin: 300ms}
+  tenants:
+  - {name: training, weight: 40, minShare: 20, maxShare: 60, namespaces: [ml]}
+  - {name: inference, weight: 50, minShare: 40, maxShare: 80, namespaces: [serving]}
+";
+
+fn review(uid: &str, ns: &str, gpus: u32) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": ns, "name": uid, "operation": "CREATE",
+            "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": uid, "namespace": ns},
+                "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": gpus.to_string()}}}]}}}
+    }))
+    .expect("json")
+}
+
+async fn https(port: u16, ca: &[u8], method: &str, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>), String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from(ca.to_vec())).map_err(|e| e.to_string())?;
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(ServerName::try_from("localhost").map_err(|e| e.to_string())?, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes().to_vec();
+    Ok((status, body))
+}
+
+async fn wait_for<F, Fut>(what: &str, within: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn cli_json(cp: &str, args: &[&str]) -> Option<Value> {
+    let out = kvota().args(args).args(["--json", "--cp", cp]).output().ok()?;
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_control_plane() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ports = free_ports(3);
+    let (rpc, http, hook) = (format!("127.0.0.1:{}", ports[0]), format!("127.0.0.1:{}", ports[1]), ports[2]);
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
+    std::fs::write(tmp.path().join("tls.crt"), cert.cert.pem()).expect("w");
+    std::fs::write(tmp.path().join("tls.key"), cert.key_pair.serialize_pem()).expect("w");
+    let ca = cert.cert.der().to_vec();
+    let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
+
+    let server = kvota()
+        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--tick-ms", "200"])
+        .arg("--data-dir")
+        .arg(tmp.path().join("cp"))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log("server.log"))
+        .spawn()
+        .expect("spawn server");
+    let mut procs = Procs(vec![server]);
+    std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
+    let mut applied = false;
+    for _ in 0..100 {
+        let out = kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().expect("apply");
+        if out.status.success() {
+            applied = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(applied, "policy apply never succeeded");
+
+    let agent = kvota()
+        .args(["agent", "--cluster", "east", "--cp", &rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
+        .args(["--report-interval-ms", "300", "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
+        .arg("--tls-cert")
+        .arg(tmp.path().join("tls.crt"))
+        .arg("--tls-key")
+        .arg(tmp.path().join("tls.key"))
+        .arg("--data-dir")
+        .arg(tmp.path().join("agent"))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log("agent.log"))
+        .spawn()
+        .expect("spawn agent");
+    procs.0.push(agent);
+    wait_for("agent ready", Duration::from_secs(20), || async {
+        matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
+    })
+    .await;
+
+    // Training's budget here is what the control plane granted for its demand; admit
+    // one-GPU pods until the first denial. Denied demand raises the next budget, so
+    // retry rounds admit more, never beyond maxShare (60 % of 8 GPUs = 4.8).
+    let mut admitted = 0;
+    let mut denial = String::new();
+    for round in 0..20 {
+        for i in 0..8 {
+            let (status, body) = https(hook, &ca, "POST", "/validate", review(&format!("t{round}-{i}"), "ml", 1)).await.expect("review");
+            assert_eq!(status, 200);
+            let r: Value = serde_json::from_slice(&body).expect("json");
+            assert_eq!(r["response"]["uid"], format!("t{round}-{i}"));
+            if r["response"]["allowed"] == true {
+                admitted += 1;
+            } else {
+                denial = r["response"]["status"]["message"].as_str().unwrap_or_default().to_string();
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    assert!((1..=4).contains(&admitted), "admitted {admitted} one-GPU pods; maxShare allows 4");
+    assert!(denial.contains("training") && denial.contains("kvota explain"), "{denial}");
+
+    // The control plane sees the cluster and the usage.
+    wait_for("the control plane to see training's pods", Duration::from_secs(10), || async {
+        cli_json(&rpc, &["tenants"]).is_some_and(|v| {
+            v["tenants"].as_array().is_some_and(|ts| {
+                ts.iter().any(|t| t["tenant"] == "training" && t["inuse_milli_gpue"].as_u64() == Some(admitted * 1000))
+            })
+        })
+    })
+    .await;
+
+    // Kill the control plane: the agent keeps answering, and after the 3 s lease it
+    // enforces its safe budget (fallback), visible in its metrics.
+    procs.0[0].kill().expect("kill server");
+    let _ = procs.0[0].wait();
+    wait_for("lease to expire into safe budgets", Duration::from_secs(10), || async {
+        https(hook, &ca, "GET", "/metrics", vec![])
+            .await
+            .is_ok_and(|(_, m)| String::from_utf8_lossy(&m).contains(r#"kvota_agent_lease_state{state="safe"} 1"#))
+    })
+    .await;
+    let (status, body) = https(hook, &ca, "POST", "/validate", review("after-cp", "ml", 1)).await.expect("review");
+    assert_eq!(status, 200);
+    let r: Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(r["response"]["allowed"], false, "safe budget (20 % x 8 GPUs = 1.6) is below what training holds: {r}");
+    let (_, m) = https(hook, &ca, "GET", "/metrics", vec![]).await.expect("metrics");
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains("kvota_agent_journal_backlog"), "{m}");
+
+    // SIGTERM: a clean stop.
+    let pid = procs.0[1].id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = procs.0[1].try_wait().expect("wait") {
+            assert!(status.success(), "agent exit: {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "agent did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[test]
+fn agent_flags_are_checked_before_anything_starts() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let run = |args: &[&str]| {
+        let out = kvota().args(["agent", "--tls-cert", "/nonexistent.crt", "--tls-key", "/nonexistent.key"]).args(args).output().expect("run");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    assert!(run(&["--cluster", "east"]).contains("--simulate"), "no inventory: says how to run");
+    assert!(run(&["--cluster", "East!", "--simulate", "1x8"]).contains("--cluster"));
+    assert!(run(&["--cluster", "east", "--simulate", "8"]).contains("COUNTxGPUS"));
+    assert!(run(&["--cluster", "east", "--simulate", "1x8"]).contains("/nonexistent.crt"));
+    let _ = tmp;
+}
