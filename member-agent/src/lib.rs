@@ -9,11 +9,12 @@
 //! - [`journal`]: the durable usage journal;
 //! - [`agent`]: registration, policy fetch, journaled reporting and lease adoption;
 //! - [`sim`]: a simulated cluster whose pods go through `review`;
-//! - [`netfault`]: a TCP proxy whose link can be cut (tests and the demo).
+//! - [`netfault`]: a TCP proxy whose link can be cut (tests and the demo);
+//! - [`webhook`]: the HTTPS admission webhook (rustls, certificate reload, limits);
+//! - [`metrics`]: the agent's Prometheus metrics.
 //!
-//! Not written yet: the HTTPS webhook server (rustls), the Kubernetes inventory
-//! (kube-rs), the gate controller against the API, replica leader election, metrics, and
-//! the `kvota agent` command.
+//! Not written yet: the Kubernetes inventory (kube-rs), the gate controller against the
+//! API, replica leader election.
 
 pub mod agent;
 pub mod journal;

@@ -147,26 +147,60 @@ fn pass(uid: &str, message: &str) -> Reviewed {
 }
 
 /// Handles one AdmissionReview body. Never panics; always returns a well-formed review.
+/// The same as [`parse`] then [`judge`]; a server calls them apart so that only
+/// [`judge`] runs under the state's lock.
 pub fn review(body: &[u8], endpoint: Endpoint, state: &mut dyn AdmissionState) -> Reviewed {
+    judge(parse(body), endpoint, state)
+}
+
+/// A review read and checked, not yet judged.
+#[derive(Debug)]
+pub struct Parsed(ParsedKind);
+
+#[derive(Debug)]
+enum ParsedKind {
+    /// Answered without the agent's state (malformed, not a pod, subresource, update).
+    Done(Reviewed),
+    /// A pod is being deleted: forget its reservation or queue entry.
+    Delete { uid: String, key: String, dry_run: bool },
+    /// A pod is being created.
+    Create(Box<Create>),
+}
+
+#[derive(Debug)]
+struct Create {
+    uid: String,
+    namespace: String,
+    name: String,
+    key: String,
+    dry_run: bool,
+    pod: PodResources,
+    priority: i32,
+    has_gates: bool,
+}
+
+/// Reads and checks a review body: everything that needs no agent state (JSON parsing,
+/// shape checks, the pod's resources). Cheap to call outside any lock.
+pub fn parse(body: &[u8]) -> Parsed {
     if body.len() > MAX_REVIEW_BYTES {
-        return error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len()));
+        return Parsed(ParsedKind::Done(error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len()))));
     }
     let doc: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
-        Err(e) => return error_reply("", &format!("not JSON: {e}")),
+        Err(e) => return Parsed(ParsedKind::Done(error_reply("", &format!("not JSON: {e}")))),
     };
     let uid = doc
         .pointer("/request/uid")
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_string();
-    match judge(&doc, &uid, endpoint, state) {
-        Ok(r) => r,
-        Err(Malformed(why)) => error_reply(&uid, &why),
+    match parse_doc(&doc, &uid) {
+        Ok(p) => Parsed(p),
+        Err(Malformed(why)) => Parsed(ParsedKind::Done(error_reply(&uid, &why))),
     }
 }
 
-fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Result<Reviewed, Malformed> {
+fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
     let api = doc.get("apiVersion").and_then(Value::as_str).unwrap_or_default();
     let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
     if api != "admission.k8s.io/v1" || kind != "AdmissionReview" {
@@ -182,10 +216,10 @@ fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionSt
     let res = req.pointer("/resource/resource").and_then(Value::as_str).unwrap_or_default();
     let group = req.pointer("/resource/group").and_then(Value::as_str).unwrap_or_default();
     if res != "pods" || !group.is_empty() {
-        return Ok(pass(uid, &format!("kvota: {group}/{res} is not judged (only pods)")));
+        return Ok(ParsedKind::Done(pass(uid, &format!("kvota: {group}/{res} is not judged (only pods)"))));
     }
     if req.get("subResource").and_then(Value::as_str).is_some_and(|s| !s.is_empty()) {
-        return Ok(pass(uid, "kvota: pod subresources are not judged"));
+        return Ok(ParsedKind::Done(pass(uid, "kvota: pod subresources are not judged")));
     }
     let namespace = req
         .get("namespace")
@@ -209,28 +243,48 @@ fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionSt
     let dry_run = req.get("dryRun").and_then(Value::as_bool).unwrap_or(false);
     match req.get("operation").and_then(Value::as_str).unwrap_or_default() {
         "CREATE" => {}
-        "DELETE" => {
-            if !dry_run {
-                state.record(Effect::Forget { pod: key });
-            }
-            return Ok(pass(uid, ""));
-        }
+        "DELETE" => return Ok(ParsedKind::Delete { uid: uid.to_string(), key, dry_run }),
         // Pod resource requests are immutable (and scheduling gates can only be
         // removed), so an update cannot take a tenant over budget.
-        "UPDATE" | "CONNECT" => return Ok(pass(uid, "")),
+        "UPDATE" | "CONNECT" => return Ok(ParsedKind::Done(pass(uid, ""))),
         other => return Err(Malformed(format!("unknown operation `{other}`"))),
     }
     let object = req.get("object").ok_or_else(|| Malformed("CREATE without `object`".into()))?;
     let pod = pod_resources(object)?;
+    let priority = object
+        .pointer("/spec/priority")
+        .and_then(Value::as_i64)
+        .and_then(|p| i32::try_from(p).ok())
+        .unwrap_or(0);
+    let has_gates = object.pointer("/spec/schedulingGates").is_some_and(Value::is_array);
+    Ok(ParsedKind::Create(Box::new(Create { uid: uid.to_string(), namespace, name, key, dry_run, pod, priority, has_gates })))
+}
+
+/// Judges a parsed review against the agent's state and records its effect (a
+/// reservation, a queue entry, a denial, a deletion) in the same call: hold the state's
+/// lock around this call, and only this one.
+pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Reviewed {
+    let c = match parsed.0 {
+        ParsedKind::Done(r) => return r,
+        ParsedKind::Delete { uid, key, dry_run } => {
+            if !dry_run {
+                state.record(Effect::Forget { pod: key });
+            }
+            return pass(&uid, "");
+        }
+        ParsedKind::Create(c) => *c,
+    };
+    let Create { uid, namespace, name, key, dry_run, pod, priority, has_gates } = c;
+    let uid = uid.as_str();
     let Some(policy) = state.policy() else {
         // No policy yet: the agent enforces its (zero) budgets through `view`; without a
         // policy there are no tenants, so nothing is governed.
-        return Ok(pass(uid, "kvota: no policy received yet; not judged"));
+        return pass(uid, "kvota: no policy received yet; not judged");
     };
-    let weights = policy.resource_weights.clone();
-    let gpue = pod_gpue(&pod, &weights)
-        .map_err(|e| Malformed(format!("pod resources: {e}")))?
-        .total_milli;
+    let gpue = match pod_gpue(&pod, &policy.resource_weights) {
+        Ok(g) => g.total_milli,
+        Err(e) => return error_reply(uid, &format!("pod resources: {e}")),
+    };
     let labels = state.namespace_labels(&namespace);
     let tenant = policy.tenant_for_namespace(&namespace, &labels).map(|t| (t.name.clone(), t.admission));
     let (tenant, mode) = match tenant {
@@ -238,22 +292,17 @@ fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionSt
         None => {
             let v = LocalView { tenant: None, ..state.view("") };
             let d = decide(&PodRequest { namespace, name, gpue }, &v);
-            return Ok(Reviewed { body: response(uid, true, 200, &d.message, None), tenant: None, outcome: "passed", gpue });
+            return Reviewed { body: response(uid, true, 200, &d.message, None), tenant: None, outcome: "passed", gpue };
         }
     };
     // Each endpoint judges only its mode's tenants.
     let mine = matches!((endpoint, mode), (Endpoint::Validate, AdmissionMode::Reject) | (Endpoint::Mutate, AdmissionMode::Queue));
     if !mine || gpue == 0 {
         let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
-        return Ok(Reviewed { body: response(uid, true, 200, msg, None), tenant: Some(tenant), outcome: "passed", gpue });
+        return Reviewed { body: response(uid, true, 200, msg, None), tenant: Some(tenant), outcome: "passed", gpue };
     }
     let view = state.view(&tenant);
     let d: Decision = decide(&PodRequest { namespace, name, gpue }, &view);
-    let priority = object
-        .pointer("/spec/priority")
-        .and_then(Value::as_i64)
-        .and_then(|p| i32::try_from(p).ok())
-        .unwrap_or(0);
     let (body, outcome) = match d.verdict {
         Verdict::Allow => {
             if !dry_run {
@@ -268,7 +317,6 @@ fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionSt
             (response(uid, false, 403, &d.message, None), "denied")
         }
         Verdict::Queue => {
-            let has_gates = object.pointer("/spec/schedulingGates").is_some_and(Value::is_array);
             let patch = if has_gates {
                 json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])
             } else {
@@ -280,7 +328,7 @@ fn judge(doc: &Value, uid: &str, endpoint: Endpoint, state: &mut dyn AdmissionSt
             (response(uid, true, 200, &d.message, Some(&patch)), "queued")
         }
     };
-    Ok(Reviewed { body, tenant: Some(tenant), outcome, gpue })
+    Reviewed { body, tenant: Some(tenant), outcome, gpue }
 }
 
 fn quantity_map(v: Option<&Value>, path: &str) -> Result<BTreeMap<String, String>, Malformed> {

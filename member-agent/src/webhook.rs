@@ -34,7 +34,7 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::agent::Agent;
 use crate::metrics::AgentMetrics;
-use crate::review::{error_reply, review, Endpoint, MAX_REVIEW_BYTES};
+use crate::review::{error_reply, judge, parse, Endpoint, MAX_REVIEW_BYTES};
 
 /// Reviews judged at once; more wait (briefly) for a slot. Judging takes microseconds
 /// under one lock, so this bounds memory (bodies held), not throughput.
@@ -191,9 +191,12 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
             return review_response(StatusCode::PAYLOAD_TOO_LARGE, r.body);
         }
     };
+    // Parse outside the lock; only the decision and its effect hold it.
+    let parsed = parse(&bytes);
+    drop(bytes);
     let r = {
         let mut st = ctx.agent.state();
-        review(&bytes, endpoint, &mut *st)
+        judge(parsed, endpoint, &mut *st)
     };
     ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().as_secs_f64());
     if r.outcome == "denied" || r.outcome == "error" {

@@ -224,7 +224,8 @@ impl CpProc {
             .args(["--tick-ms", "250", "--exit-with-parent"])
             .arg("--data-dir")
             .arg(&self.dir)
-            .env("RUST_LOG", "info,openraft=warn")
+            // KVOTA_DEMO_SERVER_LOG sets the servers' RUST_LOG (their logs are cpN.log).
+            .env("RUST_LOG", std::env::var("KVOTA_DEMO_SERVER_LOG").unwrap_or_else(|_| "info,openraft=warn".to_string()))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))

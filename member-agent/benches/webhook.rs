@@ -1,0 +1,233 @@
+//! Webhook benchmark: AdmissionReviews per second over HTTPS keep-alive, then p50/p99
+//! latency at half that rate, for kvota's webhook and, in the same run, for a bare
+//! axum + rustls server that answers every request with a fixed response (the ceiling of
+//! the stack: same TLS configuration, same hyper connection handling, no review work).
+//!
+//! The review is a real pod shape (two containers and an init container, one asking for
+//! a GPU) in a governed namespace, sent with `dryRun: true` so that every request runs
+//! the whole decision (parse, tenant mapping, GPUe, decide) without piling up
+//! reservations.
+//!
+//! Run: `cargo bench -p kvota-member-agent --bench webhook`
+//! Knobs: BENCH_SECONDS (per measurement, default 10), BENCH_CONNECTIONS (default 32).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::routing::post;
+use axum::Router;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use kvota_fairness::lease::{Lease, TenantBudget};
+use kvota_fairness::measures::percentile;
+use kvota_fairness::policy::Policy;
+use kvota_member_agent::agent::Agent;
+use kvota_member_agent::metrics::AgentMetrics;
+use kvota_member_agent::webhook::{self, TlsFiles, WebhookCtx};
+use rustls_pki_types::{CertificateDer, ServerName};
+use serde_json::json;
+
+const POLICY: &str = "
+apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: bench}
+spec:
+  tenants:
+  - {name: training, weight: 40, minShare: 20, maxShare: 60, namespaces: [ml]}
+  - {name: inference, weight: 50, minShare: 40, maxShare: 80, namespaces: [serving]}
+";
+
+fn env_u64(k: &str, d: u64) -> u64 {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+fn body() -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "ml", "name": "trainer-0", "operation": "CREATE", "dryRun": true,
+            "userInfo": {"username": "system:serviceaccount:kube-system:job-controller"},
+            "object": {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "trainer-0", "namespace": "ml", "labels": {"job-name": "trainer"}},
+                "spec": {
+                    "priority": 0,
+                    "initContainers": [{"name": "fetch", "image": "busybox", "resources": {"requests": {"cpu": "100m"}}}],
+                    "containers": [
+                        {"name": "main", "image": "trainer:1", "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "32Gi"}, "requests": {"cpu": "4"}}},
+                        {"name": "sidecar", "image": "logger:1", "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}
+                    ]}}
+        }
+    }))
+    .unwrap_or_default()
+}
+
+fn client_config(ca: &[u8]) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from(ca.to_vec())).expect("root");
+    Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(port: u16, cfg: Arc<rustls::ClientConfig>) -> Sender {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    tcp.set_nodelay(true).expect("nodelay");
+    let tls = tokio_rustls::TlsConnector::from(cfg)
+        .connect(ServerName::try_from("localhost").expect("name"), tcp)
+        .await
+        .expect("tls");
+    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.expect("h1");
+    tokio::spawn(conn);
+    send
+}
+
+async fn one(send: &mut Sender, body: &Bytes) -> bool {
+    let req = hyper::Request::builder()
+        .method("POST")
+        .uri("/validate")
+        .header("host", "localhost")
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .expect("request");
+    match send.send_request(req).await {
+        Ok(resp) => resp.status().is_success() && resp.into_body().collect().await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// Closed loop: `conns` connections send back to back for `secs`. Returns reviews/s.
+async fn throughput(port: u16, cfg: Arc<rustls::ClientConfig>, conns: usize, secs: u64) -> f64 {
+    let body = Bytes::from(body());
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let mut s = connect(port, cfg.clone()).await;
+        let (done, stop, body) = (done.clone(), stop.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if one(&mut s, &body).await {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await; // warm up
+    let start_count = done.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let n = done.load(Ordering::Relaxed) - start_count;
+    let rate = n as f64 / t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        let _ = t.await;
+    }
+    rate
+}
+
+/// Open loop at `rate`/s spread over `conns` connections: latency p50/p99 in µs.
+async fn latency(port: u16, cfg: Arc<rustls::ClientConfig>, conns: usize, rate: f64, secs: u64) -> (u64, u64, usize) {
+    let body = Bytes::from(body());
+    let per_conn = (rate / conns as f64).max(1.0);
+    let gap = Duration::from_secs_f64(1.0 / per_conn);
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let mut s = connect(port, cfg.clone()).await;
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut tick = tokio::time::interval(gap);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let end = Instant::now() + Duration::from_secs(secs);
+            while Instant::now() < end {
+                tick.tick().await;
+                let t = Instant::now();
+                if one(&mut s, &body).await {
+                    lat.push(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));
+                }
+            }
+            lat
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap_or_default());
+    }
+    let n = all.len();
+    (percentile(&mut all, 50).unwrap_or(0), percentile(&mut all, 99).unwrap_or(0), n)
+}
+
+fn main() {
+    let secs = env_u64("BENCH_SECONDS", 10);
+    let conns = usize::try_from(env_u64("BENCH_CONNECTIONS", 32)).unwrap_or(32);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    rt.block_on(async move {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
+        std::fs::write(tmp.path().join("tls.crt"), cert.cert.pem()).expect("w");
+        std::fs::write(tmp.path().join("tls.key"), cert.key_pair.serialize_pem()).expect("w");
+        let ca = cert.cert.der().to_vec();
+        let tls = Arc::new(TlsFiles::load(&tmp.path().join("tls.crt"), &tmp.path().join("tls.key")).expect("tls"));
+        let (_stop, rx) = tokio::sync::watch::channel(false);
+
+        // kvota's webhook with a policy and a lease in force.
+        let agent = Arc::new(
+            Agent::open("east", [("nvidia.com/gpu".to_string(), 64_000)].into(), &tmp.path().join("j"), &["127.0.0.1:9".to_string()])
+                .expect("agent"),
+        );
+        {
+            let mut st = agent.state();
+            st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+            let budgets: BTreeMap<String, TenantBudget> =
+                [("training".to_string(), TenantBudget { budget: 32_000, fallback: 8_000, entitlement: 40_000 })].into();
+            let now = st.now_ms();
+            st.lease.on_lease(Lease { cluster: "east".into(), epoch: 1, duration_ms: 3_600_000, margin_ms: 1_000, issued_at_ms: 0, budgets }, now);
+        }
+        let metrics = AgentMetrics::new();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let kvota_port = l.local_addr().expect("addr").port();
+        let app = webhook::router(WebhookCtx::new(agent, metrics.clone()));
+        tokio::spawn(webhook::serve_tls(l, tls.clone(), app, metrics.clone(), rx.clone()));
+
+        // The ceiling: same TLS and connection handling, a fixed answer.
+        let fixed = Bytes::from(
+            serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "response": {"uid": "705ab4f5-6393-11e8-b7cc-42010a800002", "allowed": true}}))
+            .unwrap_or_default(),
+        );
+        let bare = Router::new().route(
+            "/validate",
+            post(move |_b: Bytes| {
+                let f = fixed.clone();
+                async move { ([("content-type", "application/json")], f) }
+            }),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let bare_port = l.local_addr().expect("addr").port();
+        tokio::spawn(webhook::serve_tls(l, tls, bare, metrics, rx));
+
+        let cfg = client_config(&ca);
+        println!("webhook benchmark: {conns} keep-alive HTTPS connections, {secs} s per measurement, {} cores", std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let bare_rate = throughput(bare_port, cfg.clone(), conns, secs).await;
+        let kvota_rate = throughput(kvota_port, cfg.clone(), conns, secs).await;
+        let (bp50, bp99, bn) = latency(bare_port, cfg.clone(), conns, bare_rate / 2.0, secs).await;
+        let (kp50, kp99, kn) = latency(kvota_port, cfg, conns, kvota_rate / 2.0, secs).await;
+        println!("| server | reviews/s (closed loop) | p50 at half rate | p99 at half rate | samples |");
+        println!("|---|---|---|---|---|");
+        println!("| bare axum + rustls, fixed answer | {bare_rate:.0} | {bp50} us | {bp99} us | {bn} |");
+        println!("| kvota webhook (decide, dry run) | {kvota_rate:.0} | {kp50} us | {kp99} us | {kn} |");
+        println!("ratio kvota / ceiling: {:.2} (target >= 0.8); kvota reviews/s: {kvota_rate:.0} (target >= 20,000)", kvota_rate / bare_rate.max(1.0));
+    });
+}
