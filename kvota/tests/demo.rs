@@ -107,3 +107,39 @@ fn newcomer_mistakes_get_one_clear_line() {
     fails_with(&["demo", "--speed", "fast"], "not a number");
     assert!(Path::new(env!("CARGO_BIN_EXE_kvota")).exists());
 }
+
+#[test]
+fn servers_do_not_outlive_a_killed_demo() {
+    use std::io::BufRead as _;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("data");
+    let mut child = kvota()
+        .args(["demo", "--speed", "max", "--plain", "--data-dir"])
+        .arg(&data)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn demo");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut up = false;
+    for line in std::io::BufReader::new(stdout).lines() {
+        let Ok(line) = line else { break };
+        if line.contains("cluster edge joined") {
+            up = true;
+            break;
+        }
+    }
+    assert!(up, "the demo never got its clusters up");
+    assert_eq!(processes_mentioning(&data.to_string_lossy()).len(), 4, "the demo and its three servers");
+    child.kill().expect("SIGKILL the demo");
+    let _ = child.wait();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let left = processes_mentioning(&data.to_string_lossy());
+        if left.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "servers outlived the killed demo: {left:?}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}

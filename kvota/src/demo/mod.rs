@@ -56,7 +56,7 @@ const MAX_SPEED: f64 = 3.0;
 /// Options of `kvota demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// How fast the scenario runs: 1 takes about 105 s, 2 about 55 s; `max` (= 3) is the
+    /// How fast the scenario runs: 1 takes about 110 s, 2 about 60 s; `max` (= 3) is the
     /// fastest at which leases and reports (real time) still keep up.
     #[arg(long, default_value = "1", value_parser = parse_speed)]
     speed: f64,
@@ -222,6 +222,10 @@ impl CpProc {
         cmd.arg("server")
             .args(["--id", &self.id.to_string(), "--listen", &self.rpc, "--http", &self.http])
             .args(["--tick-ms", "250", "--exit-with-parent"])
+            // Three servers and three agent journals share one disk here; an election
+            // needs two fsyncs in a row, so the demo uses etcd-like timeouts rather than
+            // the aggressive defaults (see docs/demo.md).
+            .args(["--heartbeat-ms", "100", "--election-timeout-min-ms", "600", "--election-timeout-max-ms", "1200"])
             .arg("--data-dir")
             .arg(&self.dir)
             // KVOTA_DEMO_SERVER_LOG sets the servers' RUST_LOG (their logs are cpN.log).
@@ -570,7 +574,7 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
     let mut pending: Vec<Candidate> = Vec::new();
     let mut prev_committed: BTreeMap<String, MilliGpue> = BTreeMap::new();
     let mut seen_seq = 0u64;
-    let mut killed: Option<(usize, u64, u64)> = None; // (proc index, killed at, poll seq at kill)
+    let mut killed: Option<(usize, u64, u64)> = None; // (proc index, killed at, term at kill)
     let mut failover_ms: Option<u64> = None;
     let mut partition_lease_expired = false;
     let mut last_sample = 0u64;
@@ -610,15 +614,15 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
                     measures.after_partition.arm(now);
                 }
                 scenario::KILL_LEADER_AT_MS => {
-                    let (leader, seq) = {
+                    let (leader, term) = {
                         let v = cp_view.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                        (v.leader, v.seq)
+                        (v.leader, v.term)
                     };
                     match leader.and_then(|l| procs.iter().position(|p| p.id == l)) {
                         Some(i) => {
                             procs[i].kill().await;
                             out.event(now, &format!("control-plane node {} (the leader) killed", procs[i].id));
-                            killed = Some((i, now, seq));
+                            killed = Some((i, now, term));
                         }
                         None => out.event(now, "no leader known at this moment; nothing killed"),
                     }
@@ -646,8 +650,9 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
             prev_committed = committed;
             seen_seq = view_now.seq;
         }
-        if let (Some((i, at, seq)), None) = (killed, failover_ms) {
-            if view_now.seq > seq && view_now.leader.is_some_and(|l| l != procs[i].id) {
+        // Failed over once some node leads in a later term (the restarted node may win).
+        if let (Some((_, at, term)), None) = (killed, failover_ms) {
+            if view_now.term > term && view_now.leader.is_some() {
                 failover_ms = Some(now - at);
                 out.event(now, &format!("node {} leads now (term {}), {} ms after the kill", view_now.leader.unwrap_or(0), view_now.term, now - at));
             }

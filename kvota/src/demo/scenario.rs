@@ -24,15 +24,15 @@ pub const NOON_TO_MS: u64 = 50_000;
 /// The partition of [`PARTITIONED`] starts.
 pub const PARTITION_FROM_MS: u64 = 55_000;
 /// And heals.
-pub const PARTITION_TO_MS: u64 = 72_000;
+pub const PARTITION_TO_MS: u64 = 70_000;
 /// Index of the cluster that is cut off.
 pub const PARTITIONED: usize = 1;
 /// The control-plane leader is killed.
-pub const KILL_LEADER_AT_MS: u64 = 80_000;
+pub const KILL_LEADER_AT_MS: u64 = 84_000;
 /// And its node restarted from its data directory.
-pub const RESTART_AT_MS: u64 = 86_000;
+pub const RESTART_AT_MS: u64 = 94_000;
 /// Workload stops; the summary follows.
-pub const END_MS: u64 = 100_000;
+pub const END_MS: u64 = 106_000;
 /// A denied pod's owner (a job controller) retries after this long.
 pub const RETRY_MS: u64 = 1_000;
 
