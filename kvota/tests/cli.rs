@@ -77,10 +77,12 @@ fn whatif_rejects_unknown_names_clearly() {
 }
 
 #[test]
-fn demo_says_plainly_it_is_not_there_yet() {
-    let (code, _, err) = kvota(&["demo"]);
-    assert_eq!(code, 2);
-    assert!(err.contains("not available yet"), "{err}");
+fn demo_help_names_the_knobs_a_newcomer_needs() {
+    let (code, out, err) = kvota(&["demo", "--help"]);
+    assert_eq!(code, 0, "{err}");
+    for flag in ["--speed", "--seed", "--json", "--policy", "--data-dir"] {
+        assert!(out.contains(flag), "`kvota demo --help` does not mention {flag}:\n{out}");
+    }
 }
 
 #[test]
