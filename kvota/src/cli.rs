@@ -75,6 +75,11 @@ enum Cmd {
     /// (child processes), three agents with simulated clusters, a morning burst, a
     /// partition and a leader killed; then a measured summary.
     Demo(crate::demo::DemoArgs),
+    /// Replay a GPU cluster trace (Philly, Alibaba, or your own CSV) offline under
+    /// kvota's policy and four baselines (round robin, strict priority, static
+    /// reservation, elastic DRF) and compare the article's measures: delay at
+    /// admission, share violation, inference SLA, recovery, fairness, utilization.
+    Sim(crate::sim_cmd::SimArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -155,6 +160,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Policy(PolicyCmd::Validate { file, json }) => policy_validate(&file, json),
         Cmd::Whatif(args) => whatif(args),
         Cmd::Demo(a) => crate::demo::run(a),
+        Cmd::Sim(a) => crate::sim_cmd::run(a),
     }
 }
 

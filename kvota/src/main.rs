@@ -27,6 +27,7 @@ mod agent_cmd;
 mod cli;
 mod demo;
 mod server_cmd;
+mod sim_cmd;
 
 use std::process::ExitCode;
 

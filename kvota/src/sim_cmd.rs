@@ -1,0 +1,244 @@
+//! `kvota sim`: replay a GPU trace under kvota's policy and four baselines, offline.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context as _, Result};
+use clap::Args;
+use kvota_fairness::policy::Policy;
+use kvota_fairness::units::parse_duration_ms;
+use kvota_sim::{report, sched, Partition, SimConfig, Trace};
+
+/// Options of `kvota sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// The trace: `philly:DIR[:GPU]` (the Philly per-VC files and throughputs.json;
+    /// GPU type for durations, default v100), `alibaba:FILE` (openb_pod_list_*.csv),
+    /// `csv:FILE` (header `tenant,submit_s,gpus,duration_s[,kind]`), or a bare path.
+    #[arg(long, value_name = "SPEC")]
+    trace: String,
+    /// FairnessPolicy YAML; its tenants must include every tenant of the trace.
+    /// Default: the seed article's policy (training / inference / research), which
+    /// fits the Alibaba trace. For Philly use deploy/policies/philly-vc.yaml.
+    #[arg(long, value_name = "FILE")]
+    policy: Option<PathBuf>,
+    /// Clusters and their GPUs: `64` (one cluster), `3x64`, or `east=64,west=64,edge=32`.
+    /// Jobs are spread over clusters at random (seeded), in proportion to capacity.
+    #[arg(long, default_value = "64", value_name = "SPEC")]
+    clusters: String,
+    /// Schedulers to compare, comma-separated.
+    #[arg(long, default_value = "wfq-decay,round-robin,strict-priority,static-reservation,drf-elastic", value_name = "LIST")]
+    scheduler: String,
+    /// Cut one cluster off the control plane: `CLUSTER@FROM..TO` in trace time, e.g.
+    /// `west@10d..12d` (units ms, s, m, h, d). Affects kvota only: the baselines have no
+    /// control plane.
+    #[arg(long, value_name = "CLUSTER@FROM..TO")]
+    partition: Option<String>,
+    /// Multiply all trace times by this (0.1 = ten times faster arrivals and shorter jobs).
+    #[arg(long, default_value_t = 1.0, value_name = "FACTOR")]
+    time_scale: f64,
+    /// Replay only the first N jobs (by submission time).
+    #[arg(long, value_name = "N")]
+    max_jobs: Option<usize>,
+    /// Period of usage reports, leases, rebalancing and measurement (trace time).
+    #[arg(long, default_value = "60s", value_name = "DURATION")]
+    tick: String,
+    /// Training checkpoint interval: a preempted job loses the work since its last one.
+    #[arg(long, default_value = "30m", value_name = "DURATION")]
+    checkpoint: String,
+    /// Seed for everything random (job-to-cluster placement).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Where to write report.md, results.csv, series.csv and the SVG charts.
+    #[arg(long, default_value = "sim-out", value_name = "DIR")]
+    out: PathBuf,
+}
+
+fn parse_clusters(spec: &str) -> Result<Vec<(String, u64)>> {
+    let gpus = |s: &str| -> Result<u64> {
+        let n: f64 = s.trim().parse().with_context(|| format!("`{s}` is not a GPU count (in --clusters {spec})"))?;
+        if !(n > 0.0 && n <= 1_000_000.0) {
+            bail!("cluster size {n} is out of range (0, 1000000] (in --clusters {spec})");
+        }
+        // Bounded above: exact.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let milli = (n * 1000.0).round() as u64;
+        Ok(milli)
+    };
+    if let Some((n, size)) = spec.split_once('x') {
+        if let Ok(n) = n.trim().parse::<usize>() {
+            if n == 0 || n > 64 {
+                bail!("--clusters {spec}: between 1 and 64 clusters");
+            }
+            let g = gpus(size)?;
+            return Ok((1..=n).map(|i| (format!("c{i}"), g)).collect());
+        }
+    }
+    if !spec.contains('=') {
+        return Ok(vec![("cluster".into(), gpus(spec)?)]);
+    }
+    let mut out: Vec<(String, u64)> = Vec::new();
+    for part in spec.split(',') {
+        let Some((name, size)) = part.split_once('=') else {
+            bail!("--clusters {spec}: `{part}` is not NAME=GPUS");
+        };
+        let name = name.trim();
+        if !kvota_fairness::federation::valid_cluster_id(name) {
+            bail!("--clusters {spec}: `{name}` is not a valid cluster name (lowercase letters, digits and '-')");
+        }
+        if out.iter().any(|c| c.0 == name) {
+            bail!("--clusters {spec}: cluster `{name}` appears twice");
+        }
+        out.push((name.to_string(), gpus(size)?));
+    }
+    Ok(out)
+}
+
+fn parse_partition(spec: &str, clusters: &[(String, u64)]) -> Result<Partition> {
+    let err = || format!("--partition {spec}: expected CLUSTER@FROM..TO, e.g. c2@10d..12d");
+    let (name, span) = spec.split_once('@').with_context(err)?;
+    let (from, to) = span.split_once("..").with_context(err)?;
+    let cluster = clusters.iter().position(|c| c.0 == name).with_context(|| {
+        format!("--partition {spec}: no cluster `{name}` (clusters: {})", clusters.iter().map(|c| c.0.as_str()).collect::<Vec<_>>().join(", "))
+    })?;
+    let from_ms = parse_duration_ms(from).map_err(|e| anyhow::anyhow!("--partition {spec}: {e}"))?;
+    let to_ms = parse_duration_ms(to).map_err(|e| anyhow::anyhow!("--partition {spec}: {e}"))?;
+    if to_ms <= from_ms {
+        bail!("--partition {spec}: the end must come after the start");
+    }
+    Ok(Partition { cluster, from_ms, to_ms })
+}
+
+fn load_policy(path: Option<&Path>) -> Result<Policy> {
+    let Some(path) = path else {
+        return Policy::from_yaml(Policy::article_example_yaml()).map_err(|e| anyhow::anyhow!("built-in policy: {e}"));
+    };
+    let text = std::fs::read_to_string(path).with_context(|| format!("read --policy {}", path.display()))?;
+    Policy::from_yaml(&text)
+        .map_err(|e| anyhow::anyhow!("{} is not a valid FairnessPolicy (`kvota policy validate {}` lists every problem): {e}", path.display(), path.display()))
+}
+
+/// Runs `kvota sim`.
+pub fn run(args: SimArgs) -> Result<ExitCode> {
+    let clusters = parse_clusters(&args.clusters)?;
+    let partition = args.partition.as_deref().map(|p| parse_partition(p, &clusters)).transpose()?;
+    let tick_ms = parse_duration_ms(&args.tick).map_err(|e| anyhow::anyhow!("--tick: {e}"))?;
+    if tick_ms == 0 {
+        bail!("--tick must be longer than 0");
+    }
+    let checkpoint_ms = parse_duration_ms(&args.checkpoint).map_err(|e| anyhow::anyhow!("--checkpoint: {e}"))?;
+    if !(args.time_scale > 0.0 && args.time_scale.is_finite()) {
+        bail!("--time-scale must be a positive number");
+    }
+    let schedulers: Vec<String> = args.scheduler.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if let Some(bad) = schedulers.iter().find(|s| !sched::ALL.contains(&s.as_str())) {
+        bail!("--scheduler: unknown `{bad}`; choose from {}", sched::ALL.join(", "));
+    }
+    if schedulers.is_empty() {
+        bail!("--scheduler: name at least one of {}", sched::ALL.join(", "));
+    }
+    let policy = load_policy(args.policy.as_deref())?;
+
+    let t0 = Instant::now();
+    let mut trace = Trace::load(&args.trace).with_context(|| format!("load --trace {}", args.trace))?;
+    if let Some(n) = args.max_jobs {
+        trace.truncate(n);
+    }
+    if (args.time_scale - 1.0).abs() > f64::EPSILON {
+        trace.scale_time(args.time_scale);
+    }
+    if trace.jobs.is_empty() {
+        bail!("the trace {} has no jobs to replay", args.trace);
+    }
+    let load_s = t0.elapsed().as_secs_f64();
+    let cfg = SimConfig { clusters: clusters.clone(), tick_ms, checkpoint_ms, seed: args.seed, partition, ..SimConfig::default() };
+    let t1 = Instant::now();
+    let runs = kvota_sim::compare(&trace, &policy, &cfg, &schedulers)?;
+    let sim_s = t1.elapsed().as_secs_f64();
+    let results: Vec<kvota_sim::RunResult> = runs.iter().map(|r| r.result.clone()).collect();
+
+    std::fs::create_dir_all(&args.out).with_context(|| format!("create --out {}", args.out.display()))?;
+    let write = |name: &str, body: &str| -> Result<()> {
+        let p = args.out.join(name);
+        std::fs::write(&p, body).with_context(|| format!("write {}", p.display()))
+    };
+    let total_gpus: u64 = clusters.iter().map(|c| c.1).sum();
+    let cluster_desc = clusters
+        .iter()
+        .map(|(n, g)| format!("{n}={}", kvota_fairness::units::format_gpue(*g)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut md = format!(
+        "# kvota sim: {}\n\n- policy: `{}` ({} tenants)\n- clusters: {cluster_desc} ({} GPUs in all)\n- jobs: {} over {} of trace time; tick {}, checkpoints every {}, seed {}\n",
+        trace.source,
+        policy.name,
+        policy.tenants.len(),
+        kvota_fairness::units::format_gpue(total_gpus),
+        trace.jobs.len(),
+        report::human_ms(results.iter().map(|r| r.span_ms).max().unwrap_or(0)),
+        report::human_ms(tick_ms),
+        report::human_ms(checkpoint_ms),
+        args.seed
+    );
+    if let Some(p) = &cfg.partition {
+        md += &format!(
+            "- partition: cluster `{}` cut off the control plane from {} to {}\n",
+            clusters[p.cluster].0,
+            report::human_ms(p.from_ms),
+            report::human_ms(p.to_ms)
+        );
+    }
+    for n in &trace.notes {
+        md += &format!("- {n}\n");
+    }
+    md += &format!("- computed in {sim_s:.1} s ({} events; trace loaded in {load_s:.1} s)\n\n", results.iter().map(|r| r.events).sum::<u64>());
+    md += &report::markdown(&results);
+    md += "\n![fairness score over time](fairness.svg)\n";
+    for r in &results {
+        md += &format!("\n![{0}: share of GPUs per tenant](share-{0}.svg)\n", r.scheduler);
+    }
+    write("report.md", &md)?;
+    write("results.csv", &report::results_csv(&results))?;
+    write("series.csv", &report::series_csv(&results))?;
+    write("fairness.svg", &report::fairness_chart(&format!("Mean fairness score, {}", trace.source.rsplit('/').next().unwrap_or("")), &results))?;
+    for r in &results {
+        write(&format!("share-{}.svg", r.scheduler), &report::share_chart(&format!("{}: share of GPUs held per tenant", r.scheduler), r))?;
+    }
+    out!("{}", report::markdown(&results));
+    for r in &runs {
+        out!("{:<20} {:>8.2} s", r.result.scheduler, r.wall.as_secs_f64());
+    }
+    out!(
+        "replayed {} jobs x {} schedulers in {sim_s:.1} s (trace loaded in {load_s:.1} s); report in {}",
+        trace.jobs.len(),
+        results.len(),
+        args.out.join("report.md").display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_specs() {
+        assert_eq!(parse_clusters("64").expect("one"), [("cluster".to_string(), 64_000)]);
+        assert_eq!(parse_clusters("2x8").expect("two"), [("c1".to_string(), 8000), ("c2".to_string(), 8000)]);
+        assert_eq!(parse_clusters("east=4,edge=0.5").expect("named"), [("east".to_string(), 4000), ("edge".to_string(), 500)]);
+        assert!(parse_clusters("east=4,east=2").is_err());
+        assert!(parse_clusters("x").is_err());
+        assert!(parse_clusters("0").is_err());
+        assert!(parse_clusters("Bad_Name=3").is_err());
+    }
+
+    #[test]
+    fn partition_specs() {
+        let c = parse_clusters("2x8").expect("two");
+        assert_eq!(parse_partition("c2@1h..2h", &c).expect("ok"), Partition { cluster: 1, from_ms: 3_600_000, to_ms: 7_200_000 });
+        assert!(parse_partition("c3@1h..2h", &c).expect_err("no c3").to_string().contains("no cluster `c3`"));
+        assert!(parse_partition("c1@2h..1h", &c).is_err());
+        assert!(parse_partition("c1", &c).is_err());
+    }
+}

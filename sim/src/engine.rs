@@ -1,0 +1,794 @@
+//! The discrete-event engine: jobs arrive, start, finish and are preempted; the
+//! scheduler under test decides starts and preemptions; the engine measures.
+//!
+//! Time is integer milliseconds of trace time. Events at the same instant are handled
+//! in a fixed order (finishes, then arrivals, then the periodic tick, then one
+//! scheduling pass), and every tie is broken by job index, so a run is a pure function
+//! of (trace, policy, configuration, seed).
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use kvota_fairness::decay::Ledger;
+use kvota_fairness::entitlement::{self, TenantInput};
+use kvota_fairness::measures::{percentile, tenant_score, ShareClock};
+use kvota_fairness::policy::Policy;
+use kvota_fairness::MilliGpue;
+
+use crate::sched::Scheduler;
+use crate::trace::{Kind, Trace};
+
+/// A cut between one cluster and the control plane (only kvota's wfq-decay has a
+/// control plane; the baselines are per-cluster and do not notice).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partition {
+    /// Index of the cut-off cluster.
+    pub cluster: usize,
+    /// Start, trace ms.
+    pub from_ms: u64,
+    /// End, trace ms.
+    pub to_ms: u64,
+}
+
+/// How a run is set up (the same for every scheduler compared).
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Clusters: name and GPU capacity in GPUe.
+    pub clusters: Vec<(String, MilliGpue)>,
+    /// Period of reports, lease renewals, rebalancing and measurement samples.
+    pub tick_ms: u64,
+    /// Training checkpoints this often; a preempted job loses the work since its last one.
+    pub checkpoint_ms: u64,
+    /// Chooses each job's cluster (weighted by capacity) when there are several.
+    pub seed: u64,
+    /// An optional partition of one cluster from the control plane.
+    pub partition: Option<Partition>,
+    /// How deep into a tenant's queue a pass looks for a job that fits (Kubernetes does
+    /// not block on the head of a queue; a bound keeps passes cheap).
+    pub scan_limit: usize,
+    /// Points in the time series kept for charts.
+    pub samples: usize,
+    /// Inference latency model: utilisation of a fully provisioned service.
+    pub inference_load: f64,
+    /// Inference SLO: latency at most this multiple of the fully provisioned latency.
+    pub slo_factor: f64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            clusters: vec![("cluster".into(), 64_000)],
+            tick_ms: 60_000,
+            checkpoint_ms: 30 * 60_000,
+            seed: 1,
+            partition: None,
+            scan_limit: 64,
+            samples: 400,
+            inference_load: 0.6,
+            slo_factor: 2.0,
+        }
+    }
+}
+
+/// Latency of an inference service relative to its fully provisioned latency, when it
+/// runs `running` of the `demand` GPUe it asks for: an M/M/1-style `(1 - r0) / (1 - r)`
+/// with `r = r0 * demand / running`, capped at 20x when it saturates. 1.0 when it has
+/// all it asked for.
+pub fn latency_factor(running: MilliGpue, demand: MilliGpue, load: f64) -> f64 {
+    const CAP: f64 = 20.0;
+    if demand == 0 || running >= demand {
+        return 1.0;
+    }
+    if running == 0 {
+        return CAP;
+    }
+    let r = load * demand as f64 / running as f64;
+    if r >= 0.95 {
+        return CAP;
+    }
+    ((1.0 - load) / (1.0 - r)).min(CAP)
+}
+
+/// A job at run time.
+#[derive(Clone, Debug)]
+pub struct JobRt {
+    /// Tenant index (policy order).
+    pub tenant: usize,
+    /// Cluster index.
+    pub cluster: usize,
+    /// GPUe.
+    pub gpue: MilliGpue,
+    /// Batch or service.
+    pub kind: Kind,
+    /// Submitted at.
+    pub submit_ms: u64,
+    /// Work left, ms (at the start of the current run, if running).
+    pub remaining_ms: u64,
+    /// Start of the current run.
+    pub run_start: Option<u64>,
+    /// First start (admission delay = first start - submit).
+    pub first_start: Option<u64>,
+    /// Bumped at every start so stale finish events are ignored.
+    pub generation: u32,
+    /// Times preempted.
+    pub preemptions: u32,
+    /// Finished.
+    pub done: bool,
+}
+
+/// One cluster at run time.
+#[derive(Clone, Debug)]
+pub struct ClusterRt {
+    /// Name.
+    pub name: String,
+    /// Capacity, GPUe.
+    pub capacity: MilliGpue,
+    /// Free GPUe.
+    pub free: MilliGpue,
+    /// Running GPUe per tenant.
+    pub inuse: Vec<MilliGpue>,
+    /// Waiting GPUe per tenant.
+    pub pending: Vec<MilliGpue>,
+    /// Waiting jobs per tenant, oldest first.
+    pub queue: Vec<VecDeque<usize>>,
+    /// Running jobs per tenant, by start time (youngest last).
+    pub running: Vec<Vec<usize>>,
+    /// GPUe x ms used per tenant since the scheduler last took it (for usage reports).
+    pub used_since: Vec<u128>,
+}
+
+/// A tenant as the engine sees it.
+#[derive(Clone, Debug)]
+pub struct TenantRt {
+    /// Name.
+    pub name: String,
+    /// Weight, milli.
+    pub weight_milli: u64,
+    /// Guarantee, basis points.
+    pub min_share_bp: u32,
+    /// Cap, basis points.
+    pub max_share_bp: u32,
+    /// May its pods be preempted?
+    pub preemptible: bool,
+    /// Half-life of decayed usage.
+    pub half_life_ms: u64,
+    /// Submits inference jobs.
+    pub serves: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    Finish { job: usize, generation: u32 },
+    Arrive { job: usize },
+    Tick,
+}
+
+/// The world the scheduler acts on.
+#[derive(Debug)]
+pub struct World {
+    /// Now, trace ms.
+    pub now: u64,
+    /// Jobs (trace order).
+    pub jobs: Vec<JobRt>,
+    /// Tenants (policy order).
+    pub tenants: Vec<TenantRt>,
+    /// Clusters.
+    pub clusters: Vec<ClusterRt>,
+    /// Checkpoint interval.
+    pub checkpoint_ms: u64,
+    /// Queue scan bound.
+    pub scan_limit: usize,
+    events: BinaryHeap<Reverse<(u64, Ev)>>,
+    /// Preemptions per victim tenant.
+    pub preempted: Vec<u64>,
+    /// GPUe x ms of work lost to preemption per tenant.
+    pub lost: Vec<u128>,
+}
+
+impl World {
+    /// Starts `job` now. The caller has checked it fits.
+    pub fn start(&mut self, job: usize) {
+        let now = self.now;
+        let j = &mut self.jobs[job];
+        debug_assert!(j.run_start.is_none() && !j.done);
+        let (t, c, g) = (j.tenant, j.cluster, j.gpue);
+        j.run_start = Some(now);
+        j.first_start.get_or_insert(now);
+        j.generation = j.generation.wrapping_add(1);
+        let ev = Ev::Finish { job, generation: j.generation };
+        let at = now.saturating_add(j.remaining_ms);
+        let cl = &mut self.clusters[c];
+        if let Some(pos) = cl.queue[t].iter().position(|&q| q == job) {
+            cl.queue[t].remove(pos);
+        }
+        cl.pending[t] -= g;
+        cl.inuse[t] += g;
+        cl.free = cl.free.saturating_sub(g);
+        cl.running[t].push(job);
+        self.events.push(Reverse((at, ev)));
+    }
+
+    /// Preempts a running `job`: it goes back to the end of its tenant's queue and, if
+    /// it is training, loses the work since its last checkpoint.
+    pub fn preempt(&mut self, job: usize) {
+        let now = self.now;
+        let ckpt = self.checkpoint_ms.max(1);
+        let j = &mut self.jobs[job];
+        let Some(start) = j.run_start.take() else { return };
+        let ran = now - start;
+        let lost = if j.kind == Kind::Training { ran % ckpt } else { 0 };
+        j.remaining_ms = j.remaining_ms.saturating_sub(ran - lost).max(1);
+        j.preemptions += 1;
+        j.generation = j.generation.wrapping_add(1);
+        let (t, c, g) = (j.tenant, j.cluster, j.gpue);
+        self.preempted[t] += 1;
+        self.lost[t] += u128::from(g) * u128::from(lost);
+        let cl = &mut self.clusters[c];
+        if let Some(pos) = cl.running[t].iter().position(|&r| r == job) {
+            cl.running[t].remove(pos);
+        }
+        cl.inuse[t] -= g;
+        cl.free += g;
+        cl.pending[t] += g;
+        cl.queue[t].push_back(job);
+    }
+
+    /// Waiting jobs of tenant `t` in cluster `c` a pass may consider, oldest first.
+    pub fn candidates(&self, c: usize, t: usize) -> impl Iterator<Item = usize> + '_ {
+        self.clusters[c].queue[t].iter().copied().take(self.scan_limit)
+    }
+
+    fn finish(&mut self, job: usize) {
+        let j = &mut self.jobs[job];
+        j.run_start = None;
+        j.done = true;
+        let (t, c, g) = (j.tenant, j.cluster, j.gpue);
+        let cl = &mut self.clusters[c];
+        if let Some(pos) = cl.running[t].iter().position(|&r| r == job) {
+            cl.running[t].remove(pos);
+        }
+        cl.inuse[t] -= g;
+        cl.free += g;
+    }
+
+    /// Total capacity.
+    pub fn capacity(&self) -> MilliGpue {
+        self.clusters.iter().map(|c| c.capacity).sum()
+    }
+}
+
+/// Measured outcome for one tenant.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TenantResult {
+    /// Tenant.
+    pub tenant: String,
+    /// Jobs in the trace.
+    pub jobs: usize,
+    /// Jobs that never started before the run ended.
+    pub never_started: usize,
+    /// Admission delay percentiles, ms (jobs that never started count with the time
+    /// they waited until the end).
+    pub delay_p50_ms: u64,
+    /// p99.
+    pub delay_p99_ms: u64,
+    /// Fraction of time above the fair target (share-violation time).
+    pub violation: f64,
+    /// Fraction of time below `min(demand, guarantee)`.
+    pub starved: f64,
+    /// Mean fairness score while it had demand.
+    pub mean_score: f64,
+    /// Inference only: fraction of time with demand that the latency was within the SLO.
+    pub sla: Option<f64>,
+    /// Inference only: p99 of the latency factor over time.
+    pub latency_p99: Option<f64>,
+    /// Times its jobs were preempted.
+    pub preemptions: u64,
+    /// GPU-hours of work lost to preemption.
+    pub lost_gpu_hours: f64,
+    /// Mean share of capacity held.
+    pub mean_share: f64,
+}
+
+/// One point of the time series.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    /// Trace time, ms.
+    pub t_ms: u64,
+    /// Mean fairness score over tenants with demand.
+    pub score: f64,
+    /// Share of capacity held per tenant.
+    pub shares: Vec<f64>,
+}
+
+/// Everything a run measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunResult {
+    /// Scheduler name.
+    pub scheduler: String,
+    /// Per tenant, policy order.
+    pub tenants: Vec<TenantResult>,
+    /// Time-averaged GPU utilisation while any job was waiting or running.
+    pub utilization: f64,
+    /// Time-averaged mean fairness score.
+    pub mean_score: f64,
+    /// Fraction of time the mean fairness score was below [`UNFAIR_BELOW`].
+    pub unfair: f64,
+    /// Unfair episodes (score below [`UNFAIR_BELOW`]): count, median and longest, ms.
+    pub episodes: usize,
+    /// Median time to return to a fair allocation.
+    pub recovery_p50_ms: u64,
+    /// Longest.
+    pub recovery_max_ms: u64,
+    /// Total preemptions.
+    pub preemptions: u64,
+    /// Simulated span, ms.
+    pub span_ms: u64,
+    /// Time series for charts.
+    pub series: Vec<Sample>,
+    /// Events handled.
+    pub events: u64,
+    /// Admission delay of every job in trace order (`None`: never started).
+    pub job_delays: Vec<Option<u64>>,
+    /// Jobs preempted at least once, in trace order.
+    pub preempted_jobs: Vec<usize>,
+    /// GPUe x ms each tenant's running jobs actually used.
+    pub used_gpue_ms: Vec<u128>,
+}
+
+/// Idle ticks (nothing running, nothing left to arrive) after which a run ends.
+const STUCK_TICKS: u32 = 10;
+
+/// A mean fairness score below this opens an unfair episode; recovery time is how long
+/// it lasts.
+pub const UNFAIR_BELOW: f64 = 0.8;
+
+/// Errors that stop a run before it starts.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The trace uses a tenant the policy does not have.
+    #[error("the trace has tenant `{tenant}` but the policy does not (policy tenants: {known}); use a policy that names every trace tenant")]
+    UnknownTenant {
+        /// Tenant.
+        tenant: String,
+        /// Policy tenants.
+        known: String,
+    },
+    /// Bad configuration.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Deterministic 64-bit generator (splitmix64): the only source of randomness.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    /// Next value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Runs one scheduler over the trace.
+pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Scheduler) -> Result<RunResult, SimError> {
+    if cfg.clusters.is_empty() || cfg.clusters.iter().any(|c| c.1 == 0) {
+        return Err(SimError::Config("every cluster needs a capacity above 0".into()));
+    }
+    if cfg.tick_ms == 0 {
+        return Err(SimError::Config("the tick must be longer than 0 ms".into()));
+    }
+    let mut tenants: Vec<TenantRt> = policy
+        .tenants
+        .iter()
+        .map(|t| TenantRt {
+            name: t.name.clone(),
+            weight_milli: t.weight_milli,
+            min_share_bp: t.min_share_bp,
+            max_share_bp: t.max_share_bp,
+            preemptible: t.preemptible,
+            half_life_ms: t.decay_half_life_ms,
+            serves: false,
+        })
+        .collect();
+    let nt = tenants.len();
+    let total_cap: u128 = cfg.clusters.iter().map(|c| u128::from(c.1)).sum();
+    let mut rng = Rng::new(cfg.seed);
+    let mut jobs = Vec::with_capacity(trace.jobs.len());
+    for j in &trace.jobs {
+        let Some(t) = policy.tenant_index(&j.tenant) else {
+            return Err(SimError::UnknownTenant {
+                tenant: j.tenant.clone(),
+                known: policy.tenants.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", "),
+            });
+        };
+        if j.kind == Kind::Inference {
+            tenants[t].serves = true;
+        }
+        let cluster = if cfg.clusters.len() == 1 {
+            0
+        } else {
+            let mut x = u128::from(rng.next_u64()) % total_cap;
+            let mut pick = 0;
+            for (i, c) in cfg.clusters.iter().enumerate() {
+                if x < u128::from(c.1) {
+                    pick = i;
+                    break;
+                }
+                x -= u128::from(c.1);
+            }
+            pick
+        };
+        jobs.push(JobRt {
+            tenant: t,
+            cluster,
+            gpue: j.gpue,
+            kind: j.kind,
+            submit_ms: j.submit_ms,
+            remaining_ms: j.duration_ms.max(1),
+            run_start: None,
+            first_start: None,
+            generation: 0,
+            preemptions: 0,
+            done: false,
+        });
+    }
+    let clusters = cfg
+        .clusters
+        .iter()
+        .map(|(name, cap)| ClusterRt {
+            name: name.clone(),
+            capacity: *cap,
+            free: *cap,
+            inuse: vec![0; nt],
+            pending: vec![0; nt],
+            queue: vec![VecDeque::new(); nt],
+            running: vec![Vec::new(); nt],
+            used_since: vec![0; nt],
+        })
+        .collect();
+    let mut w = World {
+        now: 0,
+        jobs,
+        tenants,
+        clusters,
+        checkpoint_ms: cfg.checkpoint_ms,
+        scan_limit: cfg.scan_limit.max(1),
+        events: BinaryHeap::new(),
+        preempted: vec![0; nt],
+        lost: vec![0; nt],
+    };
+    let start_ms = w.jobs.first().map_or(0, |j| j.submit_ms);
+    let last_arrival = w.jobs.last().map_or(0, |j| j.submit_ms);
+    for (i, j) in w.jobs.iter().enumerate() {
+        w.events.push(Reverse((j.submit_ms, Ev::Arrive { job: i })));
+    }
+    w.now = start_ms;
+    w.events.push(Reverse((start_ms, Ev::Tick)));
+    sched.init(&mut w);
+
+    let mut m = Meter::new(&w, cfg, policy, last_arrival.saturating_sub(start_ms));
+    let mut events = 0u64;
+    let mut arrived = 0usize;
+    let mut stuck = 0u32;
+    while let Some(Reverse((at, _))) = w.events.peek().copied() {
+        m.advance(&w, at);
+        let dt = u128::from(at - w.now);
+        for cl in &mut w.clusters {
+            for (used, &inuse) in cl.used_since.iter_mut().zip(&cl.inuse) {
+                *used += u128::from(inuse) * dt;
+            }
+        }
+        w.now = at;
+        let mut tick = false;
+        while let Some(Reverse((t, ev))) = w.events.peek().copied() {
+            if t != at {
+                break;
+            }
+            w.events.pop();
+            events += 1;
+            match ev {
+                Ev::Finish { job, generation } => {
+                    if w.jobs[job].generation == generation && w.jobs[job].run_start.is_some() {
+                        w.finish(job);
+                    }
+                }
+                Ev::Arrive { job } => {
+                    let (t, c, g) = (w.jobs[job].tenant, w.jobs[job].cluster, w.jobs[job].gpue);
+                    w.clusters[c].pending[t] += g;
+                    w.clusters[c].queue[t].push_back(job);
+                    arrived += 1;
+                }
+                Ev::Tick => tick = true,
+            }
+        }
+        if tick {
+            m.sample(&w);
+            sched.tick(&mut w);
+        }
+        sched.schedule(&mut w);
+        if tick {
+            let busy = w.clusters.iter().any(|c| c.inuse.iter().any(|&u| u > 0) || c.pending.iter().any(|&p| p > 0));
+            if arrived < w.jobs.len() || busy {
+                // Stop once everything left waits for capacity that never comes (e.g. a
+                // job larger than its static pool): nothing runs and nothing arrives
+                // for STUCK_TICKS ticks in a row.
+                let idle = arrived == w.jobs.len() && w.clusters.iter().all(|c| c.inuse.iter().all(|&u| u == 0));
+                stuck = if idle { stuck + 1 } else { 0 };
+                if stuck < STUCK_TICKS {
+                    w.events.push(Reverse((at + cfg.tick_ms, Ev::Tick)));
+                }
+            }
+        }
+    }
+    Ok(m.finish(&w, sched.name(), events, start_ms))
+}
+
+/// Measures as the run goes.
+struct Meter {
+    last_ms: u64,
+    busy_ms: u64,
+    used: u128,
+    used_by: Vec<u128>,
+    cap_ms: u128,
+    clocks: Vec<ShareClock>,
+    score_sum: Vec<f64>,
+    score_n: Vec<u64>,
+    share_sum: Vec<f64>,
+    lat: Vec<Vec<u64>>, // latency factor x 1000 per sample
+    sla_ok: Vec<u64>,
+    sla_n: Vec<u64>,
+    ledger: Ledger,
+    mean_score_sum: f64,
+    mean_score_n: u64,
+    unfair_samples: u64,
+    episode_start: Option<u64>,
+    episodes: Vec<u64>,
+    series: Vec<Sample>,
+    every: u64,
+    n_samples: u64,
+    last_sample_ms: Option<u64>,
+    load: f64,
+    slo: f64,
+    tick_ms: u64,
+}
+
+impl Meter {
+    fn new(w: &World, cfg: &SimConfig, _policy: &Policy, span_hint: u64) -> Self {
+        let nt = w.tenants.len();
+        let ticks = (span_hint / cfg.tick_ms.max(1)).max(1);
+        Meter {
+            last_ms: w.now,
+            busy_ms: 0,
+            used: 0,
+            used_by: vec![0; nt],
+            cap_ms: 0,
+            clocks: vec![ShareClock::default(); nt],
+            score_sum: vec![0.0; nt],
+            score_n: vec![0; nt],
+            share_sum: vec![0.0; nt],
+            lat: vec![Vec::new(); nt],
+            sla_ok: vec![0; nt],
+            sla_n: vec![0; nt],
+            ledger: Ledger::new(),
+            mean_score_sum: 0.0,
+            mean_score_n: 0,
+            unfair_samples: 0,
+            episode_start: None,
+            episodes: Vec::new(),
+            series: Vec::new(),
+            every: (ticks / cfg.samples.max(1) as u64).max(1),
+            n_samples: 0,
+            last_sample_ms: None,
+            load: cfg.inference_load,
+            slo: cfg.slo_factor,
+            tick_ms: cfg.tick_ms,
+        }
+    }
+
+    /// Integrates utilisation up to `to`.
+    fn advance(&mut self, w: &World, to: u64) {
+        let dt = to.saturating_sub(self.last_ms);
+        if dt == 0 {
+            return;
+        }
+        for cl in &w.clusters {
+            for (sum, &u) in self.used_by.iter_mut().zip(&cl.inuse) {
+                *sum += u128::from(u) * u128::from(dt);
+            }
+        }
+        let busy = w.clusters.iter().any(|c| c.inuse.iter().any(|&u| u > 0) || c.pending.iter().any(|&p| p > 0));
+        if busy {
+            let inuse: u128 = w.clusters.iter().map(|c| c.inuse.iter().map(|&u| u128::from(u)).sum::<u128>()).sum();
+            self.used += inuse * u128::from(dt);
+            self.cap_ms += u128::from(w.capacity()) * u128::from(dt);
+            self.busy_ms += dt;
+        }
+        self.last_ms = to;
+    }
+
+    /// One measurement at a tick.
+    fn sample(&mut self, w: &World) {
+        let now = w.now;
+        let nt = w.tenants.len();
+        let cap = w.capacity();
+        let inuse: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.inuse[t]).sum()).collect();
+        let pending: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.pending[t]).sum()).collect();
+        if let Some(prev) = self.last_sample_ms {
+            let dt = now.saturating_sub(prev);
+            for (t, tr) in w.tenants.iter().enumerate() {
+                self.ledger.add(&tr.name, inuse[t].saturating_mul(dt), now, tr.half_life_ms);
+            }
+        }
+        self.last_sample_ms = Some(now);
+        // The fair target: kvota's own model over demand and decayed usage, the same
+        // yardstick for every scheduler.
+        let inputs: Vec<TenantInput> = w
+            .tenants
+            .iter()
+            .enumerate()
+            .map(|(t, tr)| TenantInput {
+                weight_milli: tr.weight_milli,
+                min_share_bp: tr.min_share_bp,
+                max_share_bp: tr.max_share_bp,
+                demand: inuse[t] + pending[t],
+                usage: self.ledger.usage_at(&tr.name, now, tr.half_life_ms),
+            })
+            .collect();
+        let ent = entitlement::compute(cap, &inputs);
+        let mut sum = 0.0;
+        let mut n = 0u32;
+        for t in 0..nt {
+            let demand = inuse[t] + pending[t];
+            self.clocks[t].observe(now, inuse[t], ent[t].total, demand, ent[t].guarantee);
+            self.share_sum[t] += inuse[t] as f64 / cap as f64;
+            if demand > 0 {
+                let s = tenant_score(inuse[t], ent[t].total, cap);
+                self.score_sum[t] += s;
+                self.score_n[t] += 1;
+                sum += s;
+                n += 1;
+            }
+            if w.tenants[t].serves {
+                let (run, dem) = w.clusters.iter().fold((0, 0), |(r, d), c| {
+                    let (ri, di) = c.running[t].iter().fold((0, 0), |(r, d), &j| {
+                        if w.jobs[j].kind == Kind::Inference {
+                            (r + w.jobs[j].gpue, d + w.jobs[j].gpue)
+                        } else {
+                            (r, d)
+                        }
+                    });
+                    let wi: MilliGpue =
+                        c.queue[t].iter().filter(|&&j| w.jobs[j].kind == Kind::Inference).map(|&j| w.jobs[j].gpue).sum();
+                    (r + ri, d + di + wi)
+                });
+                if dem > 0 {
+                    let f = latency_factor(run, dem, self.load);
+                    self.lat[t].push(to_milli(f));
+                    self.sla_n[t] += 1;
+                    if f <= self.slo {
+                        self.sla_ok[t] += 1;
+                    }
+                }
+            }
+        }
+        let mean = if n == 0 { 1.0 } else { sum / f64::from(n) };
+        self.mean_score_sum += mean;
+        self.mean_score_n += 1;
+        if mean < UNFAIR_BELOW {
+            self.unfair_samples += 1;
+            self.episode_start.get_or_insert(now);
+        } else if let Some(s) = self.episode_start.take() {
+            self.episodes.push(now - s);
+        }
+        if self.n_samples % self.every == 0 {
+            self.series.push(Sample { t_ms: now, score: mean, shares: inuse.iter().map(|&u| u as f64 / cap as f64).collect() });
+        }
+        self.n_samples += 1;
+    }
+
+    fn finish(mut self, w: &World, name: &str, events: u64, start_ms: u64) -> RunResult {
+        let end = w.now;
+        if let Some(s) = self.episode_start.take() {
+            self.episodes.push(end.saturating_sub(s).max(self.tick_ms));
+        }
+        let nt = w.tenants.len();
+        let mut delays: Vec<Vec<u64>> = vec![Vec::new(); nt];
+        let mut jobs = vec![0usize; nt];
+        let mut never = vec![0usize; nt];
+        for j in &w.jobs {
+            jobs[j.tenant] += 1;
+            match j.first_start {
+                Some(s) => delays[j.tenant].push(s - j.submit_ms),
+                None => {
+                    never[j.tenant] += 1;
+                    delays[j.tenant].push(end.saturating_sub(j.submit_ms));
+                }
+            }
+        }
+        let n = self.n_samples.max(1) as f64;
+        let tenants = (0..nt)
+            .map(|t| {
+                let c = &self.clocks[t];
+                let frac = |x: u64| if c.observed_ms == 0 { 0.0 } else { x as f64 / c.observed_ms as f64 };
+                let serves = w.tenants[t].serves;
+                TenantResult {
+                    tenant: w.tenants[t].name.clone(),
+                    jobs: jobs[t],
+                    never_started: never[t],
+                    delay_p50_ms: percentile(&mut delays[t], 50).unwrap_or(0),
+                    delay_p99_ms: percentile(&mut delays[t], 99).unwrap_or(0),
+                    violation: frac(c.violation_ms),
+                    starved: frac(c.starved_ms),
+                    mean_score: if self.score_n[t] == 0 { 1.0 } else { self.score_sum[t] / self.score_n[t] as f64 },
+                    sla: (serves && self.sla_n[t] > 0).then(|| self.sla_ok[t] as f64 / self.sla_n[t] as f64),
+                    latency_p99: (serves && !self.lat[t].is_empty())
+                        .then(|| percentile(&mut self.lat[t], 99).unwrap_or(1000) as f64 / 1000.0),
+                    preemptions: w.preempted[t],
+                    lost_gpu_hours: w.lost[t] as f64 / 1000.0 / 3_600_000.0,
+                    mean_share: self.share_sum[t] / n,
+                }
+            })
+            .collect();
+        let mut eps = self.episodes.clone();
+        RunResult {
+            scheduler: name.to_string(),
+            tenants,
+            utilization: if self.cap_ms == 0 { 0.0 } else { self.used as f64 / self.cap_ms as f64 },
+            mean_score: if self.mean_score_n == 0 { 1.0 } else { self.mean_score_sum / self.mean_score_n as f64 },
+            unfair: if self.mean_score_n == 0 { 0.0 } else { self.unfair_samples as f64 / self.mean_score_n as f64 },
+            episodes: eps.len(),
+            recovery_p50_ms: percentile(&mut eps, 50).unwrap_or(0),
+            recovery_max_ms: eps.iter().copied().max().unwrap_or(0),
+            preemptions: w.preempted.iter().sum(),
+            span_ms: end.saturating_sub(start_ms),
+            series: self.series,
+            events,
+            job_delays: w.jobs.iter().map(|j| j.first_start.map(|s| s - j.submit_ms)).collect(),
+            preempted_jobs: (0..w.jobs.len()).filter(|&i| w.jobs[i].preemptions > 0).collect(),
+            used_gpue_ms: self.used_by,
+        }
+    }
+}
+
+fn to_milli(f: f64) -> u64 {
+    let v = (f * 1000.0).round();
+    if v <= 0.0 {
+        0
+    } else {
+        // Bounded by the 20x cap: exact.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let out = v as u64;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_model_is_flat_when_provisioned_and_capped_when_starved() {
+        assert_eq!(latency_factor(4000, 4000, 0.6), 1.0);
+        assert_eq!(latency_factor(0, 4000, 0.6), 20.0);
+        // 80 % provisioned: r = 0.75, (1 - 0.6) / (1 - 0.75) = 1.6.
+        assert!((latency_factor(3200, 4000, 0.6) - 1.6).abs() < 1e-12);
+        assert_eq!(latency_factor(2000, 4000, 0.6), 20.0);
+    }
+
+    #[test]
+    fn rng_is_a_pure_function_of_the_seed() {
+        let a: Vec<u64> = (0..4).scan(Rng::new(7), |r, _| Some(r.next_u64())).collect();
+        let b: Vec<u64> = (0..4).scan(Rng::new(7), |r, _| Some(r.next_u64())).collect();
+        let c: Vec<u64> = (0..4).scan(Rng::new(8), |r, _| Some(r.next_u64())).collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+}

@@ -1,0 +1,256 @@
+//! Reports: a markdown table, CSV files and SVG charts from a comparison.
+
+use std::fmt::Write as _;
+
+use crate::engine::RunResult;
+
+/// Human duration: `0 s`, `42 s`, `7.5 min`, `3.2 h`, `2.1 d`.
+pub fn human_ms(ms: u64) -> String {
+    let s = ms as f64 / 1000.0;
+    if s < 90.0 {
+        format!("{s:.0} s")
+    } else if s < 90.0 * 60.0 {
+        format!("{:.1} min", s / 60.0)
+    } else if s < 48.0 * 3600.0 {
+        format!("{:.1} h", s / 3600.0)
+    } else {
+        format!("{:.1} d", s / 86400.0)
+    }
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1} %", x * 100.0)
+}
+
+/// The two markdown tables: per scheduler, then per scheduler and tenant.
+pub fn markdown(results: &[RunResult]) -> String {
+    let mut s = String::new();
+    s.push_str("| scheduler | GPU utilization | mean fairness score | unfair time | unfair episodes | recovery p50 | recovery max | preemptions |\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in results {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.3} | {} | {} | {} | {} | {} |",
+            r.scheduler,
+            pct(r.utilization),
+            r.mean_score,
+            pct(r.unfair),
+            r.episodes,
+            human_ms(r.recovery_p50_ms),
+            human_ms(r.recovery_max_ms),
+            r.preemptions
+        );
+    }
+    s.push('\n');
+    s.push_str("| scheduler | tenant | jobs | delay p50 | delay p99 | never started | share violation | starved | fairness score | inference SLA | latency p99 | preempted | GPU-h lost |\n");
+    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in results {
+        for t in &r.tenants {
+            if t.jobs == 0 {
+                continue;
+            }
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | {} | {:.0} |",
+                r.scheduler,
+                t.tenant,
+                t.jobs,
+                human_ms(t.delay_p50_ms),
+                human_ms(t.delay_p99_ms),
+                t.never_started,
+                pct(t.violation),
+                pct(t.starved),
+                t.mean_score,
+                t.sla.map_or("-".to_string(), pct),
+                t.latency_p99.map_or("-".to_string(), |l| format!("{l:.1}x")),
+                t.preemptions,
+                t.lost_gpu_hours
+            );
+        }
+    }
+    s
+}
+
+/// One row per scheduler and tenant, every measure.
+pub fn results_csv(results: &[RunResult]) -> String {
+    let mut s = String::from(
+        "scheduler,tenant,jobs,never_started,delay_p50_s,delay_p99_s,share_violation,starved,fairness_score,sla,latency_p99,preemptions,lost_gpu_hours,mean_share,utilization,mean_fairness,unfair,episodes,recovery_p50_s,recovery_max_s\n",
+    );
+    for r in results {
+        for t in &r.tenants {
+            let _ = writeln!(
+                s,
+                "{},{},{},{},{:.3},{:.3},{:.5},{:.5},{:.5},{},{},{},{:.3},{:.5},{:.5},{:.5},{:.5},{},{:.3},{:.3}",
+                r.scheduler,
+                t.tenant,
+                t.jobs,
+                t.never_started,
+                t.delay_p50_ms as f64 / 1000.0,
+                t.delay_p99_ms as f64 / 1000.0,
+                t.violation,
+                t.starved,
+                t.mean_score,
+                t.sla.map_or(String::new(), |x| format!("{x:.5}")),
+                t.latency_p99.map_or(String::new(), |x| format!("{x:.3}")),
+                t.preemptions,
+                t.lost_gpu_hours,
+                t.mean_share,
+                r.utilization,
+                r.mean_score,
+                r.unfair,
+                r.episodes,
+                r.recovery_p50_ms as f64 / 1000.0,
+                r.recovery_max_ms as f64 / 1000.0
+            );
+        }
+    }
+    s
+}
+
+/// The time series: scheduler, hours, mean score, then one share column per tenant.
+pub fn series_csv(results: &[RunResult]) -> String {
+    let mut s = String::from("scheduler,t_hours,fairness_score");
+    if let Some(r) = results.first() {
+        for t in &r.tenants {
+            let _ = write!(s, ",share_{}", t.tenant);
+        }
+    }
+    s.push('\n');
+    for r in results {
+        for p in &r.series {
+            let _ = write!(s, "{},{:.4},{:.5}", r.scheduler, p.t_ms as f64 / 3_600_000.0, p.score);
+            for x in &p.shares {
+                let _ = write!(s, ",{x:.5}");
+            }
+            s.push('\n');
+        }
+    }
+    s
+}
+
+const PALETTE: [&str; 16] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+    "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
+];
+
+/// One line of a chart.
+#[derive(Debug)]
+pub struct Line<'a> {
+    /// Legend.
+    pub name: &'a str,
+    /// Points (x, y).
+    pub points: Vec<(f64, f64)>,
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// A self-contained SVG line chart, y from 0 to `y_max`.
+pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_max: f64, lines: &[Line<'_>]) -> String {
+    let (w, h, l, r, t, b) = (900.0, 420.0, 60.0, 190.0, 40.0, 50.0);
+    let (pw, ph) = (w - l - r, h - t - b);
+    let x_max = lines.iter().flat_map(|ln| ln.points.iter().map(|p| p.0)).fold(0.0_f64, f64::max).max(1e-9);
+    let y_max = if y_max > 0.0 { y_max } else { 1.0 };
+    let px = |x: f64| l + pw * (x / x_max);
+    let py = |y: f64| t + ph * (1.0 - (y / y_max).clamp(0.0, 1.0));
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{l}\" y=\"22\" font-size=\"15\">{}</text>\n",
+        esc(title)
+    );
+    for i in 0..=4 {
+        let y = y_max * f64::from(i) / 4.0;
+        let _ = writeln!(
+            s,
+            "<line x1=\"{l}\" x2=\"{:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{y:.2}</text>",
+            l + pw,
+            py(y),
+            py(y),
+            l - 6.0,
+            py(y) + 4.0
+        );
+        let x = x_max * f64::from(i) / 4.0;
+        let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{x:.0}</text>", px(x), t + ph + 18.0);
+    }
+    let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>", l + pw / 2.0, h - 8.0, esc(x_label));
+    let _ = writeln!(s, "<text x=\"14\" y=\"{:.1}\" transform=\"rotate(-90 14 {:.1})\" text-anchor=\"middle\">{}</text>", t + ph / 2.0, t + ph / 2.0, esc(y_label));
+    let _ = writeln!(s, "<rect x=\"{l}\" y=\"{t}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>");
+    for (i, ln) in lines.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let pts: Vec<String> = ln.points.iter().map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y))).collect();
+        let _ = writeln!(s, "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.4\" points=\"{}\"/>", pts.join(" "));
+        let ly = t + 14.0 + 18.0 * i as f64;
+        let _ = writeln!(
+            s,
+            "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{ly:.1}\" y2=\"{ly:.1}\" stroke=\"{color}\" stroke-width=\"3\"/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            l + pw + 12.0,
+            l + pw + 32.0,
+            l + pw + 38.0,
+            ly + 4.0,
+            esc(ln.name)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Moving average over `k` points each side (charts of noisy series read better).
+pub fn smooth(points: &[(f64, f64)], k: usize) -> Vec<(f64, f64)> {
+    (0..points.len())
+        .map(|i| {
+            let lo = i.saturating_sub(k);
+            let hi = (i + k + 1).min(points.len());
+            let n = (hi - lo) as f64;
+            (points[i].0, points[lo..hi].iter().map(|p| p.1).sum::<f64>() / n)
+        })
+        .collect()
+}
+
+/// Fairness score over time, one line per scheduler.
+pub fn fairness_chart(title: &str, results: &[RunResult]) -> String {
+    let lines: Vec<Line<'_>> = results
+        .iter()
+        .map(|r| Line {
+            name: &r.scheduler,
+            points: smooth(&r.series.iter().map(|p| (p.t_ms as f64 / 3_600_000.0, p.score)).collect::<Vec<_>>(), 2),
+        })
+        .collect();
+    line_chart(title, "trace time (hours)", "mean fairness score", 1.0, &lines)
+}
+
+/// Share of capacity per tenant over time for one scheduler.
+pub fn share_chart(title: &str, r: &RunResult) -> String {
+    let lines: Vec<Line<'_>> = r
+        .tenants
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.jobs > 0)
+        .map(|(i, t)| Line {
+            name: &t.tenant,
+            points: r.series.iter().map(|p| (p.t_ms as f64 / 3_600_000.0, p.shares.get(i).copied().unwrap_or(0.0))).collect(),
+        })
+        .collect();
+    line_chart(title, "trace time (hours)", "share of GPUs held", 1.0, &lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_like_a_person_wrote_them() {
+        assert_eq!(human_ms(0), "0 s");
+        assert_eq!(human_ms(42_000), "42 s");
+        assert_eq!(human_ms(450_000), "7.5 min");
+        assert_eq!(human_ms(3 * 3_600_000), "3.0 h");
+        assert_eq!(human_ms(3 * 86_400_000), "3.0 d");
+    }
+
+    #[test]
+    fn charts_are_well_formed_and_escape_names() {
+        let svg = line_chart("a <b>", "x", "y", 1.0, &[Line { name: "p&q", points: vec![(0.0, 0.5), (2.0, 1.0)] }]);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("a &lt;b&gt;") && svg.contains("p&amp;q"));
+        assert_eq!(svg.matches("<polyline").count(), 1);
+    }
+}

@@ -1,0 +1,442 @@
+//! The five schedulers compared by `kvota sim`.
+//!
+//! - [`WfqDecay`] is kvota itself: the real [`Federation`] state machine (entitlements
+//!   from weights, min/max shares and decayed usage, split into per-cluster budgets and
+//!   handed out as leases), each cluster's [`AgentLease`], and the real admission
+//!   [`decide`]. Tenants under their budget are served first. It never preempts (kvota's
+//!   reclaim is issue #8), so a tenant's budget frees only as its pods finish.
+//! - [`RoundRobin`]: the Kubernetes default with priority classes and no quotas. Pods of
+//!   non-preemptible tenants form the high class and are served first; within a class
+//!   tenants take turns, one pod per turn. No preemption.
+//! - [`StrictPriority`]: priority queueing with preemption and no quotas. Priority:
+//!   non-preemptible tenants first, then by weight. A pod that does not fit preempts
+//!   the youngest pods of lower-priority, preemptible tenants (lowest priority first)
+//!   until it fits. Non-preemptible tenants are never victims.
+//! - [`StaticReservation`]: each tenant owns a fixed pool of each cluster in proportion
+//!   to its weight; a pool is never lent, however idle.
+//! - [`DrfElastic`]: dominant-resource fairness with GPUs as the one resource (so it is
+//!   weighted max-min fairness over demand), elastic: it lends idle capacity to anyone
+//!   and, every tick, takes it back by preempting the youngest pods of tenants above
+//!   their fair share, whatever the tenant (resizing every tenant to its current share
+//!   is what makes it elastic), for the tenant furthest below.
+//!
+//! All of them work per cluster on the pods submitted there; only kvota coordinates
+//! clusters. All scan each tenant's queue up to the same depth and never block on the
+//! head of a queue, as the Kubernetes scheduler does not.
+
+use std::collections::BTreeMap;
+
+use kvota_fairness::admission::{decide, LocalView, PodRequest, Verdict};
+use kvota_fairness::entitlement::water_fill;
+use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
+use kvota_fairness::lease::AgentLease;
+use kvota_fairness::policy::Policy;
+use kvota_fairness::MilliGpue;
+
+use crate::engine::{Partition, World};
+
+/// A scheduling policy under test.
+pub trait Scheduler {
+    /// Its name in reports.
+    fn name(&self) -> &'static str;
+    /// Before the first event.
+    fn init(&mut self, _w: &mut World) {}
+    /// Every tick (report, lease, rebalance period), before the pass.
+    fn tick(&mut self, _w: &mut World) {}
+    /// After every batch of simultaneous events: start and preempt jobs.
+    fn schedule(&mut self, w: &mut World);
+}
+
+/// Names accepted by [`by_name`], in report order.
+pub const ALL: [&str; 5] = ["wfq-decay", "round-robin", "strict-priority", "static-reservation", "drf-elastic"];
+
+/// Builds a scheduler by name.
+pub fn by_name(name: &str, policy: &Policy, tick_ms: u64, partition: Option<Partition>) -> Option<Box<dyn Scheduler>> {
+    Some(match name {
+        "wfq-decay" => Box::new(WfqDecay::new(policy, tick_ms, partition)),
+        "round-robin" => Box::new(RoundRobin::default()),
+        "strict-priority" => Box::new(StrictPriority),
+        "static-reservation" => Box::new(StaticReservation),
+        "drf-elastic" => Box::new(DrfElastic),
+        _ => return None,
+    })
+}
+
+/// Starts waiting jobs of tenant `t` in cluster `c` that fit the free GPUs and `room`
+/// (GPUe the tenant may still add); at most `max` jobs. Returns how many started.
+fn start_fitting(w: &mut World, c: usize, t: usize, mut room: MilliGpue, max: usize) -> usize {
+    let cands: Vec<usize> = w.candidates(c, t).collect();
+    let mut n = 0;
+    for j in cands {
+        if n == max || w.clusters[c].free == 0 {
+            break;
+        }
+        let g = w.jobs[j].gpue;
+        if g <= w.clusters[c].free && g <= room {
+            w.start(j);
+            room -= g;
+            n += 1;
+        }
+    }
+    n
+}
+
+/// kvota: the federation's leases and the admission decision.
+#[derive(Debug)]
+pub struct WfqDecay {
+    policy: Policy,
+    fed: Federation,
+    agents: Vec<AgentLease>,
+    seq: Vec<u64>,
+    partition: Option<Partition>,
+    /// Commands the federation refused (a bug if ever above 0).
+    pub refused: u64,
+    /// GPUe x ms the federation counted per tenant (applied reports only).
+    pub reported: Vec<u128>,
+    /// Ticks at which some cluster enforced safe (fallback) budgets.
+    pub safe_ticks: u64,
+}
+
+impl WfqDecay {
+    /// Leases last ten ticks (agents report every tick), with a one-tick margin.
+    pub fn new(policy: &Policy, tick_ms: u64, partition: Option<Partition>) -> Self {
+        let mut policy = policy.clone();
+        policy.lease.duration_ms = tick_ms.saturating_mul(10);
+        policy.lease.clock_skew_margin_ms = tick_ms;
+        WfqDecay { policy, fed: Federation::new(), agents: Vec::new(), seq: Vec::new(), partition, refused: 0, reported: Vec::new(), safe_ticks: 0 }
+    }
+
+    fn cut(&self, c: usize, now: u64) -> bool {
+        self.partition.as_ref().is_some_and(|p| p.cluster == c && now >= p.from_ms && now < p.to_ms)
+    }
+
+    /// The federation (for tests).
+    pub fn federation(&self) -> &Federation {
+        &self.fed
+    }
+}
+
+impl Scheduler for WfqDecay {
+    fn name(&self) -> &'static str {
+        "wfq-decay"
+    }
+
+    fn init(&mut self, w: &mut World) {
+        let now = w.now;
+        if self.fed.apply(now, Command::ApplyPolicy(self.policy.clone())).is_err() {
+            self.refused += 1;
+        }
+        for cl in &w.clusters {
+            let mut agent = AgentLease::new(cl.name.clone());
+            let cmd = Command::RegisterCluster {
+                cluster: cl.name.clone(),
+                capacity: BTreeMap::from([("nvidia.com/gpu".to_string(), cl.capacity)]),
+                labels: BTreeMap::new(),
+            };
+            match self.fed.apply(now, cmd) {
+                Ok(Applied::Registered(lease)) => {
+                    agent.on_lease(lease, now);
+                }
+                _ => self.refused += 1,
+            }
+            self.agents.push(agent);
+            self.seq.push(0);
+        }
+    }
+
+    fn tick(&mut self, w: &mut World) {
+        let now = w.now;
+        if self.fed.apply(now, Command::Tick).is_err() {
+            self.refused += 1;
+        }
+        self.reported.resize(w.tenants.len(), 0);
+        if self.agents.iter().any(|a| a.status(now) == kvota_fairness::lease::LeaseStatus::Safe) {
+            self.safe_ticks += 1;
+        }
+        for c in 0..w.clusters.len() {
+            if self.cut(c, now) {
+                continue; // the agent cannot reach the control plane; usage accumulates
+            }
+            let cl = &mut w.clusters[c];
+            let tenants: BTreeMap<String, TenantReport> = w
+                .tenants
+                .iter()
+                .enumerate()
+                .map(|(t, tr)| {
+                    let used = u64::try_from(std::mem::take(&mut cl.used_since[t])).unwrap_or(u64::MAX);
+                    (tr.name.clone(), TenantReport { used_milli_gpue_ms: used, inuse: cl.inuse[t], pending: cl.pending[t] })
+                })
+                .collect();
+            let sent: Vec<u64> = w.tenants.iter().map(|t| tenants_used(&tenants, &t.name)).collect();
+            let report = UsageReport {
+                cluster: cl.name.clone(),
+                seq: self.seq[c] + 1,
+                held_epoch: self.agents[c].held_epoch(),
+                capacity: None,
+                tenants,
+            };
+            match self.fed.apply(now, Command::Report(report)) {
+                Ok(Applied::Reported { lease, applied }) => {
+                    if applied {
+                        for (sum, t) in self.reported.iter_mut().zip(&sent) {
+                            *sum += u128::from(*t);
+                        }
+                    }
+                    self.seq[c] += 1;
+                    self.agents[c].on_lease(lease, now);
+                }
+                _ => self.refused += 1,
+            }
+        }
+    }
+
+    fn schedule(&mut self, w: &mut World) {
+        let now = w.now;
+        for c in 0..w.clusters.len() {
+            if w.clusters[c].free == 0 {
+                continue;
+            }
+            let agent = &self.agents[c];
+            let budgets: Vec<MilliGpue> = w.tenants.iter().map(|t| agent.budget(&t.name, now)).collect();
+            // Tenants furthest under their budget first (the drift bias).
+            let mut order: Vec<usize> = (0..w.tenants.len()).collect();
+            order.sort_by_key(|&t| (i128::from(w.clusters[c].inuse[t]) - i128::from(budgets[t]), t));
+            let status = agent.status(now);
+            for t in order {
+                let tp = &self.policy.tenants[t];
+                let cands: Vec<usize> = w.candidates(c, t).collect();
+                let mut denied_at = MilliGpue::MAX;
+                for j in cands {
+                    let g = w.jobs[j].gpue;
+                    if w.clusters[c].free == 0 {
+                        break;
+                    }
+                    if g > w.clusters[c].free || g >= denied_at {
+                        continue;
+                    }
+                    let view = LocalView {
+                        cluster: w.clusters[c].name.clone(),
+                        tenant: Some(tp.name.clone()),
+                        mode: tp.admission,
+                        max_queued: tp.max_queued,
+                        budget: budgets[t],
+                        inuse: w.clusters[c].inuse[t],
+                        queued: 0,
+                        entitlement: self.fed.committed().get(&tp.name).copied().unwrap_or(0),
+                        ceiling: Some(w.clusters[c].capacity),
+                        lease: status,
+                    };
+                    let pod = PodRequest { namespace: tp.name.clone(), name: String::new(), gpue: g };
+                    if decide(&pod, &view).verdict == Verdict::Allow {
+                        w.start(j);
+                    } else {
+                        denied_at = g; // larger pods of this tenant would be refused too
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn tenants_used(r: &BTreeMap<String, TenantReport>, name: &str) -> u64 {
+    r.get(name).map_or(0, |t| t.used_milli_gpue_ms)
+}
+
+/// Round robin with priority classes, no quotas, no preemption.
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: Vec<usize>,
+}
+
+impl Scheduler for RoundRobin {
+    fn name(&self) -> &'static str {
+        "round-robin"
+    }
+
+    fn schedule(&mut self, w: &mut World) {
+        self.next.resize(w.clusters.len(), 0);
+        let nt = w.tenants.len();
+        for c in 0..w.clusters.len() {
+            for high in [true, false] {
+                let class: Vec<usize> = (0..nt).filter(|&t| w.tenants[t].preemptible != high).collect();
+                if class.is_empty() {
+                    continue;
+                }
+                loop {
+                    let mut progress = false;
+                    for k in 0..class.len() {
+                        let t = class[(self.next[c] + k) % class.len()];
+                        if w.clusters[c].free == 0 {
+                            break;
+                        }
+                        progress |= start_fitting(w, c, t, MilliGpue::MAX, 1) > 0;
+                    }
+                    if !progress || w.clusters[c].free == 0 {
+                        break;
+                    }
+                }
+            }
+            self.next[c] = self.next[c].wrapping_add(1);
+        }
+    }
+}
+
+/// Strict priority with preemption, no quotas.
+#[derive(Debug)]
+pub struct StrictPriority;
+
+/// Priority order: non-preemptible tenants first, then by weight, then by name.
+pub fn priority_order(w: &World) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..w.tenants.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (ta, tb) = (&w.tenants[a], &w.tenants[b]);
+        ta.preemptible.cmp(&tb.preemptible).then(tb.weight_milli.cmp(&ta.weight_milli)).then(a.cmp(&b))
+    });
+    order
+}
+
+impl Scheduler for StrictPriority {
+    fn name(&self) -> &'static str {
+        "strict-priority"
+    }
+
+    fn schedule(&mut self, w: &mut World) {
+        let order = priority_order(w);
+        for c in 0..w.clusters.len() {
+            for (rank, &t) in order.iter().enumerate() {
+                let lower: Vec<usize> =
+                    order[rank + 1..].iter().rev().copied().filter(|&v| w.tenants[v].preemptible).collect();
+                let cands: Vec<usize> = w.candidates(c, t).collect();
+                for j in cands {
+                    let g = w.jobs[j].gpue;
+                    if g <= w.clusters[c].free {
+                        w.start(j);
+                        continue;
+                    }
+                    let reclaimable: MilliGpue = lower.iter().map(|&v| w.clusters[c].inuse[v]).sum();
+                    if w.clusters[c].free + reclaimable < g {
+                        continue;
+                    }
+                    // Youngest pods of the lowest priority first, until it fits.
+                    'victims: for &v in &lower {
+                        while let Some(&victim) = w.clusters[c].running[v].last() {
+                            if w.clusters[c].free >= g {
+                                break 'victims;
+                            }
+                            w.preempt(victim);
+                        }
+                    }
+                    if w.clusters[c].free >= g {
+                        w.start(j);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Static pools in proportion to weight, never lent.
+#[derive(Debug)]
+pub struct StaticReservation;
+
+/// Tenant `t`'s pool in a cluster of `capacity`.
+pub fn static_pool(w: &World, t: usize, capacity: MilliGpue) -> MilliGpue {
+    let total: u128 = w.tenants.iter().map(|t| u128::from(t.weight_milli)).sum();
+    let share = u128::from(capacity) * u128::from(w.tenants[t].weight_milli) / total.max(1);
+    MilliGpue::try_from(share).unwrap_or(capacity)
+}
+
+impl Scheduler for StaticReservation {
+    fn name(&self) -> &'static str {
+        "static-reservation"
+    }
+
+    fn schedule(&mut self, w: &mut World) {
+        for c in 0..w.clusters.len() {
+            for t in 0..w.tenants.len() {
+                let pool = static_pool(w, t, w.clusters[c].capacity);
+                let room = pool.saturating_sub(w.clusters[c].inuse[t]);
+                start_fitting(w, c, t, room, usize::MAX);
+            }
+        }
+    }
+}
+
+/// Elastic DRF: weighted max-min over demand, lending idle capacity and taking it back.
+#[derive(Debug)]
+pub struct DrfElastic;
+
+/// Weighted max-min fair shares of `capacity` for `demand`.
+pub fn fair_shares(capacity: MilliGpue, demand: &[MilliGpue], weights: &[u64]) -> Vec<MilliGpue> {
+    let total: u128 = demand.iter().map(|&d| u128::from(d)).sum();
+    if total <= u128::from(capacity) {
+        demand.to_vec()
+    } else {
+        water_fill(capacity, demand, weights)
+    }
+}
+
+impl DrfElastic {
+    fn shares(w: &World, c: usize) -> Vec<MilliGpue> {
+        let cl = &w.clusters[c];
+        let demand: Vec<MilliGpue> = (0..w.tenants.len()).map(|t| cl.inuse[t] + cl.pending[t]).collect();
+        let weights: Vec<u64> = w.tenants.iter().map(|t| t.weight_milli.max(1)).collect();
+        fair_shares(cl.capacity, &demand, &weights)
+    }
+
+    fn by_deficit(w: &World, c: usize, fair: &[MilliGpue]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..w.tenants.len()).collect();
+        order.sort_by_key(|&t| (i128::from(w.clusters[c].inuse[t]) - i128::from(fair[t]), t));
+        order
+    }
+}
+
+impl Scheduler for DrfElastic {
+    fn name(&self) -> &'static str {
+        "drf-elastic"
+    }
+
+    fn tick(&mut self, w: &mut World) {
+        // Rebalance: give the tenant furthest below its fair share room by preempting the
+        // youngest pods of tenants above theirs.
+        for c in 0..w.clusters.len() {
+            let fair = Self::shares(w, c);
+            for t in Self::by_deficit(w, c, &fair) {
+                let Some(j) = w.candidates(c, t).find(|&j| w.clusters[c].inuse[t] + w.jobs[j].gpue <= fair[t]) else {
+                    continue;
+                };
+                let g = w.jobs[j].gpue;
+                while w.clusters[c].free < g {
+                    let over = (0..w.tenants.len())
+                        .filter(|&v| v != t && w.clusters[c].inuse[v] > fair[v] && !w.clusters[c].running[v].is_empty())
+                        .max_by_key(|&v| (w.clusters[c].inuse[v] - fair[v], std::cmp::Reverse(v)));
+                    let Some(v) = over else { break };
+                    if let Some(&victim) = w.clusters[c].running[v].last() {
+                        w.preempt(victim);
+                    }
+                }
+                if w.clusters[c].free >= g {
+                    w.start(j);
+                }
+            }
+        }
+    }
+
+    fn schedule(&mut self, w: &mut World) {
+        for c in 0..w.clusters.len() {
+            if w.clusters[c].free == 0 {
+                continue;
+            }
+            let fair = Self::shares(w, c);
+            let order = Self::by_deficit(w, c, &fair);
+            for &t in &order {
+                let room = fair[t].saturating_sub(w.clusters[c].inuse[t]);
+                start_fitting(w, c, t, room, usize::MAX);
+            }
+            // Elastic: idle capacity is lent to whoever waits.
+            for &t in &order {
+                start_fitting(w, c, t, MilliGpue::MAX, usize::MAX);
+            }
+        }
+    }
+}

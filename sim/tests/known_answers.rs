@@ -1,0 +1,164 @@
+//! The simulator on small hand-made traces whose outcomes are worked out by hand in each
+//! test's comments: exact admission delays per scheduler, and the defining behaviour of
+//! every baseline.
+
+use kvota_fairness::policy::Policy;
+use kvota_sim::sched::by_name;
+use kvota_sim::{run, RunResult, SimConfig, Trace};
+
+fn policy(tenants: &str) -> Policy {
+    let yaml = format!(
+        "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: t\nspec:\n  decayHalfLife: 1h\n  tenants:\n{tenants}"
+    );
+    Policy::from_yaml(&yaml).unwrap_or_else(|e| panic!("policy: {e}\n{yaml}"))
+}
+
+fn trace(rows: &str) -> Trace {
+    kvota_sim::trace::parse_csv("test.csv", &format!("tenant,submit_s,gpus,duration_s,kind\n{rows}")).expect("trace")
+}
+
+fn sim(name: &str, trace: &Trace, policy: &Policy, gpus: u64) -> RunResult {
+    let cfg = SimConfig { clusters: vec![("c1".into(), gpus * 1000)], tick_ms: 10_000, checkpoint_ms: 30_000, ..SimConfig::default() };
+    let mut s = by_name(name, policy, cfg.tick_ms, None).expect("scheduler");
+    run(trace, policy, &cfg, s.as_mut()).expect("run")
+}
+
+/// Delays in seconds, trace order (jobs sorted by submission; ties keep file order).
+fn delays(r: &RunResult) -> Vec<u64> {
+    r.job_delays.iter().map(|d| d.expect("every job starts") / 1000).collect()
+}
+
+const EQUAL: &str = "  - {name: a, weight: 1, minShare: 0, maxShare: 100, preemptible: true}\n  - {name: b, weight: 1, minShare: 0, maxShare: 100, preemptible: true}\n";
+const HALVES: &str = "  - {name: a, weight: 1, minShare: 50, maxShare: 50, preemptible: true}\n  - {name: b, weight: 1, minShare: 50, maxShare: 50, preemptible: true}\n";
+
+/// 4 GPUs. `a` bursts 8 one-GPU jobs of 100 s at t=0; `b` submits 4 at t=10 s.
+fn burst() -> Trace {
+    trace(&("a,0,1,100,training\n".repeat(8) + &"b,10,1,100,training\n".repeat(4)))
+}
+
+#[test]
+fn round_robin_makes_the_late_tenant_wait_behind_the_burst() {
+    // a fills all 4 GPUs at 0. At 100 the four free GPUs go in turns: 2 to a, 2 to b;
+    // at 200 the same again.
+    let r = sim("round-robin", &burst(), &policy(EQUAL), 4);
+    assert_eq!(delays(&r), [0, 0, 0, 0, 100, 100, 200, 200, 90, 90, 190, 190]);
+    assert_eq!(r.preemptions, 0);
+}
+
+#[test]
+fn static_reservation_gives_each_tenant_its_pool_and_never_lends() {
+    // Pools of 2 GPUs each: a runs 2 at a time (0, 100, 200, 300), b runs 2 at a time
+    // from its arrival (10, 110). a never uses b's idle pool in [0, 10) or after 210.
+    let r = sim("static-reservation", &burst(), &policy(EQUAL), 4);
+    assert_eq!(delays(&r), [0, 0, 100, 100, 200, 200, 300, 300, 0, 0, 100, 100]);
+    let max_a_share = r.series.iter().map(|s| s.shares[0]).fold(0.0, f64::max);
+    assert!(max_a_share <= 0.5 + 1e-9, "a held {max_a_share} of the cluster: the pool was lent");
+}
+
+#[test]
+fn kvota_with_halved_shares_gives_each_tenant_exactly_its_half() {
+    // minShare = maxShare = 50 %: entitlements are 2 GPUs each whatever the decay, so
+    // kvota admits exactly like two pools (budgets arrive with the report at each tick).
+    let r = sim("wfq-decay", &burst(), &policy(HALVES), 4);
+    assert_eq!(delays(&r), [0, 0, 100, 100, 200, 200, 300, 300, 0, 0, 100, 100]);
+}
+
+#[test]
+fn kvota_lends_idle_capacity_then_biases_toward_the_tenant_with_less_usage() {
+    // Equal weights, no guarantees, maxShare 100 %: a alone may use all 4 GPUs, so its
+    // first 4 jobs start at 0. When b arrives a's jobs keep running (kvota does not
+    // preempt). At 100 a has all the decayed usage: its usage share (100 %) is twice its
+    // weight share, so its effective weight halves and the 4 GPUs split 1 : 2, a 4/3
+    // and b 8/3 GPUe. b starts 2 pods (a third would need 3 > 8/3), a starts 1 (a
+    // second would need 2 > 4/3), and the fourth GPU stays idle until 200: budgets are
+    // not rounded to pod sizes (a cost this test pins down; see docs/policy-comparison.md).
+    let r = sim("wfq-decay", &burst(), &policy(EQUAL), 4);
+    let d = delays(&r);
+    assert_eq!(d[..6], [0, 0, 0, 0, 100, 200], "{d:?}");
+    assert_eq!(d[8..], [90, 90, 190, 190], "{d:?}");
+    assert_eq!(r.preemptions, 0);
+}
+
+#[test]
+fn strict_priority_preempts_the_youngest_lower_priority_jobs() {
+    // b is non-preemptible, so it ranks first. At 10 each of b's pods preempts one of
+    // a's running jobs, youngest (last started) first: jobs 3 and 2, then 1 and 0.
+    // Preempted after 10 s with 30 s checkpoints, each loses 10 s of work.
+    let p = policy(
+        "  - {name: a, weight: 1, minShare: 0, maxShare: 100, preemptible: true}\n  - {name: b, weight: 1, minShare: 0, maxShare: 100, preemptible: false}\n",
+    );
+    let r = sim("strict-priority", &burst(), &p, 4);
+    assert_eq!(r.preempted_jobs, [0, 1, 2, 3]);
+    assert_eq!(r.preemptions, 4);
+    assert_eq!(delays(&r)[8..], [0, 0, 0, 0]);
+    assert!((r.tenants[0].lost_gpu_hours - 40.0 / 3600.0).abs() < 1e-9, "{}", r.tenants[0].lost_gpu_hours);
+    assert_eq!(r.tenants[1].preemptions, 0, "a non-preemptible tenant is never a victim");
+}
+
+#[test]
+fn strict_priority_never_preempts_a_non_preemptible_tenant() {
+    // The other way round: a (non-preemptible) holds the cluster; b (preemptible, lower
+    // priority) must wait for a's jobs however long b waits.
+    let p = policy(
+        "  - {name: a, weight: 1, minShare: 0, maxShare: 100, preemptible: false}\n  - {name: b, weight: 5, minShare: 0, maxShare: 100, preemptible: true}\n",
+    );
+    let r = sim("strict-priority", &burst(), &p, 4);
+    assert_eq!(r.preemptions, 0);
+    assert_eq!(delays(&r)[8..], [190, 190, 190, 190], "b runs only after all of a's queue");
+}
+
+#[test]
+fn elastic_drf_takes_lent_capacity_back_by_preemption_at_each_rebalance() {
+    // a borrows all 4 GPUs; at the 10 s rebalance b's fair share is 2 GPUs: one of a's
+    // youngest jobs is preempted per rebalance for b (10 s and 20 s).
+    let r = sim("drf-elastic", &burst(), &policy(EQUAL), 4);
+    let d = delays(&r);
+    assert_eq!(d[..4], [0, 0, 0, 0]);
+    assert_eq!(d[8..10], [0, 10], "{d:?}");
+    assert_eq!(r.preempted_jobs, [2, 3], "a's two youngest jobs");
+}
+
+#[test]
+fn a_partitioned_cluster_falls_back_to_safe_budgets_and_loses_no_usage() {
+    // Two clusters, c2 cut off from the control plane from 100 s to 900 s (leases last
+    // 10 ticks = 100 s, so c2 enforces safe budgets for most of the cut). It keeps
+    // admitting within them, and once healed its accumulated usage reaches the ledger:
+    // the usage the federation counted equals what the jobs used, to the GPUe-ms.
+    let p = policy(EQUAL);
+    let t = trace(&("a,0,1,600,training\n".repeat(6) + &"b,300,1,600,training\n".repeat(6)));
+    let mut cfg = SimConfig { clusters: vec![("c1".into(), 4000), ("c2".into(), 4000)], tick_ms: 10_000, ..SimConfig::default() };
+    for partition in [None, Some(kvota_sim::Partition { cluster: 1, from_ms: 100_000, to_ms: 900_000 })] {
+        cfg.partition = partition.clone();
+        let mut s = kvota_sim::sched::WfqDecay::new(&p, cfg.tick_ms, partition.clone());
+        let r = run(&t, &p, &cfg, &mut s).expect("run");
+        assert!(r.job_delays.iter().all(Option::is_some), "{:?}", r.job_delays);
+        assert_eq!(s.refused, 0);
+        assert_eq!(s.reported, r.used_gpue_ms, "usage lost or double counted (partition {partition:?})");
+        assert_eq!(r.used_gpue_ms.iter().sum::<u128>(), 12 * 1000 * 600_000, "all the work ran");
+        if partition.is_some() {
+            assert!(s.safe_ticks >= 60, "c2 should have enforced safe budgets for ~70 ticks, did {}", s.safe_ticks);
+        } else {
+            assert_eq!(s.safe_ticks, 0);
+        }
+    }
+}
+
+#[test]
+fn the_same_seed_replays_the_same_run() {
+    let p = policy(EQUAL);
+    let t = trace(&(0..200).map(|i| format!("{},{},{},{},training\n", if i % 3 == 0 { "a" } else { "b" }, i * 7, 1 + i % 4, 50 + i % 13 * 20)).collect::<String>());
+    let go = |seed| {
+        let cfg = SimConfig { clusters: vec![("x".into(), 8000), ("y".into(), 8000), ("z".into(), 4000)], tick_ms: 10_000, seed, ..SimConfig::default() };
+        kvota_sim::compare(&t, &p, &cfg, &kvota_sim::sched::ALL.map(String::from)).expect("compare").into_iter().map(|x| x.result).collect::<Vec<_>>()
+    };
+    let (a, b, c) = (go(3), go(3), go(4));
+    assert_eq!(a, b);
+    assert_ne!(a.iter().map(|r| r.job_delays.clone()).collect::<Vec<_>>(), c.iter().map(|r| r.job_delays.clone()).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_trace_tenant_missing_from_the_policy_is_a_clear_error() {
+    let e = run(&trace("zed,0,1,10,training\n"), &policy(EQUAL), &SimConfig::default(), by_name("round-robin", &policy(EQUAL), 1000, None).expect("s").as_mut())
+        .expect_err("unknown tenant");
+    assert!(e.to_string().contains("the trace has tenant `zed` but the policy does not (policy tenants: a, b)"), "{e}");
+}
