@@ -206,20 +206,32 @@ pub fn smooth(points: &[(f64, f64)], k: usize) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// Hours for spans up to four days, else days: (ms per unit, axis label).
+fn time_unit(results: &[RunResult]) -> (f64, &'static str) {
+    let last = results.iter().filter_map(|r| r.series.last()).map(|p| p.t_ms).max().unwrap_or(0);
+    if last > 4 * 86_400_000 {
+        (86_400_000.0, "trace time (days)")
+    } else {
+        (3_600_000.0, "trace time (hours)")
+    }
+}
+
 /// Fairness score over time, one line per scheduler.
 pub fn fairness_chart(title: &str, results: &[RunResult]) -> String {
+    let (unit, label) = time_unit(results);
     let lines: Vec<Line<'_>> = results
         .iter()
         .map(|r| Line {
             name: &r.scheduler,
-            points: smooth(&r.series.iter().map(|p| (p.t_ms as f64 / 3_600_000.0, p.score)).collect::<Vec<_>>(), 2),
+            points: smooth(&r.series.iter().map(|p| (p.t_ms as f64 / unit, p.score)).collect::<Vec<_>>(), 2),
         })
         .collect();
-    line_chart(title, "trace time (hours)", "mean fairness score", 1.0, &lines)
+    line_chart(title, label, "mean fairness score", 1.0, &lines)
 }
 
 /// Share of capacity per tenant over time for one scheduler.
 pub fn share_chart(title: &str, r: &RunResult) -> String {
+    let (unit, label) = time_unit(std::slice::from_ref(r));
     let lines: Vec<Line<'_>> = r
         .tenants
         .iter()
@@ -227,10 +239,10 @@ pub fn share_chart(title: &str, r: &RunResult) -> String {
         .filter(|(_, t)| t.jobs > 0)
         .map(|(i, t)| Line {
             name: &t.tenant,
-            points: r.series.iter().map(|p| (p.t_ms as f64 / 3_600_000.0, p.shares.get(i).copied().unwrap_or(0.0))).collect(),
+            points: r.series.iter().map(|p| (p.t_ms as f64 / unit, p.shares.get(i).copied().unwrap_or(0.0))).collect(),
         })
         .collect();
-    line_chart(title, "trace time (hours)", "share of GPUs held", 1.0, &lines)
+    line_chart(title, label, "share of GPUs held", 1.0, &lines)
 }
 
 #[cfg(test)]
