@@ -27,6 +27,11 @@ pub struct SimArgs {
     /// Jobs are spread over clusters at random (seeded), in proportion to capacity.
     #[arg(long, default_value = "64", value_name = "SPEC")]
     clusters: String,
+    /// GPUs per node (the last node of a cluster takes the remainder). A pod no larger
+    /// than a node must fit on one node; a larger one takes whole free nodes. 0 treats
+    /// each cluster as one pool of GPUs.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    node_gpus: u32,
     /// Schedulers to compare, comma-separated.
     #[arg(long, default_value = "wfq-decay,round-robin,strict-priority,static-reservation,drf-elastic", value_name = "LIST")]
     scheduler: String,
@@ -152,7 +157,15 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
         bail!("the trace {} has no jobs to replay", args.trace);
     }
     let load_s = t0.elapsed().as_secs_f64();
-    let cfg = SimConfig { clusters: clusters.clone(), tick_ms, checkpoint_ms, seed: args.seed, partition, ..SimConfig::default() };
+    let cfg = SimConfig {
+        clusters: clusters.clone(),
+        node_gpue: u64::from(args.node_gpus) * 1000,
+        tick_ms,
+        checkpoint_ms,
+        seed: args.seed,
+        partition,
+        ..SimConfig::default()
+    };
     let t1 = Instant::now();
     let runs = kvota_sim::compare(&trace, &policy, &cfg, &schedulers)?;
     let sim_s = t1.elapsed().as_secs_f64();
@@ -170,11 +183,12 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
         .collect::<Vec<_>>()
         .join(", ");
     let mut md = format!(
-        "# kvota sim: {}\n\n- policy: `{}` ({} tenants)\n- clusters: {cluster_desc} ({} GPUs in all)\n- jobs: {} over {} of trace time; tick {}, checkpoints every {}, seed {}\n",
+        "# kvota sim: {}\n\n- policy: `{}` ({} tenants)\n- clusters: {cluster_desc} ({} GPUs in all; {})\n- jobs: {} over {} of trace time; tick {}, checkpoints every {}, seed {}\n",
         trace.source,
         policy.name,
         policy.tenants.len(),
         kvota_fairness::units::format_gpue(total_gpus),
+        if args.node_gpus == 0 { "each one pool".to_string() } else { format!("nodes of {} GPUs", args.node_gpus) },
         trace.jobs.len(),
         report::human_ms(results.iter().map(|r| r.span_ms).max().unwrap_or(0)),
         report::human_ms(tick_ms),

@@ -46,7 +46,7 @@ fn sim_compares_all_five_schedulers_and_writes_every_output() {
         let svg = std::fs::read_to_string(out.join(format!("share-{s}.svg"))).expect("share chart");
         assert!(svg.starts_with("<svg") && svg.contains("training"), "{s}");
     }
-    assert!(report.contains("clusters: east=8, west=8 (16 GPUs in all)"), "{report}");
+    assert!(report.contains("clusters: east=8, west=8 (16 GPUs in all; nodes of 8 GPUs)"), "{report}");
     let results = std::fs::read_to_string(out.join("results.csv")).expect("results.csv");
     assert_eq!(results.lines().count(), 1 + 5 * 3, "header + 5 schedulers x 3 tenants:\n{results}");
     assert!(results.lines().all(|l| l.split(',').count() == 20), "{results}");

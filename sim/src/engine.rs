@@ -35,6 +35,10 @@ pub struct Partition {
 pub struct SimConfig {
     /// Clusters: name and GPU capacity in GPUe.
     pub clusters: Vec<(String, MilliGpue)>,
+    /// GPUe per node (the last node of a cluster takes the remainder); 0 models each
+    /// cluster as one pool. A pod no larger than a node must fit on one node; a larger
+    /// one takes whole free nodes.
+    pub node_gpue: MilliGpue,
     /// Period of reports, lease renewals, rebalancing and measurement samples.
     pub tick_ms: u64,
     /// Training checkpoints this often; a preempted job loses the work since its last one.
@@ -58,6 +62,7 @@ impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
             clusters: vec![("cluster".into(), 64_000)],
+            node_gpue: 8000,
             tick_ms: 60_000,
             checkpoint_ms: 30 * 60_000,
             seed: 1,
@@ -89,6 +94,10 @@ pub fn latency_factor(running: MilliGpue, demand: MilliGpue, load: f64) -> f64 {
     ((1.0 - load) / (1.0 - r)).min(CAP)
 }
 
+/// Eviction order of a running pod: victim rank, then youngest (latest start, later
+/// index), then the job.
+type EvictKey = (u64, Reverse<(u64, usize)>, usize);
+
 /// A job at run time.
 #[derive(Clone, Debug)]
 pub struct JobRt {
@@ -114,6 +123,8 @@ pub struct JobRt {
     pub preemptions: u32,
     /// Finished.
     pub done: bool,
+    /// Nodes and GPUe it occupies while running.
+    pub placement: Vec<(usize, MilliGpue)>,
 }
 
 /// One cluster at run time.
@@ -135,6 +146,102 @@ pub struct ClusterRt {
     pub running: Vec<Vec<usize>>,
     /// GPUe x ms used per tenant since the scheduler last took it (for usage reports).
     pub used_since: Vec<u128>,
+    /// GPUe per node (0: one pool, no nodes).
+    pub node_size: MilliGpue,
+    /// Capacity of each node.
+    pub node_cap: Vec<MilliGpue>,
+    /// Free GPUe of each node.
+    pub node_free: Vec<MilliGpue>,
+    max_node_free: MilliGpue,
+    whole_free: MilliGpue,
+}
+
+impl ClusterRt {
+    fn new(name: &str, capacity: MilliGpue, node_size: MilliGpue, tenants: usize) -> Self {
+        let mut node_cap = Vec::new();
+        if node_size > 0 {
+            let mut left = capacity;
+            while left > 0 {
+                let n = left.min(node_size);
+                node_cap.push(n);
+                left -= n;
+            }
+        }
+        let mut c = ClusterRt {
+            name: name.to_string(),
+            capacity,
+            free: capacity,
+            inuse: vec![0; tenants],
+            pending: vec![0; tenants],
+            queue: vec![VecDeque::new(); tenants],
+            running: vec![Vec::new(); tenants],
+            used_since: vec![0; tenants],
+            node_size,
+            node_free: node_cap.clone(),
+            node_cap,
+            max_node_free: 0,
+            whole_free: 0,
+        };
+        c.refresh();
+        c
+    }
+
+    fn refresh(&mut self) {
+        self.max_node_free = self.node_free.iter().copied().max().unwrap_or(0);
+        self.whole_free = self.node_free.iter().zip(&self.node_cap).filter(|(f, c)| f == c).map(|(f, _)| *f).sum();
+    }
+
+    /// Whether a pod of `g` GPUe can be placed now: on one node if it fits a node,
+    /// else on whole free nodes (a gang of full nodes, as distributed training needs).
+    pub fn fits(&self, g: MilliGpue) -> bool {
+        if g > self.free {
+            false
+        } else if self.node_cap.is_empty() {
+            true
+        } else if g <= self.node_size {
+            self.max_node_free >= g
+        } else {
+            self.whole_free >= g
+        }
+    }
+
+    /// Places `g` (which [`ClusterRt::fits`]): best fit on one node, or whole free
+    /// nodes in index order.
+    fn place(&mut self, g: MilliGpue) -> Vec<(usize, MilliGpue)> {
+        let mut out = Vec::new();
+        if self.node_cap.is_empty() {
+        } else if g <= self.node_size {
+            let best = (0..self.node_free.len()).filter(|&n| self.node_free[n] >= g).min_by_key(|&n| (self.node_free[n], n));
+            if let Some(n) = best {
+                self.node_free[n] -= g;
+                out.push((n, g));
+            }
+        } else {
+            let mut left = g;
+            for n in 0..self.node_free.len() {
+                if left == 0 {
+                    break;
+                }
+                if self.node_free[n] == self.node_cap[n] && self.node_cap[n] > 0 {
+                    let take = left.min(self.node_cap[n]);
+                    self.node_free[n] -= take;
+                    left -= take;
+                    out.push((n, take));
+                }
+            }
+        }
+        self.free -= g;
+        self.refresh();
+        out
+    }
+
+    fn unplace(&mut self, g: MilliGpue, placement: &[(usize, MilliGpue)]) {
+        for &(n, amount) in placement {
+            self.node_free[n] += amount;
+        }
+        self.free += g;
+        self.refresh();
+    }
 }
 
 /// A tenant as the engine sees it.
@@ -186,26 +293,29 @@ pub struct World {
 }
 
 impl World {
-    /// Starts `job` now. The caller has checked it fits.
-    pub fn start(&mut self, job: usize) {
+    /// Starts `job` now if it fits its cluster; returns whether it started.
+    pub fn start(&mut self, job: usize) -> bool {
         let now = self.now;
-        let j = &mut self.jobs[job];
-        debug_assert!(j.run_start.is_none() && !j.done);
-        let (t, c, g) = (j.tenant, j.cluster, j.gpue);
-        j.run_start = Some(now);
-        j.first_start.get_or_insert(now);
-        j.generation = j.generation.wrapping_add(1);
-        let ev = Ev::Finish { job, generation: j.generation };
-        let at = now.saturating_add(j.remaining_ms);
+        let (t, c, g) = (self.jobs[job].tenant, self.jobs[job].cluster, self.jobs[job].gpue);
+        if self.jobs[job].run_start.is_some() || self.jobs[job].done || !self.clusters[c].fits(g) {
+            return false;
+        }
         let cl = &mut self.clusters[c];
+        let placement = cl.place(g);
         if let Some(pos) = cl.queue[t].iter().position(|&q| q == job) {
             cl.queue[t].remove(pos);
         }
         cl.pending[t] -= g;
         cl.inuse[t] += g;
-        cl.free = cl.free.saturating_sub(g);
         cl.running[t].push(job);
-        self.events.push(Reverse((at, ev)));
+        let j = &mut self.jobs[job];
+        j.placement = placement;
+        j.run_start = Some(now);
+        j.first_start.get_or_insert(now);
+        j.generation = j.generation.wrapping_add(1);
+        let ev = Ev::Finish { job, generation: j.generation };
+        self.events.push(Reverse((now.saturating_add(j.remaining_ms), ev)));
+        true
     }
 
     /// Preempts a running `job`: it goes back to the end of its tenant's queue and, if
@@ -221,6 +331,7 @@ impl World {
         j.preemptions += 1;
         j.generation = j.generation.wrapping_add(1);
         let (t, c, g) = (j.tenant, j.cluster, j.gpue);
+        let placement = std::mem::take(&mut j.placement);
         self.preempted[t] += 1;
         self.lost[t] += u128::from(g) * u128::from(lost);
         let cl = &mut self.clusters[c];
@@ -228,9 +339,86 @@ impl World {
             cl.running[t].remove(pos);
         }
         cl.inuse[t] -= g;
-        cl.free += g;
+        cl.unplace(g, &placement);
         cl.pending[t] += g;
         cl.queue[t].push_back(job);
+    }
+
+    /// Chooses which running pods to preempt so that a pod of `g` GPUe fits in cluster
+    /// `c`, as the Kubernetes scheduler does: only pods of tenants for which
+    /// `victim_rank` is `Some` may go (lower rank first, then the youngest), and the
+    /// node (or, for a pod larger than a node, the set of whole nodes) that needs the
+    /// fewest GPUe of victims is chosen. `None`: no preemption can make it fit.
+    pub fn plan_preemption(&self, c: usize, g: MilliGpue, victim_rank: impl Fn(usize) -> Option<u64>) -> Option<Vec<usize>> {
+        let cl = &self.clusters[c];
+        // Victim pods by node, each node's list in eviction order.
+        let mut by_node: Vec<Vec<EvictKey>> = vec![Vec::new(); cl.node_cap.len().max(1)];
+        let mut blocked = vec![false; by_node.len()]; // holds a pod that may not go
+        for (t, running) in cl.running.iter().enumerate() {
+            let rank = victim_rank(t);
+            for &j in running {
+                // Youngest first: latest start, then the later of pods started together.
+                let key = (rank.unwrap_or(0), Reverse((self.jobs[j].run_start.unwrap_or(0), j)), j);
+                let nodes: Vec<usize> =
+                    if cl.node_cap.is_empty() { vec![0] } else { self.jobs[j].placement.iter().map(|p| p.0).collect() };
+                for n in nodes {
+                    match rank {
+                        Some(_) => by_node[n].push(key),
+                        None => blocked[n] = true,
+                    }
+                }
+            }
+        }
+        for v in &mut by_node {
+            v.sort_unstable();
+        }
+        let pool = cl.node_cap.is_empty();
+        let node_free = |n: usize| if pool { cl.free } else { cl.node_free[n] };
+        let node_cap = |n: usize| if pool { cl.capacity } else { cl.node_cap[n] };
+        if pool || g <= cl.node_size {
+            // One node: the one needing the least victim GPUe.
+            let mut best: Option<(MilliGpue, usize, Vec<usize>)> = None;
+            for (n, victims) in by_node.iter().enumerate() {
+                let mut free = node_free(n);
+                let mut taken = Vec::new();
+                let mut cost = 0;
+                for &(_, _, j) in victims {
+                    if free >= g {
+                        break;
+                    }
+                    // A gang pod frees only its share of this node here.
+                    let here = if pool { self.jobs[j].gpue } else { self.jobs[j].placement.iter().filter(|p| p.0 == n).map(|p| p.1).sum() };
+                    free += here;
+                    cost += self.jobs[j].gpue;
+                    taken.push(j);
+                }
+                if free >= g && best.as_ref().is_none_or(|b| (cost, taken.len()) < (b.0, b.2.len())) {
+                    best = Some((cost, n, taken));
+                }
+            }
+            return best.map(|b| b.2);
+        }
+        // Larger than a node: whole nodes, cheapest first, none holding a protected pod.
+        let mut nodes: Vec<(MilliGpue, usize)> = (0..by_node.len())
+            .filter(|&n| !blocked[n])
+            .map(|n| (by_node[n].iter().map(|&(_, _, j)| self.jobs[j].gpue).sum(), n))
+            .collect();
+        nodes.sort_unstable();
+        let mut cap = 0;
+        let mut victims = Vec::new();
+        for (_, n) in nodes {
+            if cap >= g {
+                break;
+            }
+            cap += node_cap(n);
+            victims.extend(by_node[n].iter().map(|&(_, _, j)| j));
+        }
+        if cap < g {
+            return None;
+        }
+        victims.sort_unstable();
+        victims.dedup();
+        Some(victims)
     }
 
     /// Waiting jobs of tenant `t` in cluster `c` a pass may consider, oldest first.
@@ -243,12 +431,13 @@ impl World {
         j.run_start = None;
         j.done = true;
         let (t, c, g) = (j.tenant, j.cluster, j.gpue);
+        let placement = std::mem::take(&mut j.placement);
         let cl = &mut self.clusters[c];
         if let Some(pos) = cl.running[t].iter().position(|&r| r == job) {
             cl.running[t].remove(pos);
         }
         cl.inuse[t] -= g;
-        cl.free += g;
+        cl.unplace(g, &placement);
     }
 
     /// Total capacity.
@@ -438,22 +627,10 @@ pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Sche
             generation: 0,
             preemptions: 0,
             done: false,
+            placement: Vec::new(),
         });
     }
-    let clusters = cfg
-        .clusters
-        .iter()
-        .map(|(name, cap)| ClusterRt {
-            name: name.clone(),
-            capacity: *cap,
-            free: *cap,
-            inuse: vec![0; nt],
-            pending: vec![0; nt],
-            queue: vec![VecDeque::new(); nt],
-            running: vec![Vec::new(); nt],
-            used_since: vec![0; nt],
-        })
-        .collect();
+    let clusters = cfg.clusters.iter().map(|(name, cap)| ClusterRt::new(name, *cap, cfg.node_gpue, nt)).collect();
     let mut w = World {
         now: 0,
         jobs,

@@ -10,9 +10,10 @@
 //! [`kvota_fairness::admission::decide`], the same calls the server and the webhook make.
 //!
 //! ## Model (what is simulated, and how)
-//! - A cluster is a pool of GPUs measured in GPUe (1000 = one GPU, fractions allowed);
-//!   node boundaries, GPU types and MIG profiles are not modelled, so a job fits when
-//!   the pool has its GPUe free.
+//! - A cluster is a set of nodes of `SimConfig::node_gpue` GPUe each (1000 = one GPU,
+//!   fractions allowed). A pod no larger than a node must fit on one node (best fit); a
+//!   larger one (distributed training) takes whole free nodes. GPU types and MIG
+//!   profiles are not modelled; a fractional pod takes its share of a node's GPUe.
 //! - Training jobs run for their duration; a preempted one goes back to its queue and
 //!   loses the work since its last checkpoint (`SimConfig::checkpoint_ms`).
 //! - Inference jobs are replicas of long-running services. A tenant's services are

@@ -72,8 +72,7 @@ fn start_fitting(w: &mut World, c: usize, t: usize, mut room: MilliGpue, max: us
             break;
         }
         let g = w.jobs[j].gpue;
-        if g <= w.clusters[c].free && g <= room {
-            w.start(j);
+        if g <= room && w.start(j) {
             room -= g;
             n += 1;
         }
@@ -211,7 +210,7 @@ impl Scheduler for WfqDecay {
                     if w.clusters[c].free == 0 {
                         break;
                     }
-                    if g > w.clusters[c].free || g >= denied_at {
+                    if g >= denied_at || !w.clusters[c].fits(g) {
                         continue;
                     }
                     let view = LocalView {
@@ -307,28 +306,27 @@ impl Scheduler for StrictPriority {
                 let lower: Vec<usize> =
                     order[rank + 1..].iter().rev().copied().filter(|&v| w.tenants[v].preemptible).collect();
                 let cands: Vec<usize> = w.candidates(c, t).collect();
+                let mut hopeless = MilliGpue::MAX; // no preemption seats a pod this large
                 for j in cands {
                     let g = w.jobs[j].gpue;
-                    if g <= w.clusters[c].free {
-                        w.start(j);
+                    if w.start(j) || g >= hopeless {
                         continue;
                     }
                     let reclaimable: MilliGpue = lower.iter().map(|&v| w.clusters[c].inuse[v]).sum();
                     if w.clusters[c].free + reclaimable < g {
+                        hopeless = g;
                         continue;
                     }
-                    // Youngest pods of the lowest priority first, until it fits.
-                    'victims: for &v in &lower {
-                        while let Some(&victim) = w.clusters[c].running[v].last() {
-                            if w.clusters[c].free >= g {
-                                break 'victims;
-                            }
-                            w.preempt(victim);
-                        }
+                    // Lower-priority preemptible tenants, the lowest first.
+                    let plan = w.plan_preemption(c, g, |v| lower.iter().position(|&x| x == v).map(|i| i as u64));
+                    let Some(victims) = plan else {
+                        hopeless = g;
+                        continue;
+                    };
+                    for v in victims {
+                        w.preempt(v);
                     }
-                    if w.clusters[c].free >= g {
-                        w.start(j);
-                    }
+                    w.start(j);
                 }
             }
         }
@@ -406,18 +404,18 @@ impl Scheduler for DrfElastic {
                     continue;
                 };
                 let g = w.jobs[j].gpue;
-                while w.clusters[c].free < g {
-                    let over = (0..w.tenants.len())
-                        .filter(|&v| v != t && w.clusters[c].inuse[v] > fair[v] && !w.clusters[c].running[v].is_empty())
-                        .max_by_key(|&v| (w.clusters[c].inuse[v] - fair[v], std::cmp::Reverse(v)));
-                    let Some(v) = over else { break };
-                    if let Some(&victim) = w.clusters[c].running[v].last() {
-                        w.preempt(victim);
+                if !w.clusters[c].fits(g) {
+                    // Tenants above their fair share, the furthest above first.
+                    let plan = w.plan_preemption(c, g, |v| {
+                        let (u, f) = (w.clusters[c].inuse[v], fair[v]);
+                        (v != t && u > f).then(|| u64::MAX - (u - f))
+                    });
+                    let Some(victims) = plan else { continue };
+                    for v in victims {
+                        w.preempt(v);
                     }
                 }
-                if w.clusters[c].free >= g {
-                    w.start(j);
-                }
+                w.start(j);
             }
         }
     }

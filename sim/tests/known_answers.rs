@@ -162,3 +162,38 @@ fn a_trace_tenant_missing_from_the_policy_is_a_clear_error() {
         .expect_err("unknown tenant");
     assert!(e.to_string().contains("the trace has tenant `zed` but the policy does not (policy tenants: a, b)"), "{e}");
 }
+
+#[test]
+fn pods_fit_on_one_node_and_larger_ones_take_whole_nodes() {
+    // Two nodes of 4 GPUs. Two 3-GPU pods take one node each; a 2-GPU pod then finds
+    // 2 GPUs free in all but at most 1 on any node, so it waits for 100 s, and an
+    // 8-GPU pod needs both nodes whole, so it waits until that one finishes at 110 s.
+    // As one pool of 8, the 2-GPU pod starts at once and the 8-GPU pod at 100 s.
+    let p = policy(EQUAL);
+    let t = trace("a,0,3,100,training\na,0,3,100,training\na,1,2,10,training\na,2,8,10,training\n");
+    let run_with = |node_gpue| {
+        let cfg = SimConfig { clusters: vec![("c1".into(), 8000)], node_gpue, tick_ms: 10_000, ..SimConfig::default() };
+        let mut s = by_name("round-robin", &p, cfg.tick_ms, None).expect("scheduler");
+        delays(&run(&t, &p, &cfg, s.as_mut()).expect("run"))
+    };
+    assert_eq!(run_with(4000), [0, 0, 99, 108]);
+    assert_eq!(run_with(0), [0, 0, 0, 98]);
+}
+
+#[test]
+fn preemption_picks_the_node_that_needs_the_fewest_victim_gpus() {
+    // Two nodes of 4 GPUs, all held by preemptible `a`: node 0 runs pods of 2, 1 and 1
+    // GPUs (jobs 0-2), node 1 one 4-GPU pod started later (job 3, the youngest). A
+    // 2-GPU pod of non-preemptible `b` arrives: evicting the youngest pod would free 4
+    // GPUs; the Kubernetes-style choice frees 2 on node 0 by evicting its two youngest
+    // 1-GPU pods (jobs 1 and 2), and b starts at once.
+    let p = policy(
+        "  - {name: a, weight: 1, minShare: 0, maxShare: 100, preemptible: true}\n  - {name: b, weight: 1, minShare: 0, maxShare: 100, preemptible: false}\n",
+    );
+    let t = trace("a,0,2,100,training\na,0,1,100,training\na,0,1,100,training\na,1,4,100,training\nb,2,2,100,inference\n");
+    let cfg = SimConfig { clusters: vec![("c1".into(), 8000)], node_gpue: 4000, tick_ms: 10_000, ..SimConfig::default() };
+    let mut s = by_name("strict-priority", &p, cfg.tick_ms, None).expect("scheduler");
+    let r = run(&t, &p, &cfg, s.as_mut()).expect("run");
+    assert_eq!(r.preempted_jobs, [1, 2]);
+    assert_eq!(r.job_delays[4], Some(0));
+}
