@@ -22,6 +22,7 @@
 //! - [`federation`]: the control plane's state machine (commands in, leases and audit
 //!   records out) built from the pieces above.
 //! - [`admission`]: the pure admission decision `decide`.
+//! - [`reclaim`]: which pods an agent evicts for a tenant below its guarantee.
 //! - [`measures`]: fairness score, drift, share-violation time.
 //! - [`explain`]: human-readable accounts of entitlements, budgets and decisions.
 
@@ -33,6 +34,7 @@ pub mod federation;
 pub mod lease;
 pub mod measures;
 pub mod policy;
+pub mod reclaim;
 pub mod resources;
 pub mod split;
 pub mod units;

@@ -51,6 +51,43 @@ pub mod defaults {
     pub const BURST_FACTOR_MILLI: u32 = 1_000;
     /// Weight of a tenant that gives none.
     pub const WEIGHT_MILLI: u64 = 1_000;
+    /// A tenant must be starved this long before anything is evicted for it: longer
+    /// than a scheduling round and a report, so transient gaps never evict.
+    pub const RECLAIM_STARVED_FOR_MS: Millis = 30_000;
+    /// Evictions per minute per cluster.
+    pub const RECLAIM_PER_MINUTE: u32 = 10;
+    /// Evictions per minute per victim tenant.
+    pub const RECLAIM_PER_MINUTE_PER_TENANT: u32 = 5;
+    /// Pods younger than this are evicted only if nothing else frees enough.
+    pub const RECLAIM_MIN_RUNTIME_MS: Millis = 5 * 60_000;
+}
+
+/// How an agent reclaims GPUs from preemptible tenants over their entitlement for a
+/// tenant below its guarantee (see [`crate::reclaim`]). Every knob damps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReclaimConfig {
+    /// Off: never evict.
+    pub enabled: bool,
+    /// How long a tenant must have been starved before reclaim starts.
+    pub starved_for_ms: Millis,
+    /// Most evictions in any minute, per cluster.
+    pub max_evictions_per_minute: u32,
+    /// Most evictions in any minute, per victim tenant and cluster.
+    pub max_evictions_per_minute_per_tenant: u32,
+    /// Pods younger than this are spared unless nothing else frees enough.
+    pub min_runtime_ms: Millis,
+}
+
+impl Default for ReclaimConfig {
+    fn default() -> Self {
+        ReclaimConfig {
+            enabled: true,
+            starved_for_ms: defaults::RECLAIM_STARVED_FOR_MS,
+            max_evictions_per_minute: defaults::RECLAIM_PER_MINUTE,
+            max_evictions_per_minute_per_tenant: defaults::RECLAIM_PER_MINUTE_PER_TENANT,
+            min_runtime_ms: defaults::RECLAIM_MIN_RUNTIME_MS,
+        }
+    }
 }
 
 /// What the admission webhook does with a pod that does not fit its tenant's budget.
@@ -131,6 +168,9 @@ pub struct Policy {
     pub default_tenant: Option<String>,
     /// Lease timing.
     pub lease: LeaseConfig,
+    /// Reclaim damping (absent from policies replicated before it existed: defaults).
+    #[serde(default)]
+    pub reclaim: ReclaimConfig,
     /// GPUe per resource name (explicit ones; built-in defaults apply to the rest).
     pub resource_weights: ResourceWeights,
     /// Tenants, sorted by name.
@@ -475,12 +515,13 @@ impl Checker {
             }
             Some(s) => self.spec(s),
         };
-        let (default_tenant, lease, resource_weights, tenants) = spec?;
+        let (default_tenant, lease, reclaim, resource_weights, tenants) = spec?;
         Some(Policy {
             name: name?,
             api_version: api_version?,
             default_tenant,
             lease,
+            reclaim,
             resource_weights,
             tenants,
         })
@@ -509,7 +550,7 @@ impl Checker {
     fn spec(
         &mut self,
         v: &Value,
-    ) -> Option<(Option<String>, LeaseConfig, ResourceWeights, Vec<TenantPolicy>)> {
+    ) -> Option<(Option<String>, LeaseConfig, ReclaimConfig, ResourceWeights, Vec<TenantPolicy>)> {
         let m = self.mapping("spec", v)?;
         self.unknown_keys(
             "spec",
@@ -523,6 +564,7 @@ impl Checker {
                 "burstFactor",
                 "resourceWeights",
                 "lease",
+                "reclaim",
             ],
         );
         let half_life_ms = match m.get("decayHalfLife") {
@@ -544,6 +586,10 @@ impl Checker {
         let lease = match m.get("lease") {
             None => Some(LeaseConfig::default()),
             Some(v) => self.lease(v),
+        };
+        let reclaim = match m.get("reclaim") {
+            None => Some(ReclaimConfig::default()),
+            Some(v) => self.reclaim(v),
         };
         let weights = match m.get("resourceWeights") {
             None => Some(ResourceWeights::new()),
@@ -583,7 +629,7 @@ impl Checker {
         admission?;
         max_queued?;
         burst?;
-        Some((default_tenant?, lease?, weights?, tenants?))
+        Some((default_tenant?, lease?, reclaim?, weights?, tenants?))
     }
 
     fn positive_duration(&mut self, path: &str, v: &Value) -> Option<Millis> {
@@ -659,6 +705,40 @@ impl Checker {
         Some(LeaseConfig {
             duration_ms: d,
             clock_skew_margin_ms: mg,
+        })
+    }
+
+    fn reclaim(&mut self, v: &Value) -> Option<ReclaimConfig> {
+        let m = self.mapping("spec.reclaim", v)?;
+        self.unknown_keys(
+            "spec.reclaim",
+            m,
+            &["enabled", "starvedFor", "maxEvictionsPerMinute", "maxEvictionsPerMinutePerTenant", "minRuntime"],
+        );
+        let d = ReclaimConfig::default();
+        let enabled = m.get("enabled").map_or(Some(d.enabled), |v| self.boolean("spec.reclaim.enabled", v));
+        let starved = m.get("starvedFor").map_or(Some(d.starved_for_ms), |v| self.duration("spec.reclaim.starvedFor", v));
+        let min_runtime = m.get("minRuntime").map_or(Some(d.min_runtime_ms), |v| self.duration("spec.reclaim.minRuntime", v));
+        let mut rate = |key: &str, default: u32| -> Option<u32> {
+            let path = format!("spec.reclaim.{key}");
+            let Some(v) = m.get(key) else { return Some(default) };
+            let n = self.decimal(&path, v, 0)?;
+            match u32::try_from(n) {
+                Ok(n) if n <= 1_000 => Some(n),
+                _ => {
+                    self.push(&path, format!("must be a whole number from 0 (never evict) to 1000, found {n}"));
+                    None
+                }
+            }
+        };
+        let per_minute = rate("maxEvictionsPerMinute", d.max_evictions_per_minute);
+        let per_tenant = rate("maxEvictionsPerMinutePerTenant", d.max_evictions_per_minute_per_tenant);
+        Some(ReclaimConfig {
+            enabled: enabled?,
+            starved_for_ms: starved?,
+            max_evictions_per_minute: per_minute?,
+            max_evictions_per_minute_per_tenant: per_tenant?,
+            min_runtime_ms: min_runtime?,
         })
     }
 

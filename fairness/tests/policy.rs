@@ -16,6 +16,23 @@ fn shipped_policies_load() {
     let ext = Policy::from_yaml(&load("deploy/policies/extended.yaml")).expect("extended");
     assert_eq!(ext.tenant("training").map(|t| t.admission), Some(AdmissionMode::Queue));
     assert_eq!(ext.default_tenant.as_deref(), Some("research"));
+    assert_eq!(ext.reclaim, kvota_fairness::policy::ReclaimConfig::default(), "extended.yaml shows the defaults");
+    assert!(article.reclaim.enabled, "reclaim is on by default");
+}
+
+#[test]
+fn reclaim_settings_are_validated_with_paths() {
+    let head = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: [{name: a}]\n";
+    let p = Policy::from_yaml(&format!("{head}  reclaim: {{enabled: false, starvedFor: 1m, maxEvictionsPerMinute: 0, minRuntime: 0s}}\n")).expect("valid");
+    assert!(!p.reclaim.enabled);
+    assert_eq!((p.reclaim.starved_for_ms, p.reclaim.max_evictions_per_minute, p.reclaim.min_runtime_ms), (60_000, 0, 0));
+    assert_eq!(p.reclaim.max_evictions_per_minute_per_tenant, 5, "unset keys keep their defaults");
+    let e = Policy::from_yaml(&format!("{head}  reclaim: {{enabled: yes please, maxEvictionsPerMinute: -3, starvedFor: soon, evictAll: true}}\n"))
+        .expect_err("invalid");
+    let paths: Vec<&str> = e.issues.iter().map(|i| i.path.as_str()).collect();
+    for want in ["spec.reclaim.enabled", "spec.reclaim.maxEvictionsPerMinute", "spec.reclaim.starvedFor", "spec.reclaim.evictAll"] {
+        assert!(paths.contains(&want), "no issue at {want}: {e}");
+    }
 }
 
 /// The issue's list: negative weight, minShare > maxShare, shares over 100 %, duplicate

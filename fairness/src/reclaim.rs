@@ -1,0 +1,498 @@
+//! Reclaim: which pods an agent evicts so that a starved tenant gets its guarantee back.
+//!
+//! Pure, like the rest of the core: the agent passes what its cluster looks like and the
+//! evictions of the last minute; the plan comes back with its reasons in words. The
+//! article's rules, and how they hold here:
+//! - **Only for a starved tenant.** A tenant is starved in a cluster while it holds less
+//!   than its guarantee there, `min(budget, demand, minShare x cluster capacity)`, has a
+//!   pod waiting that its budget admits, and no node has room for that pod. Reclaim
+//!   acts only after it has been starved for `starvedFor`, and only for a pod that could
+//!   run on some node of the cluster at all (an unschedulable pod never evicts anyone).
+//! - **Only from preemptible tenants above their entitlement here** (their budget in
+//!   this cluster's lease). Non-preemptible tenants are never victims, whatever the
+//!   numbers; a victim tenant stops being one once it is no longer above its budget.
+//! - **Just enough**: on the node where the fewest GPUe of victims make room for the
+//!   pod (ties: the node whose victims have run least); within a node the
+//!   most-over-entitlement tenant first, then the lowest pod priority, then the youngest
+//!   pod (least work lost). Pods younger than `minRuntime`
+//!   are spared unless nothing else frees enough.
+//! - **Damped**: at most `maxEvictionsPerMinute` per cluster and
+//!   `maxEvictionsPerMinutePerTenant` per victim tenant in any 60 s window; a runaway
+//!   tenant that keeps asking cannot exceed them, and gets nothing once it is at its
+//!   guarantee.
+//!
+//! It acts on the budgets of this cluster's lease only (never across clusters), so a
+//! partitioned agent restores guarantees locally with its safe budgets.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::entitlement::share_of;
+use crate::policy::ReclaimConfig;
+use crate::units::format_gpue as g;
+use crate::{MilliGpue, Millis};
+
+/// The rate-limit window.
+pub const WINDOW_MS: Millis = 60_000;
+
+/// A tenant's standing in this cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantHere {
+    /// Name.
+    pub name: String,
+    /// May its pods be evicted?
+    pub preemptible: bool,
+    /// Guaranteed share, basis points (of this cluster's capacity, here).
+    pub min_share_bp: u32,
+    /// Its budget in this cluster now (lease budget, or safe budget after expiry).
+    pub budget: MilliGpue,
+    /// GPUe it holds here (bound plus reserved).
+    pub inuse: MilliGpue,
+}
+
+/// A running pod that could be evicted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunningPod {
+    /// `namespace/name`.
+    pub key: String,
+    /// Tenant.
+    pub tenant: String,
+    /// GPUe it holds.
+    pub gpue: MilliGpue,
+    /// Pod priority.
+    pub priority: i32,
+    /// When it started running (agent clock).
+    pub started_ms: Millis,
+    /// Node index.
+    pub node: usize,
+    /// Device resource it holds, and how many.
+    pub resource: String,
+    /// Devices.
+    pub count: u64,
+}
+
+/// A pod waiting for room (admitted, not yet bound).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaitingPod {
+    /// `namespace/name`.
+    pub key: String,
+    /// Tenant.
+    pub tenant: String,
+    /// GPUe it asks for.
+    pub gpue: MilliGpue,
+    /// Pod priority.
+    pub priority: i32,
+    /// Waiting since (agent clock).
+    pub since_ms: Millis,
+    /// Device resource it needs, and how many.
+    pub resource: String,
+    /// Devices.
+    pub count: u64,
+}
+
+/// The cluster as the agent sees it.
+#[derive(Clone, Debug)]
+pub struct ClusterView<'a> {
+    /// Agent clock.
+    pub now_ms: Millis,
+    /// Cluster capacity, GPUe.
+    pub capacity: MilliGpue,
+    /// Free devices per node, by resource name.
+    pub node_free: &'a [BTreeMap<String, u64>],
+    /// Total devices per node, by resource name (to tell unschedulable pods).
+    pub node_total: &'a [BTreeMap<String, u64>],
+    /// Tenants (policy tenants).
+    pub tenants: &'a [TenantHere],
+    /// Running pods.
+    pub running: &'a [RunningPod],
+    /// Waiting pods.
+    pub waiting: &'a [WaitingPod],
+}
+
+/// One eviction, with its reason.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Victim {
+    /// `namespace/name`.
+    pub key: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// GPUe it frees.
+    pub gpue: MilliGpue,
+    /// Why this pod, in words.
+    pub why: String,
+}
+
+/// What to do now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Decision {
+    /// Evict these pods so that `for_pod` of `for_tenant` can run.
+    Evict {
+        /// The starved tenant.
+        for_tenant: String,
+        /// Its pod that will get the room.
+        for_pod: String,
+        /// The node the room is made on.
+        node: usize,
+        /// The victims, in eviction order.
+        victims: Vec<Victim>,
+        /// The whole story, for the audit log.
+        summary: String,
+    },
+    /// Nothing to do; why (for logs and `kvota explain`).
+    Idle(String),
+}
+
+/// A starved tenant: what it holds, what it is guaranteed, and the pod it waits for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Starved {
+    /// Tenant.
+    pub tenant: String,
+    /// GPUe held here.
+    pub inuse: MilliGpue,
+    /// Its guarantee here.
+    pub guarantee: MilliGpue,
+    /// The waiting pod reclaim would seat (highest priority, then oldest).
+    pub pod: WaitingPod,
+}
+
+fn fits_some_node(nodes: &[BTreeMap<String, u64>], resource: &str, count: u64) -> bool {
+    nodes.iter().any(|n| n.get(resource).copied().unwrap_or(0) >= count)
+}
+
+/// Tenants starved right now (see the module docs), in name order.
+pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
+    let mut out = Vec::new();
+    for t in view.tenants {
+        let mine: Vec<&WaitingPod> = view
+            .waiting
+            .iter()
+            .filter(|w| w.tenant == t.name && fits_some_node(view.node_total, &w.resource, w.count))
+            .collect();
+        let demand = t.inuse.saturating_add(mine.iter().map(|w| w.gpue).sum());
+        let guarantee = t.budget.min(demand).min(share_of(view.capacity, t.min_share_bp));
+        if t.inuse >= guarantee {
+            continue;
+        }
+        // The pod to seat: admitted by the budget, not placeable now; highest priority,
+        // then oldest, then key.
+        let pod = mine
+            .iter()
+            .filter(|w| t.inuse.saturating_add(w.gpue) <= t.budget)
+            .filter(|w| !fits_some_node(view.node_free, &w.resource, w.count))
+            .min_by(|a, b| b.priority.cmp(&a.priority).then(a.since_ms.cmp(&b.since_ms)).then(a.key.cmp(&b.key)));
+        if let Some(pod) = pod {
+            out.push(Starved { tenant: t.name.clone(), inuse: t.inuse, guarantee, pod: (*pod).clone() });
+        }
+    }
+    out
+}
+
+/// Evictions in the rate window: per cluster and per victim tenant.
+fn recent_counts(recent: &[(Millis, String)], now_ms: Millis) -> (u32, BTreeMap<&str, u32>) {
+    let mut all = 0u32;
+    let mut per = BTreeMap::new();
+    for (at, tenant) in recent {
+        if now_ms.saturating_sub(*at) < WINDOW_MS {
+            all += 1;
+            *per.entry(tenant.as_str()).or_insert(0u32) += 1;
+        }
+    }
+    (all, per)
+}
+
+/// Running pods on node `n` holding `resource` whose tenant is a victim tenant (and,
+/// when `spare_young`, that have run for at least `minRuntime`).
+fn cands_all<'v>(
+    view: &'v ClusterView<'_>,
+    n: usize,
+    resource: &'v str,
+    over: &'v BTreeMap<&str, MilliGpue>,
+    spare_young: bool,
+    cfg: &'v ReclaimConfig,
+) -> impl Iterator<Item = &'v RunningPod> + 'v {
+    let now = view.now_ms;
+    view.running.iter().filter(move |p| {
+        p.node == n
+            && p.resource == resource
+            && over.contains_key(p.tenant.as_str())
+            && (!spare_young || now.saturating_sub(p.started_ms) >= cfg.min_runtime_ms)
+    })
+}
+
+/// Plans one reclaim step.
+///
+/// `starved_since` says since when each tenant has been starved (the caller keeps it
+/// from [`starved`]); `recent` lists the evictions already made (time, victim tenant).
+pub fn plan(
+    view: &ClusterView<'_>,
+    cfg: &ReclaimConfig,
+    starved_since: &BTreeMap<String, Millis>,
+    recent: &[(Millis, String)],
+) -> Decision {
+    if !cfg.enabled {
+        return Decision::Idle("reclaim is disabled by the policy (spec.reclaim.enabled: false)".into());
+    }
+    let hungry = starved(view);
+    // The tenant starved longest goes first.
+    let mut ready: Vec<(&Starved, Millis)> = hungry
+        .iter()
+        .map(|s| (s, starved_since.get(&s.tenant).copied().unwrap_or(view.now_ms)))
+        .collect();
+    ready.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.tenant.cmp(&b.0.tenant)));
+    let Some(&(s, since)) = ready.first() else {
+        return Decision::Idle("no tenant is below its guarantee with a pod that has nowhere to run".into());
+    };
+    let starved_for = view.now_ms.saturating_sub(since);
+    if starved_for < cfg.starved_for_ms {
+        return Decision::Idle(format!(
+            "tenant `{}` is below its guarantee ({} of {} GPUe) for {} ms, less than starvedFor {} ms",
+            s.tenant,
+            g(s.inuse),
+            g(s.guarantee),
+            starved_for,
+            cfg.starved_for_ms
+        ));
+    }
+    let (in_window, per_tenant) = recent_counts(recent, view.now_ms);
+    let cluster_left = cfg.max_evictions_per_minute.saturating_sub(in_window);
+    if cluster_left == 0 {
+        return Decision::Idle(format!(
+            "{in_window} evictions in the last minute, the cluster's limit (maxEvictionsPerMinute {}); `{}` waits",
+            cfg.max_evictions_per_minute, s.tenant
+        ));
+    }
+    // Victim tenants: preemptible, not the starved one, above their budget here.
+    let over: BTreeMap<&str, MilliGpue> = view
+        .tenants
+        .iter()
+        .filter(|t| t.preemptible && t.name != s.tenant && t.inuse > t.budget)
+        .map(|t| (t.name.as_str(), t.inuse - t.budget))
+        .collect();
+    if over.is_empty() {
+        return Decision::Idle(format!(
+            "tenant `{}` is below its guarantee but no preemptible tenant is above its entitlement here",
+            s.tenant
+        ));
+    }
+    let budget_of = |name: &str| view.tenants.iter().find(|t| t.name == name).map_or(0, |t| t.budget);
+    for spare_young in [true, false] {
+        let mut best: Option<(MilliGpue, usize, Vec<&RunningPod>, u128)> = None;
+        for (n, free) in view.node_free.iter().enumerate() {
+            let mut room = free.get(&s.pod.resource).copied().unwrap_or(0);
+            let mut cands: Vec<&RunningPod> = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg).collect();
+            cands.sort_by(|a, b| {
+                over[b.tenant.as_str()]
+                    .cmp(&over[a.tenant.as_str()])
+                    .then(a.priority.cmp(&b.priority))
+                    .then(b.started_ms.cmp(&a.started_ms))
+                    .then(a.key.cmp(&b.key))
+            });
+            let mut left_over = over.clone();
+            let mut taken_per: BTreeMap<&str, u32> = BTreeMap::new();
+            let mut taken = Vec::new();
+            let mut cost = 0;
+            for p in cands {
+                if room >= s.pod.count {
+                    break;
+                }
+                let t = p.tenant.as_str();
+                let used = per_tenant.get(t).copied().unwrap_or(0) + taken_per.get(t).copied().unwrap_or(0);
+                let still_over = left_over.get(t).copied().unwrap_or(0) > 0;
+                let fits_limits = u32::try_from(taken.len()).unwrap_or(u32::MAX) < cluster_left
+                    && used < cfg.max_evictions_per_minute_per_tenant;
+                if !still_over || !fits_limits {
+                    continue;
+                }
+                room += p.count;
+                cost += p.gpue;
+                if let Some(o) = left_over.get_mut(t) {
+                    *o = o.saturating_sub(p.gpue);
+                }
+                *taken_per.entry(t).or_insert(0) += 1;
+                taken.push(p);
+            }
+            if room < s.pod.count {
+                // The greedy order ran into a limit: one pod that frees enough on its own
+                // (the smallest such) may still do.
+                room = free.get(&s.pod.resource).copied().unwrap_or(0);
+                let single = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg)
+                    .filter(|p| room + p.count >= s.pod.count)
+                    .filter(|p| per_tenant.get(p.tenant.as_str()).copied().unwrap_or(0) < cfg.max_evictions_per_minute_per_tenant)
+                    .min_by(|a, b| a.gpue.cmp(&b.gpue).then(b.started_ms.cmp(&a.started_ms)).then(a.key.cmp(&b.key)));
+                if let Some(p) = single {
+                    room += p.count;
+                    cost = p.gpue;
+                    taken = vec![p];
+                }
+            }
+            // Ties between nodes go to the one whose victims have run least (least work
+            // lost), then to the lower index.
+            let lost: u128 =
+                taken.iter().map(|p| u128::from(p.gpue) * u128::from(view.now_ms.saturating_sub(p.started_ms))).sum();
+            if room >= s.pod.count && best.as_ref().is_none_or(|b| (cost, taken.len(), lost) < (b.0, b.2.len(), b.3)) {
+                best = Some((cost, n, taken, lost));
+            }
+        }
+        if let Some((cost, node, taken, _)) = best {
+            let victims: Vec<Victim> = taken
+                .iter()
+                .map(|p| Victim {
+                    key: p.key.clone(),
+                    tenant: p.tenant.clone(),
+                    gpue: p.gpue,
+                    why: format!(
+                        "tenant `{}` holds {} GPUe above its budget of {} GPUe here; pod priority {}, running {} s{}",
+                        p.tenant,
+                        g(over[p.tenant.as_str()]),
+                        g(budget_of(&p.tenant)),
+                        p.priority,
+                        view.now_ms.saturating_sub(p.started_ms) / 1000,
+                        if view.now_ms.saturating_sub(p.started_ms) < cfg.min_runtime_ms {
+                            " (younger than minRuntime: nothing older frees enough)"
+                        } else {
+                            ""
+                        }
+                    ),
+                })
+                .collect();
+            let summary = format!(
+                "tenant `{}` starved for {} s: holds {} of its {} GPUe guarantee here and pod {} ({} GPUe) has no room; evicting {} pod(s) ({} GPUe) on node {}: {}",
+                s.tenant,
+                starved_for / 1000,
+                g(s.inuse),
+                g(s.guarantee),
+                s.pod.key,
+                g(s.pod.gpue),
+                victims.len(),
+                g(cost),
+                node,
+                victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>().join(", ")
+            );
+            return Decision::Evict { for_tenant: s.tenant.clone(), for_pod: s.pod.key.clone(), node, victims, summary };
+        }
+    }
+    Decision::Idle(format!(
+        "tenant `{}` is starved but no node can make room for {} within the eviction limits (cluster {} left this minute, {} per tenant)",
+        s.tenant, s.pod.key, cluster_left, cfg.max_evictions_per_minute_per_tenant
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(gpus: u64) -> BTreeMap<String, u64> {
+        [("nvidia.com/gpu".to_string(), gpus)].into()
+    }
+
+    fn run(key: &str, tenant: &str, gpus: u64, priority: i32, started_ms: Millis, node: usize) -> RunningPod {
+        RunningPod {
+            key: key.into(),
+            tenant: tenant.into(),
+            gpue: gpus * 1000,
+            priority,
+            started_ms,
+            node,
+            resource: "nvidia.com/gpu".into(),
+            count: gpus,
+        }
+    }
+
+    fn wait(key: &str, tenant: &str, gpus: u64) -> WaitingPod {
+        WaitingPod { key: key.into(), tenant: tenant.into(), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus }
+    }
+
+    fn tenant(name: &str, preemptible: bool, min_pct: u32, budget: u64, inuse: u64) -> TenantHere {
+        TenantHere { name: name.into(), preemptible, min_share_bp: min_pct * 100, budget: budget * 1000, inuse: inuse * 1000 }
+    }
+
+    #[test]
+    fn evicts_just_enough_youngest_first_on_the_cheapest_node() {
+        // Two 4-GPU nodes full of training (over its budget of 4 by 4). Inference (budget
+        // 4, guarantee 40 % of 8 = 3.2) holds nothing and waits for a 2-GPU pod.
+        let free = [node(0), node(0)];
+        let total = [node(4), node(4)];
+        let tenants = [tenant("inference", false, 40, 4, 0), tenant("training", true, 20, 4, 8)];
+        let running = [
+            run("t/a", "training", 2, 0, 0, 0),
+            run("t/b", "training", 1, 0, 1_000, 0),
+            run("t/c", "training", 1, 0, 2_000, 0),
+            run("t/d", "training", 4, 0, 3_000, 1),
+        ];
+        let waiting = [wait("i/x", "inference", 2)];
+        let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let cfg = ReclaimConfig::default();
+        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let Decision::Evict { victims, node, for_pod, .. } = plan(&view, &cfg, &since, &[]) else { panic!("expected evictions") };
+        // Node 0 needs 2 GPUe of victims (the two youngest 1-GPU pods), node 1 needs 4.
+        assert_eq!(node, 0);
+        assert_eq!(victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(), ["t/c", "t/b"]);
+        assert_eq!(for_pod, "i/x");
+    }
+
+    #[test]
+    fn never_a_non_preemptible_victim_and_never_before_starved_for() {
+        let free = [node(0)];
+        let total = [node(4)];
+        // Inference over its budget but not preemptible; training starved.
+        let tenants = [tenant("inference", false, 40, 1, 4), tenant("training", true, 50, 3, 0)];
+        let running = [run("i/a", "inference", 4, 0, 0, 0)];
+        let waiting = [wait("t/x", "training", 1)];
+        let view = ClusterView { now_ms: 100_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let since = BTreeMap::from([("training".to_string(), 0)]);
+        match plan(&view, &ReclaimConfig::default(), &since, &[]) {
+            Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its entitlement"), "{why}"),
+            d => panic!("evicted a non-preemptible tenant: {d:?}"),
+        }
+        let tenants = [tenant("inference", false, 40, 4, 0), tenant("training", true, 50, 0, 4)];
+        let running = [run("t/a", "training", 4, 0, 0, 0)];
+        let waiting = [wait("i/x", "inference", 1)];
+        let view = ClusterView { tenants: &tenants, running: &running, waiting: &waiting, ..view };
+        let since = BTreeMap::from([("inference".to_string(), 90_000)]);
+        match plan(&view, &ReclaimConfig::default(), &since, &[]) {
+            Decision::Idle(why) => assert!(why.contains("less than starvedFor"), "{why}"),
+            d => panic!("evicted before starvedFor: {d:?}"),
+        }
+    }
+
+    #[test]
+    fn rate_limits_and_unschedulable_pods_stop_it() {
+        let free = [node(0)];
+        let total = [node(4)];
+        let tenants = [tenant("inference", false, 50, 4, 0), tenant("training", true, 0, 0, 4)];
+        let running = [run("t/a", "training", 1, 0, 0, 0), run("t/b", "training", 1, 0, 0, 0), run("t/c", "training", 2, 0, 0, 0)];
+        let waiting = [wait("i/x", "inference", 2)];
+        let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let cfg = ReclaimConfig { max_evictions_per_minute_per_tenant: 1, ..ReclaimConfig::default() };
+        // One eviction allowed: only the 2-GPU pod alone makes room.
+        let Decision::Evict { victims, .. } = plan(&view, &cfg, &since, &[]) else { panic!("expected an eviction") };
+        assert_eq!(victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(), ["t/c"]);
+        // That one spent: nothing more this minute.
+        let recent = [(990_000, "training".to_string())];
+        assert!(matches!(plan(&view, &cfg, &since, &recent), Decision::Idle(_)));
+        // A pod larger than any node never evicts anyone.
+        let waiting = [wait("i/huge", "inference", 8)];
+        let tenants = [tenant("inference", false, 100, 8, 0), tenant("training", true, 0, 0, 4)];
+        let view = ClusterView { waiting: &waiting, tenants: &tenants, ..view };
+        assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
+    }
+
+    #[test]
+    fn young_pods_are_spared_unless_nothing_else_frees_enough() {
+        let free = [node(0)];
+        let total = [node(2)];
+        let tenants = [tenant("inference", false, 50, 1, 0), tenant("training", true, 0, 0, 2)];
+        let running = [run("t/old", "training", 1, 0, 0, 0), run("t/new", "training", 1, 0, 990_000, 0)];
+        let waiting = [wait("i/x", "inference", 1)];
+        let view = ClusterView { now_ms: 1_000_000, capacity: 2000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!() };
+        assert_eq!(victims[0].key, "t/old", "the young pod is spared while an older one frees enough");
+        let running = [run("t/new", "training", 2, 0, 990_000, 0)];
+        let view = ClusterView { running: &running, ..view };
+        let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!() };
+        assert!(victims[0].why.contains("younger than minRuntime"), "{}", victims[0].why);
+    }
+}
