@@ -1,6 +1,6 @@
 //! Prometheus metrics of an agent (prefix `kvota_agent`): admissions by tenant and
 //! outcome, admission latency, gate queue depth, lease state and time to expiry, journal
-//! backlog, budgets and in-use per tenant, certificate reloads.
+//! backlog, budgets and in-use per tenant, certificate reloads, reclaim evictions.
 
 use std::sync::Arc;
 
@@ -51,6 +51,7 @@ pub struct AgentMetrics {
     lease_epoch: Gauge,
     backlog: Gauge,
     tls_reloads: Family<StateLabel, Counter>,
+    evictions: Family<AdmissionLabel, Counter>,
 }
 
 impl Default for AgentMetrics {
@@ -76,6 +77,7 @@ impl AgentMetrics {
             lease_epoch: Gauge::default(),
             backlog: Gauge::default(),
             tls_reloads: Family::default(),
+            evictions: Family::default(),
         };
         r.register("admissions", "Admission reviews answered, by tenant and outcome", m.admissions.clone());
         r.register("admission_duration_seconds", "Time to judge one review (parse, decide, record)", m.latency.clone());
@@ -87,6 +89,11 @@ impl AgentMetrics {
         r.register("lease_epoch", "Epoch of the held lease", m.lease_epoch.clone());
         r.register("journal_backlog", "Usage reports written but not acknowledged by the control plane", m.backlog.clone());
         r.register("tls_reloads", "Certificate reloads, by outcome", m.tls_reloads.clone());
+        r.register(
+            "evictions",
+            "Reclaim eviction attempts by victim tenant and outcome (evicted, blocked by a PodDisruptionBudget)",
+            m.evictions.clone(),
+        );
         AgentMetrics { registry: Arc::new(r), ..m }
     }
 
@@ -130,6 +137,10 @@ impl AgentMetrics {
                 self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
                 self.budget.get_or_create(&l).set(i64::try_from(st.lease.budget(&t, now)).unwrap_or(i64::MAX));
                 self.inuse.get_or_create(&l).set(i64::try_from(st.inuse(&t)).unwrap_or(i64::MAX));
+            }
+            for ((tenant, outcome), n) in st.eviction_counts() {
+                let c = self.evictions.get_or_create(&AdmissionLabel { tenant: tenant.clone(), outcome: outcome.clone() });
+                c.inc_by(n.saturating_sub(c.get()));
             }
         }
         self.backlog.set(i64::try_from(agent.backlog()).unwrap_or(i64::MAX));

@@ -11,8 +11,10 @@ use kvota_fairness::resources::NVIDIA_GPU;
 use kvota_fairness::{MilliGpue, Millis};
 use serde_json::json;
 
+use kvota_fairness::reclaim::{ClusterView, Decision, RunningPod, WaitingPod};
+
 use crate::review::{review, Endpoint};
-use crate::state::{AgentState, PodRec};
+use crate::state::{AgentState, PodRec, ReclaimRecord};
 
 /// A pod to submit.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,6 +57,7 @@ struct Waiting {
     pod: SimPod,
     tenant: Option<String>,
     gpue: MilliGpue,
+    since_ms: Millis,
 }
 
 #[derive(Clone, Debug)]
@@ -63,7 +66,41 @@ struct Running {
     pod: SimPod,
     tenant: Option<String>,
     gpue: MilliGpue,
+    started_ms: Millis,
     ends_at_ms: Millis,
+}
+
+/// What happened to an eviction request (the Eviction API's answers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvictOutcome {
+    /// The pod is gone; its owner will recreate it.
+    Evicted,
+    /// A PodDisruptionBudget forbids it now (HTTP 429 from the Eviction API): retry later.
+    Blocked,
+    /// No such running pod.
+    NotFound,
+}
+
+/// A Kubernetes Event on a pod (the simulated cluster keeps them in a list).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimEvent {
+    /// When (agent clock).
+    pub at_ms: Millis,
+    /// `namespace/name` of the pod the event is about.
+    pub pod: String,
+    /// `Evicted` or `EvictionBlocked`.
+    pub reason: String,
+    /// The explanation.
+    pub message: String,
+}
+
+/// Work lost to evictions, per tenant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictionCost {
+    /// Pods evicted.
+    pub pods: u64,
+    /// GPUe x ms of work lost (since each pod's last checkpoint).
+    pub lost_gpue_ms: u64,
 }
 
 /// A pod the scheduler bound in a [`SimCluster::bind`] call.
@@ -87,7 +124,16 @@ pub struct SimCluster {
     gated: BTreeMap<String, Waiting>,
     running: BTreeMap<String, Running>,
     uid: u64,
+    total: Vec<BTreeMap<String, u64>>,
+    pdb_min_available: BTreeMap<String, usize>,
+    checkpoint_ms: Millis,
+    evicted: Vec<SimPod>,
+    events: Vec<SimEvent>,
+    cost: BTreeMap<String, EvictionCost>,
 }
+
+/// How often simulated training checkpoints by default.
+pub const DEFAULT_CHECKPOINT_MS: Millis = 10 * 60_000;
 
 impl SimCluster {
     /// A cluster of nodes with this many whole GPUs each.
@@ -106,7 +152,7 @@ impl SimCluster {
                 *capacity.entry(r.clone()).or_insert(0) += c;
             }
         }
-        SimCluster { free: nodes, capacity, ..Default::default() }
+        SimCluster { total: nodes.clone(), free: nodes, capacity, checkpoint_ms: DEFAULT_CHECKPOINT_MS, ..Default::default() }
     }
 
     /// Capacity per resource in quantity thousandths, as the agent registers it.
@@ -164,7 +210,7 @@ impl SimCluster {
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mutate = review(&bytes, Endpoint::Mutate, state);
         let verdict = if mutate.outcome == "passed" { review(&bytes, Endpoint::Validate, state) } else { mutate };
-        let w = Waiting { pod: pod.clone(), tenant: verdict.tenant.clone(), gpue: verdict.gpue };
+        let w = Waiting { pod: pod.clone(), tenant: verdict.tenant.clone(), gpue: verdict.gpue, since_ms: state.now_ms() };
         match verdict.outcome {
             "allowed" | "passed" => {
                 self.unbound.insert(pod.key(), w);
@@ -221,7 +267,7 @@ impl SimCluster {
             out.push(Bound { key: k.clone(), tenant: w.tenant.clone(), gpue: w.gpue });
             self.running.insert(
                 k,
-                Running { node, ends_at_ms: now_ms + w.pod.duration_ms, pod: w.pod, tenant: w.tenant, gpue: w.gpue },
+                Running { node, started_ms: now_ms, ends_at_ms: now_ms + w.pod.duration_ms, pod: w.pod, tenant: w.tenant, gpue: w.gpue },
             );
         }
         out
@@ -241,6 +287,143 @@ impl SimCluster {
             }
         }
         m
+    }
+
+    /// Training checkpoints every `ms`: an evicted pod loses the work since its last one.
+    pub fn set_checkpoint_interval(&mut self, ms: Millis) {
+        self.checkpoint_ms = ms.max(1);
+    }
+
+    /// A PodDisruptionBudget for every pod of `namespace`: evictions must leave at least
+    /// `min_available` of its pods running.
+    pub fn set_pdb(&mut self, namespace: &str, min_available: usize) {
+        self.pdb_min_available.insert(namespace.to_string(), min_available);
+    }
+
+    /// Evicts a running pod through the (simulated) Eviction API: refused while its
+    /// namespace's PodDisruptionBudget would be violated. An evicted pod loses the work
+    /// since its last checkpoint and is handed to its owner for recreation
+    /// ([`SimCluster::take_evicted`]) with the work it has left.
+    pub fn evict(&mut self, state: &mut AgentState, key: &str, now_ms: Millis) -> EvictOutcome {
+        let Some(r) = self.running.get(key) else { return EvictOutcome::NotFound };
+        if let Some(&min) = self.pdb_min_available.get(&r.pod.namespace) {
+            let running_here = self.running.values().filter(|x| x.pod.namespace == r.pod.namespace).count();
+            if running_here <= min {
+                return EvictOutcome::Blocked;
+            }
+        }
+        let Some(r) = self.running.remove(key) else { return EvictOutcome::NotFound };
+        if let Some(node) = self.free.get_mut(r.node) {
+            *node.entry(r.pod.resource.clone()).or_insert(0) += u64::from(r.pod.count);
+        }
+        state.pod_gone(key);
+        let ran = now_ms.saturating_sub(r.started_ms);
+        let lost = ran % self.checkpoint_ms.max(1);
+        let left = r.ends_at_ms.saturating_sub(now_ms) + lost;
+        if let Some(t) = &r.tenant {
+            let c = self.cost.entry(t.clone()).or_default();
+            c.pods += 1;
+            c.lost_gpue_ms += r.gpue.saturating_mul(lost);
+        }
+        let mut again = r.pod;
+        again.duration_ms = left.max(1);
+        self.evicted.push(again);
+        EvictOutcome::Evicted
+    }
+
+    /// Pods evicted since the last call, with the work they have left, for their owners
+    /// to recreate (under new names, as controllers do).
+    pub fn take_evicted(&mut self) -> Vec<SimPod> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Events recorded on pods (evictions and refused evictions), oldest first.
+    pub fn events(&self) -> &[SimEvent] {
+        &self.events
+    }
+
+    /// Evictions and lost work per tenant.
+    pub fn eviction_cost(&self) -> &BTreeMap<String, EvictionCost> {
+        &self.cost
+    }
+
+    /// One reclaim step: the agent plans over this cluster's pods and budgets, the
+    /// cluster evicts through its Eviction API, every attempt becomes an Event on the
+    /// victim pod and a record in the agent's reclaim audit.
+    pub fn reclaim(&mut self, state: &mut AgentState, now_ms: Millis) -> Decision {
+        let running: Vec<RunningPod> = self
+            .running
+            .iter()
+            .filter_map(|(k, r)| {
+                Some(RunningPod {
+                    key: k.clone(),
+                    tenant: r.tenant.clone()?,
+                    gpue: r.gpue,
+                    priority: r.pod.priority,
+                    started_ms: r.started_ms,
+                    node: r.node,
+                    resource: r.pod.resource.clone(),
+                    count: u64::from(r.pod.count),
+                })
+            })
+            .collect();
+        let waiting: Vec<WaitingPod> = self
+            .unbound
+            .iter()
+            .filter_map(|(k, w)| {
+                Some(WaitingPod {
+                    key: k.clone(),
+                    tenant: w.tenant.clone()?,
+                    gpue: w.gpue,
+                    priority: w.pod.priority,
+                    since_ms: w.since_ms,
+                    resource: w.pod.resource.clone(),
+                    count: u64::from(w.pod.count),
+                })
+            })
+            .collect();
+        let tenants = state.reclaim_tenants();
+        let capacity: MilliGpue = state.capacity_gpue();
+        let view = ClusterView {
+            now_ms,
+            capacity,
+            node_free: &self.free,
+            node_total: &self.total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
+        let decision = state.plan_reclaim(&view);
+        if let Decision::Evict { for_tenant, for_pod, victims, summary, .. } = &decision {
+            for v in victims {
+                let outcome = self.evict(state, &v.key, now_ms);
+                let (reason, word) = match outcome {
+                    EvictOutcome::Evicted => ("Evicted", "evicted"),
+                    EvictOutcome::Blocked => ("EvictionBlocked", "blocked"),
+                    EvictOutcome::NotFound => continue,
+                };
+                let message = match outcome {
+                    EvictOutcome::Blocked => format!(
+                        "kvota: eviction refused by the PodDisruptionBudget of namespace `{}`; not forced, retried later. {summary}. This pod: {}",
+                        v.key.split('/').next().unwrap_or(""),
+                        v.why
+                    ),
+                    _ => format!("kvota: evicted to restore tenant `{for_tenant}`'s guarantee. {summary}. This pod: {}", v.why),
+                };
+                self.events.push(SimEvent { at_ms: now_ms, pod: v.key.clone(), reason: reason.to_string(), message });
+                state.record_eviction(ReclaimRecord {
+                    at_ms: now_ms,
+                    for_tenant: for_tenant.clone(),
+                    for_pod: for_pod.clone(),
+                    victim: v.key.clone(),
+                    victim_tenant: v.tenant.clone(),
+                    gpue: v.gpue,
+                    outcome: word.to_string(),
+                    why: format!("{summary}. This pod: {}", v.why),
+                });
+            }
+        }
+        decision
     }
 
     /// Advances to `now_ms`: finishes pods, ungates what the agent releases, binds what

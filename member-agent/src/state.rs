@@ -11,6 +11,7 @@ use kvota_fairness::admission::{release_order, LocalView, QueuedPod};
 use kvota_fairness::federation::TenantReport;
 use kvota_fairness::lease::AgentLease;
 use kvota_fairness::policy::Policy;
+use kvota_fairness::reclaim::{self, ClusterView, Decision, TenantHere};
 use kvota_fairness::{MilliGpue, Millis};
 
 use crate::review::{AdmissionState, Effect};
@@ -54,6 +55,40 @@ pub struct AgentState {
     used: BTreeMap<String, u64>,
     now_ms: Millis,
     denied_ttl_ms: Millis,
+    reclaim: ReclaimBook,
+}
+
+/// Most reclaim records an agent keeps (oldest dropped first).
+pub const RECLAIM_AUDIT_LEN: usize = 256;
+
+/// One eviction attempt, for the audit log and `kvota explain`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReclaimRecord {
+    /// Agent clock.
+    pub at_ms: Millis,
+    /// The starved tenant.
+    pub for_tenant: String,
+    /// Its pod that gets the room.
+    pub for_pod: String,
+    /// The pod evicted (or whose eviction was refused).
+    pub victim: String,
+    /// The victim's tenant.
+    pub victim_tenant: String,
+    /// GPUe freed.
+    pub gpue: MilliGpue,
+    /// `evicted`, or `blocked` (a PodDisruptionBudget refused it; retried later).
+    pub outcome: String,
+    /// Why this victim, and the starved tenant's numbers.
+    pub why: String,
+}
+
+/// What reclaim remembers between steps.
+#[derive(Debug, Default)]
+struct ReclaimBook {
+    starved_since: BTreeMap<String, Millis>,
+    recent: std::collections::VecDeque<(Millis, String)>,
+    audit: std::collections::VecDeque<ReclaimRecord>,
+    counts: BTreeMap<(String, String), u64>,
 }
 
 impl AgentState {
@@ -72,6 +107,7 @@ impl AgentState {
             used: BTreeMap::new(),
             now_ms: 0,
             denied_ttl_ms: DENIED_DEMAND_TTL_MS,
+            reclaim: ReclaimBook::default(),
         }
     }
 
@@ -191,6 +227,68 @@ impl AgentState {
             );
         }
         out
+    }
+
+    /// This cluster's capacity in GPUe.
+    pub fn capacity_gpue(&self) -> MilliGpue {
+        self.capacity_gpue
+    }
+
+    /// Every policy tenant's standing here, for reclaim.
+    pub fn reclaim_tenants(&self) -> Vec<TenantHere> {
+        let Some(p) = &self.policy else { return Vec::new() };
+        p.tenants
+            .iter()
+            .map(|t| TenantHere {
+                name: t.name.clone(),
+                preemptible: t.preemptible,
+                min_share_bp: t.min_share_bp,
+                budget: self.lease.budget(&t.name, self.now_ms),
+                inuse: self.inuse(&t.name),
+            })
+            .collect()
+    }
+
+    /// One reclaim step over `view` (built by the inventory with
+    /// [`AgentState::reclaim_tenants`]): tracks since when each tenant is starved and
+    /// plans under the policy's damping. The caller evicts and reports each outcome
+    /// with [`AgentState::record_eviction`].
+    pub fn plan_reclaim(&mut self, view: &ClusterView<'_>) -> Decision {
+        let now = self.now_ms;
+        let starved_now: Vec<String> = reclaim::starved(view).into_iter().map(|s| s.tenant).collect();
+        self.reclaim.starved_since.retain(|t, _| starved_now.contains(t));
+        for t in starved_now {
+            self.reclaim.starved_since.entry(t).or_insert(now);
+        }
+        while self.reclaim.recent.front().is_some_and(|(at, _)| now.saturating_sub(*at) >= reclaim::WINDOW_MS) {
+            self.reclaim.recent.pop_front();
+        }
+        let Some(policy) = &self.policy else { return Decision::Idle("no policy yet".into()) };
+        let recent: Vec<(Millis, String)> = self.reclaim.recent.iter().cloned().collect();
+        reclaim::plan(view, &policy.reclaim, &self.reclaim.starved_since, &recent)
+    }
+
+    /// Records an eviction attempt: counted against the rate limits when it happened,
+    /// kept in the audit log either way.
+    pub fn record_eviction(&mut self, record: ReclaimRecord) {
+        if record.outcome == "evicted" {
+            self.reclaim.recent.push_back((record.at_ms, record.victim_tenant.clone()));
+        }
+        *self.reclaim.counts.entry((record.victim_tenant.clone(), record.outcome.clone())).or_insert(0) += 1;
+        if self.reclaim.audit.len() == RECLAIM_AUDIT_LEN {
+            self.reclaim.audit.pop_front();
+        }
+        self.reclaim.audit.push_back(record);
+    }
+
+    /// The reclaim audit log, oldest first.
+    pub fn reclaim_audit(&self) -> impl Iterator<Item = &ReclaimRecord> {
+        self.reclaim.audit.iter()
+    }
+
+    /// Eviction attempts by (victim tenant, outcome).
+    pub fn eviction_counts(&self) -> &BTreeMap<(String, String), u64> {
+        &self.reclaim.counts
     }
 
     /// Gated pods that fit their tenant's budget now, in release order (priority, then

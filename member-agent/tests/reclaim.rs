@@ -1,0 +1,187 @@
+//! Reclaim in an agent over a simulated cluster: the issue's four cases. The agent's
+//! real state and admission path are used; the cluster is `SimCluster` (its Eviction API
+//! honours PodDisruptionBudgets and its Events are a list), and leases are handed to the
+//! agent directly instead of coming from a control plane.
+
+use std::collections::BTreeMap;
+
+use kvota_fairness::lease::{AgentLease, Lease, TenantBudget};
+use kvota_fairness::policy::Policy;
+use kvota_fairness::reclaim::Decision;
+use kvota_fairness::Millis;
+use kvota_member_agent::sim::{SimCluster, SimPod};
+use kvota_member_agent::state::AgentState;
+
+const POLICY: &str = "apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: reclaim-test}
+spec:
+  tenants:
+  - {name: inference, weight: 50, minShare: 40, maxShare: 80, preemptible: false, namespaces: [inference]}
+  - {name: training, weight: 40, minShare: 20, maxShare: 60, preemptible: true, namespaces: [training]}
+";
+
+fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
+    Lease {
+        cluster: "c".into(),
+        epoch,
+        duration_ms: 3_600_000,
+        margin_ms: 60_000,
+        issued_at_ms: 0,
+        budgets: budgets
+            .iter()
+            .map(|&(t, gpus)| (t.to_string(), TenantBudget { budget: gpus * 1000, fallback: gpus * 1000, entitlement: gpus * 1000 }))
+            .collect::<BTreeMap<_, _>>(),
+    }
+}
+
+/// 4 nodes x 4 GPUs, training holding all 16 (one pod per second, so ages differ),
+/// then budgets move to training 8 / inference 8.
+fn full_of_training(policy: &str) -> (SimCluster, AgentState, Millis) {
+    let mut c = SimCluster::new(&[4, 4, 4, 4]);
+    let mut st = AgentState::new("c", 16_000, AgentLease::new("c"));
+    st.set_policy(Policy::from_yaml(policy).expect("policy"));
+    st.lease.on_lease(lease(1, &[("training", 16), ("inference", 8)]), 0);
+    let mut now = 0;
+    for i in 0..16 {
+        now += 1_000;
+        st.set_now(now);
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0)), "allowed");
+        c.bind(&mut st, now);
+    }
+    assert_eq!(c.running(), 16);
+    st.lease.on_lease(lease(2, &[("training", 8), ("inference", 8)]), now);
+    (c, st, now)
+}
+
+struct Run {
+    evictions: Vec<(Millis, String)>,
+    first_starved: Option<Millis>,
+}
+
+/// Steps every 5 s for `secs`: finish/release/bind, reclaim, bind again; `each` may
+/// submit more pods.
+fn drive(c: &mut SimCluster, st: &mut AgentState, from: Millis, secs: u64, mut each: impl FnMut(&mut SimCluster, &mut AgentState, Millis)) -> Run {
+    let mut run = Run { evictions: Vec::new(), first_starved: None };
+    let mut t = from;
+    while t < from + secs * 1000 {
+        t += 5_000;
+        st.set_now(t);
+        each(c, st, t);
+        c.step(st, t);
+        let before = c.events().len();
+        if let Decision::Idle(why) = c.reclaim(st, t) {
+            if why.contains("less than starvedFor") && run.first_starved.is_none() {
+                run.first_starved = Some(t);
+            }
+        }
+        for e in &c.events()[before..] {
+            if e.reason == "Evicted" {
+                run.evictions.push((t, e.pod.clone()));
+            }
+        }
+        c.bind(st, t);
+    }
+    run
+}
+
+fn max_in_a_minute(ev: &[(Millis, String)]) -> usize {
+    ev.iter().map(|(t0, _)| ev.iter().filter(|(t, _)| *t >= *t0 && *t < t0 + 60_000).count()).max().unwrap_or(0)
+}
+
+#[test]
+fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evicted() {
+    let (mut c, mut st, now) = full_of_training(POLICY);
+    for i in 0..4 {
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), "allowed");
+    }
+    let run = drive(&mut c, &mut st, now, 300, |_, _, _| {});
+    // 4 pods x 2 GPUs need 8 GPUs: exactly 8 training pods go, the 8 youngest.
+    let mut gone: Vec<String> = run.evictions.iter().map(|e| e.1.clone()).collect();
+    gone.sort();
+    let youngest: Vec<String> = (8..16).map(|i| format!("training/t{i:02}")).collect();
+    assert_eq!(gone, youngest);
+    assert_eq!(st.inuse("inference"), 8_000, "all four inference pods bound");
+    assert_eq!(c.unbound(), 0);
+    // Damping: starved for at least starvedFor (30 s) first, then at most 5 evictions of
+    // training in any minute (the per-tenant default).
+    let first = run.evictions.first().map(|e| e.0).expect("evictions");
+    assert!(first - run.first_starved.expect("starvation seen") >= 25_000, "evicted {} ms after starvation began", first - run.first_starved.unwrap_or(0));
+    assert!(max_in_a_minute(&run.evictions) <= 5, "{:?}", run.evictions);
+    // Explained: an Event on every victim and an audit record saying who was starved.
+    for e in c.events() {
+        assert_eq!(e.reason, "Evicted");
+        assert!(e.message.contains("restore tenant `inference`'s guarantee") && e.message.contains("above its budget"), "{}", e.message);
+    }
+    let audit: Vec<_> = st.reclaim_audit().collect();
+    assert_eq!(audit.len(), 8);
+    assert!(audit.iter().all(|r| r.for_tenant == "inference" && r.victim_tenant == "training" && r.outcome == "evicted"));
+    assert_eq!(st.eviction_counts().get(&("training".to_string(), "evicted".to_string())), Some(&8));
+    // The checkpoint model: each victim lost the work since its last 10-minute checkpoint.
+    let cost = c.eviction_cost()["training"];
+    assert_eq!(cost.pods, 8);
+    assert!(cost.lost_gpue_ms > 0 && cost.lost_gpue_ms <= 8 * 1000 * 600_000, "{cost:?}");
+    assert_eq!(c.take_evicted().len(), 8, "their owners get them back to recreate");
+}
+
+#[test]
+fn a_non_preemptible_tenant_is_never_a_victim() {
+    // Inference holds all 16 GPUs and is far above its new budget; training is starved.
+    let mut c = SimCluster::new(&[4, 4, 4, 4]);
+    let mut st = AgentState::new("c", 16_000, AgentLease::new("c"));
+    st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    st.lease.on_lease(lease(1, &[("inference", 16), ("training", 4)]), 0);
+    st.set_now(1_000);
+    for i in 0..16 {
+        c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i:02}"), 1, 86_400_000, 0));
+    }
+    c.bind(&mut st, 1_000);
+    st.lease.on_lease(lease(2, &[("inference", 2), ("training", 14)]), 1_000);
+    for i in 0..4 {
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i}"), 1, 60_000, 0)), "allowed");
+    }
+    let run = drive(&mut c, &mut st, 1_000, 600, |_, _, _| {});
+    assert!(run.evictions.is_empty(), "{:?}", run.evictions);
+    assert_eq!(c.running(), 16);
+    match c.reclaim(&mut st, 700_000) {
+        Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its entitlement"), "{why}"),
+        d => panic!("{d:?}"),
+    }
+}
+
+#[test]
+fn a_runaway_tenant_cannot_evict_past_the_rate_limit_nor_beyond_its_guarantee() {
+    // The article's healthcare story: a stuck inference replica re-requests GPUs every
+    // 5 s for 10 minutes. Admission denies what its budget does not cover, and reclaim
+    // stops once inference holds its guarantee.
+    let (mut c, mut st, now) = full_of_training(POLICY);
+    let mut n = 0;
+    let run = drive(&mut c, &mut st, now, 600, |c, st, _| {
+        n += 1;
+        c.submit(st, &SimPod::gpus("inference", &format!("stuck-{n}"), 2, 86_400_000, 100));
+    });
+    assert!(max_in_a_minute(&run.evictions) <= 5, "{:?}", run.evictions);
+    assert!(run.evictions.len() <= 8, "at most what brings inference to its budget: {:?}", run.evictions);
+    assert_eq!(st.inuse("inference"), 8_000);
+    let last = run.evictions.last().map_or(0, |e| e.0);
+    assert!(last < now + 600_000 - 120_000, "evictions went on after inference reached its guarantee (last at {last})");
+}
+
+#[test]
+fn evictions_a_pod_disruption_budget_refuses_are_retried_and_reported_not_forced() {
+    let (mut c, mut st, now) = full_of_training(POLICY);
+    c.set_pdb("training", 16); // every training pod must stay
+    c.submit(&mut st, &SimPod::gpus("inference", "i0", 2, 86_400_000, 100));
+    let run = drive(&mut c, &mut st, now, 120, |_, _, _| {});
+    assert!(run.evictions.is_empty());
+    assert_eq!(c.running(), 16, "nothing was forced");
+    let blocked: Vec<_> = c.events().iter().filter(|e| e.reason == "EvictionBlocked").collect();
+    assert!(blocked.len() >= 2, "refusals are reported, and retried: {blocked:?}");
+    assert!(blocked[0].message.contains("PodDisruptionBudget of namespace `training`"), "{}", blocked[0].message);
+    assert!(st.reclaim_audit().any(|r| r.outcome == "blocked"));
+    // The budget relaxes: the next attempt succeeds.
+    c.set_pdb("training", 12);
+    let run = drive(&mut c, &mut st, now + 120_000, 60, |_, _, _| {});
+    assert_eq!(run.evictions.len(), 2);
+    assert_eq!(st.inuse("inference"), 2_000);
+}
