@@ -4,8 +4,13 @@
 //! evictions of the last minute; the plan comes back with its reasons in words. The
 //! article's rules, and how they hold here:
 //! - **Only for a starved tenant.** A tenant is starved in a cluster while it holds less
-//!   than its guarantee there, `min(budget, demand, minShare x cluster capacity)`, has a
-//!   pod waiting that its budget admits, and no node has room for that pod. Reclaim
+//!   than its guarantee there, `min(demand here, minShare x this cluster's capacity)`,
+//!   with a pod waiting (admitted and unbound, gated, or recently denied); it is
+//!   evicted for only when no node has room for that pod. Its *budget* is not the yardstick: while others hold the
+//!   cluster, break-before-make keeps the starved tenant's budget at what is free, so
+//!   the budget only grows once pods over their budgets are gone, which is what
+//!   reclaim does. The freed GPUs are not admitted to anyone over budget; the next
+//!   lease hands them to the starved tenant. Reclaim
 //!   acts only after it has been starved for `starvedFor`, and only for a pod that could
 //!   run on some node of the cluster at all (an unschedulable pod never evicts anyone).
 //! - **Only from preemptible tenants above their entitlement here** (their budget in
@@ -106,7 +111,7 @@ pub struct ClusterView<'a> {
     pub tenants: &'a [TenantHere],
     /// Running pods.
     pub running: &'a [RunningPod],
-    /// Waiting pods.
+    /// Pods waiting: admitted and unbound, gated, or recently denied.
     pub waiting: &'a [WaitingPod],
 }
 
@@ -154,6 +159,8 @@ pub struct Starved {
     pub guarantee: MilliGpue,
     /// The waiting pod reclaim would seat (highest priority, then oldest).
     pub pod: WaitingPod,
+    /// Some node has room for it now (then the next lease admits it; no eviction).
+    pub room: bool,
 }
 
 fn fits_some_node(nodes: &[BTreeMap<String, u64>], resource: &str, count: u64) -> bool {
@@ -170,19 +177,22 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
             .filter(|w| w.tenant == t.name && fits_some_node(view.node_total, &w.resource, w.count))
             .collect();
         let demand = t.inuse.saturating_add(mine.iter().map(|w| w.gpue).sum());
-        let guarantee = t.budget.min(demand).min(share_of(view.capacity, t.min_share_bp));
+        let guarantee = demand.min(share_of(view.capacity, t.min_share_bp));
         if t.inuse >= guarantee {
             continue;
         }
-        // The pod to seat: admitted by the budget, not placeable now; highest priority,
-        // then oldest, then key.
+        // The pod to seat: highest priority, then oldest, then key.
         let pod = mine
             .iter()
-            .filter(|w| t.inuse.saturating_add(w.gpue) <= t.budget)
-            .filter(|w| !fits_some_node(view.node_free, &w.resource, w.count))
             .min_by(|a, b| b.priority.cmp(&a.priority).then(a.since_ms.cmp(&b.since_ms)).then(a.key.cmp(&b.key)));
         if let Some(pod) = pod {
-            out.push(Starved { tenant: t.name.clone(), inuse: t.inuse, guarantee, pod: (*pod).clone() });
+            out.push(Starved {
+                tenant: t.name.clone(),
+                inuse: t.inuse,
+                guarantee,
+                room: fits_some_node(view.node_free, &pod.resource, pod.count),
+                pod: (*pod).clone(),
+            });
         }
     }
     out
@@ -234,14 +244,19 @@ pub fn plan(
         return Decision::Idle("reclaim is disabled by the policy (spec.reclaim.enabled: false)".into());
     }
     let hungry = starved(view);
-    // The tenant starved longest goes first.
+    // The tenant starved longest goes first; one whose pod has room needs no eviction.
     let mut ready: Vec<(&Starved, Millis)> = hungry
         .iter()
+        .filter(|s| !s.room)
         .map(|s| (s, starved_since.get(&s.tenant).copied().unwrap_or(view.now_ms)))
         .collect();
     ready.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.tenant.cmp(&b.0.tenant)));
     let Some(&(s, since)) = ready.first() else {
-        return Decision::Idle("no tenant is below its guarantee with a pod that has nowhere to run".into());
+        return Decision::Idle(if hungry.is_empty() {
+            "no tenant is below its guarantee with a pod waiting".into()
+        } else {
+            "tenants below their guarantee have room for their waiting pods; the next lease admits them".into()
+        });
     };
     let starved_for = view.now_ms.saturating_sub(since);
     if starved_for < cfg.starved_for_ms {
@@ -286,7 +301,7 @@ pub fn plan(
                     .cmp(&over[a.tenant.as_str()])
                     .then(a.priority.cmp(&b.priority))
                     .then(b.started_ms.cmp(&a.started_ms))
-                    .then(a.key.cmp(&b.key))
+                    .then(b.key.cmp(&a.key)) // same start: the later name first
             });
             let mut left_over = over.clone();
             let mut taken_per: BTreeMap<&str, u32> = BTreeMap::new();

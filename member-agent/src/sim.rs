@@ -367,9 +367,12 @@ impl SimCluster {
                 })
             })
             .collect();
-        let waiting: Vec<WaitingPod> = self
+        // Waiting: admitted and unbound, gated, and recently denied (a denied pod's
+        // device is taken as whole GPUs; the agent keeps only its GPUe).
+        let mut waiting: Vec<WaitingPod> = self
             .unbound
             .iter()
+            .chain(self.gated.iter())
             .filter_map(|(k, w)| {
                 Some(WaitingPod {
                     key: k.clone(),
@@ -382,6 +385,20 @@ impl SimCluster {
                 })
             })
             .collect();
+        for (key, tenant, gpue) in state.denied_pods() {
+            if !waiting.iter().any(|w| w.key == key) {
+                let count = gpue.div_ceil(1000).max(1);
+                waiting.push(WaitingPod {
+                    key,
+                    tenant,
+                    gpue,
+                    priority: 0,
+                    since_ms: now_ms,
+                    resource: NVIDIA_GPU.to_string(),
+                    count,
+                });
+            }
+        }
         let tenants = state.reclaim_tenants();
         let capacity: MilliGpue = state.capacity_gpue();
         let view = ClusterView {

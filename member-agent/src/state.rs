@@ -183,6 +183,11 @@ impl AgentState {
         self.reserved.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
     }
 
+    /// Recently denied pods still counted as demand: `(pod key, tenant, GPUe)`.
+    pub fn denied_pods(&self) -> Vec<(String, String, MilliGpue)> {
+        self.denied.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
+    }
+
     /// Pods of `tenant` waiting behind the gate.
     pub fn queued(&self, tenant: &str) -> usize {
         self.queue.values().filter(|q| q.tenant == tenant).count()

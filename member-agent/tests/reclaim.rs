@@ -185,3 +185,19 @@ fn evictions_a_pod_disruption_budget_refuses_are_retried_and_reported_not_forced
     assert_eq!(run.evictions.len(), 2);
     assert_eq!(st.inuse("inference"), 2_000);
 }
+
+#[test]
+fn a_tenant_whose_budget_is_held_by_others_is_still_restored() {
+    // The usual case: training holds the cluster, so break-before-make leaves inference a
+    // budget of 0 and its pods are denied. Their demand still counts: reclaim evicts
+    // training pods above training's budget, and the freed GPUs stay free (training is
+    // over budget) until the next lease gives them to inference.
+    let (mut c, mut st, now) = full_of_training(POLICY);
+    st.lease.on_lease(lease(3, &[("training", 8), ("inference", 0)]), now);
+    let run = drive(&mut c, &mut st, now, 60, |c, st, t| {
+        c.submit(st, &SimPod::gpus("inference", &format!("i-{t}"), 2, 86_400_000, 100));
+    });
+    assert_eq!(run.evictions.len(), 2, "{:?}", run.evictions);
+    assert_eq!(c.running(), 14);
+    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "again", 1, 1_000, 0)), "denied", "over budget: no re-admission");
+}

@@ -3,8 +3,10 @@
 //! - [`WfqDecay`] is kvota itself: the real [`Federation`] state machine (entitlements
 //!   from weights, min/max shares and decayed usage, split into per-cluster budgets and
 //!   handed out as leases), each cluster's [`AgentLease`], and the real admission
-//!   [`decide`]. Tenants under their budget are served first. It never preempts (kvota's
-//!   reclaim is issue #8), so a tenant's budget frees only as its pods finish.
+//!   [`decide`]. Tenants under their budget are served first. At every tick it runs
+//!   the agent's reclaim (`reclaim::plan`, with the policy's damping):
+//!   pods of preemptible tenants above their budget are evicted, just enough, for a
+//!   tenant below its guarantee whose admitted pod has no room.
 //! - [`RoundRobin`]: the Kubernetes default with priority classes and no quotas. Pods of
 //!   non-preemptible tenants form the high class and are served first; within a class
 //!   tenants take turns, one pod per turn. No preemption.
@@ -31,6 +33,7 @@ use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::AgentLease;
 use kvota_fairness::policy::Policy;
+use kvota_fairness::reclaim::{self, ClusterView, Decision, RunningPod, TenantHere, WaitingPod};
 use kvota_fairness::MilliGpue;
 
 use crate::engine::{Partition, World};
@@ -94,6 +97,11 @@ pub struct WfqDecay {
     pub reported: Vec<u128>,
     /// Ticks at which some cluster enforced safe (fallback) budgets.
     pub safe_ticks: u64,
+    /// Per cluster: since when each tenant is starved, and recent evictions.
+    reclaim: Vec<(BTreeMap<String, u64>, Vec<(u64, String)>)>,
+    /// Pods evicted by reclaim.
+    pub reclaimed: u64,
+    reclaim_due: bool,
 }
 
 impl WfqDecay {
@@ -102,7 +110,19 @@ impl WfqDecay {
         let mut policy = policy.clone();
         policy.lease.duration_ms = tick_ms.saturating_mul(10);
         policy.lease.clock_skew_margin_ms = tick_ms;
-        WfqDecay { policy, fed: Federation::new(), agents: Vec::new(), seq: Vec::new(), partition, refused: 0, reported: Vec::new(), safe_ticks: 0 }
+        WfqDecay {
+            policy,
+            fed: Federation::new(),
+            agents: Vec::new(),
+            seq: Vec::new(),
+            partition,
+            refused: 0,
+            reported: Vec::new(),
+            safe_ticks: 0,
+            reclaim: Vec::new(),
+            reclaimed: 0,
+            reclaim_due: false,
+        }
     }
 
     fn cut(&self, c: usize, now: u64) -> bool {
@@ -112,6 +132,98 @@ impl WfqDecay {
     /// The federation (for tests).
     pub fn federation(&self) -> &Federation {
         &self.fed
+    }
+}
+
+impl WfqDecay {
+    /// kvota's reclaim in every cluster: the agent's `reclaim::plan` over the cluster's
+    /// pods and this cluster's lease budgets, repeated while it finds something to do.
+    fn reclaim_step(&mut self, w: &mut World) {
+        let now = w.now;
+        self.reclaim.resize_with(w.clusters.len(), Default::default);
+        for c in 0..w.clusters.len() {
+            for round in 0..16 {
+                let cl = &w.clusters[c];
+                let agent = &self.agents[c];
+                let tenants: Vec<TenantHere> = self
+                    .policy
+                    .tenants
+                    .iter()
+                    .enumerate()
+                    .map(|(t, tp)| TenantHere {
+                        name: tp.name.clone(),
+                        preemptible: tp.preemptible,
+                        min_share_bp: tp.min_share_bp,
+                        budget: agent.budget(&tp.name, now),
+                        inuse: cl.inuse[t],
+                    })
+                    .collect();
+                let key = |j: usize| format!("j{j}");
+                let node_of = |j: usize| w.jobs[j].placement.first().map_or(0, |p| p.0);
+                let running: Vec<RunningPod> = (0..tenants.len())
+                    .flat_map(|t| cl.running[t].iter().map(move |&j| (t, j)))
+                    .map(|(t, j)| RunningPod {
+                        key: key(j),
+                        tenant: tenants[t].name.clone(),
+                        gpue: w.jobs[j].gpue,
+                        priority: 0,
+                        started_ms: w.jobs[j].run_start.unwrap_or(now),
+                        node: node_of(j),
+                        resource: "gpu".into(),
+                        count: w.jobs[j].placement.iter().filter(|p| p.0 == node_of(j)).map(|p| p.1).sum::<u64>().max(1),
+                    })
+                    .collect();
+                let waiting: Vec<WaitingPod> = (0..tenants.len())
+                    .flat_map(|t| w.candidates(c, t).map(move |j| (t, j)))
+                    .map(|(t, j)| WaitingPod {
+                        key: key(j),
+                        tenant: tenants[t].name.clone(),
+                        gpue: w.jobs[j].gpue,
+                        priority: 0,
+                        since_ms: w.jobs[j].submit_ms,
+                        resource: "gpu".into(),
+                        count: w.jobs[j].gpue,
+                    })
+                    .collect();
+                let pool = cl.node_cap.is_empty();
+                let free: Vec<BTreeMap<String, u64>> = if pool {
+                    vec![BTreeMap::from([("gpu".to_string(), cl.free)])]
+                } else {
+                    cl.node_free.iter().map(|&f| BTreeMap::from([("gpu".to_string(), f)])).collect()
+                };
+                let total: Vec<BTreeMap<String, u64>> = if pool {
+                    vec![BTreeMap::from([("gpu".to_string(), cl.capacity)])]
+                } else {
+                    cl.node_cap.iter().map(|&f| BTreeMap::from([("gpu".to_string(), f)])).collect()
+                };
+                let view = ClusterView {
+                    now_ms: now,
+                    capacity: cl.capacity,
+                    node_free: &free,
+                    node_total: &total,
+                    tenants: &tenants,
+                    running: &running,
+                    waiting: &waiting,
+                };
+                let (since, recent) = &mut self.reclaim[c];
+                if round == 0 {
+                    let hungry: Vec<String> = reclaim::starved(&view).into_iter().map(|s| s.tenant).collect();
+                    since.retain(|t, _| hungry.contains(t));
+                    for t in hungry {
+                        since.entry(t).or_insert(now);
+                    }
+                }
+                recent.retain(|(at, _)| now.saturating_sub(*at) < reclaim::WINDOW_MS);
+                let Decision::Evict { victims, .. } = reclaim::plan(&view, &self.policy.reclaim, since, recent) else { break };
+                let ids: Vec<(usize, String)> =
+                    victims.iter().filter_map(|v| Some((v.key.strip_prefix('j')?.parse().ok()?, v.tenant.clone()))).collect();
+                for (j, tenant) in ids {
+                    w.preempt(j);
+                    recent.push((now, tenant));
+                    self.reclaimed += 1;
+                }
+            }
+        }
     }
 }
 
@@ -187,6 +299,7 @@ impl Scheduler for WfqDecay {
                 _ => self.refused += 1,
             }
         }
+        self.reclaim_due = true;
     }
 
     fn schedule(&mut self, w: &mut World) {
@@ -233,6 +346,11 @@ impl Scheduler for WfqDecay {
                     }
                 }
             }
+        }
+        // After each tick's pass: the agents' reclaim (what it frees is admitted by the
+        // next lease).
+        if std::mem::take(&mut self.reclaim_due) {
+            self.reclaim_step(w);
         }
     }
 }

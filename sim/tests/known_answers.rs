@@ -197,3 +197,31 @@ fn preemption_picks_the_node_that_needs_the_fewest_victim_gpus() {
     assert_eq!(r.preempted_jobs, [1, 2]);
     assert_eq!(r.job_delays[4], Some(0));
 }
+
+#[test]
+fn kvota_reclaims_just_enough_for_a_starved_guarantee_after_starved_for() {
+    // a (preemptible) takes all 4 GPUs at 0. b (non-preemptible, minShare 50 % = 2 GPUs)
+    // arrives at 10 s; nothing is free and a holds it all, so b's budget is 0: it is
+    // starved. Budgets alone would make it wait for a's jobs (100 s). After starvedFor
+    // (30 s, the default) the 40 s tick evicts a's youngest job (3) for b's first pod:
+    // the next report shows a's lower hold and the 50 s lease gives b budget for it.
+    // Then b is still below its guarantee with no room: job 2 goes at 50 s and b's
+    // second pod starts at 60 s. Nothing more: b then holds its guarantee.
+    let p = policy(
+        "  - {name: a, weight: 1, minShare: 0, maxShare: 100, preemptible: true}\n  - {name: b, weight: 1, minShare: 50, maxShare: 100, preemptible: false}\n",
+    );
+    let cfg = SimConfig { clusters: vec![("c1".into(), 4000)], tick_ms: 10_000, checkpoint_ms: 30_000, ..SimConfig::default() };
+    let mut s = kvota_sim::sched::WfqDecay::new(&p, cfg.tick_ms, None);
+    let r = run(&burst(), &p, &cfg, &mut s).expect("run");
+    assert_eq!(r.preempted_jobs, [2, 3]);
+    assert_eq!(s.reclaimed, 2);
+    let d = delays(&r);
+    assert_eq!(d[8..10], [40, 50], "{d:?}");
+    // 30 s checkpoints: job 3 ran 40 s (10 s lost), job 2 ran 50 s (20 s lost).
+    assert!((r.tenants[0].lost_gpu_hours - 30.0 / 3600.0).abs() < 1e-9, "{}", r.tenants[0].lost_gpu_hours);
+    // Without a guarantee for b (minShare 0) nothing is ever evicted.
+    let p0 = policy(EQUAL);
+    let mut s0 = kvota_sim::sched::WfqDecay::new(&p0, cfg.tick_ms, None);
+    let r0 = run(&burst(), &p0, &cfg, &mut s0).expect("run");
+    assert_eq!((s0.reclaimed, r0.preemptions), (0, 0));
+}
