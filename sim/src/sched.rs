@@ -83,6 +83,9 @@ fn start_fitting(w: &mut World, c: usize, t: usize, mut room: MilliGpue, max: us
     n
 }
 
+/// Since when each tenant is starved, and the evictions of the last minute.
+type ReclaimMemory = (BTreeMap<String, u64>, Vec<(u64, String)>);
+
 /// kvota: the federation's leases and the admission decision.
 #[derive(Debug)]
 pub struct WfqDecay {
@@ -98,7 +101,7 @@ pub struct WfqDecay {
     /// Ticks at which some cluster enforced safe (fallback) budgets.
     pub safe_ticks: u64,
     /// Per cluster: since when each tenant is starved, and recent evictions.
-    reclaim: Vec<(BTreeMap<String, u64>, Vec<(u64, String)>)>,
+    reclaim: Vec<ReclaimMemory>,
     /// Pods evicted by reclaim.
     pub reclaimed: u64,
     reclaim_due: bool,
@@ -142,6 +145,16 @@ impl WfqDecay {
         let now = w.now;
         self.reclaim.resize_with(w.clusters.len(), Default::default);
         for c in 0..w.clusters.len() {
+            // Cheap test first: is any tenant below its guarantee with something waiting?
+            let cl = &w.clusters[c];
+            let below = self.policy.tenants.iter().enumerate().any(|(t, tp)| {
+                let demand = cl.inuse[t] + cl.pending[t];
+                cl.pending[t] > 0 && cl.inuse[t] < demand.min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp))
+            });
+            if !below {
+                self.reclaim[c].0.clear();
+                continue;
+            }
             for round in 0..16 {
                 let cl = &w.clusters[c];
                 let agent = &self.agents[c];
@@ -160,7 +173,15 @@ impl WfqDecay {
                     .collect();
                 let key = |j: usize| format!("j{j}");
                 let node_of = |j: usize| w.jobs[j].placement.first().map_or(0, |p| p.0);
+                // Only what the plan can use: pods of possible victims (preemptible, over
+                // budget) and waiting pods of tenants below their guarantee.
+                let victim = |t: usize| tenants[t].preemptible && tenants[t].inuse > tenants[t].budget;
+                let hungry = |t: usize| {
+                    let demand = cl.inuse[t] + cl.pending[t];
+                    cl.pending[t] > 0 && cl.inuse[t] < demand.min(kvota_fairness::entitlement::share_of(cl.capacity, tenants[t].min_share_bp))
+                };
                 let running: Vec<RunningPod> = (0..tenants.len())
+                    .filter(|&t| victim(t))
                     .flat_map(|t| cl.running[t].iter().map(move |&j| (t, j)))
                     .map(|(t, j)| RunningPod {
                         key: key(j),
@@ -174,6 +195,7 @@ impl WfqDecay {
                     })
                     .collect();
                 let waiting: Vec<WaitingPod> = (0..tenants.len())
+                    .filter(|&t| hungry(t))
                     .flat_map(|t| w.candidates(c, t).map(move |j| (t, j)))
                     .map(|(t, j)| WaitingPod {
                         key: key(j),
