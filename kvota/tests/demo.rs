@@ -74,6 +74,10 @@ fn the_demo_keeps_fairness_and_loses_nothing() {
     assert!(num(&s, &["failover_s"]) <= 5.0, "failover: {}", s["failover_s"]);
     assert_eq!(s["killed_node_rejoined"], Value::Bool(true));
     assert!(s["timeline"].as_array().is_some_and(|t| t.len() >= 20));
+    // Reclaim ran in every agent; it never takes from the non-preemptible tenant.
+    let evictions = s["evictions"].as_object().expect("evictions per tenant");
+    assert!(!evictions.contains_key("inference"), "inference is not preemptible: {evictions:?}");
+    assert!(stdout.contains("reclaim "), "the summary says what reclaim did: {stdout}");
     assert!(stdout.contains("Monday 8 AM") && stdout.contains("lease expired"), "{stdout}");
 
     // No orphans: every server the demo started is gone.

@@ -29,6 +29,7 @@ use clap::Args;
 use kvota_control_plane::client::Client;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_fairness::policy::{Policy, TENANT_LABEL};
+use kvota_fairness::reclaim::Decision;
 use kvota_fairness::resources::ResourceWeights;
 use kvota_fairness::MilliGpue;
 use kvota_member_agent::agent::Agent;
@@ -97,6 +98,9 @@ fn parse_speed(s: &str) -> Result<f64, String> {
 fn default_policy_yaml(speed: f64) -> String {
     let duration_ms = real_ms(6_000, speed).max(4_000);
     let margin_ms = duration_ms / 6;
+    // Reclaim at the scenario's pace: starved 3 s, pods younger than 10 s spared.
+    let starved_ms = real_ms(3_000, speed).max(1_000);
+    let min_runtime_ms = real_ms(10_000, speed);
     format!(
         "apiVersion: kvota.dev/v1alpha1
 kind: FairnessPolicy
@@ -105,6 +109,7 @@ metadata:
 spec:
   decayHalfLife: 24h
   lease: {{duration: {duration_ms}ms, clockSkewMargin: {margin_ms}ms}}
+  reclaim: {{starvedFor: {starved_ms}ms, minRuntime: {min_runtime_ms}ms}}
   tenants:
   - {{name: training, weight: 40, minShare: 20, maxShare: 60, preemptible: true}}
   - {{name: inference, weight: 50, minShare: 40, maxShare: 80, preemptible: false}}
@@ -435,6 +440,10 @@ pub struct Summary {
     pub failover_s: Option<f64>,
     /// The killed node caught up after its restart.
     pub killed_node_rejoined: bool,
+    /// Pods evicted by reclaim, per victim tenant.
+    pub evictions: BTreeMap<String, u64>,
+    /// GPUe-seconds of work the evicted pods lost (since their last checkpoint).
+    pub eviction_lost_gpue_s: f64,
     /// Fairness over time.
     pub timeline: Vec<Sample>,
 }
@@ -568,6 +577,8 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
         .collect();
     let mut open: BTreeMap<String, Open> = BTreeMap::new();
     let mut retries: Vec<(u64, usize)> = Vec::new(); // (due, arrival)
+    let mut requeued: Vec<(u64, usize, SimPod)> = Vec::new(); // evicted pods, recreated
+    let mut evicted_n = 0u64;
     let mut next_arrival = 0usize;
     let mut next_phase = 0usize;
     let mut phase_name = "starting";
@@ -702,6 +713,37 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
                 }
             }
         }
+        // 2b. Reclaim: an agent evicts pods over their budget for a tenant below its
+        // guarantee; their owners recreate them (under new names) after a retry delay.
+        for (ci, m) in fleet.iter_mut().enumerate() {
+            let mut st = m.agent.state();
+            let t = st.now_ms();
+            if let Decision::Evict { for_tenant, victims, .. } = m.sim.reclaim(&mut st, t) {
+                let gone = m.sim.take_evicted();
+                if !gone.is_empty() {
+                    let who = victims.first().map_or("?", |v| v.tenant.as_str());
+                    out.event(now, &format!("{}: reclaim evicted {} {who} pod(s) for {for_tenant}", m.spec.name, gone.len()));
+                }
+                for mut pod in gone {
+                    evicted_n += 1;
+                    pod.name = format!("{}-r{evicted_n}", pod.name);
+                    requeued.push((now + real_ms(scenario::RETRY_MS, speed), ci, pod));
+                }
+            }
+        }
+        let mut still = Vec::new();
+        for (at, ci, pod) in std::mem::take(&mut requeued) {
+            if at > now {
+                still.push((at, ci, pod));
+                continue;
+            }
+            let m = &mut fleet[ci];
+            let mut st = m.agent.state();
+            if matches!(m.sim.submit(&mut st, &pod), "denied" | "error") {
+                still.push((now + real_ms(scenario::RETRY_MS, speed), ci, pod));
+            }
+        }
+        requeued = still;
         let after = totals(&fleet);
         for (t, &a) in &after {
             let b = before.get(t).copied().unwrap_or(0);
@@ -1039,6 +1081,11 @@ fn summarize(
         partition_lease_expired,
         failover_s: failover_ms.map(|v| v as f64 / 1000.0),
         killed_node_rejoined: rejoined,
+        evictions: fleet.iter().flat_map(|f| f.sim.eviction_cost().iter()).fold(BTreeMap::new(), |mut acc, (t, c)| {
+            *acc.entry(t.clone()).or_insert(0) += c.pods;
+            acc
+        }),
+        eviction_lost_gpue_s: fleet.iter().flat_map(|f| f.sim.eviction_cost().values()).map(|c| c.lost_gpue_ms as f64 / 1e6).sum(),
         timeline: m.timeline.clone(),
     }
 }

@@ -254,6 +254,20 @@ pub fn summary_text(s: &Summary) -> String {
     );
     let _ = writeln!(o, "leader failover                   {}", secs(s.failover_s));
     let _ = writeln!(o, "killed node rejoined              {}", if s.killed_node_rejoined { "yes" } else { "no" });
+    let evicted: u64 = s.evictions.values().sum();
+    let _ = writeln!(
+        o,
+        "reclaim                           {}",
+        if evicted == 0 {
+            "no evictions (no tenant was starved below its guarantee long enough)".to_string()
+        } else {
+            format!(
+                "{evicted} pods evicted ({}), {:.1} GPUe-s of work lost to checkpoints",
+                s.evictions.iter().map(|(t, n)| format!("{t} {n}")).collect::<Vec<_>>().join(", "),
+                s.eviction_lost_gpue_s
+            )
+        }
+    );
     let _ = writeln!(
         o,
         "\nOVER SHARE: time above the entitlement (pods admitted earlier keep running when it falls; \
