@@ -167,7 +167,14 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
         ..SimConfig::default()
     };
     let t1 = Instant::now();
-    let runs = kvota_sim::compare(&trace, &policy, &cfg, &schedulers)?;
+    let runs = kvota_sim::compare(&trace, &policy, &cfg, &schedulers).map_err(|e| {
+        let hint = if args.policy.is_none() && trace.source.starts_with("philly:") {
+            " (for the Philly trace: --policy deploy/policies/philly-vc.yaml)"
+        } else {
+            ""
+        };
+        anyhow::anyhow!("{e}{hint}")
+    })?;
     let sim_s = t1.elapsed().as_secs_f64();
     let results: Vec<kvota_sim::RunResult> = runs.iter().map(|r| r.result.clone()).collect();
 

@@ -76,7 +76,9 @@ fn sim_mistakes_get_one_clear_line() {
     let trace = format!("csv:{}", write_trace(tmp.path()));
     let out = tmp.path().join("o").display().to_string();
     let philly_policy = repo("deploy/policies/philly-vc.yaml");
-    let cases: [(Vec<&str>, &str); 7] = [
+    let philly = format!("philly:{}", repo("sim/tests/fixtures/philly"));
+    let cases: [(Vec<&str>, &str); 8] = [
+        (vec!["--trace", &philly], "for the Philly trace: --policy deploy/policies/philly-vc.yaml"),
         (vec!["--trace", &trace, "--scheduler", "fifo"], "--scheduler: unknown `fifo`; choose from wfq-decay, round-robin"),
         (vec!["--trace", &trace, "--clusters", "2x8", "--partition", "c9@1h..2h"], "no cluster `c9` (clusters: c1, c2)"),
         (vec!["--trace", &trace, "--clusters", "eight"], "`eight` is not a GPU count"),
