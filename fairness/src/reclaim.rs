@@ -15,7 +15,9 @@
 //!   run on some node of the cluster at all (an unschedulable pod never evicts anyone).
 //! - **Only from preemptible tenants above their entitlement here** (their budget in
 //!   this cluster's lease). Non-preemptible tenants are never victims, whatever the
-//!   numbers; a victim tenant stops being one once it is no longer above its budget.
+//!   numbers, and an eviction never takes a victim tenant below its budget (a pod
+//!   larger than the tenant's excess stays: evicting a whole-node pod to seat a small
+//!   one fragments the cluster, which the simulator showed costs inference dearly).
 //! - **Just enough**: on the node where the fewest GPUe of victims make room for the
 //!   pod (ties: the node whose victims have run least); within a node the
 //!   most-over-entitlement tenant first, then the lowest pod priority, then the youngest
@@ -313,7 +315,9 @@ pub fn plan(
                 }
                 let t = p.tenant.as_str();
                 let used = per_tenant.get(t).copied().unwrap_or(0) + taken_per.get(t).copied().unwrap_or(0);
-                let still_over = left_over.get(t).copied().unwrap_or(0) > 0;
+                // Never below its budget: a pod larger than the tenant's excess stays (evicting
+                // a whole-node pod to seat a small one fragments the cluster).
+                let still_over = left_over.get(t).copied().unwrap_or(0) >= p.gpue;
                 let fits_limits = u32::try_from(taken.len()).unwrap_or(u32::MAX) < cluster_left
                     && used < cfg.max_evictions_per_minute_per_tenant;
                 if !still_over || !fits_limits {
@@ -333,6 +337,7 @@ pub fn plan(
                 room = free.get(&s.pod.resource).copied().unwrap_or(0);
                 let single = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg)
                     .filter(|p| room + p.count >= s.pod.count)
+                    .filter(|p| over.get(p.tenant.as_str()).copied().unwrap_or(0) >= p.gpue)
                     .filter(|p| per_tenant.get(p.tenant.as_str()).copied().unwrap_or(0) < cfg.max_evictions_per_minute_per_tenant)
                     .min_by(|a, b| a.gpue.cmp(&b.gpue).then(b.started_ms.cmp(&a.started_ms)).then(a.key.cmp(&b.key)));
                 if let Some(p) = single {
@@ -509,5 +514,19 @@ mod tests {
         let view = ClusterView { running: &running, ..view };
         let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!() };
         assert!(victims[0].why.contains("younger than minRuntime"), "{}", victims[0].why);
+    }
+
+    #[test]
+    fn a_victim_tenant_is_never_taken_below_its_budget() {
+        // Training is 1 GPU over its budget but runs one 4-GPU pod: evicting it would
+        // free a whole node for a 1-GPU pod and put training 3 below its budget.
+        let free = [node(0)];
+        let total = [node(4)];
+        let tenants = [tenant("inference", false, 50, 2, 0), tenant("training", true, 0, 3, 4)];
+        let running = [run("t/big", "training", 4, 0, 0, 0)];
+        let waiting = [wait("i/x", "inference", 1)];
+        let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
     }
 }
