@@ -110,6 +110,8 @@ impl Conn {
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body)))
             .expect("request");
+        // HTTP/1: wait until the connection has finished the previous exchange.
+        self.send.ready().await.expect("connection ready");
         let resp = self.send.send_request(req).await.expect("send");
         let status = resp.status().as_u16();
         let body = http_body_util::BodyExt::collect(resp.into_body()).await.expect("body").to_bytes().to_vec();
