@@ -651,7 +651,7 @@ pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Sche
     w.events.push(Reverse((start_ms, Ev::Tick)));
     sched.init(&mut w);
 
-    let mut m = Meter::new(&w, cfg, policy, last_arrival.saturating_sub(start_ms));
+    let mut m = Meter::new(&w, cfg, last_arrival.saturating_sub(start_ms));
     let mut events = 0u64;
     let mut arrived = 0usize;
     let mut stuck = 0u32;
@@ -738,7 +738,7 @@ struct Meter {
 }
 
 impl Meter {
-    fn new(w: &World, cfg: &SimConfig, _policy: &Policy, span_hint: u64) -> Self {
+    fn new(w: &World, cfg: &SimConfig, span_hint: u64) -> Self {
         let nt = w.tenants.len();
         let ticks = (span_hint / cfg.tick_ms.max(1)).max(1);
         Meter {
