@@ -17,6 +17,8 @@
 //! API, replica leader election.
 
 pub mod agent;
+pub mod inventory;
+pub mod kube;
 pub mod journal;
 pub mod metrics;
 pub mod netfault;

@@ -88,6 +88,13 @@ pub trait AdmissionState {
     fn view(&self, tenant: &str) -> LocalView;
     /// Records an effect (not called for dry-run requests).
     fn record(&mut self, effect: Effect);
+    /// Why this agent must not admit anything right now (a standby replica, an
+    /// inventory not listed yet), or None. Governed GPU pods are then held: gated in
+    /// `queue` mode (the leader releases them later), denied with a retryable 503 in
+    /// `reject` mode.
+    fn held(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Outcome of one review, for logs and metrics.
@@ -97,7 +104,8 @@ pub struct Reviewed {
     pub body: Vec<u8>,
     /// Tenant judged, if any.
     pub tenant: Option<String>,
-    /// `allowed`, `denied`, `queued`, `passed` (not judged here), `error`.
+    /// `allowed`, `denied`, `queued`, `passed` (not judged here), `held` (this agent
+    /// admits nothing now: gated or denied for a retry), `error`.
     pub outcome: &'static str,
     /// GPUe the pod requests (0 if not computed).
     pub gpue: MilliGpue,
@@ -301,6 +309,24 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
         return Reviewed { body: response(uid, true, 200, msg, None), tenant: Some(tenant), outcome: "passed", gpue };
     }
+    let gate_patch = if has_gates {
+        json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])
+    } else {
+        json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])
+    };
+    if let Some(why) = state.held() {
+        let (body, outcome) = match mode {
+            AdmissionMode::Queue => {
+                let msg = format!("kvota: {why}; pod {key} waits behind the {SCHEDULING_GATE} gate for the leader to release it");
+                (response(uid, true, 200, &msg, Some(&gate_patch)), "held")
+            }
+            AdmissionMode::Reject => {
+                let msg = format!("kvota: {why}; pod {key} was not judged, retry in a few seconds");
+                (response(uid, false, 503, &msg, None), "held")
+            }
+        };
+        return Reviewed { body, tenant: Some(tenant), outcome, gpue };
+    }
     let view = state.view(&tenant);
     let d: Decision = decide(&PodRequest { namespace, name, gpue }, &view);
     let (body, outcome) = match d.verdict {
@@ -317,11 +343,7 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
             (response(uid, false, 403, &d.message, None), "denied")
         }
         Verdict::Queue => {
-            let patch = if has_gates {
-                json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])
-            } else {
-                json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])
-            };
+            let patch = gate_patch;
             if !dry_run {
                 state.record(Effect::Enqueue { tenant: tenant.clone(), pod: key, gpue, priority });
             }

@@ -11,10 +11,11 @@ use kvota_fairness::resources::NVIDIA_GPU;
 use kvota_fairness::{MilliGpue, Millis};
 use serde_json::json;
 
-use kvota_fairness::reclaim::{ClusterView, Decision, RunningPod, WaitingPod};
+use kvota_fairness::reclaim::{ClusterView, Decision};
 
 use crate::review::{review, Endpoint};
-use crate::state::{AgentState, PodRec, ReclaimRecord};
+use crate::inventory::{self, Inventory, NodeInfo, PodInfo, PodStage};
+use crate::state::{AgentState, PodRec};
 
 /// A pod to submit.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,16 +71,7 @@ struct Running {
     ends_at_ms: Millis,
 }
 
-/// What happened to an eviction request (the Eviction API's answers).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EvictOutcome {
-    /// The pod is gone; its owner will recreate it.
-    Evicted,
-    /// A PodDisruptionBudget forbids it now (HTTP 429 from the Eviction API): retry later.
-    Blocked,
-    /// No such running pod.
-    NotFound,
-}
+pub use crate::inventory::EvictOutcome;
 
 /// A Kubernetes Event on a pod (the simulated cluster keeps them in a list).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -351,93 +343,26 @@ impl SimCluster {
     /// cluster evicts through its Eviction API, every attempt becomes an Event on the
     /// victim pod and a record in the agent's reclaim audit.
     pub fn reclaim(&mut self, state: &mut AgentState, now_ms: Millis) -> Decision {
-        let running: Vec<RunningPod> = self
-            .running
-            .iter()
-            .filter_map(|(k, r)| {
-                Some(RunningPod {
-                    key: k.clone(),
-                    tenant: r.tenant.clone()?,
-                    gpue: r.gpue,
-                    priority: r.pod.priority,
-                    started_ms: r.started_ms,
-                    node: r.node,
-                    resource: r.pod.resource.clone(),
-                    count: u64::from(r.pod.count),
-                })
-            })
-            .collect();
-        // Waiting: admitted and unbound, gated, and recently denied (a denied pod's
-        // device is taken as whole GPUs; the agent keeps only its GPUe).
-        let mut waiting: Vec<WaitingPod> = self
-            .unbound
-            .iter()
-            .chain(self.gated.iter())
-            .filter_map(|(k, w)| {
-                Some(WaitingPod {
-                    key: k.clone(),
-                    tenant: w.tenant.clone()?,
-                    gpue: w.gpue,
-                    priority: w.pod.priority,
-                    since_ms: w.since_ms,
-                    resource: w.pod.resource.clone(),
-                    count: u64::from(w.pod.count),
-                })
-            })
-            .collect();
-        for (key, tenant, gpue) in state.denied_pods() {
-            if !waiting.iter().any(|w| w.key == key) {
-                let count = gpue.div_ceil(1000).max(1);
-                waiting.push(WaitingPod {
-                    key,
-                    tenant,
-                    gpue,
-                    priority: 0,
-                    since_ms: now_ms,
-                    resource: NVIDIA_GPU.to_string(),
-                    count,
-                });
-            }
-        }
-        let tenants = state.reclaim_tenants();
-        let capacity: MilliGpue = state.capacity_gpue();
+        let inputs = inventory::reclaim_view(self, state);
         let view = ClusterView {
             now_ms,
-            capacity,
-            node_free: &self.free,
-            node_total: &self.total,
-            tenants: &tenants,
-            running: &running,
-            waiting: &waiting,
+            capacity: state.capacity_gpue(),
+            node_free: &inputs.node_free,
+            node_total: &inputs.node_total,
+            tenants: &inputs.tenants,
+            running: &inputs.running,
+            waiting: &inputs.waiting,
         };
         let decision = state.plan_reclaim(&view);
-        if let Decision::Evict { for_tenant, for_pod, victims, summary, .. } = &decision {
+        if let Some((for_tenant, for_pod, summary, victims)) = inventory::victims(&decision) {
             for v in victims {
                 let outcome = self.evict(state, &v.key, now_ms);
-                let (reason, word) = match outcome {
-                    EvictOutcome::Evicted => ("Evicted", "evicted"),
-                    EvictOutcome::Blocked => ("EvictionBlocked", "blocked"),
-                    EvictOutcome::NotFound => continue,
-                };
-                let message = match outcome {
-                    EvictOutcome::Blocked => format!(
-                        "kvota: eviction refused by the PodDisruptionBudget of namespace `{}`; not forced, retried later. {summary}. This pod: {}",
-                        v.key.split('/').next().unwrap_or(""),
-                        v.why
-                    ),
-                    _ => format!("kvota: evicted to restore tenant `{for_tenant}`'s guarantee. {summary}. This pod: {}", v.why),
+                let Some((reason, message, record)) = inventory::eviction_record(now_ms, for_tenant, for_pod, summary, v, outcome)
+                else {
+                    continue;
                 };
                 self.events.push(SimEvent { at_ms: now_ms, pod: v.key.clone(), reason: reason.to_string(), message });
-                state.record_eviction(ReclaimRecord {
-                    at_ms: now_ms,
-                    for_tenant: for_tenant.clone(),
-                    for_pod: for_pod.clone(),
-                    victim: v.key.clone(),
-                    victim_tenant: v.tenant.clone(),
-                    gpue: v.gpue,
-                    outcome: word.to_string(),
-                    why: format!("{summary}. This pod: {}", v.why),
-                });
+                state.record_eviction(record);
             }
         }
         decision
@@ -449,6 +374,56 @@ impl SimCluster {
         self.finish(state, now_ms);
         self.release(state);
         self.bind(state, now_ms);
+    }
+}
+
+/// The simulated cluster as an inventory source: the same view the Kubernetes inventory
+/// gives (nodes `node-0`, `node-1`, ...; namespaces are not modelled).
+impl Inventory for SimCluster {
+    fn synced(&self) -> bool {
+        true
+    }
+
+    fn nodes(&self) -> Vec<NodeInfo> {
+        self.total
+            .iter()
+            .enumerate()
+            .map(|(i, d)| NodeInfo { name: format!("node-{i}"), devices: d.clone(), schedulable: true })
+            .collect()
+    }
+
+    fn gpu_pods(&self) -> Vec<PodInfo> {
+        let waiting = |k: &String, w: &Waiting, stage| PodInfo {
+            key: k.clone(),
+            namespace: w.pod.namespace.clone(),
+            stage,
+            node: None,
+            gpue: w.gpue,
+            devices: [(w.pod.resource.clone(), u64::from(w.pod.count))].into(),
+            priority: w.pod.priority,
+            since_ms: w.since_ms,
+        };
+        let mut out: Vec<PodInfo> = self
+            .running
+            .iter()
+            .map(|(k, r)| PodInfo {
+                key: k.clone(),
+                namespace: r.pod.namespace.clone(),
+                stage: PodStage::Bound,
+                node: Some(format!("node-{}", r.node)),
+                gpue: r.gpue,
+                devices: [(r.pod.resource.clone(), u64::from(r.pod.count))].into(),
+                priority: r.pod.priority,
+                since_ms: r.started_ms,
+            })
+            .collect();
+        out.extend(self.unbound.iter().map(|(k, w)| waiting(k, w, PodStage::Unbound)));
+        out.extend(self.gated.iter().map(|(k, w)| waiting(k, w, PodStage::Gated)));
+        out
+    }
+
+    fn namespaces(&self) -> BTreeMap<String, BTreeMap<String, String>> {
+        BTreeMap::new()
     }
 }
 

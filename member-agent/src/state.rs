@@ -56,6 +56,7 @@ pub struct AgentState {
     now_ms: Millis,
     denied_ttl_ms: Millis,
     reclaim: ReclaimBook,
+    held: Option<String>,
 }
 
 /// Most reclaim records an agent keeps (oldest dropped first).
@@ -108,6 +109,7 @@ impl AgentState {
             now_ms: 0,
             denied_ttl_ms: DENIED_DEMAND_TTL_MS,
             reclaim: ReclaimBook::default(),
+            held: None,
         }
     }
 
@@ -166,6 +168,37 @@ impl AgentState {
         self.queue.remove(pod);
     }
 
+    /// The tenant owning `namespace` under the policy in force (None: not governed, or
+    /// no policy yet).
+    pub fn tenant_of_namespace(&self, namespace: &str) -> Option<String> {
+        let policy = self.policy.as_ref()?;
+        let labels = self.namespaces.get(namespace).cloned().unwrap_or_default();
+        policy.tenant_for_namespace(namespace, &labels).map(|t| t.name.clone())
+    }
+
+    /// The cluster's GPU capacity changed (nodes came, went or were cordoned).
+    pub fn set_capacity_gpue(&mut self, capacity_gpue: MilliGpue) {
+        self.capacity_gpue = capacity_gpue;
+    }
+
+    /// The inventory shows an admitted pod that is not bound yet: it holds its GPUe for
+    /// as long as it exists (the reservation is refreshed on every call).
+    pub fn hold(&mut self, pod: &str, tenant: &str, gpue: MilliGpue) {
+        self.queue.remove(pod);
+        self.denied.remove(pod);
+        self.reserved.insert(pod.to_string(), (tenant.to_string(), gpue, self.now_ms + RESERVATION_TTL_MS));
+    }
+
+    /// The inventory shows a pod behind kvota's gate that this state does not queue (after
+    /// a restart or a change of leader): it joins the queue, keeping its age.
+    pub fn requeue(&mut self, pod: &str, tenant: &str, gpue: MilliGpue, priority: i32, since_ms: Millis) {
+        if self.queue.contains_key(pod) || self.reserved.contains_key(pod) {
+            return;
+        }
+        let q = QueuedPod { key: pod.to_string(), priority, queued_at_ms: since_ms, gpue };
+        self.queue.insert(pod.to_string(), Queued { tenant: tenant.to_string(), pod: q });
+    }
+
     /// Bound plus reserved GPUe of `tenant`.
     pub fn inuse(&self, tenant: &str) -> MilliGpue {
         let bound: u64 = self.bound.values().filter(|p| p.tenant.as_deref() == Some(tenant)).map(|p| p.gpue).sum();
@@ -198,13 +231,28 @@ impl AgentState {
         self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect()
     }
 
-    /// Whether the agent can judge pods: it has a policy and has held a lease.
-    pub fn ready(&self) -> Result<(), &'static str> {
+    /// Stops (`Some(why)`) or resumes (`None`) admission: a standby replica, or an
+    /// inventory that has not listed the cluster yet, must not admit anything.
+    pub fn set_held(&mut self, why: Option<String>) {
+        self.held = why;
+    }
+
+    /// Why admission is stopped, if it is.
+    pub fn held_reason(&self) -> Option<&str> {
+        self.held.as_deref()
+    }
+
+    /// Whether the agent can judge pods: it has a policy and has held a lease, and
+    /// admission is not held (see [`AgentState::set_held`]).
+    pub fn ready(&self) -> Result<(), String> {
+        if let Some(why) = &self.held {
+            return Err(why.clone());
+        }
         if self.policy.is_none() {
-            return Err("no policy yet (the control plane has not answered)");
+            return Err("no policy yet (the control plane has not answered)".into());
         }
         if self.lease.held_epoch() == 0 {
-            return Err("no lease yet: every budget is 0 until the control plane answers");
+            return Err("no lease yet: every budget is 0 until the control plane answers".into());
         }
         Ok(())
     }
@@ -369,5 +417,9 @@ impl AdmissionState for AgentState {
             }
             Effect::Forget { pod } => self.pod_gone(&pod),
         }
+    }
+
+    fn held(&self) -> Option<String> {
+        self.held.clone()
     }
 }
