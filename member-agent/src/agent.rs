@@ -28,7 +28,9 @@ pub const MAX_RESEND_PER_ROUND: usize = 256;
 #[derive(Debug)]
 pub struct Agent {
     cluster: String,
-    capacity: BTreeMap<String, u64>,
+    capacity: Mutex<BTreeMap<String, u64>>,
+    capacity_changed: std::sync::atomic::AtomicBool,
+    renumber_on_conflict: std::sync::atomic::AtomicBool,
     state: Arc<Mutex<AgentState>>,
     journal: Journal,
     client: Client,
@@ -54,7 +56,9 @@ impl Agent {
         let state = AgentState::new(cluster, weights.capacity_gpue_milli(&capacity), lease);
         Ok(Agent {
             cluster: cluster.to_string(),
-            capacity,
+            capacity: Mutex::new(capacity),
+            capacity_changed: std::sync::atomic::AtomicBool::new(false),
+            renumber_on_conflict: std::sync::atomic::AtomicBool::new(false),
             state: Arc::new(Mutex::new(state)),
             journal,
             client: Client::new(endpoints)?,
@@ -78,6 +82,37 @@ impl Agent {
     /// Cluster id.
     pub fn cluster(&self) -> &str {
         &self.cluster
+    }
+
+    /// Capacity per resource (quantity thousandths) as last registered or reported.
+    pub fn capacity(&self) -> BTreeMap<String, u64> {
+        self.capacity.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// The cluster's capacity changed (the inventory saw nodes come, go or be
+    /// cordoned): the next report carries it to the control plane.
+    pub fn set_capacity(&self, capacity: BTreeMap<String, u64>) {
+        let mut c = self.capacity.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *c != capacity {
+            tracing::info!(cluster = %self.cluster, ?capacity, "cluster capacity changed; reporting it");
+            *c = capacity;
+            self.capacity_changed.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Drops the usage metered so far without reporting it: a standby replica meters
+    /// what it sees but only the leader reports, so a standby that becomes leader must
+    /// not report what the old leader already did.
+    pub fn discard_usage(&self) {
+        let _ = self.state().take_usage();
+    }
+
+    /// This replica just became the cluster's leader, taking over from another whose
+    /// reports used their own sequence numbers: until the control plane acknowledges one
+    /// of ours, a sequence conflict renumbers our unacknowledged reports to follow the
+    /// last one it applied, instead of taking them for duplicates.
+    pub fn took_over(&self) {
+        self.renumber_on_conflict.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Reports written but not yet acknowledged.
@@ -105,7 +140,7 @@ impl Agent {
     pub async fn register(&self) -> Result<(), Status> {
         let req = v1::RegisterRequest {
             cluster: self.cluster.clone(),
-            capacity: kvota_proto::convert::resources(&self.capacity),
+            capacity: kvota_proto::convert::resources(&self.capacity()),
             labels: Default::default(),
         };
         let sent = self.now_ms();
@@ -142,7 +177,13 @@ impl Agent {
         };
         let written = self
             .journal
-            .write(|seq| UsageReport { cluster: self.cluster.clone(), seq, held_epoch: held, capacity: None, tenants })
+            .write(|seq| UsageReport {
+                cluster: self.cluster.clone(),
+                seq,
+                held_epoch: held,
+                capacity: self.capacity_changed.swap(false, std::sync::atomic::Ordering::SeqCst).then(|| self.capacity()),
+                tenants,
+            })
             .map_err(journal_err)?;
         {
             let mut w = self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -164,6 +205,7 @@ impl Agent {
                 Ok(reply) => {
                     self.adopt(reply.lease, sent)?;
                     self.journal.ack_through(report.seq).map_err(journal_err)?;
+                    self.renumber_on_conflict.store(false, std::sync::atomic::Ordering::SeqCst);
                 }
                 Err(s) if s.code() == Code::FailedPrecondition => {
                     let expected = s
@@ -171,6 +213,11 @@ impl Agent {
                         .get("kvota-expected-seq")
                         .and_then(|v| v.to_str().ok())
                         .and_then(|v| v.parse::<u64>().ok());
+                    if let Some(e) = expected.filter(|_| self.renumber_on_conflict.load(std::sync::atomic::Ordering::SeqCst)) {
+                        let n = self.journal.renumber_from(e).map_err(journal_err)?;
+                        tracing::info!(from = e, reports = n, "took over from another replica: reports renumbered to follow the control plane's sequence");
+                        return Err(s);
+                    }
                     match expected {
                         // The control plane already applied everything before `e`.
                         Some(e) if e > report.seq => self.journal.ack_through(e - 1).map_err(journal_err)?,

@@ -113,6 +113,29 @@ impl Journal {
         Ok(report)
     }
 
+    /// Gives the unacknowledged reports consecutive sequence numbers starting at
+    /// `first` (keeping their order and contents) and continues numbering after them.
+    /// Returns how many were renumbered.
+    pub fn renumber_from(&self, first: u64) -> Result<usize, JournalError> {
+        let reports = self.unacked(usize::MAX)?;
+        let mut batch = sled::Batch::default();
+        for r in &reports {
+            batch.remove(&r.seq.to_be_bytes());
+        }
+        let mut last = first.saturating_sub(1);
+        for (i, r) in reports.iter().enumerate() {
+            let mut r = r.clone();
+            r.seq = first + u64::try_from(i).unwrap_or(u64::MAX);
+            last = r.seq;
+            let bytes = serde_json::to_vec(&r).map_err(|e| JournalError::Corrupt { what: "report", why: e.to_string() })?;
+            batch.insert(&r.seq.to_be_bytes(), bytes);
+        }
+        self.reports.apply_batch(batch).map_err(io("renumber reports"))?;
+        self.meta.insert(LAST_SEQ, &last.to_be_bytes()).map_err(io("write last seq"))?;
+        self.db.flush().map_err(io("flush"))?;
+        Ok(reports.len())
+    }
+
     /// Unacknowledged reports, oldest first (at most `limit`).
     pub fn unacked(&self, limit: usize) -> Result<Vec<UsageReport>, JournalError> {
         self.reports
