@@ -85,6 +85,11 @@ impl Agent {
         self.journal.backlog()
     }
 
+    /// Sequence number of the last report written to the journal (0: none yet).
+    pub fn last_seq(&self) -> u64 {
+        self.journal.last_seq().unwrap_or(0)
+    }
+
     /// Usage written into reports so far, per tenant (milli-GPUe x ms).
     pub fn written_usage(&self) -> BTreeMap<String, u64> {
         self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
