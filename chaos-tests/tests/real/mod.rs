@@ -265,7 +265,8 @@ pub struct Fed {
     /// Control-plane gRPC addresses, comma separated (for `--cp`).
     pub cp: String,
     bin: PathBuf,
-    dir: tempfile::TempDir,
+    /// Logs and data directories; kept (not deleted) when the scenario fails.
+    dir: Option<tempfile::TempDir>,
     started: Instant,
     notes: Vec<String>,
 }
@@ -366,14 +367,15 @@ impl Fed {
             let lan = h.lan_addr.clone().expect("agents have a second link");
             hooks.push((cluster.to_string(), Webhook::new(format!("{lan}:8443"), cert.cert.der()).expect("webhook client")));
         }
-        let mut fed = Fed { scenario: scenario.to_string(), procs, hooks, net, cp: cp.join(","), bin, dir, started: Instant::now(), notes: Vec::new() };
+        let dir_path = dir.path().to_path_buf();
+        let mut fed = Fed { scenario: scenario.to_string(), procs, hooks, net, cp: cp.join(","), bin, dir: Some(dir), started: Instant::now(), notes: Vec::new() };
         for i in 0..3 {
             let bin = fed.bin.clone();
             fed.procs[i].start(&bin);
         }
         let (leader, t) = fed.wait_leader(Duration::from_secs(30)).await.unwrap_or_else(|e| fed.fail(&e));
         fed.note(format!("control plane up, leader s{leader}, in {t:?}"));
-        let policy = fed.dir.path().join("policy.yaml").display().to_string();
+        let policy = dir_path.join("policy.yaml").display().to_string();
         let (_, t) = eventually("apply the policy", Duration::from_secs(20), || async {
             fed.cli(&["policy", "apply", &policy], false).await.map(|_| ())
         })
@@ -605,8 +607,11 @@ impl Fed {
             let (Some(held), Some(committed), Some(inuse)) = (held, committed, inuse) else {
                 self.fail(&format!("explain {t}: missing numbers in {v}"));
             };
-            if held > committed.max(inuse) || committed > caps[t] {
-                self.fail(&format!("{t}: leases may hold {held}, above max(committed {committed}, in use {inuse}), or committed above maxShare {}", caps[t]));
+            if held > committed.max(inuse) {
+                self.fail(&format!("{t}: the control plane's leases may let clusters hold {held} milli-GPUe, above max(committed {committed}, in use {inuse})"));
+            }
+            if committed > caps[t] {
+                self.fail(&format!("{t}: committed entitlement {committed} milli-GPUe above maxShare x capacity {}", caps[t]));
             }
         }
     }
@@ -678,6 +683,11 @@ impl Drop for Fed {
             }
             for p in &self.procs {
                 let _ = writeln!(err, "---- {} (pid {:?}, log {}), last {LOG_LINES} lines:\n{}", p.name, p.pid(), p.log.display(), p.tail(LOG_LINES));
+            }
+            if std::thread::panicking() {
+                if let Some(d) = self.dir.take() {
+                    let _ = writeln!(err, "logs and data directories kept in {}", d.keep().display());
+                }
             }
             let _ = writeln!(err, "==== end of `{}`", self.scenario);
         }
