@@ -2,7 +2,7 @@
 //! it tries them in turn, follows a `kvota-leader` hint, and retries a bounded number
 //! of times with jittered backoff. Every call has a deadline.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +14,11 @@ use tonic::{Code, Status};
 use crate::node::LEADER_HEADER;
 
 /// Per-call deadline: a write may wait through one failover (see `node::WRITE_TIMEOUT`).
+/// The longest a caller may set with [`Client::set_call_timeout`].
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(8);
+/// The shortest per-call deadline a caller may set: a loaded node answers a write within
+/// a few hundred milliseconds (one fsync, one replication round trip).
+pub const MIN_CALL_TIMEOUT: Duration = Duration::from_millis(300);
 /// Attempts per call across all endpoints before giving up.
 pub const MAX_ATTEMPTS: usize = 6;
 
@@ -24,6 +28,7 @@ pub struct Client {
     endpoints: Arc<Mutex<Vec<String>>>,
     preferred: Arc<AtomicUsize>,
     channels: Arc<Mutex<Vec<Option<Channel>>>>,
+    call_timeout_ms: Arc<AtomicU64>,
 }
 
 fn retriable(s: &Status) -> bool {
@@ -47,7 +52,23 @@ impl Client {
             endpoints: Arc::new(Mutex::new(eps)),
             preferred: Arc::new(AtomicUsize::new(0)),
             channels: Arc::new(Mutex::new(vec![None; n])),
+            call_timeout_ms: Arc::new(AtomicU64::new(ms(CALL_TIMEOUT))),
         })
+    }
+
+    /// Sets the per-attempt deadline (clamped to [`MIN_CALL_TIMEOUT`]..=[`CALL_TIMEOUT`]),
+    /// for this client and its clones. After it, the call moves on to the next node. An
+    /// agent sets it from its lease: an answer later than the lease's usable life renews
+    /// nothing, so waiting longer on a node that accepts connections but does not answer
+    /// (frozen, overloaded) only lets the lease run out.
+    pub fn set_call_timeout(&self, t: Duration) {
+        let t = t.clamp(MIN_CALL_TIMEOUT, CALL_TIMEOUT);
+        self.call_timeout_ms.store(ms(t), Ordering::Relaxed);
+    }
+
+    /// The per-attempt deadline in force.
+    pub fn call_timeout(&self) -> Duration {
+        Duration::from_millis(self.call_timeout_ms.load(Ordering::Relaxed))
     }
 
     async fn channel(&self, i: usize) -> Result<(String, Channel), Status> {
@@ -89,7 +110,8 @@ impl Client {
             let n = self.endpoints.lock().await.len();
             let i = self.preferred.load(Ordering::Relaxed) % n.max(1);
             let (addr, ch) = self.channel(i).await?;
-            match tokio::time::timeout(CALL_TIMEOUT, f(ch)).await {
+            let deadline = self.call_timeout();
+            match tokio::time::timeout(deadline, f(ch)).await {
                 Ok(Ok(v)) => return Ok(v),
                 Ok(Err(s)) if retriable(&s) => {
                     // A leader hint wins; otherwise move on to the next endpoint.
@@ -111,7 +133,7 @@ impl Client {
                 Ok(Err(s)) => return Err(s),
                 Err(_) => {
                     self.preferred.store((i + 1) % n.max(1), Ordering::Relaxed);
-                    last = Status::deadline_exceeded(format!("{addr} did not answer within {CALL_TIMEOUT:?}"));
+                    last = Status::deadline_exceeded(format!("{addr} did not answer within {deadline:?}"));
                 }
             }
             // Jittered backoff: 50-100 ms, doubling, so a failover has time to finish.
@@ -130,5 +152,45 @@ impl Client {
     /// A member client on the given channel (for use inside [`Client::call`]).
     pub fn member(ch: Channel) -> MemberClient<Channel> {
         MemberClient::new(ch).max_decoding_message_size(crate::server::MAX_API_MESSAGE_BYTES)
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvota_proto::v1;
+
+    #[test]
+    fn call_timeout_is_clamped() {
+        let c = Client::new(&["127.0.0.1:1".to_string()]).expect("client");
+        assert_eq!(c.call_timeout(), CALL_TIMEOUT);
+        c.set_call_timeout(Duration::from_millis(1));
+        assert_eq!(c.call_timeout(), MIN_CALL_TIMEOUT);
+        c.clone().set_call_timeout(Duration::from_secs(60));
+        assert_eq!(c.call_timeout(), CALL_TIMEOUT, "clones share it");
+        c.set_call_timeout(Duration::from_millis(1350));
+        assert_eq!(c.call_timeout(), Duration::from_millis(1350));
+    }
+
+    /// A node that accepts connections and never answers (a frozen process) costs each
+    /// attempt the deadline set, not the 8 s default.
+    #[tokio::test]
+    async fn a_silent_node_costs_the_deadline_set() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = silent.local_addr().expect("addr").to_string();
+        let c = Client::new(&[addr]).expect("client");
+        c.set_call_timeout(MIN_CALL_TIMEOUT);
+        let t0 = std::time::Instant::now();
+        let r = c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }).await;
+        let e = r.expect_err("nobody answers");
+        // 6 attempts of 300 ms plus at most 4.7 s of jittered backoff between them: less
+        // than one attempt at the default deadline.
+        assert!(t0.elapsed() < CALL_TIMEOUT, "{:?}", t0.elapsed());
+        assert!(e.message().contains("did not answer within 300ms"), "{e:?}");
+        drop(silent);
     }
 }

@@ -178,6 +178,7 @@ pub fn tenants(cp: &Cp, json: bool) -> Result<()> {
             "max_share_bp": t.max_share_bp, "preemptible": t.preemptible, "demand_milli_gpue": t.demand_milli_gpue,
             "inuse_milli_gpue": t.inuse_milli_gpue, "target_milli_gpue": t.target_milli_gpue,
             "entitlement_milli_gpue": t.entitlement_milli_gpue, "drift_ppm": t.drift_ppm, "fairness_score": t.fairness_score,
+            "decayed_usage_milli_gpue_ms": t.decayed_usage,
         })).collect();
         out!("{}", serde_json::json!({"capacity_milli_gpue": r.capacity_milli_gpue, "tenants": list}));
         return Ok(());

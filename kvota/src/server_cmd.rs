@@ -39,7 +39,11 @@ pub struct ServerArgs {
     /// `2=10.0.0.2:7401,10.0.0.2:7501`. Repeat for each member.
     #[arg(long = "member", value_name = "ID=GRPC[,HTTP]")]
     members: Vec<String>,
-    /// Leader heartbeat interval, milliseconds.
+    /// Leader heartbeat interval, milliseconds. openraft also makes it the deadline of
+    /// every replication RPC: keep it above the round trip between control-plane nodes,
+    /// or the leader cannot commit and writes stall until another node takes over. The
+    /// default suits one LAN; across zones or regions raise it, and the election
+    /// timeouts to several heartbeats.
     #[arg(long, env = "KVOTA_HEARTBEAT_MS", default_value_t = 50)]
     heartbeat_ms: u64,
     /// Lower bound of the election timeout, milliseconds (a follower that hears no

@@ -186,6 +186,23 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     })
     .await;
 
+    // What the agent reported is what the ledger holds. Read the control plane first:
+    // the agent's counters only grow, so read after it they bound it from above (its
+    // sequence, and its undecayed usage meter above the decayed ledger).
+    wait_for("the ledger to match the agent's reports", Duration::from_secs(10), || async {
+        let east = cli_json(&rpc, &["clusters"]).and_then(|v| v.as_array()?.first()?["last_seq"].as_u64());
+        let ledger = cli_json(&rpc, &["tenants"]).and_then(|v| {
+            v["tenants"].as_array()?.iter().find(|t| t["tenant"] == "training")?["decayed_usage_milli_gpue_ms"].as_u64()
+        });
+        let Ok((_, m)) = https(hook, &ca, "GET", "/metrics", vec![]).await else { return false };
+        let m = String::from_utf8_lossy(&m).to_string();
+        let metric = |name: &str| m.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<u64>().ok());
+        let seq = metric("kvota_agent_journal_last_seq ");
+        let used = metric(r#"kvota_agent_reported_usage_milli_gpue_milliseconds_total{tenant="training"} "#);
+        matches!((east, seq), (Some(e), Some(s)) if e > 0 && e <= s) && matches!((ledger, used), (Some(l), Some(u)) if l > 0 && l <= u)
+    })
+    .await;
+
     // Kill the control plane: the agent keeps answering, and after the 3 s lease it
     // enforces its safe budget (fallback), visible in its metrics.
     procs.0[0].kill().expect("kill server");

@@ -120,6 +120,11 @@ impl Agent {
         self.journal.backlog()
     }
 
+    /// Sequence number of the last report written to the journal (0: none yet).
+    pub fn last_seq(&self) -> u64 {
+        self.journal.last_seq().unwrap_or(0)
+    }
+
     /// Usage written into reports so far, per tenant (milli-GPUe x ms).
     pub fn written_usage(&self) -> BTreeMap<String, u64> {
         self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
@@ -128,6 +133,11 @@ impl Agent {
     fn adopt(&self, lease: Option<v1::Lease>, sent_ms: u64) -> Result<(), Status> {
         let lease = lease.ok_or_else(|| Status::internal("answer carried no lease"))?;
         let lease = Lease::try_from(lease).map_err(|e| Status::internal(format!("bad lease from the control plane: {e}")))?;
+        // An answer that comes later than the lease's usable life (duration - margin from
+        // the send) renews nothing; give up on a silent node after two thirds of it and
+        // try the next one while a renewal can still arrive in time. (Half was too short
+        // for a 3 s lease over links with 200 ms of delay: slow answers timed out.)
+        self.client.set_call_timeout(std::time::Duration::from_millis(lease.duration_ms.saturating_sub(lease.margin_ms) * 2 / 3));
         let mut s = self.state();
         s.lease.on_lease(lease.clone(), sent_ms);
         if s.lease.held_epoch() == lease.epoch {

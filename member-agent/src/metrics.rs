@@ -1,6 +1,7 @@
 //! Prometheus metrics of an agent (prefix `kvota_agent`): admissions by tenant and
 //! outcome, admission latency, gate queue depth, lease state and time to expiry, journal
-//! backlog, budgets and in-use per tenant, certificate reloads, reclaim evictions.
+//! backlog and last written report, usage reported per tenant, budgets and in-use per
+//! tenant, certificate reloads, reclaim evictions.
 
 use std::sync::Arc;
 
@@ -50,6 +51,8 @@ pub struct AgentMetrics {
     lease_remaining_ms: Gauge,
     lease_epoch: Gauge,
     backlog: Gauge,
+    last_seq: Gauge,
+    reported_usage: Family<TenantLabel, Counter>,
     tls_reloads: Family<StateLabel, Counter>,
     evictions: Family<AdmissionLabel, Counter>,
 }
@@ -76,6 +79,8 @@ impl AgentMetrics {
             lease_remaining_ms: Gauge::default(),
             lease_epoch: Gauge::default(),
             backlog: Gauge::default(),
+            last_seq: Gauge::default(),
+            reported_usage: Family::default(),
             tls_reloads: Family::default(),
             evictions: Family::default(),
         };
@@ -88,6 +93,16 @@ impl AgentMetrics {
         r.register("lease_remaining_milliseconds", "Until the held lease stops being enforced (0: expired or none)", m.lease_remaining_ms.clone());
         r.register("lease_epoch", "Epoch of the held lease", m.lease_epoch.clone());
         r.register("journal_backlog", "Usage reports written but not acknowledged by the control plane", m.backlog.clone());
+        r.register(
+            "journal_last_seq",
+            "Sequence number of the last usage report written (the control plane's last_seq once the backlog is 0)",
+            m.last_seq.clone(),
+        );
+        r.register(
+            "reported_usage_milli_gpue_milliseconds",
+            "Usage written into reports since the agent started, per tenant (milli-GPUe x ms; the ledger's undecayed input)",
+            m.reported_usage.clone(),
+        );
         r.register("tls_reloads", "Certificate reloads, by outcome", m.tls_reloads.clone());
         r.register(
             "evictions",
@@ -144,6 +159,11 @@ impl AgentMetrics {
             }
         }
         self.backlog.set(i64::try_from(agent.backlog()).unwrap_or(i64::MAX));
+        self.last_seq.set(i64::try_from(agent.last_seq()).unwrap_or(i64::MAX));
+        for (tenant, used) in agent.written_usage() {
+            let c = self.reported_usage.get_or_create(&TenantLabel { tenant });
+            c.inc_by(used.saturating_sub(c.get()));
+        }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();
