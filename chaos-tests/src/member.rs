@@ -337,11 +337,9 @@ impl SimAgent {
                     let gpue = u64::from(pod.count) * 1_000;
                     adm.push(self.admitted(&pod.namespace, &pod.key(), gpue, h));
                 }
-                "denied" => {
-                    if self.retry.len() < MAX_RETRIES && self.rng.chance(70) {
-                        let at = h + self.rng.range(2_000, 6_000);
-                        self.retry.push((at, pod));
-                    }
+                "denied" if self.retry.len() < MAX_RETRIES && self.rng.chance(70) => {
+                    let at = h + self.rng.range(2_000, 6_000);
+                    self.retry.push((at, pod));
                 }
                 _ => {}
             }

@@ -55,6 +55,9 @@ pub struct Route {
     pub sent_agent_ms: u64,
 }
 
+/// An answer owed for one command of an entry: its route and the report's sequence.
+type Waiting = (Route, Option<u64>);
+
 /// Applies one entry to a state machine: `control-plane/src/store.rs` `apply`, verbatim.
 pub fn apply_entry(fed: &mut Federation, req: &Request) -> Vec<Result<Applied, CommandError>> {
     req.commands.iter().cloned().map(|c| fed.apply(req.now_ms, c)).collect()
@@ -90,7 +93,8 @@ pub struct Replica {
     known_leader: Option<usize>,
     match_idx: Vec<usize>,
     batch: Vec<(Command, Option<Route>)>,
-    waiting: BTreeMap<usize, Vec<Option<(Route, Option<u64>)>>>,
+    /// Per uncommitted entry index, per command: where to answer and the report's seq.
+    waiting: BTreeMap<usize, Vec<Option<Waiting>>>,
     last_tick_ms: u64,
 }
 

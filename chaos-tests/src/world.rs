@@ -141,6 +141,29 @@ pub enum Fault {
     AgentSlowDisk(usize, u64),
 }
 
+impl Fault {
+    /// A short name for counting.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Fault::CpIsolate(nodes) => {
+                if nodes.len() == 1 {
+                    "cp-isolate-one"
+                } else {
+                    "cp-isolate-group"
+                }
+            }
+            Fault::LeaderIsolate => "leader-isolate",
+            Fault::AgentCut { to_cp: true, from_cp: true, .. } => "agent-cut",
+            Fault::AgentCut { .. } => "agent-cut-one-way",
+            Fault::CpCrash(_) => "cp-crash",
+            Fault::AgentCrash(_) => "agent-crash",
+            Fault::NetChaos { .. } => "net-loss-delay",
+            Fault::CpSlowDisk(..) => "cp-slow-disk",
+            Fault::AgentSlowDisk(..) => "agent-slow-disk",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Scheduled {
     start_ms: u64,
@@ -220,6 +243,8 @@ pub struct Summary {
     pub unmetered_gpue_ms: u64,
     /// Network counters.
     pub net: NetStats,
+    /// Faults that took effect, by kind (plus `policy-change` and `demand-shift`).
+    pub fault_kinds: BTreeMap<&'static str, u64>,
 }
 
 /// The simulated world.
@@ -250,6 +275,7 @@ pub struct World {
     inuse_cache: Vec<BTreeMap<String, u64>>,
     bugs: Bugs,
     admissions: u64,
+    fault_kinds: BTreeMap<&'static str, u64>,
 }
 
 fn policy(yaml: &str) -> Result<Policy, Violation> {
@@ -336,6 +362,7 @@ impl World {
             shifted: false,
             bugs,
             admissions: 0,
+            fault_kinds: BTreeMap::new(),
         };
         // The operator applies the policy first (`kvota policy apply`).
         w.pending_admin.push(Command::ApplyPolicy(w.policies.0.clone()));
@@ -402,6 +429,7 @@ impl World {
             let Some(s) = self.schedule.get(k).cloned() else { continue };
             if !s.active && s.start_ms <= now && now < s.end_ms {
                 let mut resolved = Vec::new();
+                *self.fault_kinds.entry(s.fault.kind()).or_insert(0) += 1;
                 match &s.fault {
                     Fault::CpCrash(i) => self.cp.crash(*i),
                     Fault::AgentCrash(i) => {
@@ -557,10 +585,12 @@ impl World {
         self.apply_faults();
         if !self.shifted && self.now_ms >= self.demand_shift_ms {
             self.shifted = true;
+            *self.fault_kinds.entry("demand-shift").or_insert(0) += 1;
             self.shift_demand();
         }
         if self.policy_change_ms.is_some_and(|t| self.now_ms >= t) {
             self.policy_change_ms = None;
+            *self.fault_kinds.entry("policy-change").or_insert(0) += 1;
             self.pending_admin.push(Command::ApplyPolicy(self.policies.1.clone()));
         }
         self.deliver();
@@ -649,6 +679,7 @@ impl World {
             agent_crashes: self.agents.iter().map(|a| a.crashes).sum(),
             unmetered_gpue_ms: self.agents.iter().flat_map(|a| a.unmetered.values()).sum(),
             net: self.net.stats,
+            fault_kinds: self.fault_kinds.clone(),
         }
     }
 }

@@ -6,21 +6,24 @@
 //! `KVOTA_CHAOS_SEED=N cargo test -p kvota-chaos-tests --test sim replay -- --nocapture`
 //! (add `KVOTA_CHAOS_BUG=make-before-break` etc. to replay with a fault switch).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use kvota_chaos_tests::{run, Bugs, Failure};
+use kvota_chaos_tests::{run, Bugs, Failure, Summary};
 
 /// The fixed seed set every `cargo test` runs.
 const SEEDS: std::ops::Range<u64> = 0..200;
 /// Worker threads for the seed set (CI machines have 2 cores).
 const THREADS: u64 = 2;
 
-/// Runs `seeds` on [`THREADS`] threads; returns the failures, seed order.
-fn run_all(seeds: std::ops::Range<u64>, bugs: Bugs, stop_at_first: bool) -> Vec<Failure> {
+/// Runs `seeds` on [`THREADS`] threads; returns the failures (seed order) and the
+/// summaries of the runs that passed.
+fn run_all(seeds: std::ops::Range<u64>, bugs: Bugs, stop_at_first: bool) -> (Vec<Failure>, Vec<Summary>) {
     let next = AtomicU64::new(seeds.start);
     let failures = Mutex::new(Vec::new());
+    let passed = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for _ in 0..THREADS {
             s.spawn(|| loop {
@@ -28,11 +31,13 @@ fn run_all(seeds: std::ops::Range<u64>, bugs: Bugs, stop_at_first: bool) -> Vec<
                 if seed >= seeds.end {
                     break;
                 }
-                if let Err(f) = run(seed, bugs) {
-                    let mut all = failures.lock().expect("lock");
-                    all.push(f);
-                    if stop_at_first {
-                        next.store(seeds.end, Ordering::SeqCst);
+                match run(seed, bugs) {
+                    Ok(sum) => passed.lock().expect("lock").push(sum),
+                    Err(f) => {
+                        failures.lock().expect("lock").push(f);
+                        if stop_at_first {
+                            next.store(seeds.end, Ordering::SeqCst);
+                        }
                     }
                 }
             });
@@ -40,23 +45,56 @@ fn run_all(seeds: std::ops::Range<u64>, bugs: Bugs, stop_at_first: bool) -> Vec<
     });
     let mut f = failures.into_inner().expect("lock");
     f.sort_by_key(|f| f.seed);
-    f
+    (f, passed.into_inner().expect("lock"))
 }
 
 #[test]
 fn fixed_seed_set_holds_every_invariant() {
     let start = Instant::now();
-    let failures = run_all(SEEDS, Bugs::default(), false);
+    let (failures, passed) = run_all(SEEDS, Bugs::default(), false);
     for f in &failures {
         eprintln!("{f}");
     }
+    let mut kinds: BTreeMap<&str, u64> = BTreeMap::new();
+    for s in &passed {
+        for (k, n) in &s.fault_kinds {
+            *kinds.entry(k).or_insert(0) += n;
+        }
+    }
+    let total = |f: fn(&Summary) -> u64| passed.iter().map(f).sum::<u64>();
     eprintln!(
-        "chaos: {} seeds, {} failed, {:.1} s",
+        "chaos: {} seeds, {} failed, {:.1} s; elections {}, agent crashes {}, admissions {}, reports {}, messages lost {} cut {}; faults {kinds:?}",
         SEEDS.end - SEEDS.start,
         failures.len(),
-        start.elapsed().as_secs_f64()
+        start.elapsed().as_secs_f64(),
+        total(|s| s.elections),
+        total(|s| s.agent_crashes),
+        total(|s| s.admissions),
+        total(|s| s.reports as u64),
+        total(|s| s.net.lost),
+        total(|s| s.net.cut),
     );
     assert!(failures.is_empty(), "{} of {} seeds failed; first: {}", failures.len(), SEEDS.end - SEEDS.start, failures[0]);
+    // The set really exercises every nemesis and the paths they open.
+    for k in [
+        "cp-isolate-one",
+        "cp-isolate-group",
+        "leader-isolate",
+        "agent-cut",
+        "agent-cut-one-way",
+        "cp-crash",
+        "agent-crash",
+        "net-loss-delay",
+        "cp-slow-disk",
+        "agent-slow-disk",
+        "policy-change",
+        "demand-shift",
+    ] {
+        assert!(kinds.get(k).copied().unwrap_or(0) >= 10, "fault {k} ran only {:?} times", kinds.get(k));
+    }
+    assert!(total(|s| s.elections) >= 100, "leader changes");
+    assert!(total(|s| s.unmetered_gpue_ms) > 0, "agent downtime with running pods");
+    assert!(total(|s| s.net.lost) > 0 && total(|s| s.net.cut) > 0, "lost and cut messages");
 }
 
 /// Replays `KVOTA_CHAOS_SEED` (with `KVOTA_CHAOS_BUG`); without it, checks that a run
@@ -85,7 +123,7 @@ fn replay() {
 
 /// The first failure in the fixed set with `bugs` switched on; it must break `invariant`.
 fn caught(bugs: Bugs, invariant: &str) -> Failure {
-    let failures = run_all(SEEDS, bugs, true);
+    let (failures, _) = run_all(SEEDS, bugs, true);
     let Some(first) = failures.into_iter().next() else {
         panic!("no seed of the fixed set caught the fault switch {bugs:?}");
     };
