@@ -746,8 +746,23 @@ impl std::fmt::Display for Failure {
 
 /// Runs one seed: faults for [`FAULT_PHASE_MS`], heal, drain for a lease duration plus
 /// margin plus 5 s, settle, final checks.
+///
+/// A panic anywhere in the run (production code included) is a failure of this seed
+/// like any other, reported with its replay command.
 pub fn run(seed: u64, bugs: Bugs) -> Result<Summary, Failure> {
-    run_inner(seed, bugs).map_err(|violation| Failure { seed, bugs, violation })
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_inner(seed, bugs)));
+    let result = match result {
+        Ok(r) => r,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic".to_string());
+            Err(Violation { invariant: "no-panic", at_ms: 0, detail: what })
+        }
+    };
+    result.map_err(|violation| Failure { seed, bugs, violation })
 }
 
 fn run_inner(seed: u64, bugs: Bugs) -> Result<Summary, Violation> {
