@@ -506,3 +506,81 @@ impl Cp {
         Ok(newly)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvota_fairness::policy::Policy;
+
+    fn policy() -> Policy {
+        Policy::from_yaml(crate::world::POLICY_A).expect("policy")
+    }
+
+    fn run_until(cp: &mut Cp, net: &mut Net<Msg>, now: &mut u64, until: u64) -> Vec<LogEntry> {
+        let mut out = Vec::new();
+        while *now < until {
+            *now += 100;
+            out.extend(cp.step(*now, net).expect("raft model"));
+        }
+        out
+    }
+
+    fn isolate(net: &mut Net<Msg>, node: usize, n: usize) {
+        for o in (0..n).filter(|&o| o != node) {
+            net.cut(Addr::Cp(node), Addr::Cp(o));
+            net.cut(Addr::Cp(o), Addr::Cp(node));
+        }
+    }
+
+    #[test]
+    fn an_isolated_leader_commits_nothing_and_the_majority_moves_on() {
+        let mut cp = Cp::new(3, &[0, 0, 0], Rng::new(1));
+        let mut net: Net<Msg> = Net::new();
+        let mut now = 0;
+        assert!(cp.propose_admin(Command::ApplyPolicy(policy())));
+        run_until(&mut cp, &mut net, &mut now, 1_000);
+        let before = cp.committed.len();
+        assert!(before >= 1, "the policy entry commits with all nodes up");
+        isolate(&mut net, 0, 3);
+        // The old leader keeps proposing (ticks) but cannot reach a majority.
+        run_until(&mut cp, &mut net, &mut now, 6_000);
+        let old = cp.replicas.first().expect("node 0");
+        assert!(old.leader, "an isolated leader does not know it was deposed");
+        assert!(old.log.len() > old.commit, "its new entries stay uncommitted");
+        let new = cp.leader().expect("a new leader");
+        assert_ne!(new, 0);
+        assert!(cp.committed.len() > before, "the majority commits under the new leader");
+        // Heal: the old leader steps down, its uncommitted suffix is replaced, and every
+        // node ends with the same state machine.
+        net.heal_all();
+        run_until(&mut cp, &mut net, &mut now, 9_000);
+        assert!(!cp.replicas.first().expect("node 0").leader);
+        let mut fed = Federation::new();
+        for e in &cp.committed {
+            apply_entry(&mut fed, &e.req);
+        }
+        for r in &cp.replicas {
+            assert_eq!(r.applied, cp.committed.len());
+            assert_eq!(r.state, fed);
+        }
+    }
+
+    #[test]
+    fn a_slow_majority_disk_delays_commit_and_a_crash_loses_only_what_was_not_durable() {
+        let mut cp = Cp::new(3, &[0, 0, 0], Rng::new(2));
+        let mut net: Net<Msg> = Net::new();
+        let mut now = 0;
+        for r in &mut cp.replicas {
+            r.disk_delay_ms = 1_000;
+        }
+        assert!(cp.propose_admin(Command::ApplyPolicy(policy())));
+        run_until(&mut cp, &mut net, &mut now, 500);
+        assert!(cp.committed.is_empty(), "nothing is durable on a majority yet");
+        cp.crash(1);
+        assert_eq!(cp.replicas.get(1).map(|r| r.log.len()), Some(0), "the unsynced entry is gone");
+        cp.restart(1, now);
+        run_until(&mut cp, &mut net, &mut now, 3_000);
+        assert!(!cp.committed.is_empty(), "commits once the disks caught up");
+        assert!(cp.replicas.iter().all(|r| r.state.policy().is_some()));
+    }
+}
