@@ -1,4 +1,21 @@
-//! Chaos tests for kvota: deterministic multi-node simulation and real-process faults.
+//! # kvota chaos tests
 //!
-//! Not written yet: issue #6. Until then the partition-safety property is checked by the
-//! fairness core's own model test (`fairness/tests/partition_safety.rs`).
+//! Deterministic simulation of a whole federation in one process, from one seed: 3 or 5
+//! control-plane replicas of the real state machine behind a modelled Raft log
+//! ([`raft`]), 3 to 6 member clusters each with the real agent state, admission and
+//! simulated cluster ([`member`]), a seeded network ([`net`]), a nemesis that partitions,
+//! crashes, delays, slows disks, drifts clocks and changes policy and demand
+//! ([`world`]), and invariants checked after every step ([`invariants`]).
+//!
+//! A failing run prints its seed and the one command that replays it
+//! ([`world::Failure`]). See `docs/testing.md` for what is real and what is modelled.
+
+pub mod invariants;
+pub mod member;
+pub mod msg;
+pub mod net;
+pub mod raft;
+pub mod rng;
+pub mod world;
+
+pub use world::{replay_command, run, Bugs, Failure, Summary};

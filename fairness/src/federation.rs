@@ -779,7 +779,13 @@ impl Federation {
                     rest = rest.saturating_add(tu.hold(rec.leases.enforceable(tenant, now)));
                 }
             }
-            let bound = committed.max(inuse_sum).saturating_sub(rest);
+            // A new budget never lets the tenant's clusters together reach past
+            // min(committed, target). Not `max(committed, inuse_sum)`: the reported
+            // in-use is stale (pods finished since), and a tenant already above its
+            // entitlement (a policy lowered its maxShare, or demand moved) would refill
+            // up to what it last reported, above its entitlement and cap.
+            let target = self.targets.get(tenant).copied().unwrap_or(0);
+            let bound = committed.min(target).saturating_sub(rest);
             let budget = (*want).min(bound);
             let fallback = self.safe_budget(tenant, cluster).min(budget);
             let b = TenantBudget {

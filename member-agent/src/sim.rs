@@ -106,6 +106,32 @@ pub struct Bound {
     pub gpue: MilliGpue,
 }
 
+/// Where a pod stands in the simulated cluster (what an inventory would list).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodPhase {
+    /// Bound to a node and running.
+    Running,
+    /// Admitted (or released from the gate) but not yet bound.
+    Unbound,
+    /// Waiting behind the scheduling gate.
+    Gated,
+}
+
+/// One pod as an inventory lists it: what a restarted agent rebuilds its state from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListedPod {
+    /// `namespace/name`.
+    pub key: String,
+    /// Tenant the webhook mapped it to.
+    pub tenant: Option<String>,
+    /// GPUe it requests.
+    pub gpue: MilliGpue,
+    /// Pod priority.
+    pub priority: i32,
+    /// Where it stands.
+    pub phase: PodPhase,
+}
+
 /// The simulated cluster.
 #[derive(Debug, Default)]
 pub struct SimCluster {
@@ -263,6 +289,31 @@ impl SimCluster {
             );
         }
         out
+    }
+
+    /// Every pod the cluster knows, as an inventory would list them after an agent
+    /// restart (running, admitted-unbound, gated), in key order within each phase.
+    pub fn list_pods(&self) -> Vec<ListedPod> {
+        let running = self.running.iter().map(|(k, r)| ListedPod {
+            key: k.clone(),
+            tenant: r.tenant.clone(),
+            gpue: r.gpue,
+            priority: r.pod.priority,
+            phase: PodPhase::Running,
+        });
+        let waiting = |phase: PodPhase| {
+            move |(k, w): (&String, &Waiting)| ListedPod {
+                key: k.clone(),
+                tenant: w.tenant.clone(),
+                gpue: w.gpue,
+                priority: w.pod.priority,
+                phase,
+            }
+        };
+        running
+            .chain(self.unbound.iter().map(waiting(PodPhase::Unbound)))
+            .chain(self.gated.iter().map(waiting(PodPhase::Gated)))
+            .collect()
     }
 
     /// Whether some node has `count` free devices of `resource` right now.

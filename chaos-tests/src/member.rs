@@ -1,0 +1,546 @@
+//! A member cluster and its agent.
+//!
+//! **Real**: [`AgentState`] (admission state, lease via [`kvota_fairness::lease::AgentLease`],
+//! usage meter `take_usage`), [`SimCluster`] (nodes, first-fit binding, pods submitted as
+//! AdmissionReviews through the webhook's `review`, i.e. the real `decide`; the gate
+//! queue; reclaim through the Eviction API).
+//!
+//! **Modelled**: the journal (in memory with the semantics of `member-agent/src/journal.rs`:
+//! a report is written with its sequence number before it is sent, only durable
+//! entries are sent, kept until acknowledged, resent unchanged and in order; the last
+//! adopted lease is saved; a crash loses what was not yet durable), and the report loop
+//! of `member-agent/src/agent.rs` (`report_once`: one request in flight, each answer
+//! adopted at the *send* time, then the next unacknowledged report; a sequence gap
+//! with `expected > seq` acknowledges through `expected - 1`). The agent's clock runs at
+//! `1 + rate_ppm/10^6` of real time and, unlike the real agent's `Instant`, continues
+//! across restarts (nothing but reservation and denial TTLs depends on it). A restart
+//! rebuilds the state from the cluster's inventory ([`SimCluster::list_pods`]), the
+//! saved lease ([`AgentLease::restored`]) and the last policy it knew.
+//!
+//! Ground truth for the checker is kept beside it: GPUe-ms the cluster's running pods
+//! produced, and which part of it the agent could not meter (it was down, or a crash
+//! lost its meter or a not-yet-durable report).
+
+use std::collections::{BTreeMap, VecDeque};
+
+use kvota_fairness::federation::{Command, UsageReport};
+use kvota_fairness::lease::{AgentLease, Lease};
+use kvota_fairness::policy::{Policy, TENANT_LABEL};
+use kvota_fairness::{MilliGpue, Millis};
+use kvota_member_agent::review::{AdmissionState, Effect};
+use kvota_member_agent::sim::{PodPhase, SimCluster, SimPod};
+use kvota_member_agent::state::{AgentState, PodRec};
+
+use crate::msg::{AgentAnswer, AgentRequest, AnswerOutcome, Msg};
+use crate::net::{Addr, Net};
+use crate::rng::Rng;
+
+/// Reports are written this often (agent clock).
+pub const REPORT_MS: Millis = 1_000;
+/// A request without an answer after this long is given up (the client's deadline).
+pub const REQUEST_TIMEOUT_MS: Millis = 4_000;
+/// Pods denied and waiting for their owner's retry, at most, per agent.
+const MAX_RETRIES: usize = 40;
+
+/// One tenant's arrivals at one cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Load {
+    /// Chance of an arrival per 100 ms step, per mille.
+    pub per_mille: u64,
+    /// GPUs per pod, at most.
+    pub max_gpus: u64,
+    /// Run time range (ms).
+    pub run_ms: (u64, u64),
+    /// Pod priority.
+    pub priority: i32,
+}
+
+/// Fault switches on the agent side (tests that show the checker catches bugs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AgentBugs {
+    /// The agent keeps re-anchoring its lease at its own clock: it never expires.
+    pub ignore_expiry: bool,
+    /// Reports leave the journal when sent, not when acknowledged, and a sequence gap
+    /// is "repaired" by renumbering from the control plane's expectation.
+    pub ack_on_send: bool,
+}
+
+/// An admission that happened in a step (for the admission invariant).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Admitted {
+    /// Tenant.
+    pub tenant: String,
+    /// Pod key.
+    pub pod: String,
+    /// GPUe.
+    pub gpue: MilliGpue,
+    /// The agent's in-use of the tenant right after.
+    pub inuse_after: MilliGpue,
+    /// Budget the agent enforced at that instant.
+    pub budget: MilliGpue,
+    /// The agent's lease epoch then.
+    pub epoch: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Journaled {
+    report: UsageReport,
+    durable_at_ms: Millis,
+}
+
+/// A member cluster, its agent, and the ground truth about both.
+#[derive(Debug)]
+pub struct SimAgent {
+    /// Index on the network.
+    pub index: usize,
+    /// Cluster id.
+    pub id: String,
+    /// Agent process running.
+    pub up: bool,
+    /// The agent's state (replaced on restart).
+    pub state: AgentState,
+    /// The cluster.
+    pub sim: SimCluster,
+    capacity_gpue: MilliGpue,
+    /// Clock rate error, parts per million.
+    pub rate_ppm: i64,
+    offset_ms: u64,
+    journal: VecDeque<Journaled>,
+    next_seq: u64,
+    /// Highest sequence acknowledged.
+    pub acked_through: u64,
+    /// Lease saved on disk.
+    pub saved_lease: Option<Lease>,
+    policy: Option<Policy>,
+    registered: bool,
+    guess: usize,
+    cp_nodes: usize,
+    inflight: Option<(Option<u64>, Millis)>,
+    next_report_ms: Millis,
+    /// Journal fsync latency.
+    pub disk_delay_ms: Millis,
+    /// Ground truth: GPUe-ms produced by running pods, per tenant.
+    pub produced: BTreeMap<String, u64>,
+    /// Produced but never metered into a durable report (agent down, crash).
+    pub unmetered: BTreeMap<String, u64>,
+    /// Metered into durable reports.
+    pub metered: BTreeMap<String, u64>,
+    last_host_ms: Millis,
+    /// Arrivals per tenant.
+    pub load: BTreeMap<String, Load>,
+    retry: Vec<(Millis, SimPod)>,
+    pods: u64,
+    rng: Rng,
+    /// Fault switches.
+    pub bugs: AgentBugs,
+    /// Crashes so far.
+    pub crashes: u64,
+    next_reclaim_ms: Millis,
+}
+
+impl SimAgent {
+    /// A cluster with `node_gpus` whole-GPU nodes, clock `rate_ppm`, talking to
+    /// `cp_nodes` control-plane nodes.
+    pub fn new(index: usize, node_gpus: &[u32], rate_ppm: i64, offset_ms: u64, cp_nodes: usize, rng: Rng) -> SimAgent {
+        let id = format!("c{index}");
+        let sim = SimCluster::new(node_gpus);
+        let capacity_gpue: MilliGpue = node_gpus.iter().map(|&g| u64::from(g) * 1_000).sum();
+        SimAgent {
+            index,
+            state: AgentState::new(&id, capacity_gpue, AgentLease::new(id.clone())),
+            id,
+            up: true,
+            sim,
+            capacity_gpue,
+            rate_ppm,
+            offset_ms,
+            journal: VecDeque::new(),
+            next_seq: 1,
+            acked_through: 0,
+            saved_lease: None,
+            policy: None,
+            registered: false,
+            guess: index % cp_nodes.max(1),
+            cp_nodes: cp_nodes.max(1),
+            inflight: None,
+            next_report_ms: 0,
+            disk_delay_ms: 0,
+            produced: BTreeMap::new(),
+            unmetered: BTreeMap::new(),
+            metered: BTreeMap::new(),
+            last_host_ms: offset_ms,
+            load: BTreeMap::new(),
+            retry: Vec::new(),
+            pods: 0,
+            rng,
+            bugs: AgentBugs::default(),
+            crashes: 0,
+            next_reclaim_ms: 0,
+        }
+    }
+
+    /// Capacity in GPUe.
+    pub fn capacity_gpue(&self) -> MilliGpue {
+        self.capacity_gpue
+    }
+
+    /// The agent host's clock at real time `real_ms`.
+    pub fn clock(&self, real_ms: u64) -> Millis {
+        let drift = i128::from(real_ms) * i128::from(self.rate_ppm) / 1_000_000;
+        u64::try_from(i128::from(self.offset_ms) + i128::from(real_ms) + drift).unwrap_or(0)
+    }
+
+    /// Reports written and not yet acknowledged.
+    pub fn backlog(&self) -> usize {
+        self.journal.len()
+    }
+
+    /// Next sequence number the journal will assign.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Ground truth: GPUe the tenant holds here (running plus admitted-unbound pods).
+    pub fn true_inuse(&self, tenant: &str) -> MilliGpue {
+        self.sim
+            .list_pods()
+            .iter()
+            .filter(|p| p.tenant.as_deref() == Some(tenant) && p.phase != PodPhase::Gated)
+            .map(|p| p.gpue)
+            .sum()
+    }
+
+    /// Ground truth: the budget the agent enforces now (0 while down: nothing is
+    /// admitted without a webhook).
+    pub fn true_budget(&self, tenant: &str, real_ms: u64) -> MilliGpue {
+        if self.up {
+            self.state.lease.budget(tenant, self.clock(real_ms))
+        } else {
+            0
+        }
+    }
+
+    fn install_policy(&mut self, p: Policy) {
+        if self.policy.as_ref() == Some(&p) {
+            return;
+        }
+        for t in &p.tenants {
+            self.state.set_namespace(&t.name, [(TENANT_LABEL.to_string(), t.name.clone())].into());
+        }
+        self.state.set_policy(p.clone());
+        self.policy = Some(p);
+    }
+
+    /// One step at real time `real_ms`: meter, finish/release/bind, arrivals, reclaim,
+    /// reports. Returns the admissions it made.
+    pub fn step(&mut self, real_ms: u64, net: &mut Net<Msg>, arrivals: bool) -> Vec<Admitted> {
+        let h = self.clock(real_ms);
+        self.advance_truth(h);
+        let mut admitted = Vec::new();
+        if !self.up {
+            // Kubernetes goes on without the agent: pods finish, admitted pods bind.
+            let mut scratch = AgentState::new(&self.id, self.capacity_gpue, AgentLease::new(self.id.clone()));
+            self.sim.finish(&mut scratch, h);
+            self.sim.bind(&mut scratch, h);
+            if arrivals {
+                self.arrivals(h, None);
+            }
+            return admitted;
+        }
+        self.state.set_now(h);
+        if self.bugs.ignore_expiry {
+            if let Some(l) = self.state.lease.lease().cloned() {
+                self.state.lease.on_lease(l, h);
+            }
+        }
+        self.sim.finish(&mut self.state, h);
+        for key in self.sim.release(&mut self.state) {
+            let tenant = key.split('/').next().unwrap_or_default().to_string();
+            let gpue = self.state.reservations().iter().find(|r| r.0 == key).map_or(0, |r| r.2);
+            admitted.push(self.admitted(&tenant, &key, gpue, h));
+        }
+        self.sim.bind(&mut self.state, h);
+        for pod in self.sim.take_evicted() {
+            self.retry.push((h, pod));
+        }
+        if arrivals {
+            self.arrivals(h, Some(&mut admitted));
+        }
+        if h >= self.next_reclaim_ms {
+            self.next_reclaim_ms = h + 2_000;
+            self.sim.reclaim(&mut self.state, h);
+        }
+        if h >= self.next_report_ms {
+            self.next_report_ms = h + REPORT_MS;
+            self.report_round(h, net, real_ms);
+        }
+        admitted
+    }
+
+    /// Integrates the ground truth up to `h`: what the running pods produced, and
+    /// whether the agent was there to meter it.
+    fn advance_truth(&mut self, h: Millis) {
+        let dt = h.saturating_sub(self.last_host_ms);
+        self.last_host_ms = self.last_host_ms.max(h);
+        if dt == 0 {
+            return;
+        }
+        for (t, g) in self.sim.running_by_tenant() {
+            *self.produced.entry(t.clone()).or_default() += g * dt;
+            if !self.up {
+                *self.unmetered.entry(t).or_default() += g * dt;
+            }
+        }
+    }
+
+    fn admitted(&self, tenant: &str, pod: &str, gpue: MilliGpue, h: Millis) -> Admitted {
+        Admitted {
+            tenant: tenant.to_string(),
+            pod: pod.to_string(),
+            gpue,
+            inuse_after: self.state.inuse(tenant),
+            budget: self.state.lease.budget(tenant, h),
+            epoch: self.state.lease.held_epoch(),
+        }
+    }
+
+    fn arrivals(&mut self, h: Millis, mut admitted: Option<&mut Vec<Admitted>>) {
+        let mut todo: Vec<SimPod> = Vec::new();
+        let due: Vec<SimPod> = {
+            let (now, later): (Vec<_>, Vec<_>) = self.retry.drain(..).partition(|(at, _)| *at <= h);
+            self.retry = later;
+            now.into_iter().map(|(_, p)| p).collect()
+        };
+        todo.extend(due);
+        let loads: Vec<(String, Load)> = self.load.iter().map(|(t, l)| (t.clone(), *l)).collect();
+        for (t, l) in loads {
+            if self.rng.chance_per_mille(l.per_mille) {
+                self.pods += 1;
+                let gpus = u32::try_from(self.rng.range(1, l.max_gpus)).unwrap_or(1);
+                let run = self.rng.range(l.run_ms.0, l.run_ms.1);
+                todo.push(SimPod::gpus(&t, &format!("p{}-{}", self.index, self.pods), gpus, run, l.priority));
+            }
+        }
+        for mut pod in todo {
+            let Some(adm) = admitted.as_deref_mut() else {
+                // The webhook is down (failurePolicy: Fail): the owner retries later.
+                if self.retry.len() < MAX_RETRIES {
+                    self.retry.push((h + 3_000, pod));
+                }
+                continue;
+            };
+            // Owners recreate pods under new names, as controllers do.
+            self.pods += 1;
+            pod.name = format!("p{}-{}", self.index, self.pods);
+            match self.sim.submit(&mut self.state, &pod) {
+                "allowed" => {
+                    let gpue = u64::from(pod.count) * 1_000;
+                    adm.push(self.admitted(&pod.namespace, &pod.key(), gpue, h));
+                }
+                "denied" if self.retry.len() < MAX_RETRIES && self.rng.chance(70) => {
+                    let at = h + self.rng.range(2_000, 6_000);
+                    self.retry.push((at, pod));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn report_round(&mut self, h: Millis, net: &mut Net<Msg>, real_ms: u64) {
+        if self.registered {
+            let tenants = self.state.take_usage();
+            for (t, r) in &tenants {
+                *self.metered.entry(t.clone()).or_default() += r.used_milli_gpue_ms;
+            }
+            let report = UsageReport {
+                cluster: self.id.clone(),
+                seq: self.next_seq,
+                held_epoch: self.state.lease.held_epoch(),
+                capacity: None,
+                tenants,
+            };
+            self.next_seq += 1;
+            self.journal.push_back(Journaled { report, durable_at_ms: h + self.disk_delay_ms });
+        }
+        match self.inflight {
+            Some((_, sent)) if h < sent + REQUEST_TIMEOUT_MS => {}
+            Some(_) => {
+                // The call timed out: try the next node (the client follows leader hints;
+                // without one it walks the endpoint list).
+                self.inflight = None;
+                self.guess = (self.guess + 1) % self.cp_nodes;
+                self.send_next(h, net, real_ms);
+            }
+            None => self.send_next(h, net, real_ms),
+        }
+    }
+
+    fn send_next(&mut self, h: Millis, net: &mut Net<Msg>, real_ms: u64) {
+        let command = if !self.registered {
+            Command::RegisterCluster { cluster: self.id.clone(), capacity: self.sim.capacity_milli(), labels: BTreeMap::new() }
+        } else {
+            let Some(j) = self.journal.front() else { return };
+            if j.durable_at_ms > h {
+                return;
+            }
+            Command::Report(j.report.clone())
+        };
+        let seq = match &command {
+            Command::Report(r) => Some(r.seq),
+            _ => None,
+        };
+        if self.bugs.ack_on_send && seq.is_some() {
+            self.journal.pop_front();
+        }
+        self.inflight = Some((seq, h));
+        let req = AgentRequest { agent: self.index, sent_agent_ms: h, command, forwarded: false };
+        net.send(&mut self.rng, real_ms, Addr::Agent(self.index), Addr::Cp(self.guess), Msg::Request(req));
+    }
+
+    fn ack_through(&mut self, seq: u64) {
+        while self.journal.front().is_some_and(|j| j.report.seq <= seq) {
+            self.journal.pop_front();
+        }
+        self.acked_through = self.acked_through.max(seq);
+    }
+
+    /// An answer arrives (ignored while down, or if it does not answer the request in
+    /// flight: the real client gave up on that call).
+    pub fn on_answer(&mut self, ans: AgentAnswer, real_ms: u64, net: &mut Net<Msg>) {
+        if !self.up {
+            return;
+        }
+        let Some((seq_sent, sent)) = self.inflight else { return };
+        if sent != ans.sent_agent_ms {
+            return;
+        }
+        let h = self.clock(real_ms);
+        self.inflight = None;
+        self.guess = ans.from_node;
+        match ans.outcome {
+            AnswerOutcome::Lease { lease, seq, policy } => {
+                if let Some(p) = policy {
+                    self.install_policy(*p);
+                }
+                self.state.set_now(h);
+                let epoch = lease.epoch;
+                self.state.lease.on_lease(lease, ans.sent_agent_ms);
+                if self.state.lease.held_epoch() == epoch {
+                    self.saved_lease = self.state.lease.lease().cloned();
+                }
+                match seq {
+                    Some(s) if seq_sent == Some(s) => self.ack_through(s),
+                    None => self.registered = true,
+                    Some(_) => {}
+                }
+                self.send_next(h, net, real_ms);
+            }
+            AnswerOutcome::SequenceGap { seq, expected } => {
+                if expected > seq {
+                    self.ack_through(expected - 1);
+                    self.send_next(h, net, real_ms);
+                } else if self.bugs.ack_on_send {
+                    // The broken agent "resyncs" by renumbering what it still has.
+                    let mut s = expected;
+                    for j in &mut self.journal {
+                        j.report.seq = s;
+                        s += 1;
+                    }
+                    self.next_seq = s;
+                    self.send_next(h, net, real_ms);
+                }
+            }
+            AnswerOutcome::Refused(why) => {
+                if why.contains("is not registered") {
+                    self.registered = false;
+                }
+            }
+        }
+    }
+
+    /// The agent process dies: memory is gone, the journal keeps what was durable.
+    pub fn crash(&mut self, real_ms: u64) {
+        if !self.up {
+            return;
+        }
+        let h = self.clock(real_ms);
+        self.up = false;
+        self.crashes += 1;
+        self.inflight = None;
+        for (t, r) in self.state.take_usage() {
+            *self.unmetered.entry(t).or_default() += r.used_milli_gpue_ms;
+        }
+        let mut first_lost = None;
+        while self.journal.back().is_some_and(|j| j.durable_at_ms > h) {
+            if let Some(j) = self.journal.pop_back() {
+                first_lost = Some(j.report.seq);
+                for (t, r) in &j.report.tenants {
+                    *self.unmetered.entry(t.clone()).or_default() += r.used_milli_gpue_ms;
+                    if let Some(m) = self.metered.get_mut(t) {
+                        *m = m.saturating_sub(r.used_milli_gpue_ms);
+                    }
+                }
+            }
+        }
+        if let Some(s) = first_lost {
+            self.next_seq = s;
+        }
+    }
+
+    /// The agent process starts again from its disk and the cluster's inventory.
+    pub fn restart(&mut self, real_ms: u64) {
+        if self.up {
+            return;
+        }
+        let h = self.clock(real_ms);
+        // Up to the restart the agent was not there to meter anything.
+        self.advance_truth(h);
+        let lease = match &self.saved_lease {
+            Some(l) => AgentLease::restored(l.clone()),
+            None => AgentLease::new(self.id.clone()),
+        };
+        self.state = AgentState::new(&self.id, self.capacity_gpue, lease);
+        // The clock first: nothing is bound yet, so nothing is metered for the downtime.
+        self.state.set_now(h);
+        if let Some(p) = self.policy.take() {
+            self.install_policy(p);
+        }
+        for p in self.sim.list_pods() {
+            match (p.phase, &p.tenant) {
+                (PodPhase::Running, _) => self.state.pod_bound(&p.key, PodRec { tenant: p.tenant.clone(), gpue: p.gpue }),
+                (PodPhase::Unbound, Some(t)) => {
+                    self.state.record(Effect::Reserve { tenant: t.clone(), pod: p.key.clone(), gpue: p.gpue })
+                }
+                (PodPhase::Gated, Some(t)) => self.state.record(Effect::Enqueue {
+                    tenant: t.clone(),
+                    pod: p.key.clone(),
+                    gpue: p.gpue,
+                    priority: p.priority,
+                }),
+                _ => {}
+            }
+        }
+        self.up = true;
+        self.next_report_ms = h;
+    }
+
+    /// Writes a final report of what is metered (used when settling, so every GPUe-ms
+    /// metered is in a report).
+    pub fn flush_meter(&mut self, real_ms: u64, net: &mut Net<Msg>) {
+        if self.up {
+            let h = self.clock(real_ms);
+            self.state.set_now(h);
+            self.next_report_ms = h + REPORT_MS;
+            self.report_round(h, net, real_ms);
+        }
+    }
+
+    /// Sends a report now (settling rounds), without writing a new one if `write` is false.
+    pub fn report_now(&mut self, real_ms: u64, net: &mut Net<Msg>) {
+        if self.up {
+            let h = self.clock(real_ms);
+            self.inflight = None;
+            self.report_round(h, net, real_ms);
+        }
+    }
+}
