@@ -16,7 +16,7 @@
 //! Needs root and `ip` (iproute2); the delay scenario also `iptables`. Missing ones fail
 //! the test with what to install, unless `KVOTA_CHAOS_REAL=skip`. The scenarios run one
 //! at a time (they share two cores and their timing). Run just these:
-//! `cargo test -p kvota-chaos-tests --test real_faults`. More in `chaos-tests/REAL.md`.
+//! `cargo test -p kvota-chaos-tests --test real_faults`. More in `docs/testing.md`.
 
 mod real;
 

@@ -1,7 +1,7 @@
 //! The harness of the real-process fault tests: prerequisites, the `kvota` binary, the
 //! federation (three `kvota server` and three `kvota agent` processes, each in its own
 //! network namespace), reading state through the CLI and HTTP, and the checks run after
-//! every scenario. See `chaos-tests/REAL.md`.
+//! every scenario. See `docs/testing.md`.
 
 pub mod delay;
 pub mod http;
