@@ -27,32 +27,48 @@ use tokio::sync::watch;
 pub struct AgentArgs {
     /// This member cluster's id (lowercase letters, digits, '-'), unique in the federation.
     #[arg(long, env = "KVOTA_CLUSTER")]
-    cluster: String,
+    pub(crate) cluster: String,
     /// Directory for the usage journal and the last lease (created if missing). Keep it
     /// on durable storage: unacknowledged usage is resent from it after a restart.
     #[arg(long, env = "KVOTA_AGENT_DATA_DIR", default_value = "./kvota-agent")]
-    data_dir: PathBuf,
+    pub(crate) data_dir: PathBuf,
     /// Address the HTTPS admission webhook listens on (/validate, /mutate, /healthz,
     /// /readyz, /metrics).
     #[arg(long, env = "KVOTA_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
-    webhook_listen: String,
+    pub(crate) webhook_listen: String,
     /// PEM certificate chain of the webhook (reread when the file changes).
     #[arg(long, env = "KVOTA_TLS_CERT")]
-    tls_cert: PathBuf,
+    pub(crate) tls_cert: PathBuf,
     /// PEM private key of the webhook (reread when the file changes).
     #[arg(long, env = "KVOTA_TLS_KEY")]
-    tls_key: PathBuf,
+    pub(crate) tls_key: PathBuf,
     /// How often usage is reported (each report also renews the lease), milliseconds.
     /// Keep it well under the policy's lease duration (default 30 s).
     #[arg(long, env = "KVOTA_REPORT_INTERVAL_MS", default_value_t = 5_000)]
-    report_interval_ms: u64,
-    /// Run against a simulated cluster: node groups COUNTxGPUS, comma separated, e.g.
-    /// `4x8,2x4`. Required until the Kubernetes inventory lands.
+    pub(crate) report_interval_ms: u64,
+    /// Run against a simulated cluster instead of Kubernetes: node groups COUNTxGPUS,
+    /// comma separated, e.g. `4x8,2x4`.
     #[arg(long, value_name = "NODES")]
-    simulate: Option<String>,
+    pub(crate) simulate: Option<String>,
+    /// Kubeconfig of the member cluster. Default: the in-cluster service account when
+    /// running in a pod, else $KUBECONFIG or ~/.kube/config.
+    #[arg(long, env = "KVOTA_KUBECONFIG", conflicts_with = "simulate")]
+    pub(crate) kubeconfig: Option<PathBuf>,
+    /// Run several replicas safely: only the holder of this coordination.k8s.io Lease
+    /// admits, reports, releases gates and reclaims; the others stand by (not ready).
+    /// Without it this agent assumes it is the only replica.
+    #[arg(long, env = "KVOTA_LEADER_LEASE", value_name = "NAME", conflicts_with = "simulate")]
+    pub(crate) leader_lease: Option<String>,
+    /// Namespace of the leader Lease (usually the agent's own).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "kvota-system")]
+    pub(crate) leader_lease_namespace: String,
+    /// This replica's identity in the Lease (usually the pod name). Default: host name
+    /// and process id.
+    #[arg(long, env = "POD_NAME")]
+    pub(crate) identity: Option<String>,
     /// How long a simulated pod runs once bound, seconds.
     #[arg(long, default_value_t = 600)]
-    simulate_pod_seconds: u64,
+    pub(crate) simulate_pod_seconds: u64,
 }
 
 /// `4x8,2x4` -> [8, 8, 8, 8, 4, 4].
@@ -80,20 +96,17 @@ pub fn run(args: AgentArgs, cp: &[String]) -> Result<()> {
     if !kvota_fairness::federation::valid_cluster_id(&args.cluster) {
         bail!("--cluster `{}`: use lowercase letters, digits and '-', starting with a letter", args.cluster);
     }
-    let Some(spec) = &args.simulate else {
-        bail!(
-            "the Kubernetes inventory is not built yet; run the agent against a simulated cluster with \
-             --simulate NODES (e.g. --simulate 4x8)"
-        );
-    };
-    let nodes = parse_nodes(spec)?;
     if args.report_interval_ms < 100 {
         bail!("--report-interval-ms {}: at least 100", args.report_interval_ms);
     }
+    let nodes = args.simulate.as_deref().map(parse_nodes).transpose()?;
     // Certificate problems are reported before anything starts.
     let tls = Arc::new(TlsFiles::load(&args.tls_cert, &args.tls_key)?);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("start the async runtime")?;
-    rt.block_on(serve(args, cp.to_vec(), nodes, tls))
+    match nodes {
+        Some(nodes) => rt.block_on(serve(args, cp.to_vec(), nodes, tls)),
+        None => rt.block_on(crate::agent_kube::serve(args, cp.to_vec(), tls)),
+    }
 }
 
 async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFiles>) -> Result<()> {
@@ -118,7 +131,8 @@ async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFi
         args.webhook_listen,
         cp.join(",")
     );
-    let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), stop.clone()));
+    let leading = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), leading, stop.clone()));
     let sim = tokio::spawn(simulated_cluster(agent.clone(), nodes, Duration::from_secs(args.simulate_pod_seconds), stop));
     wait_for_signal().await;
     eprintln!("kvota agent: stopping");
@@ -131,12 +145,25 @@ async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFi
 
 /// Registers, fetches the policy, then reports every `every`; retries with backoff and
 /// jitter, and logs what a person on call needs: lease changes, expiry, backlog.
-async fn report_loop(agent: Arc<Agent>, every: Duration, mut stop: watch::Receiver<bool>) {
+/// A standby replica (`leading` false) reports nothing and drops what it meters.
+pub(crate) async fn report_loop(
+    agent: Arc<Agent>,
+    every: Duration,
+    leading: Arc<std::sync::atomic::AtomicBool>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut registered = false;
     let mut failures = 0u32;
     let mut round = 0u64;
     let mut last_status = "none";
     loop {
+        if !leading.load(std::sync::atomic::Ordering::SeqCst) {
+            agent.discard_usage();
+            tokio::select! {
+                _ = tokio::time::sleep(every) => continue,
+                _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+            }
+        }
         let result = async {
             if !registered {
                 agent.register().await?;
@@ -231,7 +258,7 @@ async fn simulated_cluster(agent: Arc<Agent>, nodes: Vec<u64>, run_for: Duration
     }
 }
 
-async fn wait_for_signal() {
+pub(crate) async fn wait_for_signal() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};

@@ -24,6 +24,7 @@ macro_rules! outp {
 
 mod admin_cmd;
 mod agent_cmd;
+mod agent_kube;
 mod cli;
 mod demo;
 mod server_cmd;

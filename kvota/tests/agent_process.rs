@@ -13,6 +13,9 @@ use hyper_util::rt::TokioIo;
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
 
+#[path = "../../member-agent/tests/support/fake_apiserver.rs"]
+mod fake_apiserver;
+
 struct Procs(Vec<Child>);
 
 impl Drop for Procs {
@@ -243,9 +246,105 @@ fn agent_flags_are_checked_before_anything_starts() {
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).to_string()
     };
-    assert!(run(&["--cluster", "east"]).contains("--simulate"), "no inventory: says how to run");
+    assert!(run(&["--cluster", "east"]).contains("/nonexistent.crt"), "certificates are checked first");
+    assert!(run(&["--cluster", "east", "--simulate", "1x8", "--kubeconfig", "/k"]).contains("cannot be used with"));
     assert!(run(&["--cluster", "East!", "--simulate", "1x8"]).contains("--cluster"));
     assert!(run(&["--cluster", "east", "--simulate", "8"]).contains("COUNTxGPUS"));
     assert!(run(&["--cluster", "east", "--simulate", "1x8"]).contains("/nonexistent.crt"));
     let _ = tmp;
+}
+
+/// `kvota agent` on Kubernetes. No API server can run here, so the cluster is the fake
+/// API server of `member-agent/tests/support/fake_apiserver.rs` (list/watch, patches,
+/// evictions, Leases), reached through a real kubeconfig file; the agent and the control
+/// plane are the real binaries. The agent must register the capacity its watchers list
+/// (two nodes of 4 GPUs, one cordoned node) and count a pod it never admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_not_admit() {
+    use fake_apiserver::{FakeApi, Kind};
+    let api = FakeApi::start().await;
+    for (n, gpus, cordoned) in [("n1", 4, false), ("n2", 4, false), ("n3", 8, true)] {
+        api.put(Kind::Node, json!({"metadata": {"name": n}, "spec": {"unschedulable": cordoned},
+            "status": {"allocatable": {"nvidia.com/gpu": gpus.to_string()}}}));
+    }
+    api.put(Kind::Namespace, json!({"metadata": {"name": "ml"}}));
+    // Training's pod from before the agent existed: bound, running, 4 GPUs.
+    api.put(Kind::Pod, json!({"metadata": {"name": "old", "namespace": "ml"},
+        "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "4"}}}]},
+        "status": {"phase": "Running"}}));
+
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ports = free_ports(3);
+    let (rpc, http, hook) = (format!("127.0.0.1:{}", ports[0]), format!("127.0.0.1:{}", ports[1]), ports[2]);
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
+    std::fs::write(tmp.path().join("tls.crt"), cert.cert.pem()).expect("w");
+    std::fs::write(tmp.path().join("tls.key"), cert.key_pair.serialize_pem()).expect("w");
+    let ca = cert.cert.der().to_vec();
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\n\
+         users:\n- name: agent\n  user: {{token: test}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: agent}}\n\
+         current-context: fake\n",
+        api.url
+    );
+    std::fs::write(tmp.path().join("kubeconfig"), kubeconfig).expect("w");
+    let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
+    let server = kvota()
+        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--tick-ms", "200"])
+        .arg("--data-dir")
+        .arg(tmp.path().join("cp"))
+        .stdout(Stdio::null())
+        .stderr(log("server.log"))
+        .spawn()
+        .expect("spawn server");
+    let mut procs = Procs(vec![server]);
+    std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
+    wait_for("policy applied", Duration::from_secs(20), || async {
+        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+    })
+    .await;
+    let agent = kvota()
+        .args(["agent", "--cluster", "east", "--cp", &rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
+        .args(["--report-interval-ms", "300"])
+        .arg("--kubeconfig")
+        .arg(tmp.path().join("kubeconfig"))
+        .arg("--tls-cert")
+        .arg(tmp.path().join("tls.crt"))
+        .arg("--tls-key")
+        .arg(tmp.path().join("tls.key"))
+        .arg("--data-dir")
+        .arg(tmp.path().join("agent"))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log("agent.log"))
+        .spawn()
+        .expect("spawn agent");
+    procs.0.push(agent);
+    let agent_log = || std::fs::read_to_string(tmp.path().join("agent.log")).unwrap_or_default();
+    wait_for("agent ready", Duration::from_secs(30), || async {
+        matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
+    })
+    .await;
+    let clusters = cli_json(&rpc, &["clusters"]).expect("clusters json");
+    let text = clusters.to_string();
+    assert!(text.contains("east") && text.contains("8000"), "8 schedulable GPUs registered (cordoned n3 not counted): {text}");
+
+    // maxShare 60 % of 8 GPUs = 4.8: the 4-GPU pod already running leaves room for no
+    // further whole GPU, however often training asks.
+    for i in 0..6 {
+        let (status, body) = https(hook, &ca, "POST", "/validate", review(&format!("k{i}"), "ml", 1)).await.expect("review");
+        assert_eq!(status, 200);
+        let r: Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(r["response"]["allowed"], false, "pod k{i} admitted past maxShare: {r}\nagent log:\n{}", agent_log());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The pod finishes: its GPUs are free and training is admitted again.
+    let mut done = api.get(Kind::Pod, "ml/old").expect("pod");
+    done["status"]["phase"] = json!("Succeeded");
+    api.put(Kind::Pod, done);
+    wait_for("admission after the pod finished", Duration::from_secs(20), || async {
+        let Ok((_, body)) = https(hook, &ca, "POST", "/validate", review("after", "ml", 1)).await else { return false };
+        serde_json::from_slice::<Value>(&body).is_ok_and(|r| r["response"]["allowed"] == true)
+    })
+    .await;
+    drop(procs);
 }

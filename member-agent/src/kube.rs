@@ -299,13 +299,13 @@ impl KubeInventory {
     pub async fn run(self: Arc<Self>, client: Client, mut stop: tokio_watch::Receiver<bool>) {
         enum Change {
             Pod(Box<Event<Pod>>),
-            Node(Event<Node>),
-            Ns(Event<Namespace>),
+            Node(Box<Event<Node>>),
+            Ns(Box<Event<Namespace>>),
         }
         let cfg = watcher::Config::default;
         let pods = watcher::watcher(Api::<Pod>::all(client.clone()), cfg()).default_backoff().map(|r| r.map(|e| Change::Pod(Box::new(e))));
-        let nodes = watcher::watcher(Api::<Node>::all(client.clone()), cfg()).default_backoff().map(|r| r.map(Change::Node));
-        let nss = watcher::watcher(Api::<Namespace>::all(client), cfg()).default_backoff().map(|r| r.map(Change::Ns));
+        let nodes = watcher::watcher(Api::<Node>::all(client.clone()), cfg()).default_backoff().map(|r| r.map(|e| Change::Node(Box::new(e))));
+        let nss = watcher::watcher(Api::<Namespace>::all(client), cfg()).default_backoff().map(|r| r.map(|e| Change::Ns(Box::new(e))));
         let mut all = futures::stream::select_all([pods.boxed(), nodes.boxed(), nss.boxed()]);
         loop {
             tokio::select! {
@@ -624,7 +624,10 @@ impl Controller {
         agent.set_capacity(crate::inventory::capacity_milli(&*self.inventory));
         let mut st = agent.state();
         crate::inventory::sync_state(&*self.inventory, &mut st, &mut self.known);
-        if st.held_reason().is_some_and(|w| w.contains("not listed")) {
+        // Pods map to tenants through the policy: before it arrives, nothing listed is
+        // counted for anyone, so admission stays held until a sync with the policy.
+        let counted = crate::review::AdmissionState::policy(&*st).is_some();
+        if counted && st.held_reason().is_some_and(|w| w.contains("not listed")) {
             st.set_held(None);
         }
         true

@@ -1,0 +1,173 @@
+//! `kvota agent` against a Kubernetes cluster: the inventory from kube-rs watchers, the
+//! gate controller and reclaim through the API, and (with `--leader-lease`) leader
+//! election among replicas. The pieces live in `kvota_member_agent::kube`; this file
+//! runs them as loops next to the webhook and the reporter.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use kvota_member_agent::agent::Agent;
+use kvota_member_agent::inventory::Inventory;
+use kvota_member_agent::kube::{actions_config, Controller, Election, KubeActions, KubeInventory};
+use kvota_member_agent::metrics::AgentMetrics;
+use kvota_member_agent::webhook::{self, TlsFiles, WebhookCtx};
+use tokio::sync::watch;
+
+use crate::agent_cmd::{report_loop, wait_for_signal, AgentArgs};
+
+/// How often the controller syncs state and releases gates.
+const SYNC_EVERY: Duration = Duration::from_secs(1);
+/// How often reclaim runs (its own damping limits evictions further).
+const RECLAIM_EVERY: Duration = Duration::from_secs(5);
+
+async fn kube_config(args: &AgentArgs) -> Result<kube::Config> {
+    match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("--kubeconfig {}: cannot read it as a kubeconfig", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("--kubeconfig {}: no usable context", path.display()))
+        }
+        None => kube::Config::infer().await.context(
+            "no Kubernetes configuration found (not in a pod, no $KUBECONFIG or ~/.kube/config): pass --kubeconfig, \
+             or run against a simulated cluster with --simulate NODES (e.g. --simulate 4x8)",
+        ),
+    }
+}
+
+/// Runs the agent against the Kubernetes cluster until Ctrl-C or SIGTERM.
+pub async fn serve(args: AgentArgs, cp: Vec<String>, tls: Arc<TlsFiles>) -> Result<()> {
+    let config = kube_config(&args).await?;
+    let server_url = config.cluster_url.to_string();
+    let watch_client = kube::Client::try_from(config.clone()).context("build the Kubernetes client")?;
+    let action_client = kube::Client::try_from(actions_config(config)).context("build the Kubernetes client")?;
+    let agent = Arc::new(
+        Agent::open(&args.cluster, BTreeMap::new(), &args.data_dir, &cp)
+            .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
+    );
+    agent.state().set_held(Some("the agent has not listed the cluster's nodes and pods yet".into()));
+    let listener = tokio::net::TcpListener::bind(&args.webhook_listen).await.map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse { "; another process uses it: pick another --webhook-listen" } else { "" };
+        anyhow::anyhow!("listen for the webhook on {}: {e}{hint}", args.webhook_listen)
+    })?;
+    let metrics = AgentMetrics::new();
+    let (stop_tx, stop) = watch::channel(false);
+    let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
+    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, stop.clone()));
+
+    let clock = agent.clone();
+    let inventory = KubeInventory::new(Arc::new(move || clock.now_ms()));
+    let watchers = tokio::spawn(inventory.clone().run(watch_client.clone(), stop.clone()));
+    eprintln!(
+        "kvota agent: cluster {} on Kubernetes {server_url}, webhook https://{} (/validate, /mutate), control plane {}; {}; Ctrl-C to stop",
+        args.cluster,
+        args.webhook_listen,
+        cp.join(","),
+        match &args.leader_lease {
+            Some(l) => format!("replicas elect a leader through Lease {}/{l}", args.leader_lease_namespace),
+            None => "single replica".to_string(),
+        }
+    );
+    // Nothing is registered before the first listing: the capacity is not known.
+    let mut waited = 0u32;
+    while !inventory.synced() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        waited += 1;
+        if waited % 50 == 0 {
+            tracing::warn!("still waiting for the first listing of nodes, pods and namespaces from {server_url}");
+        }
+        if *stop.borrow() {
+            return Ok(());
+        }
+    }
+    let leading = Arc::new(AtomicBool::new(args.leader_lease.is_none()));
+    if args.leader_lease.is_some() {
+        agent.state().set_held(Some("this agent replica is a standby until it wins the leader Lease".into()));
+    }
+    let elector = args.leader_lease.clone().map(|name| {
+        let identity = args.identity.clone().unwrap_or_else(|| {
+            format!("{}-{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "agent".into()), std::process::id())
+        });
+        let e = Election::new(watch_client.clone(), &args.leader_lease_namespace, &name, &identity, Duration::from_secs(15));
+        tokio::spawn(election_loop(e, agent.clone(), leading.clone(), stop.clone()))
+    });
+    let controller = Controller::new(inventory.clone(), KubeActions::new(action_client, "kvota-agent"));
+    let control = tokio::spawn(control_loop(controller, agent.clone(), leading.clone(), stop.clone()));
+    let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), leading, stop));
+    wait_for_signal().await;
+    eprintln!("kvota agent: stopping");
+    let _ = stop_tx.send(true);
+    let mut tasks = vec![server, watchers, control, reporter];
+    tasks.extend(elector);
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    Ok(())
+}
+
+/// Syncs the state every second; the leader also releases gates and reclaims.
+async fn control_loop(mut c: Controller, agent: Arc<Agent>, leading: Arc<AtomicBool>, mut stop: watch::Receiver<bool>) {
+    let mut last_reclaim = tokio::time::Instant::now();
+    loop {
+        c.sync(&agent);
+        if leading.load(Ordering::SeqCst) {
+            let r = c.release_gates(&agent).await;
+            if !r.ungated.is_empty() {
+                tracing::info!(pods = r.ungated.len(), "gates removed as budget freed");
+            }
+            if last_reclaim.elapsed() >= RECLAIM_EVERY {
+                last_reclaim = tokio::time::Instant::now();
+                let _ = c.reclaim(&agent).await;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(SYNC_EVERY) => {}
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        }
+    }
+}
+
+/// Keeps the Lease; on every change of role says so, and holds or resumes admission.
+async fn election_loop(mut e: Election, agent: Arc<Agent>, leading: Arc<AtomicBool>, mut stop: watch::Receiver<bool>) {
+    let mut was = false;
+    loop {
+        let now = match e.step().await {
+            Ok(l) => l,
+            Err(err) => {
+                tracing::warn!(error = %err, "leader Lease not reachable");
+                e.is_leader()
+            }
+        };
+        if now != was {
+            if now {
+                tracing::info!("this replica leads: it admits, reports, releases gates and reclaims");
+                agent.discard_usage();
+                agent.took_over();
+                agent.state().set_held(None);
+            } else {
+                let who = e.holder().unwrap_or("nobody yet").to_string();
+                tracing::info!(leader = %who, "this replica stands by");
+                agent.state().set_held(Some(format!("this agent replica is a standby (the leader is {who})")));
+            }
+            leading.store(now, Ordering::SeqCst);
+            was = now;
+        } else if !now {
+            let who = e.holder().unwrap_or("nobody yet").to_string();
+            agent.state().set_held(Some(format!("this agent replica is a standby (the leader is {who})")));
+        }
+        let stopping = tokio::select! {
+            _ = tokio::time::sleep(e.period()) => false,
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => true,
+        };
+        if stopping {
+            if let Err(err) = e.release().await {
+                tracing::warn!(error = %err, "could not release the leader Lease; a standby takes over when it lapses");
+            }
+            return;
+        }
+    }
+}
