@@ -111,18 +111,7 @@ pub fn run(args: AgentArgs, cp: &[String]) -> Result<()> {
 
 async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFiles>) -> Result<()> {
     let capacity: BTreeMap<String, u64> = [(NVIDIA_GPU.to_string(), nodes.iter().sum::<u64>() * 1000)].into();
-    let agent = Arc::new(
-        Agent::open(&args.cluster, capacity.clone(), &args.data_dir, &cp)
-            .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
-    );
-    let listener = tokio::net::TcpListener::bind(&args.webhook_listen).await.map_err(|e| {
-        let hint = if e.kind() == std::io::ErrorKind::AddrInUse { "; another process uses it: pick another --webhook-listen" } else { "" };
-        anyhow::anyhow!("listen for the webhook on {}: {e}{hint}", args.webhook_listen)
-    })?;
-    let metrics = AgentMetrics::new();
-    let (stop_tx, stop) = watch::channel(false);
-    let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
-    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, stop.clone()));
+    let (agent, stop_tx, stop, server) = start_webhook(&args, capacity, &cp, tls, None).await?;
     eprintln!(
         "kvota agent: cluster {} ({} GPUs simulated on {} nodes), webhook https://{} (/validate, /mutate), control plane {}; Ctrl-C to stop",
         args.cluster,
@@ -141,6 +130,31 @@ async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFi
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     Ok(())
+}
+
+/// Opens the agent's data directory and serves its webhook; admission starts `held`
+/// for that reason if one is given. Returns the agent, the stop switch and the server.
+pub(crate) async fn start_webhook(
+    args: &AgentArgs,
+    capacity: BTreeMap<String, u64>,
+    cp: &[String],
+    tls: Arc<TlsFiles>,
+    held: Option<String>,
+) -> Result<(Arc<Agent>, watch::Sender<bool>, watch::Receiver<bool>, tokio::task::JoinHandle<()>)> {
+    let agent = Arc::new(
+        Agent::open(&args.cluster, capacity, &args.data_dir, cp)
+            .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
+    );
+    agent.state().set_held(held);
+    let listener = tokio::net::TcpListener::bind(&args.webhook_listen).await.map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse { "; another process uses it: pick another --webhook-listen" } else { "" };
+        anyhow::anyhow!("listen for the webhook on {}: {e}{hint}", args.webhook_listen)
+    })?;
+    let metrics = AgentMetrics::new();
+    let (stop_tx, stop) = watch::channel(false);
+    let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
+    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, stop.clone()));
+    Ok((agent, stop_tx, stop, server))
 }
 
 /// Registers, fetches the policy, then reports every `every`; retries with backoff and

@@ -12,11 +12,10 @@ use anyhow::{Context, Result};
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::inventory::Inventory;
 use kvota_member_agent::kube::{actions_config, Controller, Election, KubeActions, KubeInventory};
-use kvota_member_agent::metrics::AgentMetrics;
-use kvota_member_agent::webhook::{self, TlsFiles, WebhookCtx};
+use kvota_member_agent::webhook::TlsFiles;
 use tokio::sync::watch;
 
-use crate::agent_cmd::{report_loop, wait_for_signal, AgentArgs};
+use crate::agent_cmd::{report_loop, start_webhook, wait_for_signal, AgentArgs};
 
 /// How often the controller syncs state and releases gates.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
@@ -45,19 +44,8 @@ pub async fn serve(args: AgentArgs, cp: Vec<String>, tls: Arc<TlsFiles>) -> Resu
     let server_url = config.cluster_url.to_string();
     let watch_client = kube::Client::try_from(config.clone()).context("build the Kubernetes client")?;
     let action_client = kube::Client::try_from(actions_config(config)).context("build the Kubernetes client")?;
-    let agent = Arc::new(
-        Agent::open(&args.cluster, BTreeMap::new(), &args.data_dir, &cp)
-            .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
-    );
-    agent.state().set_held(Some("the agent has not listed the cluster's nodes and pods yet".into()));
-    let listener = tokio::net::TcpListener::bind(&args.webhook_listen).await.map_err(|e| {
-        let hint = if e.kind() == std::io::ErrorKind::AddrInUse { "; another process uses it: pick another --webhook-listen" } else { "" };
-        anyhow::anyhow!("listen for the webhook on {}: {e}{hint}", args.webhook_listen)
-    })?;
-    let metrics = AgentMetrics::new();
-    let (stop_tx, stop) = watch::channel(false);
-    let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
-    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, stop.clone()));
+    let held = Some("the agent has not listed the cluster's nodes and pods yet".to_string());
+    let (agent, stop_tx, stop, server) = start_webhook(&args, BTreeMap::new(), &cp, tls, held).await?;
 
     let clock = agent.clone();
     let inventory = KubeInventory::new(Arc::new(move || clock.now_ms()));

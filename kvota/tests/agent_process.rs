@@ -33,6 +33,31 @@ fn free_ports(n: usize) -> Vec<u16> {
     held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
 }
 
+/// A temp directory with a self-signed webhook certificate (tls.crt, tls.key), and free
+/// ports for a server (rpc, http) and an agent's webhook.
+struct Env {
+    tmp: tempfile::TempDir,
+    rpc: String,
+    http: String,
+    hook: u16,
+    ca: Vec<u8>,
+}
+
+fn env() -> Env {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ports = free_ports(3);
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
+    std::fs::write(tmp.path().join("tls.crt"), cert.cert.pem()).expect("w");
+    std::fs::write(tmp.path().join("tls.key"), cert.key_pair.serialize_pem()).expect("w");
+    Env {
+        tmp,
+        rpc: format!("127.0.0.1:{}", ports[0]),
+        http: format!("127.0.0.1:{}", ports[1]),
+        hook: ports[2],
+        ca: cert.cert.der().to_vec(),
+    }
+}
+
 fn kvota() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvota"))
 }
@@ -105,13 +130,7 @@ fn cli_json(cp: &str, args: &[&str]) -> Option<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_control_plane() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    let ports = free_ports(3);
-    let (rpc, http, hook) = (format!("127.0.0.1:{}", ports[0]), format!("127.0.0.1:{}", ports[1]), ports[2]);
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
-    std::fs::write(tmp.path().join("tls.crt"), cert.cert.pem()).expect("w");
-    std::fs::write(tmp.path().join("tls.key"), cert.key_pair.serialize_pem()).expect("w");
-    let ca = cert.cert.der().to_vec();
+    let Env { tmp, rpc, http, hook, ca } = env();
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
 
     let server = kvota()
@@ -273,13 +292,7 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
         "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "4"}}}]},
         "status": {"phase": "Running"}}));
 
-    let tmp = tempfile::tempdir().expect("tmp");
-    let ports = free_ports(3);
-    let (rpc, http, hook) = (format!("127.0.0.1:{}", ports[0]), format!("127.0.0.1:{}", ports[1]), ports[2]);
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");
-    std::fs::write(tmp.path().join("tls.crt"), cert.cert.pem()).expect("w");
-    std::fs::write(tmp.path().join("tls.key"), cert.key_pair.serialize_pem()).expect("w");
-    let ca = cert.cert.der().to_vec();
+    let Env { tmp, rpc, http, hook, ca } = env();
     let kubeconfig = format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\n\
          users:\n- name: agent\n  user: {{token: test}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: agent}}\n\
