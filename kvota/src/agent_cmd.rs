@@ -166,6 +166,10 @@ pub(crate) async fn report_loop(
     leading: Arc<std::sync::atomic::AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) {
+    // The policy is fetched on its own: a fetch that hangs on an unreachable control
+    // plane (up to every attempt's deadline) must not hold back the journal write that
+    // starts each report round (a real-fault test caught a cut with nothing journaled).
+    let policy = tokio::spawn(policy_loop(agent.clone(), every * 12, stop.clone()));
     let mut registered = false;
     let mut failures = 0u32;
     let mut round = 0u64;
@@ -175,7 +179,7 @@ pub(crate) async fn report_loop(
             agent.discard_usage();
             tokio::select! {
                 _ = tokio::time::sleep(every) => continue,
-                _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+                _ = async { let _ = stop.wait_for(|s| *s).await; } => break,
             }
         }
         let result = async {
@@ -183,9 +187,6 @@ pub(crate) async fn report_loop(
                 agent.register().await?;
                 registered = true;
                 tracing::info!(cluster = agent.cluster(), "registered with the control plane");
-            }
-            if round % 12 == 0 {
-                agent.fetch_policy().await?;
             }
             agent.report_once().await
         }
@@ -224,6 +225,34 @@ pub(crate) async fn report_loop(
         let factor = 1u32 << failures.min(3);
         let jitter = u64::from(std::process::id().wrapping_add(u32::try_from(round % 997).unwrap_or(0))) % 250;
         let wait = every * factor + Duration::from_millis(if failures > 0 { jitter } else { 0 });
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => break,
+        }
+    }
+    let _ = policy.await;
+}
+
+/// Fetches the policy every `every` (retrying sooner, with backoff, until the first
+/// fetch succeeds); a standby replica keeps it current too, ready to take over.
+async fn policy_loop(agent: Arc<Agent>, every: Duration, mut stop: watch::Receiver<bool>) {
+    let mut fetched = false;
+    let mut failures = 0u32;
+    loop {
+        match agent.fetch_policy().await {
+            Ok(()) => {
+                if !fetched {
+                    tracing::info!("policy fetched from the control plane");
+                }
+                fetched = true;
+                failures = 0;
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e.message(), failures, "policy not fetched; the last one known stays in force");
+            }
+        }
+        let wait = if fetched { every } else { Duration::from_millis(250u64 << failures.min(5)) };
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
