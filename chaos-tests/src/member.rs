@@ -358,6 +358,7 @@ impl SimAgent {
                 held_epoch: self.state.lease.held_epoch(),
                 capacity: None,
                 tenants,
+                evictions: Vec::new(),
             };
             self.next_seq += 1;
             self.journal.push_back(Journaled { report, durable_at_ms: h + self.disk_delay_ms });

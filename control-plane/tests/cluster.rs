@@ -192,6 +192,7 @@ fn report(cluster: &str, seq: u64, held: u64, used: u64) -> v1::ReportRequest {
             v1::TenantUsage { tenant: "inference".into(), used_milli_gpue_ms: used / 2, inuse_milli_gpue: 2000, pending_milli_gpue: 0 },
         ],
         capacity: vec![],
+        evictions: vec![],
     }
 }
 

@@ -61,6 +61,7 @@ fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
             },
         )]
         .into(),
+        evictions: Vec::new(),
     })
 }
 

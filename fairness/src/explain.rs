@@ -7,10 +7,10 @@ use std::fmt::{self, Write as _};
 use serde::{Deserialize, Serialize};
 
 use crate::admission::{Decision, LocalView, PodRequest};
-use crate::federation::Federation;
+use crate::federation::{AuditEvent, Federation};
 use crate::measures::{drift_ppm, tenant_score};
 use crate::units::{format_duration_ms, format_gpue as g};
-use crate::MilliGpue;
+use crate::{MilliGpue, Millis};
 
 /// One cluster's part of a tenant's explanation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +78,26 @@ pub struct TenantExplanation {
     pub fairness_score: f64,
     /// Per cluster.
     pub clusters: Vec<ClusterPart>,
+    /// The most recent evictions (newest last, at most [`EXPLAIN_EVICTIONS`]) that this
+    /// tenant suffered or that were made for it, from the audit log.
+    #[serde(default)]
+    pub evictions: Vec<EvictionSeen>,
+}
+
+/// Most evictions `kvota explain tenant` lists.
+pub const EXPLAIN_EVICTIONS: usize = 5;
+
+/// One eviction, as `kvota explain tenant` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EvictionSeen {
+    /// Control-plane time the report carrying it was applied.
+    pub at_ms: Millis,
+    /// How long before the explanation that was.
+    pub ago_ms: Millis,
+    /// Cluster.
+    pub cluster: String,
+    /// What the agent reported.
+    pub note: crate::federation::EvictionNote,
 }
 
 impl Federation {
@@ -117,6 +137,18 @@ impl Federation {
             })
             .collect();
         let inuse = plan.inuse.get(i).copied().unwrap_or(0);
+        let mut evictions: Vec<EvictionSeen> = self
+            .audit()
+            .rev()
+            .filter_map(|r| match &r.event {
+                AuditEvent::Eviction { cluster, note } if note.victim_tenant == tenant || note.for_tenant == tenant => {
+                    Some(EvictionSeen { at_ms: r.at_ms, ago_ms: now.saturating_sub(r.at_ms), cluster: cluster.clone(), note: note.clone() })
+                }
+                _ => None,
+            })
+            .take(EXPLAIN_EVICTIONS)
+            .collect();
+        evictions.reverse();
         Some(TenantExplanation {
             tenant: tenant.to_string(),
             weight_milli: tp.weight_milli,
@@ -139,6 +171,7 @@ impl Federation {
             drift_ppm: drift_ppm(inuse, committed, plan.capacity),
             fairness_score: tenant_score(inuse, committed, plan.capacity),
             clusters,
+            evictions,
         })
     }
 }
@@ -242,6 +275,23 @@ impl fmt::Display for TenantExplanation {
                 c.epoch.0,
                 c.epoch.1,
                 if c.unreachable { ", UNREACHABLE: lease expired, safe budgets apply" } else { "" }
+            );
+        }
+        for e in &self.evictions {
+            let n = &e.note;
+            let what = if n.outcome == "evicted" { "evicted" } else { "could not evict (PodDisruptionBudget; retried later)" };
+            let side = if n.victim_tenant == self.tenant { "lost" } else { "gained room" };
+            let _ = writeln!(
+                s,
+                "  reclaim:   {side}, {} ago: cluster {} {what} {} ({} GPUe of {}) for {} pod {}: {}",
+                format_duration_ms(e.ago_ms),
+                e.cluster,
+                n.victim,
+                g(n.milli_gpue),
+                n.victim_tenant,
+                n.for_tenant,
+                n.for_pod,
+                n.why
             );
         }
         f.write_str(s.trim_end())

@@ -46,6 +46,13 @@ pub const AUDIT_MIN_CHANGE: MilliGpue = 100;
 pub const MAX_CLUSTERS: usize = 1_000;
 /// Most tenants one report may carry (a policy has at most this many).
 pub const MAX_REPORT_TENANTS: usize = crate::policy::MAX_TENANTS;
+
+/// Most eviction notes one report carries (reclaim is rate limited far below this; an
+/// agent keeps the rest for its next report).
+pub const MAX_REPORT_EVICTIONS: usize = 64;
+
+/// Longest text field of an eviction note, in bytes (pod keys, the reason).
+pub const MAX_EVICTION_TEXT: usize = 1024;
 /// Most resource names in a cluster's capacity.
 pub const MAX_CAPACITY_RESOURCES: usize = 64;
 
@@ -92,6 +99,51 @@ pub struct TenantReport {
     pub pending: MilliGpue,
 }
 
+/// An eviction a member's reclaim loop attempted, carried by its next report into the
+/// federation's audit log (so `kvota audit` and `kvota explain tenant` show it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct EvictionNote {
+    /// The pod evicted or whose eviction was refused (`namespace/name`).
+    pub victim: String,
+    /// Its tenant.
+    pub victim_tenant: String,
+    /// The starved tenant it made room for.
+    pub for_tenant: String,
+    /// The starved tenant's pod.
+    pub for_pod: String,
+    /// GPUe the victim held.
+    pub milli_gpue: MilliGpue,
+    /// `evicted`, or `blocked` (a PodDisruptionBudget refused it; retried later).
+    pub outcome: String,
+    /// Why this victim, with the starved tenant's numbers.
+    pub why: String,
+}
+
+impl EvictionNote {
+    fn validate(&self, i: usize) -> Result<(), CommandError> {
+        let invalid = |why: String| CommandError::Invalid {
+            what: format!("report evictions[{i}]"),
+            why,
+        };
+        for (name, v) in [
+            ("victim", &self.victim),
+            ("victim_tenant", &self.victim_tenant),
+            ("for_tenant", &self.for_tenant),
+            ("for_pod", &self.for_pod),
+            ("outcome", &self.outcome),
+            ("why", &self.why),
+        ] {
+            if v.len() > MAX_EVICTION_TEXT {
+                return Err(invalid(format!("{name} is {} bytes; at most {MAX_EVICTION_TEXT}", v.len())));
+            }
+        }
+        if self.outcome != "evicted" && self.outcome != "blocked" {
+            return Err(invalid(format!("outcome `{}`: `evicted` or `blocked`", self.outcome)));
+        }
+        Ok(())
+    }
+}
+
 /// A member's usage report; its answer carries the cluster's lease.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UsageReport {
@@ -105,6 +157,9 @@ pub struct UsageReport {
     pub capacity: Option<BTreeMap<String, u64>>,
     /// Per-tenant numbers; tenants the policy does not know are ignored.
     pub tenants: BTreeMap<String, TenantReport>,
+    /// Evictions since the previous report (at most [`MAX_REPORT_EVICTIONS`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evictions: Vec<EvictionNote>,
 }
 
 /// A state-machine command.
@@ -261,6 +316,14 @@ pub enum AuditEvent {
     ClusterRemoved {
         /// Cluster id.
         cluster: String,
+    },
+    /// A member's reclaim loop evicted a pod (or a PodDisruptionBudget refused it) to
+    /// restore a starved tenant's guarantee.
+    Eviction {
+        /// Cluster id.
+        cluster: String,
+        /// What the agent reported.
+        note: EvictionNote,
     },
     /// A new lease epoch changed budgets.
     BudgetsChanged {
@@ -494,6 +557,15 @@ impl Federation {
         if let Some(cap) = &r.capacity {
             validate_capacity(cap)?;
         }
+        if r.evictions.len() > MAX_REPORT_EVICTIONS {
+            return Err(CommandError::Invalid {
+                what: "report".to_string(),
+                why: format!("{} evictions; at most {MAX_REPORT_EVICTIONS}", r.evictions.len()),
+            });
+        }
+        for (i, e) in r.evictions.iter().enumerate() {
+            e.validate(i)?;
+        }
         let expected = rec.last_seq + 1;
         if r.seq > expected {
             return Err(CommandError::SequenceGap {
@@ -547,6 +619,12 @@ impl Federation {
             // The snapshot is from when the report was written; since then the agent may
             // have admitted up to any lease it may hold (epoch >= its acknowledgement).
             raise_bounds(rec);
+            for note in r.evictions {
+                self.record(AuditEvent::Eviction {
+                    cluster: r.cluster.clone(),
+                    note,
+                });
+            }
         }
         self.commit_plan();
         let lease = self.grant(&r.cluster);

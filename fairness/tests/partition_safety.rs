@@ -206,6 +206,7 @@ impl World {
             held_epoch: a.lease.held_epoch(),
             capacity: None,
             tenants,
+            evictions: Vec::new(),
         };
         a.next_seq += 1;
         a.journal.push_back(report);

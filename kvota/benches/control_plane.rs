@@ -69,6 +69,7 @@ fn report(cluster: &str, seq: u64) -> v1::ReportRequest {
             })
             .collect(),
         capacity: vec![],
+        evictions: vec![],
     }
 }
 

@@ -29,7 +29,8 @@ enum Cmd {
     /// Run a control-plane node (one of 3 or 5 forming a Raft group).
     Server(crate::server_cmd::ServerArgs),
     /// Run a member cluster's agent: usage reports, lease enforcement, the HTTPS
-    /// admission webhook (with --simulate for now: a simulated cluster).
+    /// admission webhook, reclaim; on Kubernetes (in-cluster or --kubeconfig) or on a simulated
+    /// cluster (--simulate).
     Agent(crate::agent_cmd::AgentArgs),
     /// Show the control-plane node's Raft role, leader, log and members.
     Status {
@@ -337,6 +338,7 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
                         held_epoch: held.get(name).copied().unwrap_or(0),
                         capacity: None,
                         tenants,
+                        evictions: Vec::new(),
                     }),
                 )
                 .map_err(|e| anyhow::anyhow!("report from {name}: {e}"))?;

@@ -157,6 +157,7 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
                 pending_milli_gpue: 0,
             }],
             capacity: vec![],
+            evictions: vec![],
         };
         // Acknowledged means committed: retry until this report is acknowledged once.
         let reply = client

@@ -181,9 +181,9 @@ impl Agent {
     /// Writes a report of usage since the last one into the journal, then sends every
     /// unacknowledged report in order. On error the reports stay for the next round.
     pub async fn report_once(&self) -> Result<(), Status> {
-        let (held, tenants) = {
+        let (held, tenants, evictions) = {
             let mut s = self.state();
-            (s.lease.held_epoch(), s.take_usage())
+            (s.lease.held_epoch(), s.take_usage(), s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS))
         };
         let written = self
             .journal
@@ -193,6 +193,7 @@ impl Agent {
                 held_epoch: held,
                 capacity: self.capacity_changed.swap(false, std::sync::atomic::Ordering::SeqCst).then(|| self.capacity()),
                 tenants,
+                evictions,
             })
             .map_err(journal_err)?;
         {

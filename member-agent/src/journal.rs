@@ -215,6 +215,7 @@ mod tests {
             held_epoch: 3,
             capacity: None,
             tenants: [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 1_000, pending: 0 })].into(),
+            evictions: Vec::new(),
         }
     }
 

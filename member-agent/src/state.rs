@@ -89,6 +89,8 @@ struct ReclaimBook {
     starved_since: BTreeMap<String, Millis>,
     recent: std::collections::VecDeque<(Millis, String)>,
     audit: std::collections::VecDeque<ReclaimRecord>,
+    /// Records not yet written into a usage report (bounded like the audit log).
+    unreported: std::collections::VecDeque<ReclaimRecord>,
     counts: BTreeMap<(String, String), u64>,
 }
 
@@ -331,7 +333,30 @@ impl AgentState {
         if self.reclaim.audit.len() == RECLAIM_AUDIT_LEN {
             self.reclaim.audit.pop_front();
         }
+        if self.reclaim.unreported.len() == RECLAIM_AUDIT_LEN {
+            self.reclaim.unreported.pop_front();
+        }
+        self.reclaim.unreported.push_back(record.clone());
         self.reclaim.audit.push_back(record);
+    }
+
+    /// Takes up to `max` eviction records not yet reported, oldest first, as the notes
+    /// a usage report carries into the control plane's audit log.
+    pub fn take_eviction_notes(&mut self, max: usize) -> Vec<kvota_fairness::federation::EvictionNote> {
+        let n = self.reclaim.unreported.len().min(max);
+        self.reclaim
+            .unreported
+            .drain(..n)
+            .map(|r| kvota_fairness::federation::EvictionNote {
+                victim: r.victim,
+                victim_tenant: r.victim_tenant,
+                for_tenant: r.for_tenant,
+                for_pod: r.for_pod,
+                milli_gpue: r.gpue,
+                outcome: r.outcome,
+                why: clip(r.why, kvota_fairness::federation::MAX_EVICTION_TEXT),
+            })
+            .collect()
     }
 
     /// The reclaim audit log, oldest first.
@@ -422,4 +447,16 @@ impl AdmissionState for AgentState {
     fn held(&self) -> Option<String> {
         self.held.clone()
     }
+}
+
+/// `s` cut to at most `max` bytes on a character boundary.
+fn clip(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+    s
 }

@@ -262,6 +262,14 @@ async fn metrics(State(ctx): State<Arc<WebhookCtx>>) -> Response {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
 }
 
+/// The reclaim audit log (newest last): every eviction this agent attempted, who was
+/// starved, by how much, and why that victim. The control plane keeps the reported ones
+/// too (`kvota audit`, `kvota explain tenant`).
+async fn reclaims(State(ctx): State<Arc<WebhookCtx>>) -> Response {
+    let records: Vec<crate::state::ReclaimRecord> = ctx.agent.state().reclaim_audit().cloned().collect();
+    axum::Json(records).into_response()
+}
+
 /// The webhook's routes.
 pub fn router(ctx: Arc<WebhookCtx>) -> Router {
     Router::new()
@@ -270,6 +278,7 @@ pub fn router(ctx: Arc<WebhookCtx>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/reclaims", get(reclaims))
         .with_state(ctx)
 }
 

@@ -177,6 +177,19 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     }
     assert!(a.backlog() > 0, "reports pile up in the journal while cut off");
     assert!(denied_while_cut > 0);
+    // Reclaim acts locally while cut off; its audit record travels with the journal.
+    let evicted_while_cut = kvota_member_agent::state::ReclaimRecord {
+        at_ms: a.state().now_ms(),
+        for_tenant: "inference".into(),
+        for_pod: "serve/api-0".into(),
+        victim: "train/t-cut".into(),
+        victim_tenant: "training".into(),
+        gpue: 1_000,
+        outcome: "evicted".into(),
+        why: "recorded while the link was cut".into(),
+    };
+    a.state().record_eviction(evicted_while_cut);
+    round(&a, &mut sim_a).await;
 
     // Heal: the journal drains, the control plane catches up.
     for p in &proxies { p.set_cut(false); }
@@ -205,5 +218,14 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         assert!(got <= *want && got as f64 >= *want as f64 * 0.9995 - 1_000.0, "{tenant}: ledger {got} vs produced {want}");
     }
     assert!(produced.get("training").copied().unwrap_or(0) > 0);
+    // The eviction made while cut off is in the federation's audit log exactly once.
+    let cut_evictions: Vec<String> = fed
+        .audit()
+        .filter_map(|r| match &r.event {
+            kvota_fairness::federation::AuditEvent::Eviction { cluster, note } if note.victim == "train/t-cut" => Some(cluster.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(cut_evictions, vec![a.cluster().to_string()]);
     for n in nodes { n.shutdown().await; }
 }

@@ -117,6 +117,14 @@ fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evic
     assert_eq!(audit.len(), 8);
     assert!(audit.iter().all(|r| r.for_tenant == "inference" && r.victim_tenant == "training" && r.outcome == "evicted"));
     assert_eq!(st.eviction_counts().get(&("training".to_string(), "evicted".to_string())), Some(&8));
+    // The next usage reports carry them to the control plane's audit log, each once.
+    let oldest = audit[0].victim.clone();
+    let notes = st.take_eviction_notes(5);
+    assert_eq!(notes.len(), 5);
+    assert_eq!(notes[0].victim, oldest, "oldest first");
+    assert!(notes.iter().all(|n| n.for_tenant == "inference" && n.outcome == "evicted" && n.milli_gpue == 1_000 && !n.why.is_empty()));
+    assert_eq!(st.take_eviction_notes(64).len(), 3, "the rest in the next report");
+    assert!(st.take_eviction_notes(64).is_empty());
     // The checkpoint model: each victim lost the work since its last 10-minute checkpoint.
     let cost = c.eviction_cost()["training"];
     assert_eq!(cost.pods, 8);

@@ -190,6 +190,24 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     assert!(m.contains(r#"kvota_agent_lease_state{state="fresh"} 1"#), "{m}");
     assert!(m.contains(r#"kvota_agent_queue_depth{tenant="research"} 1"#), "{m}");
     assert!(m.contains("kvota_agent_admission_duration_seconds_count"), "{m}");
+
+    // The reclaim audit log on the same port: empty, then what reclaim recorded.
+    let (status, body) = c.call("GET", "/reclaims", vec![]).await;
+    assert_eq!((status, body.as_slice()), (200, b"[]".as_slice()));
+    s.agent.state().record_eviction(kvota_member_agent::state::ReclaimRecord {
+        at_ms: 1,
+        for_tenant: "research".into(),
+        for_pod: "lab/small".into(),
+        victim: "ml/p1".into(),
+        victim_tenant: "training".into(),
+        gpue: 1_000,
+        outcome: "evicted".into(),
+        why: "youngest pod of the most over-entitled tenant".into(),
+    });
+    let (status, body) = c.call("GET", "/reclaims", vec![]).await;
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_slice(&body).expect("JSON");
+    assert_eq!((v[0]["victim"].as_str(), v[0]["for_tenant"].as_str(), v[0]["outcome"].as_str()), (Some("ml/p1"), Some("research"), Some("evicted")), "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,8 @@
 use std::collections::BTreeMap;
 
 use kvota_fairness::federation::{
-    valid_cluster_id, TenantReport, UsageReport, MAX_CAPACITY_RESOURCES, MAX_REPORT_TENANTS,
+    valid_cluster_id, EvictionNote, TenantReport, UsageReport, MAX_CAPACITY_RESOURCES,
+    MAX_REPORT_EVICTIONS, MAX_REPORT_TENANTS,
 };
 use kvota_fairness::lease::{Lease, TenantBudget};
 
@@ -157,12 +158,34 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
         } else {
             Some(capacity("capacity", &r.capacity)?)
         };
+        if r.evictions.len() > MAX_REPORT_EVICTIONS {
+            return Err(invalid(
+                "evictions",
+                format!("{} entries; at most {MAX_REPORT_EVICTIONS}", r.evictions.len()),
+            ));
+        }
+        // Text sizes and outcomes are checked where the report is applied (one rule
+        // for every way a report arrives).
+        let evictions = r
+            .evictions
+            .into_iter()
+            .map(|e| EvictionNote {
+                victim: e.victim,
+                victim_tenant: e.victim_tenant,
+                for_tenant: e.for_tenant,
+                for_pod: e.for_pod,
+                milli_gpue: e.milli_gpue,
+                outcome: e.outcome,
+                why: e.why,
+            })
+            .collect();
         Ok(UsageReport {
             cluster,
             seq: r.seq,
             held_epoch: r.held_epoch,
             capacity,
             tenants,
+            evictions,
         })
     }
 }
@@ -184,6 +207,19 @@ impl From<&UsageReport> for v1::ReportRequest {
                 })
                 .collect(),
             capacity: r.capacity.as_ref().map(resources).unwrap_or_default(),
+            evictions: r
+                .evictions
+                .iter()
+                .map(|e| v1::Eviction {
+                    victim: e.victim.clone(),
+                    victim_tenant: e.victim_tenant.clone(),
+                    for_tenant: e.for_tenant.clone(),
+                    for_pod: e.for_pod.clone(),
+                    milli_gpue: e.milli_gpue,
+                    outcome: e.outcome.clone(),
+                    why: e.why.clone(),
+                })
+                .collect(),
         }
     }
 }
@@ -265,6 +301,15 @@ mod tests {
                 pending_milli_gpue: 1000,
             }],
             capacity: vec![],
+            evictions: vec![v1::Eviction {
+                victim: "train/job-7".into(),
+                victim_tenant: "training".into(),
+                for_tenant: "inference".into(),
+                for_pod: "serve/api-0".into(),
+                milli_gpue: 1000,
+                outcome: "evicted".into(),
+                why: "youngest pod of the most over-entitled tenant".into(),
+            }],
         }
     }
 
@@ -273,7 +318,16 @@ mod tests {
         let core = UsageReport::try_from(report()).expect("valid");
         assert_eq!(core.tenants["training"].inuse, 2000);
         assert_eq!(core.capacity, None);
+        assert_eq!(core.evictions.len(), 1);
+        assert_eq!(core.evictions[0].victim, "train/job-7");
         assert_eq!(v1::ReportRequest::from(&core), report());
+    }
+
+    #[test]
+    fn too_many_evictions_are_refused() {
+        let mut r = report();
+        r.evictions = vec![r.evictions[0].clone(); MAX_REPORT_EVICTIONS + 1];
+        assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("evictions".to_string()));
     }
 
     #[test]

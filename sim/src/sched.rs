@@ -307,6 +307,7 @@ impl Scheduler for WfqDecay {
                 held_epoch: self.agents[c].held_epoch(),
                 capacity: None,
                 tenants,
+                evictions: Vec::new(),
             };
             match self.fed.apply(now, Command::Report(report)) {
                 Ok(Applied::Reported { lease, applied }) => {
