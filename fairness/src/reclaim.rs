@@ -12,7 +12,9 @@
 //!   reclaim does. The freed GPUs are not admitted to anyone over budget; the next
 //!   lease hands them to the starved tenant. Reclaim
 //!   acts only after it has been starved for `starvedFor`, and only for a pod that could
-//!   run on some node of the cluster at all (an unschedulable pod never evicts anyone).
+//!   run on some node of the cluster at all: large enough, and allowed there by its node
+//!   selector, required node affinity and tolerations (an unschedulable pod never evicts
+//!   anyone); room is made only on a node the pod may use.
 //! - **Only from preemptible tenants above their entitlement here** (their budget in
 //!   this cluster's lease). Non-preemptible tenants are never victims, whatever the
 //!   numbers, and an eviction never takes a victim tenant below its budget (a pod
@@ -96,6 +98,16 @@ pub struct WaitingPod {
     pub resource: String,
     /// Devices.
     pub count: u64,
+    /// The nodes (indices) its node selector, required node affinity and tolerations let
+    /// it run on; `None`: any node.
+    pub nodes: Option<Vec<usize>>,
+}
+
+impl WaitingPod {
+    /// May it run on node `n`?
+    pub fn may_use(&self, n: usize) -> bool {
+        self.nodes.as_ref().is_none_or(|ns| ns.contains(&n))
+    }
 }
 
 /// The cluster as the agent sees it.
@@ -165,8 +177,12 @@ pub struct Starved {
     pub room: bool,
 }
 
-fn fits_some_node(nodes: &[BTreeMap<String, u64>], resource: &str, count: u64) -> bool {
-    nodes.iter().any(|n| n.get(resource).copied().unwrap_or(0) >= count)
+/// Some node the pod may use has `count` of its device (in `nodes`: free or total).
+fn fits_some_node(nodes: &[BTreeMap<String, u64>], pod: &WaitingPod) -> bool {
+    nodes
+        .iter()
+        .enumerate()
+        .any(|(i, n)| pod.may_use(i) && n.get(&pod.resource).copied().unwrap_or(0) >= pod.count)
 }
 
 /// Tenants starved right now (see the module docs), in name order.
@@ -176,7 +192,7 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
         let mine: Vec<&WaitingPod> = view
             .waiting
             .iter()
-            .filter(|w| w.tenant == t.name && fits_some_node(view.node_total, &w.resource, w.count))
+            .filter(|w| w.tenant == t.name && fits_some_node(view.node_total, w))
             .collect();
         let demand = t.inuse.saturating_add(mine.iter().map(|w| w.gpue).sum());
         let guarantee = demand.min(share_of(view.capacity, t.min_share_bp));
@@ -192,7 +208,7 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
                 tenant: t.name.clone(),
                 inuse: t.inuse,
                 guarantee,
-                room: fits_some_node(view.node_free, &pod.resource, pod.count),
+                room: fits_some_node(view.node_free, pod),
                 pod: (*pod).clone(),
             });
         }
@@ -296,6 +312,9 @@ pub fn plan(
     for spare_young in [true, false] {
         let mut best: Option<(MilliGpue, usize, Vec<&RunningPod>, u128)> = None;
         for (n, free) in view.node_free.iter().enumerate() {
+            if !s.pod.may_use(n) {
+                continue;
+            }
             let mut room = free.get(&s.pod.resource).copied().unwrap_or(0);
             let mut cands: Vec<&RunningPod> = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg).collect();
             cands.sort_by(|a, b| {
@@ -420,7 +439,7 @@ mod tests {
     }
 
     fn wait(key: &str, tenant: &str, gpus: u64) -> WaitingPod {
-        WaitingPod { key: key.into(), tenant: tenant.into(), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus }
+        WaitingPod { key: key.into(), tenant: tenant.into(), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus, nodes: None }
     }
 
     fn tenant(name: &str, preemptible: bool, min_pct: u32, budget: u64, inuse: u64) -> TenantHere {
@@ -496,6 +515,36 @@ mod tests {
         let waiting = [wait("i/huge", "inference", 8)];
         let tenants = [tenant("inference", false, 100, 8, 0), tenant("training", true, 0, 0, 4)];
         let view = ClusterView { waiting: &waiting, tenants: &tenants, ..view };
+        assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
+    }
+
+    #[test]
+    fn room_is_made_only_on_nodes_the_pod_may_use() {
+        // Two full nodes of training; the inference pod may use only node 1.
+        let free = [node(0), node(0)];
+        let total = [node(2), node(2)];
+        let tenants = [tenant("inference", false, 50, 2, 0), tenant("training", true, 0, 0, 4)];
+        let running = [
+            run("t/n0", "training", 2, 0, 0, 0), // the youngest would go first on node 0 (ties)
+            run("t/n1", "training", 2, 0, 0, 1),
+        ];
+        let mut w = wait("i/x", "inference", 2);
+        w.nodes = Some(vec![1]);
+        let waiting = [w.clone()];
+        let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let Decision::Evict { victims, node: at, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected an eviction") };
+        assert_eq!((at, victims[0].key.as_str()), (1, "t/n1"));
+        // Room already free on a node it may not use does not count as room.
+        let free = [node(2), node(0)];
+        let view = ClusterView { node_free: &free, ..view };
+        let starving = starved(&view);
+        assert!(!starving[0].room, "node 0 is free but not for this pod");
+        // A pod no node admits (a selector nobody satisfies) evicts no one.
+        w.nodes = Some(vec![]);
+        let waiting = [w];
+        let view = ClusterView { waiting: &waiting, ..view };
+        assert!(starved(&view).is_empty());
         assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
     }
 

@@ -14,6 +14,7 @@ use kvota_fairness::reclaim::{Decision, RunningPod, TenantHere, Victim, WaitingP
 use kvota_fairness::resources::ResourceWeights;
 use kvota_fairness::{MilliGpue, Millis};
 
+use crate::placement::{Placement, Taint};
 use crate::state::{AgentState, PodRec, ReclaimRecord};
 
 /// A node and the GPU devices it offers to pods.
@@ -27,6 +28,10 @@ pub struct NodeInfo {
     /// False when the node is cordoned (`spec.unschedulable`): its GPUs are not offered
     /// to new pods and do not count as capacity.
     pub schedulable: bool,
+    /// Labels (for node selectors and affinity).
+    pub labels: BTreeMap<String, String>,
+    /// Taints.
+    pub taints: Vec<Taint>,
 }
 
 /// Where a pod stands, as far as GPU accounting goes.
@@ -61,6 +66,8 @@ pub struct PodInfo {
     pub priority: i32,
     /// Agent-clock time it started running (bound) or started waiting (otherwise).
     pub since_ms: Millis,
+    /// Which nodes it may run on (node selector, required affinity, tolerations).
+    pub placement: Placement,
 }
 
 impl PodInfo {
@@ -198,6 +205,12 @@ pub fn reclaim_view(inv: &dyn Inventory, state: &AgentState) -> ReclaimInputs {
             PodStage::Unbound | PodStage::Gated => {
                 let Some(tenant) = tenant else { continue };
                 let (resource, count) = p.main_device();
+                let eligible: Vec<usize> = nodes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, n)| p.placement.allows(&n.name, &n.labels, &n.taints))
+                    .map(|(i, _)| i)
+                    .collect();
                 waiting.push(WaitingPod {
                     key: p.key,
                     tenant,
@@ -206,6 +219,7 @@ pub fn reclaim_view(inv: &dyn Inventory, state: &AgentState) -> ReclaimInputs {
                     since_ms: p.since_ms,
                     resource,
                     count,
+                    nodes: (eligible.len() < nodes.len()).then_some(eligible),
                 });
             }
             PodStage::Finished => {}
@@ -223,6 +237,8 @@ pub fn reclaim_view(inv: &dyn Inventory, state: &AgentState) -> ReclaimInputs {
                 since_ms: state.now_ms(),
                 resource: kvota_fairness::resources::NVIDIA_GPU.to_string(),
                 count: gpue.div_ceil(1000).max(1),
+                // Not known: the agent keeps no spec of a denied pod.
+                nodes: None,
             });
         }
     }

@@ -133,6 +133,7 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
         devices,
         priority: spec.and_then(|s| s.get("priority")).and_then(Value::as_i64).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
         since_ms: to_agent_clock(since, wall_now_s, agent_now_ms),
+        placement: crate::placement::Placement::from_pod_spec(spec),
     })
 }
 
@@ -153,7 +154,14 @@ pub fn node_info(node: &Value) -> Option<NodeInfo> {
         }
     }
     let schedulable = !node.get("spec").and_then(|s| s.get("unschedulable")).and_then(Value::as_bool).unwrap_or(false);
-    Some(NodeInfo { name, devices, schedulable })
+    let labels = node
+        .get("metadata")
+        .and_then(|m| m.get("labels"))
+        .and_then(Value::as_object)
+        .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+        .unwrap_or_default();
+    let taints = crate::placement::node_taints(node.get("spec"));
+    Some(NodeInfo { name, devices, schedulable, labels, taints })
 }
 
 fn namespace_labels(ns: &Value) -> Option<(String, BTreeMap<String, String>)> {

@@ -439,7 +439,13 @@ impl Inventory for SimCluster {
         self.total
             .iter()
             .enumerate()
-            .map(|(i, d)| NodeInfo { name: format!("node-{i}"), devices: d.clone(), schedulable: true })
+            .map(|(i, d)| NodeInfo {
+                name: format!("node-{i}"),
+                devices: d.clone(),
+                schedulable: true,
+                labels: BTreeMap::new(),
+                taints: Vec::new(),
+            })
             .collect()
     }
 
@@ -453,6 +459,7 @@ impl Inventory for SimCluster {
             devices: [(w.pod.resource.clone(), u64::from(w.pod.count))].into(),
             priority: w.pod.priority,
             since_ms: w.since_ms,
+            placement: Default::default(),
         };
         let mut out: Vec<PodInfo> = self
             .running
@@ -466,6 +473,7 @@ impl Inventory for SimCluster {
                 devices: [(r.pod.resource.clone(), u64::from(r.pod.count))].into(),
                 priority: r.pod.priority,
                 since_ms: r.started_ms,
+                placement: Default::default(),
             })
             .collect();
         out.extend(self.unbound.iter().map(|(k, w)| waiting(k, w, PodStage::Unbound)));

@@ -301,6 +301,41 @@ async fn reclaim_evicts_the_youngest_training_pods_through_the_eviction_api_with
     assert!(matches!(s.controller.reclaim(&s.agent).await, Decision::Idle(_)));
 }
 
+/// No eviction on behalf of a pod that could not use the room: a node selector no node
+/// satisfies, a taint it does not tolerate. Once a node admits it, reclaim acts.
+#[tokio::test]
+async fn reclaim_never_evicts_for_a_pod_no_node_admits() {
+    let mut s = starved_inference().await;
+    let mut w = s.api.get(Kind::Pod, "serve/w").expect("pod");
+    w["spec"]["nodeSelector"] = json!({"gpu": "h100"});
+    s.api.put(Kind::Pod, w);
+    eventually(&mut s, "selector seen", |s| {
+        s.inventory.gpu_pods().iter().any(|p| p.key == "serve/w" && !p.placement.node_selector.is_empty())
+    })
+    .await;
+    let d = s.controller.reclaim(&s.agent).await;
+    assert!(matches!(d, Decision::Idle(_)), "{d:?}");
+    assert_eq!(s.api.all(Kind::Pod).len(), 9, "nobody evicted");
+
+    // The node gets the label, and a taint the pod does not tolerate: still nothing.
+    let mut n1 = node("n1", 8, false);
+    n1["metadata"]["labels"] = json!({"gpu": "h100"});
+    n1["spec"]["taints"] = json!([{"key": "dedicated", "value": "batch", "effect": "NoSchedule"}]);
+    s.api.put(Kind::Node, n1.clone());
+    eventually(&mut s, "node labels seen", |s| s.inventory.nodes().iter().any(|n| n.labels.contains_key("gpu"))).await;
+    let d = s.controller.reclaim(&s.agent).await;
+    assert!(matches!(d, Decision::Idle(_)), "{d:?}");
+    assert_eq!(s.api.all(Kind::Pod).len(), 9, "nobody evicted");
+
+    // Untainted: the pod may run there, and reclaim makes room.
+    n1["spec"]["taints"] = json!([]);
+    s.api.put(Kind::Node, n1);
+    eventually(&mut s, "taint gone", |s| s.inventory.nodes().iter().all(|n| n.taints.is_empty())).await;
+    let d = s.controller.reclaim(&s.agent).await;
+    assert!(matches!(d, Decision::Evict { .. }), "{d:?}");
+    assert!(s.api.all(Kind::Pod).len() < 9);
+}
+
 #[tokio::test]
 async fn a_pod_disruption_budget_refusal_is_reported_and_not_forced() {
     let s = starved_inference().await;

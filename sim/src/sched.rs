@@ -205,6 +205,7 @@ impl WfqDecay {
                         since_ms: w.jobs[j].submit_ms,
                         resource: "gpu".into(),
                         count: w.jobs[j].gpue,
+                        nodes: None,
                     })
                     .collect();
                 let pool = cl.node_cap.is_empty();
