@@ -63,6 +63,28 @@ pub enum ExplainCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Why a pod was admitted, queued or denied, and where it stands now. The decision is
+    /// the agent's (of the cluster the pod was created in): pass --agent and --agent-ca
+    /// to read it; without them, what the control plane knows about the pod's tenant.
+    Pod {
+        /// NAMESPACE/NAME, as in the denial or queue message.
+        pod: String,
+        /// The agent's webhook address, e.g. https://kvota-agent.kvota-system.svc:443 or,
+        /// through `kubectl -n kvota-system port-forward svc/kvota-agent 8443:443`,
+        /// https://localhost:8443 (with --agent-tls-name).
+        #[arg(long, env = "KVOTA_AGENT", value_name = "URL")]
+        agent: Option<String>,
+        /// PEM file with the CA the agent's serving certificate chains to (the webhook's
+        /// caBundle).
+        #[arg(long, env = "KVOTA_AGENT_CA", value_name = "FILE", requires = "agent")]
+        agent_ca: Option<std::path::PathBuf>,
+        /// Name to verify the agent's certificate for (default: the host in --agent).
+        #[arg(long, value_name = "NAME", requires = "agent")]
+        agent_tls_name: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn client(cp: &Cp) -> Result<Client> {
@@ -271,7 +293,12 @@ pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
 
 /// `kvota explain tenant NAME`
 pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
-    let ExplainCmd::Tenant { name, json } = cmd;
+    let (name, json) = match cmd {
+        ExplainCmd::Tenant { name, json } => (name, json),
+        ExplainCmd::Pod { pod, agent, agent_ca, agent_tls_name, json } => {
+            return explain_pod(cp, pod, agent.as_deref(), agent_ca.as_deref(), agent_tls_name.clone(), *json)
+        }
+    };
     let c = client(cp)?;
     let tenant = name.clone();
     let r = rt()?
@@ -286,6 +313,87 @@ pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
         out!("{}", r.text);
     }
     Ok(())
+}
+
+/// `kvota explain pod`: the agent's record of the decision when an agent is named; the
+/// control plane's view of the pod's tenant otherwise.
+fn explain_pod(
+    cp: &Cp,
+    pod: &str,
+    agent: Option<&str>,
+    agent_ca: Option<&std::path::Path>,
+    tls_name: Option<String>,
+    json: bool,
+) -> Result<()> {
+    let (namespace, name) = pod
+        .split_once('/')
+        .filter(|(n, p)| !n.is_empty() && !p.is_empty() && !p.contains('/'))
+        .with_context(|| format!("`{pod}`: expected NAMESPACE/NAME (as in the admission message)"))?;
+    if let Some(base) = agent {
+        let ca = agent_ca.context(
+            "--agent needs --agent-ca FILE (or KVOTA_AGENT_CA): the CA of the agent's serving certificate, the webhook's caBundle",
+        )?;
+        let target = kvota_member_agent::https::Target { base: base.to_string(), ca: ca.to_path_buf(), tls_name };
+        let path = format!("/explain?pod={}", percent_encode(pod));
+        let (status, body) = rt()?
+            .block_on(kvota_member_agent::https::get(&target, &path, std::time::Duration::from_secs(10)))
+            .map_err(|e| anyhow::anyhow!("ask the agent at {base}: {e}"))?;
+        let v: serde_json::Value = serde_json::from_slice(&body)
+            .with_context(|| format!("the agent at {base} answered {status} with something that is not JSON; is it a kvota agent?"))?;
+        if status != 200 {
+            bail!("{}", v["error"].as_str().unwrap_or("the agent could not explain this pod"));
+        }
+        if json {
+            out!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            let e: kvota_member_agent::state::PodExplanation = serde_json::from_value(v).context("decode the agent's answer")?;
+            out!("{}", e.text);
+            out!("  decided {} ago; now: {}", kvota_fairness::units::format_duration_ms(e.decided_ago_ms), e.now);
+        }
+        return Ok(());
+    }
+    // No agent: the pod's tenant as the control plane sees it.
+    let c = client(cp)?;
+    let rt = rt()?;
+    let r = rt
+        .block_on(c.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }))
+        .map_err(|e| status_err(cp, e))?;
+    if r.name.is_empty() {
+        bail!("no policy is in force, so kvota governs no pod; apply one with `kvota policy apply FILE`");
+    }
+    let policy: kvota_fairness::policy::Policy = serde_json::from_str(&r.json).context("decode the policy")?;
+    let tenant = policy.tenant_for_namespace(namespace, &std::collections::BTreeMap::new()).map(|t| t.name.clone());
+    let hint = format!(
+        "the decision about {namespace}/{name} was made by the agent of its cluster; to read it:\n  kvota explain pod {pod} --agent https://AGENT:PORT --agent-ca CA.crt"
+    );
+    let Some(tenant) = tenant else {
+        out!("namespace `{namespace}` is not listed by any tenant of policy `{}`; if it carries the label kvota.dev/tenant=T (or matches a tenant's namespace selector), run `kvota explain tenant T`.\n{hint}", r.name);
+        return Ok(());
+    };
+    let e = rt
+        .block_on(c.call(|ch| {
+            let tenant = tenant.clone();
+            async move { Ok(Client::admin(ch).explain_tenant(v1::ExplainTenantRequest { tenant }).await?.into_inner()) }
+        }))
+        .map_err(|e| status_err(cp, e))?;
+    if json {
+        out!("{}", e.json);
+    } else {
+        out!("pod {pod}: namespace `{namespace}` belongs to tenant `{tenant}`. A GPU pod is admitted in a cluster while the tenant's in use there plus the pod's request stays within its budget there:");
+        out!("{}", e.text);
+        out!("{hint}");
+    }
+    Ok(())
+}
+
+/// Percent-encodes a query value (pod keys are DNS names and a slash; anything else too).
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// `kvota audit`

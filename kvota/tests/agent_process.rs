@@ -180,6 +180,7 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     // retry rounds admit more, never beyond maxShare (60 % of 8 GPUs = 4.8).
     let mut admitted = 0;
     let mut denial = String::new();
+    let (mut denied_pod, mut admitted_pod) = (String::new(), String::new());
     for round in 0..20 {
         for i in 0..8 {
             let (status, body) = https(hook, &ca, "POST", "/validate", review(&format!("t{round}-{i}"), "ml", 1)).await.expect("review");
@@ -188,8 +189,10 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
             assert_eq!(r["response"]["uid"], format!("t{round}-{i}"));
             if r["response"]["allowed"] == true {
                 admitted += 1;
+                admitted_pod = format!("ml/t{round}-{i}");
             } else {
                 denial = r["response"]["status"]["message"].as_str().unwrap_or_default().to_string();
+                denied_pod = format!("ml/t{round}-{i}");
                 break;
             }
         }
@@ -197,6 +200,31 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     }
     assert!((1..=4).contains(&admitted), "admitted {admitted} one-GPU pods; maxShare allows 4");
     assert!(denial.contains("training") && denial.contains("kvota explain"), "{denial}");
+
+    // The command the denial names explains it, from the agent's record of the decision.
+    let explain = |pod: &str, agent: bool| {
+        let mut c = kvota();
+        c.args(["explain", "pod", pod, "--cp", &rpc]);
+        if agent {
+            c.args(["--agent", &format!("https://127.0.0.1:{hook}"), "--agent-tls-name", "localhost", "--agent-ca"]);
+            c.arg(tmp.path().join("tls.crt"));
+        }
+        let out = c.output().expect("explain pod");
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (ok, text, err) = explain(&denied_pod, true);
+    assert!(ok, "{err}");
+    assert!(text.contains(&format!("pod {denied_pod} requests 1 GPUe")) && text.contains("tenant training in cluster east"), "{text}");
+    assert!(text.contains("Deny") && text.contains("against budget") && text.contains("now: denied"), "{text}");
+    let (ok, text, err) = explain(&admitted_pod, true);
+    assert!(ok && text.contains("Allow") && (text.contains("now: bound") || text.contains("now: admitted")), "{text}{err}");
+    let (ok, _, err) = explain("ml/never-created", true);
+    assert!(!ok && err.contains("has not judged pod ml/never-created"), "{err}");
+    // Without an agent: the tenant's numbers from the control plane, and how to ask the agent.
+    let (ok, text, err) = explain(&denied_pod, false);
+    assert!(ok && text.contains("belongs to tenant `training`") && text.contains("--agent https://"), "{text}{err}");
+    let (ok, _, err) = explain("no-slash", false);
+    assert!(!ok && err.contains("expected NAMESPACE/NAME"), "{err}");
 
     // The control plane sees the cluster and the usage.
     wait_for("the control plane to see training's pods", Duration::from_secs(10), || async {

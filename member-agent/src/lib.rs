@@ -14,10 +14,12 @@
 //! - [`placement`]: which nodes a pod may run on (selectors, affinity, taints);
 //! - [`sim`]: a simulated cluster whose pods go through `review`;
 //! - [`netfault`]: a TCP proxy whose link can be cut (tests and the demo);
+//! - [`https`]: a small HTTPS client for the agent's port (`kvota explain pod --agent`);
 //! - [`webhook`]: the HTTPS admission webhook (rustls, certificate reload, limits);
 //! - [`metrics`]: the agent's Prometheus metrics.
 
 pub mod agent;
+pub mod https;
 pub mod inventory;
 pub mod kube;
 pub mod journal;

@@ -95,6 +95,8 @@ pub trait AdmissionState {
     fn held(&self) -> Option<String> {
         None
     }
+    /// Remembers a decision (not called for dry-run requests) for `kvota explain pod`.
+    fn remember(&mut self, _key: &str, _pod: &PodRequest, _view: &LocalView, _decision: &Decision) {}
 }
 
 /// Outcome of one review, for logs and metrics.
@@ -328,7 +330,11 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         return Reviewed { body, tenant: Some(tenant), outcome, gpue };
     }
     let view = state.view(&tenant);
-    let d: Decision = decide(&PodRequest { namespace, name, gpue }, &view);
+    let req = PodRequest { namespace, name, gpue };
+    let d: Decision = decide(&req, &view);
+    if !dry_run {
+        state.remember(&key, &req, &view, &d);
+    }
     let (body, outcome) = match d.verdict {
         Verdict::Allow => {
             if !dry_run {

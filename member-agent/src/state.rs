@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::admission::{release_order, LocalView, QueuedPod};
+use kvota_fairness::admission::{release_order, LocalView, PodRequest, QueuedPod};
 use kvota_fairness::federation::TenantReport;
 use kvota_fairness::lease::AgentLease;
 use kvota_fairness::policy::Policy;
@@ -57,6 +57,42 @@ pub struct AgentState {
     denied_ttl_ms: Millis,
     reclaim: ReclaimBook,
     held: Option<String>,
+    decisions: DecisionBook,
+}
+
+/// Most admission decisions an agent remembers for `kvota explain pod` (oldest dropped).
+pub const DECISIONS_KEPT: usize = 4096;
+
+/// One admission decision, as `kvota explain pod` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct DecisionNote {
+    at_ms: Millis,
+    pod: PodRequest,
+    view: LocalView,
+    decision: kvota_fairness::admission::Decision,
+}
+
+/// The last [`DECISIONS_KEPT`] decisions by pod key; a pod judged again replaces its note.
+#[derive(Debug, Default)]
+struct DecisionBook {
+    by_key: std::collections::HashMap<String, (u64, DecisionNote)>,
+    order: std::collections::VecDeque<(u64, String)>,
+    next: u64,
+}
+
+/// What `kvota explain pod` prints for one pod (served by the agent at `/explain`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PodExplanation {
+    /// `namespace/name`.
+    pub pod: String,
+    /// How long ago it was judged.
+    pub decided_ago_ms: Millis,
+    /// `Allow`, `Queue` or `Deny`.
+    pub verdict: String,
+    /// The numbers at the time and the message the pod got.
+    pub text: String,
+    /// Where the pod stands now, as this agent sees it.
+    pub now: String,
 }
 
 /// Most reclaim records an agent keeps (oldest dropped first).
@@ -112,6 +148,7 @@ impl AgentState {
             denied_ttl_ms: DENIED_DEMAND_TTL_MS,
             reclaim: ReclaimBook::default(),
             held: None,
+            decisions: DecisionBook::default(),
         }
     }
 
@@ -221,6 +258,49 @@ impl AgentState {
     /// Recently denied pods still counted as demand: `(pod key, tenant, GPUe)`.
     pub fn denied_pods(&self) -> Vec<(String, String, MilliGpue)> {
         self.denied.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
+    }
+
+    /// Explains the last decision about pod `key` (`namespace/name`) and where it stands
+    /// now; `None` if this agent has not judged it among its last [`DECISIONS_KEPT`].
+    pub fn explain_pod(&self, key: &str) -> Option<PodExplanation> {
+        let (_, n) = self.decisions.by_key.get(key)?;
+        let now = if let Some(p) = self.bound.get(key) {
+            format!("bound: running, holding {} GPUe", kvota_fairness::units::format_gpue(p.gpue))
+        } else if let Some((_, g, until)) = self.reserved.get(key) {
+            format!(
+                "admitted, not yet on a node: {} GPUe reserved for it for another {} s",
+                kvota_fairness::units::format_gpue(*g),
+                until.saturating_sub(self.now_ms) / 1000
+            )
+        } else if let Some(q) = self.queue.get(key) {
+            // Same order as the gate controller: priority (highest first), then age.
+            let ahead = self
+                .queue
+                .values()
+                .filter(|o| o.tenant == q.tenant)
+                .filter(|o| (std::cmp::Reverse(o.pod.priority), o.pod.queued_at_ms, &o.pod.key) < (std::cmp::Reverse(q.pod.priority), q.pod.queued_at_ms, &q.pod.key))
+                .count();
+            let pos = ahead + 1;
+            let mine = self.queued(&q.tenant);
+            format!(
+                "queued behind the {} gate: position {pos} of {mine} in tenant `{}`'s queue (priority, then age); in use {} of budget {} now",
+                kvota_fairness::admission::SCHEDULING_GATE,
+                q.tenant,
+                kvota_fairness::units::format_gpue(self.inuse(&q.tenant)),
+                kvota_fairness::units::format_gpue(self.lease.budget(&q.tenant, self.now_ms))
+            )
+        } else if self.denied.contains_key(key) {
+            "denied; counted as its tenant's demand for a while, so its share can grow".to_string()
+        } else {
+            "no longer known to this agent (finished, deleted, or never created)".to_string()
+        };
+        Some(PodExplanation {
+            pod: key.to_string(),
+            decided_ago_ms: self.now_ms.saturating_sub(n.at_ms),
+            verdict: format!("{:?}", n.decision.verdict),
+            text: kvota_fairness::explain::explain_pod(&n.pod, &n.view, &n.decision),
+            now,
+        })
     }
 
     /// Pods of `tenant` waiting behind the gate.
@@ -397,6 +477,21 @@ impl AgentState {
 }
 
 impl AdmissionState for AgentState {
+    fn remember(&mut self, key: &str, pod: &PodRequest, view: &LocalView, decision: &kvota_fairness::admission::Decision) {
+        let b = &mut self.decisions;
+        b.next += 1;
+        let note = DecisionNote { at_ms: self.now_ms, pod: pod.clone(), view: view.clone(), decision: decision.clone() };
+        b.by_key.insert(key.to_string(), (b.next, note));
+        b.order.push_back((b.next, key.to_string()));
+        // Drop the oldest notes; a key judged again since has a newer number and stays.
+        while b.by_key.len() > DECISIONS_KEPT || b.order.len() > 2 * DECISIONS_KEPT {
+            let Some((n, k)) = b.order.pop_front() else { break };
+            if b.by_key.get(&k).is_some_and(|(m, _)| *m == n) {
+                b.by_key.remove(&k);
+            }
+        }
+    }
+
     fn cluster(&self) -> &str {
         &self.cluster
     }

@@ -270,6 +270,32 @@ async fn reclaims(State(ctx): State<Arc<WebhookCtx>>) -> Response {
     axum::Json(records).into_response()
 }
 
+/// `?pod=namespace/name` for `/explain`.
+#[derive(serde::Deserialize)]
+struct ExplainQuery {
+    pod: Option<String>,
+}
+
+/// The last admission decision about one pod, with its numbers and where the pod stands
+/// now (what `kvota explain pod NAMESPACE/NAME --agent URL` prints).
+async fn explain(State(ctx): State<Arc<WebhookCtx>>, q: Result<axum::extract::Query<ExplainQuery>, axum::extract::rejection::QueryRejection>) -> Response {
+    let err = |code: StatusCode, msg: String| (code, axum::Json(serde_json::json!({ "error": msg }))).into_response();
+    let Some(pod) = q.ok().and_then(|q| q.0.pod).filter(|p| !p.is_empty()) else {
+        return err(StatusCode::BAD_REQUEST, "ask for one pod: /explain?pod=NAMESPACE/NAME".into());
+    };
+    let found = ctx.agent.state().explain_pod(&pod);
+    match found {
+        Some(e) => axum::Json(e).into_response(),
+        None => err(
+            StatusCode::NOT_FOUND,
+            format!(
+                "this agent has not judged pod {pod} among its last {} decisions (pods without GPUs and dry runs are not judged; a pod created with generateName is known by its generated name)",
+                crate::state::DECISIONS_KEPT
+            ),
+        ),
+    }
+}
+
 /// The webhook's routes.
 pub fn router(ctx: Arc<WebhookCtx>) -> Router {
     Router::new()
@@ -279,6 +305,7 @@ pub fn router(ctx: Arc<WebhookCtx>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/reclaims", get(reclaims))
+        .route("/explain", get(explain))
         .with_state(ctx)
 }
 
