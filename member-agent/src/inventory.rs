@@ -25,8 +25,8 @@ pub struct NodeInfo {
     /// Allocatable GPU devices (whole GPUs, MIG slices, ...) by resource name, in
     /// units (not thousandths).
     pub devices: BTreeMap<String, u64>,
-    /// False when the node is cordoned (`spec.unschedulable`): its GPUs are not offered
-    /// to new pods and do not count as capacity.
+    /// False when the node is cordoned (`spec.unschedulable`) or not Ready: its GPUs are
+    /// not offered to new pods and do not count as capacity.
     pub schedulable: bool,
     /// Labels (for node selectors and affinity).
     pub labels: BTreeMap<String, String>,

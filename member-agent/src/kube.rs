@@ -153,7 +153,16 @@ pub fn node_info(node: &Value) -> Option<NodeInfo> {
             }
         }
     }
-    let schedulable = !node.get("spec").and_then(|s| s.get("unschedulable")).and_then(Value::as_bool).unwrap_or(false);
+    let cordoned = node.get("spec").and_then(|s| s.get("unschedulable")).and_then(Value::as_bool).unwrap_or(false);
+    // A node whose Ready condition is False or Unknown takes no new pods (the node
+    // lifecycle controller taints it); a node that reports no conditions yet counts.
+    let not_ready = node
+        .get("status")
+        .and_then(|s| s.get("conditions"))
+        .and_then(Value::as_array)
+        .and_then(|cs| cs.iter().find(|c| c.get("type").and_then(Value::as_str) == Some("Ready")))
+        .is_some_and(|c| c.get("status").and_then(Value::as_str) != Some("True"));
+    let schedulable = !cordoned && !not_ready;
     let labels = node
         .get("metadata")
         .and_then(|m| m.get("labels"))
@@ -754,5 +763,12 @@ mod tests {
         assert!(info.schedulable);
         let c = json!({"metadata": {"name": "n2"}, "spec": {"unschedulable": true}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}});
         assert!(!node_info(&c).expect("node").schedulable);
+        let ready = |status: &str| {
+            json!({"metadata": {"name": "n3"}, "status": {"allocatable": {"nvidia.com/gpu": "4"},
+                "conditions": [{"type": "MemoryPressure", "status": "False"}, {"type": "Ready", "status": status}]}})
+        };
+        assert!(node_info(&ready("True")).expect("node").schedulable);
+        assert!(!node_info(&ready("False")).expect("node").schedulable, "NotReady takes no new pods");
+        assert!(!node_info(&ready("Unknown")).expect("node").schedulable, "a node that stopped reporting");
     }
 }
