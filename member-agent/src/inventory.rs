@@ -68,6 +68,9 @@ pub struct PodInfo {
     pub since_ms: Millis,
     /// Which nodes it may run on (node selector, required affinity, tolerations).
     pub placement: Placement,
+    /// `metadata.generateName`, if the name was generated: the mutating webhook judged
+    /// it before it had a name, under a provisional key (`namespace/prefix*uid`).
+    pub generate_name: Option<String>,
 }
 
 impl PodInfo {
@@ -131,6 +134,11 @@ pub fn sync_state(inv: &dyn Inventory, state: &mut AgentState, known: &mut BTree
     let mut seen = BTreeSet::new();
     for p in inv.gpu_pods() {
         let tenant = state.tenant_of_namespace(&p.namespace);
+        // A pod judged before it had a name: its reservation or queue place moves to its
+        // real name, so it is not counted twice.
+        if let Some(prefix) = p.generate_name.as_deref().filter(|_| p.stage != PodStage::Finished && !state.knows(&p.key)) {
+            state.adopt_provisional(&format!("{}/{prefix}*", p.namespace), &p.key, p.gpue, p.stage == PodStage::Gated);
+        }
         match p.stage {
             PodStage::Finished => continue,
             PodStage::Bound => state.pod_bound(&p.key, PodRec { tenant, gpue: p.gpue }),

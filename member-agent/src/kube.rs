@@ -134,6 +134,7 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
         priority: spec.and_then(|s| s.get("priority")).and_then(Value::as_i64).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
         since_ms: to_agent_clock(since, wall_now_s, agent_now_ms),
         placement: crate::placement::Placement::from_pod_spec(spec),
+        generate_name: meta.get("generateName").and_then(Value::as_str).filter(|g| !g.is_empty()).map(str::to_string),
     })
 }
 

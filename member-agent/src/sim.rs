@@ -460,6 +460,7 @@ impl Inventory for SimCluster {
             priority: w.pod.priority,
             since_ms: w.since_ms,
             placement: Default::default(),
+            generate_name: None,
         };
         let mut out: Vec<PodInfo> = self
             .running
@@ -474,6 +475,7 @@ impl Inventory for SimCluster {
                 priority: r.pod.priority,
                 since_ms: r.started_ms,
                 placement: Default::default(),
+                generate_name: None,
             })
             .collect();
         out.extend(self.unbound.iter().map(|(k, w)| waiting(k, w, PodStage::Unbound)));

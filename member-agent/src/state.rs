@@ -228,6 +228,50 @@ impl AgentState {
         self.reserved.insert(pod.to_string(), (tenant.to_string(), gpue, self.now_ms + RESERVATION_TTL_MS));
     }
 
+    /// Whether this state counts pod `key` (bound, reserved or queued).
+    pub fn knows(&self, key: &str) -> bool {
+        self.bound.contains_key(key) || self.reserved.contains_key(key) || self.queue.contains_key(key)
+    }
+
+    /// A pod created with `generateName` was judged by the mutating webhook before it had
+    /// a name, under a provisional key `namespace/prefix*uid`. When it shows up under its
+    /// real name, the oldest provisional entry with that prefix and the same GPUe becomes
+    /// its own: a queue place if it is gated, a reservation otherwise. Returns whether
+    /// one was found.
+    pub fn adopt_provisional(&mut self, prefix: &str, real: &str, gpue: MilliGpue, gated: bool) -> bool {
+        let from = if gated {
+            let oldest = self
+                .queue
+                .iter()
+                .filter(|(k, q)| k.starts_with(prefix) && q.pod.gpue == gpue)
+                .min_by_key(|(k, q)| (q.pod.queued_at_ms, (*k).clone()))
+                .map(|(k, _)| k.clone());
+            let Some(k) = oldest else { return false };
+            if let Some(mut q) = self.queue.remove(&k) {
+                q.pod.key = real.to_string();
+                self.queue.insert(real.to_string(), q);
+            }
+            k
+        } else {
+            let oldest = self
+                .reserved
+                .iter()
+                .filter(|(k, r)| k.starts_with(prefix) && r.1 == gpue)
+                .min_by_key(|(k, r)| (r.2, (*k).clone()))
+                .map(|(k, _)| k.clone());
+            let Some(k) = oldest else { return false };
+            if let Some(r) = self.reserved.remove(&k) {
+                self.reserved.insert(real.to_string(), r);
+            }
+            k
+        };
+        if let Some(note) = self.decisions.by_key.remove(&from) {
+            self.decisions.order.push_back((note.0, real.to_string()));
+            self.decisions.by_key.insert(real.to_string(), note);
+        }
+        true
+    }
+
     /// The inventory shows a pod behind kvota's gate that this state does not queue (after
     /// a restart or a change of leader): it joins the queue, keeping its age.
     pub fn requeue(&mut self, pod: &str, tenant: &str, gpue: MilliGpue, priority: i32, since_ms: Millis) {

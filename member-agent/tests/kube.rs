@@ -22,6 +22,7 @@ use kvota_fairness::reclaim::Decision;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::inventory::{capacity_milli, Inventory, PodStage};
 use kvota_member_agent::kube::{format_time, Controller, Election, KubeActions, KubeInventory};
+use kvota_member_agent::review::{review, Endpoint};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
@@ -299,6 +300,48 @@ async fn reclaim_evicts_the_youngest_training_pods_through_the_eviction_api_with
     // Once the deletions are seen the guarantee is within reach: nothing more to evict.
     eventually(&mut s, "evictions seen", |s| s.agent.state().bound("training") == 6000).await;
     assert!(matches!(s.controller.reclaim(&s.agent).await, Decision::Idle(_)));
+}
+
+/// A pod created with generateName is judged by the mutating webhook before it has a
+/// name; when it shows up under its generated name it takes over that reservation (and
+/// the queue place of a second one) instead of being counted twice.
+#[tokio::test]
+async fn a_generated_name_takes_over_the_provisional_reservation() {
+    let api = FakeApi::start().await;
+    api.put(Kind::Namespace, namespace("serve", None));
+    api.put(Kind::Node, node("n1", 8, false));
+    let mut s = setup(api, &[("inference", 2)]).await;
+    eventually(&mut s, "listed", |s| s.inventory.synced()).await;
+    let review_of = |uid: &str| {
+        serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"}, "namespace": "serve", "operation": "CREATE",
+                "object": {"metadata": {"generateName": "api-", "namespace": "serve"},
+                    "spec": {"containers": [{"name": "m", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}}))
+        .expect("json")
+    };
+    let r = review(&review_of("u1"), Endpoint::Mutate, &mut *s.agent.state());
+    assert_eq!(r.outcome, "allowed", "{}", String::from_utf8_lossy(&r.body));
+    let r = review(&review_of("u2"), Endpoint::Mutate, &mut *s.agent.state());
+    assert_eq!(r.outcome, "queued", "the budget of 2 GPUs is reserved for the first");
+    {
+        let st = s.agent.state();
+        assert_eq!((st.inuse("inference"), st.queued("inference")), (2000, 1));
+    }
+
+    // The API server names them; the first is admitted and not yet bound, the second gated.
+    let mut p1 = pod("serve", "api-x7k2p", 2, None, &[], 0, 1);
+    p1["metadata"]["generateName"] = json!("api-");
+    let mut p2 = pod("serve", "api-q9z4m", 2, None, &["kvota.dev/admission"], 0, 1);
+    p2["metadata"]["generateName"] = json!("api-");
+    s.api.put(Kind::Pod, p1);
+    s.api.put(Kind::Pod, p2);
+    eventually(&mut s, "pods seen", |s| s.inventory.gpu_pods().len() == 2).await;
+    let st = s.agent.state();
+    assert_eq!(st.inuse("inference"), 2000, "one reservation, under the real name: {:?} {:?}", st.reservations(), s.inventory.gpu_pods());
+    assert_eq!(st.queued("inference"), 1, "one queue place, under the real name");
+    assert!(st.knows("serve/api-x7k2p") && st.knows("serve/api-q9z4m"));
+    assert!(st.explain_pod("serve/api-x7k2p").is_some_and(|e| e.verdict == "Allow"), "the decision follows the name");
 }
 
 /// No eviction on behalf of a pod that could not use the room: a node selector no node
