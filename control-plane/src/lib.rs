@@ -19,3 +19,4 @@ pub mod server;
 pub mod service;
 pub mod store;
 pub mod types;
+pub mod watchdog;

@@ -159,6 +159,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 #[derive(Clone)]
 pub struct RaftTransport {
     raft: Raft,
+    contact: std::sync::Arc<crate::watchdog::LeaderContact>,
 }
 
 impl std::fmt::Debug for RaftTransport {
@@ -168,9 +169,9 @@ impl std::fmt::Debug for RaftTransport {
 }
 
 impl RaftTransport {
-    /// Serves Raft traffic for `raft`.
-    pub fn new(raft: Raft) -> Self {
-        RaftTransport { raft }
+    /// Serves Raft traffic for `raft`, noting in `contact` when a leader was last heard.
+    pub fn new(raft: Raft, contact: std::sync::Arc<crate::watchdog::LeaderContact>) -> Self {
+        RaftTransport { raft, contact }
     }
 }
 
@@ -192,6 +193,9 @@ impl RaftService for RaftTransport {
     ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
         let rpc: AppendEntriesRequest<TypeConfig> =
             serde_json::from_slice(&request.into_inner().data).map_err(bad_payload)?;
+        if let Some(leader) = rpc.vote.leader_id().voted_for() {
+            self.contact.heard(leader);
+        }
         reply(&self.raft.append_entries(rpc).await)
     }
 

@@ -165,6 +165,7 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
     let (shutdown, rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
 
+    let contact = Arc::new(crate::watchdog::LeaderContact::default());
     // gRPC: member, admin and Raft services on one port.
     let grpc = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(MAX_CONCURRENT_PER_CONNECTION)
@@ -177,7 +178,7 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
             AdminServer::new(AdminSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES),
         )
         .add_service(
-            RaftServer::new(RaftTransport::new(raft.clone()))
+            RaftServer::new(RaftTransport::new(raft.clone(), contact.clone()))
                 .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
         );
@@ -191,6 +192,16 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
             tracing::error!(error = %e, "gRPC server stopped");
         }
     });
+
+    // Fast failover when the leader's process is gone (see `watchdog`).
+    tasks.spawn(crate::watchdog::run(
+        raft.clone(),
+        contact,
+        cfg.id,
+        Duration::from_millis(cfg.heartbeat_ms),
+        Duration::from_millis(cfg.election_timeout_max_ms),
+        rx.clone(),
+    ));
 
     // HTTP admin port.
     let app = crate::http::router(ctx.clone());

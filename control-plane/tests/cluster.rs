@@ -40,6 +40,10 @@ fn config(id: u64, dir: PathBuf, m: &Node) -> ServerConfig {
 
 impl Cluster {
     async fn start(n: u64) -> Cluster {
+        Cluster::start_with(n, |_| {}).await
+    }
+
+    async fn start_with(n: u64, tweak: fn(&mut ServerConfig)) -> Cluster {
         let tmp = tempfile::tempdir().expect("tmp");
         let mut listeners = Vec::new();
         let mut members = BTreeMap::new();
@@ -60,6 +64,7 @@ impl Cluster {
             let id = i as u64 + 1;
             let dir = tmp.path().join(format!("node{id}"));
             let mut cfg = config(id, dir.clone(), &members[&id]);
+            tweak(&mut cfg);
             if id == 1 {
                 cfg.initial_members = Some(members.clone());
             }
@@ -460,4 +465,31 @@ async fn membership_changes_and_admin_http() {
     assert_eq!(e.code(), Code::InvalidArgument);
     n4.shutdown().await;
     cl.shutdown().await;
+}
+
+/// When the leader's process is gone (its port refuses connections), a survivor calls an
+/// election as soon as the leader lease has run out on every follower, instead of
+/// waiting for its own election timer on top of the lease. The timing is stretched so
+/// the two are seconds apart: lease 4 s (election_timeout_max), timers 2-4 s. openraft
+/// alone needs lease + timer >= 6 s after the last heartbeat (>= 5.8 s after the stop);
+/// the watchdog about 4.02 s after the last heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn survivors_of_a_dead_leader_elect_when_the_lease_ends_not_after_their_timers() {
+    let mut c = Cluster::start_with(3, |cfg| {
+        cfg.heartbeat_ms = 200;
+        cfg.election_timeout_min_ms = 2_000;
+        cfg.election_timeout_max_ms = 4_000;
+    })
+    .await;
+    let old = c.leader(Duration::from_secs(30)).await;
+    // Every follower has heard the leader (and so holds its lease) before it dies.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let stopped = Instant::now();
+    c.stop(old).await;
+    let new = c.leader(Duration::from_secs(15)).await;
+    let took = stopped.elapsed();
+    assert_ne!(new, old);
+    assert!(took >= Duration::from_millis(3_700), "elected {took:?} after the stop: before the old leader's lease ran out");
+    assert!(took < Duration::from_millis(5_500), "elected {took:?} after the stop: no sooner than openraft's own timers would");
+    c.shutdown().await;
 }
