@@ -1,0 +1,1175 @@
+//! The Kubernetes manifests in `deploy/kubernetes/` against the code they deploy, so they
+//! cannot rot unnoticed. No API server or kubectl runs here; what can be checked without
+//! one is:
+//!
+//! - every YAML document parses into its typed k8s-openapi object (chosen by `kind`) and
+//!   serializes back to the same document, so a misspelt or misplaced field, which a
+//!   typed parse alone would drop silently, fails too;
+//! - every argument of every kvota container is accepted by the real binary's parser,
+//!   every required option is given, and every environment variable is one the binary
+//!   reads or one its arguments expand;
+//! - RBAC grants exactly the API calls the agent makes ([`AGENT_CALLS`], each with the
+//!   code that makes it): each call is allowed, nothing else is;
+//! - the webhook configurations call the agent's Service, on the port it listens on,
+//!   for pod CREATE only, and select neither kube-system nor the agent's namespace;
+//! - the control plane's node ids, peer names and bootstrap members agree;
+//! - `make-webhook-cert` makes a Secret the agent mounts and a CA bundle that verifies
+//!   the certificate the real agent serves, under the name the API server calls; the
+//!   webhook and probe paths of the manifests answer on the real agent and server.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, RuleWithOperations, ValidatingWebhookConfiguration, WebhookClientConfig,
+};
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, Subject};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// The caBundle placeholder of `agent/webhooks/webhooks.yaml`; `make-webhook-cert`
+/// replaces the same string.
+const CA_PLACEHOLDER: &str = "@CA_BUNDLE-FILLED-IN-BY-make-webhook-cert@";
+/// What the test puts in its place before parsing: base64, as the script writes.
+const CA_SAMPLE_BASE64: &str = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg==";
+
+/// Where the agent's API calls apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scope {
+    /// Objects in any namespace, or cluster-scoped ones.
+    Cluster,
+    /// The leader Lease: in the agent's Lease namespace, by the `--leader-lease` name
+    /// (except `create`, which names no object).
+    LeaderLease,
+}
+
+/// Every Kubernetes API call `kvota agent` makes: (API group, resource, verb, scope,
+/// the code that makes it). RBAC must allow each and nothing more; a new call in the
+/// code belongs here and in `deploy/kubernetes/agent/10-rbac.yaml`.
+const AGENT_CALLS: &[(&str, &str, &str, Scope, &str)] = &[
+    ("", "pods", "list", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)"),
+    ("", "pods", "watch", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)"),
+    ("", "nodes", "list", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Node>::all)"),
+    ("", "nodes", "watch", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Node>::all)"),
+    ("", "namespaces", "list", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Namespace>::all)"),
+    ("", "namespaces", "watch", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Namespace>::all)"),
+    ("", "pods", "get", Scope::Cluster, "member-agent/src/kube.rs KubeActions::ungate: api.get_opt"),
+    ("", "pods", "patch", Scope::Cluster, "member-agent/src/kube.rs KubeActions::ungate: Patch::Merge of schedulingGates"),
+    ("", "pods/eviction", "create", Scope::Cluster, "member-agent/src/kube.rs KubeActions::evict: api.evict"),
+    ("", "events", "create", Scope::Cluster, "member-agent/src/kube.rs KubeActions::event: Api::<core::v1::Event>::create"),
+    ("coordination.k8s.io", "leases", "get", Scope::LeaderLease, "member-agent/src/kube.rs Election::step, Election::release: get_opt"),
+    ("coordination.k8s.io", "leases", "create", Scope::LeaderLease, "member-agent/src/kube.rs Election::step: create when missing"),
+    ("coordination.k8s.io", "leases", "update", Scope::LeaderLease, "member-agent/src/kube.rs Election::step, Election::release: replace"),
+];
+
+/// Objects the install consists of; removing one fails the test.
+const EXPECTED: &[(&str, &str)] = &[
+    ("Namespace", "kvota-system"),
+    ("ServiceAccount", "kvota-agent"),
+    ("ClusterRole", "kvota-agent"),
+    ("ClusterRoleBinding", "kvota-agent"),
+    ("Role", "kvota-agent-leader"),
+    ("RoleBinding", "kvota-agent-leader"),
+    ("ConfigMap", "kvota-agent"),
+    ("Deployment", "kvota-agent"),
+    ("Service", "kvota-agent"),
+    ("MutatingWebhookConfiguration", "kvota-agent"),
+    ("ValidatingWebhookConfiguration", "kvota-agent"),
+    ("Service", "kvota-server-peers"),
+    ("Service", "kvota-server"),
+    ("StatefulSet", "kvota-server"),
+    ("PodDisruptionBudget", "kvota-server"),
+    ("Job", "kvota-bootstrap"),
+];
+
+/// Kinds without a namespace; every other object must name its namespace, or it lands
+/// in whatever namespace kubectl's context has.
+const CLUSTER_SCOPED: &[&str] =
+    &["Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"];
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn deploy_dir() -> PathBuf {
+    repo().join("deploy/kubernetes")
+}
+
+fn kvota() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvota"))
+}
+
+/// One YAML document of one manifest file.
+#[derive(Debug)]
+struct Doc {
+    file: String,
+    value: Value,
+}
+
+impl Doc {
+    fn str_at(&self, pointer: &str) -> &str {
+        self.value.pointer(pointer).and_then(Value::as_str).unwrap_or("")
+    }
+    fn kind(&self) -> &str {
+        self.str_at("/kind")
+    }
+    fn name(&self) -> &str {
+        self.str_at("/metadata/name")
+    }
+    fn namespace(&self) -> &str {
+        self.str_at("/metadata/namespace")
+    }
+    fn typed<T: DeserializeOwned>(&self) -> T {
+        serde_json::from_value(self.value.clone())
+            .unwrap_or_else(|e| panic!("{}: {} {} does not parse: {e}", self.file, self.kind(), self.name()))
+    }
+}
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .map(|e| e.expect("directory entry").path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            yaml_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            out.push(p);
+        }
+    }
+}
+
+/// Every document of every YAML file under `dir`, the caBundle placeholder replaced as
+/// `make-webhook-cert` replaces it.
+fn documents_under(dir: &Path) -> Vec<Doc> {
+    let mut files = Vec::new();
+    yaml_files(dir, &mut files);
+    let mut docs = Vec::new();
+    for path in files {
+        let file = path.strip_prefix(repo()).unwrap_or(&path).display().to_string();
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {file}: {e}"));
+        let text = text.replace(CA_PLACEHOLDER, CA_SAMPLE_BASE64);
+        for d in serde_yaml_ng::Deserializer::from_str(&text) {
+            let value = Value::deserialize(d).unwrap_or_else(|e| panic!("{file}: not YAML: {e}"));
+            if !value.is_null() {
+                docs.push(Doc { file: file.clone(), value });
+            }
+        }
+    }
+    docs
+}
+
+fn manifests() -> Vec<Doc> {
+    documents_under(&deploy_dir())
+}
+
+fn find<'a>(docs: &'a [Doc], kind: &str, name: &str) -> &'a Doc {
+    docs.iter()
+        .find(|d| d.kind() == kind && d.name() == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} under deploy/kubernetes"))
+}
+
+fn all_of<'a, T: DeserializeOwned>(docs: &'a [Doc], kind: &str) -> Vec<(T, &'a Doc)> {
+    docs.iter().filter(|d| d.kind() == kind).map(|d| (d.typed::<T>(), d)).collect()
+}
+
+/// The first path where `written` is not kept in `typed` (`written` parsed as its
+/// typed object and serialized again): a field dropped or a value changed. Fields only
+/// in `typed` are not differences: k8s-openapi writes `apiVersion` and `kind` into
+/// embedded objects (a StatefulSet's volumeClaimTemplates) that need not say them.
+fn difference(written: &Value, typed: &Value, path: &str) -> Option<String> {
+    match (written, typed) {
+        (Value::Object(x), Value::Object(y)) => x.iter().find_map(|(k, u)| {
+            let p = format!("{path}.{k}");
+            match y.get(k) {
+                Some(v) => difference(u, v, &p),
+                None => Some(p),
+            }
+        }),
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            x.iter().zip(y).enumerate().find_map(|(i, (u, v))| difference(u, v, &format!("{path}[{i}]")))
+        }
+        _ => (written != typed).then(|| path.to_string()),
+    }
+}
+
+fn round_trip<T: DeserializeOwned + Serialize>(doc: &Doc) -> Result<(), String> {
+    let typed: T = serde_json::from_value(doc.value.clone()).map_err(|e| format!("does not parse: {e}"))?;
+    let back = serde_json::to_value(&typed).map_err(|e| format!("does not serialize: {e}"))?;
+    match difference(&doc.value, &back, "") {
+        None => Ok(()),
+        Some(path) => Err(format!(
+            "`{path}` is not kept by k8s-openapi's {}: a misspelt or misplaced field, or a value of the wrong type",
+            doc.kind()
+        )),
+    }
+}
+
+/// Parses a document as the typed object of its kind and back.
+fn check_typed(doc: &Doc) -> Result<(), String> {
+    match doc.kind() {
+        "Namespace" => round_trip::<Namespace>(doc),
+        "ServiceAccount" => round_trip::<ServiceAccount>(doc),
+        "ClusterRole" => round_trip::<ClusterRole>(doc),
+        "ClusterRoleBinding" => round_trip::<ClusterRoleBinding>(doc),
+        "Role" => round_trip::<Role>(doc),
+        "RoleBinding" => round_trip::<RoleBinding>(doc),
+        "ConfigMap" => round_trip::<ConfigMap>(doc),
+        "Secret" => round_trip::<Secret>(doc),
+        "Service" => round_trip::<Service>(doc),
+        "Deployment" => round_trip::<Deployment>(doc),
+        "StatefulSet" => round_trip::<StatefulSet>(doc),
+        "Job" => round_trip::<Job>(doc),
+        "PodDisruptionBudget" => round_trip::<PodDisruptionBudget>(doc),
+        "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc),
+        "ValidatingWebhookConfiguration" => round_trip::<ValidatingWebhookConfiguration>(doc),
+        other => Err(format!("kind `{other}` is not one this test knows: add it to check_typed")),
+    }
+}
+
+#[test]
+fn every_manifest_is_a_well_typed_kubernetes_object() {
+    let docs = manifests();
+    let mut problems = Vec::new();
+    for d in &docs {
+        if let Err(e) = check_typed(d) {
+            problems.push(format!("{}: {} {}: {e}", d.file, d.kind(), d.name()));
+        }
+        if d.name().is_empty() {
+            problems.push(format!("{}: a {} without metadata.name", d.file, d.kind()));
+        }
+        let namespaced = !CLUSTER_SCOPED.contains(&d.kind());
+        if namespaced && !docs.iter().any(|n| n.kind() == "Namespace" && n.name() == d.namespace()) {
+            problems.push(format!(
+                "{}: {} {} is in namespace `{}`, which no manifest creates (an empty one means kubectl's default)",
+                d.file,
+                d.kind(),
+                d.name(),
+                d.namespace()
+            ));
+        }
+        if !namespaced && !d.namespace().is_empty() {
+            problems.push(format!("{}: {} {} is cluster-scoped but names a namespace", d.file, d.kind(), d.name()));
+        }
+    }
+    for (kind, name) in EXPECTED {
+        if !docs.iter().any(|d| d.kind() == *kind && d.name() == *name) {
+            problems.push(format!("no {kind} {name} under deploy/kubernetes"));
+        }
+    }
+    assert!(problems.is_empty(), "{} problems in deploy/kubernetes:\n  {}", problems.len(), problems.join("\n  "));
+}
+
+#[test]
+fn a_misspelt_or_mistyped_field_is_caught() {
+    // The checker itself: k8s-openapi ignores unknown fields, the round trip does not.
+    let doc = |v: Value| Doc { file: "test".into(), value: v };
+    let good = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "n"},
+        "spec": {"ports": [{"port": 443, "targetPort": "webhook"}]}});
+    assert_eq!(check_typed(&doc(good)), Ok(()));
+    let misspelt = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"},
+        "spec": {"ports": [{"port": 443, "tragetPort": "webhook"}]}});
+    assert!(check_typed(&doc(misspelt)).is_err_and(|e| e.contains("tragetPort")));
+    let mistyped = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}, "spec": {"ports": [{"port": "443"}]}});
+    assert!(check_typed(&doc(mistyped)).is_err());
+    // The v1 field is `sideEffects`; `sideEffectClass` (the Go type's name) would be
+    // dropped by the typed parse and refused by the API server as missing.
+    let hook = |field: &str| {
+        json!({"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": "w"}, "webhooks": [{"name": "w.kvota.dev", "admissionReviewVersions": ["v1"],
+            "clientConfig": {"service": {"name": "s", "namespace": "n"}}, field: "NoneOnDryRun"}]})
+    };
+    assert_eq!(check_typed(&doc(hook("sideEffects"))), Ok(()));
+    assert!(check_typed(&doc(hook("sideEffectClass"))).is_err_and(|e| e.contains("sideEffectClass")));
+    let wrong_group = json!({"apiVersion": "apps/v1beta1", "kind": "Deployment", "metadata": {"name": "d"}});
+    assert!(check_typed(&doc(wrong_group)).is_err());
+}
+
+/// A workload's pod as the test resolves it: sample values for what Kubernetes fills in.
+struct Pod<'a> {
+    doc: &'a Doc,
+    spec: PodSpec,
+    labels: BTreeMap<String, String>,
+    /// A name Kubernetes could give the pod, for `metadata.name` references.
+    name: String,
+    /// The StatefulSet pod index, for the `apps.kubernetes.io/pod-index` label.
+    index: Option<i32>,
+}
+
+fn pods(docs: &[Doc]) -> Vec<Pod<'_>> {
+    let mut out = Vec::new();
+    for (d, doc) in all_of::<Deployment>(docs, "Deployment") {
+        let t = d.spec.expect("Deployment spec").template;
+        let labels = t.metadata.and_then(|m| m.labels).unwrap_or_default();
+        let name = format!("{}-5c9b8d7f6d-x2x7q", doc.name());
+        out.push(Pod { doc, spec: t.spec.expect("pod spec"), labels, name, index: None });
+    }
+    for (s, doc) in all_of::<StatefulSet>(docs, "StatefulSet") {
+        let spec = s.spec.expect("StatefulSet spec");
+        let start = spec.ordinals.and_then(|o| o.start).unwrap_or(0);
+        let labels = spec.template.metadata.and_then(|m| m.labels).unwrap_or_default();
+        let name = format!("{}-{start}", doc.name());
+        out.push(Pod { doc, spec: spec.template.spec.expect("pod spec"), labels, name, index: Some(start) });
+    }
+    for (j, doc) in all_of::<Job>(docs, "Job") {
+        let t = j.spec.expect("Job spec").template;
+        let labels = t.metadata.and_then(|m| m.labels).unwrap_or_default();
+        let name = format!("{}-7xk2p", doc.name());
+        out.push(Pod { doc, spec: t.spec.expect("pod spec"), labels, name, index: None });
+    }
+    out
+}
+
+fn is_kvota(c: &Container) -> bool {
+    let image = c.image.as_deref().unwrap_or("");
+    let repo = image.rsplit('/').next().unwrap_or(image);
+    repo == "kvota" || repo.starts_with("kvota:") || repo.starts_with("kvota@")
+}
+
+/// The container's environment as the kubelet would set it (envFrom ConfigMaps from the
+/// manifests, downward API fields with the pod's sample values).
+fn container_env(docs: &[Doc], pod: &Pod<'_>, c: &Container) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for from in c.env_from.iter().flatten() {
+        let cm = from.config_map_ref.as_ref().expect("envFrom: only ConfigMaps are used");
+        let cm: ConfigMap = find(docs, "ConfigMap", &cm.name).typed();
+        let prefix = from.prefix.clone().unwrap_or_default();
+        for (k, v) in cm.data.unwrap_or_default() {
+            env.insert(format!("{prefix}{k}"), v);
+        }
+    }
+    for e in c.env.iter().flatten() {
+        let value = match (&e.value, &e.value_from) {
+            (Some(v), _) => v.clone(),
+            (None, Some(from)) => {
+                let field = from.field_ref.as_ref().map(|f| f.field_path.as_str()).unwrap_or_else(|| {
+                    panic!("{}: env {}: only values and fieldRefs are understood here", pod.doc.file, e.name)
+                });
+                match field {
+                    "metadata.name" => pod.name.clone(),
+                    "metadata.namespace" => pod.doc.namespace().to_string(),
+                    "metadata.labels['apps.kubernetes.io/pod-index']" => pod
+                        .index
+                        .unwrap_or_else(|| panic!("{}: env {}: only StatefulSet pods have a pod-index label", pod.doc.file, e.name))
+                        .to_string(),
+                    other => panic!("{}: env {}: fieldRef {other} is not one this test knows", pod.doc.file, e.name),
+                }
+            }
+            (None, None) => String::new(),
+        };
+        env.insert(e.name.clone(), value);
+    }
+    env
+}
+
+/// `$(NAME)` references expanded as the kubelet does; a reference to a variable the
+/// container does not define is an error here (Kubernetes would pass it on verbatim).
+fn expand(file: &str, arg: &str, env: &BTreeMap<String, String>) -> String {
+    let mut out = String::new();
+    let mut rest = arg;
+    while let Some(i) = rest.find("$(") {
+        out.push_str(&rest[..i]);
+        let end = rest[i..].find(')').map(|e| i + e).unwrap_or_else(|| panic!("{file}: unclosed $( in `{arg}`"));
+        let name = &rest[i + 2..end];
+        let value = env.get(name).unwrap_or_else(|| panic!("{file}: `{arg}` uses $({name}), which the container does not define"));
+        out.push_str(value);
+        rest = &rest[end + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A kvota container: its pod, its arguments (expanded), environment and subcommand.
+struct KvotaContainer<'a> {
+    pod: &'a Pod<'a>,
+    container: Container,
+    raw_args: Vec<String>,
+    args: Vec<String>,
+    env: BTreeMap<String, String>,
+}
+
+impl KvotaContainer<'_> {
+    fn subcommand(&self) -> Vec<String> {
+        self.args.iter().take_while(|a| !a.starts_with('-')).cloned().collect()
+    }
+    /// The value of `--flag=V` or `--flag V` in the arguments.
+    fn flag(&self, flag: &str) -> Option<String> {
+        let mut it = self.args.iter();
+        while let Some(a) = it.next() {
+            if let Some(v) = a.strip_prefix(&format!("{flag}=")) {
+                return Some(v.to_string());
+            }
+            if a == flag {
+                return it.next().cloned();
+            }
+        }
+        None
+    }
+}
+
+fn kvota_containers<'a>(docs: &[Doc], pods: &'a [Pod<'a>]) -> Vec<KvotaContainer<'a>> {
+    let mut out = Vec::new();
+    for pod in pods {
+        let ours: Vec<&Container> = pod.spec.containers.iter().filter(|c| is_kvota(c)).collect();
+        assert!(!ours.is_empty(), "{}: {} runs no kvota container", pod.doc.file, pod.doc.name());
+        for c in ours {
+            assert!(c.command.is_none(), "{}: the image's entrypoint is kvota; give `args`, not `command`", pod.doc.file);
+            let env = container_env(docs, pod, c);
+            let raw_args = c.args.clone().unwrap_or_default();
+            let args = raw_args.iter().map(|a| expand(&pod.doc.file, a, &env)).collect();
+            out.push(KvotaContainer { pod, container: c.clone(), raw_args, args, env });
+        }
+    }
+    out
+}
+
+/// What `kvota SUBCOMMAND --help` says: each option's environment variable, and the
+/// options the usage line requires.
+struct Help {
+    env_of: BTreeMap<String, Option<String>>,
+    required: Vec<String>,
+}
+
+fn help(subcommand: &[String]) -> Help {
+    let out = kvota().args(subcommand).arg("--help").output().expect("run kvota --help");
+    assert!(out.status.success(), "kvota {} --help failed: {}", subcommand.join(" "), String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let usage: String = text
+        .split("Usage:")
+        .nth(1)
+        .expect("a usage line")
+        .split("\n\n")
+        .next()
+        .unwrap_or("")
+        .to_string();
+    let required = usage.split_whitespace().filter(|t| t.starts_with("--")).map(str::to_string).collect();
+    let mut blocks: Vec<(String, String)> = Vec::new();
+    for line in text.lines() {
+        let t = line.trim_start();
+        let is_option = line.starts_with(' ') && t.starts_with('-');
+        if is_option {
+            let flag = t.split_whitespace().find(|w| w.starts_with("--")).unwrap_or("").trim_end_matches(',').to_string();
+            blocks.push((flag, t.to_string()));
+        } else if let Some(last) = blocks.last_mut() {
+            last.1.push(' ');
+            last.1.push_str(t);
+        }
+    }
+    let env_of = blocks
+        .into_iter()
+        .map(|(flag, block)| {
+            let block = block.split_whitespace().collect::<Vec<_>>().join(" ");
+            let env = block.split("[env: ").nth(1).and_then(|r| r.split('=').next()).map(str::to_string);
+            (flag, env)
+        })
+        .collect();
+    Help { env_of, required }
+}
+
+#[test]
+fn container_arguments_and_environment_are_what_kvota_accepts() {
+    // The method: clap acts on `--help` where it meets it, after parsing everything
+    // before it, so `kvota SUB ARGS... --help` exits 0 only if every argument exists
+    // and every value parses (requirements are checked apart, below).
+    let ok = |args: &[&str]| kvota().args(args).arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status().expect("run").success();
+    assert!(ok(&["agent", "--leader-lease=x"]));
+    assert!(!ok(&["agent", "--no-such-flag"]), "an unknown flag before --help must fail");
+    assert!(!ok(&["agent", "--report-interval-ms=soon"]), "a bad value before --help must fail");
+    assert!(!ok(&["server", "--id=x"]), "a bad value before --help must fail");
+
+    let docs = manifests();
+    let pods = pods(&docs);
+    let containers = kvota_containers(&docs, &pods);
+    let mut problems = Vec::new();
+    for k in &containers {
+        let what = format!("{} ({} {}, container {})", k.pod.doc.file, k.pod.doc.kind(), k.pod.doc.name(), k.container.name);
+        let sub = k.subcommand();
+        if sub.is_empty() {
+            problems.push(format!("{what}: args name no kvota subcommand"));
+            continue;
+        }
+        let out = kvota().args(&k.args).arg("--help").output().expect("run kvota");
+        if !out.status.success() {
+            problems.push(format!(
+                "{what}: `kvota {}` is refused: {}",
+                k.args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let h = help(&sub);
+        for flag in &h.required {
+            let given = k.args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+            let from_env = h.env_of.get(flag).cloned().flatten().is_some_and(|e| k.env.contains_key(&e));
+            if !given && !from_env {
+                problems.push(format!("{what}: `kvota {}` requires {flag}, given neither as an argument nor by its variable", sub.join(" ")));
+            }
+        }
+        let read: BTreeSet<String> = h.env_of.values().flatten().cloned().collect();
+        for name in k.env.keys() {
+            let expanded = k.raw_args.iter().any(|a| a.contains(&format!("$({name})")));
+            if !read.contains(name) && !expanded && name != "RUST_LOG" {
+                problems.push(format!("{what}: environment variable {name} is read by nothing (not in `kvota {} --help`)", sub.join(" ")));
+            }
+        }
+    }
+    assert!(containers.len() >= 3, "the agent, the server and the bootstrap Job run kvota");
+    assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+}
+
+fn agent<'a>(containers: &'a [KvotaContainer<'a>]) -> &'a KvotaContainer<'a> {
+    containers.iter().find(|k| k.subcommand() == ["agent"]).expect("a container runs `kvota agent`")
+}
+
+fn server<'a>(containers: &'a [KvotaContainer<'a>]) -> &'a KvotaContainer<'a> {
+    containers.iter().find(|k| k.subcommand() == ["server"]).expect("a container runs `kvota server`")
+}
+
+/// A permission granted to the agent: a rule, and the namespace it is limited to
+/// (None: cluster-wide, from a ClusterRoleBinding).
+struct Grant {
+    from: String,
+    namespace: Option<String>,
+    rule: PolicyRule,
+}
+
+fn binds(subjects: &Option<Vec<Subject>>, sa: &str, ns: &str) -> bool {
+    subjects.iter().flatten().any(|s| s.kind == "ServiceAccount" && s.name == sa && s.namespace.as_deref() == Some(ns))
+}
+
+fn grants(docs: &[Doc], sa: &str, ns: &str) -> Vec<Grant> {
+    let mut out = Vec::new();
+    let cluster_roles: Vec<(ClusterRole, &Doc)> = all_of(docs, "ClusterRole");
+    let cluster_role = |name: &str| -> Vec<PolicyRule> {
+        cluster_roles
+            .iter()
+            .find(|(_, d)| d.name() == name)
+            .unwrap_or_else(|| panic!("a binding refers to ClusterRole {name}, which no manifest defines"))
+            .0
+            .rules
+            .clone()
+            .unwrap_or_default()
+    };
+    for (b, d) in all_of::<ClusterRoleBinding>(docs, "ClusterRoleBinding") {
+        if binds(&b.subjects, sa, ns) {
+            assert_eq!(b.role_ref.kind, "ClusterRole", "{}", d.file);
+            for rule in cluster_role(&b.role_ref.name) {
+                out.push(Grant { from: format!("ClusterRole {}", b.role_ref.name), namespace: None, rule });
+            }
+        }
+    }
+    for (b, d) in all_of::<RoleBinding>(docs, "RoleBinding") {
+        if binds(&b.subjects, sa, ns) {
+            let rules = match b.role_ref.kind.as_str() {
+                "ClusterRole" => cluster_role(&b.role_ref.name),
+                _ => {
+                    let r: Role = docs
+                        .iter()
+                        .find(|r| r.kind() == "Role" && r.name() == b.role_ref.name && r.namespace() == d.namespace())
+                        .unwrap_or_else(|| panic!("{}: Role {} is not defined in {}", d.file, b.role_ref.name, d.namespace()))
+                        .typed();
+                    r.rules.unwrap_or_default()
+                }
+            };
+            for rule in rules {
+                out.push(Grant { from: format!("{} {} in {}", b.role_ref.kind, b.role_ref.name, d.namespace()), namespace: Some(d.namespace().to_string()), rule });
+            }
+        }
+    }
+    out
+}
+
+fn list(v: &Option<Vec<String>>) -> Vec<String> {
+    v.clone().unwrap_or_default()
+}
+
+/// Whether `g` allows `verb` on `group/resource` in namespace `ns` (None: across all
+/// namespaces) for object `name` (None: a request that names none, like create or list).
+fn allows(g: &Grant, group: &str, resource: &str, verb: &str, ns: Option<&str>, name: Option<&str>) -> bool {
+    let r = &g.rule;
+    let names = list(&r.resource_names);
+    list(&r.api_groups).iter().any(|x| x == group)
+        && list(&r.resources).iter().any(|x| x == resource)
+        && r.verbs.iter().any(|x| x == verb)
+        && (g.namespace.is_none() || g.namespace.as_deref() == ns)
+        && (names.is_empty() || name.is_some_and(|n| names.iter().any(|x| x == n)))
+}
+
+#[test]
+fn rbac_grants_exactly_the_calls_the_agent_makes() {
+    let docs = manifests();
+    let pods = pods(&docs);
+    let containers = kvota_containers(&docs, &pods);
+    let agent = agent(&containers);
+    let ns = agent.pod.doc.namespace();
+    let sa = agent.pod.spec.service_account_name.clone().expect("the agent's pod names its ServiceAccount");
+    assert!(docs.iter().any(|d| d.kind() == "ServiceAccount" && d.name() == sa && d.namespace() == ns), "ServiceAccount {ns}/{sa} is defined");
+    let lease = agent.flag("--leader-lease").or_else(|| agent.env.get("KVOTA_LEADER_LEASE").cloned()).expect("the agent runs with --leader-lease");
+    let lease_ns = agent
+        .flag("--leader-lease-namespace")
+        .or_else(|| agent.env.get("POD_NAMESPACE").cloned())
+        .unwrap_or_else(|| "kvota-system".to_string());
+    let grants = grants(&docs, &sa, ns);
+
+    let mut problems = Vec::new();
+    for (group, resource, verb, scope, code) in AGENT_CALLS {
+        let (in_ns, name) = match scope {
+            Scope::Cluster => (None, None),
+            Scope::LeaderLease => (Some(lease_ns.as_str()), (*verb != "create").then_some(lease.as_str())),
+        };
+        if !grants.iter().any(|g| allows(g, group, resource, verb, in_ns, name)) {
+            let group = if group.is_empty() { "core" } else { group };
+            let place = in_ns.map_or("in every namespace".to_string(), |n| format!("in {n}"));
+            problems.push(format!("{verb} {group}/{resource} {place} is not allowed; the agent needs it for {code}"));
+        }
+    }
+    for g in &grants {
+        let r = &g.rule;
+        if !list(&r.non_resource_urls).is_empty() {
+            problems.push(format!("{}: grants non-resource URLs; the agent calls none", g.from));
+        }
+        for group in list(&r.api_groups) {
+            for resource in list(&r.resources) {
+                for verb in &r.verbs {
+                    let needed = AGENT_CALLS.iter().any(|(cg, cr, cv, scope, _)| {
+                        *cg == group && *cr == resource && cv == verb && (g.namespace.is_some() || *scope == Scope::Cluster)
+                    });
+                    if !needed {
+                        let place = g.namespace.as_deref().map_or("cluster-wide".to_string(), |n| format!("in {n}"));
+                        problems.push(format!(
+                            "{}: grants {verb} {group}/{resource} {place}, which the agent never calls (AGENT_CALLS)",
+                            g.from
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "RBAC of {ns}/{sa}:\n  {}", problems.join("\n  "));
+}
+
+/// Whether a label selector selects an object with these labels.
+fn selects(sel: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
+    let by_labels = sel.match_labels.iter().flatten().all(|(k, v)| labels.get(k) == Some(v));
+    let by_expressions = sel.match_expressions.iter().flatten().all(|e| {
+        let values = list(&e.values);
+        let has = labels.get(&e.key);
+        match e.operator.as_str() {
+            "In" => has.is_some_and(|v| values.contains(v)),
+            "NotIn" => has.is_none_or(|v| !values.contains(v)),
+            "Exists" => has.is_some(),
+            "DoesNotExist" => has.is_none(),
+            other => panic!("unknown label selector operator {other}"),
+        }
+    });
+    by_labels && by_expressions
+}
+
+fn namespace_labels(name: &str) -> BTreeMap<String, String> {
+    // Kubernetes puts this label on every namespace.
+    [("kubernetes.io/metadata.name".to_string(), name.to_string())].into()
+}
+
+/// The port a container listens on for `--flag HOST:PORT`.
+fn listen_port(k: &KvotaContainer<'_>, flag: &str, default: &str) -> i32 {
+    let addr = k.flag(flag).unwrap_or_else(|| default.to_string());
+    addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("{flag} {addr}: no port"))
+}
+
+/// The container port `p` (a number or a port name) stands for.
+fn container_port(c: &Container, p: &IntOrString) -> Option<i32> {
+    let ports = c.ports.clone().unwrap_or_default();
+    match p {
+        IntOrString::Int(n) => ports.iter().any(|cp| cp.container_port == *n).then_some(*n),
+        IntOrString::String(name) => ports.iter().find(|cp| cp.name.as_deref() == Some(name)).map(|cp| cp.container_port),
+    }
+}
+
+/// The Service `ns/name` and the container port its `port` reaches.
+fn service_target(docs: &[Doc], ns: &str, name: &str, port: i32, k: &KvotaContainer<'_>) -> Result<i32, String> {
+    let doc = docs
+        .iter()
+        .find(|d| d.kind() == "Service" && d.name() == name && d.namespace() == ns)
+        .ok_or_else(|| format!("Service {ns}/{name} is not defined"))?;
+    let svc: Service = doc.typed();
+    let spec = svc.spec.ok_or("no spec")?;
+    let selector = LabelSelector { match_labels: spec.selector.clone(), match_expressions: None };
+    if spec.selector.as_ref().is_none_or(BTreeMap::is_empty) || !selects(&selector, &k.pod.labels) {
+        return Err(format!("Service {ns}/{name} does not select the pods of {} {}", k.pod.doc.kind(), k.pod.doc.name()));
+    }
+    if k.pod.doc.namespace() != ns {
+        return Err(format!("Service {ns}/{name} is not in the namespace of {}", k.pod.doc.name()));
+    }
+    let sp = spec.ports.iter().flatten().find(|sp| sp.port == port).ok_or_else(|| format!("Service {ns}/{name} has no port {port}"))?;
+    let target = sp.target_port.clone().unwrap_or(IntOrString::Int(sp.port));
+    container_port(&k.container, &target).ok_or_else(|| format!("Service {ns}/{name} port {port} targets {target:?}, which the container does not expose"))
+}
+
+struct Hook {
+    kind: &'static str,
+    name: String,
+    client: WebhookClientConfig,
+    rules: Vec<RuleWithOperations>,
+    versions: Vec<String>,
+    side_effects: String,
+    timeout: Option<i32>,
+    failure_policy: Option<String>,
+    namespace_selector: Option<LabelSelector>,
+    conditions: Option<Vec<(String, String)>>,
+}
+
+fn hooks(docs: &[Doc]) -> Vec<Hook> {
+    let mut out = Vec::new();
+    for (m, _) in all_of::<MutatingWebhookConfiguration>(docs, "MutatingWebhookConfiguration") {
+        for w in m.webhooks.unwrap_or_default() {
+            out.push(Hook {
+                kind: "MutatingWebhookConfiguration",
+                name: w.name,
+                client: w.client_config,
+                rules: w.rules.unwrap_or_default(),
+                versions: w.admission_review_versions,
+                side_effects: w.side_effects,
+                timeout: w.timeout_seconds,
+                failure_policy: w.failure_policy,
+                namespace_selector: w.namespace_selector,
+                conditions: w.match_conditions.map(|c| c.into_iter().map(|c| (c.name, c.expression)).collect()),
+            });
+        }
+    }
+    for (v, _) in all_of::<ValidatingWebhookConfiguration>(docs, "ValidatingWebhookConfiguration") {
+        for w in v.webhooks.unwrap_or_default() {
+            out.push(Hook {
+                kind: "ValidatingWebhookConfiguration",
+                name: w.name,
+                client: w.client_config,
+                rules: w.rules.unwrap_or_default(),
+                versions: w.admission_review_versions,
+                side_effects: w.side_effects,
+                timeout: w.timeout_seconds,
+                failure_policy: w.failure_policy,
+                namespace_selector: w.namespace_selector,
+                conditions: w.match_conditions.map(|c| c.into_iter().map(|c| (c.name, c.expression)).collect()),
+            });
+        }
+    }
+    out
+}
+
+#[test]
+fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces() {
+    let docs = manifests();
+    let pods = pods(&docs);
+    let containers = kvota_containers(&docs, &pods);
+    let agent = agent(&containers);
+    let agent_ns = agent.pod.doc.namespace();
+    let listen = listen_port(agent, "--webhook-listen", "0.0.0.0:8443");
+    let hooks = hooks(&docs);
+    let mut problems = Vec::new();
+    for kind in ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"] {
+        if !hooks.iter().any(|h| h.kind == kind) {
+            problems.push(format!("no webhook in any {kind}"));
+        }
+    }
+    for h in &hooks {
+        let what = format!("{} webhook {}", h.kind, h.name);
+        // The agent judges queue-mode tenants at /mutate and reject-mode ones at
+        // /validate (member-agent/src/review.rs, webhook.rs).
+        let path = if h.kind.starts_with("Mutating") { "/mutate" } else { "/validate" };
+        match &h.client.service {
+            None => problems.push(format!("{what}: calls a URL, not the agent's Service")),
+            Some(s) => {
+                if s.path.as_deref() != Some(path) {
+                    problems.push(format!("{what}: path {:?}, the agent serves this kind at {path}", s.path));
+                }
+                match service_target(&docs, &s.namespace, &s.name, s.port.unwrap_or(443), agent) {
+                    Ok(p) if p == listen => {}
+                    Ok(p) => problems.push(format!("{what}: reaches container port {p}, the agent listens on {listen}")),
+                    Err(e) => problems.push(format!("{what}: {e}")),
+                }
+            }
+        }
+        if h.client.ca_bundle.is_none() {
+            problems.push(format!("{what}: no caBundle (placeholder) for make-webhook-cert to fill in"));
+        }
+        if h.rules.is_empty() {
+            problems.push(format!("{what}: no rules"));
+        }
+        for r in &h.rules {
+            let (groups, versions, ops, res) = (list(&r.api_groups), list(&r.api_versions), list(&r.operations), list(&r.resources));
+            if groups != [""] || versions != ["v1"] || res != ["pods"] || ops != ["CREATE"] {
+                problems.push(format!(
+                    "{what}: a rule for {groups:?} {versions:?} {res:?} {ops:?}; the agent judges core/v1 pods at CREATE only \
+                     (UPDATE passes untouched; deletions come from its watch)"
+                ));
+            }
+        }
+        if h.versions != ["v1"] {
+            problems.push(format!("{what}: admissionReviewVersions {:?}; the agent speaks admission.k8s.io/v1 only", h.versions));
+        }
+        if h.side_effects != "NoneOnDryRun" {
+            problems.push(format!("{what}: sideEffects {}; the agent records reservations, except for dry runs", h.side_effects));
+        }
+        if !h.timeout.is_some_and(|t| (1..=30).contains(&t)) {
+            problems.push(format!("{what}: timeoutSeconds {:?}, expected one set between 1 and 30", h.timeout));
+        }
+        if !matches!(h.failure_policy.as_deref(), Some("Fail" | "Ignore")) {
+            problems.push(format!("{what}: failurePolicy {:?} must be set, with its trade-off said", h.failure_policy));
+        }
+        let selector = h.namespace_selector.clone().unwrap_or_default();
+        for spared in ["kube-system", agent_ns] {
+            if selects(&selector, &namespace_labels(spared)) {
+                problems.push(format!("{what}: its namespaceSelector selects {spared}; the agent must never judge its own pods or the system's"));
+            }
+        }
+        if !selects(&selector, &namespace_labels("ml-training")) {
+            problems.push(format!("{what}: its namespaceSelector does not select an ordinary namespace"));
+        }
+    }
+    let conditions: BTreeSet<String> = hooks.iter().map(|h| format!("{:?}", h.conditions)).collect();
+    if conditions.len() > 1 {
+        problems.push("the webhooks' matchConditions differ: a pod would be judged by one and not the other".to_string());
+    }
+    // Real CA bundles are made at install time, never committed.
+    let template = deploy_dir().join("agent/webhooks/webhooks.yaml");
+    let text = std::fs::read_to_string(&template).expect("agent/webhooks/webhooks.yaml");
+    let placeholders = text.matches(&format!("caBundle: \"{CA_PLACEHOLDER}\"")).count();
+    if placeholders != hooks.len() {
+        problems.push(format!("{}: {placeholders} caBundle placeholders for {} webhooks", template.display(), hooks.len()));
+    }
+    let script = std::fs::read_to_string(deploy_dir().join("make-webhook-cert")).expect("make-webhook-cert");
+    if !script.contains(CA_PLACEHOLDER) {
+        problems.push("make-webhook-cert does not replace the placeholder of webhooks.yaml".to_string());
+    }
+    // The probes ask the agent itself, over its TLS port.
+    for (probe, path) in [(&agent.container.liveness_probe, "/healthz"), (&agent.container.readiness_probe, "/readyz")] {
+        let get = probe.as_ref().and_then(|p| p.http_get.clone());
+        match get {
+            Some(g) if g.path.as_deref() == Some(path) && g.scheme.as_deref() == Some("HTTPS") && container_port(&agent.container, &g.port) == Some(listen) => {}
+            other => problems.push(format!("agent probe for {path}: {other:?}; expected HTTPS GET {path} on port {listen}")),
+        }
+    }
+    assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+}
+
+fn mount_of<'a>(c: &'a Container, volume: &str) -> Option<&'a str> {
+    c.volume_mounts.iter().flatten().find(|m| m.name == volume).map(|m| m.mount_path.as_str())
+}
+
+#[test]
+fn pods_run_unprivileged_with_their_data_on_a_volume() {
+    let docs = manifests();
+    let pods = pods(&docs);
+    let containers = kvota_containers(&docs, &pods);
+    let mut problems = Vec::new();
+    for k in &containers {
+        let what = format!("{} {}", k.pod.doc.kind(), k.pod.doc.name());
+        let psc = k.pod.spec.security_context.clone().unwrap_or_default();
+        let sc = k.container.security_context.clone().unwrap_or_default();
+        if psc.run_as_non_root != Some(true) && sc.run_as_non_root != Some(true) {
+            problems.push(format!("{what}: runAsNonRoot is not set"));
+        }
+        if sc.read_only_root_filesystem != Some(true) {
+            problems.push(format!("{what}: the root filesystem is writable"));
+        }
+        if sc.allow_privilege_escalation != Some(false) {
+            problems.push(format!("{what}: allowPrivilegeEscalation is not false"));
+        }
+        if k.container.resources.as_ref().and_then(|r| r.requests.as_ref()).is_none() {
+            problems.push(format!("{what}: no resource requests"));
+        }
+        // With a read-only root, the data directory must be a mounted volume.
+        if let Some(dir) = k.flag("--data-dir") {
+            let mounted = k.container.volume_mounts.iter().flatten().any(|m| m.mount_path == dir && m.read_only != Some(true));
+            if !mounted {
+                problems.push(format!("{what}: --data-dir {dir} is not a writable mounted volume"));
+            }
+        } else if matches!(k.subcommand().first().map(String::as_str), Some("agent" | "server")) {
+            problems.push(format!("{what}: no --data-dir (the default is relative to a read-only root)"));
+        }
+    }
+    // The agent's certificate and key come from the webhook Secret's volume.
+    let agent = agent(&containers);
+    let tls = agent
+        .pod
+        .spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some("kvota-agent-tls"))
+        .map(|v| v.name.clone());
+    match tls.as_deref().and_then(|v| mount_of(&agent.container, v)) {
+        Some(dir) => {
+            for (flag, file) in [("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")] {
+                if agent.flag(flag) != Some(format!("{dir}/{file}")) {
+                    problems.push(format!("agent {flag} is {:?}, not {dir}/{file} of the mounted Secret", agent.flag(flag)));
+                }
+            }
+        }
+        None => problems.push("the agent does not mount Secret kvota-agent-tls (made by make-webhook-cert)".to_string()),
+    }
+    let pod_ns = agent.env.get("POD_NAMESPACE");
+    let pod_name = agent.env.get("POD_NAME");
+    if pod_ns.map(String::as_str) != Some(agent.pod.doc.namespace()) || pod_name != Some(&agent.pod.name) {
+        problems.push("the agent's POD_NAMESPACE and POD_NAME do not come from the downward API".to_string());
+    }
+    assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+}
+
+#[test]
+fn control_plane_ids_peers_and_bootstrap_agree() {
+    let docs = manifests();
+    let pods = pods(&docs);
+    let containers = kvota_containers(&docs, &pods);
+    let server = server(&containers);
+    let doc = server.pod.doc;
+    let ns = doc.namespace();
+    let sts: StatefulSet = doc.typed();
+    let spec = sts.spec.expect("spec");
+    let replicas = spec.replicas.unwrap_or(1);
+    let start = spec.ordinals.as_ref().and_then(|o| o.start).unwrap_or(0);
+    assert!(start >= 1, "node ids are pod ordinals and must be > 0: set spec.ordinals.start to 1");
+    assert!(replicas == 3 || replicas == 5, "a Raft group of 3 or 5, not {replicas}");
+    assert_eq!(spec.pod_management_policy.as_deref(), Some("Parallel"), "OrderedReady would wait for a ready node 1, and none is ready before a quorum");
+    assert_eq!(
+        server.env.get("KVOTA_NODE_ID"),
+        Some(&start.to_string()),
+        "KVOTA_NODE_ID must come from the pod-index label (kvota server defaults to node 1)"
+    );
+
+    // The headless Service gives every pod its peer name, ready or not.
+    let peers_name = spec.service_name.clone().expect("serviceName");
+    let peers: Service = find(&docs, "Service", &peers_name).typed();
+    let peers_spec = peers.spec.expect("spec");
+    assert_eq!(peers_spec.cluster_ip.as_deref(), Some("None"), "{peers_name} must be headless");
+    assert_eq!(peers_spec.publish_not_ready_addresses, Some(true), "nodes must find each other before any is ready");
+    let grpc = listen_port(server, "--listen", "127.0.0.1:7401");
+    let http = listen_port(server, "--http", "127.0.0.1:7501");
+    for flag in ["--listen", "--http"] {
+        let host = server.flag(flag).unwrap_or_default();
+        assert!(host.starts_with("0.0.0.0:") || host.starts_with("[::]:"), "{flag} {host}: other pods cannot reach a loopback address");
+    }
+    for port in [grpc, http] {
+        service_target(&docs, ns, &peers_name, port, server).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let peer = |ordinal: i32| format!("{}-{ordinal}.{peers_name}.{ns}.svc", doc.name());
+    assert_eq!(server.flag("--advertise"), Some(format!("{}:{grpc}", peer(start))), "--advertise is the pod's peer name");
+    assert_eq!(server.flag("--advertise-http"), Some(format!("{}:{http}", peer(start))));
+
+    // The one-time bootstrap names exactly these nodes, at these addresses, and asks
+    // the first of them.
+    let job = containers.iter().find(|k| k.subcommand() == ["members", "init"]).expect("a Job runs `kvota members init`");
+    let members: BTreeSet<String> = job.args.iter().filter_map(|a| a.strip_prefix("--member=").map(str::to_string)).collect();
+    let expected: BTreeSet<String> =
+        (start..start + replicas).map(|i| format!("{i}={}:{grpc},{}:{http}", peer(i), peer(i))).collect();
+    assert_eq!(members, expected, "the bootstrap's members are the StatefulSet's pods");
+    assert_eq!(job.flag("--cp"), Some(format!("{}:{grpc}", peer(start))), "the bootstrap asks node {start} through its peer name");
+    assert_eq!(job.pod.doc.namespace(), ns);
+
+    // Readiness is the node's quorum check, on its HTTP port.
+    let ready = server.container.readiness_probe.as_ref().and_then(|p| p.http_get.clone()).expect("a readiness probe");
+    assert_eq!(ready.path.as_deref(), Some("/readyz"));
+    assert_eq!(container_port(&server.container, &ready.port), Some(http));
+
+    // Agents and the CLI use the client Service; the agent's default points at it.
+    service_target(&docs, ns, "kvota-server", grpc, server).unwrap_or_else(|e| panic!("{e}"));
+    let agent = agent(&containers);
+    assert_eq!(
+        agent.env.get("KVOTA_CONTROL_PLANE"),
+        Some(&format!("kvota-server.{ns}.svc:{grpc}")),
+        "the agent's default control-plane address is the client Service"
+    );
+    // The data directory is a claim of each pod.
+    let data = server.flag("--data-dir").expect("--data-dir");
+    let claim = server.container.volume_mounts.iter().flatten().find(|m| m.mount_path == data).map(|m| m.name.clone());
+    let claims: Vec<String> =
+        spec.volume_claim_templates.iter().flatten().filter_map(|c| c.metadata.name.clone()).collect();
+    assert!(claim.is_some_and(|c| claims.contains(&c)), "--data-dir {data} is on a volumeClaimTemplate ({claims:?})");
+}
+
+// ---- The real binaries on the manifests' paths, with make-webhook-cert's certificate.
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
+    held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
+}
+
+/// One HTTP/1.1 request to 127.0.0.1:`port`; over TLS, trusting only `ca`, to
+/// `server_name`, when `tls` is given.
+async fn request(port: u16, tls: Option<(&Path, &str)>, method: &str, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>), String> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", tls.map_or("localhost", |t| t.1))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let resp = match tls {
+        Some((ca, name)) => {
+            let mut roots = rustls::RootCertStore::empty();
+            roots.add(CertificateDer::from_pem_file(ca).map_err(|e| format!("{}: {e}", ca.display()))?).map_err(|e| e.to_string())?;
+            let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| e.to_string())?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            let server_name = ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
+            let stream = tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(server_name, tcp).await.map_err(|e| e.to_string())?;
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            send.send_request(req).await.map_err(|e| e.to_string())?
+        }
+        None => {
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            send.send_request(req).await.map_err(|e| e.to_string())?
+        }
+    };
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes().to_vec();
+    Ok((status, body))
+}
+
+async fn until_answers(what: &str, port: u16, tls: Option<(&Path, &str)>, path: &str, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match request(port, tls, "GET", path, Vec::new()).await {
+            Ok(_) => return,
+            Err(e) if Instant::now() > deadline => {
+                panic!("{what} does not answer {path}: {e}\nlog:\n{}", std::fs::read_to_string(log).unwrap_or_default())
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+fn gpu_pod_review(uid: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "ml", "name": uid, "operation": "CREATE",
+            "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": uid, "namespace": "ml"},
+                "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}
+    }))
+    .expect("json")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries() {
+    if Command::new("openssl").arg("version").output().is_err() {
+        panic!("openssl is needed by deploy/kubernetes/make-webhook-cert and this test: apt-get install openssl");
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    let out = tmp.path().join("cert");
+    let run = Command::new("bash")
+        .arg(deploy_dir().join("make-webhook-cert"))
+        .args(["--days", "2", "--out"])
+        .arg(&out)
+        .output()
+        .expect("run make-webhook-cert");
+    assert!(run.status.success(), "make-webhook-cert failed: {}", String::from_utf8_lossy(&run.stderr));
+    let again = Command::new("bash").arg(deploy_dir().join("make-webhook-cert")).arg("--out").arg(&out).output().expect("run");
+    assert!(!again.status.success(), "make-webhook-cert must not overwrite a certificate without --force");
+
+    // What it wrote parses as the manifests do, and fits them.
+    let written = documents_under(&out);
+    for d in &written {
+        check_typed(d).unwrap_or_else(|e| panic!("{}: {e}", d.file));
+    }
+    let docs = manifests();
+    let pods = pods(&docs);
+    let containers = kvota_containers(&docs, &pods);
+    let agent = agent(&containers);
+    let secret: Secret = find(&written, "Secret", "kvota-agent-tls").typed();
+    assert_eq!(secret.metadata.namespace.as_deref(), Some(agent.pod.doc.namespace()));
+    assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/tls"));
+    let data = secret.data.expect("data");
+    let ca_pem = std::fs::read(out.join("ca.crt")).expect("ca.crt");
+    assert_eq!(data.get("tls.crt").map(|b| b.0.clone()), Some(std::fs::read(out.join("tls.crt")).expect("tls.crt")));
+    let rendered = hooks(&written);
+    assert_eq!(rendered.len(), hooks(&docs).len(), "webhooks.yaml has every webhook");
+    for h in &rendered {
+        assert_eq!(h.client.ca_bundle.as_ref().map(|b| b.0.clone()), Some(ca_pem.clone()), "{}: caBundle is the CA", h.name);
+    }
+
+    // The real agent serves that certificate; the API server's view: the Service's DNS
+    // name, trusting only caBundle.
+    let service = rendered[0].client.service.clone().expect("service");
+    let dns = format!("{}.{}.svc", service.name, service.namespace);
+    let ports = free_ports(3);
+    let hook = ports[0];
+    let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
+    let agent_proc = kvota()
+        .args(["agent", "--cluster", "east", "--simulate", "1x8", "--cp", "127.0.0.1:1"])
+        .arg(format!("--webhook-listen=127.0.0.1:{hook}"))
+        .arg("--tls-cert")
+        .arg(out.join("tls.crt"))
+        .arg("--tls-key")
+        .arg(out.join("tls.key"))
+        .arg("--data-dir")
+        .arg(tmp.path().join("agent"))
+        .stdout(Stdio::null())
+        .stderr(log("agent.log"))
+        .spawn()
+        .expect("spawn agent");
+    let server_proc = kvota()
+        .args(["server", "--id", "1", "--listen", &format!("127.0.0.1:{}", ports[1]), "--http", &format!("127.0.0.1:{}", ports[2])])
+        .arg("--data-dir")
+        .arg(tmp.path().join("server"))
+        .stdout(Stdio::null())
+        .stderr(log("server.log"))
+        .spawn()
+        .expect("spawn server");
+    let _procs = Procs(vec![agent_proc, server_proc]);
+    let ca = out.join("ca.crt");
+    let tls = Some((ca.as_path(), dns.as_str()));
+    until_answers("the agent", hook, tls, "/healthz", &tmp.path().join("agent.log")).await;
+
+    for h in &rendered {
+        let path = h.client.service.as_ref().and_then(|s| s.path.clone()).expect("path");
+        let (status, body) = request(hook, tls, "POST", &path, gpu_pod_review("p1")).await.expect("review");
+        let review: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        assert!(status == 200 && review["response"]["uid"] == "p1", "{}: POST {path} answered {status}: {review}", h.name);
+    }
+    for probe in [&agent.container.liveness_probe, &agent.container.readiness_probe] {
+        let path = probe.as_ref().and_then(|p| p.http_get.as_ref()).and_then(|g| g.path.clone()).expect("probe path");
+        let (status, _) = request(hook, tls, "GET", &path, Vec::new()).await.expect("probe");
+        assert!(status == 200 || status == 503, "agent probe {path} answered {status}");
+    }
+
+    let server = server(&containers);
+    until_answers("the server", ports[2], None, "/healthz", &tmp.path().join("server.log")).await;
+    for probe in [&server.container.liveness_probe, &server.container.readiness_probe] {
+        let path = probe.as_ref().and_then(|p| p.http_get.as_ref()).and_then(|g| g.path.clone()).expect("probe path");
+        let (status, _) = request(ports[2], None, "GET", &path, Vec::new()).await.expect("probe");
+        assert!(status == 200 || status == 503, "server probe {path} answered {status}");
+    }
+}
