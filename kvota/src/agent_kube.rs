@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::inventory::Inventory;
-use kvota_member_agent::kube::{actions_config, Controller, Election, KubeActions, KubeInventory};
+use kvota_member_agent::kube::{actions_config, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
 use kvota_member_agent::webhook::TlsFiles;
 use tokio::sync::watch;
 
@@ -74,14 +74,25 @@ pub async fn serve(args: AgentArgs, cp: Vec<String>, tls: Arc<TlsFiles>) -> Resu
     }
     let leading = Arc::new(AtomicBool::new(args.leader_lease.is_none()));
     if args.leader_lease.is_some() {
-        agent.state().set_held(Some("this agent replica is a standby until it wins the leader Lease".into()));
+        let mut st = agent.state();
+        st.set_held(Some("this agent replica is a standby until it wins the leader Lease".into()));
+        st.set_standby(true);
     }
     let elector = args.leader_lease.clone().map(|name| {
         let identity = args.identity.clone().unwrap_or_else(|| {
             format!("{}-{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "agent".into()), std::process::id())
         });
+        // The pod's role label steers the webhook Service to the leader; it needs the
+        // pod's own name (POD_NAME from the downward API).
+        let marker = match &args.identity {
+            Some(pod) => Some(RoleMarker::new(watch_client.clone(), &args.leader_lease_namespace, pod)),
+            None => {
+                tracing::warn!("no --identity/POD_NAME: this replica cannot label its pod with its role ({ROLE_LABEL}); a Service selecting the leader by that label will not find it");
+                None
+            }
+        };
         let e = Election::new(watch_client.clone(), &args.leader_lease_namespace, &name, &identity, Duration::from_secs(15));
-        tokio::spawn(election_loop(e, agent.clone(), leading.clone(), stop.clone()))
+        tokio::spawn(election_loop(e, marker, agent.clone(), leading.clone(), stop.clone()))
     });
     let controller = Controller::new(inventory.clone(), KubeActions::new(action_client, "kvota-agent"));
     let control = tokio::spawn(control_loop(controller, agent.clone(), leading.clone(), stop.clone()));
@@ -120,8 +131,16 @@ async fn control_loop(mut c: Controller, agent: Arc<Agent>, leading: Arc<AtomicB
 }
 
 /// Keeps the Lease; on every change of role says so, and holds or resumes admission.
-async fn election_loop(mut e: Election, agent: Arc<Agent>, leading: Arc<AtomicBool>, mut stop: watch::Receiver<bool>) {
+async fn election_loop(
+    mut e: Election,
+    marker: Option<RoleMarker>,
+    agent: Arc<Agent>,
+    leading: Arc<AtomicBool>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut was = false;
+    // The role the pod's label says, once set (retried every round until it is).
+    let mut labelled: Option<bool> = None;
     loop {
         let now = match e.step().await {
             Ok(l) => l,
@@ -135,11 +154,15 @@ async fn election_loop(mut e: Election, agent: Arc<Agent>, leading: Arc<AtomicBo
                 tracing::info!("this replica leads: it admits, reports, releases gates and reclaims");
                 agent.discard_usage();
                 agent.took_over();
-                agent.state().set_held(None);
+                let mut st = agent.state();
+                st.set_standby(false);
+                st.set_held(None);
             } else {
                 let who = e.holder().unwrap_or("nobody yet").to_string();
                 tracing::info!(leader = %who, "this replica stands by");
-                agent.state().set_held(Some(format!("this agent replica is a standby (the leader is {who})")));
+                let mut st = agent.state();
+                st.set_standby(true);
+                st.set_held(Some(format!("this agent replica is a standby (the leader is {who})")));
             }
             leading.store(now, Ordering::SeqCst);
             was = now;
@@ -147,11 +170,23 @@ async fn election_loop(mut e: Election, agent: Arc<Agent>, leading: Arc<AtomicBo
             let who = e.holder().unwrap_or("nobody yet").to_string();
             agent.state().set_held(Some(format!("this agent replica is a standby (the leader is {who})")));
         }
+        if let Some(m) = marker.as_ref().filter(|_| labelled != Some(now)) {
+            let r = if now { m.lead().await } else { m.stand_by().await };
+            match r {
+                Ok(()) => labelled = Some(now),
+                Err(err) => tracing::warn!(error = %err, role = if now { "leader" } else { "standby" }, "could not label this pod with its role; retrying"),
+            }
+        }
         let stopping = tokio::select! {
             _ = tokio::time::sleep(e.period()) => false,
             _ = async { let _ = stop.wait_for(|s| *s).await; } => true,
         };
         if stopping {
+            if let Some(m) = &marker {
+                if let Err(err) = m.stand_by().await {
+                    tracing::warn!(error = %err, "could not label this pod standby on the way out");
+                }
+            }
             if let Err(err) = e.release().await {
                 tracing::warn!(error = %err, "could not release the leader Lease; a standby takes over when it lapses");
             }

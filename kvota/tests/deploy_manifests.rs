@@ -709,8 +709,21 @@ fn service_target(docs: &[Doc], ns: &str, name: &str, port: i32, k: &KvotaContai
     let svc: Service = doc.typed();
     let spec = svc.spec.ok_or("no spec")?;
     let selector = LabelSelector { match_labels: spec.selector.clone(), match_expressions: None };
-    if spec.selector.as_ref().is_none_or(BTreeMap::is_empty) || !selects(&selector, &k.pod.labels) {
+    // Agent replicas label their own pods with their role at run time
+    // (member-agent/src/kube.rs, ROLE_LABEL): the Service must reach the leader only.
+    let agent = k.subcommand().first().map(String::as_str) == Some("agent");
+    let with_role = |role: &str| {
+        let mut l = k.pod.labels.clone();
+        if agent {
+            l.insert("kvota.dev/agent-role".to_string(), role.to_string());
+        }
+        l
+    };
+    if spec.selector.as_ref().is_none_or(BTreeMap::is_empty) || !selects(&selector, &with_role("leader")) {
         return Err(format!("Service {ns}/{name} does not select the pods of {} {}", k.pod.doc.kind(), k.pod.doc.name()));
+    }
+    if agent && selects(&selector, &with_role("standby")) {
+        return Err(format!("Service {ns}/{name} also selects standby agent replicas (select kvota.dev/agent-role: leader)"));
     }
     if k.pod.doc.namespace() != ns {
         return Err(format!("Service {ns}/{name} is not in the namespace of {}", k.pod.doc.name()));

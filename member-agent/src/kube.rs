@@ -601,6 +601,63 @@ impl Election {
     }
 }
 
+/// Label the replicas put on their own pods: `leader` on the one that admits, `standby`
+/// on the others. The webhook Service selects `leader`, so reviews reach only the
+/// replica that admits while every healthy replica is Ready.
+pub const ROLE_LABEL: &str = "kvota.dev/agent-role";
+
+/// Sets [`ROLE_LABEL`] on the replicas' pods (namespace `namespace`, this one `pod`).
+#[derive(Clone)]
+pub struct RoleMarker {
+    api: Api<Pod>,
+    pod: String,
+}
+
+impl std::fmt::Debug for RoleMarker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoleMarker").field("pod", &self.pod).finish()
+    }
+}
+
+impl RoleMarker {
+    /// Marks pod `namespace/pod` (this replica's own).
+    pub fn new(client: Client, namespace: &str, pod: &str) -> Self {
+        RoleMarker { api: Api::namespaced(client, namespace), pod: pod.to_string() }
+    }
+
+    async fn set(&self, pod: &str, role: &str) -> Result<(), kube::Error> {
+        let patch = json!({ "metadata": { "labels": { ROLE_LABEL: role } } });
+        match self.api.patch(pod, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => Ok(()),
+            Err(e) if api_status(&e) == Some(404) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// This replica leads: every other pod still marked `leader` (a replica that lost
+    /// the Lease without saying so: crashed, or cut off) becomes `standby` first, then
+    /// this pod becomes `leader`.
+    pub async fn lead(&self) -> Result<(), kube::Error> {
+        let marked = self
+            .api
+            .list(&kube::api::ListParams::default().labels(&format!("{ROLE_LABEL}=leader")))
+            .await?;
+        for p in marked.items {
+            let name = p.metadata.name.clone().unwrap_or_default();
+            let leader = p.metadata.labels.as_ref().and_then(|l| l.get(ROLE_LABEL)).is_some_and(|r| r == "leader");
+            if leader && !name.is_empty() && name != self.pod {
+                self.set(&name, "standby").await?;
+            }
+        }
+        self.set(&self.pod, "leader").await
+    }
+
+    /// This replica stands by.
+    pub async fn stand_by(&self) -> Result<(), kube::Error> {
+        self.set(&self.pod, "standby").await
+    }
+}
+
 /// The leader's duties in a Kubernetes cluster, one round at a time: bring the agent's
 /// state in line with the inventory, release gated pods that fit their budget now (the
 /// gate controller), and reclaim for starved tenants through the Eviction API.

@@ -57,6 +57,7 @@ pub struct AgentState {
     denied_ttl_ms: Millis,
     reclaim: ReclaimBook,
     held: Option<String>,
+    standby: bool,
     decisions: DecisionBook,
 }
 
@@ -148,6 +149,7 @@ impl AgentState {
             denied_ttl_ms: DENIED_DEMAND_TTL_MS,
             reclaim: ReclaimBook::default(),
             held: None,
+            standby: false,
             decisions: DecisionBook::default(),
         }
     }
@@ -357,6 +359,16 @@ impl AgentState {
         self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect()
     }
 
+    /// This replica is (`true`) or stops being a standby of a leader-elected pair.
+    pub fn set_standby(&mut self, standby: bool) {
+        self.standby = standby;
+    }
+
+    /// Whether this replica is a standby.
+    pub fn is_standby(&self) -> bool {
+        self.standby
+    }
+
     /// Stops (`Some(why)`) or resumes (`None`) admission: a standby replica, or an
     /// inventory that has not listed the cluster yet, must not admit anything.
     pub fn set_held(&mut self, why: Option<String>) {
@@ -371,6 +383,12 @@ impl AgentState {
     /// Whether the agent can judge pods: it has a policy and has held a lease, and
     /// admission is not held (see [`AgentState::set_held`]).
     pub fn ready(&self) -> Result<(), String> {
+        // A standby replica is ready to take over once it has the policy: the webhook
+        // Service selects only the leader's pod (its role label), so being Ready sends it
+        // no reviews; it keeps rolling updates and node drains moving.
+        if self.standby {
+            return if self.policy.is_some() { Ok(()) } else { Err("standby without a policy yet".into()) };
+        }
         if let Some(why) = &self.held {
             return Err(why.clone());
         }

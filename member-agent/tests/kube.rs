@@ -21,7 +21,7 @@ use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::Decision;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::inventory::{capacity_milli, Inventory, PodStage};
-use kvota_member_agent::kube::{format_time, Controller, Election, KubeActions, KubeInventory};
+use kvota_member_agent::kube::{format_time, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
 use kvota_member_agent::review::{review, Endpoint};
 use serde_json::{json, Value};
 use tokio::sync::watch;
@@ -393,6 +393,44 @@ async fn a_pod_disruption_budget_refusal_is_reported_and_not_forced() {
     let d = s.controller.reclaim(&s.agent).await;
     assert!(matches!(d, Decision::Evict { .. }), "{d:?}");
     assert!(s.api.all(Kind::Pod).len() < 9);
+}
+
+/// The leading replica labels its pod `leader` (the webhook Service selects it) after
+/// demoting any other pod still labelled so (a replica that lost the Lease without
+/// saying so); a standby labels itself `standby` and is Ready once it has the policy.
+#[tokio::test]
+async fn the_leader_labels_its_pod_and_demotes_a_stale_leader_label() {
+    let api = FakeApi::start().await;
+    let agent_pod = |name: &str, role: Option<&str>| {
+        let labels = role.map_or(json!({"app": "kvota-agent"}), |r| json!({"app": "kvota-agent", ROLE_LABEL: r}));
+        json!({"metadata": {"name": name, "namespace": "kvota-system", "labels": labels}, "spec": {"containers": [{"name": "agent"}]}})
+    };
+    api.put(Kind::Pod, agent_pod("agent-a", Some("leader")));
+    api.put(Kind::Pod, agent_pod("agent-b", None));
+    let role = |api: &FakeApi, pod: &str| api.get(Kind::Pod, &format!("kvota-system/{pod}")).and_then(|p| p["metadata"]["labels"][ROLE_LABEL].as_str().map(str::to_string));
+
+    let b = RoleMarker::new(api.client(), "kvota-system", "agent-b");
+    b.stand_by().await.expect("standby label");
+    assert_eq!(role(&api, "agent-b").as_deref(), Some("standby"));
+    // a crashed without relabelling; b takes over.
+    b.lead().await.expect("lead");
+    assert_eq!((role(&api, "agent-a").as_deref(), role(&api, "agent-b").as_deref()), (Some("standby"), Some("leader")));
+    // A pod that is gone is no error.
+    RoleMarker::new(api.client(), "kvota-system", "agent-gone").stand_by().await.expect("gone pod");
+
+    // Readiness: a standby with the policy is Ready (it is sent nothing), the leader
+    // needs its lease too.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = Agent::open("c", BTreeMap::new(), dir.path(), &["http://127.0.0.1:9".to_string()]).expect("agent");
+    let mut st = agent.state();
+    st.set_standby(true);
+    st.set_held(Some("this agent replica is a standby".into()));
+    assert!(st.ready().is_err(), "no policy yet");
+    st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    assert_eq!(st.ready(), Ok(()));
+    st.set_standby(false);
+    st.set_held(None);
+    assert!(st.ready().is_err_and(|e| e.contains("no lease")), "a leader without a lease is not ready");
 }
 
 #[tokio::test]
