@@ -16,7 +16,6 @@ use openraft::{Config, SnapshotPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::metrics::Metrics;
 use crate::network::{Network, RaftTransport, MAX_RAFT_MESSAGE_BYTES};
@@ -184,7 +183,11 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
         );
     let mut stop = rx.clone();
     tasks.spawn(async move {
-        let incoming = TcpListenerStream::new(rpc);
+        // tonic applies `tcp_nodelay` only to listeners it binds itself, not to an
+        // incoming stream it is given: without this, Nagle holds back the second small
+        // write of a reply (HTTP/2 DATA after HEADERS) until the peer's delayed ACK,
+        // 40 ms on Linux. That was the whole 1-client p99 (docs/benchmarks.md).
+        let incoming = tonic::transport::server::TcpIncoming::from(rpc).with_nodelay(Some(true));
         let until = async move {
             let _ = stop.wait_for(|s| *s).await;
         };

