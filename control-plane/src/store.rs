@@ -9,10 +9,12 @@
 //!
 //! Values are serde_json. Every write that openraft relies on surviving a crash (vote,
 //! appended entries, truncation, purge, committed log id, applied state, installed
-//! snapshot) is followed by an explicit `fsync` of the database before the call returns,
-//! and before an append is acknowledged through [`LogFlushed`]: sled's own background
-//! flush (every 500 ms) is not relied upon, so a process killed with SIGKILL restarts
-//! with everything it acknowledged.
+//! snapshot) is followed by a flush of the database and an `fdatasync` of its data file
+//! before the call returns, and before an append is acknowledged through
+//! [`LogFlushed`]: sled's own flush only issues `sync_file_range` (not enough for a power
+//! loss) and its background fsync runs every 500 ms, so neither is relied upon. A
+//! process killed with SIGKILL, or a machine that loses power, restarts with
+//! everything it acknowledged.
 //!
 //! The persisted state machine and a snapshot share one format, [`StateMachineData`] as
 //! JSON, so installing a snapshot is "decode, check, write the same bytes as the state".
@@ -119,12 +121,22 @@ pub fn open(path: &Path) -> Result<(LogStore, StateMachineStore), StoreError> {
             path: path.to_path_buf(),
             source,
         })?;
-    open_db(db)
+    // sled's data file, synced after every flush (see `Disk`).
+    let data = path.join("db");
+    let file = std::fs::File::open(&data).map_err(|e| StoreError::Open {
+        path: data.clone(),
+        source: sled::Error::Io(e),
+    })?;
+    open_disk(Disk { db, file: Some(Arc::new(file)) })
 }
 
 /// Build the two stores on an already opened sled database (e.g. a temporary one in
 /// tests). Same guarantees as [`open`].
 pub fn open_db(db: sled::Db) -> Result<(LogStore, StateMachineStore), StoreError> {
+    open_disk(Disk { db, file: None })
+}
+
+fn open_disk(db: Disk) -> Result<(LogStore, StateMachineStore), StoreError> {
     let tree = |name: &'static str| {
         db.open_tree(name).map_err(|source| StoreError::Sled {
             what: "open tree",
@@ -175,13 +187,37 @@ fn key_index(key: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(bytes))
 }
 
-/// `fsync` everything written to `db` so far. Runs on the blocking pool: an fsync can
-/// take milliseconds and must not stall the Raft tasks sharing the runtime.
-async fn flush(db: &sled::Db) -> Result<(), io::Error> {
-    let db = db.clone();
-    match tokio::task::spawn_blocking(move || db.flush()).await {
-        Ok(Ok(_bytes)) => Ok(()),
-        Ok(Err(e)) => Err(io::Error::from(e)),
+/// The sled database and, for one on disk, its data file. sled 0.34's `flush` writes the
+/// log with `sync_file_range`, which flushes neither the disk's write cache nor the
+/// file's metadata: that survives a killed process but not a power loss. So every flush
+/// here is followed by an `fdatasync` of the data file.
+#[derive(Clone)]
+struct Disk {
+    db: sled::Db,
+    file: Option<Arc<std::fs::File>>,
+}
+
+impl std::ops::Deref for Disk {
+    type Target = sled::Db;
+    fn deref(&self) -> &sled::Db {
+        &self.db
+    }
+}
+
+/// Make everything written to `disk` so far durable. Runs on the blocking pool: an
+/// fsync can take milliseconds and must not stall the Raft tasks sharing the runtime.
+async fn flush(disk: &Disk) -> Result<(), io::Error> {
+    let disk = disk.clone();
+    match tokio::task::spawn_blocking(move || {
+        disk.db.flush().map_err(io::Error::from)?;
+        match &disk.file {
+            Some(f) => f.sync_data(),
+            None => Ok(()),
+        }
+    })
+    .await
+    {
+        Ok(r) => r,
         Err(join) => Err(io::Error::other(join)),
     }
 }
@@ -217,7 +253,7 @@ fn decode_entry(key: &[u8], value: &[u8]) -> Result<Entry, StorageError<NodeId>>
 /// to the same log (the log reader is such a clone).
 #[derive(Clone)]
 pub struct LogStore {
-    db: sled::Db,
+    db: Disk,
     logs: sled::Tree,
     meta: sled::Tree,
 }
@@ -482,7 +518,7 @@ impl LogStore {
 /// `apply` or `install_snapshot` returns (both fsync before returning); the current
 /// snapshot (if any) is persisted with its meta and bytes together.
 pub struct StateMachineStore {
-    db: sled::Db,
+    db: Disk,
     state: sled::Tree,
     data: Arc<RwLock<StateMachineData>>,
     /// Serialises writes of the current snapshot (from snapshot builders, which run
@@ -515,7 +551,7 @@ impl StateMachineStore {
 /// `only_if_newer`, an existing snapshot with a later `last_log_id` is kept instead.
 /// The caller holds the snapshot lock.
 async fn persist_snapshot(
-    db: &sled::Db,
+    db: &Disk,
     tree: &sled::Tree,
     meta: &SnapshotMeta<NodeId, Node>,
     bytes: &[u8],
@@ -700,7 +736,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 /// fsynced batch, both as the current snapshot and as the state a restart loads, before
 /// openraft may purge the log up to it; unless a newer one was installed meanwhile.
 pub struct SledSnapshotBuilder {
-    db: sled::Db,
+    db: Disk,
     state: sled::Tree,
     snapshot_lock: Arc<Mutex<()>>,
     /// The state machine, serialized when the builder was made.
