@@ -22,6 +22,8 @@ use kvota_fairness::resources::{pod_gpue, ContainerResources, PodResources};
 use kvota_fairness::MilliGpue;
 use serde_json::{json, Value};
 
+mod wire;
+
 /// Largest review body accepted. The API server caps objects near 3 MiB; a bigger body
 /// is not a real AdmissionReview.
 pub const MAX_REVIEW_BYTES: usize = 4 << 20;
@@ -162,10 +164,10 @@ pub fn review(body: &[u8], endpoint: Endpoint, state: &mut dyn AdmissionState) -
 }
 
 /// A review read and checked, not yet judged.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub struct Parsed(ParsedKind);
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 enum ParsedKind {
     /// Answered without the agent's state (malformed, not a pod, subresource, update).
     Done(Reviewed),
@@ -175,7 +177,7 @@ enum ParsedKind {
     Create(Box<Create>),
 }
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 struct Create {
     uid: String,
     namespace: String,
@@ -189,7 +191,23 @@ struct Create {
 
 /// Reads and checks a review body: everything that needs no agent state (JSON parsing,
 /// shape checks, the pod's resources). Cheap to call outside any lock.
+///
+/// Reads only the fields it needs, borrowing from `body` ([`wire`]); a body that does
+/// not have the usual shape (or is malformed) is read again through a
+/// `serde_json::Value` ([`parse_value`], the reference), which words every error.
 pub fn parse(body: &[u8]) -> Parsed {
+    if body.len() > MAX_REVIEW_BYTES {
+        return parse_value(body);
+    }
+    match wire::read(body) {
+        Some(p) => Parsed(p),
+        None => parse_value(body),
+    }
+}
+
+/// [`parse`] through a `serde_json::Value`: the reference the fast path ([`wire`]) is
+/// held to, and the path for every body the fast path does not take.
+fn parse_value(body: &[u8]) -> Parsed {
     if body.len() > MAX_REVIEW_BYTES {
         return Parsed(ParsedKind::Done(error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len()))));
     }
