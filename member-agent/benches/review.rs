@@ -1,5 +1,6 @@
 //! The review work alone, without HTTP or TLS: `review::parse` (outside the agent's
-//! lock), `review::judge` (under it, given a parsed review), and both, on the
+//! lock), `review::judge` (under it, given a parsed review), and the whole `review`
+//! (parse, judge, write the answer), on the
 //! webhook benchmark's pod (an init container, two containers, one GPU, dry run) and
 //! on a real AdmissionRequest from the fixtures with a GPU added.
 //!

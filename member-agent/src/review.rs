@@ -13,7 +13,9 @@
 //! `kvota.dev/admission`. Each lets the other mode's pods through untouched, so a pod is
 //! judged exactly once.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use base64::Engine as _;
 use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Verdict, SCHEDULING_GATE};
@@ -118,22 +120,60 @@ pub struct Reviewed {
 #[error("{0}")]
 pub struct Malformed(pub String);
 
-fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<&Value>) -> Vec<u8> {
-    let mut resp = json!({ "uid": uid, "allowed": allowed });
-    if !message.is_empty() || !allowed {
-        resp["status"] = json!({ "code": code, "message": message });
+/// The JSON patch a gated pod gets: its scheduling gates are a new list, or ours is
+/// appended to the ones it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// `add /spec/schedulingGates` with a list of one: the pod had no gates.
+    New,
+    /// `add /spec/schedulingGates/-`: the pod has gates already.
+    Append,
+}
+
+impl Gate {
+    /// The patch, base64 as the response carries it; the same two every time, so
+    /// written once.
+    fn base64(self) -> &'static str {
+        static PATCHES: LazyLock<[String; 2]> = LazyLock::new(|| {
+            let b64 = |p: Value| base64::engine::general_purpose::STANDARD.encode(serde_json::to_vec(&p).unwrap_or_default());
+            [
+                b64(json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])),
+                b64(json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])),
+            ]
+        });
+        &PATCHES[self as usize]
     }
+}
+
+/// Writes the AdmissionReview response straight into bytes: the same bytes serde_json
+/// writes for the `Value` (keys in its sorted order, strings escaped by serde_json),
+/// without building the `Value`.
+fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<Gate>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128 + uid.len() + message.len() + patch.map_or(0, |p| p.base64().len()));
+    out.extend_from_slice(br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"allowed":"#);
+    out.extend_from_slice(if allowed { b"true" } else { b"false" });
     if let Some(p) = patch {
-        let bytes = serde_json::to_vec(p).unwrap_or_default();
-        resp["patchType"] = json!("JSONPatch");
-        resp["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+        out.extend_from_slice(br#","patch":""#);
+        out.extend_from_slice(p.base64().as_bytes());
+        out.extend_from_slice(br#"","patchType":"JSONPatch""#);
     }
-    let review = json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "response": resp,
-    });
-    serde_json::to_vec(&review).unwrap_or_default()
+    if !message.is_empty() || !allowed {
+        out.extend_from_slice(br#","status":{"code":"#);
+        out.extend_from_slice(code.to_string().as_bytes());
+        out.extend_from_slice(br#","message":"#);
+        json_string(&mut out, message);
+        out.push(b'}');
+    }
+    out.extend_from_slice(br#","uid":"#);
+    json_string(&mut out, uid);
+    out.extend_from_slice(b"}}");
+    out
+}
+
+/// Appends `s` as a JSON string, escaped as serde_json escapes it.
+fn json_string(out: &mut Vec<u8>, s: &str) {
+    // Writing a str into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
 }
 
 /// A well-formed AdmissionReview that answers a request the webhook could not judge
@@ -157,10 +197,63 @@ fn pass(uid: &str, message: &str) -> Reviewed {
 }
 
 /// Handles one AdmissionReview body. Never panics; always returns a well-formed review.
-/// The same as [`parse`] then [`judge`]; a server calls them apart so that only
-/// [`judge`] runs under the state's lock.
+/// The same as [`parse`], [`judge`] and [`Answer::render`]; a server calls them apart so
+/// that only [`judge`] runs under the state's lock.
 pub fn review(body: &[u8], endpoint: Endpoint, state: &mut dyn AdmissionState) -> Reviewed {
-    judge(parse(body), endpoint, state)
+    judge(parse(body), endpoint, state).render()
+}
+
+/// A review judged, its response not yet written: [`judge`] decides under the agent's
+/// lock, [`Answer::render`] writes the body after the lock is released.
+#[derive(Debug)]
+pub struct Answer(AnswerKind);
+
+#[derive(Debug)]
+enum AnswerKind {
+    /// Written already (by [`parse`]).
+    Written(Reviewed),
+    /// A verdict to write.
+    Verdict {
+        uid: String,
+        allowed: bool,
+        code: u16,
+        message: Cow<'static, str>,
+        patch: Option<Gate>,
+        tenant: Option<String>,
+        outcome: &'static str,
+        gpue: MilliGpue,
+    },
+}
+
+impl Answer {
+    #[allow(clippy::too_many_arguments)]
+    fn verdict(
+        uid: String,
+        allowed: bool,
+        code: u16,
+        message: impl Into<Cow<'static, str>>,
+        patch: Option<Gate>,
+        tenant: Option<String>,
+        outcome: &'static str,
+        gpue: MilliGpue,
+    ) -> Answer {
+        Answer(AnswerKind::Verdict { uid, allowed, code, message: message.into(), patch, tenant, outcome, gpue })
+    }
+
+    /// Allowed without being judged here.
+    fn pass(uid: String, message: impl Into<Cow<'static, str>>) -> Answer {
+        Answer::verdict(uid, true, 200, message, None, None, "passed", 0)
+    }
+
+    /// Writes the response body.
+    pub fn render(self) -> Reviewed {
+        match self.0 {
+            AnswerKind::Written(r) => r,
+            AnswerKind::Verdict { uid, allowed, code, message, patch, tenant, outcome, gpue } => {
+                Reviewed { body: response(&uid, allowed, code, &message, patch), tenant, outcome, gpue }
+            }
+        }
+    }
 }
 
 /// A review read and checked, not yet judged.
@@ -288,28 +381,29 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
 
 /// Judges a parsed review against the agent's state and records its effect (a
 /// reservation, a queue entry, a denial, a deletion) in the same call: hold the state's
-/// lock around this call, and only this one.
-pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Reviewed {
+/// lock around this call, and only this one. The answer's body is written by
+/// [`Answer::render`], after the lock is released.
+pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Answer {
     let c = match parsed.0 {
-        ParsedKind::Done(r) => return r,
+        ParsedKind::Done(r) => return Answer(AnswerKind::Written(r)),
         ParsedKind::Delete { uid, key, dry_run } => {
             if !dry_run {
                 state.record(Effect::Forget { pod: key });
             }
-            return pass(&uid, "");
+            return Answer::pass(uid, "");
         }
         ParsedKind::Create(c) => *c,
     };
     let Create { uid, namespace, name, key, dry_run, pod, priority, has_gates } = c;
-    let uid = uid.as_str();
     let Some(policy) = state.policy() else {
         // No policy yet: the agent enforces its (zero) budgets through `view`; without a
         // policy there are no tenants, so nothing is governed.
-        return pass(uid, "kvota: no policy received yet; not judged");
+        return Answer::pass(uid, "kvota: no policy received yet; not judged");
     };
     let gpue = match pod_gpue(&pod, &policy.resource_weights) {
         Ok(g) => g.total_milli,
-        Err(e) => return error_reply(uid, &format!("pod resources: {e}")),
+        // Rare (Kubernetes validates quantities first): written here, under the lock.
+        Err(e) => return Answer(AnswerKind::Written(error_reply(&uid, &format!("pod resources: {e}")))),
     };
     let labels = state.namespace_labels(&namespace);
     let tenant = policy.tenant_for_namespace(&namespace, &labels).map(|t| (t.name.clone(), t.admission));
@@ -318,57 +412,50 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         None => {
             let v = LocalView { tenant: None, ..state.view("") };
             let d = decide(&PodRequest { namespace, name, gpue }, &v);
-            return Reviewed { body: response(uid, true, 200, &d.message, None), tenant: None, outcome: "passed", gpue };
+            return Answer::verdict(uid, true, 200, d.message, None, None, "passed", gpue);
         }
     };
     // Each endpoint judges only its mode's tenants.
     let mine = matches!((endpoint, mode), (Endpoint::Validate, AdmissionMode::Reject) | (Endpoint::Mutate, AdmissionMode::Queue));
     if !mine || gpue == 0 {
         let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
-        return Reviewed { body: response(uid, true, 200, msg, None), tenant: Some(tenant), outcome: "passed", gpue };
+        return Answer::verdict(uid, true, 200, msg, None, Some(tenant), "passed", gpue);
     }
-    let gate_patch = if has_gates {
-        json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])
-    } else {
-        json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])
-    };
+    let gate = if has_gates { Gate::Append } else { Gate::New };
     if let Some(why) = state.held() {
-        let (body, outcome) = match mode {
+        return match mode {
             AdmissionMode::Queue => {
                 let msg = format!("kvota: {why}; pod {key} waits behind the {SCHEDULING_GATE} gate for the leader to release it");
-                (response(uid, true, 200, &msg, Some(&gate_patch)), "held")
+                Answer::verdict(uid, true, 200, msg, Some(gate), Some(tenant), "held", gpue)
             }
             AdmissionMode::Reject => {
                 let msg = format!("kvota: {why}; pod {key} was not judged, retry in a few seconds");
-                (response(uid, false, 503, &msg, None), "held")
+                Answer::verdict(uid, false, 503, msg, None, Some(tenant), "held", gpue)
             }
         };
-        return Reviewed { body, tenant: Some(tenant), outcome, gpue };
     }
     let view = state.view(&tenant);
     let d: Decision = decide(&PodRequest { namespace, name, gpue }, &view);
-    let (body, outcome) = match d.verdict {
+    match d.verdict {
         Verdict::Allow => {
             if !dry_run {
                 state.record(Effect::Reserve { tenant: tenant.clone(), pod: key, gpue });
             }
-            (response(uid, true, 200, &d.message, None), "allowed")
+            Answer::verdict(uid, true, 200, d.message, None, Some(tenant), "allowed", gpue)
         }
         Verdict::Deny => {
             if !dry_run {
                 state.record(Effect::Denied { tenant: tenant.clone(), pod: key, gpue });
             }
-            (response(uid, false, 403, &d.message, None), "denied")
+            Answer::verdict(uid, false, 403, d.message, None, Some(tenant), "denied", gpue)
         }
         Verdict::Queue => {
-            let patch = gate_patch;
             if !dry_run {
                 state.record(Effect::Enqueue { tenant: tenant.clone(), pod: key, gpue, priority });
             }
-            (response(uid, true, 200, &d.message, Some(&patch)), "queued")
+            Answer::verdict(uid, true, 200, d.message, Some(gate), Some(tenant), "queued", gpue)
         }
-    };
-    Reviewed { body, tenant: Some(tenant), outcome, gpue }
+    }
 }
 
 fn quantity_map(v: Option<&Value>, path: &str) -> Result<BTreeMap<String, String>, Malformed> {
@@ -412,4 +499,68 @@ pub fn pod_resources(object: &Value) -> Result<PodResources, Malformed> {
         containers: containers(spec, "containers")?,
         overhead: quantity_map(spec.get("overhead"), "spec.overhead")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// The response as it was written before [`response`] wrote bytes directly: through
+    /// a `Value`. The reference for [`response`].
+    fn response_value(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<&Value>) -> Vec<u8> {
+        let mut resp = json!({ "uid": uid, "allowed": allowed });
+        if !message.is_empty() || !allowed {
+            resp["status"] = json!({ "code": code, "message": message });
+        }
+        if let Some(p) = patch {
+            let bytes = serde_json::to_vec(p).unwrap_or_default();
+            resp["patchType"] = json!("JSONPatch");
+            resp["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+        }
+        let review = json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "response": resp,
+        });
+        serde_json::to_vec(&review).unwrap_or_default()
+    }
+
+    fn patch_value(gate: Gate) -> Value {
+        match gate {
+            Gate::New => json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }]),
+            Gate::Append => json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }]),
+        }
+    }
+
+    #[test]
+    fn responses_are_the_bytes_serde_json_wrote() {
+        for (uid, allowed, code, message, gate) in [
+            ("u1", true, 200, "", None),
+            ("u1", false, 400, "", None),
+            ("", false, 400, "kvota: malformed AdmissionReview: not JSON: expected value at line 1 column 1", None),
+            ("705ab4f5", true, 200, "kvota: admitted: tenant `training` holds 0 + 1 = 1 of its 32 GPUe budget", None),
+            ("q", true, 200, "queued \"behind\" the gate\n\u{1}\u{7f}\u{e9}\u{2028}", Some(Gate::New)),
+            ("q", true, 200, "", Some(Gate::Append)),
+        ] {
+            assert_eq!(
+                String::from_utf8(response(uid, allowed, code, message, gate)).expect("utf8"),
+                String::from_utf8(response_value(uid, allowed, code, message, gate.map(patch_value).as_ref())).expect("utf8"),
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn responses_match_for_any_text(
+            uid in any::<String>(), message in any::<String>(), allowed in any::<bool>(), code in any::<u16>(),
+            gate in prop::option::of(prop_oneof![Just(Gate::New), Just(Gate::Append)]),
+        ) {
+            prop_assert_eq!(
+                response(&uid, allowed, code, &message, gate),
+                response_value(&uid, allowed, code, &message, gate.map(patch_value).as_ref())
+            );
+        }
+    }
 }

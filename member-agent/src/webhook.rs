@@ -191,13 +191,15 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
             return review_response(StatusCode::PAYLOAD_TOO_LARGE, r.body);
         }
     };
-    // Parse outside the lock; only the decision and its effect hold it.
+    // Parse outside the lock; only the decision and its effect hold it; the answer is
+    // written after.
     let parsed = parse(&bytes);
     drop(bytes);
-    let r = {
+    let answer = {
         let mut st = ctx.agent.state();
         judge(parsed, endpoint, &mut *st)
     };
+    let r = answer.render();
     ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().as_secs_f64());
     if r.outcome == "denied" || r.outcome == "error" {
         tracing::debug!(tenant = ?r.tenant, outcome = r.outcome, "admission review");
