@@ -326,21 +326,29 @@ pub struct PodGpue {
 /// [`ResourceError::BadQuantity`] when a quantity string in the pod is invalid (any
 /// resource, GPU or not: Kubernetes would reject the pod).
 pub fn pod_gpue(pod: &PodResources, weights: &ResourceWeights) -> Result<PodGpue, ResourceError> {
-    let per_resource_milli: BTreeMap<String, MilliGpue> = effective_requests_milli(pod)?
-        .into_iter()
+    Ok(requests_gpue(&effective_requests_milli(pod)?, weights))
+}
+
+/// The GPUe of a pod whose [`effective_requests_milli`] are `requests`: the second half
+/// of [`pod_gpue`], for a caller that counts the pod's requests once (without the
+/// weights, e.g. outside a lock) and weighs them later.
+#[must_use]
+pub fn requests_gpue(requests: &BTreeMap<String, u64>, weights: &ResourceWeights) -> PodGpue {
+    let per_resource_milli: BTreeMap<String, MilliGpue> = requests
+        .iter()
         .filter(|(resource, _)| weights.is_gpu_resource(resource))
-        .map(|(resource, quantity_milli)| {
-            let gpue = weights.gpue_milli(&resource, quantity_milli);
-            (resource, gpue)
+        .map(|(resource, &quantity_milli)| {
+            let gpue = weights.gpue_milli(resource, quantity_milli);
+            (resource.clone(), gpue)
         })
         .collect();
     let total_milli = per_resource_milli
         .values()
         .fold(0u64, |sum, &v| sum.saturating_add(v));
-    Ok(PodGpue {
+    PodGpue {
         total_milli,
         per_resource_milli,
-    })
+    }
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use std::sync::LazyLock;
 use base64::Engine as _;
 use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Verdict, SCHEDULING_GATE};
 use kvota_fairness::policy::{AdmissionMode, Policy};
-use kvota_fairness::resources::{pod_gpue, ContainerResources, PodResources};
+use kvota_fairness::resources::{effective_requests_milli, requests_gpue, ContainerResources, PodResources, ResourceError};
 use kvota_fairness::MilliGpue;
 use serde_json::{json, Value};
 
@@ -277,36 +277,52 @@ struct Create {
     name: String,
     key: String,
     dry_run: bool,
-    pod: PodResources,
+    pod: PodRequests,
     priority: i32,
     has_gates: bool,
 }
 
+/// A created pod's requests: as read from the spec, then counted by [`parse`].
+#[derive(Debug, PartialEq)]
+enum PodRequests {
+    /// The containers' and overhead's quantities, as written.
+    Read(PodResources),
+    /// Their [`effective_requests_milli`] (or why they could not be counted).
+    Counted(Result<BTreeMap<String, u64>, ResourceError>),
+}
+
 /// Reads and checks a review body: everything that needs no agent state (JSON parsing,
-/// shape checks, the pod's resources). Cheap to call outside any lock.
+/// shape checks, counting the pod's requests). Cheap to call outside any lock.
 ///
 /// Reads only the fields it needs, borrowing from `body` ([`wire`]); a body that does
 /// not have the usual shape (or is malformed) is read again through a
-/// `serde_json::Value` ([`parse_value`], the reference), which words every error.
+/// `serde_json::Value` ([`read_value`], the reference), which words every error.
 pub fn parse(body: &[u8]) -> Parsed {
-    if body.len() > MAX_REVIEW_BYTES {
-        return parse_value(body);
-    }
-    match wire::read(body) {
-        Some(p) => Parsed(p),
-        None => parse_value(body),
-    }
+    let read = if body.len() > MAX_REVIEW_BYTES { None } else { wire::read(body) };
+    counted(read.unwrap_or_else(|| read_value(body)))
 }
 
-/// [`parse`] through a `serde_json::Value`: the reference the fast path ([`wire`]) is
-/// held to, and the path for every body the fast path does not take.
-fn parse_value(body: &[u8]) -> Parsed {
+/// Counts a created pod's requests ([`effective_requests_milli`]): the quantity parsing
+/// and per-resource sums need no agent state, so they happen here rather than under the
+/// lock; the policy's weights are applied in [`judge`].
+fn counted(mut kind: ParsedKind) -> Parsed {
+    if let ParsedKind::Create(c) = &mut kind {
+        if let PodRequests::Read(pod) = &c.pod {
+            c.pod = PodRequests::Counted(effective_requests_milli(pod));
+        }
+    }
+    Parsed(kind)
+}
+
+/// Reads a review through a `serde_json::Value`: the reference the fast path ([`wire`])
+/// is held to, and the path for every body the fast path does not take.
+fn read_value(body: &[u8]) -> ParsedKind {
     if body.len() > MAX_REVIEW_BYTES {
-        return Parsed(ParsedKind::Done(error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len()))));
+        return ParsedKind::Done(error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len())));
     }
     let doc: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
-        Err(e) => return Parsed(ParsedKind::Done(error_reply("", &format!("not JSON: {e}")))),
+        Err(e) => return ParsedKind::Done(error_reply("", &format!("not JSON: {e}"))),
     };
     let uid = doc
         .pointer("/request/uid")
@@ -314,8 +330,8 @@ fn parse_value(body: &[u8]) -> Parsed {
         .unwrap_or_default()
         .to_string();
     match parse_doc(&doc, &uid) {
-        Ok(p) => Parsed(p),
-        Err(Malformed(why)) => Parsed(ParsedKind::Done(error_reply(&uid, &why))),
+        Ok(p) => p,
+        Err(Malformed(why)) => ParsedKind::Done(error_reply(&uid, &why)),
     }
 }
 
@@ -369,7 +385,7 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
         other => return Err(Malformed(format!("unknown operation `{other}`"))),
     }
     let object = req.get("object").ok_or_else(|| Malformed("CREATE without `object`".into()))?;
-    let pod = pod_resources(object)?;
+    let pod = PodRequests::Read(pod_resources(object)?);
     let priority = object
         .pointer("/spec/priority")
         .and_then(Value::as_i64)
@@ -400,8 +416,12 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         // policy there are no tenants, so nothing is governed.
         return Answer::pass(uid, "kvota: no policy received yet; not judged");
     };
-    let gpue = match pod_gpue(&pod, &policy.resource_weights) {
-        Ok(g) => g.total_milli,
+    let requests = match pod {
+        PodRequests::Counted(r) => r,
+        PodRequests::Read(p) => effective_requests_milli(&p),
+    };
+    let gpue = match requests {
+        Ok(r) => requests_gpue(&r, &policy.resource_weights).total_milli,
         // Rare (Kubernetes validates quantities first): written here, under the lock.
         Err(e) => return Answer(AnswerKind::Written(error_reply(&uid, &format!("pod resources: {e}")))),
     };

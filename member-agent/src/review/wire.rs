@@ -1,7 +1,7 @@
 //! The fast way to read a review: only the fields kvota uses, deserialized straight from
 //! the body into small structs whose strings borrow from it; everything else is skipped
 //! without building anything. Reading into a `serde_json::Value` first (the reference
-//! path, [`super::parse_value`]) costs several times more: a map node and a `String`
+//! path, [`super::read_value`]) costs several times more: a map node and a `String`
 //! for every key and value of the whole pod.
 //!
 //! [`read`] is strict where the reference path is lenient. A field of a type it does not
@@ -34,7 +34,7 @@ use std::marker::PhantomData;
 use kvota_fairness::resources::{ContainerResources, PodResources};
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use super::{pass, Create, ParsedKind};
+use super::{pass, Create, ParsedKind, PodRequests};
 
 /// Reads a review body (already checked for size) the fast way; `None` means "read it
 /// the reference way" (see the module documentation).
@@ -82,11 +82,11 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
     let spec = req.object?.and_then(|o| o.spec)?;
     // A null spec is read as an empty pod, as the reference path reads it.
     let spec = spec.unwrap_or_default();
-    let pod = PodResources {
+    let pod = PodRequests::Read(PodResources {
         init_containers: spec.init_containers.into_iter().map(Container::into_core).collect(),
         containers: spec.containers.into_iter().map(Container::into_core).collect(),
         overhead: spec.overhead.unwrap_or_default().0,
-    };
+    });
     Some(ParsedKind::Create(Box::new(Create {
         uid: uid.into_owned(),
         namespace,

@@ -1,6 +1,6 @@
 //! The fast path against the reference: wherever [`read`] answers, its answer must be
-//! [`parse_value`]'s, byte for byte; and [`parse`] (fast path, then reference) must
-//! always equal [`parse_value`]. Checked on every real AdmissionRequest in the fixtures,
+//! [`read_value`]'s, byte for byte; and [`parse`] (fast path, then reference, then the
+//! pod's requests counted) must always equal the reference's, counted. Checked on every real AdmissionRequest in the fixtures,
 //! in every operation, then on random variations of them: fields replaced, removed or
 //! given odd types, keys duplicated in the text, invalid bytes.
 
@@ -9,7 +9,7 @@ use proptest::strategy::ValueTree as _;
 use serde_json::{json, Value};
 
 use super::read;
-use crate::review::{parse, parse_value, ParsedKind};
+use crate::review::{counted, parse, read_value, ParsedKind, PodRequests};
 
 const FIXTURES: [&str; 9] = [
     "deployment_with_limits_admission_request.json",
@@ -33,14 +33,17 @@ fn review(name: &str) -> Value {
 /// Whether the fast path took `body`; fails the test if it answered differently from the
 /// reference, or if `parse` differs from the reference.
 fn same(body: &[u8]) -> bool {
-    let reference = parse_value(body);
-    assert_eq!(parse(body), reference, "parse differs from the reference on {}", String::from_utf8_lossy(body));
+    let reference = read_value(body);
     match read(body) {
         Some(fast) => {
-            assert_eq!(fast, reference.0, "fast path differs from the reference on {}", String::from_utf8_lossy(body));
+            assert_eq!(fast, reference, "fast path differs from the reference on {}", String::from_utf8_lossy(body));
+            assert_eq!(parse(body), counted(reference), "parse differs from the reference on {}", String::from_utf8_lossy(body));
             true
         }
-        None => false,
+        None => {
+            assert_eq!(parse(body), counted(reference), "parse differs from the reference on {}", String::from_utf8_lossy(body));
+            false
+        }
     }
 }
 
@@ -94,8 +97,9 @@ fn pods_are_read_as_the_reference_reads_them() {
     doc["request"]["object"]["metadata"]["generateName"] = json!("job-\u{e9}-");
     assert!(same(&serde_json::to_vec(&doc).expect("enc")));
     let ParsedKind::Create(c) = read(&serde_json::to_vec(&doc).expect("enc")).expect("fast") else { panic!("not a create") };
-    assert_eq!((c.priority, c.has_gates, c.pod.init_containers.len()), (7, true, 4));
-    assert_eq!(c.pod.overhead.get("memory").map(String::as_str), Some("1000.0"));
+    let PodRequests::Read(pod) = &c.pod else { panic!("counted already") };
+    assert_eq!((c.priority, c.has_gates, pod.init_containers.len()), (7, true, 4));
+    assert_eq!(pod.overhead.get("memory").map(String::as_str), Some("1000.0"));
     assert_eq!(c.key, "default/job-\u{e9}-*1299d386-525b-4032-98ae-1949f69f9cfc");
     // Priorities the reference reads as 0, and null fields it reads as missing.
     for p in [json!(1e3), json!(u64::MAX), json!(-3_000_000_000_i64), json!(null), json!(-5)] {
