@@ -20,7 +20,7 @@ use std::sync::LazyLock;
 use base64::Engine as _;
 use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Verdict, SCHEDULING_GATE};
 use kvota_fairness::policy::{AdmissionMode, Policy};
-use kvota_fairness::resources::{effective_requests_milli, requests_gpue, ContainerResources, PodResources, ResourceError};
+use kvota_fairness::resources::{effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError};
 use kvota_fairness::MilliGpue;
 use serde_json::{json, Value};
 
@@ -282,13 +282,24 @@ struct Create {
     has_gates: bool,
 }
 
-/// A created pod's requests: as read from the spec, then counted by [`parse`].
+/// A created pod's requests: as read from the spec, then counted by [`parse`] (the fast
+/// path counts them as it reads).
 #[derive(Debug, PartialEq)]
 enum PodRequests {
     /// The containers' and overhead's quantities, as written.
     Read(PodResources),
-    /// Their [`effective_requests_milli`] (or why they could not be counted).
-    Counted(Result<BTreeMap<String, u64>, ResourceError>),
+    /// Their [`effective_requests_milli`], sorted by resource name (or why they could
+    /// not be counted).
+    Counted(Result<Vec<(String, u64)>, ResourceError>),
+}
+
+impl PodRequests {
+    fn counted(self) -> Result<Vec<(String, u64)>, ResourceError> {
+        match self {
+            PodRequests::Read(pod) => effective_requests_milli(&pod).map(|m| m.into_iter().collect()),
+            PodRequests::Counted(r) => r,
+        }
+    }
 }
 
 /// Reads and checks a review body: everything that needs no agent state (JSON parsing,
@@ -307,9 +318,8 @@ pub fn parse(body: &[u8]) -> Parsed {
 /// lock; the policy's weights are applied in [`judge`].
 fn counted(mut kind: ParsedKind) -> Parsed {
     if let ParsedKind::Create(c) = &mut kind {
-        if let PodRequests::Read(pod) = &c.pod {
-            c.pod = PodRequests::Counted(effective_requests_milli(pod));
-        }
+        let pod = std::mem::replace(&mut c.pod, PodRequests::Counted(Ok(Vec::new())));
+        c.pod = PodRequests::Counted(pod.counted());
     }
     Parsed(kind)
 }
@@ -416,12 +426,8 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         // policy there are no tenants, so nothing is governed.
         return Answer::pass(uid, "kvota: no policy received yet; not judged");
     };
-    let requests = match pod {
-        PodRequests::Counted(r) => r,
-        PodRequests::Read(p) => effective_requests_milli(&p),
-    };
-    let gpue = match requests {
-        Ok(r) => requests_gpue(&r, &policy.resource_weights).total_milli,
+    let gpue = match pod.counted() {
+        Ok(r) => total_gpue_milli(r.iter().map(|(name, milli)| (name.as_str(), *milli)), &policy.resource_weights),
         // Rare (Kubernetes validates quantities first): written here, under the lock.
         Err(e) => return Answer(AnswerKind::Written(error_reply(&uid, &format!("pod resources: {e}")))),
     };

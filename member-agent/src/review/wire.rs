@@ -1,17 +1,22 @@
 //! The fast way to read a review: only the fields kvota uses, deserialized straight from
 //! the body into small structs whose strings borrow from it; everything else is skipped
-//! without building anything. Reading into a `serde_json::Value` first (the reference
-//! path, [`super::read_value`]) costs several times more: a map node and a `String`
-//! for every key and value of the whole pod.
+//! without building anything. A created pod's requests are counted as they are read:
+//! each quantity parsed by the core's `parse_quantity_milli`, the pod's request of each
+//! resource combined by the core's `container_request_milli` and `pod_request_milli`
+//! (the rules `effective_requests_milli` uses), without the core's per-container maps.
+//! Reading into a `serde_json::Value` first and counting a `PodResources` (the reference
+//! path, [`super::read_value`]) costs several times more: a map node and a `String` for
+//! every key and value of the whole pod, then a map per container.
 //!
 //! [`read`] is strict where the reference path is lenient. A field of a type it does not
 //! expect (`"containers": null`, a container that is not an object, a quantity that is
-//! neither a string nor a number, ...), a request it would answer with an error, or any
-//! shape it was not written for makes it return `None`, and the caller reads the body
-//! the reference way. So [`read`] only ever answers when its answer is the reference
-//! path's; every error message and every odd case comes from the reference code, as
-//! before. The unit tests check this over the real AdmissionRequests in the fixtures and
-//! over random variations of them.
+//! neither a string nor a number, ...), a quantity that does not parse, a request it
+//! would answer with an error, or any shape it was not written for makes it return
+//! `None`, and the caller reads the body the reference way. So [`read`] only ever
+//! answers when its answer is the reference path's; every error message and every odd
+//! case comes from the reference code, as before. The unit tests check this over the
+//! real AdmissionRequests in the fixtures and over random variations of them (random
+//! pods with init containers, sidecars, overhead and bad quantities among them).
 //!
 //! What keeps the two in step:
 //! - Skipped values are still parsed as a `Value` parses them (strings checked for UTF-8
@@ -27,11 +32,11 @@
 //!   body to the reference path.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
-use kvota_fairness::resources::{ContainerResources, PodResources};
+use kvota_fairness::resources::{container_request_milli, pod_request_milli};
+use kvota_fairness::units::parse_quantity_milli;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
 use super::{pass, Create, ParsedKind, PodRequests};
@@ -39,7 +44,10 @@ use super::{pass, Create, ParsedKind, PodRequests};
 /// Reads a review body (already checked for size) the fast way; `None` means "read it
 /// the reference way" (see the module documentation).
 pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
-    let Obj(doc): Obj<Review<'_>> = serde_json::from_slice(body).ok()?;
+    // Checked for UTF-8 once, whole: parsing from a str spares serde_json a check per
+    // string. (A body that is not UTF-8 is not JSON: the reference path says so.)
+    let body = std::str::from_utf8(body).ok()?;
+    let Obj(doc): Obj<Review<'_>> = serde_json::from_str(body).ok()?;
     let (Some(api), Some(kind), Some(req)) = (doc.api_version, doc.kind, doc.request) else { return None };
     if api.0 != "admission.k8s.io/v1" || kind.0 != "AdmissionReview" {
         return None;
@@ -82,11 +90,7 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
     let spec = req.object?.and_then(|o| o.spec)?;
     // A null spec is read as an empty pod, as the reference path reads it.
     let spec = spec.unwrap_or_default();
-    let pod = PodRequests::Read(PodResources {
-        init_containers: spec.init_containers.into_iter().map(Container::into_core).collect(),
-        containers: spec.containers.into_iter().map(Container::into_core).collect(),
-        overhead: spec.overhead.unwrap_or_default().0,
-    });
+    let pod = PodRequests::Counted(Ok(spec.requests()));
     Some(ParsedKind::Create(Box::new(Create {
         uid: uid.into_owned(),
         namespace,
@@ -151,34 +155,59 @@ struct Spec<'a> {
     has_gates: bool,
     init_containers: Vec<Container<'a>>,
     containers: Vec<Container<'a>>,
-    overhead: Option<Quantities>,
+    overhead: Quantities<'a>,
 }
 
-/// One entry of `spec.containers` or `spec.initContainers`.
+impl Spec<'_> {
+    /// The pod's request of every resource it names, sorted by name: what
+    /// [`effective_requests_milli`](kvota_fairness::resources::effective_requests_milli)
+    /// returns for the same pod (every quantity parsed already, none invalid), counted
+    /// with the core's own rules ([`container_request_milli`], [`pod_request_milli`]) but
+    /// without building its maps.
+    fn requests(&self) -> Vec<(String, u64)> {
+        let all = self.init_containers.iter().chain(&self.containers);
+        let mut names: Vec<&str> = all
+            .flat_map(|c| c.requests.0.iter().chain(&c.limits.0))
+            .chain(&self.overhead.0)
+            .map(|(name, _)| &**name)
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|name| {
+                let milli = pod_request_milli(
+                    self.containers.iter().map(|c| c.request(name)),
+                    self.init_containers.iter().map(|c| (c.restartable, c.request(name))),
+                    self.overhead.get(name).unwrap_or(0),
+                );
+                (name.to_owned(), milli)
+            })
+            .collect()
+    }
+}
+
+/// One entry of `spec.containers` or `spec.initContainers`: its requests and limits,
+/// and whether it is a sidecar. (Its name only ever appears in an error, and errors come
+/// from the reference path.)
 #[derive(Default)]
 struct Container<'a> {
-    name: Option<Str<'a>>,
-    restart_policy: Option<Str<'a>>,
-    requests: Quantities,
-    limits: Quantities,
+    restartable: bool,
+    requests: Quantities<'a>,
+    limits: Quantities<'a>,
 }
 
 impl Container<'_> {
-    fn into_core(self) -> ContainerResources {
-        ContainerResources {
-            name: self.name.map_or_else(String::new, |n| n.0.into_owned()),
-            requests: self.requests.0,
-            limits: self.limits.0,
-            restartable: self.restart_policy.is_some_and(|p| p.0 == "Always"),
-        }
+    fn request(&self, resource: &str) -> u64 {
+        container_request_milli(self.requests.get(resource), self.limits.get(resource))
     }
 }
 
 /// A container's `resources`.
 #[derive(Default)]
-struct Resources {
-    requests: Quantities,
-    limits: Quantities,
+struct Resources<'a> {
+    requests: Quantities<'a>,
+    limits: Quantities<'a>,
 }
 
 /// The fields of one JSON object that a struct keeps.
@@ -303,10 +332,10 @@ impl<'de> Fields<'de> for Spec<'de> {
             "priority" => self.priority = map.next_value()?,
             "schedulingGates" => self.has_gates = map.next_value::<Gates>()?.0,
             // Lists of objects; `null` or anything else is an error.
-            "initContainers" => self.init_containers = map.next_value::<Vec<Obj<Container<'de>>>>()?.into_iter().map(|c| c.0).collect(),
-            "containers" => self.containers = map.next_value::<Vec<Obj<Container<'de>>>>()?.into_iter().map(|c| c.0).collect(),
+            "initContainers" => self.init_containers = map.next_value::<Containers<'de>>()?.0,
+            "containers" => self.containers = map.next_value::<Containers<'de>>()?.0,
             // An object of quantities; `null` is an error.
-            "overhead" => self.overhead = Some(map.next_value()?),
+            "overhead" => self.overhead = map.next_value()?,
             _ => skip(key, map)?,
         }
         Ok(())
@@ -316,11 +345,10 @@ impl<'de> Fields<'de> for Spec<'de> {
 impl<'de> Fields<'de> for Container<'de> {
     fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
         match key {
-            "name" => self.name = nullable_str(map)?,
-            "restartPolicy" => self.restart_policy = nullable_str(map)?,
+            "restartPolicy" => self.restartable = nullable_str(map)?.is_some_and(|p| p.0 == "Always"),
             // `null` resources hold nothing, as in the reference path.
             "resources" => {
-                let r = nullable_obj::<Resources, A>(map)?.unwrap_or_default();
+                let r = nullable_obj::<Resources<'de>, A>(map)?.unwrap_or_default();
                 (self.requests, self.limits) = (r.requests, r.limits);
             }
             _ => skip(key, map)?,
@@ -329,7 +357,7 @@ impl<'de> Fields<'de> for Container<'de> {
     }
 }
 
-impl<'de> Fields<'de> for Resources {
+impl<'de> Fields<'de> for Resources<'de> {
     fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
         match key {
             // Objects of quantities; `null` is an error.
@@ -338,6 +366,29 @@ impl<'de> Fields<'de> for Resources {
             _ => skip(key, map)?,
         }
         Ok(())
+    }
+}
+
+/// A list of containers, each an object.
+struct Containers<'a>(Vec<Container<'a>>);
+
+impl<'de> Deserialize<'de> for Containers<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Containers<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of containers")
+            }
+            fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<Containers<'de>, S::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(16));
+                while let Some(Obj(c)) = seq.next_element::<Obj<Container<'de>>>()? {
+                    out.push(c);
+                }
+                Ok(Containers(out))
+            }
+        }
+        d.deserialize_seq(V)
     }
 }
 
@@ -363,27 +414,39 @@ impl<'de> Deserialize<'de> for Str<'de> {
     }
 }
 
-/// A map of resource name to quantity string. A number is kept as the reference path
-/// keeps it (`serde_json::Number`'s text); any other value is an error.
+/// A map of resource name to quantity, each parsed to thousandths as the core parses it
+/// ([`parse_quantity_milli`]); a key seen twice keeps its last value. A number is read
+/// as its `serde_json::Number` text, as the reference path reads it. A quantity that
+/// does not parse, or a value that is neither a string nor a number, is an error (the
+/// reference path words it).
 #[derive(Default)]
-struct Quantities(BTreeMap<String, String>);
+struct Quantities<'a>(Vec<(Cow<'a, str>, u64)>);
 
-impl<'de> Deserialize<'de> for Quantities {
+impl Quantities<'_> {
+    fn get(&self, resource: &str) -> Option<u64> {
+        self.0.iter().find(|(name, _)| name == resource).map(|&(_, milli)| milli)
+    }
+}
+
+impl<'de> Deserialize<'de> for Quantities<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = Quantities;
+            type Value = Quantities<'de>;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("an object of quantities")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Quantities, A::Error> {
-                let mut out = BTreeMap::new();
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Quantities<'de>, A::Error> {
+                let mut out: Vec<(Cow<'de, str>, u64)> = Vec::new();
                 while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
                     if key.starts_with(SERDE_JSON_PRIVATE) {
                         return Err(de::Error::custom("serde_json private key"));
                     }
-                    let Quantity(q) = map.next_value()?;
-                    out.insert(key.into_owned(), q);
+                    let Quantity(milli) = map.next_value()?;
+                    match out.iter_mut().find(|(name, _)| *name == key) {
+                        Some(entry) => entry.1 = milli,
+                        None => out.push((key, milli)),
+                    }
                 }
                 Ok(Quantities(out))
             }
@@ -392,11 +455,14 @@ impl<'de> Deserialize<'de> for Quantities {
     }
 }
 
-/// One quantity: a string, or a number as `serde_json::Number` writes it.
-struct Quantity(String);
+/// One quantity, parsed: a string, or a number as `serde_json::Number` writes it.
+struct Quantity(u64);
 
 impl<'de> Deserialize<'de> for Quantity {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        fn parse<E: de::Error>(text: &str) -> Result<Quantity, E> {
+            parse_quantity_milli(text).map(Quantity).map_err(|_| E::custom("not a quantity"))
+        }
         struct V;
         impl Visitor<'_> for V {
             type Value = Quantity;
@@ -404,19 +470,18 @@ impl<'de> Deserialize<'de> for Quantity {
                 f.write_str("a quantity")
             }
             fn visit_str<E: de::Error>(self, s: &str) -> Result<Quantity, E> {
-                Ok(Quantity(s.to_owned()))
+                parse(s)
             }
             fn visit_u64<E: de::Error>(self, n: u64) -> Result<Quantity, E> {
-                Ok(Quantity(serde_json::Number::from(n).to_string()))
+                parse(&serde_json::Number::from(n).to_string())
             }
             fn visit_i64<E: de::Error>(self, n: i64) -> Result<Quantity, E> {
-                Ok(Quantity(serde_json::Number::from(n).to_string()))
+                parse(&serde_json::Number::from(n).to_string())
             }
             fn visit_f64<E: de::Error>(self, n: f64) -> Result<Quantity, E> {
                 // The parser yields finite numbers only; anything else goes the reference way.
-                serde_json::Number::from_f64(n)
-                    .map(|n| Quantity(n.to_string()))
-                    .ok_or_else(|| E::custom("not a finite number"))
+                let n = serde_json::Number::from_f64(n).ok_or_else(|| E::custom("not a finite number"))?;
+                parse(&n.to_string())
             }
         }
         d.deserialize_any(V)
