@@ -1,88 +1,89 @@
-//! The fast way to read a review: only the fields kvota uses, deserialized straight from
-//! the body into small structs whose strings borrow from it; everything else is skipped
-//! without building anything. A created pod's requests are counted as they are read:
-//! each quantity parsed by the core's `parse_quantity_milli`, the pod's request of each
-//! resource combined by the core's `container_request_milli` and `pod_request_milli`
-//! (the rules `effective_requests_milli` uses), without the core's per-container maps.
-//! Reading into a `serde_json::Value` first and counting a `PodResources` (the reference
-//! path, [`super::read_value`]) costs several times more: a map node and a `String` for
-//! every key and value of the whole pod, then a map per container.
+//! The fast way to read a review: a small scanner walks the body once, keeps the few
+//! fields kvota uses as slices of the body, and steps over everything else. A created
+//! pod's requests are counted as they are read: each quantity parsed by the core's
+//! `parse_quantity_milli`, the pod's request of each resource combined by the core's
+//! `container_request_milli` and `pod_request_milli` (the rules `effective_requests_milli`
+//! uses), without the core's per-container maps. Reading into a `serde_json::Value` and
+//! counting a `PodResources` (the reference path, [`super::read_value`]) costs several
+//! times more: a map node and a `String` for every key and value of the whole pod, then
+//! a map per container; even a typed serde deserializer spent most of a review's time in
+//! serde_json's per-token work.
 //!
-//! [`read`] is strict where the reference path is lenient. A field of a type it does not
-//! expect (`"containers": null`, a container that is not an object, a quantity that is
-//! neither a string nor a number, ...), a quantity that does not parse, a request it
-//! would answer with an error, or any shape it was not written for makes it return
-//! `None`, and the caller reads the body the reference way. So [`read`] only ever
-//! answers when its answer is the reference path's; every error message and every odd
-//! case comes from the reference code, as before. The unit tests check this over the
-//! real AdmissionRequests in the fixtures and over random variations of them (random
-//! pods with init containers, sidecars, overhead and bad quantities among them).
+//! [`read`] is strict where the reference path is lenient, and declines whatever it was
+//! not written for: it returns `None` and the caller reads the body the reference way,
+//! which words every error. It declines a field of a type it does not expect
+//! (`"containers": null`, a container that is not an object, ...), a quantity that does
+//! not parse, a request the reference would answer with an error, and the JSON it does
+//! not handle itself: escapes in a string it reads, `\u` escapes in keys, numbers with
+//! an exponent or more than [`MAX_DIGITS`] digits, nesting deeper than [`MAX_DEPTH`].
+//! So [`read`] only ever answers when its answer is the reference path's. The unit tests
+//! check this over the real AdmissionRequests in the fixtures and over random variations
+//! of them (field edits, byte edits, random pods with init containers, sidecars,
+//! overhead and bad quantities).
 //!
 //! What keeps the two in step:
-//! - Skipped values are still parsed as a `Value` parses them (strings checked for UTF-8
-//!   and escapes, numbers for range, nesting for depth), through `deserialize_any`, not
-//!   serde_json's lenient `ignored_any`: a body the reference path rejects as not JSON is
-//!   never accepted here.
-//! - A key seen twice keeps its last value, as a `Value` map does.
+//! - Every value is checked as serde_json checks it for a `Value` (the JSON grammar,
+//!   whitespace, escapes, paired surrogates, control characters, trailing bytes), or the
+//!   body is declined: a body the reference path rejects as not JSON is never accepted.
+//!   Numbers that could overflow an `f64` (where serde_json fails) are declined.
+//! - A key seen twice keeps its last value, as in a `Value` map.
 //! - `null` is taken as a missing field exactly where the reference path's
-//!   `.and_then(Value::as_str)` / `pointer` does the same; elsewhere it sends the body to
-//!   the reference path.
+//!   `.and_then(Value::as_str)` / `pointer` does the same; elsewhere it declines.
 //! - serde_json gives a map whose key is one of its private tokens (`$serde_json::private::…`,
-//!   used for raw values) a special meaning when building a `Value`; such a key sends the
-//!   body to the reference path.
-
-use std::borrow::Cow;
-use std::fmt;
-use std::marker::PhantomData;
+//!   used for raw values) a special meaning when building a `Value`; such a key (or a
+//!   key written with `\u` escapes, which could spell one) is declined.
 
 use kvota_fairness::resources::{container_request_milli, pod_request_milli};
 use kvota_fairness::units::parse_quantity_milli;
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
 use super::{pass, Create, ParsedKind, PodRequests};
+
+/// Deepest nesting read; serde_json refuses 128 levels, this stays well inside.
+const MAX_DEPTH: u32 = 100;
+/// Most digits in a number read: below 10^300 no number overflows an `f64`.
+const MAX_DIGITS: usize = 300;
+/// The prefix of the keys serde_json treats specially when it builds a `Value`.
+const SERDE_JSON_PRIVATE: &str = "$serde_json::private::";
 
 /// Reads a review body (already checked for size) the fast way; `None` means "read it
 /// the reference way" (see the module documentation).
 pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
-    // Checked for UTF-8 once, whole: parsing from a str spares serde_json a check per
-    // string. (A body that is not UTF-8 is not JSON: the reference path says so.)
+    // A body that is not UTF-8 is not JSON (the reference path says so); checked once,
+    // whole, every slice taken below is a str.
     let body = std::str::from_utf8(body).ok()?;
-    let Obj(doc): Obj<Review<'_>> = serde_json::from_str(body).ok()?;
+    let mut scan = Scan { src: body, b: body.as_bytes(), i: 0, depth: 0 };
+    let mut doc = Review::default();
+    scan.object(|s, key| doc.field(s, key))?;
+    scan.end()?;
     let (Some(api), Some(kind), Some(req)) = (doc.api_version, doc.kind, doc.request) else { return None };
-    if api.0 != "admission.k8s.io/v1" || kind.0 != "AdmissionReview" {
+    if api != "admission.k8s.io/v1" || kind != "AdmissionReview" {
         return None;
     }
-    let uid = req.uid.filter(|u| !u.0.is_empty())?.0;
+    let uid = req.uid.filter(|u| !u.is_empty())?;
     let (group, res) = req.resource.map_or((None, None), |r| (r.group, r.resource));
-    let (group, res) = (group.as_ref().map_or("", |s| &s.0), res.as_ref().map_or("", |s| &s.0));
+    let (group, res) = (group.unwrap_or(""), res.unwrap_or(""));
     if res != "pods" || !group.is_empty() {
-        return Some(ParsedKind::Done(pass(&uid, &format!("kvota: {group}/{res} is not judged (only pods)"))));
+        return Some(ParsedKind::Done(pass(uid, &format!("kvota: {group}/{res} is not judged (only pods)"))));
     }
-    if req.sub_resource.is_some_and(|s| !s.0.is_empty()) {
-        return Some(ParsedKind::Done(pass(&uid, "kvota: pod subresources are not judged")));
+    if req.sub_resource.is_some_and(|s| !s.is_empty()) {
+        return Some(ParsedKind::Done(pass(uid, "kvota: pod subresources are not judged")));
     }
     // `object` absent, `null`, or an object; only the last has metadata.
     let object = req.object.as_ref().and_then(Option::as_ref);
     let meta = object.and_then(|o| o.metadata.as_ref());
-    let namespace = req.namespace.as_ref().or(meta.and_then(|m| m.namespace.as_ref())).map_or("", |s| &s.0).to_string();
-    let name = req
-        .name
-        .as_ref()
-        .filter(|n| !n.0.is_empty())
-        .or(meta.and_then(|m| m.name.as_ref()))
-        .map_or("", |s| &s.0)
-        .to_string();
+    let namespace = req.namespace.or(meta.and_then(|m| m.namespace)).unwrap_or("").to_string();
+    let name = req.name.filter(|n| !n.is_empty()).or(meta.and_then(|m| m.name)).unwrap_or("").to_string();
     let key = if name.is_empty() {
-        let prefix = meta.and_then(|m| m.generate_name.as_ref()).map_or("", |s| &s.0);
+        let prefix = meta.and_then(|m| m.generate_name).unwrap_or("");
         format!("{namespace}/{prefix}*{uid}")
     } else {
         format!("{namespace}/{name}")
     };
     let dry_run = req.dry_run.unwrap_or(false);
-    match req.operation.as_ref().map(|o| &*o.0) {
+    match req.operation {
         Some("CREATE") => {}
-        Some("DELETE") => return Some(ParsedKind::Delete { uid: uid.into_owned(), key, dry_run }),
-        Some("UPDATE" | "CONNECT") => return Some(ParsedKind::Done(pass(&uid, ""))),
+        Some("DELETE") => return Some(ParsedKind::Delete { uid: uid.to_string(), key, dry_run }),
+        Some("UPDATE" | "CONNECT") => return Some(ParsedKind::Done(pass(uid, ""))),
         // An unknown or missing operation is an error: the reference path words it.
         _ => return None,
     }
@@ -92,13 +93,13 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
     let spec = spec.unwrap_or_default();
     let pod = PodRequests::Counted(Ok(spec.requests()));
     Some(ParsedKind::Create(Box::new(Create {
-        uid: uid.into_owned(),
+        uid: uid.to_string(),
         namespace,
         name,
         key,
         dry_run,
         pod,
-        priority: spec.priority.0,
+        priority: spec.priority,
         has_gates: spec.has_gates,
     })))
 }
@@ -106,20 +107,20 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
 /// The top of an AdmissionReview.
 #[derive(Default)]
 struct Review<'a> {
-    api_version: Option<Str<'a>>,
-    kind: Option<Str<'a>>,
+    api_version: Option<&'a str>,
+    kind: Option<&'a str>,
     request: Option<Request<'a>>,
 }
 
 /// `request`: the AdmissionRequest.
 #[derive(Default)]
 struct Request<'a> {
-    uid: Option<Str<'a>>,
+    uid: Option<&'a str>,
     resource: Option<GroupResource<'a>>,
-    sub_resource: Option<Str<'a>>,
-    namespace: Option<Str<'a>>,
-    name: Option<Str<'a>>,
-    operation: Option<Str<'a>>,
+    sub_resource: Option<&'a str>,
+    namespace: Option<&'a str>,
+    name: Option<&'a str>,
+    operation: Option<&'a str>,
     dry_run: Option<bool>,
     /// Absent (`None`), `null` (`Some(None)`), or the object.
     object: Option<Option<Object<'a>>>,
@@ -128,8 +129,8 @@ struct Request<'a> {
 /// `request.resource`.
 #[derive(Default)]
 struct GroupResource<'a> {
-    group: Option<Str<'a>>,
-    resource: Option<Str<'a>>,
+    group: Option<&'a str>,
+    resource: Option<&'a str>,
 }
 
 /// `request.object`: the pod.
@@ -143,15 +144,15 @@ struct Object<'a> {
 /// `request.object.metadata`.
 #[derive(Default)]
 struct Metadata<'a> {
-    namespace: Option<Str<'a>>,
-    name: Option<Str<'a>>,
-    generate_name: Option<Str<'a>>,
+    namespace: Option<&'a str>,
+    name: Option<&'a str>,
+    generate_name: Option<&'a str>,
 }
 
 /// `request.object.spec`: what the pod requests.
 #[derive(Default)]
 struct Spec<'a> {
-    priority: Priority,
+    priority: i32,
     has_gates: bool,
     init_containers: Vec<Container<'a>>,
     containers: Vec<Container<'a>>,
@@ -169,7 +170,7 @@ impl Spec<'_> {
         let mut names: Vec<&str> = all
             .flat_map(|c| c.requests.0.iter().chain(&c.limits.0))
             .chain(&self.overhead.0)
-            .map(|(name, _)| &**name)
+            .map(|&(name, _)| name)
             .collect();
         names.sort_unstable();
         names.dedup();
@@ -203,388 +204,478 @@ impl Container<'_> {
     }
 }
 
-/// A container's `resources`.
-#[derive(Default)]
-struct Resources<'a> {
-    requests: Quantities<'a>,
-    limits: Quantities<'a>,
-}
-
-/// The fields of one JSON object that a struct keeps.
-trait Fields<'de>: Default {
-    /// Reads the value of `key` into `self`, or skips it. A later duplicate of a key
-    /// overwrites the earlier one, as in a `Value` map.
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error>;
-}
-
-/// A JSON object read through [`Fields`]; `null` or any other type is an error.
-struct Obj<T>(T);
-
-impl<'de, T: Fields<'de>> Deserialize<'de> for Obj<T> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<T>(PhantomData<T>);
-        impl<'de, T: Fields<'de>> Visitor<'de> for V<T> {
-            type Value = Obj<T>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Obj<T>, A::Error> {
-                let mut out = T::default();
-                while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
-                    out.field(&key, &mut map)?;
-                }
-                Ok(Obj(out))
-            }
-        }
-        d.deserialize_map(V(PhantomData))
-    }
-}
-
-/// Reads an object, or `None` for `null`.
-fn nullable_obj<'de, T: Fields<'de>, A: MapAccess<'de>>(map: &mut A) -> Result<Option<T>, A::Error> {
-    Ok(map.next_value::<Option<Obj<T>>>()?.map(|o| o.0))
-}
-
-/// Reads a string, or `None` for `null` (`.and_then(Value::as_str)` reads both as
-/// missing).
-fn nullable_str<'de, A: MapAccess<'de>>(map: &mut A) -> Result<Option<Str<'de>>, A::Error> {
-    map.next_value::<Option<Str<'de>>>()
-}
-
-/// Skips the value of a key kvota does not read, refusing serde_json's private keys.
-fn skip<'de, A: MapAccess<'de>>(key: &str, map: &mut A) -> Result<(), A::Error> {
-    if key.starts_with(SERDE_JSON_PRIVATE) {
-        return Err(de::Error::custom("serde_json private key"));
-    }
-    map.next_value::<Skip>().map(|_| ())
-}
-
-/// The prefix of the keys serde_json treats specially when it builds a `Value`.
-const SERDE_JSON_PRIVATE: &str = "$serde_json::private::";
-
-impl<'de> Fields<'de> for Review<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            "apiVersion" => self.api_version = nullable_str(map)?,
-            "kind" => self.kind = nullable_str(map)?,
-            // A request that is not an object is answered with an error.
-            "request" => self.request = Some(map.next_value::<Obj<Request<'de>>>()?.0),
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-impl<'de> Fields<'de> for Request<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            "uid" => self.uid = nullable_str(map)?,
-            "resource" => self.resource = nullable_obj(map)?,
-            "subResource" => self.sub_resource = nullable_str(map)?,
-            "namespace" => self.namespace = nullable_str(map)?,
-            "name" => self.name = nullable_str(map)?,
-            "operation" => self.operation = nullable_str(map)?,
-            "dryRun" => self.dry_run = map.next_value::<Option<bool>>()?,
-            "object" => self.object = Some(nullable_obj(map)?),
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-impl<'de> Fields<'de> for GroupResource<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            "group" => self.group = nullable_str(map)?,
-            "resource" => self.resource = nullable_str(map)?,
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-impl<'de> Fields<'de> for Object<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            "metadata" => self.metadata = nullable_obj(map)?,
-            "spec" => self.spec = Some(nullable_obj(map)?),
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-impl<'de> Fields<'de> for Metadata<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            "namespace" => self.namespace = nullable_str(map)?,
-            "name" => self.name = nullable_str(map)?,
-            "generateName" => self.generate_name = nullable_str(map)?,
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-impl<'de> Fields<'de> for Spec<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            "priority" => self.priority = map.next_value()?,
-            "schedulingGates" => self.has_gates = map.next_value::<Gates>()?.0,
-            // Lists of objects; `null` or anything else is an error.
-            "initContainers" => self.init_containers = map.next_value::<Containers<'de>>()?.0,
-            "containers" => self.containers = map.next_value::<Containers<'de>>()?.0,
-            // An object of quantities; `null` is an error.
-            "overhead" => self.overhead = map.next_value()?,
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-impl<'de> Fields<'de> for Container<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            "restartPolicy" => self.restartable = nullable_str(map)?.is_some_and(|p| p.0 == "Always"),
-            // `null` resources hold nothing, as in the reference path.
-            "resources" => {
-                let r = nullable_obj::<Resources<'de>, A>(map)?.unwrap_or_default();
-                (self.requests, self.limits) = (r.requests, r.limits);
-            }
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-impl<'de> Fields<'de> for Resources<'de> {
-    fn field<A: MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<(), A::Error> {
-        match key {
-            // Objects of quantities; `null` is an error.
-            "requests" => self.requests = map.next_value()?,
-            "limits" => self.limits = map.next_value()?,
-            _ => skip(key, map)?,
-        }
-        Ok(())
-    }
-}
-
-/// A list of containers, each an object.
-struct Containers<'a>(Vec<Container<'a>>);
-
-impl<'de> Deserialize<'de> for Containers<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Containers<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a list of containers")
-            }
-            fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<Containers<'de>, S::Error> {
-                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(16));
-                while let Some(Obj(c)) = seq.next_element::<Obj<Container<'de>>>()? {
-                    out.push(c);
-                }
-                Ok(Containers(out))
-            }
-        }
-        d.deserialize_seq(V)
-    }
-}
-
-/// A JSON string: borrowed from the body, or owned when it had escapes.
-struct Str<'a>(Cow<'a, str>);
-
-impl<'de> Deserialize<'de> for Str<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Str<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Str<'de>, E> {
-                Ok(Str(Cow::Borrowed(s)))
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Str<'de>, E> {
-                Ok(Str(Cow::Owned(s.to_owned())))
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
-
 /// A map of resource name to quantity, each parsed to thousandths as the core parses it
-/// ([`parse_quantity_milli`]); a key seen twice keeps its last value. A number is read
-/// as its `serde_json::Number` text, as the reference path reads it. A quantity that
-/// does not parse, or a value that is neither a string nor a number, is an error (the
-/// reference path words it).
+/// ([`parse_quantity_milli`]); a key seen twice keeps its last value.
 #[derive(Default)]
-struct Quantities<'a>(Vec<(Cow<'a, str>, u64)>);
+struct Quantities<'a>(Vec<(&'a str, u64)>);
 
 impl Quantities<'_> {
     fn get(&self, resource: &str) -> Option<u64> {
-        self.0.iter().find(|(name, _)| name == resource).map(|&(_, milli)| milli)
+        self.0.iter().find(|&&(name, _)| name == resource).map(|&(_, milli)| milli)
     }
 }
 
-impl<'de> Deserialize<'de> for Quantities<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Quantities<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an object of quantities")
+// What each object keeps. A field's value is read with the type the reference path
+// reads it as; any other type declines the body. Unknown keys are stepped over.
+
+impl<'a> Review<'a> {
+    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+        match key {
+            "apiVersion" => self.api_version = s.str_or_null()?,
+            "kind" => self.kind = s.str_or_null()?,
+            // A request that is not an object is answered with an error.
+            "request" => {
+                let mut r = Request::default();
+                s.object(|s, key| r.field(s, key))?;
+                self.request = Some(r);
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Quantities<'de>, A::Error> {
-                let mut out: Vec<(Cow<'de, str>, u64)> = Vec::new();
-                while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
-                    if key.starts_with(SERDE_JSON_PRIVATE) {
-                        return Err(de::Error::custom("serde_json private key"));
-                    }
-                    let Quantity(milli) = map.next_value()?;
-                    match out.iter_mut().find(|(name, _)| *name == key) {
-                        Some(entry) => entry.1 = milli,
-                        None => out.push((key, milli)),
+            _ => s.skip()?,
+        }
+        Some(())
+    }
+}
+
+impl<'a> Request<'a> {
+    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+        match key {
+            "uid" => self.uid = s.str_or_null()?,
+            "resource" => {
+                self.resource = if s.null()? {
+                    None
+                } else {
+                    let mut r = GroupResource::default();
+                    s.object(|s, key| r.field(s, key))?;
+                    Some(r)
+                };
+            }
+            "subResource" => self.sub_resource = s.str_or_null()?,
+            "namespace" => self.namespace = s.str_or_null()?,
+            "name" => self.name = s.str_or_null()?,
+            "operation" => self.operation = s.str_or_null()?,
+            "dryRun" => self.dry_run = s.bool_or_null()?,
+            "object" => {
+                self.object = Some(if s.null()? {
+                    None
+                } else {
+                    let mut o = Object::default();
+                    s.object(|s, key| o.field(s, key))?;
+                    Some(o)
+                });
+            }
+            _ => s.skip()?,
+        }
+        Some(())
+    }
+}
+
+impl<'a> GroupResource<'a> {
+    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+        match key {
+            "group" => self.group = s.str_or_null()?,
+            "resource" => self.resource = s.str_or_null()?,
+            _ => s.skip()?,
+        }
+        Some(())
+    }
+}
+
+impl<'a> Object<'a> {
+    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+        match key {
+            "metadata" => {
+                self.metadata = if s.null()? {
+                    None
+                } else {
+                    let mut m = Metadata::default();
+                    s.object(|s, key| m.field(s, key))?;
+                    Some(m)
+                };
+            }
+            "spec" => {
+                self.spec = Some(if s.null()? {
+                    None
+                } else {
+                    let mut p = Spec::default();
+                    s.object(|s, key| p.field(s, key))?;
+                    Some(p)
+                });
+            }
+            _ => s.skip()?,
+        }
+        Some(())
+    }
+}
+
+impl<'a> Metadata<'a> {
+    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+        match key {
+            "namespace" => self.namespace = s.str_or_null()?,
+            "name" => self.name = s.str_or_null()?,
+            "generateName" => self.generate_name = s.str_or_null()?,
+            _ => s.skip()?,
+        }
+        Some(())
+    }
+}
+
+impl<'a> Spec<'a> {
+    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+        match key {
+            "priority" => self.priority = s.priority()?,
+            // A list (of anything) or null; other types decline.
+            "schedulingGates" => {
+                self.has_gates = !s.null()?;
+                if self.has_gates {
+                    s.array(Scan::skip)?;
+                }
+            }
+            // Lists of objects; `null` or anything else declines.
+            "initContainers" => self.init_containers = containers(s)?,
+            "containers" => self.containers = containers(s)?,
+            // An object of quantities; `null` declines.
+            "overhead" => self.overhead = quantities(s)?,
+            _ => s.skip()?,
+        }
+        Some(())
+    }
+}
+
+fn containers<'a>(s: &mut Scan<'a>) -> Option<Vec<Container<'a>>> {
+    let mut out = Vec::new();
+    s.array(|s| {
+        let mut c = Container::default();
+        s.object(|s, key| c.field(s, key))?;
+        out.push(c);
+        Some(())
+    })?;
+    Some(out)
+}
+
+impl<'a> Container<'a> {
+    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+        match key {
+            "restartPolicy" => self.restartable = s.str_or_null()? == Some("Always"),
+            // `null` resources hold nothing, as in the reference path.
+            "resources" => {
+                let (mut requests, mut limits) = (Quantities::default(), Quantities::default());
+                if !s.null()? {
+                    s.object(|s, key| match key {
+                        // Objects of quantities; `null` declines.
+                        "requests" => quantities(s).map(|q| requests = q),
+                        "limits" => quantities(s).map(|q| limits = q),
+                        _ => s.skip(),
+                    })?;
+                }
+                (self.requests, self.limits) = (requests, limits);
+            }
+            _ => s.skip()?,
+        }
+        Some(())
+    }
+}
+
+/// An object of quantities: strings, or JSON numbers read as the reference path reads
+/// them (the text `serde_json::Number` writes back, e.g. `1000.0` for `1000.0`).
+fn quantities<'a>(s: &mut Scan<'a>) -> Option<Quantities<'a>> {
+    let mut out: Vec<(&'a str, u64)> = Vec::new();
+    s.object_raw_keys(|s, key| {
+        // Read keys only: one with escapes declines.
+        let Key::Plain(name) = key else { return None };
+        let milli = match s.peek()? {
+            b'"' => parse_quantity_milli(s.str()?).ok()?,
+            _ => {
+                let number: serde_json::Number = serde_json::from_str(s.number()?).ok()?;
+                parse_quantity_milli(&number.to_string()).ok()?
+            }
+        };
+        match out.iter_mut().find(|(n, _)| *n == name) {
+            Some(entry) => entry.1 = milli,
+            None => out.push((name, milli)),
+        }
+        Some(())
+    })?;
+    Some(Quantities(out))
+}
+
+/// A key as written: plain (borrowed as is), or with escapes (never one kvota reads).
+enum Key<'a> {
+    Plain(&'a str),
+    Escaped,
+}
+
+/// A cursor over a body that is valid UTF-8. Every method returns `None` where the body
+/// is not JSON or not JSON this reader handles.
+struct Scan<'a> {
+    src: &'a str,
+    b: &'a [u8],
+    i: usize,
+    depth: u32,
+}
+
+impl<'a> Scan<'a> {
+    /// Skips JSON whitespace (exactly serde_json's four bytes) and returns the next byte.
+    fn peek(&mut self) -> Option<u8> {
+        while let Some(&c) = self.b.get(self.i) {
+            if !matches!(c, b' ' | b'\n' | b'\t' | b'\r') {
+                return Some(c);
+            }
+            self.i += 1;
+        }
+        None
+    }
+
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.peek()? == c).then(|| self.i += 1)
+    }
+
+    /// Nothing but whitespace is left.
+    fn end(&mut self) -> Option<()> {
+        self.peek().is_none().then_some(())
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        self.peek()?;
+        let end = self.i.checked_add(word.len())?;
+        (self.b.get(self.i..end)? == word).then(|| self.i = end)
+    }
+
+    /// Whether the next value is `null` (then consumed).
+    fn null(&mut self) -> Option<bool> {
+        if self.peek()? == b'n' {
+            self.literal(b"null")?;
+            return Some(true);
+        }
+        Some(false)
+    }
+
+    /// A string without escapes, as a slice of the body.
+    fn str(&mut self) -> Option<&'a str> {
+        self.eat(b'"')?;
+        let start = self.i;
+        loop {
+            match *self.b.get(self.i)? {
+                b'"' => break,
+                // Escapes (decoding needed) and control characters (an error) decline.
+                b'\\' | 0..=0x1f => return None,
+                _ => self.i += 1,
+            }
+        }
+        let s = self.src.get(start..self.i)?;
+        self.i += 1;
+        Some(s)
+    }
+
+    fn str_or_null(&mut self) -> Option<Option<&'a str>> {
+        if self.null()? {
+            return Some(None);
+        }
+        self.str().map(Some)
+    }
+
+    fn bool_or_null(&mut self) -> Option<Option<bool>> {
+        match self.peek()? {
+            b't' => self.literal(b"true").map(|()| Some(true)),
+            b'f' => self.literal(b"false").map(|()| Some(false)),
+            _ => self.null()?.then_some(None),
+        }
+    }
+
+    /// Steps over a string, checking its escapes as serde_json does for a `str`: `\"`,
+    /// `\\`, `\/`, `\b`, `\f`, `\n`, `\r`, `\t`, `\u` with four hex digits, a surrogate only
+    /// as a leading one followed by a trailing one; no control characters. Returns
+    /// whether it had a `\u` escape.
+    fn skip_str(&mut self) -> Option<bool> {
+        self.eat(b'"')?;
+        let mut unicode = false;
+        loop {
+            let c = *self.b.get(self.i)?;
+            self.i += 1;
+            match c {
+                b'"' => return Some(unicode),
+                0..=0x1f => return None,
+                b'\\' => {
+                    let e = *self.b.get(self.i)?;
+                    self.i += 1;
+                    match e {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+                        b'u' => {
+                            unicode = true;
+                            let n = self.hex4()?;
+                            if (0xDC00..=0xDFFF).contains(&n) {
+                                return None;
+                            }
+                            if (0xD800..=0xDBFF).contains(&n) {
+                                if self.b.get(self.i..self.i.checked_add(2)?)? != b"\\u" {
+                                    return None;
+                                }
+                                self.i += 2;
+                                if !(0xDC00..=0xDFFF).contains(&self.hex4()?) {
+                                    return None;
+                                }
+                            }
+                        }
+                        _ => return None,
                     }
                 }
-                Ok(Quantities(out))
+                _ => {}
             }
         }
-        d.deserialize_map(V)
     }
-}
 
-/// One quantity, parsed: a string, or a number as `serde_json::Number` writes it.
-struct Quantity(u64);
-
-impl<'de> Deserialize<'de> for Quantity {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        fn parse<E: de::Error>(text: &str) -> Result<Quantity, E> {
-            parse_quantity_milli(text).map(Quantity).map_err(|_| E::custom("not a quantity"))
+    fn hex4(&mut self) -> Option<u16> {
+        let digits = self.b.get(self.i..self.i.checked_add(4)?)?;
+        let mut n = 0u16;
+        for &d in digits {
+            let v = char::from(d).to_digit(16)?;
+            n = (n << 4) | u16::try_from(v).ok()?;
         }
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Quantity;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a quantity")
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Quantity, E> {
-                parse(s)
-            }
-            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Quantity, E> {
-                parse(&serde_json::Number::from(n).to_string())
-            }
-            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Quantity, E> {
-                parse(&serde_json::Number::from(n).to_string())
-            }
-            fn visit_f64<E: de::Error>(self, n: f64) -> Result<Quantity, E> {
-                // The parser yields finite numbers only; anything else goes the reference way.
-                let n = serde_json::Number::from_f64(n).ok_or_else(|| E::custom("not a finite number"))?;
-                parse(&n.to_string())
-            }
-        }
-        d.deserialize_any(V)
+        self.i += 4;
+        Some(n)
     }
-}
 
-/// `spec.priority` as the reference path reads it: an integer that fits i32, else 0
-/// (a float, an integer out of range, `null`). Other types go the reference way.
-#[derive(Default)]
-struct Priority(i32);
-
-impl<'de> Deserialize<'de> for Priority {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Priority;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a priority")
+    /// Steps over a number in JSON's grammar, returning its text. Declines an exponent or
+    /// more than [`MAX_DIGITS`] characters: those could overflow an `f64`, which
+    /// serde_json refuses.
+    fn number(&mut self) -> Option<&'a str> {
+        self.peek()?;
+        let start = self.i;
+        let digits = |s: &mut Self| {
+            let from = s.i;
+            while s.b.get(s.i).is_some_and(u8::is_ascii_digit) {
+                s.i += 1;
             }
-            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Priority, E> {
-                // `Value::as_i64` refuses integers above i64::MAX.
-                Ok(Priority(i64::try_from(n).ok().and_then(|n| i32::try_from(n).ok()).unwrap_or(0)))
+            s.i - from
+        };
+        if self.b.get(self.i) == Some(&b'-') {
+            self.i += 1;
+        }
+        match self.b.get(self.i)? {
+            // One leading zero, not followed by a digit.
+            b'0' => {
+                self.i += 1;
+                if self.b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                    return None;
+                }
             }
-            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Priority, E> {
-                Ok(Priority(i32::try_from(n).unwrap_or(0)))
+            b'1'..=b'9' => {
+                digits(self);
             }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Priority, E> {
-                Ok(Priority(0))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Priority, E> {
-                Ok(Priority(0))
+            _ => return None,
+        }
+        if self.b.get(self.i) == Some(&b'.') {
+            self.i += 1;
+            if digits(self) == 0 {
+                return None;
             }
         }
-        d.deserialize_any(V)
+        if matches!(self.b.get(self.i), Some(b'e' | b'E')) || self.i - start > MAX_DIGITS {
+            return None;
+        }
+        self.src.get(start..self.i)
     }
-}
 
-/// `spec.schedulingGates`: whether it is a list (`null` is not). Other types go the
-/// reference way.
-struct Gates(bool);
+    /// `spec.priority` as the reference path reads it (`Value::as_i64`, then i32): an
+    /// integer that fits both, else 0 (a fraction, an integer out of range, `null`).
+    /// Other types decline.
+    fn priority(&mut self) -> Option<i32> {
+        if self.null()? {
+            return Some(0);
+        }
+        let text = self.number()?;
+        if text.contains('.') {
+            return Some(0);
+        }
+        // serde_json reads an integer beyond i64 as u64 or f64; `as_i64` gives None.
+        Some(text.parse::<i64>().ok().and_then(|n| i32::try_from(n).ok()).unwrap_or(0))
+    }
 
-impl<'de> Deserialize<'de> for Gates {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Gates;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a list of scheduling gates")
-            }
-            fn visit_seq<S: SeqAccess<'de>>(self, seq: S) -> Result<Gates, S::Error> {
-                SkipVisitor.visit_seq(seq).map(|_| Gates(true))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Gates, E> {
-                Ok(Gates(false))
+    /// Steps over any value.
+    fn skip(&mut self) -> Option<()> {
+        match self.peek()? {
+            b'"' => self.skip_str().map(|_| ()),
+            b'{' => self.object_raw_keys(|s, _| s.skip()),
+            b'[' => self.array(Self::skip),
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            b'-' | b'0'..=b'9' => self.number().map(|_| ()),
+            _ => None,
+        }
+    }
+
+    /// An object, calling `field` with each key (whose value it must consume). A key with
+    /// escapes is passed as its raw text, which never equals a field kvota reads.
+    fn object(&mut self, mut field: impl FnMut(&mut Self, &str) -> Option<()>) -> Option<()> {
+        self.object_raw_keys(|s, key| match key {
+            Key::Plain(k) => field(s, k),
+            Key::Escaped => s.skip(),
+        })
+    }
+
+    fn object_raw_keys(&mut self, mut field: impl FnMut(&mut Self, Key<'a>) -> Option<()>) -> Option<()> {
+        self.eat(b'{')?;
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return None;
+        }
+        if self.peek()? == b'}' {
+            self.i += 1;
+        } else {
+            loop {
+                let key = self.key()?;
+                self.eat(b':')?;
+                field(self, key)?;
+                match self.peek()? {
+                    b',' => self.i += 1,
+                    b'}' => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
             }
         }
-        d.deserialize_any(V)
+        self.depth -= 1;
+        Some(())
     }
-}
 
-/// Any JSON value, parsed as a `Value` would be and dropped.
-struct Skip;
-
-impl<'de> Deserialize<'de> for Skip {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(SkipVisitor)
-    }
-}
-
-struct SkipVisitor;
-
-impl<'de> Visitor<'de> for SkipVisitor {
-    type Value = Skip;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any JSON value")
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Skip, E> {
-        Ok(Skip)
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Skip, E> {
-        Ok(Skip)
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Skip, E> {
-        Ok(Skip)
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Skip, E> {
-        Ok(Skip)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Skip, E> {
-        Ok(Skip)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Skip, E> {
-        Ok(Skip)
-    }
-    fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<Skip, S::Error> {
-        while seq.next_element::<Skip>()?.is_some() {}
-        Ok(Skip)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Skip, A::Error> {
-        while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
-            skip(&key, &mut map)?;
+    /// An object's key. One with `\u` escapes declines (it could spell serde_json's
+    /// private token); so does the token itself.
+    fn key(&mut self) -> Option<Key<'a>> {
+        self.peek()?;
+        let start = self.i;
+        if let Some(k) = self.str() {
+            return (!k.starts_with(SERDE_JSON_PRIVATE)).then_some(Key::Plain(k));
         }
-        Ok(Skip)
+        // Not a plain string: read it again as an escaped one.
+        self.i = start;
+        (!self.skip_str()?).then_some(Key::Escaped)
+    }
+
+    /// An array, calling `element` for each element (which it must consume).
+    fn array(&mut self, mut element: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        self.eat(b'[')?;
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return None;
+        }
+        if self.peek()? == b']' {
+            self.i += 1;
+        } else {
+            loop {
+                element(self)?;
+                match self.peek()? {
+                    b',' => self.i += 1,
+                    b']' => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        self.depth -= 1;
+        Some(())
     }
 }
 

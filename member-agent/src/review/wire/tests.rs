@@ -145,6 +145,8 @@ fn odd_bodies_go_the_reference_way() {
         // serde_json's private token, which changes what a Value is.
         in_user_info("{\"$serde_json::private::RawValue\":\"not json\"}").into_bytes(),
         in_user_info("{\"$serde_json::private::RawValue\":\"[1]\"}").into_bytes(),
+        in_user_info("{\"\\u0024serde_json::private::RawValue\":\"not json\"}").into_bytes(),
+        in_user_info("{\"a\":1,\"$serde_json::private::RawValue\":\"[1]\"}").into_bytes(),
         base.replacen("\"limits\":{", "\"limits\":{\"$serde_json::private::RawValue\":\"1\",", 1).into_bytes(),
         // Duplicates: the last wins in both.
         base.replacen("\"request\":{", "\"request\":{\"uid\":7,", 1).into_bytes(),
@@ -172,8 +174,8 @@ fn odd_bodies_go_the_reference_way() {
     assert!(read(in_user_info(&deep).as_bytes()).is_none());
     assert!(read(in_user_info("1e400").as_bytes()).is_none());
     assert!(read(in_user_info("{\"$serde_json::private::RawValue\":\"not json\"}").as_bytes()).is_none());
+    assert!(read(in_user_info("{\"\\u0024serde_json::private::RawValue\":\"not json\"}").as_bytes()).is_none());
     assert!(read(base.replacen("\"limits\":{", "\"limits\":{\"nvidia.com/gpu\":\"3\",", 1).as_bytes()).is_some());
-    assert!(read(base.replacen("\"uid\"", "\"ui\\u0064\"", 1).as_bytes()).is_some());
     assert!(read(base.replacen("\"requests\":{", "\"requests\":{\"cpu\":\"3\",", 1).as_bytes()).is_some());
 }
 
@@ -405,5 +407,38 @@ proptest! {
             }
         }
         same(&body);
+    }
+}
+
+/// Pieces of JSON text, valid and not, for the scanner's grammar checks.
+const TOKENS: &[&str] = &[
+    "{", "}", "[", "]", ",", ":", "\"a\"", "\"\\u00e9\"", "\"\\ud83d\\ude00\"", "\"\\ud83d\"", "\"\\udc00\"",
+    "\"\\udfff\"", "\"\\udbff\\udfff\"", "\"\\ud800\\ud800\"", "\"\\uD83D\\uDE00\"",
+    "\"\\ud83d\\u0041\"", "\"\\x\"", "\"\\/\\b\\f\\n\\r\\t\\\"\\\\\"", "\"\\u00G0\"", "\"\u{1}\"", "\"\u{7f}\u{e9}\"", "0",
+    "-0", "01", "1.", ".5", "1.5", "-1.25", "1e5", "1E-2", "-", "+1", "true", "tru", "null", "nul", "false", " ",
+    "\t", "\n", "\r", "\u{b}", "\u{a0}", "123456789012345678901234567890", "\"$serde_json::private::RawValue\"",
+    "\"k:{\\\"name\\\":\\\"x\\\"}\"", "\"\\u0024serde_json::private::RawValue\"",
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
+
+    /// Random token sequences where a review has a value kvota steps over, and as the
+    /// value of a field it reads: the scanner accepts only what serde_json accepts, and
+    /// reads it the same.
+    #[test]
+    fn random_json_text_reads_the_same(
+        tokens in prop::collection::vec(prop::sample::select(TOKENS), 1..10),
+        field in prop::sample::select(&["\"userInfo\":", "\"uid\":", "\"dryRun\":", "\"metadata\":", "\"priority\":", "\"schedulingGates\":", "\"limits\":", "\"x\\\"y\":"][..]),
+    ) {
+        let base = String::from_utf8(serde_json::to_vec(&review("pod_within_range.json")).expect("enc")).expect("utf8");
+        let value: String = tokens.concat();
+        for text in [
+            base.replacen("\"userInfo\":{", &format!("{field}{value},\"userInfo\":{{"), 1),
+            base.replacen("\"resources\":{", &format!("\"resources\":{{{field}{value},"), 1),
+            base.replacen("\"spec\":{", &format!("\"spec\":{{{field}{value},"), 1),
+        ] {
+            same(text.as_bytes());
+        }
     }
 }
