@@ -15,6 +15,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::io::Write as _;
 use std::sync::LazyLock;
 
 use base64::Engine as _;
@@ -159,7 +160,8 @@ fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<Ga
     }
     if !message.is_empty() || !allowed {
         out.extend_from_slice(br#","status":{"code":"#);
-        out.extend_from_slice(code.to_string().as_bytes());
+        // Writing into a Vec cannot fail.
+        let _ = write!(out, "{code}");
         out.extend_from_slice(br#","message":"#);
         json_string(&mut out, message);
         out.push(b'}');
@@ -172,8 +174,15 @@ fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<Ga
 
 /// Appends `s` as a JSON string, escaped as serde_json escapes it.
 fn json_string(out: &mut Vec<u8>, s: &str) {
-    // Writing a str into a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut *out, s);
+    // serde_json escapes `"`, `\` and control characters only; most messages have none.
+    if wire::plain_len(s.as_bytes()) == s.len() {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    } else {
+        // Writing a str into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, s);
+    }
 }
 
 /// A well-formed AdmissionReview that answers a request the webhook could not judge
