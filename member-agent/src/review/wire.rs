@@ -154,9 +154,12 @@ struct Metadata<'a> {
 struct Spec<'a> {
     priority: i32,
     has_gates: bool,
-    init_containers: Vec<Container<'a>>,
-    containers: Vec<Container<'a>>,
-    overhead: Quantities<'a>,
+    init_containers: Vec<Container>,
+    containers: Vec<Container>,
+    overhead: Quantities,
+    /// Every quantity read, by resource name; containers and the overhead hold ranges
+    /// of it (one allocation for the pod rather than one per map).
+    quantities: Vec<(&'a str, u64)>,
 }
 
 impl Spec<'_> {
@@ -168,7 +171,9 @@ impl Spec<'_> {
     fn requests(&self) -> Vec<(String, u64)> {
         let named = || {
             let all = self.init_containers.iter().chain(&self.containers);
-            all.flat_map(|c| c.requests.0.iter().chain(&c.limits.0)).chain(&self.overhead.0).map(|&(name, _)| name)
+            all.flat_map(|c| self.entries(&c.requests).iter().chain(self.entries(&c.limits)))
+                .chain(self.entries(&self.overhead))
+                .map(|&(name, _)| name)
         };
         let mut out: Vec<(String, u64)> = Vec::with_capacity(named().count());
         for name in named() {
@@ -176,14 +181,26 @@ impl Spec<'_> {
                 continue;
             }
             let milli = pod_request_milli(
-                self.containers.iter().map(|c| c.request(name)),
-                self.init_containers.iter().map(|c| (c.restartable, c.request(name))),
-                self.overhead.get(name).unwrap_or(0),
+                self.containers.iter().map(|c| self.request(c, name)),
+                self.init_containers.iter().map(|c| (c.restartable, self.request(c, name))),
+                self.get(&self.overhead, name).unwrap_or(0),
             );
             out.push((name.to_owned(), milli));
         }
         out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         out
+    }
+
+    fn entries(&self, q: &Quantities) -> &[(&str, u64)] {
+        self.quantities.get(q.0.clone()).unwrap_or_default()
+    }
+
+    fn get(&self, q: &Quantities, resource: &str) -> Option<u64> {
+        self.entries(q).iter().find(|&&(name, _)| name == resource).map(|&(_, milli)| milli)
+    }
+
+    fn request(&self, c: &Container, resource: &str) -> u64 {
+        container_request_milli(self.get(&c.requests, resource), self.get(&c.limits, resource))
     }
 }
 
@@ -191,28 +208,17 @@ impl Spec<'_> {
 /// and whether it is a sidecar. (Its name only ever appears in an error, and errors come
 /// from the reference path.)
 #[derive(Default)]
-struct Container<'a> {
+struct Container {
     restartable: bool,
-    requests: Quantities<'a>,
-    limits: Quantities<'a>,
-}
-
-impl Container<'_> {
-    fn request(&self, resource: &str) -> u64 {
-        container_request_milli(self.requests.get(resource), self.limits.get(resource))
-    }
+    requests: Quantities,
+    limits: Quantities,
 }
 
 /// A map of resource name to quantity, each parsed to thousandths as the core parses it
-/// ([`parse_quantity_milli`]); a key seen twice keeps its last value.
+/// ([`parse_quantity_milli`]), as a range of [`Spec::quantities`]; a key seen twice
+/// keeps its last value.
 #[derive(Default)]
-struct Quantities<'a>(Vec<(&'a str, u64)>);
-
-impl Quantities<'_> {
-    fn get(&self, resource: &str) -> Option<u64> {
-        self.0.iter().find(|&&(name, _)| name == resource).map(|&(_, milli)| milli)
-    }
-}
+struct Quantities(std::ops::Range<usize>);
 
 // What each object keeps. A field's value is read with the type the reference path
 // reads it as; any other type declines the body. Unknown keys are stepped over.
@@ -294,7 +300,8 @@ impl<'a> Object<'a> {
                 self.spec = Some(if s.null()? {
                     None
                 } else {
-                    let mut p = Spec::default();
+                    // Room for a typical pod's quantities (a few containers, a few resources).
+                    let mut p = Spec { quantities: Vec::with_capacity(16), ..Spec::default() };
                     s.object(|s, key| p.field(s, key))?;
                     Some(p)
                 });
@@ -329,29 +336,29 @@ impl<'a> Spec<'a> {
                 }
             }
             // Lists of objects; `null` or anything else declines.
-            "initContainers" => self.init_containers = containers(s)?,
-            "containers" => self.containers = containers(s)?,
+            "initContainers" => self.init_containers = containers(s, &mut self.quantities)?,
+            "containers" => self.containers = containers(s, &mut self.quantities)?,
             // An object of quantities; `null` declines.
-            "overhead" => self.overhead = quantities(s)?,
+            "overhead" => self.overhead = quantities(s, &mut self.quantities)?,
             _ => s.skip()?,
         }
         Some(())
     }
 }
 
-fn containers<'a>(s: &mut Scan<'a>) -> Option<Vec<Container<'a>>> {
+fn containers<'a>(s: &mut Scan<'a>, quantities: &mut Vec<(&'a str, u64)>) -> Option<Vec<Container>> {
     let mut out = Vec::new();
     s.array(|s| {
         let mut c = Container::default();
-        s.object(|s, key| c.field(s, key))?;
+        s.object(|s, key| c.field(s, key, quantities))?;
         out.push(c);
         Some(())
     })?;
     Some(out)
 }
 
-impl<'a> Container<'a> {
-    fn field(&mut self, s: &mut Scan<'a>, key: &str) -> Option<()> {
+impl Container {
+    fn field<'a>(&mut self, s: &mut Scan<'a>, key: &str, arena: &mut Vec<(&'a str, u64)>) -> Option<()> {
         match key {
             "restartPolicy" => self.restartable = s.str_or_null()? == Some("Always"),
             // `null` resources hold nothing, as in the reference path.
@@ -360,8 +367,8 @@ impl<'a> Container<'a> {
                 if !s.null()? {
                     s.object(|s, key| match key {
                         // Objects of quantities; `null` declines.
-                        "requests" => quantities(s).map(|q| requests = q),
-                        "limits" => quantities(s).map(|q| limits = q),
+                        "requests" => quantities(s, arena).map(|q| requests = q),
+                        "limits" => quantities(s, arena).map(|q| limits = q),
                         _ => s.skip(),
                     })?;
                 }
@@ -373,10 +380,11 @@ impl<'a> Container<'a> {
     }
 }
 
-/// An object of quantities: strings, or JSON numbers read as the reference path reads
-/// them (the text `serde_json::Number` writes back, e.g. `1000.0` for `1000.0`).
-fn quantities<'a>(s: &mut Scan<'a>) -> Option<Quantities<'a>> {
-    let mut out: Vec<(&'a str, u64)> = Vec::new();
+/// An object of quantities, appended to `arena`: strings, or JSON numbers read as the
+/// reference path reads them (the text `serde_json::Number` writes back, e.g. `1000.0`
+/// for `1000.0`).
+fn quantities<'a>(s: &mut Scan<'a>, arena: &mut Vec<(&'a str, u64)>) -> Option<Quantities> {
+    let start = arena.len();
     s.object_raw_keys(|s, key| {
         // Read keys only: one with escapes declines.
         let Key::Plain(name) = key else { return None };
@@ -387,13 +395,13 @@ fn quantities<'a>(s: &mut Scan<'a>) -> Option<Quantities<'a>> {
                 parse_quantity_milli(&number.to_string()).ok()?
             }
         };
-        match out.iter_mut().find(|(n, _)| *n == name) {
+        match arena.get_mut(start..).and_then(|own| own.iter_mut().find(|(n, _)| *n == name)) {
             Some(entry) => entry.1 = milli,
-            None => out.push((name, milli)),
+            None => arena.push((name, milli)),
         }
         Some(())
     })?;
-    Some(Quantities(out))
+    Some(Quantities(start..arena.len()))
 }
 
 /// The length of the longest prefix of `b` without a byte JSON strings must escape: `"`,
