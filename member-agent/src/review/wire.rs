@@ -405,19 +405,22 @@ fn quantities<'a>(s: &mut Scan<'a>, arena: &mut Vec<(&'a str, u64)>) -> Option<Q
 }
 
 /// The length of the longest prefix of `b` without a byte JSON strings must escape: `"`,
-/// `\` or a control character. Eight bytes at a time while none is found: most strings
-/// of a review have none.
+/// `\` or a control character. Eight bytes at a time: most strings of a review have
+/// none of those until their closing quote.
 pub(super) fn plain_len(b: &[u8]) -> usize {
     const ONES: u64 = u64::from_ne_bytes([1; 8]);
     const HIGH: u64 = ONES << 7;
-    // Non-zero when some byte of `w` is below `n` (for n <= 0x80), never otherwise.
+    // The high bit of each byte of `w` below `n` (n <= 0x80), and possibly of bytes
+    // above such a byte (a borrow carries up), never of others: the lowest bit set marks
+    // the first byte below `n`.
     let below = |w: u64, n: u8| w.wrapping_sub(ONES * u64::from(n)) & !w & HIGH;
     let mut i = 0;
     while let Some(Ok(chunk)) = b.get(i..i + 8).map(<[u8; 8]>::try_from) {
         let w = u64::from_le_bytes(chunk);
         let special = below(w, 0x20) | below(w ^ (ONES * u64::from(b'"')), 1) | below(w ^ (ONES * u64::from(b'\\')), 1);
         if special != 0 {
-            break;
+            // Little-endian: byte k holds bits 8k..8k+7.
+            return i + usize::try_from(special.trailing_zeros() / 8).unwrap_or(0);
         }
         i += 8;
     }

@@ -442,3 +442,15 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The eight-bytes-at-a-time scan finds the first byte a JSON string must escape,
+    /// exactly as a byte-by-byte scan does.
+    #[test]
+    fn plain_len_finds_the_first_special_byte(
+        b in prop::collection::vec(prop_oneof![4 => 0x20u8..0x7f, 1 => Just(b'"'), 1 => Just(b'\\'), 1 => 0u8..0x20, 2 => 0x80u8..=0xff], 0..40),
+    ) {
+        let naive = b.iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20).unwrap_or(b.len());
+        prop_assert_eq!(super::plain_len(&b), naive);
+    }
+}
