@@ -8,8 +8,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::lease::LeaseStatus;
 use crate::policy::AdmissionMode;
-use crate::units::format_gpue as g;
+use crate::units::Gpue;
 use crate::MilliGpue;
+
+/// GPUe as messages write them ([`format_gpue`](crate::units::format_gpue)'s text).
+fn g(milli: MilliGpue) -> Gpue {
+    Gpue(milli)
+}
 
 /// The scheduling gate kvota adds to pods it queues.
 pub const SCHEDULING_GATE: &str = "kvota.dev/admission";

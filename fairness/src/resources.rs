@@ -286,27 +286,50 @@ pub fn effective_requests_milli(
     let get = |m: &BTreeMap<String, u64>, r: &str| m.get(r).copied().unwrap_or(0);
     let mut result = BTreeMap::new();
     for name in names {
-        let app_sum = app
-            .iter()
-            .map(|m| get(m, name))
-            .fold(0u64, u64::saturating_add);
-        let mut sidecars = 0u64;
-        let mut init_peak = 0u64;
-        for (restartable, m) in &init {
-            let request = get(m, name);
-            if *restartable {
-                sidecars = sidecars.saturating_add(request);
-            } else {
-                init_peak = init_peak.max(request.saturating_add(sidecars));
-            }
-        }
-        let total = app_sum
-            .saturating_add(sidecars)
-            .max(init_peak)
-            .saturating_add(get(&overhead, name));
+        let total = pod_request_milli(
+            app.iter().map(|m| get(m, name)),
+            init.iter().map(|(restartable, m)| (*restartable, get(m, name))),
+            get(&overhead, name),
+        );
         result.insert(name.clone(), total);
     }
     Ok(result)
+}
+
+/// One container's request of a resource, from its `requests` and `limits` entries for
+/// it (quantity thousandths, `None` where absent): the request if given, else the limit
+/// (Kubernetes defaults a missing request to the limit), else 0.
+#[must_use]
+pub fn container_request_milli(request: Option<u64>, limit: Option<u64>) -> u64 {
+    request.or(limit).unwrap_or(0)
+}
+
+/// The pod's request of one resource, as [`effective_requests_milli`] counts it, from
+/// each container's request of it ([`container_request_milli`]): `app` over the app
+/// containers, `init` over the init containers in declaration order (with whether each
+/// is restartable, a sidecar), and the pod's overhead. That is
+/// `max(sum(app) + sum(sidecars), max over each non-restartable init container i of
+/// (its request + sum of sidecars declared before i)) + overhead`, sums saturating.
+#[must_use]
+pub fn pod_request_milli(
+    app: impl IntoIterator<Item = u64>,
+    init: impl IntoIterator<Item = (bool, u64)>,
+    overhead_milli: u64,
+) -> u64 {
+    let app_sum = app.into_iter().fold(0u64, u64::saturating_add);
+    let mut sidecars = 0u64;
+    let mut init_peak = 0u64;
+    for (restartable, request) in init {
+        if restartable {
+            sidecars = sidecars.saturating_add(request);
+        } else {
+            init_peak = init_peak.max(request.saturating_add(sidecars));
+        }
+    }
+    app_sum
+        .saturating_add(sidecars)
+        .max(init_peak)
+        .saturating_add(overhead_milli)
 }
 
 /// A pod's GPU-equivalents.
@@ -341,6 +364,21 @@ pub fn pod_gpue(pod: &PodResources, weights: &ResourceWeights) -> Result<PodGpue
         total_milli,
         per_resource_milli,
     })
+}
+
+/// [`pod_gpue`]'s `total_milli` for a pod whose [`effective_requests_milli`] are
+/// `requests` (resource name, quantity thousandths): for a caller that counts a pod's
+/// requests once, without the weights (e.g. outside a lock), and weighs them later.
+#[must_use]
+pub fn total_gpue_milli<'a>(
+    requests: impl IntoIterator<Item = (&'a str, u64)>,
+    weights: &ResourceWeights,
+) -> MilliGpue {
+    requests
+        .into_iter()
+        .filter(|(resource, _)| weights.is_gpu_resource(resource))
+        .map(|(resource, quantity_milli)| weights.gpue_milli(resource, quantity_milli))
+        .fold(0u64, u64::saturating_add)
 }
 
 #[cfg(test)]
@@ -831,6 +869,21 @@ mod tests {
                 for resource in gpue.per_resource_milli.keys() {
                     prop_assert!(weights.is_gpu_resource(resource));
                 }
+            }
+        }
+
+        #[test]
+        fn total_of_counted_requests_is_pod_gpue(
+            pod in pods(valid_quantity().boxed()),
+            mig_weight in 0u64..3000,
+        ) {
+            let mut weights = ResourceWeights::new();
+            weights.set(MIG_1G, mig_weight);
+            let requests = effective_requests_milli(&pod);
+            prop_assert!(requests.is_ok());
+            if let (Ok(requests), Ok(gpue)) = (requests, pod_gpue(&pod, &weights)) {
+                let total = total_gpue_milli(requests.iter().map(|(r, &q)| (r.as_str(), q)), &weights);
+                prop_assert_eq!(total, gpue.total_milli);
             }
         }
 

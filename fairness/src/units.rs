@@ -553,6 +553,27 @@ pub fn format_gpue(milli: crate::MilliGpue) -> String {
     with_thousandths(milli / 1000, milli % 1000)
 }
 
+/// [`format_gpue`]'s text, written by `Display` without a `String` of its own: for
+/// messages built with `format!` on a hot path (admission decisions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gpue(pub crate::MilliGpue);
+
+impl std::fmt::Display for Gpue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (whole, frac) = (self.0 / 1000, self.0 % 1000);
+        // Thousandths without trailing zeros, as format_gpue trims them.
+        if frac == 0 {
+            write!(f, "{whole}")
+        } else if frac % 100 == 0 {
+            write!(f, "{whole}.{}", frac / 100)
+        } else if frac % 10 == 0 {
+            write!(f, "{whole}.{:02}", frac / 10)
+        } else {
+            write!(f, "{whole}.{frac:03}")
+        }
+    }
+}
+
 /// Formats milliseconds as a compact Go-style duration.
 ///
 /// Holds: 0 -> `"0s"`, 250 -> `"250ms"`, 1500 -> `"1.5s"`, 90_000 -> `"1m30s"`,
@@ -965,6 +986,11 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn gpue_display_is_format_gpue(milli in prop_oneof![any::<u64>(), 0u64..10_000, Just(u64::MAX)]) {
+            prop_assert_eq!(Gpue(milli).to_string(), format_gpue(milli));
+        }
+
         #[test]
         fn formatted_gpue_parses_back(milli in 0u64..1_000_000_000_000_000) {
             prop_assert_eq!(parse_quantity_milli(&format_gpue(milli)), Ok(milli));

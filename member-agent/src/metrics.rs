@@ -3,7 +3,8 @@
 //! backlog and last written report, usage reported per tenant, budgets and in-use per
 //! tenant, certificate reloads, reclaim evictions.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use kvota_fairness::lease::LeaseStatus;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -38,11 +39,21 @@ pub struct StateLabel {
     pub state: String,
 }
 
+/// The review outcomes (the `outcome` label of admissions), in the order of
+/// [`AdmissionCounters`].
+const OUTCOMES: [&str; 7] = ["allowed", "denied", "queued", "passed", "held", "error", "busy"];
+
+/// The admissions counters created so far, by tenant then outcome: a review finds its
+/// counter with a lookup by `&str`, without building a label (two Strings) and hashing
+/// it. As bounded as the family itself: one entry per tenant the policy names, and `-`.
+type AdmissionCounters = Arc<RwLock<HashMap<String, [Option<Counter>; OUTCOMES.len()]>>>;
+
 /// The agent's metrics. Cloning shares them.
 #[derive(Clone, Debug)]
 pub struct AgentMetrics {
     registry: Arc<Registry>,
     admissions: Family<AdmissionLabel, Counter>,
+    admission_counters: AdmissionCounters,
     latency: Histogram,
     queue: Family<TenantLabel, Gauge>,
     budget: Family<TenantLabel, Gauge>,
@@ -70,6 +81,7 @@ impl AgentMetrics {
         let m = AgentMetrics {
             registry: Arc::new(Registry::default()),
             admissions: Family::default(),
+            admission_counters: AdmissionCounters::default(),
             // 10 µs .. ~160 ms: a decision is microseconds; milliseconds mean contention.
             latency: Histogram::new(exponential_buckets(0.000_01, 2.0, 15)),
             queue: Family::default(),
@@ -114,9 +126,25 @@ impl AgentMetrics {
 
     /// Counts one review.
     pub fn admission(&self, tenant: Option<&str>, outcome: &str, seconds: f64) {
-        self.admissions
-            .get_or_create(&AdmissionLabel { tenant: tenant.unwrap_or("-").to_string(), outcome: outcome.to_string() })
-            .inc();
+        let tenant = tenant.unwrap_or("-");
+        let label = || AdmissionLabel { tenant: tenant.to_string(), outcome: outcome.to_string() };
+        match OUTCOMES.iter().position(|o| *o == outcome) {
+            Some(i) => {
+                let counters = self.admission_counters.read().unwrap_or_else(PoisonError::into_inner);
+                if let Some(counter) = counters.get(tenant).and_then(|c| c[i].as_ref()) {
+                    counter.inc();
+                } else {
+                    drop(counters);
+                    let counter = self.admissions.get_or_create(&label()).clone();
+                    counter.inc();
+                    let mut counters = self.admission_counters.write().unwrap_or_else(PoisonError::into_inner);
+                    counters.entry(tenant.to_string()).or_default()[i] = Some(counter);
+                }
+            }
+            None => {
+                self.admissions.get_or_create(&label()).inc();
+            }
+        }
         self.latency.observe(seconds);
     }
 

@@ -13,14 +13,19 @@
 //! `kvota.dev/admission`. Each lets the other mode's pods through untouched, so a pod is
 //! judged exactly once.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::sync::LazyLock;
 
 use base64::Engine as _;
 use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Verdict, SCHEDULING_GATE};
 use kvota_fairness::policy::{AdmissionMode, Policy};
-use kvota_fairness::resources::{pod_gpue, ContainerResources, PodResources};
+use kvota_fairness::resources::{effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError};
 use kvota_fairness::MilliGpue;
 use serde_json::{json, Value};
+
+mod wire;
 
 /// Largest review body accepted. The API server caps objects near 3 MiB; a bigger body
 /// is not a real AdmissionReview.
@@ -118,22 +123,69 @@ pub struct Reviewed {
 #[error("{0}")]
 pub struct Malformed(pub String);
 
-fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<&Value>) -> Vec<u8> {
-    let mut resp = json!({ "uid": uid, "allowed": allowed });
-    if !message.is_empty() || !allowed {
-        resp["status"] = json!({ "code": code, "message": message });
+/// The JSON patch a gated pod gets: its scheduling gates are a new list, or ours is
+/// appended to the ones it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// `add /spec/schedulingGates` with a list of one: the pod had no gates.
+    New,
+    /// `add /spec/schedulingGates/-`: the pod has gates already.
+    Append,
+}
+
+impl Gate {
+    /// The patch, base64 as the response carries it; the same two every time, so
+    /// written once.
+    fn base64(self) -> &'static str {
+        static PATCHES: LazyLock<[String; 2]> = LazyLock::new(|| {
+            let b64 = |p: Value| base64::engine::general_purpose::STANDARD.encode(serde_json::to_vec(&p).unwrap_or_default());
+            [
+                b64(json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])),
+                b64(json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])),
+            ]
+        });
+        &PATCHES[self as usize]
     }
+}
+
+/// Writes the AdmissionReview response straight into bytes: the same bytes serde_json
+/// writes for the `Value` (keys in its sorted order, strings escaped by serde_json),
+/// without building the `Value`.
+fn response(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<Gate>) -> Vec<u8> {
+    // The fixed parts take about 140 bytes with a status.
+    let mut out = Vec::with_capacity(192 + uid.len() + message.len() + patch.map_or(0, |p| p.base64().len()));
+    out.extend_from_slice(br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"allowed":"#);
+    out.extend_from_slice(if allowed { b"true" } else { b"false" });
     if let Some(p) = patch {
-        let bytes = serde_json::to_vec(p).unwrap_or_default();
-        resp["patchType"] = json!("JSONPatch");
-        resp["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+        out.extend_from_slice(br#","patch":""#);
+        out.extend_from_slice(p.base64().as_bytes());
+        out.extend_from_slice(br#"","patchType":"JSONPatch""#);
     }
-    let review = json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "response": resp,
-    });
-    serde_json::to_vec(&review).unwrap_or_default()
+    if !message.is_empty() || !allowed {
+        out.extend_from_slice(br#","status":{"code":"#);
+        // Writing into a Vec cannot fail.
+        let _ = write!(out, "{code}");
+        out.extend_from_slice(br#","message":"#);
+        json_string(&mut out, message);
+        out.push(b'}');
+    }
+    out.extend_from_slice(br#","uid":"#);
+    json_string(&mut out, uid);
+    out.extend_from_slice(b"}}");
+    out
+}
+
+/// Appends `s` as a JSON string, escaped as serde_json escapes it.
+fn json_string(out: &mut Vec<u8>, s: &str) {
+    // serde_json escapes `"`, `\` and control characters only; most messages have none.
+    if wire::plain_len(s.as_bytes()) == s.len() {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    } else {
+        // Writing a str into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, s);
+    }
 }
 
 /// A well-formed AdmissionReview that answers a request the webhook could not judge
@@ -157,17 +209,70 @@ fn pass(uid: &str, message: &str) -> Reviewed {
 }
 
 /// Handles one AdmissionReview body. Never panics; always returns a well-formed review.
-/// The same as [`parse`] then [`judge`]; a server calls them apart so that only
-/// [`judge`] runs under the state's lock.
+/// The same as [`parse`], [`judge`] and [`Answer::render`]; a server calls them apart so
+/// that only [`judge`] runs under the state's lock.
 pub fn review(body: &[u8], endpoint: Endpoint, state: &mut dyn AdmissionState) -> Reviewed {
-    judge(parse(body), endpoint, state)
+    judge(parse(body), endpoint, state).render()
+}
+
+/// A review judged, its response not yet written: [`judge`] decides under the agent's
+/// lock, [`Answer::render`] writes the body after the lock is released.
+#[derive(Debug)]
+pub struct Answer(AnswerKind);
+
+#[derive(Debug)]
+enum AnswerKind {
+    /// Written already (by [`parse`]).
+    Written(Reviewed),
+    /// A verdict to write.
+    Verdict {
+        uid: String,
+        allowed: bool,
+        code: u16,
+        message: Cow<'static, str>,
+        patch: Option<Gate>,
+        tenant: Option<String>,
+        outcome: &'static str,
+        gpue: MilliGpue,
+    },
+}
+
+impl Answer {
+    #[allow(clippy::too_many_arguments)]
+    fn verdict(
+        uid: String,
+        allowed: bool,
+        code: u16,
+        message: impl Into<Cow<'static, str>>,
+        patch: Option<Gate>,
+        tenant: Option<String>,
+        outcome: &'static str,
+        gpue: MilliGpue,
+    ) -> Answer {
+        Answer(AnswerKind::Verdict { uid, allowed, code, message: message.into(), patch, tenant, outcome, gpue })
+    }
+
+    /// Allowed without being judged here.
+    fn pass(uid: String, message: impl Into<Cow<'static, str>>) -> Answer {
+        Answer::verdict(uid, true, 200, message, None, None, "passed", 0)
+    }
+
+    /// Writes the response body.
+    pub fn render(self) -> Reviewed {
+        match self.0 {
+            AnswerKind::Written(r) => r,
+            AnswerKind::Verdict { uid, allowed, code, message, patch, tenant, outcome, gpue } => {
+                Reviewed { body: response(&uid, allowed, code, &message, patch), tenant, outcome, gpue }
+            }
+        }
+    }
 }
 
 /// A review read and checked, not yet judged.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub struct Parsed(ParsedKind);
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 enum ParsedKind {
     /// Answered without the agent's state (malformed, not a pod, subresource, update).
     Done(Reviewed),
@@ -177,27 +282,69 @@ enum ParsedKind {
     Create(Box<Create>),
 }
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 struct Create {
     uid: String,
     namespace: String,
     name: String,
     key: String,
     dry_run: bool,
-    pod: PodResources,
+    pod: PodRequests,
     priority: i32,
     has_gates: bool,
 }
 
+/// A created pod's requests: as read from the spec, then counted by [`parse`] (the fast
+/// path counts them as it reads).
+#[derive(Debug, PartialEq)]
+enum PodRequests {
+    /// The containers' and overhead's quantities, as written.
+    Read(PodResources),
+    /// Their [`effective_requests_milli`], sorted by resource name (or why they could
+    /// not be counted).
+    Counted(Result<Vec<(String, u64)>, ResourceError>),
+}
+
+impl PodRequests {
+    fn counted(self) -> Result<Vec<(String, u64)>, ResourceError> {
+        match self {
+            PodRequests::Read(pod) => effective_requests_milli(&pod).map(|m| m.into_iter().collect()),
+            PodRequests::Counted(r) => r,
+        }
+    }
+}
+
 /// Reads and checks a review body: everything that needs no agent state (JSON parsing,
-/// shape checks, the pod's resources). Cheap to call outside any lock.
+/// shape checks, counting the pod's requests). Cheap to call outside any lock.
+///
+/// Reads only the fields it needs, borrowing from `body` ([`wire`]); a body that does
+/// not have the usual shape (or is malformed) is read again through a
+/// `serde_json::Value` ([`read_value`], the reference), which words every error.
 pub fn parse(body: &[u8]) -> Parsed {
+    let read = if body.len() > MAX_REVIEW_BYTES { None } else { wire::read(body) };
+    counted(read.unwrap_or_else(|| read_value(body)))
+}
+
+/// Counts a created pod's requests ([`effective_requests_milli`]): the quantity parsing
+/// and per-resource sums need no agent state, so they happen here rather than under the
+/// lock; the policy's weights are applied in [`judge`].
+fn counted(mut kind: ParsedKind) -> Parsed {
+    if let ParsedKind::Create(c) = &mut kind {
+        let pod = std::mem::replace(&mut c.pod, PodRequests::Counted(Ok(Vec::new())));
+        c.pod = PodRequests::Counted(pod.counted());
+    }
+    Parsed(kind)
+}
+
+/// Reads a review through a `serde_json::Value`: the reference the fast path ([`wire`])
+/// is held to, and the path for every body the fast path does not take.
+fn read_value(body: &[u8]) -> ParsedKind {
     if body.len() > MAX_REVIEW_BYTES {
-        return Parsed(ParsedKind::Done(error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len()))));
+        return ParsedKind::Done(error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len())));
     }
     let doc: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
-        Err(e) => return Parsed(ParsedKind::Done(error_reply("", &format!("not JSON: {e}")))),
+        Err(e) => return ParsedKind::Done(error_reply("", &format!("not JSON: {e}"))),
     };
     let uid = doc
         .pointer("/request/uid")
@@ -205,8 +352,8 @@ pub fn parse(body: &[u8]) -> Parsed {
         .unwrap_or_default()
         .to_string();
     match parse_doc(&doc, &uid) {
-        Ok(p) => Parsed(p),
-        Err(Malformed(why)) => Parsed(ParsedKind::Done(error_reply(&uid, &why))),
+        Ok(p) => p,
+        Err(Malformed(why)) => ParsedKind::Done(error_reply(&uid, &why)),
     }
 }
 
@@ -260,7 +407,7 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
         other => return Err(Malformed(format!("unknown operation `{other}`"))),
     }
     let object = req.get("object").ok_or_else(|| Malformed("CREATE without `object`".into()))?;
-    let pod = pod_resources(object)?;
+    let pod = PodRequests::Read(pod_resources(object)?);
     let priority = object
         .pointer("/spec/priority")
         .and_then(Value::as_i64)
@@ -272,28 +419,29 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
 
 /// Judges a parsed review against the agent's state and records its effect (a
 /// reservation, a queue entry, a denial, a deletion) in the same call: hold the state's
-/// lock around this call, and only this one.
-pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Reviewed {
+/// lock around this call, and only this one. The answer's body is written by
+/// [`Answer::render`], after the lock is released.
+pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Answer {
     let c = match parsed.0 {
-        ParsedKind::Done(r) => return r,
+        ParsedKind::Done(r) => return Answer(AnswerKind::Written(r)),
         ParsedKind::Delete { uid, key, dry_run } => {
             if !dry_run {
                 state.record(Effect::Forget { pod: key });
             }
-            return pass(&uid, "");
+            return Answer::pass(uid, "");
         }
         ParsedKind::Create(c) => *c,
     };
     let Create { uid, namespace, name, key, dry_run, pod, priority, has_gates } = c;
-    let uid = uid.as_str();
     let Some(policy) = state.policy() else {
         // No policy yet: the agent enforces its (zero) budgets through `view`; without a
         // policy there are no tenants, so nothing is governed.
-        return pass(uid, "kvota: no policy received yet; not judged");
+        return Answer::pass(uid, "kvota: no policy received yet; not judged");
     };
-    let gpue = match pod_gpue(&pod, &policy.resource_weights) {
-        Ok(g) => g.total_milli,
-        Err(e) => return error_reply(uid, &format!("pod resources: {e}")),
+    let gpue = match pod.counted() {
+        Ok(r) => total_gpue_milli(r.iter().map(|(name, milli)| (name.as_str(), *milli)), &policy.resource_weights),
+        // Rare (Kubernetes validates quantities first): written here, under the lock.
+        Err(e) => return Answer(AnswerKind::Written(error_reply(&uid, &format!("pod resources: {e}")))),
     };
     let labels = state.namespace_labels(&namespace);
     let tenant = policy.tenant_for_namespace(&namespace, &labels).map(|t| (t.name.clone(), t.admission));
@@ -302,32 +450,27 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         None => {
             let v = LocalView { tenant: None, ..state.view("") };
             let d = decide(&PodRequest { namespace, name, gpue }, &v);
-            return Reviewed { body: response(uid, true, 200, &d.message, None), tenant: None, outcome: "passed", gpue };
+            return Answer::verdict(uid, true, 200, d.message, None, None, "passed", gpue);
         }
     };
     // Each endpoint judges only its mode's tenants.
     let mine = matches!((endpoint, mode), (Endpoint::Validate, AdmissionMode::Reject) | (Endpoint::Mutate, AdmissionMode::Queue));
     if !mine || gpue == 0 {
         let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
-        return Reviewed { body: response(uid, true, 200, msg, None), tenant: Some(tenant), outcome: "passed", gpue };
+        return Answer::verdict(uid, true, 200, msg, None, Some(tenant), "passed", gpue);
     }
-    let gate_patch = if has_gates {
-        json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])
-    } else {
-        json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])
-    };
+    let gate = if has_gates { Gate::Append } else { Gate::New };
     if let Some(why) = state.held() {
-        let (body, outcome) = match mode {
+        return match mode {
             AdmissionMode::Queue => {
                 let msg = format!("kvota: {why}; pod {key} waits behind the {SCHEDULING_GATE} gate for the leader to release it");
-                (response(uid, true, 200, &msg, Some(&gate_patch)), "held")
+                Answer::verdict(uid, true, 200, msg, Some(gate), Some(tenant), "held", gpue)
             }
             AdmissionMode::Reject => {
                 let msg = format!("kvota: {why}; pod {key} was not judged, retry in a few seconds");
-                (response(uid, false, 503, &msg, None), "held")
+                Answer::verdict(uid, false, 503, msg, None, Some(tenant), "held", gpue)
             }
         };
-        return Reviewed { body, tenant: Some(tenant), outcome, gpue };
     }
     let view = state.view(&tenant);
     let req = PodRequest { namespace, name, gpue };
@@ -335,28 +478,26 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
     if !dry_run {
         state.remember(&key, &req, &view, &d);
     }
-    let (body, outcome) = match d.verdict {
+    match d.verdict {
         Verdict::Allow => {
             if !dry_run {
                 state.record(Effect::Reserve { tenant: tenant.clone(), pod: key, gpue });
             }
-            (response(uid, true, 200, &d.message, None), "allowed")
+            Answer::verdict(uid, true, 200, d.message, None, Some(tenant), "allowed", gpue)
         }
         Verdict::Deny => {
             if !dry_run {
                 state.record(Effect::Denied { tenant: tenant.clone(), pod: key, gpue });
             }
-            (response(uid, false, 403, &d.message, None), "denied")
+            Answer::verdict(uid, false, 403, d.message, None, Some(tenant), "denied", gpue)
         }
         Verdict::Queue => {
-            let patch = gate_patch;
             if !dry_run {
                 state.record(Effect::Enqueue { tenant: tenant.clone(), pod: key, gpue, priority });
             }
-            (response(uid, true, 200, &d.message, Some(&patch)), "queued")
+            Answer::verdict(uid, true, 200, d.message, Some(gate), Some(tenant), "queued", gpue)
         }
-    };
-    Reviewed { body, tenant: Some(tenant), outcome, gpue }
+    }
 }
 
 fn quantity_map(v: Option<&Value>, path: &str) -> Result<BTreeMap<String, String>, Malformed> {
@@ -400,4 +541,68 @@ pub fn pod_resources(object: &Value) -> Result<PodResources, Malformed> {
         containers: containers(spec, "containers")?,
         overhead: quantity_map(spec.get("overhead"), "spec.overhead")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// The response as it was written before [`response`] wrote bytes directly: through
+    /// a `Value`. The reference for [`response`].
+    fn response_value(uid: &str, allowed: bool, code: u16, message: &str, patch: Option<&Value>) -> Vec<u8> {
+        let mut resp = json!({ "uid": uid, "allowed": allowed });
+        if !message.is_empty() || !allowed {
+            resp["status"] = json!({ "code": code, "message": message });
+        }
+        if let Some(p) = patch {
+            let bytes = serde_json::to_vec(p).unwrap_or_default();
+            resp["patchType"] = json!("JSONPatch");
+            resp["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+        }
+        let review = json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "response": resp,
+        });
+        serde_json::to_vec(&review).unwrap_or_default()
+    }
+
+    fn patch_value(gate: Gate) -> Value {
+        match gate {
+            Gate::New => json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }]),
+            Gate::Append => json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }]),
+        }
+    }
+
+    #[test]
+    fn responses_are_the_bytes_serde_json_wrote() {
+        for (uid, allowed, code, message, gate) in [
+            ("u1", true, 200, "", None),
+            ("u1", false, 400, "", None),
+            ("", false, 400, "kvota: malformed AdmissionReview: not JSON: expected value at line 1 column 1", None),
+            ("705ab4f5", true, 200, "kvota: admitted: tenant `training` holds 0 + 1 = 1 of its 32 GPUe budget", None),
+            ("q", true, 200, "queued \"behind\" the gate\n\u{1}\u{7f}\u{e9}\u{2028}", Some(Gate::New)),
+            ("q", true, 200, "", Some(Gate::Append)),
+        ] {
+            assert_eq!(
+                String::from_utf8(response(uid, allowed, code, message, gate)).expect("utf8"),
+                String::from_utf8(response_value(uid, allowed, code, message, gate.map(patch_value).as_ref())).expect("utf8"),
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn responses_match_for_any_text(
+            uid in any::<String>(), message in any::<String>(), allowed in any::<bool>(), code in any::<u16>(),
+            gate in prop::option::of(prop_oneof![Just(Gate::New), Just(Gate::Append)]),
+        ) {
+            prop_assert_eq!(
+                response(&uid, allowed, code, &message, gate),
+                response_value(&uid, allowed, code, &message, gate.map(patch_value).as_ref())
+            );
+        }
+    }
 }

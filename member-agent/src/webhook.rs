@@ -179,9 +179,17 @@ fn busy_reply() -> Vec<u8> {
 
 async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Response {
     let started = Instant::now();
-    let Ok(Ok(_permit)) = tokio::time::timeout(BUSY_WAIT, ctx.permits.acquire()).await else {
-        ctx.metrics.admission(None, "busy", started.elapsed().as_secs_f64());
-        return review_response(StatusCode::TOO_MANY_REQUESTS, busy_reply());
+    // A free slot is taken at once (no timer armed); only a full agent waits, at most
+    // BUSY_WAIT, in the semaphore's queue (while it has waiters, try_acquire fails).
+    let _permit = match ctx.permits.try_acquire() {
+        Ok(permit) => permit,
+        Err(_) => match tokio::time::timeout(BUSY_WAIT, ctx.permits.acquire()).await {
+            Ok(Ok(permit)) => permit,
+            _ => {
+                ctx.metrics.admission(None, "busy", started.elapsed().as_secs_f64());
+                return review_response(StatusCode::TOO_MANY_REQUESTS, busy_reply());
+            }
+        },
     };
     let bytes = match read_body(body).await {
         Ok(b) => b,
@@ -191,13 +199,15 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
             return review_response(StatusCode::PAYLOAD_TOO_LARGE, r.body);
         }
     };
-    // Parse outside the lock; only the decision and its effect hold it.
+    // Parse outside the lock; only the decision and its effect hold it; the answer is
+    // written after.
     let parsed = parse(&bytes);
     drop(bytes);
-    let r = {
+    let answer = {
         let mut st = ctx.agent.state();
         judge(parsed, endpoint, &mut *st)
     };
+    let r = answer.render();
     ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().as_secs_f64());
     if r.outcome == "denied" || r.outcome == "error" {
         tracing::debug!(tenant = ?r.tenant, outcome = r.outcome, "admission review");
@@ -212,17 +222,25 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
 /// [`DRAIN_LIMIT`] (for [`BUSY_WAIT`] at most) so that the client, still sending, gets
 /// the answer instead of a reset connection; beyond that the connection is dropped.
 async fn read_body(body: Body) -> Result<Vec<u8>, String> {
+    use futures::FutureExt as _;
     use http_body_util::BodyExt as _;
     let mut body = body;
     let mut buf: Vec<u8> = Vec::new();
     let mut total = 0usize;
     let deadline = Instant::now() + BUSY_WAIT;
     loop {
-        let frame = match tokio::time::timeout_at(deadline.into(), body.frame()).await {
-            Err(_) => return Err(format!("body not received within {BUSY_WAIT:?}")),
-            Ok(None) => break,
-            Ok(Some(Err(e))) => return Err(format!("body unreadable: {e}")),
-            Ok(Some(Ok(f))) => f,
+        // A frame already received is taken without arming a timer.
+        let next = match body.frame().now_or_never() {
+            Some(next) => next,
+            None => match tokio::time::timeout_at(deadline.into(), body.frame()).await {
+                Err(_) => return Err(format!("body not received within {BUSY_WAIT:?}")),
+                Ok(next) => next,
+            },
+        };
+        let frame = match next {
+            None => break,
+            Some(Err(e)) => return Err(format!("body unreadable: {e}")),
+            Some(Ok(f)) => f,
         };
         let Ok(data) = frame.into_data() else { continue };
         total = total.saturating_add(data.len());

@@ -242,6 +242,55 @@ async fn a_rotated_certificate_is_served_and_a_broken_one_is_not() {
     assert!(m.contains(r#"kvota_agent_tls_reloads_total{state="ok"} 1"#), "{m}");
 }
 
+/// Raw HTTP/1.1 over TLS: the head and the first part of the body now, the rest after
+/// `pause` (or never); returns the response as text.
+async fn slow_call(addr: std::net::SocketAddr, ca: &[u8], body: &[u8], sent: usize, pause: Option<Duration>) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from(ca.to_vec())).expect("root");
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(ServerName::try_from("localhost").expect("name"), tcp)
+        .await
+        .expect("tls");
+    let head = format!("POST /validate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n", body.len());
+    tls.write_all(head.as_bytes()).await.expect("head");
+    tls.write_all(&body[..sent]).await.expect("first part");
+    tls.flush().await.expect("flush");
+    if let Some(pause) = pause {
+        tokio::time::sleep(pause).await;
+        tls.write_all(&body[sent..]).await.expect("rest");
+        tls.flush().await.expect("flush");
+    }
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(webhook::BUSY_WAIT + Duration::from_secs(5), tls.read_to_end(&mut out)).await;
+    assert!(read.is_ok(), "no answer within BUSY_WAIT: {}", String::from_utf8_lossy(&out));
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_arriving_late_is_waited_for_and_one_that_stops_is_answered() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ca = write_cert(tmp.path(), "one");
+    let s = serve(tmp.path()).await;
+    let body = pod_review("late", "ml", "p", 1);
+    // The rest of the body comes 300 ms later: the review is judged as usual.
+    let answer = slow_call(s.addr, &ca, &body, 10, Some(Duration::from_millis(300))).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(r#""uid":"late""#), "{answer}");
+    // The rest never comes: a well-formed 400-coded review after BUSY_WAIT.
+    let started = std::time::Instant::now();
+    let answer = slow_call(s.addr, &ca, &body, 10, None).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("not received within"), "{answer}");
+    assert!(started.elapsed() >= webhook::BUSY_WAIT, "answered before BUSY_WAIT: {:?}", started.elapsed());
+}
+
 #[test]
 fn bad_certificate_files_are_named_in_the_error() {
     let tmp = tempfile::tempdir().expect("tmp");
