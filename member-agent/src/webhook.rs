@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -221,10 +221,13 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
 /// Reads at most [`MAX_REVIEW_BYTES`]. A larger body is read on and discarded up to
 /// [`DRAIN_LIMIT`] (for [`BUSY_WAIT`] at most) so that the client, still sending, gets
 /// the answer instead of a reset connection; beyond that the connection is dropped.
-async fn read_body(body: Body) -> Result<Vec<u8>, String> {
+async fn read_body(body: Body) -> Result<Bytes, String> {
     use futures::FutureExt as _;
     use http_body_util::BodyExt as _;
     let mut body = body;
+    // A body in one frame (the usual case) is kept as received; only a body in several
+    // frames is copied into one buffer.
+    let mut single: Option<Bytes> = None;
     let mut buf: Vec<u8> = Vec::new();
     let mut total = 0usize;
     let deadline = Instant::now() + BUSY_WAIT;
@@ -245,7 +248,14 @@ async fn read_body(body: Body) -> Result<Vec<u8>, String> {
         let Ok(data) = frame.into_data() else { continue };
         total = total.saturating_add(data.len());
         if total <= MAX_REVIEW_BYTES {
-            buf.extend_from_slice(&data);
+            if single.is_none() && buf.is_empty() {
+                single = Some(data);
+            } else {
+                if let Some(first) = single.take() {
+                    buf.extend_from_slice(&first);
+                }
+                buf.extend_from_slice(&data);
+            }
         } else if total > DRAIN_LIMIT {
             break;
         }
@@ -253,7 +263,7 @@ async fn read_body(body: Body) -> Result<Vec<u8>, String> {
     if total > MAX_REVIEW_BYTES {
         return Err(format!("body of {total}+ bytes is larger than {MAX_REVIEW_BYTES} bytes"));
     }
-    Ok(buf)
+    Ok(single.unwrap_or_else(|| Bytes::from(buf)))
 }
 
 async fn validate(State(ctx): State<Arc<WebhookCtx>>, body: Body) -> Response {
