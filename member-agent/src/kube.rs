@@ -164,25 +164,23 @@ pub fn node_info(node: &Value) -> Option<NodeInfo> {
         .and_then(|cs| cs.iter().find(|c| c.get("type").and_then(Value::as_str) == Some("Ready")))
         .is_some_and(|c| c.get("status").and_then(Value::as_str) != Some("True"));
     let schedulable = !cordoned && !not_ready;
-    let labels = node
-        .get("metadata")
-        .and_then(|m| m.get("labels"))
-        .and_then(Value::as_object)
-        .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
-        .unwrap_or_default();
+    let labels = node.get("metadata").map(labels_of).unwrap_or_default();
     let taints = crate::placement::node_taints(node.get("spec"));
     Some(NodeInfo { name, devices, schedulable, labels, taints })
+}
+
+/// The string labels of an object's `metadata` (others are skipped).
+fn labels_of(meta: &Value) -> BTreeMap<String, String> {
+    meta.get("labels")
+        .and_then(Value::as_object)
+        .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+        .unwrap_or_default()
 }
 
 fn namespace_labels(ns: &Value) -> Option<(String, BTreeMap<String, String>)> {
     let meta = ns.get("metadata")?;
     let name = meta.get("name")?.as_str()?.to_string();
-    let labels = meta
-        .get("labels")
-        .and_then(Value::as_object)
-        .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
-        .unwrap_or_default();
-    Some((name, labels))
+    Some((name, labels_of(meta)))
 }
 
 /// One kind's objects, with the buffer of a relist in progress.
