@@ -311,6 +311,43 @@ fn parse_exponent(input: &str, suffix: &str) -> Result<i64, QuantityError> {
 /// whitespace, a negative value, a missing or malformed number, an unknown suffix, an
 /// exponent out of range, or a value whose thousandths do not fit `u64`.
 pub fn parse_quantity_milli(s: &str) -> Result<u64, QuantityError> {
+    match plain_quantity_milli(s) {
+        Some(v) => Ok(v),
+        None => parse_quantity_milli_general(s),
+    }
+}
+
+/// The quantities pods carry nearly always (`"1"`, `"500m"`, `"32Gi"`, `"4k"`): up to
+/// 15 ASCII digits and at most one common suffix, read in `u64` without allocating.
+/// `None` for anything else (a sign, a fraction, an exponent, a rarer suffix, an
+/// overflow), which [`parse_quantity_milli_general`] then reads; both give the same
+/// answer wherever this one answers (a property test checks it).
+fn plain_quantity_milli(s: &str) -> Option<u64> {
+    let b = s.as_bytes();
+    let digits = b.iter().take_while(|c| c.is_ascii_digit()).count();
+    if digits == 0 || digits > 15 {
+        return None;
+    }
+    let mut int: u64 = 0;
+    for c in &b[..digits] {
+        int = int * 10 + u64::from(c - b'0');
+    }
+    let milli_per_unit: u64 = match &b[digits..] {
+        b"" => 1_000,
+        b"m" => return Some(int),
+        b"k" => 1_000_000,
+        b"M" => 1_000_000_000,
+        b"G" => 1_000_000_000_000,
+        b"Ki" => 1_024_000,
+        b"Mi" => 1_048_576_000,
+        b"Gi" => 1_073_741_824_000,
+        b"Ti" => 1_099_511_627_776_000,
+        _ => return None,
+    };
+    int.checked_mul(milli_per_unit)
+}
+
+fn parse_quantity_milli_general(s: &str) -> Result<u64, QuantityError> {
     if s.is_empty() {
         return Err(QuantityError::Empty);
     }
@@ -1000,6 +1037,21 @@ mod tests {
         #[test]
         fn formatted_gpue_parses_back_for_any_u64(milli in any::<u64>()) {
             prop_assert_eq!(parse_quantity_milli(&format_gpue(milli)), Ok(milli));
+        }
+
+        #[test]
+        fn plain_quantities_read_as_the_general_parser_reads_them(
+            int in prop_oneof![0u64..10_000, any::<u64>()],
+            width in 0usize..18,
+            suffix in prop_oneof![Just(""), Just("m"), Just("k"), Just("M"), Just("G"), Just("Ki"), Just("Mi"), Just("Gi"), Just("Ti"), Just("u"), Just("e3")],
+        ) {
+            // Leading zeros included: `width` pads the digits.
+            let s = format!("{int:0width$}{suffix}");
+            let general = parse_quantity_milli_general(&s);
+            if let Some(v) = plain_quantity_milli(&s) {
+                prop_assert_eq!(Ok(v), general.clone(), "{}", s);
+            }
+            prop_assert_eq!(parse_quantity_milli(&s), general);
         }
 
         #[test]
