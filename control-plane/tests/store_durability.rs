@@ -318,6 +318,38 @@ async fn truncate_removes_the_tail_durably() {
     assert!(log.try_get_log_entries(9..).await.unwrap().is_empty());
 }
 
+/// The committed log id is written now and then, not on every commit: after a restart
+/// it is one that was saved (never one that was not), at least the first one saved, and
+/// reading it back in the same process gives the latest. Entries appended one at a time
+/// (a plain insert, not a batch) survive the restart.
+#[tokio::test]
+async fn committed_id_is_written_lazily_and_never_ahead_of_what_was_saved() {
+    let dir = TempDir::new().unwrap();
+    let log_entries = sample_log();
+    {
+        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        for e in &log_entries {
+            log.blocking_append(vec![e.clone()]).await.unwrap();
+        }
+        for i in 1..=8 {
+            let term = if i <= 2 { 1 } else { 2 };
+            log.save_committed(Some(log_id(term, 1, i))).await.unwrap();
+            assert_eq!(log.read_committed().await.unwrap(), Some(log_id(term, 1, i)));
+        }
+    }
+    {
+        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        assert_eq!(all_entries(&mut log).await, log_entries);
+        let committed = log.read_committed().await.unwrap().expect("the first committed id is always written");
+        assert!((1..=8).contains(&committed.index), "{committed:?}");
+        // A commit after the write interval is written again.
+        std::thread::sleep(Duration::from_millis(1_100));
+        log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();
+    }
+    let (mut log, _sm) = store::open(dir.path()).unwrap();
+    assert_eq!(log.read_committed().await.unwrap(), Some(log_id(2, 1, 8)));
+}
+
 #[test]
 fn open_reports_the_directory() {
     let dir = TempDir::new().unwrap();
