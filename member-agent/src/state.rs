@@ -49,6 +49,9 @@ pub struct AgentState {
     capacity_gpue: MilliGpue,
     namespaces: BTreeMap<String, BTreeMap<String, String>>,
     bound: BTreeMap<String, PodRec>,
+    /// Per tenant of `bound`: (pods, GPUe), kept with it so that metering and in-use
+    /// cost one step per tenant, not per pod, on every admission review.
+    bound_by_tenant: BTreeMap<String, (usize, MilliGpue)>,
     reserved: BTreeMap<String, (String, MilliGpue, Millis)>,
     queue: BTreeMap<String, Queued>,
     denied: BTreeMap<String, (String, MilliGpue, Millis)>,
@@ -141,6 +144,7 @@ impl AgentState {
             capacity_gpue,
             namespaces: BTreeMap::new(),
             bound: BTreeMap::new(),
+            bound_by_tenant: BTreeMap::new(),
             reserved: BTreeMap::new(),
             queue: BTreeMap::new(),
             denied: BTreeMap::new(),
@@ -161,9 +165,13 @@ impl AgentState {
             return;
         }
         let dt = now_ms - self.now_ms;
-        for p in self.bound.values() {
-            if let Some(t) = &p.tenant {
-                *self.used.entry(t.clone()).or_default() += p.gpue.saturating_mul(dt);
+        for (t, &(_, gpue)) in &self.bound_by_tenant {
+            let used = gpue.saturating_mul(dt);
+            match self.used.get_mut(t) {
+                Some(u) => *u = u.saturating_add(used),
+                None => {
+                    self.used.insert(t.clone(), used);
+                }
             }
         }
         self.now_ms = now_ms;
@@ -199,14 +207,35 @@ impl AgentState {
         self.reserved.remove(pod);
         self.queue.remove(pod);
         self.denied.remove(pod);
-        self.bound.insert(pod.to_string(), rec);
+        if let Some(t) = &rec.tenant {
+            let e = self.bound_by_tenant.entry(t.clone()).or_default();
+            e.0 += 1;
+            e.1 = e.1.saturating_add(rec.gpue);
+        }
+        if let Some(old) = self.bound.insert(pod.to_string(), rec) {
+            self.unbind(&old);
+        }
     }
 
     /// The pod finished or was deleted.
     pub fn pod_gone(&mut self, pod: &str) {
-        self.bound.remove(pod);
+        if let Some(old) = self.bound.remove(pod) {
+            self.unbind(&old);
+        }
         self.reserved.remove(pod);
         self.queue.remove(pod);
+    }
+
+    /// Takes a pod that left `bound` out of its tenant's totals.
+    fn unbind(&mut self, rec: &PodRec) {
+        let Some(t) = &rec.tenant else { return };
+        if let Some(e) = self.bound_by_tenant.get_mut(t) {
+            e.0 = e.0.saturating_sub(1);
+            e.1 = e.1.saturating_sub(rec.gpue);
+            if e.0 == 0 {
+                self.bound_by_tenant.remove(t);
+            }
+        }
     }
 
     /// The tenant owning `namespace` under the policy in force (None: not governed, or
@@ -286,14 +315,14 @@ impl AgentState {
 
     /// Bound plus reserved GPUe of `tenant`.
     pub fn inuse(&self, tenant: &str) -> MilliGpue {
-        let bound: u64 = self.bound.values().filter(|p| p.tenant.as_deref() == Some(tenant)).map(|p| p.gpue).sum();
+        let bound = self.bound(tenant);
         let reserved: u64 = self.reserved.values().filter(|r| r.0 == tenant).map(|r| r.1).sum();
         bound + reserved
     }
 
     /// Bound GPUe of `tenant` (what the scheduler placed).
     pub fn bound(&self, tenant: &str) -> MilliGpue {
-        self.bound.values().filter(|p| p.tenant.as_deref() == Some(tenant)).map(|p| p.gpue).sum()
+        self.bound_by_tenant.get(tenant).map_or(0, |&(_, gpue)| gpue)
     }
 
     /// Admitted pods not yet bound: `(pod key, tenant, GPUe)`.
@@ -616,4 +645,58 @@ fn clip(mut s: String, max: usize) -> String {
         s.truncate(end);
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn state() -> AgentState {
+        AgentState::new("east", 64_000, AgentLease::new("east"))
+    }
+
+    proptest! {
+        /// The per-tenant totals kept beside the bound pods give what counting the pods
+        /// one by one gives: bound and in-use GPUe per tenant and the metered usage,
+        /// whatever pods come, go, are bound again under another tenant, or repeat.
+        #[test]
+        fn tenant_totals_match_counting_every_pod(
+            ops in proptest::collection::vec((0u8..3, 0usize..12, 0usize..3, 0u64..9_000, 1u64..5_000), 1..80),
+        ) {
+            let tenants = ["a", "b", "ungoverned"];
+            let mut st = state();
+            let mut pods: BTreeMap<String, PodRec> = BTreeMap::new();
+            let mut used: BTreeMap<String, u64> = BTreeMap::new();
+            let mut now = 0;
+            for (op, pod, tenant, gpue, dt) in ops {
+                let key = format!("ns/p{pod}");
+                match op {
+                    0 | 1 => {
+                        let t = (tenant < 2).then(|| tenants[tenant].to_string());
+                        let rec = PodRec { tenant: t, gpue };
+                        pods.insert(key.clone(), rec.clone());
+                        st.pod_bound(&key, rec);
+                    }
+                    _ => {
+                        pods.remove(&key);
+                        st.pod_gone(&key);
+                    }
+                }
+                for p in pods.values() {
+                    if let Some(t) = &p.tenant {
+                        *used.entry(t.clone()).or_default() += p.gpue * dt;
+                    }
+                }
+                now += dt;
+                st.set_now(now);
+                for t in tenants {
+                    let want: u64 = pods.values().filter(|p| p.tenant.as_deref() == Some(t)).map(|p| p.gpue).sum();
+                    prop_assert_eq!(st.bound(t), want, "bound {}", t);
+                    prop_assert_eq!(st.inuse(t), want, "inuse {}", t);
+                }
+                prop_assert_eq!(&st.used, &used);
+            }
+        }
+    }
 }
