@@ -66,6 +66,28 @@ pub fn valid_cluster_id(id: &str) -> bool {
         && b[b.len() - 1] != b'-'
 }
 
+/// Every (tenant, cluster) pair's usage and enforceable budget, read once per applied
+/// command; row `i` is tenant `i` of the plan's names, column `j` the `j`-th cluster in
+/// id order.
+#[derive(Debug)]
+struct Grid {
+    cells: Vec<GridCell>,
+    unreachable: Vec<bool>,
+    clusters: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct GridCell {
+    usage: TenantUsage,
+    enforceable: MilliGpue,
+}
+
+impl Grid {
+    fn row(&self, tenant: usize) -> &[GridCell] {
+        self.cells.get(tenant * self.clusters..(tenant + 1) * self.clusters).unwrap_or(&[])
+    }
+}
+
 /// Last reported numbers of one tenant in one cluster, and what it may hold since.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct TenantUsage {
@@ -626,8 +648,12 @@ impl Federation {
                 });
             }
         }
-        self.commit_plan();
-        let lease = self.grant(&r.cluster);
+        let names = self.plan_names();
+        let grid = self.grid(&names);
+        // The plan is committed before the grant, which then reads the same grid (the
+        // plan's tenants may change, its rows do not).
+        self.commit_plan_with(names.clone(), &grid);
+        let lease = self.grant_with(&r.cluster, &names, &grid);
         Ok(Applied::Reported { applied, lease })
     }
 
@@ -658,8 +684,50 @@ impl Federation {
         rec.leases.last_epoch > 0 && rec.leases.all_expired(now)
     }
 
+    /// The plan's tenants: the policy's, in policy order, then any tenant no longer in
+    /// the policy that still has committed entitlement.
+    fn plan_names(&self) -> Vec<String> {
+        let Some(policy) = &self.policy else { return Vec::new() };
+        let mut names: Vec<String> = policy.tenants.iter().map(|t| t.name.clone()).collect();
+        names.extend(
+            self.committed
+                .iter()
+                .filter(|(n, &v)| v > 0 && policy.tenant(n).is_none())
+                .map(|(n, _)| n.clone()),
+        );
+        names
+    }
+
+    /// Reads every (tenant, cluster) pair once: the tenant's usage there and what the
+    /// cluster's open leases let it enforce, at the state's clock. The plan, the desired
+    /// budgets and a grant all walk this grid, so applying a report reads each pair once
+    /// instead of three times (string-keyed map lookups were most of the cost).
+    fn grid(&self, names: &[String]) -> Grid {
+        let now = self.now_ms;
+        let clusters = self.clusters.len();
+        let mut cells = vec![GridCell::default(); names.len() * clusters];
+        let mut unreachable = Vec::with_capacity(clusters);
+        for (j, rec) in self.clusters.values().enumerate() {
+            unreachable.push(Self::is_unreachable(rec, now));
+            for (i, name) in names.iter().enumerate() {
+                cells[i * clusters + j] = GridCell {
+                    usage: rec.usage.get(name).copied().unwrap_or_default(),
+                    enforceable: rec.leases.enforceable(name, now),
+                };
+            }
+        }
+        Grid { cells, unreachable, clusters }
+    }
+
     /// Computes the plan at the state's clock without changing anything.
     pub fn plan(&self) -> Plan {
+        let names = self.plan_names();
+        let grid = self.grid(&names);
+        self.plan_with(names, &grid)
+    }
+
+    /// [`Federation::plan`] over a grid read for `names` at the state's clock.
+    fn plan_with(&self, names: Vec<String>, grid: &Grid) -> Plan {
         let now = self.now_ms;
         let capacity = self.capacity();
         let Some(policy) = &self.policy else {
@@ -674,15 +742,6 @@ impl Federation {
                 committed: Vec::new(),
             };
         };
-        let mut names: Vec<String> = policy.tenants.iter().map(|t| t.name.clone()).collect();
-        let retiring: Vec<String> = self
-            .committed
-            .iter()
-            .filter(|(n, &v)| v > 0 && policy.tenant(n).is_none())
-            .map(|(n, _)| n.clone())
-            .collect();
-        names.extend(retiring);
-
         let mut inputs = Vec::with_capacity(policy.tenants.len());
         let mut demand = Vec::with_capacity(names.len());
         let mut usage = Vec::with_capacity(names.len());
@@ -692,11 +751,10 @@ impl Federation {
             let tp = policy.tenants.get(i);
             let burst = tp.map_or(1_000, |t| t.burst_factor_milli);
             let (mut d, mut u, mut h) = (0u64, 0u64, 0u64);
-            for rec in self.clusters.values() {
-                let tu = rec.usage.get(name).copied().unwrap_or_default();
-                let enf = rec.leases.enforceable(name, now);
+            for (cell, &unreachable) in grid.row(i).iter().zip(&grid.unreachable) {
+                let (tu, enf) = (cell.usage, cell.enforceable);
                 let mut cd = effective_demand(tu.inuse, tu.pending, burst);
-                if Self::is_unreachable(rec, now) {
+                if unreachable {
                     cd = cd.max(tu.hold(enf));
                 }
                 d = d.saturating_add(cd);
@@ -763,7 +821,13 @@ impl Federation {
     }
 
     fn commit_plan(&mut self) {
-        let plan = self.plan();
+        let names = self.plan_names();
+        let grid = self.grid(&names);
+        self.commit_plan_with(names, &grid);
+    }
+
+    fn commit_plan_with(&mut self, names: Vec<String>, grid: &Grid) {
+        let plan = self.plan_with(names, grid);
         self.targets = plan
             .tenants
             .iter()
@@ -783,20 +847,26 @@ impl Federation {
     /// (policy tenants only): each tenant's `min(committed, target)` split by
     /// [`split_tenant`].
     pub fn desired_budgets(&self, cluster: &str) -> BTreeMap<String, MilliGpue> {
+        let Some(pos) = self.clusters.keys().position(|c| c == cluster) else {
+            return BTreeMap::new();
+        };
+        let names = self.plan_names();
+        let grid = self.grid(&names);
+        self.desired_budgets_with(pos, &grid)
+    }
+
+    /// [`Federation::desired_budgets`] for the cluster at `pos` (in cluster id order)
+    /// over a grid whose first rows are the policy's tenants.
+    fn desired_budgets_with(&self, pos: usize, grid: &Grid) -> BTreeMap<String, MilliGpue> {
         let mut out = BTreeMap::new();
         let Some(policy) = &self.policy else { return out };
-        let now = self.now_ms;
-        let ids: Vec<&String> = self.clusters.keys().collect();
-        let Some(pos) = ids.iter().position(|c| c.as_str() == cluster) else {
-            return out;
-        };
-        let mut cells = vec![Cell::default(); ids.len()];
-        let mut split = vec![0u64; ids.len()];
-        for t in &policy.tenants {
-            for (cell, rec) in cells.iter_mut().zip(self.clusters.values()) {
-                let tu = rec.usage.get(&t.name).copied().unwrap_or_default();
-                *cell = if Self::is_unreachable(rec, now) {
-                    Cell::pinned(tu.hold(rec.leases.enforceable(&t.name, now)))
+        let mut cells = vec![Cell::default(); grid.clusters];
+        let mut split = vec![0u64; grid.clusters];
+        for (i, t) in policy.tenants.iter().enumerate() {
+            for ((cell, g), &unreachable) in cells.iter_mut().zip(grid.row(i)).zip(&grid.unreachable) {
+                let tu = g.usage;
+                *cell = if unreachable {
+                    Cell::pinned(tu.hold(g.enforceable))
                 } else {
                     Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, t.burst_factor_milli))
                 };
@@ -827,6 +897,15 @@ impl Federation {
 
     /// Cuts and records the lease for `cluster` (which must exist).
     fn grant(&mut self, cluster: &str) -> Lease {
+        let names = self.plan_names();
+        let grid = self.grid(&names);
+        self.grant_with(cluster, &names, &grid)
+    }
+
+    /// [`Federation::grant`] over a grid read for `names` after the last plan was
+    /// committed (a committed plan changes neither usage nor leases, so a grid read
+    /// before it is still exact).
+    fn grant_with(&mut self, cluster: &str, names: &[String], grid: &Grid) -> Lease {
         let now = self.now_ms;
         let (duration_ms, margin_ms) = self
             .policy
@@ -834,7 +913,9 @@ impl Federation {
             .map_or((crate::policy::defaults::LEASE_DURATION_MS, crate::policy::defaults::CLOCK_SKEW_MARGIN_MS), |p| {
                 (p.lease.duration_ms, p.lease.clock_skew_margin_ms)
             });
-        let desired = self.desired_budgets(cluster);
+        let pos = self.clusters.keys().position(|c| c == cluster);
+        let desired = pos.map(|p| self.desired_budgets_with(p, grid)).unwrap_or_default();
+        let rows: BTreeMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
         let mut budgets = BTreeMap::new();
         let mut changes = Vec::new();
         let prev = self
@@ -848,13 +929,15 @@ impl Federation {
             let mut inuse_sum = 0u64;
             let mut rest = 0u64;
             let mut own_inuse = 0u64;
-            for (id, rec) in &self.clusters {
-                let tu = rec.usage.get(tenant).copied().unwrap_or_default();
+            // Every desired tenant is a policy tenant, so it has a row.
+            let row = rows.get(tenant.as_str()).map_or(&[][..], |&i| grid.row(i));
+            for (j, g) in row.iter().enumerate() {
+                let tu = g.usage;
                 inuse_sum = inuse_sum.saturating_add(tu.inuse);
-                if id == cluster {
+                if Some(j) == pos {
                     own_inuse = tu.inuse;
                 } else {
-                    rest = rest.saturating_add(tu.hold(rec.leases.enforceable(tenant, now)));
+                    rest = rest.saturating_add(tu.hold(g.enforceable));
                 }
             }
             // A new budget never lets the tenant's clusters together reach past
