@@ -61,6 +61,47 @@ pub struct NodeCtx {
     pub metrics: Metrics,
     channels: Mutex<HashMap<String, Channel>>,
     writes: mpsc::Sender<Pending>,
+    /// Set once, the first time this process has applied its log (see [`readiness`]).
+    caught_up: std::sync::atomic::AtomicBool,
+}
+
+/// How far the applied index may trail the last log index for a starting node to count
+/// as caught up: a few batches in flight, not a replay.
+pub const CATCH_UP_SLACK: u64 = 64;
+
+/// What a node's Raft metrics say about serving. `caught_up` is whether this process
+/// has applied its log since it started; it is `Some(true)` once that happened, whatever
+/// the lag later (so readiness does not flap under load).
+///
+/// Ready: a leader that heard from a quorum within 3 s, or a follower or learner that
+/// knows a leader and has caught up. A node restarted with a long log replays it after
+/// the snapshot (up to `snapshot_every` entries, seconds on a slow machine); reporting it
+/// ready before that would let a rolling restart take down the next node while this one
+/// cannot yet serve, and if it then became leader every write would wait for the replay.
+pub fn readiness(
+    state: ServerState,
+    leader: Option<NodeId>,
+    millis_since_quorum_ack: Option<u64>,
+    last_log_index: Option<u64>,
+    last_applied_index: Option<u64>,
+    caught_up: bool,
+) -> Result<(), String> {
+    match (state, leader) {
+        (ServerState::Leader, _) => match millis_since_quorum_ack {
+            Some(ms) if ms < 3_000 => Ok(()),
+            Some(ms) => Err(format!("leader without a quorum ack for {ms} ms")),
+            None => Err("leader that has not yet heard from a quorum".to_string()),
+        },
+        (_, Some(_)) => {
+            let (log, applied) = (last_log_index.unwrap_or(0), last_applied_index.unwrap_or(0));
+            if caught_up || log.saturating_sub(applied) <= CATCH_UP_SLACK {
+                Ok(())
+            } else {
+                Err(format!("catching up: applied {applied} of {log} log entries"))
+            }
+        }
+        (state, None) => Err(format!("{state:?} with no known leader")),
+    }
 }
 
 impl std::fmt::Debug for NodeCtx {
@@ -100,6 +141,7 @@ impl NodeCtx {
             metrics,
             channels: Mutex::new(HashMap::new()),
             writes,
+            caught_up: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -159,16 +201,21 @@ impl NodeCtx {
     /// Ready: part of a quorum with a known leader. A leader must have heard from a
     /// quorum recently; a follower or learner must know a leader.
     pub fn ready(&self) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
         let m = self.raft.metrics().borrow().clone();
-        match (m.state, m.current_leader) {
-            (ServerState::Leader, _) => match m.millis_since_quorum_ack {
-                Some(ms) if ms < 3_000 => Ok(()),
-                Some(ms) => Err(format!("leader without a quorum ack for {ms} ms")),
-                None => Err("leader that has not yet heard from a quorum".to_string()),
-            },
-            (_, Some(_)) => Ok(()),
-            (state, None) => Err(format!("{state:?} with no known leader")),
+        let caught_up = self.caught_up.load(Ordering::Relaxed);
+        let r = readiness(
+            m.state,
+            m.current_leader,
+            m.millis_since_quorum_ack,
+            m.last_log_index,
+            m.last_applied.map(|l| l.index),
+            caught_up,
+        );
+        if r.is_ok() && !caught_up && m.current_leader.is_some() {
+            self.caught_up.store(true, Ordering::Relaxed);
         }
+        r
     }
 }
 
@@ -253,5 +300,35 @@ pub fn refusal(e: CommandError) -> tonic::Status {
             tonic::Status::invalid_argument(e.to_string())
         }
         CommandError::LeaseInForce { .. } => tonic::Status::failed_precondition(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_follower_replaying_its_log_is_not_ready_until_it_catches_up_then_stays_ready() {
+        let f = ServerState::Follower;
+        // Restarted: knows the leader, 9,000 entries still to apply.
+        let err = readiness(f, Some(1), None, Some(10_000), Some(1_000), false).err().unwrap_or_default();
+        assert!(err.contains("catching up: applied 1000 of 10000"), "{err}");
+        // Within the slack: ready.
+        assert_eq!(readiness(f, Some(1), None, Some(10_000), Some(10_000 - CATCH_UP_SLACK), false), Ok(()));
+        // Once caught up, a lag under load does not make it flap.
+        assert_eq!(readiness(f, Some(1), None, Some(10_000), Some(1_000), true), Ok(()));
+        // No leader: never ready, caught up or not.
+        assert!(readiness(f, None, None, Some(5), Some(5), true).is_err());
+        // An empty log (a new node) is caught up.
+        assert_eq!(readiness(ServerState::Learner, Some(1), None, None, None, false), Ok(()));
+    }
+
+    #[test]
+    fn a_leader_is_ready_only_with_a_recent_quorum() {
+        let l = ServerState::Leader;
+        assert_eq!(readiness(l, Some(1), Some(100), Some(9), Some(9), true), Ok(()));
+        let err = readiness(l, Some(1), Some(3_000), Some(9), Some(9), true).err().unwrap_or_default();
+        assert!(err.contains("3000 ms"), "{err}");
+        assert!(readiness(l, Some(1), None, Some(9), Some(9), true).is_err());
     }
 }
