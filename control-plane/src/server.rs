@@ -141,6 +141,10 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
         .with_context(|| format!("create data directory {}", cfg.data_dir.display()))?;
     let (log_store, sm_store) = crate::store::open(&cfg.data_dir.join("raft"))
         .with_context(|| format!("open data directory {}", cfg.data_dir.display()))?;
+    log_store
+        .claim_for_node(cfg.id)
+        .await
+        .with_context(|| format!("data directory {}", cfg.data_dir.display()))?;
     let state = sm_store.shared();
     let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), Network, log_store, sm_store)
         .await

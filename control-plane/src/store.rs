@@ -51,6 +51,7 @@ const META_TREE: &str = "meta";
 const STATE_TREE: &str = "state";
 
 const VOTE_KEY: &[u8] = b"vote";
+const NODE_ID_KEY: &[u8] = b"node_id";
 const COMMITTED_KEY: &[u8] = b"committed";
 const LAST_PURGED_KEY: &[u8] = b"last_purged_log_id";
 const SM_KEY: &[u8] = b"sm";
@@ -78,6 +79,18 @@ pub enum StoreError {
         what: &'static str,
         /// What sled reported.
         source: sled::Error,
+    },
+    /// The directory holds another node's log and vote: starting under another id would
+    /// vote twice in one term and could lose committed entries.
+    #[error(
+        "it belongs to node {stored}, not node {requested}: start node {stored} from it, \
+         or give node {requested} a directory of its own (each node needs its own, kept for its life)"
+    )]
+    OtherNode {
+        /// The id recorded when the directory was first used.
+        stored: NodeId,
+        /// The id this process was started with.
+        requested: NodeId,
     },
     /// A stored value does not decode: the directory is damaged or was written by an
     /// incompatible version.
@@ -286,6 +299,36 @@ impl fmt::Debug for LogStore {
 }
 
 impl LogStore {
+    /// Records `id` as the node owning this directory on first use, and refuses a
+    /// directory first used by another node. Durable before it returns.
+    pub async fn claim_for_node(&self, id: NodeId) -> Result<(), StoreError> {
+        let sled_err = |what, source| StoreError::Sled { what, source };
+        match self.meta.get(NODE_ID_KEY).map_err(|e| sled_err("read the node id", e))? {
+            Some(bytes) => {
+                let stored: NodeId = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+                    what: "node id",
+                    why: e.to_string(),
+                })?;
+                if stored == id {
+                    Ok(())
+                } else {
+                    Err(StoreError::OtherNode { stored, requested: id })
+                }
+            }
+            None => {
+                let bytes = serde_json::to_vec(&id).map_err(|e| StoreError::Corrupt {
+                    what: "node id",
+                    why: e.to_string(),
+                })?;
+                self.meta.insert(NODE_ID_KEY, bytes).map_err(|e| sled_err("record the node id", e))?;
+                flush(&self.db).await.map_err(|e| StoreError::Sled {
+                    what: "flush the node id",
+                    source: sled::Error::Io(e),
+                })
+            }
+        }
+    }
+
     /// Read and decode a `meta` value; `subject` tags errors.
     fn read_meta<T: serde::de::DeserializeOwned>(
         &self,

@@ -11,8 +11,10 @@ use kvota_control_plane::types::Node;
 /// Options of `kvota server`.
 #[derive(Debug, Args)]
 pub struct ServerArgs {
-    /// This node's id: a number > 0, unique in the group and stable for the node's life.
-    #[arg(long, env = "KVOTA_NODE_ID", default_value_t = 1)]
+    /// This node's id: a number > 0, unique in the group and stable for the node's life
+    /// (required: a default would quietly make every node without one node 1). The data
+    /// directory remembers it and refuses to start under another id.
+    #[arg(long, env = "KVOTA_NODE_ID")]
     id: u64,
     /// Directory for the Raft log, vote and state machine (created if missing). Keep it
     /// on durable storage: a node restarts from it.

@@ -101,8 +101,49 @@ fn server_refuses_a_port_in_use_with_a_hint() {
     let addr = busy.local_addr().expect("addr").to_string();
     let dir = tempfile::tempdir().expect("tmp");
     let (code, _, err) = kvota(&[
-        "server", "--listen", &addr, "--http", "127.0.0.1:0", "--data-dir", dir.path().to_str().expect("utf8"),
+        "server", "--id", "1", "--listen", &addr, "--http", "127.0.0.1:0", "--data-dir", dir.path().to_str().expect("utf8"),
     ]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains(&format!("listen for gRPC on {addr}")) && err.contains("pick another --listen"), "{err}");
+}
+
+/// `kvota server` needs `--id` (a default made every node without one node 1), and a
+/// data directory started by one node refuses to start under another id, saying which.
+#[test]
+fn a_server_needs_its_id_and_keeps_its_data_directory() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().expect("tmp");
+    let data = dir.path().to_str().expect("utf8");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvota"))
+        .args(["server", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+        .env_remove("KVOTA_NODE_ID")
+        .output()
+        .expect("run kvota");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--id"), "{err}");
+    assert!(!dir.path().join("raft").exists(), "nothing written without an id");
+
+    // Node 1 takes the directory; once it serves, stop it.
+    let mut node1 = Command::new(env!("CARGO_BIN_EXE_kvota"))
+        .args(["server", "--id", "1", "--init", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start node 1");
+    let stderr = node1.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let serving = BufReader::new(stderr).lines().map_while(Result::ok).any(|l| l.contains("node 1 serving"));
+        let _ = tx.send(serving);
+    });
+    // Bounded: a node that never serves fails the test instead of hanging it.
+    let serving = rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap_or(false);
+    let _ = node1.kill();
+    let _ = node1.wait();
+    assert!(serving, "node 1 never said it was serving");
+
+    let (code, _, err) = kvota(&["server", "--id", "2", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("belongs to node 1, not node 2"), "{err}");
+    assert!(err.contains(data), "the message names the directory: {err}");
 }
