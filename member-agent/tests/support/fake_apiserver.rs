@@ -267,9 +267,6 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
     match (method, target) {
         (Method::GET, Target::Collection(kind, ns)) => {
             if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
-                if api.lock().hold_watches {
-                    return status(503, "ServiceUnavailable", "the fake API server holds watches");
-                }
                 let from: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
                 let timeout = query.get("timeoutSeconds").and_then(|v| v.parse().ok()).unwrap_or(290u64);
                 watch(api, kind, ns, from, timeout)
@@ -363,6 +360,12 @@ fn line(ty: &str, obj: &Value) -> Result<Bytes, Infallible> {
 fn watch(api: FakeApi, kind: Kind, ns: Option<String>, from: u64, timeout_s: u64) -> Response {
     let (backlog, live, cut) = {
         let mut s = api.lock();
+        // Checked under the same lock as the subscription to `cut` below: a watch either
+        // started before `hold_watches(true)` (and is ended by a later `cut_watches`) or
+        // is refused; none slips in between and sees events a test meant to hide.
+        if s.hold_watches {
+            return status(503, "ServiceUnavailable", "the fake API server holds watches");
+        }
         if from < s.compacted {
             s.gone_served += 1;
             let gone = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -383,8 +386,13 @@ fn watch(api: FakeApi, kind: Kind, ns: Option<String>, from: u64, timeout_s: u64
     let live = futures::stream::unfold((live, cut, ns, from), move |(mut live, mut cut, ns, from)| async move {
         loop {
             tokio::select! {
-                _ = tokio::time::sleep_until(deadline) => return None,
+                // A cut comes first: a test cuts watches and then changes the cluster,
+                // and under load both are ready by the time this stream is polled; an
+                // unbiased select sometimes delivered the changes before ending the watch
+                // (1 run in 15 with both cores busy), so the 410 test saw no relist.
+                biased;
                 _ = cut.recv() => return None,
+                _ = tokio::time::sleep_until(deadline) => return None,
                 ev = live.recv() => match ev {
                     Ok((rv, k, ty, v)) if rv > from && k == kind && in_scope(&v, ns.as_deref()) => {
                         return Some((line(ty, &v), (live, cut, ns, from)));
