@@ -212,7 +212,10 @@ impl NodeCtx {
             m.last_applied.map(|l| l.index),
             caught_up,
         );
-        if r.is_ok() && !caught_up && m.current_leader.is_some() {
+        // Only an applied log counts as caught up (a leader is ready on its quorum alone
+        // and may still be replaying; if it steps down, that must not make it ready).
+        let lag = m.last_log_index.unwrap_or(0).saturating_sub(m.last_applied.map_or(0, |l| l.index));
+        if r.is_ok() && !caught_up && m.current_leader.is_some() && lag <= CATCH_UP_SLACK {
             self.caught_up.store(true, Ordering::Relaxed);
         }
         r
