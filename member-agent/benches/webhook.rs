@@ -18,7 +18,6 @@
 //! Knobs: BENCH_SECONDS (per measurement, default 10), BENCH_ROUNDS (throughput rounds,
 //! default 5, each of BENCH_SECONDS / 2 per server), BENCH_CONNECTIONS (default 32).
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,50 +27,16 @@ use axum::Router;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
-use kvota_fairness::lease::{Lease, TenantBudget};
 use kvota_fairness::measures::percentile;
-use kvota_fairness::policy::Policy;
-use kvota_member_agent::agent::Agent;
 use kvota_member_agent::metrics::AgentMetrics;
 use kvota_member_agent::webhook::{self, TlsFiles, WebhookCtx};
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::json;
 
-const POLICY: &str = "
-apiVersion: kvota.dev/v1alpha1
-kind: FairnessPolicy
-metadata: {name: bench}
-spec:
-  tenants:
-  - {name: training, weight: 40, minShare: 20, maxShare: 60, namespaces: [ml]}
-  - {name: inference, weight: 50, minShare: 40, maxShare: 80, namespaces: [serving]}
-";
+mod common;
 
 fn env_u64(k: &str, d: u64) -> u64 {
     std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
-}
-
-fn body() -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {
-            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": "ml", "name": "trainer-0", "operation": "CREATE", "dryRun": true,
-            "userInfo": {"username": "system:serviceaccount:kube-system:job-controller"},
-            "object": {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": "trainer-0", "namespace": "ml", "labels": {"job-name": "trainer"}},
-                "spec": {
-                    "priority": 0,
-                    "initContainers": [{"name": "fetch", "image": "busybox", "resources": {"requests": {"cpu": "100m"}}}],
-                    "containers": [
-                        {"name": "main", "image": "trainer:1", "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "32Gi"}, "requests": {"cpu": "4"}}},
-                        {"name": "sidecar", "image": "logger:1", "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}
-                    ]}}
-        }
-    }))
-    .unwrap_or_default()
 }
 
 fn client_config(ca: &[u8]) -> Arc<rustls::ClientConfig> {
@@ -133,7 +98,7 @@ struct Rate {
 
 /// Closed loop: `conns` connections send back to back for `secs`.
 async fn throughput(port: u16, cfg: Arc<rustls::ClientConfig>, conns: usize, secs: f64) -> Rate {
-    let body = Bytes::from(body());
+    let body = Bytes::from(common::webhook_body());
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -177,7 +142,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Open loop at `rate`/s spread over `conns` connections: latency p50/p99 in µs.
 async fn latency(port: u16, cfg: Arc<rustls::ClientConfig>, conns: usize, rate: f64, secs: u64) -> (u64, u64, usize) {
-    let body = Bytes::from(body());
+    let body = Bytes::from(common::webhook_body());
     let per_conn = (rate / conns as f64).max(1.0);
     let gap = Duration::from_secs_f64(1.0 / per_conn);
     let mut tasks = Vec::new();
@@ -221,18 +186,7 @@ fn main() {
         let (_stop, rx) = tokio::sync::watch::channel(false);
 
         // kvota's webhook with a policy and a lease in force.
-        let agent = Arc::new(
-            Agent::open("east", [("nvidia.com/gpu".to_string(), 64_000)].into(), &tmp.path().join("j"), &["127.0.0.1:9".to_string()])
-                .expect("agent"),
-        );
-        {
-            let mut st = agent.state();
-            st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
-            let budgets: BTreeMap<String, TenantBudget> =
-                [("training".to_string(), TenantBudget { budget: 32_000, fallback: 8_000, entitlement: 40_000 })].into();
-            let now = st.now_ms();
-            st.lease.on_lease(Lease { cluster: "east".into(), epoch: 1, duration_ms: 3_600_000, margin_ms: 1_000, issued_at_ms: 0, budgets }, now);
-        }
+        let agent = Arc::new(common::agent(tmp.path()));
         let metrics = AgentMetrics::new();
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let kvota_port = l.local_addr().expect("addr").port();
