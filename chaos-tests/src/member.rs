@@ -359,6 +359,7 @@ impl SimAgent {
                 capacity: None,
                 tenants,
                 evictions: Vec::new(),
+                window: None,
             };
             self.next_seq += 1;
             self.journal.push_back(Journaled { report, durable_at_ms: h + self.disk_delay_ms });

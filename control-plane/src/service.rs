@@ -209,6 +209,7 @@ pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> O
         capacity_milli_gpue: rec.capacity_gpue,
         last_seq: rec.last_seq,
         last_report_ms: rec.last_report_ms.unwrap_or(0),
+        reported_through_ms: rec.reported_through_ms.unwrap_or(0),
         last_epoch: rec.leases.last_epoch,
         acked_epoch: rec.leases.acked_epoch,
         unreachable: rec.leases.last_epoch > 0 && rec.leases.all_expired(now),

@@ -198,6 +198,8 @@ fn report(cluster: &str, seq: u64, held: u64, used: u64) -> v1::ReportRequest {
         ],
         capacity: vec![],
         evictions: vec![],
+        window_start_ms: 0,
+        window_end_ms: 0,
     }
 }
 

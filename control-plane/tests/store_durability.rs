@@ -62,6 +62,7 @@ fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
         )]
         .into(),
         evictions: Vec::new(),
+        window: None,
     })
 }
 

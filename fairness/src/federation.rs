@@ -182,6 +182,44 @@ pub struct UsageReport {
     /// Evictions since the previous report (at most [`MAX_REPORT_EVICTIONS`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub evictions: Vec<EvictionNote>,
+    /// The span of time the usage was metered over, on the reporting agent's wall clock.
+    /// `None` (older agents): counted in full. See [`UsageWindow`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<UsageWindow>,
+}
+
+/// When a report's usage happened (Unix milliseconds on the agent's wall clock).
+///
+/// A cluster's reports normally cover back-to-back windows. Two agent replicas take turns
+/// reporting for one cluster: the one taking over reports what it metered while standing
+/// by since the other's last applied report (so a takeover loses nothing), and the part of
+/// a window that an applied report already covered is not counted again: the usage is
+/// cut pro rata to the uncovered part (see [`UsageWindow::uncovered`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct UsageWindow {
+    /// Start of the metering (exclusive of anything reported before it by this agent).
+    pub start_ms: u64,
+    /// When the report was written.
+    pub end_ms: u64,
+}
+
+impl UsageWindow {
+    /// The share of `used` that falls after `covered_through` (a cluster's earlier
+    /// reports' latest window end), assuming usage spread evenly over the window. A
+    /// window entirely covered counts nothing; one starting at or after it counts all;
+    /// an empty or backwards window (a clock step) counts all unless it ends by then.
+    pub fn uncovered(&self, used: u64, covered_through: Option<u64>) -> u64 {
+        let Some(through) = covered_through else { return used };
+        if self.end_ms <= through {
+            return 0;
+        }
+        if self.start_ms >= through || self.end_ms <= self.start_ms {
+            return used;
+        }
+        let span = u128::from(self.end_ms - self.start_ms);
+        let fresh = u128::from(self.end_ms - through);
+        u64::try_from(u128::from(used) * fresh / span).unwrap_or(used)
+    }
 }
 
 /// A state-machine command.
@@ -291,6 +329,10 @@ pub struct ClusterRecord {
     pub usage: BTreeMap<String, TenantUsage>,
     /// The lease book.
     pub leases: ClusterLeases,
+    /// Latest end of an applied report's usage window (agent wall clock, Unix ms):
+    /// usage up to here is counted. `None` until a report with a window is applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reported_through_ms: Option<u64>,
 }
 
 /// One budget change, for the audit log.
@@ -516,6 +558,7 @@ impl Federation {
                 last_report_ms: None,
                 usage: BTreeMap::new(),
                 leases: ClusterLeases::default(),
+                reported_through_ms: None,
             });
         let changed = rec.capacity != capacity || rec.labels != labels;
         rec.capacity = capacity;
@@ -625,6 +668,10 @@ impl Federation {
                 rec.capacity = cap;
             }
             rec.usage.clear();
+            let covered = rec.reported_through_ms;
+            if let Some(w) = r.window {
+                rec.reported_through_ms = Some(covered.map_or(w.end_ms, |c| c.max(w.end_ms)));
+            }
             for (tenant, tr) in &r.tenants {
                 if let Some(&h) = policy_half_lives.get(tenant) {
                     rec.usage.insert(
@@ -635,7 +682,8 @@ impl Federation {
                             bound: tr.inuse,
                         },
                     );
-                    self.ledger.add(tenant, tr.used_milli_gpue_ms, now, h);
+                    let used = r.window.map_or(tr.used_milli_gpue_ms, |w| w.uncovered(tr.used_milli_gpue_ms, covered));
+                    self.ledger.add(tenant, used, now, h);
                 }
             }
             // The snapshot is from when the report was written; since then the agent may

@@ -207,6 +207,7 @@ impl World {
             capacity: None,
             tenants,
             evictions: Vec::new(),
+            window: None,
         };
         a.next_seq += 1;
         a.journal.push_back(report);

@@ -73,6 +73,8 @@ fn report(cluster: &str, seq: u64) -> v1::ReportRequest {
             .collect(),
         capacity: vec![],
         evictions: vec![],
+        window_start_ms: 0,
+        window_end_ms: 0,
     }
 }
 

@@ -159,7 +159,8 @@ pub(crate) async fn start_webhook(
 
 /// Registers, fetches the policy, then reports every `every`; retries with backoff and
 /// jitter, and logs what a person on call needs: lease changes, expiry, backlog.
-/// A standby replica (`leading` false) reports nothing and drops what it meters.
+/// A standby replica (`leading` false) reports nothing and keeps readings of what it
+/// meters, so that on taking over it reports what the old leader did not.
 pub(crate) async fn report_loop(
     agent: Arc<Agent>,
     every: Duration,
@@ -176,7 +177,7 @@ pub(crate) async fn report_loop(
     let mut last_status = "none";
     loop {
         if !leading.load(std::sync::atomic::Ordering::SeqCst) {
-            agent.discard_usage();
+            agent.stand_by();
             tokio::select! {
                 _ = tokio::time::sleep(every) => continue,
                 _ = async { let _ = stop.wait_for(|s| *s).await; } => break,

@@ -152,7 +152,6 @@ async fn election_loop(
         if now != was {
             if now {
                 tracing::info!("this replica leads: it admits, reports, releases gates and reclaims");
-                agent.discard_usage();
                 agent.took_over();
                 let mut st = agent.state();
                 st.set_standby(false);

@@ -339,6 +339,7 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
                         capacity: None,
                         tenants,
                         evictions: Vec::new(),
+                        window: None,
                     }),
                 )
                 .map_err(|e| anyhow::anyhow!("report from {name}: {e}"))?;

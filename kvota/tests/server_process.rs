@@ -158,6 +158,8 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
             }],
             capacity: vec![],
             evictions: vec![],
+            window_start_ms: 0,
+            window_end_ms: 0,
         };
         // Acknowledged means committed: retry until this report is acknowledged once.
         let reply = client

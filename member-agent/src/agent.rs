@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kvota_control_plane::client::Client;
-use kvota_fairness::federation::UsageReport;
+use kvota_fairness::federation::{UsageReport, UsageWindow};
 use kvota_fairness::lease::{AgentLease, Lease};
 use kvota_fairness::policy::Policy;
 use kvota_proto::v1;
@@ -23,6 +23,28 @@ use crate::state::AgentState;
 /// Reports sent per round at most (the rest wait for the next round), so a long backlog
 /// after a partition drains steadily without one huge burst.
 pub const MAX_RESEND_PER_ROUND: usize = 256;
+
+/// How far back a standby keeps its readings of metered usage: what it can report for
+/// the time between the old leader's last applied report and its own takeover. Far
+/// longer than a report interval plus a leader Lease.
+pub const STANDBY_HISTORY_MS: u64 = 15 * 60 * 1_000;
+
+/// Readings kept at most (one per report round while standing by).
+const STANDBY_MARKS: usize = 4_096;
+
+/// The wall clock in Unix milliseconds: report windows are compared across replicas.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A standby's reading of its usage meter.
+#[derive(Clone, Debug)]
+struct Mark {
+    unix_ms: u64,
+    used: BTreeMap<String, u64>,
+}
 
 /// One member cluster's agent.
 #[derive(Debug)]
@@ -36,6 +58,12 @@ pub struct Agent {
     client: Client,
     start: Instant,
     written_usage: Mutex<BTreeMap<String, u64>>,
+    /// Wall-clock start of the usage the next report carries.
+    window_start: Mutex<u64>,
+    /// Readings of the usage meter while standing by (oldest first).
+    marks: Mutex<std::collections::VecDeque<Mark>>,
+    /// Took over; the first report must first find where the old leader's usage ends.
+    takeover_pending: std::sync::atomic::AtomicBool,
 }
 
 fn journal_err(e: crate::journal::JournalError) -> Status {
@@ -64,6 +92,9 @@ impl Agent {
             client: Client::new(endpoints)?,
             start: Instant::now(),
             written_usage: Mutex::new(BTreeMap::new()),
+            window_start: Mutex::new(unix_ms()),
+            marks: Mutex::new(std::collections::VecDeque::new()),
+            takeover_pending: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -100,19 +131,92 @@ impl Agent {
         }
     }
 
-    /// Drops the usage metered so far without reporting it: a standby replica meters
-    /// what it sees but only the leader reports, so a standby that becomes leader must
-    /// not report what the old leader already did.
-    pub fn discard_usage(&self) {
-        let _ = self.state().take_usage();
+    /// A standby's round: it meters what it sees but only the leader reports, so it
+    /// keeps a reading of its meter (the last [`STANDBY_HISTORY_MS`] of them) instead.
+    /// Taking over, it reports what it metered since the reading nearest before the old
+    /// leader's last applied report ended (see [`Agent::took_over`]).
+    pub fn stand_by(&self) {
+        let used = self.state().usage_so_far();
+        let now = unix_ms();
+        let mut marks = self.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while marks.len() >= STANDBY_MARKS
+            || marks.front().is_some_and(|m| now.saturating_sub(m.unix_ms) > STANDBY_HISTORY_MS)
+        {
+            marks.pop_front();
+        }
+        marks.push_back(Mark { unix_ms: now, used });
     }
 
-    /// This replica just became the cluster's leader, taking over from another whose
-    /// reports used their own sequence numbers: until the control plane acknowledges one
-    /// of ours, a sequence conflict renumbers our unacknowledged reports to follow the
-    /// last one it applied, instead of taking them for duplicates.
+    /// This replica just became the cluster's leader, taking over from another.
+    ///
+    /// - Its reports used their own sequence numbers: until the control plane
+    ///   acknowledges one of ours, a sequence conflict renumbers our unacknowledged
+    ///   reports to follow the last one it applied, instead of taking them for duplicates.
+    /// - Usage: the next report first asks the control plane up to when the cluster's
+    ///   usage is counted, and carries what this replica metered since its reading
+    ///   nearest before that (nothing between the old leader's last report and now is
+    ///   lost; the control plane does not count the overlap twice).
     pub fn took_over(&self) {
         self.renumber_on_conflict.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.takeover_pending.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// What the control plane knows of this cluster (any node's applied state).
+    async fn describe(&self) -> Result<v1::ClusterInfo, Status> {
+        let req = v1::DescribeClusterRequest { cluster: self.cluster.clone() };
+        self.client
+            .call(|ch| {
+                let req = req.clone();
+                async move { Ok(Client::member(ch).describe_cluster(req).await?.into_inner()) }
+            })
+            .await
+    }
+
+    /// Starts this leader's usage where the cluster's counted usage ends (see
+    /// [`Agent::took_over`]). Without an answer from the control plane it starts at its
+    /// oldest reading: the control plane cuts what an applied report already covered.
+    async fn settle_takeover(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.takeover_pending.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        let info = self.describe().await;
+        if let Ok(i) = &info {
+            // Our reports follow the old leader's: a lower number would be taken for a
+            // duplicate and dropped, a higher one for a gap.
+            match self.journal.renumber_from(i.last_seq + 1) {
+                Ok(n) => tracing::info!(from = i.last_seq + 1, reports = n, "took over: reports numbered to follow the control plane's sequence"),
+                Err(e) => tracing::warn!(error = %e, "took over: could not renumber the journal; the first answers will"),
+            }
+        }
+        let marks: Vec<Mark> = self.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..).collect();
+        let chosen = match &info {
+            // Counted through `t`: the latest reading at or before it, else the oldest.
+            Ok(i) if i.reported_through_ms > 0 => {
+                marks.iter().rev().find(|m| m.unix_ms <= i.reported_through_ms).or(marks.first())
+            }
+            // Reports without windows (an older agent): what they covered is unknown, and
+            // nothing would cut an overlap; count from now, as that agent did.
+            Ok(i) if i.last_seq > 0 => marks.last(),
+            // Never reported: everything metered is new.
+            Ok(_) => marks.first(),
+            Err(_) => marks.first(),
+        };
+        let Some(mark) = chosen else { return };
+        self.state().rebase_usage(&mark.used);
+        *self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = mark.unix_ms;
+        match info {
+            Ok(i) => tracing::info!(
+                counted_through_ms = i.reported_through_ms,
+                from_ms = mark.unix_ms,
+                "took over: reporting the usage metered while standing by since the old leader's last report"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                from_ms = mark.unix_ms,
+                "took over without reaching the control plane: reporting usage since the oldest reading (the control plane cuts any overlap)"
+            ),
+        }
     }
 
     /// Reports written but not yet acknowledged.
@@ -181,9 +285,14 @@ impl Agent {
     /// Writes a report of usage since the last one into the journal, then sends every
     /// unacknowledged report in order. On error the reports stay for the next round.
     pub async fn report_once(&self) -> Result<(), Status> {
-        let (held, tenants, evictions) = {
+        self.settle_takeover().await;
+        let (held, tenants, evictions, window) = {
             let mut s = self.state();
-            (s.lease.held_epoch(), s.take_usage(), s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS))
+            let end = unix_ms();
+            let mut start = self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let window = UsageWindow { start_ms: *start, end_ms: end };
+            *start = end;
+            (s.lease.held_epoch(), s.take_usage(), s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS), window)
         };
         let written = self
             .journal
@@ -194,6 +303,7 @@ impl Agent {
                 capacity: self.capacity_changed.swap(false, std::sync::atomic::Ordering::SeqCst).then(|| self.capacity()),
                 tenants,
                 evictions,
+                window: Some(window),
             })
             .map_err(journal_err)?;
         {
@@ -213,6 +323,18 @@ impl Agent {
                 })
                 .await;
             match result {
+                Ok(reply) if !reply.applied && self.renumber_on_conflict.load(std::sync::atomic::Ordering::SeqCst) => {
+                    // Taken for a duplicate right after a takeover: the old leader's
+                    // reports used this number (the node we asked had not applied its
+                    // last ones yet). Number ours after them and send again; should this
+                    // one have been ours after all, its window is already counted and the
+                    // control plane counts nothing of it twice.
+                    self.adopt(reply.lease, sent)?;
+                    let last = self.describe().await?.last_seq;
+                    let n = self.journal.renumber_from(last + 1).map_err(journal_err)?;
+                    tracing::info!(from = last + 1, reports = n, "took over: a report was taken for a duplicate; renumbered to follow the control plane's sequence");
+                    return Err(Status::aborted("reports renumbered after a takeover; sending them next round"));
+                }
                 Ok(reply) => {
                     self.adopt(reply.lease, sent)?;
                     self.journal.ack_through(report.seq).map_err(journal_err)?;

@@ -455,6 +455,22 @@ impl AgentState {
         out
     }
 
+    /// Usage metered since the last [`AgentState::take_usage`], per tenant (milli-GPUe x
+    /// ms), without resetting it.
+    pub fn usage_so_far(&self) -> BTreeMap<String, u64> {
+        self.used.clone()
+    }
+
+    /// Takes `base` (an earlier [`AgentState::usage_so_far`]) off the usage metered so
+    /// far: the next report then holds only what was metered after that reading.
+    pub fn rebase_usage(&mut self, base: &BTreeMap<String, u64>) {
+        for (t, b) in base {
+            if let Some(u) = self.used.get_mut(t) {
+                *u = u.saturating_sub(*b);
+            }
+        }
+    }
+
     /// This cluster's capacity in GPUe.
     pub fn capacity_gpue(&self) -> MilliGpue {
         self.capacity_gpue

@@ -3,7 +3,8 @@
 //! never takes a tenant above its budget or its maxShare; an agent cut off from the
 //! control plane (its connections dropped by a real TCP proxy) keeps enforcing, falling
 //! back to its safe budget; after it reconnects, the control plane's ledger holds exactly
-//! the usage the clusters produced.
+//! the usage the clusters produced. And a standby replica taking over from a leader that
+//! died between reports counts the stretch the leader never reported, once.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -227,5 +228,94 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         })
         .collect();
     assert_eq!(cut_evictions, vec![a.cluster().to_string()]);
+    for n in nodes { n.shutdown().await; }
+}
+
+/// The training usage the control-plane nodes agree on, once all of them applied the
+/// same (a follower may trail the leader by the entries in flight).
+async fn agreed_training_usage(nodes: &[ServerHandle]) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut seen = Vec::new();
+        for n in nodes {
+            let st = n.ctx.state.read().await;
+            seen.push(st.federation.ledger().entries().get("training").map_or(0, |u| u.value_milli_gpue_ms));
+        }
+        if seen.iter().all(|&v| v == seen[0]) {
+            return seen[0];
+        }
+        assert!(Instant::now() < deadline, "nodes disagree: {seen:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Two replicas of one cluster's agent (as a leader-elected pair runs them): the leader
+/// reports, then dies between two reports; the standby, which watched the same pods and
+/// kept readings of its meter, takes over a while later. Its first report carries what
+/// it metered since its reading nearest before the old leader's last applied report, and
+/// the control plane counts only the part after it: the ledger then holds the usage the
+/// pods produced through the standby's report, the dead leader's unreported last stretch
+/// and the time until the takeover included, nothing counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
+    use kvota_member_agent::state::PodRec;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (nodes, endpoints) = control_plane(tmp.path()).await;
+    let admin = Client::new(&endpoints).expect("client");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let y = POLICY.to_string();
+        let r = admin.call(|ch| { let y = y.clone(); async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) } }).await;
+        if r.is_ok() { break; }
+        assert!(Instant::now() < deadline, "no leader: {r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let leader = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-1"), &endpoints).expect("agent 1");
+    let standby = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-2"), &endpoints).expect("agent 2");
+    leader.register().await.expect("register");
+    for ag in [&leader, &standby] {
+        ag.fetch_policy().await.expect("policy");
+    }
+    // 4 training GPUs bound the whole time; both replicas see them (each lists the pods).
+    let bound = Instant::now();
+    for ag in [&leader, &standby] {
+        ag.state().pod_bound("ml/train-0", PodRec { tenant: Some("training".into()), gpue: 4_000 });
+    }
+    let rate = 4_000u64; // milli-GPUe per ms
+    let round = Duration::from_millis(200);
+    for _ in 0..8 {
+        leader.report_once().await.expect("leader reports");
+        standby.stand_by();
+        tokio::time::sleep(round).await;
+    }
+    // The leader dies here, with ~200 ms metered and never reported. The standby keeps
+    // its readings until its Lease wait is over.
+    let died = Instant::now();
+    drop(leader);
+    while died.elapsed() < Duration::from_millis(1_500) {
+        standby.stand_by();
+        tokio::time::sleep(round).await;
+    }
+    let reported_before = agreed_training_usage(&nodes).await;
+    standby.took_over();
+    // The first attempt renumbers its reports after the old leader's; the next applies.
+    let mut ok = false;
+    for _ in 0..5 {
+        if standby.report_once().await.is_ok() {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let produced = rate * u64::try_from(bound.elapsed().as_millis()).expect("ms");
+    assert!(ok, "the standby's reports were never applied");
+    let got = agreed_training_usage(&nodes).await;
+    // Without the takeover carry-over the ledger would miss the last ~1.7 s of ~3.5 s.
+    let missed_by_old_behaviour = rate * 1_700;
+    assert!(got > reported_before + missed_by_old_behaviour, "takeover counted {} after {reported_before}", got - reported_before);
+    // Both meters ran at the same rate, so the pro-rata cut is exact up to the clocks'
+    // milliseconds and the time the retries took (a few report round trips).
+    let slack = rate * 300;
+    assert!(got <= produced && got + slack >= produced, "ledger {got} vs produced {produced} (off by {} ms of usage)", (produced as i64 - got as i64) / rate as i64);
     for n in nodes { n.shutdown().await; }
 }

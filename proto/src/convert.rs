@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use kvota_fairness::federation::{
-    valid_cluster_id, EvictionNote, TenantReport, UsageReport, MAX_CAPACITY_RESOURCES,
+    valid_cluster_id, EvictionNote, TenantReport, UsageReport, UsageWindow, MAX_CAPACITY_RESOURCES,
     MAX_REPORT_EVICTIONS, MAX_REPORT_TENANTS,
 };
 use kvota_fairness::lease::{Lease, TenantBudget};
@@ -186,6 +186,8 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
             capacity,
             tenants,
             evictions,
+            window: (r.window_start_ms != 0 || r.window_end_ms != 0)
+                .then_some(UsageWindow { start_ms: r.window_start_ms, end_ms: r.window_end_ms }),
         })
     }
 }
@@ -220,6 +222,8 @@ impl From<&UsageReport> for v1::ReportRequest {
                     why: e.why.clone(),
                 })
                 .collect(),
+            window_start_ms: r.window.map_or(0, |w| w.start_ms),
+            window_end_ms: r.window.map_or(0, |w| w.end_ms),
         }
     }
 }
@@ -310,6 +314,8 @@ mod tests {
                 outcome: "evicted".into(),
                 why: "youngest pod of the most over-entitled tenant".into(),
             }],
+            window_start_ms: 0,
+            window_end_ms: 0,
         }
     }
 

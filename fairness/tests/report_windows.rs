@@ -1,0 +1,131 @@
+//! Report windows: two agent replicas take turns reporting one cluster's usage. The one
+//! taking over reports what it metered while standing by since before the other's last
+//! report, and the federation counts no stretch of time twice (the covered part of a
+//! window is cut pro rata), while back-to-back windows are counted in full.
+
+use std::collections::BTreeMap;
+
+use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport, UsageWindow};
+use kvota_fairness::policy::Policy;
+use proptest::prelude::*;
+
+/// 4 GPUs of training, all the time: 4,000 milli-GPUe per ms.
+const RATE: u64 = 4_000;
+
+fn federation() -> (Federation, u64) {
+    let mut fed = Federation::new();
+    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")))
+        .expect("policy");
+    let capacity = [("nvidia.com/gpu".to_string(), 32_000)].into();
+    let epoch = match fed.apply(0, Command::RegisterCluster { cluster: "east".into(), capacity, labels: BTreeMap::new() }) {
+        Ok(Applied::Registered(l)) => l.epoch,
+        other => panic!("{other:?}"),
+    };
+    (fed, epoch)
+}
+
+fn report(seq: u64, epoch: u64, used: u64, window: Option<(u64, u64)>) -> Command {
+    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 4_000, pending: 0 })].into();
+    Command::Report(UsageReport {
+        cluster: "east".into(),
+        seq,
+        held_epoch: epoch,
+        capacity: None,
+        tenants,
+        evictions: Vec::new(),
+        window: window.map(|(start_ms, end_ms)| UsageWindow { start_ms, end_ms }),
+    })
+}
+
+fn counted(fed: &Federation) -> u64 {
+    fed.ledger().entries().get("training").map_or(0, |u| u.value_milli_gpue_ms)
+}
+
+/// Applies at a tiny clock (the ledger's 24 h half-life decays nothing in 1 ms).
+fn apply(fed: &mut Federation, cmd: Command) {
+    match fed.apply(1, cmd) {
+        Ok(Applied::Reported { applied: true, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn uncovered_cuts_the_covered_part_pro_rata() {
+    let w = UsageWindow { start_ms: 1_000, end_ms: 2_000 };
+    assert_eq!(w.uncovered(10_000, None), 10_000, "nothing counted yet");
+    assert_eq!(w.uncovered(10_000, Some(1_000)), 10_000, "back to back");
+    assert_eq!(w.uncovered(10_000, Some(500)), 10_000, "starts after");
+    assert_eq!(w.uncovered(10_000, Some(1_250)), 7_500, "a quarter already counted");
+    assert_eq!(w.uncovered(10_000, Some(2_000)), 0, "all counted");
+    assert_eq!(w.uncovered(10_000, Some(9_000)), 0, "all counted, long ago");
+    // A clock stepped back: the window is empty or reversed; counted unless it ends by
+    // what is counted already.
+    assert_eq!(UsageWindow { start_ms: 3_000, end_ms: 2_500 }.uncovered(10_000, Some(2_000)), 10_000);
+    assert_eq!(UsageWindow { start_ms: 3_000, end_ms: 1_500 }.uncovered(10_000, Some(2_000)), 0);
+    // No overflow at the extremes.
+    assert_eq!(UsageWindow { start_ms: 0, end_ms: u64::MAX }.uncovered(u64::MAX, Some(u64::MAX / 2)), u64::MAX / 2 + 1);
+}
+
+#[test]
+fn a_takeover_report_counts_only_what_the_old_leader_did_not() {
+    let (mut fed, epoch) = federation();
+    // The old leader: two back-to-back windows, 0-10 s and 10-20 s.
+    apply(&mut fed, report(1, epoch, RATE * 10_000, Some((0, 10_000))));
+    apply(&mut fed, report(2, epoch, RATE * 10_000, Some((10_000, 20_000))));
+    assert_eq!(counted(&fed), RATE * 20_000);
+    assert_eq!(fed.clusters()["east"].reported_through_ms, Some(20_000));
+    // It dies at 27 s; the standby takes over at 35 s and reports from its reading at
+    // 15 s (its latest before 20 s): 15-35 s, of which 20-35 s is new.
+    apply(&mut fed, report(3, epoch, RATE * 20_000, Some((15_000, 35_000))));
+    assert_eq!(counted(&fed), RATE * 35_000, "the 20-35 s gap is counted, 15-20 s is not counted twice");
+    // A late report from the old leader (written at 26 s, sent after it came back) covers
+    // nothing new.
+    apply(&mut fed, report(4, epoch, RATE * 6_000, Some((20_000, 26_000))));
+    assert_eq!(counted(&fed), RATE * 35_000);
+    assert_eq!(fed.clusters()["east"].reported_through_ms, Some(35_000), "never moves back");
+    // Reports without a window (older agents) count in full and move nothing.
+    apply(&mut fed, report(5, epoch, 7, None));
+    assert_eq!(counted(&fed), RATE * 35_000 + 7);
+    assert_eq!(fed.clusters()["east"].reported_through_ms, Some(35_000));
+}
+
+proptest! {
+    /// Reports of a constant rate over arbitrary windows, applied in any order (replicas
+    /// overlapping, late, out of order): the federation never counts more than the rate
+    /// times the time the windows cover together; windows that follow each other are
+    /// counted in full.
+    #[test]
+    fn no_stretch_of_time_is_counted_twice(
+        windows in prop::collection::vec((0u64..100_000, 1u64..20_000), 1..12),
+        contiguous in any::<bool>(),
+    ) {
+        let (mut fed, epoch) = federation();
+        let mut spans: Vec<(u64, u64)> = Vec::new();
+        let mut at = 0;
+        for &(start, len) in &windows {
+            let start = if contiguous { at } else { start };
+            spans.push((start, start + len));
+            at = start + len;
+        }
+        for (i, &(s, e)) in spans.iter().enumerate() {
+            apply(&mut fed, report(i as u64 + 1, epoch, RATE * (e - s), Some((s, e))));
+        }
+        // The length of the union of the windows.
+        let mut sorted = spans.clone();
+        sorted.sort_unstable();
+        let (mut union, mut reach) = (0u64, 0u64);
+        for (s, e) in sorted {
+            let s = s.max(reach);
+            if e > s {
+                union += e - s;
+                reach = e;
+            }
+        }
+        let got = counted(&fed);
+        // One rounding down per report at most.
+        prop_assert!(got <= RATE * union, "counted {got} > {} for {spans:?}", RATE * union);
+        if contiguous {
+            prop_assert_eq!(got, RATE * union);
+        }
+    }
+}
