@@ -48,6 +48,14 @@ pub const MAX_CLUSTERS: usize = 1_000;
 pub const MAX_REPORT_TENANTS: usize = crate::policy::MAX_TENANTS;
 
 /// Most eviction notes one report carries (reclaim is rate limited far below this; an
+/// How far past the control plane's clock a report's window may end and still be taken
+/// as a window. An agent whose wall clock runs further ahead would otherwise mark its
+/// cluster's usage as counted into the future, and every later report would count
+/// nothing; such a window is ignored instead (the usage is counted in full, as from an
+/// agent that sends no window). Leases do not depend on wall clocks, so a bad clock
+/// must not break accounting either.
+pub const MAX_WINDOW_AHEAD_MS: u64 = 10 * 60 * 1_000;
+
 /// agent keeps the rest for its next report).
 pub const MAX_REPORT_EVICTIONS: usize = 64;
 
@@ -669,7 +677,8 @@ impl Federation {
             }
             rec.usage.clear();
             let covered = rec.reported_through_ms;
-            if let Some(w) = r.window {
+            let window = r.window.filter(|w| w.end_ms <= now.saturating_add(MAX_WINDOW_AHEAD_MS));
+            if let Some(w) = window {
                 rec.reported_through_ms = Some(covered.map_or(w.end_ms, |c| c.max(w.end_ms)));
             }
             for (tenant, tr) in &r.tenants {
@@ -682,7 +691,7 @@ impl Federation {
                             bound: tr.inuse,
                         },
                     );
-                    let used = r.window.map_or(tr.used_milli_gpue_ms, |w| w.uncovered(tr.used_milli_gpue_ms, covered));
+                    let used = window.map_or(tr.used_milli_gpue_ms, |w| w.uncovered(tr.used_milli_gpue_ms, covered));
                     self.ledger.add(tenant, used, now, h);
                 }
             }

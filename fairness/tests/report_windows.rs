@@ -5,7 +5,9 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport, UsageWindow};
+use kvota_fairness::federation::{
+    Applied, Command, Federation, TenantReport, UsageReport, UsageWindow, MAX_WINDOW_AHEAD_MS,
+};
 use kvota_fairness::policy::Policy;
 use proptest::prelude::*;
 
@@ -41,9 +43,12 @@ fn counted(fed: &Federation) -> u64 {
     fed.ledger().entries().get("training").map_or(0, |u| u.value_milli_gpue_ms)
 }
 
-/// Applies at a tiny clock (the ledger's 24 h half-life decays nothing in 1 ms).
+/// The control plane's clock when the reports arrive: after every window's end.
+const NOW: u64 = 1_000_000;
+
+/// Applies every report at the same instant (so the ledger decays nothing).
 fn apply(fed: &mut Federation, cmd: Command) {
-    match fed.apply(1, cmd) {
+    match fed.apply(NOW, cmd) {
         Ok(Applied::Reported { applied: true, .. }) => {}
         other => panic!("{other:?}"),
     }
@@ -87,6 +92,14 @@ fn a_takeover_report_counts_only_what_the_old_leader_did_not() {
     apply(&mut fed, report(5, epoch, 7, None));
     assert_eq!(counted(&fed), RATE * 35_000 + 7);
     assert_eq!(fed.clusters()["east"].reported_through_ms, Some(35_000));
+    // An agent whose clock runs far ahead: its window is not trusted (else every later
+    // report would count nothing); the usage counts in full.
+    let ahead = NOW + MAX_WINDOW_AHEAD_MS + 1;
+    apply(&mut fed, report(6, epoch, 11, Some((ahead - 1_000, ahead))));
+    assert_eq!(counted(&fed), RATE * 35_000 + 18);
+    assert_eq!(fed.clusters()["east"].reported_through_ms, Some(35_000));
+    apply(&mut fed, report(7, epoch, RATE * 1_000, Some((35_000, 36_000))));
+    assert_eq!(counted(&fed), RATE * 36_000 + 18, "later reports still count");
 }
 
 proptest! {
