@@ -39,6 +39,18 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// Whether the control plane has counted `report` already, when it applied the
+/// cluster's reports through sequence `last_seq` and their usage through wall-clock
+/// `through_ms` (0: no report with a window yet): a window that ends by then is counted
+/// (this replica's, applied, or the other replica's covering the same time); a report
+/// without a window (an older version wrote it) was applied if its number was.
+pub fn already_counted(report: &UsageReport, last_seq: u64, through_ms: u64) -> bool {
+    match report.window {
+        Some(w) => through_ms > 0 && w.end_ms <= through_ms,
+        None => report.seq <= last_seq,
+    }
+}
+
 /// A standby's reading of its usage meter.
 #[derive(Clone, Debug)]
 struct Mark {
@@ -161,6 +173,21 @@ impl Agent {
         self.takeover_pending.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Numbers this replica's unsent reports after the last one the control plane
+    /// applied for the cluster (the old leader's numbers: a lower one would be taken for
+    /// a duplicate and dropped, a higher one for a gap). Reports whose window the
+    /// cluster's counted usage already covers are dropped instead: applied before (this
+    /// replica's own, its acknowledgement lost in a crash) or covered by the other's.
+    fn follow(&self, info: &v1::ClusterInfo) -> Result<(), Status> {
+        let (through, last) = (info.reported_through_ms, info.last_seq);
+        let (kept, dropped) = self
+            .journal
+            .renumber_keeping(last + 1, |r| !already_counted(r, last, through))
+            .map_err(journal_err)?;
+        tracing::info!(from = last + 1, reports = kept, already_counted = dropped, "took over: unsent reports numbered to follow the control plane's sequence");
+        Ok(())
+    }
+
     /// What the control plane knows of this cluster (any node's applied state).
     async fn describe(&self) -> Result<v1::ClusterInfo, Status> {
         let req = v1::DescribeClusterRequest { cluster: self.cluster.clone() };
@@ -182,11 +209,8 @@ impl Agent {
         }
         let info = self.describe().await;
         if let Ok(i) = &info {
-            // Our reports follow the old leader's: a lower number would be taken for a
-            // duplicate and dropped, a higher one for a gap.
-            match self.journal.renumber_from(i.last_seq + 1) {
-                Ok(n) => tracing::info!(from = i.last_seq + 1, reports = n, "took over: reports numbered to follow the control plane's sequence"),
-                Err(e) => tracing::warn!(error = %e, "took over: could not renumber the journal; the first answers will"),
+            if let Err(e) = self.follow(i) {
+                tracing::warn!(error = %e, "took over: could not renumber the journal; the first answers will");
             }
         }
         let marks: Vec<Mark> = self.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..).collect();
@@ -326,13 +350,11 @@ impl Agent {
                 Ok(reply) if !reply.applied && self.renumber_on_conflict.load(std::sync::atomic::Ordering::SeqCst) => {
                     // Taken for a duplicate right after a takeover: the old leader's
                     // reports used this number (the node we asked had not applied its
-                    // last ones yet). Number ours after them and send again; should this
-                    // one have been ours after all, its window is already counted and the
-                    // control plane counts nothing of it twice.
+                    // last ones yet), or it was ours and applied before a crash lost
+                    // the acknowledgement; `follow` tells the two apart by the window.
                     self.adopt(reply.lease, sent)?;
-                    let last = self.describe().await?.last_seq;
-                    let n = self.journal.renumber_from(last + 1).map_err(journal_err)?;
-                    tracing::info!(from = last + 1, reports = n, "took over: a report was taken for a duplicate; renumbered to follow the control plane's sequence");
+                    let info = self.describe().await?;
+                    self.follow(&info)?;
                     return Err(Status::aborted("reports renumbered after a takeover; sending them next round"));
                 }
                 Ok(reply) => {
@@ -365,5 +387,36 @@ impl Agent {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(seq: u64, window: Option<(u64, u64)>) -> UsageReport {
+        UsageReport {
+            cluster: "c".into(),
+            seq,
+            held_epoch: 0,
+            capacity: None,
+            tenants: BTreeMap::new(),
+            evictions: Vec::new(),
+            window: window.map(|(start_ms, end_ms)| UsageWindow { start_ms, end_ms }),
+        }
+    }
+
+    #[test]
+    fn a_report_is_counted_when_its_window_ends_by_what_the_control_plane_counted() {
+        // Ours, applied before a crash lost the acknowledgement: window ends by `through`.
+        assert!(already_counted(&report(7, Some((10, 20))), 9, 20));
+        // Written after the counted usage ends: not counted, whatever its number.
+        assert!(!already_counted(&report(3, Some((10, 25))), 9, 20));
+        assert!(!already_counted(&report(12, Some((20, 30))), 9, 20));
+        // No windowed report applied yet: nothing windowed is counted.
+        assert!(!already_counted(&report(1, Some((0, 5))), 9, 0));
+        // Older reports without a window: by number.
+        assert!(already_counted(&report(9, None), 9, 20));
+        assert!(!already_counted(&report(10, None), 9, 20));
     }
 }

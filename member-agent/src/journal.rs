@@ -117,11 +117,19 @@ impl Journal {
     /// `first` (keeping their order and contents) and continues numbering after them.
     /// Returns how many were renumbered.
     pub fn renumber_from(&self, first: u64) -> Result<usize, JournalError> {
-        let reports = self.unacked(usize::MAX)?;
+        self.renumber_keeping(first, |_| true).map(|(kept, _)| kept)
+    }
+
+    /// [`Journal::renumber_from`] for the reports `keep` accepts; the others are dropped.
+    /// Returns how many were kept and how many dropped.
+    pub fn renumber_keeping(&self, first: u64, keep: impl Fn(&UsageReport) -> bool) -> Result<(usize, usize), JournalError> {
+        let all = self.unacked(usize::MAX)?;
+        let total = all.len();
         let mut batch = sled::Batch::default();
-        for r in &reports {
+        for r in &all {
             batch.remove(&r.seq.to_be_bytes());
         }
+        let reports: Vec<UsageReport> = all.into_iter().filter(|r| keep(r)).collect();
         let mut last = first.saturating_sub(1);
         for (i, r) in reports.iter().enumerate() {
             let mut r = r.clone();
@@ -133,7 +141,7 @@ impl Journal {
         self.reports.apply_batch(batch).map_err(io("renumber reports"))?;
         self.meta.insert(LAST_SEQ, &last.to_be_bytes()).map_err(io("write last seq"))?;
         self.db.flush().map_err(io("flush"))?;
-        Ok(reports.len())
+        Ok((reports.len(), total - reports.len()))
     }
 
     /// Unacknowledged reports, oldest first (at most `limit`).
@@ -218,6 +226,32 @@ mod tests {
             evictions: Vec::new(),
             window: None,
         }
+    }
+
+    #[test]
+    fn renumbering_keeps_order_drops_what_it_is_told_and_survives_a_restart() {
+        let dir = tempfile::tempdir().expect("tmp");
+        {
+            let j = Journal::open(dir.path()).expect("open");
+            for used in [10, 20, 30] {
+                j.write(report(used)).expect("w");
+            }
+            let used = |r: &UsageReport| r.tenants["training"].used_milli_gpue_ms;
+            assert_eq!(j.renumber_keeping(10, |r| used(r) != 20).expect("renumber"), (2, 1));
+        }
+        let j = reopen(dir.path());
+        let left: Vec<(u64, u64)> = j
+            .unacked(10)
+            .expect("unacked")
+            .iter()
+            .map(|r| (r.seq, r.tenants["training"].used_milli_gpue_ms))
+            .collect();
+        assert_eq!(left, vec![(10, 10), (11, 30)]);
+        assert_eq!(j.write(report(40)).expect("w").seq, 12, "numbering goes on after them");
+        // Nothing left to renumber: the next number still follows `first`.
+        j.ack_through(12).expect("ack");
+        assert_eq!(j.renumber_from(100).expect("renumber"), 0);
+        assert_eq!(j.write(report(50)).expect("w").seq, 100);
     }
 
     #[test]
