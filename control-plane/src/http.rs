@@ -30,9 +30,9 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-/// Ready: part of a quorum with a known leader.
+/// Ready: part of a quorum with a known leader, and caught up (see `NodeCtx::ready_checked`).
 async fn readyz(State(ctx): State<Arc<NodeCtx>>) -> Response {
-    match ctx.ready() {
+    match ctx.ready_checked().await {
         Ok(()) => (StatusCode::OK, "ready\n").into_response(),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
     }
@@ -50,6 +50,7 @@ async fn metrics(State(ctx): State<Arc<NodeCtx>>) -> Response {
 }
 
 async fn status(State(ctx): State<Arc<NodeCtx>>) -> Response {
+    let ready = ctx.ready_checked().await.is_ok();
     let m = ctx.raft.metrics().borrow().clone();
     let state = ctx.state.read().await;
     Json(serde_json::json!({
@@ -59,7 +60,7 @@ async fn status(State(ctx): State<Arc<NodeCtx>>) -> Response {
         "leader_id": m.current_leader,
         "last_log_index": m.last_log_index,
         "last_applied_index": m.last_applied.map(|l| l.index),
-        "ready": ctx.ready().is_ok(),
+        "ready": ready,
         "state_time_ms": state.federation.now_ms(),
         "policy": state.federation.policy().map(|p| p.name.clone()),
         "clusters": state.federation.clusters().len(),

@@ -73,11 +73,14 @@ pub const CATCH_UP_SLACK: u64 = 64;
 /// has applied its log since it started; it is `Some(true)` once that happened, whatever
 /// the lag later (so readiness does not flap under load).
 ///
-/// Ready: a leader that heard from a quorum within 3 s, or a follower or learner that
-/// knows a leader and has caught up. A node restarted with a long log replays it after
-/// the snapshot (up to `snapshot_every` entries, seconds on a slow machine); reporting it
-/// ready before that would let a rolling restart take down the next node while this one
-/// cannot yet serve, and if it then became leader every write would wait for the replay.
+/// Ready: a leader that heard from a quorum within 3 s and has applied its log, or a
+/// follower or learner that knows a leader and has caught up. A node restarted with a
+/// long log replays it after the snapshot (up to `snapshot_every` entries, seconds on a
+/// slow machine); reporting it ready before that would let a rolling restart take down
+/// the next node while this one cannot yet serve, and if it then became leader every
+/// write would wait for the replay. (A follower's own log cannot show what it has not
+/// received yet, e.g. after its volume was wiped: [`NodeCtx::ready_checked`] compares
+/// it with the leader's before the first time it counts as caught up.)
 pub fn readiness(
     state: ServerState,
     leader: Option<NodeId>,
@@ -86,23 +89,33 @@ pub fn readiness(
     last_applied_index: Option<u64>,
     caught_up: bool,
 ) -> Result<(), String> {
+    let (log, applied) = (last_log_index.unwrap_or(0), last_applied_index.unwrap_or(0));
+    let replayed = caught_up || log.saturating_sub(applied) <= CATCH_UP_SLACK;
     match (state, leader) {
         (ServerState::Leader, _) => match millis_since_quorum_ack {
-            Some(ms) if ms < 3_000 => Ok(()),
+            Some(ms) if ms < 3_000 && replayed => Ok(()),
+            Some(ms) if ms < 3_000 => Err(format!("leader still applying its log: applied {applied} of {log} log entries")),
             Some(ms) => Err(format!("leader without a quorum ack for {ms} ms")),
             None => Err("leader that has not yet heard from a quorum".to_string()),
         },
-        (_, Some(_)) => {
-            let (log, applied) = (last_log_index.unwrap_or(0), last_applied_index.unwrap_or(0));
-            if caught_up || log.saturating_sub(applied) <= CATCH_UP_SLACK {
-                Ok(())
-            } else {
-                Err(format!("catching up: applied {applied} of {log} log entries"))
-            }
-        }
+        (_, Some(_)) if replayed => Ok(()),
+        (_, Some(_)) => Err(format!("catching up: applied {applied} of {log} log entries")),
         (state, None) => Err(format!("{state:?} with no known leader")),
     }
 }
+
+/// Whether a follower that has applied through `mine` has caught up with a leader that
+/// has applied through `leaders` (within [`CATCH_UP_SLACK`]).
+pub fn caught_up_with_leader(mine: u64, leaders: u64) -> Result<(), String> {
+    if mine.saturating_add(CATCH_UP_SLACK) >= leaders {
+        Ok(())
+    } else {
+        Err(format!("catching up: applied {mine} log entries, the leader {leaders}"))
+    }
+}
+
+/// How long a readiness probe waits for the leader's answer (probes time out in 1 s).
+pub const READY_PROBE_LEADER_TIMEOUT: Duration = Duration::from_millis(300);
 
 impl std::fmt::Debug for NodeCtx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -198,8 +211,8 @@ impl NodeCtx {
         Some((id, node))
     }
 
-    /// Ready: part of a quorum with a known leader. A leader must have heard from a
-    /// quorum recently; a follower or learner must know a leader.
+    /// Ready as far as this node's own metrics tell (see [`readiness`]); a leader that
+    /// has applied its log counts as caught up from then on.
     pub fn ready(&self) -> Result<(), String> {
         use std::sync::atomic::Ordering;
         let m = self.raft.metrics().borrow().clone();
@@ -212,13 +225,43 @@ impl NodeCtx {
             m.last_applied.map(|l| l.index),
             caught_up,
         );
-        // Only an applied log counts as caught up (a leader is ready on its quorum alone
-        // and may still be replaying; if it steps down, that must not make it ready).
-        let lag = m.last_log_index.unwrap_or(0).saturating_sub(m.last_applied.map_or(0, |l| l.index));
-        if r.is_ok() && !caught_up && m.current_leader.is_some() && lag <= CATCH_UP_SLACK {
+        // A leader's log holds everything committed: applied it, it has caught up. A
+        // follower's may lack what it has not received yet; `ready_checked` asks.
+        if r.is_ok() && !caught_up && m.state == ServerState::Leader {
             self.caught_up.store(true, Ordering::Relaxed);
         }
         r
+    }
+
+    /// Ready, for `/readyz`: [`NodeCtx::ready`], and a follower or learner that has not
+    /// yet caught up since its process started compares how far it has applied with the
+    /// leader (one `Status` call, at most [`READY_PROBE_LEADER_TIMEOUT`]); from then on
+    /// it stays caught up, so lag under load does not make it flap.
+    pub async fn ready_checked(&self) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        self.ready()?;
+        if self.caught_up.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let (id, node) = self.leader().ok_or_else(|| "no known leader".to_string())?;
+        if id == self.id {
+            return Ok(());
+        }
+        let ask = async {
+            let ch = self.channel(&node.rpc_addr).await?;
+            Ok::<_, tonic::Status>(
+                kvota_proto::v1::admin_client::AdminClient::new(ch).status(kvota_proto::v1::Empty {}).await?.into_inner(),
+            )
+        };
+        let leaders = match tokio::time::timeout(READY_PROBE_LEADER_TIMEOUT, ask).await {
+            Ok(Ok(st)) => st.last_applied_index,
+            Ok(Err(e)) => return Err(format!("cannot compare logs with the leader (node {id} at {}): {}", node.rpc_addr, e.message())),
+            Err(_) => return Err(format!("cannot compare logs with the leader (node {id} at {}): no answer in time", node.rpc_addr)),
+        };
+        let mine = self.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
+        caught_up_with_leader(mine, leaders)?;
+        self.caught_up.store(true, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -327,8 +370,24 @@ mod tests {
     }
 
     #[test]
-    fn a_leader_is_ready_only_with_a_recent_quorum() {
+    fn a_follower_is_caught_up_only_within_the_slack_of_the_leaders_applied_log() {
+        // A wiped follower: its own log is empty (nothing to replay), the leader has
+        // applied 5,000 entries: not caught up until the snapshot and entries arrive.
+        let err = caught_up_with_leader(0, 5_000).err().unwrap_or_default();
+        assert!(err.contains("applied 0 log entries, the leader 5000"), "{err}");
+        assert_eq!(caught_up_with_leader(5_000 - CATCH_UP_SLACK, 5_000), Ok(()));
+        assert!(caught_up_with_leader(5_000 - CATCH_UP_SLACK - 1, 5_000).is_err());
+        // Ahead of the leader's answer (it was read a moment ago): caught up.
+        assert_eq!(caught_up_with_leader(5_010, 5_000), Ok(()));
+    }
+
+    #[test]
+    fn a_leader_is_ready_only_with_a_recent_quorum_and_its_log_applied() {
         let l = ServerState::Leader;
+        // Elected while still applying its log: writes would wait for the replay.
+        let err = readiness(l, Some(1), Some(100), Some(10_000), Some(1_000), false).err().unwrap_or_default();
+        assert!(err.contains("leader still applying its log: applied 1000 of 10000"), "{err}");
+        assert_eq!(readiness(l, Some(1), Some(100), Some(10_000), Some(1_000), true), Ok(()));
         assert_eq!(readiness(l, Some(1), Some(100), Some(9), Some(9), true), Ok(()));
         let err = readiness(l, Some(1), Some(3_000), Some(9), Some(9), true).err().unwrap_or_default();
         assert!(err.contains("3000 ms"), "{err}");

@@ -433,6 +433,25 @@ async fn membership_changes_and_admin_http() {
         assert!(Instant::now() < deadline, "learner did not catch up");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // It is ready once it has applied what the leader has (asked over gRPC, since its
+    // own log cannot show what it has not received), and says why until then.
+    let leader_applied = {
+        let l = cl.leader(Duration::from_secs(5)).await;
+        let m = cl.nodes[idx(l)].as_ref().expect("leader runs").raft().metrics().borrow().clone();
+        m.last_applied.map_or(0, |l| l.index)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = http_get(&fourth.http_addr, "/readyz").await;
+        if code == 200 {
+            break;
+        }
+        assert!(body.contains("catching up") || body.contains("leader"), "{body}");
+        assert!(Instant::now() < deadline, "learner never ready: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let applied = n4.ctx.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
+    assert!(applied + kvota_control_plane::node::CATCH_UP_SLACK >= leader_applied, "ready at {applied} of {leader_applied}");
     let promote = v1::ChangeMembershipRequest { voters: vec![1, 2, 3, 4], retain: false };
     let st = client
         .call(|ch| {
