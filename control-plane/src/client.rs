@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvota_proto::v1::{admin_client::AdminClient, member_client::MemberClient};
 use tokio::sync::Mutex;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use crate::node::LEADER_HEADER;
@@ -29,6 +29,7 @@ pub struct Client {
     preferred: Arc<AtomicUsize>,
     channels: Arc<Mutex<Vec<Option<Channel>>>>,
     call_timeout_ms: Arc<AtomicU64>,
+    tls: Option<crate::tls::GrpcTls>,
 }
 
 fn retriable(s: &Status) -> bool {
@@ -36,13 +37,18 @@ fn retriable(s: &Status) -> bool {
 }
 
 fn normalize(addr: &str) -> String {
-    let a = addr.trim().trim_start_matches("http://");
+    let a = addr.trim().trim_start_matches("http://").trim_start_matches("https://");
     a.to_string()
 }
 
 impl Client {
-    /// A client for these `host:port` gRPC addresses (at least one).
+    /// A client for these `host:port` gRPC addresses (at least one), in plain text.
     pub fn new(endpoints: &[String]) -> Result<Client, Status> {
+        Client::with_tls(endpoints, None)
+    }
+
+    /// A client for these `host:port` gRPC addresses, over mutual TLS if `tls` is given.
+    pub fn with_tls(endpoints: &[String], tls: Option<crate::tls::GrpcTls>) -> Result<Client, Status> {
         let eps: Vec<String> = endpoints.iter().map(|e| normalize(e)).filter(|e| !e.is_empty()).collect();
         if eps.is_empty() {
             return Err(Status::invalid_argument("no control-plane address given"));
@@ -53,6 +59,7 @@ impl Client {
             preferred: Arc::new(AtomicUsize::new(0)),
             channels: Arc::new(Mutex::new(vec![None; n])),
             call_timeout_ms: Arc::new(AtomicU64::new(ms(CALL_TIMEOUT))),
+            tls,
         })
     }
 
@@ -77,8 +84,7 @@ impl Client {
         if let Some(Some(c)) = chans.get(i) {
             return Ok((addr, c.clone()));
         }
-        let ep = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| Status::invalid_argument(format!("bad address {addr}: {e}")))?
+        let ep = crate::tls::endpoint(&addr, self.tls.as_ref()).map_err(Status::invalid_argument)?
             .connect_timeout(Duration::from_millis(800))
             .timeout(CALL_TIMEOUT)
             .tcp_nodelay(true);

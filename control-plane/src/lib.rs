@@ -8,7 +8,7 @@
 //! [`network`] (Raft over gRPC), [`node`] (write path, forwarding, readiness),
 //! [`service`] (Member and Admin gRPC), [`metrics`], [`http`] (health, readiness,
 //! metrics, JSON), [`server`] (configuration and startup), [`client`] (for the CLI and
-//! agents: any node, leader-following, retries).
+//! agents: any node, leader-following, retries), [`tls`] (mutual TLS on the gRPC port).
 
 pub mod client;
 pub mod http;
@@ -18,5 +18,6 @@ pub mod node;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod tls;
 pub mod types;
 pub mod watchdog;

@@ -18,7 +18,7 @@ use openraft::raft::{
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::types::{Node, NodeId, Raft, TypeConfig};
 
@@ -32,7 +32,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Builds clients to peers.
 #[derive(Clone, Debug, Default)]
-pub struct Network;
+pub struct Network {
+    /// Mutual TLS to the peers (with the node's own certificate), if the port uses it.
+    pub tls: Option<crate::tls::GrpcTls>,
+}
 
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
@@ -42,6 +45,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             target,
             addr: node.rpc_addr.clone(),
             client: None,
+            tls: self.tls.clone(),
         }
     }
 }
@@ -52,6 +56,7 @@ pub struct PeerClient {
     target: NodeId,
     addr: String,
     client: Option<RaftClient<Channel>>,
+    tls: Option<crate::tls::GrpcTls>,
 }
 
 type RpcResult<T, E> = Result<T, RPCError<NodeId, Node, E>>;
@@ -71,8 +76,8 @@ impl PeerClient {
         if let Some(c) = &self.client {
             return Ok(c.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{}", self.addr))
-            .map_err(|e| RPCError::Unreachable(Unreachable::new(&e)))?
+        let endpoint = crate::tls::endpoint(&self.addr, self.tls.as_ref())
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e))))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true);
         let channel = endpoint.connect_lazy();

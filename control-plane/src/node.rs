@@ -9,7 +9,7 @@ use kvota_fairness::federation::{Applied, Command, CommandError};
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::ServerState;
 use tokio::sync::{mpsc, oneshot, Mutex, RwLock, Semaphore};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::metrics::Metrics;
 use crate::store::StateMachineData;
@@ -61,6 +61,7 @@ pub struct NodeCtx {
     pub metrics: Metrics,
     channels: Mutex<HashMap<String, Channel>>,
     writes: mpsc::Sender<Pending>,
+    tls: Option<crate::tls::GrpcTls>,
     /// Set once, the first time this process has applied its log (see [`readiness`]).
     caught_up: std::sync::atomic::AtomicBool,
 }
@@ -144,7 +145,13 @@ pub fn wall_clock_ms() -> u64 {
 
 impl NodeCtx {
     /// A node context; starts its write batcher (must be called inside a Tokio runtime).
-    pub fn new(id: NodeId, raft: Raft, state: Arc<RwLock<StateMachineData>>, metrics: Metrics) -> Self {
+    pub fn new(
+        id: NodeId,
+        raft: Raft,
+        state: Arc<RwLock<StateMachineData>>,
+        metrics: Metrics,
+        tls: Option<crate::tls::GrpcTls>,
+    ) -> Self {
         let (writes, queue) = mpsc::channel(WRITE_QUEUE);
         tokio::spawn(batcher(raft.clone(), queue));
         NodeCtx {
@@ -154,6 +161,7 @@ impl NodeCtx {
             metrics,
             channels: Mutex::new(HashMap::new()),
             writes,
+            tls,
             caught_up: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -188,8 +196,8 @@ impl NodeCtx {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let ep = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| tonic::Status::internal(format!("bad leader address {addr}: {e}")))?
+        let ep = crate::tls::endpoint(addr, self.tls.as_ref())
+            .map_err(|e| tonic::Status::internal(format!("leader address: {e}")))?
             .connect_timeout(Duration::from_millis(500))
             .timeout(WRITE_TIMEOUT)
             .tcp_nodelay(true);

@@ -53,6 +53,8 @@ pub struct ServerConfig {
     pub tick_ms: u64,
     /// Initialize a new group with these members if this node's storage is empty.
     pub initial_members: Option<BTreeMap<NodeId, Node>>,
+    /// Mutual TLS on the gRPC port and to the peers (`None`: plain text).
+    pub tls: Option<crate::tls::GrpcTls>,
 }
 
 impl ServerConfig {
@@ -72,6 +74,7 @@ impl ServerConfig {
             snapshot_every: 10_000,
             tick_ms: 1_000,
             initial_members: None,
+            tls: None,
         }
     }
 
@@ -146,10 +149,10 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
         .await
         .with_context(|| format!("data directory {}", cfg.data_dir.display()))?;
     let state = sm_store.shared();
-    let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), Network, log_store, sm_store)
+    let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), Network { tls: cfg.tls.clone() }, log_store, sm_store)
         .await
         .context("start Raft")?;
-    let ctx = Arc::new(NodeCtx::new(cfg.id, raft.clone(), state, Metrics::new()));
+    let ctx = Arc::new(NodeCtx::new(cfg.id, raft.clone(), state, Metrics::new(), cfg.tls.clone()));
 
     if let Some(members) = &cfg.initial_members {
         if raft.is_initialized().await.context("read Raft state")? {
@@ -170,7 +173,14 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
 
     let contact = Arc::new(crate::watchdog::LeaderContact::default());
     // gRPC: member, admin and Raft services on one port.
-    let grpc = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    match &cfg.tls {
+        Some(t) => builder = builder.tls_config(t.server()).context("set up TLS on the gRPC port")?,
+        None => tracing::warn!(
+            "gRPC without TLS: anyone who can reach the gRPC port can report usage, change the policy or join the group; give --tls-ca, --tls-cert and --tls-key outside a trusted network"
+        ),
+    }
+    let grpc = builder
         .concurrency_limit_per_connection(MAX_CONCURRENT_PER_CONNECTION)
         .tcp_nodelay(true)
         .add_service(

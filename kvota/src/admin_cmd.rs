@@ -16,6 +16,46 @@ pub struct Cp {
     /// separated.
     #[arg(long = "cp", env = "KVOTA_CONTROL_PLANE", value_delimiter = ',', default_value = "127.0.0.1:7401", global = true)]
     pub addrs: Vec<String>,
+    /// PEM file with the CA the control plane's certificates chain to: talk to it over
+    /// mutual TLS (with --cp-cert and --cp-key; servers started with --tls-*).
+    #[arg(long, env = "KVOTA_CP_CA", value_name = "FILE", global = true)]
+    pub cp_ca: Option<PathBuf>,
+    /// PEM certificate to present to the control plane (signed by that CA).
+    #[arg(long, env = "KVOTA_CP_CERT", value_name = "FILE", global = true)]
+    pub cp_cert: Option<PathBuf>,
+    /// PEM private key of --cp-cert.
+    #[arg(long, env = "KVOTA_CP_KEY", value_name = "FILE", global = true)]
+    pub cp_key: Option<PathBuf>,
+}
+
+impl Cp {
+    /// The mutual-TLS settings: all three files, or none (plain text).
+    pub fn tls(&self) -> Result<Option<kvota_control_plane::tls::GrpcTls>> {
+        tls_from("--cp", self.cp_ca.as_deref(), self.cp_cert.as_deref(), self.cp_key.as_deref())
+    }
+}
+
+/// Reads `<flag>-ca`, `<flag>-cert` and `<flag>-key` if all are given; none: `None`.
+pub fn tls_from(
+    flag: &str,
+    ca: Option<&std::path::Path>,
+    cert: Option<&std::path::Path>,
+    key: Option<&std::path::Path>,
+) -> Result<Option<kvota_control_plane::tls::GrpcTls>> {
+    match (ca, cert, key) {
+        (None, None, None) => Ok(None),
+        (Some(ca), Some(cert), Some(key)) => kvota_control_plane::tls::GrpcTls::from_files(ca, cert, key)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("{e}")),
+        _ => {
+            let missing: Vec<String> = [("ca", ca.is_none()), ("cert", cert.is_none()), ("key", key.is_none())]
+                .iter()
+                .filter(|(_, m)| *m)
+                .map(|(n, _)| format!("{flag}-{n}"))
+                .collect();
+            anyhow::bail!("mutual TLS needs {flag}-ca, {flag}-cert and {flag}-key together; missing: {}", missing.join(", "))
+        }
+    }
 }
 
 /// `kvota members ...`
@@ -88,7 +128,7 @@ pub enum ExplainCmd {
 }
 
 fn client(cp: &Cp) -> Result<Client> {
-    Client::new(&cp.addrs).map_err(|e| anyhow::anyhow!("{}", e.message()))
+    Client::with_tls(&cp.addrs, cp.tls()?).map_err(|e| anyhow::anyhow!("{}", e.message()))
 }
 
 fn rt() -> Result<tokio::runtime::Runtime> {
@@ -99,11 +139,30 @@ fn rt() -> Result<tokio::runtime::Runtime> {
 }
 
 fn status_err(cp: &Cp, e: tonic::Status) -> anyhow::Error {
+    // The transport's own words, down the source chain (TLS alerts are in there).
+    let mut detail = e.message().to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !detail.contains(&text) {
+            detail = format!("{detail}: {text}");
+        }
+        source = s.source();
+    }
+    // Not an answer from a server but the connection failing: refused, timed out, or a
+    // peer that does not speak the same protocol (plain text against TLS: an h2 error).
+    let transport = matches!(e.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded)
+        || e.message().starts_with("h2 protocol error")
+        || e.message().starts_with("transport error");
+    let tls_hint = if cp.cp_ca.is_some() {
+        "\n  (with TLS: --cp-ca must be the CA that signed the servers' certificates, their names must include the host in --cp, and --cp-cert must be signed by the CA the servers trust)"
+    } else {
+        "\n  (if the servers use mutual TLS (`kvota server --tls-*`), give --cp-ca, --cp-cert and --cp-key)"
+    };
     match e.code() {
-        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => anyhow::anyhow!(
-            "control plane at {} is unavailable: {}\n  (is `kvota server` running there? set --cp or KVOTA_CONTROL_PLANE)",
+        _ if transport => anyhow::anyhow!(
+            "control plane at {} is unavailable: {detail}\n  (is `kvota server` running there? set --cp or KVOTA_CONTROL_PLANE){tls_hint}",
             cp.addrs.join(","),
-            e.message()
         ),
         _ => anyhow::anyhow!("{}", e.message()),
     }

@@ -92,7 +92,7 @@ fn parse_nodes(spec: &str) -> Result<Vec<u64>> {
 }
 
 /// Runs the agent until Ctrl-C or SIGTERM.
-pub fn run(args: AgentArgs, cp: &[String]) -> Result<()> {
+pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
     if !kvota_fairness::federation::valid_cluster_id(&args.cluster) {
         bail!("--cluster `{}`: use lowercase letters, digits and '-', starting with a letter", args.cluster);
     }
@@ -104,12 +104,12 @@ pub fn run(args: AgentArgs, cp: &[String]) -> Result<()> {
     let tls = Arc::new(TlsFiles::load(&args.tls_cert, &args.tls_key)?);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("start the async runtime")?;
     match nodes {
-        Some(nodes) => rt.block_on(serve(args, cp.to_vec(), nodes, tls)),
-        None => rt.block_on(crate::agent_kube::serve(args, cp.to_vec(), tls)),
+        Some(nodes) => rt.block_on(serve(args, cp.clone(), nodes, tls)),
+        None => rt.block_on(crate::agent_kube::serve(args, cp.clone(), tls)),
     }
 }
 
-async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFiles>) -> Result<()> {
+async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, nodes: Vec<u64>, tls: Arc<TlsFiles>) -> Result<()> {
     let capacity: BTreeMap<String, u64> = [(NVIDIA_GPU.to_string(), nodes.iter().sum::<u64>() * 1000)].into();
     let (agent, stop_tx, stop, server) = start_webhook(&args, capacity, &cp, tls, None).await?;
     eprintln!(
@@ -118,7 +118,7 @@ async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFi
         nodes.iter().sum::<u64>(),
         nodes.len(),
         args.webhook_listen,
-        cp.join(",")
+        cp.addrs.join(",")
     );
     let leading = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), leading, stop.clone()));
@@ -137,12 +137,12 @@ async fn serve(args: AgentArgs, cp: Vec<String>, nodes: Vec<u64>, tls: Arc<TlsFi
 pub(crate) async fn start_webhook(
     args: &AgentArgs,
     capacity: BTreeMap<String, u64>,
-    cp: &[String],
+    cp: &crate::admin_cmd::Cp,
     tls: Arc<TlsFiles>,
     held: Option<String>,
 ) -> Result<(Arc<Agent>, watch::Sender<bool>, watch::Receiver<bool>, tokio::task::JoinHandle<()>)> {
     let agent = Arc::new(
-        Agent::open(&args.cluster, capacity, &args.data_dir, cp)
+        Agent::open_with_tls(&args.cluster, capacity, &args.data_dir, &cp.addrs, cp.tls()?)
             .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
     );
     agent.state().set_held(held);

@@ -39,7 +39,7 @@ async fn kube_config(args: &AgentArgs) -> Result<kube::Config> {
 }
 
 /// Runs the agent against the Kubernetes cluster until Ctrl-C or SIGTERM.
-pub async fn serve(args: AgentArgs, cp: Vec<String>, tls: Arc<TlsFiles>) -> Result<()> {
+pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: Arc<TlsFiles>) -> Result<()> {
     let config = kube_config(&args).await?;
     let server_url = config.cluster_url.to_string();
     let watch_client = kube::Client::try_from(config.clone()).context("build the Kubernetes client")?;
@@ -54,7 +54,7 @@ pub async fn serve(args: AgentArgs, cp: Vec<String>, tls: Arc<TlsFiles>) -> Resu
         "kvota agent: cluster {} on Kubernetes {server_url}, webhook https://{} (/validate, /mutate), control plane {}; {}; Ctrl-C to stop",
         args.cluster,
         args.webhook_listen,
-        cp.join(","),
+        cp.addrs.join(","),
         match &args.leader_lease {
             Some(l) => format!("replicas elect a leader through Lease {}/{l}", args.leader_lease_namespace),
             None => "single replica".to_string(),

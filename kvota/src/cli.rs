@@ -146,7 +146,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     let cp = cli.cp;
     match cli.command {
         Cmd::Server(args) => crate::server_cmd::run(args).map(|()| ExitCode::SUCCESS),
-        Cmd::Agent(args) => crate::agent_cmd::run(args, &cp.addrs).map(|()| ExitCode::SUCCESS),
+        Cmd::Agent(args) => crate::agent_cmd::run(args, &cp).map(|()| ExitCode::SUCCESS),
         Cmd::Status { json } => crate::admin_cmd::status(&cp, json).map(|()| ExitCode::SUCCESS),
         Cmd::Policy(PolicyCmd::Apply { file }) => crate::admin_cmd::policy_apply(&cp, &file),
         Cmd::Policy(PolicyCmd::Get) => crate::admin_cmd::policy_get(&cp).map(|()| ExitCode::SUCCESS),

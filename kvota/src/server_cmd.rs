@@ -61,6 +61,19 @@ pub struct ServerArgs {
     /// How often the leader recomputes entitlements without new reports, milliseconds.
     #[arg(long, env = "KVOTA_TICK_MS", default_value_t = 1_000)]
     tick_ms: u64,
+    /// PEM file with the CA that signs every certificate in the federation (servers,
+    /// agents, operators): serve gRPC over mutual TLS, accepting only clients and peers
+    /// with a certificate from it. Needs --tls-cert and --tls-key; without all three the
+    /// gRPC port is plain text (logged as a warning). Certificates are read at start.
+    #[arg(long, env = "KVOTA_TLS_CA", value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+    /// PEM certificate of this node, signed by --tls-ca; its names must include the host
+    /// of --advertise (peers, agents and the CLI check it). Also presented to the peers.
+    #[arg(long, env = "KVOTA_TLS_CERT", value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "KVOTA_TLS_KEY", value_name = "FILE")]
+    tls_key: Option<PathBuf>,
     /// Stop when standard input reaches end of file: a parent that starts servers (the
     /// demo) gives each a pipe, so they exit with it even if it is killed.
     #[arg(long, hide = true)]
@@ -112,6 +125,7 @@ async fn serve(args: ServerArgs) -> Result<()> {
     if args.id == 0 {
         bail!("--id must be greater than 0");
     }
+    let tls = crate::admin_cmd::tls_from("--tls", args.tls_ca.as_deref(), args.tls_cert.as_deref(), args.tls_key.as_deref())?;
     let rpc = bind(&args.listen, "gRPC", "--listen").await?;
     let http = bind(&args.http, "HTTP", "--http").await?;
     let advertise = args.advertise.clone().unwrap_or_else(|| args.listen.clone());
@@ -122,6 +136,7 @@ async fn serve(args: ServerArgs) -> Result<()> {
     cfg.election_timeout_max_ms = args.election_timeout_max_ms;
     cfg.snapshot_every = args.snapshot_every;
     cfg.tick_ms = args.tick_ms;
+    cfg.tls = tls;
     if args.init {
         let mut members = BTreeMap::new();
         for m in &args.members {

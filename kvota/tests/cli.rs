@@ -147,3 +147,73 @@ fn a_server_needs_its_id_and_keeps_its_data_directory() {
     assert!(err.contains("belongs to node 1, not node 2"), "{err}");
     assert!(err.contains(data), "the message names the directory: {err}");
 }
+
+/// A CA and certificates signed by it for 127.0.0.1, written as PEM files into `dir`:
+/// `ca.pem`, and `<name>.pem` / `<name>-key.pem` for each name.
+fn write_certs(dir: &std::path::Path, names: &[&str]) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).expect("ca");
+    std::fs::write(dir.join("ca.pem"), ca.pem()).expect("write");
+    for name in names {
+        let key = KeyPair::generate().expect("key");
+        let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .expect("params")
+            .signed_by(&key, &ca, &ca_key)
+            .expect("sign");
+        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).expect("write");
+        std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).expect("write");
+    }
+}
+
+/// `kvota server --tls-*` serves gRPC over mutual TLS: the CLI with `--cp-ca/cert/key`
+/// gets in, the plain CLI does not; half the flags is an error naming the missing ones.
+#[test]
+fn a_server_with_mutual_tls_answers_only_a_cli_with_a_certificate() {
+    let dir = tempfile::tempdir().expect("tmp");
+    write_certs(dir.path(), &["server", "admin"]);
+    let p = |f: &str| dir.path().join(f).to_str().expect("utf8").to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let listen = format!("127.0.0.1:{port}");
+    let data = p("data");
+
+    // Half the flags: refused before anything is written.
+    let (code, _, err) = kvota(&["server", "--id", "1", "--data-dir", &data, "--listen", &listen, "--http", "127.0.0.1:0", "--tls-ca", &p("ca.pem")]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("missing: --tls-cert, --tls-key"), "{err}");
+    assert!(!dir.path().join("data").exists(), "nothing written");
+
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvota"))
+        .args(["server", "--id", "1", "--init", "--data-dir", &data, "--listen", &listen, "--http", "127.0.0.1:0"])
+        .args(["--tls-ca", &p("ca.pem"), "--tls-cert", &p("server.pem"), "--tls-key", &p("server-key.pem")])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the server");
+    let with_cert = ["--cp", listen.as_str(), "--cp-ca", &p("ca.pem"), "--cp-cert", &p("admin.pem"), "--cp-key", &p("admin-key.pem")];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut last = String::new();
+    let served = loop {
+        let mut args = vec!["status"];
+        args.extend(with_cert);
+        let (code, out, err) = kvota(&args);
+        if code == 0 && out.contains("leader") {
+            break true;
+        }
+        last = format!("{code}: {out}{err}");
+        if std::time::Instant::now() > deadline {
+            break false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let (plain_code, _, plain_err) = kvota(&["status", "--cp", &listen]);
+    let (half_code, _, half_err) = kvota(&["status", "--cp", &listen, "--cp-ca", &p("ca.pem")]);
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(served, "the CLI with a certificate never got a status: {last}");
+    assert_ne!(plain_code, 0, "plain text got an answer");
+    assert!(plain_err.contains("unavailable"), "{plain_err}");
+    assert_ne!(half_code, 0);
+    assert!(half_err.contains("missing: --cp-cert, --cp-key"), "{half_err}");
+}

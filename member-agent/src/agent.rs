@@ -87,6 +87,17 @@ impl Agent {
     /// journal in `dir`, talking to the control plane at `endpoints`. A lease saved by a
     /// previous run is enforced at once (its fallbacks, until the control plane answers).
     pub fn open(cluster: &str, capacity: BTreeMap<String, u64>, dir: &Path, endpoints: &[String]) -> Result<Agent, Status> {
+        Agent::open_with_tls(cluster, capacity, dir, endpoints, None)
+    }
+
+    /// [`Agent::open`], talking to the control plane over mutual TLS if `tls` is given.
+    pub fn open_with_tls(
+        cluster: &str,
+        capacity: BTreeMap<String, u64>,
+        dir: &Path,
+        endpoints: &[String],
+        tls: Option<kvota_control_plane::tls::GrpcTls>,
+    ) -> Result<Agent, Status> {
         let journal = Journal::open(dir).map_err(journal_err)?;
         let lease = match journal.load_lease().map_err(journal_err)? {
             Some(l) if l.cluster == cluster => AgentLease::restored(l),
@@ -101,7 +112,7 @@ impl Agent {
             renumber_on_conflict: std::sync::atomic::AtomicBool::new(false),
             state: Arc::new(Mutex::new(state)),
             journal,
-            client: Client::new(endpoints)?,
+            client: Client::with_tls(endpoints, tls)?,
             start: Instant::now(),
             written_usage: Mutex::new(BTreeMap::new()),
             window_start: Mutex::new(unix_ms()),
