@@ -23,7 +23,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kvota_fairness::federation::{Command, UsageReport};
+use kvota_fairness::federation::{Command, UsageReport, UsageWindow};
 use kvota_fairness::lease::{AgentLease, Lease};
 use kvota_fairness::policy::{Policy, TENANT_LABEL};
 use kvota_fairness::{MilliGpue, Millis};
@@ -88,6 +88,9 @@ struct Journaled {
     durable_at_ms: Millis,
 }
 
+/// How far an agent host's wall clock is from real time at most (NTP).
+pub const WALL_SKEW_MS: u64 = 200;
+
 /// A member cluster, its agent, and the ground truth about both.
 #[derive(Debug)]
 pub struct SimAgent {
@@ -117,6 +120,9 @@ pub struct SimAgent {
     cp_nodes: usize,
     inflight: Option<(Option<u64>, Millis)>,
     next_report_ms: Millis,
+    /// Start of the usage the next report carries, on the host's wall clock (see
+    /// [`SimAgent::wall`]), as the real agent's report windows.
+    window_start: Millis,
     /// Journal fsync latency.
     pub disk_delay_ms: Millis,
     /// Ground truth: GPUe-ms produced by running pods, per tenant.
@@ -164,6 +170,7 @@ impl SimAgent {
             cp_nodes: cp_nodes.max(1),
             inflight: None,
             next_report_ms: 0,
+            window_start: offset_ms % WALL_SKEW_MS,
             disk_delay_ms: 0,
             produced: BTreeMap::new(),
             unmetered: BTreeMap::new(),
@@ -182,6 +189,14 @@ impl SimAgent {
     /// Capacity in GPUe.
     pub fn capacity_gpue(&self) -> MilliGpue {
         self.capacity_gpue
+    }
+
+    /// The host's wall clock at real time `real_ms`: NTP keeps it within
+    /// [`WALL_SKEW_MS`] of real time (the control plane's clocks are as close), unlike
+    /// the monotonic clock of [`SimAgent::clock`], whose origin is arbitrary. Report
+    /// windows are on this clock, as the real agent's.
+    pub fn wall(&self, real_ms: u64) -> u64 {
+        real_ms + self.offset_ms % WALL_SKEW_MS
     }
 
     /// The agent host's clock at real time `real_ms`.
@@ -359,8 +374,9 @@ impl SimAgent {
                 capacity: None,
                 tenants,
                 evictions: Vec::new(),
-                window: None,
+                window: Some(UsageWindow { start_ms: self.window_start, end_ms: self.wall(real_ms) }),
             };
+            self.window_start = self.wall(real_ms);
             self.next_seq += 1;
             self.journal.push_back(Journaled { report, durable_at_ms: h + self.disk_delay_ms });
         }
@@ -524,6 +540,8 @@ impl SimAgent {
         }
         self.up = true;
         self.next_report_ms = h;
+        // Metering starts again now (the downtime is unmetered).
+        self.window_start = self.wall(real_ms);
     }
 
     /// Writes a final report of what is metered (used when settling, so every GPUe-ms

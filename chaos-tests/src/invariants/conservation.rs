@@ -17,7 +17,9 @@
 //!    reports it applied equals `metered_tc`;
 //! 4. the decayed ledger equals a ledger built independently from those applied reports
 //!    at their apply times with each tenant's half-life (`Ledger::add`): it is the
-//!    produced usage, decayed.
+//!    produced usage, decayed. Reports carry usage windows as the real agent's do; one
+//!    agent per cluster writes them back to back, so the federation's cut of an overlap
+//!    (`UsageWindow::uncovered`) must never take anything off: if it did, this differs.
 
 use std::collections::BTreeMap;
 
