@@ -95,6 +95,23 @@ fn sample_log() -> Vec<Entry<TypeConfig>> {
     ]
 }
 
+/// Opens the store at `path`, waiting up to 5 s for a previous handle's lock: sled
+/// releases its file lock only when its last background reference (flusher, IO
+/// threads) lets go, which can trail the drop of the handles by a moment under load.
+fn open_retrying(path: &Path) -> (LogStore, kvota_control_plane::store::StateMachineStore) {
+    let mut tries = 0;
+    loop {
+        match store::open(path) {
+            Ok(s) => return s,
+            Err(e) if tries < 100 && e.to_string().contains("lock") => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(e) => panic!("open {}: {e}", path.display()),
+        }
+    }
+}
+
 /// The Federation obtained by applying the normal entries of `log` directly.
 fn replay(log: &[Entry<TypeConfig>]) -> Federation {
     let mut fed = Federation::new();
@@ -118,7 +135,7 @@ async fn restart_keeps_vote_log_state_machine_and_snapshot() {
     let log_entries = sample_log();
 
     let (before_entries, before_log_state, before_applied, before_data, before_snapshot) = {
-        let (mut log, mut sm) = store::open(dir.path()).unwrap();
+        let (mut log, mut sm) = open_retrying(dir.path());
         log.save_vote(&Vote::new_committed(2, 1)).await.unwrap();
         log.blocking_append(log_entries.clone()).await.unwrap();
         log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();
@@ -162,7 +179,7 @@ async fn restart_keeps_vote_log_state_machine_and_snapshot() {
     };
     assert_eq!(before_entries, log_entries[2..].to_vec());
 
-    let (mut log, mut sm) = store::open(dir.path()).unwrap();
+    let (mut log, mut sm) = open_retrying(dir.path());
     assert_eq!(
         log.read_vote().await.unwrap(),
         Some(Vote::new_committed(2, 1))
@@ -195,7 +212,7 @@ async fn restart_keeps_vote_log_state_machine_and_snapshot() {
 async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
     let (dir_a, dir_b) = (TempDir::new().unwrap(), TempDir::new().unwrap());
     let log_entries = sample_log();
-    let (_log_a, mut sm_a) = store::open(dir_a.path()).unwrap();
+    let (_log_a, mut sm_a) = open_retrying(dir_a.path());
     sm_a.apply(log_entries.clone()).await.unwrap();
     let snapshot = sm_a
         .get_snapshot_builder()
@@ -207,7 +224,7 @@ async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
     assert_eq!(snapshot.meta.last_log_id, Some(log_id(2, 1, 8)));
 
     {
-        let (_log_b, mut sm_b) = store::open(dir_b.path()).unwrap();
+        let (_log_b, mut sm_b) = open_retrying(dir_b.path());
         let mut received = sm_b.begin_receiving_snapshot().await.unwrap();
         assert!(received.get_ref().is_empty());
         *received = Cursor::new(snapshot.snapshot.get_ref().clone());
@@ -217,7 +234,7 @@ async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
         assert_eq!(*sm_b.shared().read().await, want);
     }
 
-    let (_log_b, mut sm_b) = store::open(dir_b.path()).unwrap();
+    let (_log_b, mut sm_b) = open_retrying(dir_b.path());
     assert_eq!(*sm_b.shared().read().await, want);
     let current = sm_b.get_current_snapshot().await.unwrap().unwrap();
     assert_eq!(current.meta, snapshot.meta);
@@ -238,7 +255,7 @@ async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
 async fn corrupt_snapshot_is_refused_and_changes_nothing() {
     let dir = TempDir::new().unwrap();
     let log_entries = sample_log();
-    let (_log, mut sm) = store::open(dir.path()).unwrap();
+    let (_log, mut sm) = open_retrying(dir.path());
     sm.apply(log_entries[..5].to_vec()).await.unwrap();
     let good = sm
         .get_snapshot_builder()
@@ -276,7 +293,7 @@ async fn corrupt_snapshot_is_refused_and_changes_nothing() {
     drop((_log, sm));
 
     // Nothing reached the disk either.
-    let (_log, mut sm) = store::open(dir.path()).unwrap();
+    let (_log, mut sm) = open_retrying(dir.path());
     assert_eq!(*sm.shared().read().await, before);
     assert_eq!(
         sm.get_current_snapshot().await.unwrap().unwrap().meta,
@@ -287,7 +304,7 @@ async fn corrupt_snapshot_is_refused_and_changes_nothing() {
 #[tokio::test]
 async fn applying_an_entry_twice_is_refused() {
     let dir = TempDir::new().unwrap();
-    let (_log, mut sm) = store::open(dir.path()).unwrap();
+    let (_log, mut sm) = open_retrying(dir.path());
     let log_entries = sample_log();
     sm.apply(log_entries[..4].to_vec()).await.unwrap();
     let before = sm.shared().read().await.clone();
@@ -300,12 +317,12 @@ async fn truncate_removes_the_tail_durably() {
     let dir = TempDir::new().unwrap();
     let log_entries = sample_log();
     {
-        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        let (mut log, _sm) = open_retrying(dir.path());
         log.blocking_append(log_entries.clone()).await.unwrap();
         log.truncate(log_id(2, 1, 6)).await.unwrap();
         assert_eq!(all_entries(&mut log).await, log_entries[..5].to_vec());
     }
-    let (mut log, _sm) = store::open(dir.path()).unwrap();
+    let (mut log, _sm) = open_retrying(dir.path());
     assert_eq!(all_entries(&mut log).await, log_entries[..5].to_vec());
     assert_eq!(
         log.get_log_state().await.unwrap().last_log_id,
@@ -328,7 +345,7 @@ async fn committed_id_is_written_lazily_and_never_ahead_of_what_was_saved() {
     let dir = TempDir::new().unwrap();
     let log_entries = sample_log();
     {
-        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        let (mut log, _sm) = open_retrying(dir.path());
         for e in &log_entries {
             log.blocking_append(vec![e.clone()]).await.unwrap();
         }
@@ -339,7 +356,7 @@ async fn committed_id_is_written_lazily_and_never_ahead_of_what_was_saved() {
         }
     }
     {
-        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        let (mut log, _sm) = open_retrying(dir.path());
         assert_eq!(all_entries(&mut log).await, log_entries);
         let committed = log.read_committed().await.unwrap().expect("the first committed id is always written");
         assert!((1..=8).contains(&committed.index), "{committed:?}");
@@ -347,7 +364,7 @@ async fn committed_id_is_written_lazily_and_never_ahead_of_what_was_saved() {
         std::thread::sleep(Duration::from_millis(1_100));
         log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();
     }
-    let (mut log, _sm) = store::open(dir.path()).unwrap();
+    let (mut log, _sm) = open_retrying(dir.path());
     assert_eq!(log.read_committed().await.unwrap(), Some(log_id(2, 1, 8)));
 }
 
@@ -395,7 +412,7 @@ async fn sigkill_child_writer() {
     let Ok(dir) = std::env::var(CRASH_DIR_ENV) else {
         return; // Only meaningful as the child of the SIGKILL test.
     };
-    let (mut log, mut sm) = store::open(Path::new(&dir)).unwrap();
+    let (mut log, mut sm) = open_retrying(Path::new(&dir));
     let start = log
         .get_log_state()
         .await
@@ -472,7 +489,7 @@ async fn sigkill_loses_nothing_acknowledged() {
         }
         child.wait().unwrap();
 
-        let (mut log, mut sm) = store::open(dir.path()).unwrap();
+        let (mut log, mut sm) = open_retrying(dir.path());
         let entries = all_entries(&mut log).await;
         let last = log
             .get_log_state()
