@@ -1,25 +1,14 @@
 //! Evictions reported by agents reach the federation's audit log exactly once, show in
 //! `explain tenant`, and bad notes are refused without changing anything.
 
-use std::collections::BTreeMap;
+mod common;
 
 use kvota_fairness::federation::{
     Applied, AuditEvent, Command, CommandError, EvictionNote, Federation, TenantReport, UsageReport,
     MAX_EVICTION_TEXT, MAX_REPORT_EVICTIONS,
 };
-use kvota_fairness::policy::Policy;
 
-fn federation() -> (Federation, u64) {
-    let mut fed = Federation::new();
-    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")))
-        .expect("policy");
-    let capacity = [("nvidia.com/gpu".to_string(), 32_000)].into();
-    let epoch = match fed.apply(0, Command::RegisterCluster { cluster: "east".into(), capacity, labels: BTreeMap::new() }) {
-        Ok(Applied::Registered(l)) => l.epoch,
-        other => panic!("{other:?}"),
-    };
-    (fed, epoch)
-}
+use common::east_federation as federation;
 
 fn note(victim: &str) -> EvictionNote {
     EvictionNote {

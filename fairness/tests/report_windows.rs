@@ -3,28 +3,17 @@
 //! report, and the federation counts no stretch of time twice (the covered part of a
 //! window is cut pro rata), while back-to-back windows are counted in full.
 
-use std::collections::BTreeMap;
+mod common;
 
 use kvota_fairness::federation::{
     Applied, Command, Federation, TenantReport, UsageReport, UsageWindow, MAX_WINDOW_AHEAD_MS,
 };
-use kvota_fairness::policy::Policy;
 use proptest::prelude::*;
 
 /// 4 GPUs of training, all the time: 4,000 milli-GPUe per ms.
 const RATE: u64 = 4_000;
 
-fn federation() -> (Federation, u64) {
-    let mut fed = Federation::new();
-    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")))
-        .expect("policy");
-    let capacity = [("nvidia.com/gpu".to_string(), 32_000)].into();
-    let epoch = match fed.apply(0, Command::RegisterCluster { cluster: "east".into(), capacity, labels: BTreeMap::new() }) {
-        Ok(Applied::Registered(l)) => l.epoch,
-        other => panic!("{other:?}"),
-    };
-    (fed, epoch)
-}
+use common::east_federation as federation;
 
 fn report(seq: u64, epoch: u64, used: u64, window: Option<(u64, u64)>) -> Command {
     let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 4_000, pending: 0 })].into();

@@ -233,9 +233,9 @@ impl Agent {
             // Reports without windows (an older agent): what they covered is unknown, and
             // nothing would cut an overlap; count from now, as that agent did.
             Ok(i) if i.last_seq > 0 => marks.last(),
-            // Never reported: everything metered is new.
-            Ok(_) => marks.first(),
-            Err(_) => marks.first(),
+            // Never reported (everything metered is new), or no answer (the control
+            // plane cuts whatever the old leader's reports covered).
+            Ok(_) | Err(_) => marks.first(),
         };
         let Some(mark) = chosen else { return };
         self.state().rebase_usage(&mark.used);

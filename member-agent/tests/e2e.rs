@@ -55,6 +55,19 @@ async fn control_plane(tmp: &std::path::Path) -> (Vec<ServerHandle>, Vec<String>
     (nodes, members.values().map(|m| m.rpc_addr.clone()).collect())
 }
 
+/// Applies [`POLICY`] once the control plane has elected a leader (15 s at most).
+async fn apply_policy(endpoints: &[String]) {
+    let admin = Client::new(endpoints).expect("client");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let y = POLICY.to_string();
+        let r = admin.call(|ch| { let y = y.clone(); async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) } }).await;
+        if r.is_ok() { break; }
+        assert!(Instant::now() < deadline, "no leader: {r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn gpu_capacity(gpus: u64) -> BTreeMap<String, u64> {
     [("nvidia.com/gpu".to_string(), gpus * 1000)].into()
 }
@@ -72,16 +85,7 @@ async fn round(agent: &Agent, sim: &mut SimCluster) {
 async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     let tmp = tempfile::tempdir().expect("tmp");
     let (nodes, endpoints) = control_plane(tmp.path()).await;
-    let admin = Client::new(&endpoints).expect("client");
-    let yaml = POLICY.to_string();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let y = yaml.clone();
-        let r = admin.call(|ch| { let y = y.clone(); async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) } }).await;
-        if r.is_ok() { break; }
-        assert!(Instant::now() < deadline, "no leader: {r:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    apply_policy(&endpoints).await;
 
     // Agent A reaches the control plane only through proxies we can cut.
     let mut proxies = Vec::new();
@@ -261,15 +265,7 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     use kvota_member_agent::state::PodRec;
     let tmp = tempfile::tempdir().expect("tmp");
     let (nodes, endpoints) = control_plane(tmp.path()).await;
-    let admin = Client::new(&endpoints).expect("client");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let y = POLICY.to_string();
-        let r = admin.call(|ch| { let y = y.clone(); async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) } }).await;
-        if r.is_ok() { break; }
-        assert!(Instant::now() < deadline, "no leader: {r:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    apply_policy(&endpoints).await;
     let leader = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-1"), &endpoints).expect("agent 1");
     let standby = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-2"), &endpoints).expect("agent 2");
     leader.register().await.expect("register");
