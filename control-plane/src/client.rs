@@ -84,11 +84,8 @@ impl Client {
         if let Some(Some(c)) = chans.get(i) {
             return Ok((addr, c.clone()));
         }
-        let ep = crate::tls::endpoint(&addr, self.tls.as_ref()).map_err(Status::invalid_argument)?
-            .connect_timeout(Duration::from_millis(800))
-            .timeout(CALL_TIMEOUT)
-            .tcp_nodelay(true);
-        let c = ep.connect_lazy();
+        let c = crate::tls::channel(&addr, self.tls.as_ref(), kvota_tls::Expect::AnyNode, Duration::from_millis(800), CALL_TIMEOUT)
+            .map_err(Status::invalid_argument)?;
         if let Some(slot) = chans.get_mut(i) {
             *slot = Some(c.clone());
         }

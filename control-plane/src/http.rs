@@ -1,13 +1,19 @@
 //! The HTTP admin port: `/healthz`, `/readyz`, `/metrics`, and a small JSON API
 //! (`/api/v1/status`, `/api/v1/tenants`, `/api/v1/clusters`, `/api/v1/audit`).
+//!
+//! With TLS the port serves the node's certificate and asks for a client certificate:
+//! `/healthz` and `/readyz` answer anyone (probes carry none), everything else only
+//! viewers, operators and nodes (see [`crate::auth`]).
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use kvota_tls::PeerInfo;
 
 use crate::node::NodeCtx;
 
@@ -21,13 +27,46 @@ pub fn router(ctx: Arc<NodeCtx>) -> Router {
         .route("/api/v1/tenants", get(tenants))
         .route("/api/v1/clusters", get(clusters))
         .route("/api/v1/audit", get(audit))
+        .layer(axum::middleware::from_fn_with_state(ctx.clone(), guard))
         .with_state(ctx)
 }
 
-/// Alive: the process answers. (Raft trouble shows in `/readyz`, not here, so an
-/// orchestrator does not restart a node that is merely partitioned.)
-async fn healthz() -> &'static str {
-    "ok\n"
+/// Probes are open; every other route needs a reader's identity (with TLS).
+async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    if !ctx.authz.enabled() || path == "/healthz" || path == "/readyz" {
+        return next.run(req).await;
+    }
+    let id = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.clone());
+    // Routes are few and fixed: the label set stays bounded (unknown paths are "other").
+    let route = match path {
+        "/metrics" | "/api/v1/status" | "/api/v1/tenants" | "/api/v1/clusters" | "/api/v1/audit" => path.to_string(),
+        _ => "other".to_string(),
+    };
+    match id {
+        Some(i) if kvota_tls::verify::admits(&i, crate::auth::READ) => next.run(req).await,
+        Some(i) => {
+            let msg = format!("{i} may not read {route}; a viewer, operator or node certificate may");
+            ctx.authz.note("http", &route, "role", &i.to_string(), &msg);
+            (StatusCode::FORBIDDEN, format!("{msg}\n")).into_response()
+        }
+        None => {
+            let who = req.extensions().get::<PeerInfo>().map_or_else(|| "unknown".to_string(), |p| p.addr.to_string());
+            let msg = "a client certificate of a viewer, operator or node is required";
+            ctx.authz.note("http", &route, "unauthenticated", &who, msg);
+            (StatusCode::UNAUTHORIZED, format!("{msg}\n")).into_response()
+        }
+    }
+}
+
+/// Alive: the process answers and its Raft core runs. (Raft trouble that can pass, such
+/// as a partition, shows in `/readyz` only, so an orchestrator does not restart a node
+/// that is merely cut off; a stopped Raft core cannot pass, and the process exits.)
+async fn healthz(State(ctx): State<Arc<NodeCtx>>) -> Response {
+    match ctx.fatal() {
+        None => (StatusCode::OK, "ok\n").into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("broken: {why}\n")).into_response(),
+    }
 }
 
 /// Ready: part of a quorum with a known leader, and caught up (see `NodeCtx::ready_checked`).

@@ -8,9 +8,13 @@
 //! [`network`] (Raft over gRPC), [`node`] (write path, forwarding, readiness),
 //! [`service`] (Member and Admin gRPC), [`metrics`], [`http`] (health, readiness,
 //! metrics, JSON), [`server`] (configuration and startup), [`client`] (for the CLI and
-//! agents: any node, leader-following, retries), [`tls`] (mutual TLS on the gRPC port).
+//! agents: any node, leader-following, retries), [`tls`] (mutual TLS by identity on
+//! every port), [`auth`] (who may call what), [`clock`] (the federation's time: the
+//! median of the voters' clocks).
 
+pub mod auth;
 pub mod client;
+pub mod clock;
 pub mod http;
 pub mod metrics;
 pub mod network;

@@ -35,6 +35,34 @@ pub struct RoleLabel {
     pub role: String,
 }
 
+/// Label set of a refused call.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeniedLabel {
+    /// `member`, `admin`, `raft`, `http`.
+    pub service: String,
+    /// The RPC method or HTTP route.
+    pub method: String,
+    /// `unauthenticated`, `role`, `cluster_mismatch`, `not_forwarded`, `sender_mismatch`,
+    /// `out_of_range`.
+    pub reason: String,
+}
+
+/// Label set of a connection closed before it carried a request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabel {
+    /// `grpc`, `raft`, `http`.
+    pub listener: String,
+    /// See `kvota_tls::Refusal`.
+    pub reason: String,
+}
+
+/// Label set of a TLS files reload.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabel {
+    /// `ok` or `error`.
+    pub state: String,
+}
+
 /// The node's metrics. Cloning shares them.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -52,6 +80,12 @@ pub struct Metrics {
     drift: Family<TenantLabel, Gauge>,
     capacity: Gauge,
     clusters: Gauge,
+    denied: Family<DeniedLabel, Counter>,
+    refused: Family<RefusedLabel, Counter>,
+    tls_reloads: Family<ReloadLabel, Counter>,
+    disk_free_bytes: Gauge,
+    disk_low: Gauge,
+    fatal: Gauge,
 }
 
 impl Default for Metrics {
@@ -104,6 +138,16 @@ impl Metrics {
         );
         r.register("federation_capacity_milli_gpue", "Federation capacity, milli-GPUe", capacity.clone());
         r.register("clusters", "Registered member clusters", clusters.clone());
+        let denied = Family::<DeniedLabel, Counter>::default();
+        let refused = Family::<RefusedLabel, Counter>::default();
+        let tls_reloads = Family::<ReloadLabel, Counter>::default();
+        let (disk_free_bytes, disk_low, fatal) = (Gauge::default(), Gauge::default(), Gauge::default());
+        r.register("auth_denied", "Calls refused by authentication or authorization, by service, method and reason", denied.clone());
+        r.register("connections_refused", "Connections closed before carrying a request, by listener and reason", refused.clone());
+        r.register("tls_reloads", "Reloads of this node's certificate, key and CA bundle from disk, by outcome", tls_reloads.clone());
+        r.register("disk_free_bytes", "Free bytes on the data directory's file system", disk_free_bytes.clone());
+        r.register("disk_low", "1 while the data directory's file system is below its free-space reserve", disk_low.clone());
+        r.register("raft_fatal", "1 once the Raft core has stopped (the process exits)", fatal.clone());
         Metrics {
             registry: Arc::new(r),
             apply_seconds,
@@ -119,7 +163,41 @@ impl Metrics {
             drift,
             capacity,
             clusters,
+            denied,
+            refused,
+            tls_reloads,
+            disk_free_bytes,
+            disk_low,
+            fatal,
         }
+    }
+
+    /// Counts a refused call.
+    pub fn denied(&self, service: &str, method: &str, reason: &str) {
+        self.denied
+            .get_or_create(&DeniedLabel { service: service.to_string(), method: method.to_string(), reason: reason.to_string() })
+            .inc();
+    }
+
+    /// Counts a refused connection.
+    pub fn refused(&self, listener: &str, reason: &str) {
+        self.refused.get_or_create(&RefusedLabel { listener: listener.to_string(), reason: reason.to_string() }).inc();
+    }
+
+    /// Counts a reload of the TLS files.
+    pub fn tls_reload(&self, ok: bool) {
+        self.tls_reloads.get_or_create(&ReloadLabel { state: if ok { "ok" } else { "error" }.to_string() }).inc();
+    }
+
+    /// The data directory's free space, and whether it is below the reserve.
+    pub fn disk(&self, free_bytes: u64, low: bool) {
+        self.disk_free_bytes.set(i64::try_from(free_bytes).unwrap_or(i64::MAX));
+        self.disk_low.set(i64::from(low));
+    }
+
+    /// The Raft core stopped.
+    pub fn set_fatal(&self) {
+        self.fatal.set(1);
     }
 
     /// Records one command's propose-to-answer time.

@@ -1,21 +1,31 @@
-//! Raft traffic between control-plane nodes over gRPC (`kvota.v1.Raft`).
+//! Raft traffic between control-plane nodes over gRPC (`kvota.v1.Raft`), on each node's
+//! own Raft listener.
 //!
 //! openraft's own request and response types travel as JSON inside a `RaftPayload`;
 //! the gRPC service only carries bytes. Every call has a deadline (openraft's
 //! `hard_ttl`), and a node that cannot be reached is reported as `Unreachable` so
 //! openraft backs off instead of hammering it.
+//!
+//! What enters openraft is checked first ([`check_append`], [`check_vote`],
+//! [`check_snapshot`]): with TLS, the sender named in the message must be the node of
+//! the caller's certificate (node 2 cannot speak for node 3); and terms, log indexes and
+//! snapshot offsets must lie in ranges the engine handles. openraft increments terms and
+//! indexes without overflow checks, so one message with term `u64::MAX` used to move
+//! the group to that term and make the next election panic every node's Raft core.
 
 use std::time::Duration;
 
 use kvota_proto::v1::raft_client::RaftClient;
 use kvota_proto::v1::raft_server::Raft as RaftService;
-use kvota_proto::v1::RaftPayload;
+use kvota_proto::v1::{ClockReply, Empty, RaftPayload};
+use kvota_tls::{Expect, PeerInfo};
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
     VoteResponse,
 };
+use openraft::{LogId, Vote};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tonic::transport::Channel;
@@ -26,6 +36,15 @@ use crate::types::{Node, NodeId, Raft, TypeConfig};
 /// snapshot of a 10,000-tenant, 1,000-cluster federation is well below that.
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 << 20;
 
+/// Largest term or log index accepted from a peer: 2^48. A group that holds an
+/// election every second reaches it in nine million years; far below `u64::MAX`, so
+/// the engine's `term + 1` and `index + 1` never overflow.
+pub const MAX_TERM_OR_INDEX: u64 = 1 << 48;
+
+/// Largest snapshot received (offset plus chunk): 1 GiB. It is held in memory while it
+/// arrives; a state machine of the documented limits is far smaller.
+pub const MAX_SNAPSHOT_BYTES: u64 = 1 << 30;
+
 /// Connection timeout to a peer: long enough for a loaded loopback, short enough that an
 /// election is not held up by a dead peer.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -33,7 +52,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// Builds clients to peers.
 #[derive(Clone, Debug, Default)]
 pub struct Network {
-    /// Mutual TLS to the peers (with the node's own certificate), if the port uses it.
+    /// Mutual TLS to the peers (with the node's own certificate), if the group uses it.
     pub tls: Option<crate::tls::GrpcTls>,
 }
 
@@ -43,7 +62,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: NodeId, node: &Node) -> PeerClient {
         PeerClient {
             target,
-            addr: node.rpc_addr.clone(),
+            addr: node.raft_addr.clone(),
             client: None,
             tls: self.tls.clone(),
         }
@@ -71,19 +90,27 @@ fn decode<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, NetworkError> {
     serde_json::from_slice(&p.data).map_err(|e| NetworkError::new(&e))
 }
 
+/// A Raft client to `addr`, which must be node `target` (with TLS).
+pub fn raft_client(addr: &str, target: NodeId, tls: Option<&crate::tls::GrpcTls>, timeout: Duration) -> Result<RaftClient<Channel>, String> {
+    if addr.is_empty() {
+        return Err(format!(
+            "node {target} has no Raft address in the membership (it was added by a kvota that served Raft on the API port); add it again with its --advertise-raft address"
+        ));
+    }
+    let channel = crate::tls::channel(addr, tls, Expect::Node(target), CONNECT_TIMEOUT, timeout)?;
+    Ok(RaftClient::new(channel)
+        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES))
+}
+
 impl PeerClient {
     async fn client<E: std::error::Error>(&mut self) -> RpcResult<RaftClient<Channel>, E> {
         if let Some(c) = &self.client {
             return Ok(c.clone());
         }
-        let endpoint = crate::tls::endpoint(&self.addr, self.tls.as_ref())
-            .map_err(|e| RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e))))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true);
-        let channel = endpoint.connect_lazy();
-        let c = RaftClient::new(channel)
-            .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+        // The per-request deadline is set on each call (openraft's hard TTL).
+        let c = raft_client(&self.addr, self.target, self.tls.as_ref(), Duration::from_secs(60))
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(&std::io::Error::other(e))))?;
         self.client = Some(c.clone());
         Ok(c)
     }
@@ -160,11 +187,106 @@ impl RaftNetwork<TypeConfig> for PeerClient {
     }
 }
 
-/// The receiving side: hands each payload to the local Raft node.
+/// Why a Raft message was refused before it reached openraft.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refused {
+    /// `sender_mismatch` or `out_of_range` (the metric's reason).
+    pub reason: &'static str,
+    /// In words.
+    pub why: String,
+}
+
+fn out_of_range(why: String) -> Refused {
+    Refused { reason: "out_of_range", why }
+}
+
+fn check_term(what: &str, term: u64) -> Result<(), Refused> {
+    if term > MAX_TERM_OR_INDEX {
+        return Err(out_of_range(format!("{what} term {term} is above the largest accepted ({MAX_TERM_OR_INDEX})")));
+    }
+    Ok(())
+}
+
+fn check_log_id(what: &str, id: Option<&LogId<NodeId>>, max_term: u64) -> Result<(), Refused> {
+    let Some(id) = id else { return Ok(()) };
+    check_term(what, id.leader_id.term)?;
+    if id.leader_id.term > max_term {
+        return Err(out_of_range(format!("{what} {id} is of a term after the sender's ({max_term})")));
+    }
+    if id.index > MAX_TERM_OR_INDEX {
+        return Err(out_of_range(format!("{what} index {} is above the largest accepted ({MAX_TERM_OR_INDEX})", id.index)));
+    }
+    Ok(())
+}
+
+/// The vote a message carries: in range, and (with `sender`, the caller's certificate)
+/// the sender's own.
+fn check_sender(vote: &Vote<NodeId>, sender: Option<NodeId>) -> Result<(), Refused> {
+    check_term("vote", vote.leader_id().get_term())?;
+    if let Some(sender) = sender {
+        let claimed = vote.leader_id().voted_for();
+        if claimed != Some(sender) {
+            return Err(Refused {
+                reason: "sender_mismatch",
+                why: format!("node {sender} sent a message as node {}", claimed.map_or_else(|| "?".to_string(), |c| c.to_string())),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// AppendEntries: the leader's vote, then the log ids: in range, of no later term than
+/// the vote, entries numbered one after another from `prev_log_id`.
+pub fn check_append(rpc: &AppendEntriesRequest<TypeConfig>, sender: Option<NodeId>) -> Result<(), Refused> {
+    check_sender(&rpc.vote, sender)?;
+    let term = rpc.vote.leader_id().get_term();
+    check_log_id("prev_log_id", rpc.prev_log_id.as_ref(), term)?;
+    check_log_id("leader_commit", rpc.leader_commit.as_ref(), term)?;
+    let mut next = rpc.prev_log_id.map_or(0, |l| l.index + 1);
+    let mut last_term = rpc.prev_log_id.map_or(0, |l| l.leader_id.term);
+    for e in &rpc.entries {
+        check_log_id("entry", Some(&e.log_id), term)?;
+        if e.log_id.index != next {
+            return Err(out_of_range(format!("entry {} where entry index {next} belongs", e.log_id)));
+        }
+        if e.log_id.leader_id.term < last_term {
+            return Err(out_of_range(format!("entry {} is of an earlier term than the one before it", e.log_id)));
+        }
+        last_term = e.log_id.leader_id.term;
+        next += 1;
+    }
+    Ok(())
+}
+
+/// Vote: the candidate's vote, and its last log id no later than it.
+pub fn check_vote(rpc: &VoteRequest<NodeId>, sender: Option<NodeId>) -> Result<(), Refused> {
+    check_sender(&rpc.vote, sender)?;
+    check_log_id("last_log_id", rpc.last_log_id.as_ref(), rpc.vote.leader_id().get_term())
+}
+
+/// InstallSnapshot: the leader's vote, the snapshot's last log id, and the chunk within
+/// [`MAX_SNAPSHOT_BYTES`].
+pub fn check_snapshot(rpc: &InstallSnapshotRequest<TypeConfig>, sender: Option<NodeId>) -> Result<(), Refused> {
+    check_sender(&rpc.vote, sender)?;
+    let term = rpc.vote.leader_id().get_term();
+    check_log_id("snapshot last_log_id", rpc.meta.last_log_id.as_ref(), term)?;
+    let end = rpc.offset.checked_add(rpc.data.len() as u64);
+    if end.is_none_or(|e| e > MAX_SNAPSHOT_BYTES) {
+        return Err(out_of_range(format!(
+            "snapshot chunk at offset {} of {} bytes ends past the largest snapshot accepted ({MAX_SNAPSHOT_BYTES} bytes)",
+            rpc.offset,
+            rpc.data.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The receiving side: checks each payload, then hands it to the local Raft node.
 #[derive(Clone)]
 pub struct RaftTransport {
     raft: Raft,
     contact: std::sync::Arc<crate::watchdog::LeaderContact>,
+    ctx: std::sync::Arc<crate::node::NodeCtx>,
 }
 
 impl std::fmt::Debug for RaftTransport {
@@ -174,9 +296,34 @@ impl std::fmt::Debug for RaftTransport {
 }
 
 impl RaftTransport {
-    /// Serves Raft traffic for `raft`, noting in `contact` when a leader was last heard.
-    pub fn new(raft: Raft, contact: std::sync::Arc<crate::watchdog::LeaderContact>) -> Self {
-        RaftTransport { raft, contact }
+    /// Serves Raft traffic for the node of `ctx`, noting in `contact` when a leader was
+    /// last heard.
+    pub fn new(ctx: std::sync::Arc<crate::node::NodeCtx>, contact: std::sync::Arc<crate::watchdog::LeaderContact>) -> Self {
+        RaftTransport { raft: ctx.raft.clone(), contact, ctx }
+    }
+
+    /// The caller's node id from its certificate (`None` without TLS); a caller without
+    /// a node identity never gets here with TLS (the listener drops it).
+    fn sender<T>(&self, method: &str, req: &tonic::Request<T>) -> Result<Option<NodeId>, tonic::Status> {
+        if !self.ctx.authz.enabled() {
+            return Ok(None);
+        }
+        let id = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.clone());
+        match id.as_ref().and_then(|i| i.node_id()) {
+            Some(n) => Ok(Some(n)),
+            None => Err(self.ctx.authz.deny(
+                "raft",
+                method,
+                "role",
+                &id.map_or_else(|| "no identity".to_string(), |i| i.to_string()),
+                tonic::Status::permission_denied("Raft traffic is for control-plane nodes only"),
+            )),
+        }
+    }
+
+    fn refuse(&self, method: &str, sender: Option<NodeId>, r: Refused) -> tonic::Status {
+        let who = sender.map_or_else(|| "unauthenticated peer".to_string(), |s| format!("node {s}"));
+        self.ctx.authz.deny("raft", method, r.reason, &who, tonic::Status::invalid_argument(r.why))
     }
 }
 
@@ -196,8 +343,10 @@ impl RaftService for RaftTransport {
         &self,
         request: tonic::Request<RaftPayload>,
     ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+        let sender = self.sender("AppendEntries", &request)?;
         let rpc: AppendEntriesRequest<TypeConfig> =
             serde_json::from_slice(&request.into_inner().data).map_err(bad_payload)?;
+        check_append(&rpc, sender).map_err(|r| self.refuse("AppendEntries", sender, r))?;
         if let Some(leader) = rpc.vote.leader_id().voted_for() {
             self.contact.heard(leader);
         }
@@ -205,7 +354,9 @@ impl RaftService for RaftTransport {
     }
 
     async fn vote(&self, request: tonic::Request<RaftPayload>) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+        let sender = self.sender("Vote", &request)?;
         let rpc: VoteRequest<NodeId> = serde_json::from_slice(&request.into_inner().data).map_err(bad_payload)?;
+        check_vote(&rpc, sender).map_err(|r| self.refuse("Vote", sender, r))?;
         reply(&self.raft.vote(rpc).await)
     }
 
@@ -213,8 +364,125 @@ impl RaftService for RaftTransport {
         &self,
         request: tonic::Request<RaftPayload>,
     ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+        let sender = self.sender("InstallSnapshot", &request)?;
         let rpc: InstallSnapshotRequest<TypeConfig> =
             serde_json::from_slice(&request.into_inner().data).map_err(bad_payload)?;
+        check_snapshot(&rpc, sender).map_err(|r| self.refuse("InstallSnapshot", sender, r))?;
         reply(&self.raft.install_snapshot(rpc).await)
+    }
+
+    async fn clock(&self, request: tonic::Request<Empty>) -> Result<tonic::Response<ClockReply>, tonic::Status> {
+        self.sender("Clock", &request)?;
+        Ok(tonic::Response::new(ClockReply { wall_ms: self.ctx.clock.wall_ms() }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openraft::{CommittedLeaderId, EntryPayload};
+    use proptest::prelude::*;
+
+    type Entry = openraft::Entry<TypeConfig>;
+
+    fn log_id(term: u64, node: u64, index: u64) -> LogId<NodeId> {
+        LogId::new(CommittedLeaderId::new(term, node), index)
+    }
+
+    fn append(term: u64, leader: u64, prev: Option<(u64, u64)>, entries: &[(u64, u64)]) -> AppendEntriesRequest<TypeConfig> {
+        AppendEntriesRequest {
+            vote: Vote::new_committed(term, leader),
+            prev_log_id: prev.map(|(t, i)| log_id(t, leader, i)),
+            entries: entries.iter().map(|&(t, i)| Entry { log_id: log_id(t, leader, i), payload: EntryPayload::Blank }).collect(),
+            leader_commit: None,
+        }
+    }
+
+    #[test]
+    fn ordinary_appends_votes_and_snapshots_pass() {
+        assert_eq!(check_append(&append(3, 1, Some((2, 9)), &[(2, 10), (3, 11)]), Some(1)), Ok(()));
+        assert_eq!(check_append(&append(3, 1, None, &[(1, 0), (3, 1)]), Some(1)), Ok(()));
+        assert_eq!(check_append(&append(3, 1, None, &[]), None), Ok(()), "a heartbeat, without TLS");
+        let vote = VoteRequest { vote: Vote::new(5, 2), last_log_id: Some(log_id(4, 1, 100)) };
+        assert_eq!(check_vote(&vote, Some(2)), Ok(()));
+    }
+
+    #[test]
+    fn terms_and_indexes_the_engine_cannot_increment_are_refused() {
+        let e = check_append(&append(u64::MAX, 1, None, &[]), Some(1)).expect_err("u64::MAX term");
+        assert_eq!(e.reason, "out_of_range");
+        assert!(e.why.contains("above the largest accepted"), "{}", e.why);
+        assert!(check_append(&append(MAX_TERM_OR_INDEX + 1, 1, None, &[]), None).is_err());
+        assert!(check_append(&append(MAX_TERM_OR_INDEX, 1, None, &[]), None).is_ok(), "the bound itself is fine");
+        assert!(check_append(&append(3, 1, Some((3, u64::MAX)), &[]), Some(1)).is_err(), "index");
+        assert!(check_vote(&VoteRequest { vote: Vote::new(u64::MAX, 2), last_log_id: None }, Some(2)).is_err());
+        // An entry of a later term than the leader's vote, or a last log id after the
+        // candidate's term: inconsistent, refused.
+        assert!(check_append(&append(3, 1, None, &[(4, 0)]), Some(1)).is_err());
+        assert!(check_vote(&VoteRequest { vote: Vote::new(5, 2), last_log_id: Some(log_id(6, 1, 1)) }, Some(2)).is_err());
+        // Entries out of order, with a gap, or going back in term.
+        assert!(check_append(&append(3, 1, Some((1, 4)), &[(1, 6)]), Some(1)).is_err(), "gap");
+        assert!(check_append(&append(3, 1, Some((1, 4)), &[(1, 5), (1, 5)]), Some(1)).is_err(), "repeat");
+        assert!(check_append(&append(3, 1, Some((2, 4)), &[(1, 5)]), Some(1)).is_err(), "term goes back");
+    }
+
+    #[test]
+    fn a_node_may_speak_only_as_itself() {
+        let e = check_append(&append(3, 1, None, &[]), Some(2)).expect_err("node 2 as leader 1");
+        assert_eq!(e.reason, "sender_mismatch");
+        assert!(e.why.contains("node 2 sent a message as node 1"), "{}", e.why);
+        assert!(check_vote(&VoteRequest { vote: Vote::new(5, 3), last_log_id: None }, Some(2)).is_err());
+    }
+
+    #[test]
+    fn a_snapshot_chunk_past_the_limit_is_refused() {
+        let rpc = |offset: u64, len: usize| InstallSnapshotRequest::<TypeConfig> {
+            vote: Vote::new_committed(2, 1),
+            meta: openraft::SnapshotMeta { last_log_id: Some(log_id(2, 1, 50)), last_membership: Default::default(), snapshot_id: "s".into() },
+            offset,
+            data: vec![0; len],
+            done: false,
+        };
+        assert!(check_snapshot(&rpc(0, 1024), Some(1)).is_ok());
+        assert!(check_snapshot(&rpc(MAX_SNAPSHOT_BYTES - 10, 10), Some(1)).is_ok());
+        assert!(check_snapshot(&rpc(MAX_SNAPSHOT_BYTES - 10, 11), Some(1)).is_err());
+        assert!(check_snapshot(&rpc(u64::MAX, 1), Some(1)).is_err(), "offset + len overflows");
+    }
+
+    proptest! {
+        /// Arbitrary bytes as any of the three payloads: decoding answers with an error or
+        /// a value, and checking a decoded value answers too (no panic).
+        #[test]
+        fn any_payload_decodes_or_is_refused_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(r) = serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&bytes) {
+                let _ = check_append(&r, Some(1));
+            }
+            if let Ok(r) = serde_json::from_slice::<VoteRequest<NodeId>>(&bytes) {
+                let _ = check_vote(&r, Some(1));
+            }
+            if let Ok(r) = serde_json::from_slice::<InstallSnapshotRequest<TypeConfig>>(&bytes) {
+                let _ = check_snapshot(&r, Some(1));
+            }
+        }
+
+        /// Well-formed appends with random terms and indexes: whatever passes the check is
+        /// within the engine's range and consistent.
+        #[test]
+        fn what_passes_is_in_range_and_consistent(
+            term in prop_oneof![0u64..10, Just(u64::MAX), Just(MAX_TERM_OR_INDEX), Just(MAX_TERM_OR_INDEX + 1)],
+            prev in proptest::option::of((0u64..10, prop_oneof![0u64..100, Just(u64::MAX - 1)])),
+            entries in proptest::collection::vec((0u64..12, 0u64..120), 0..5),
+        ) {
+            let r = append(term, 1, prev, &entries);
+            if check_append(&r, Some(1)).is_ok() {
+                prop_assert!(term <= MAX_TERM_OR_INDEX);
+                let mut next = prev.map_or(0, |p| p.1 + 1);
+                for e in &r.entries {
+                    prop_assert!(e.log_id.leader_id.term <= term);
+                    prop_assert_eq!(e.log_id.index, next);
+                    next += 1;
+                }
+            }
+        }
     }
 }

@@ -1,9 +1,9 @@
 //! One control-plane node: its Raft handle, its view of the replicated state, and the
 //! write path that any gRPC handler uses (propose here if leader, else forward).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use kvota_fairness::federation::{Applied, Command, CommandError};
 use openraft::error::{ClientWriteError, RaftError};
@@ -59,11 +59,19 @@ pub struct NodeCtx {
     pub state: Arc<RwLock<StateMachineData>>,
     /// Metrics registry and handles.
     pub metrics: Metrics,
+    /// Who may call what (identities from certificates, when TLS is on).
+    pub authz: crate::auth::Authz,
+    /// This node's wall clock and its readings of the voters' clocks.
+    pub clock: Arc<crate::clock::TimeKeeper>,
     channels: Mutex<HashMap<String, Channel>>,
     writes: mpsc::Sender<Pending>,
     tls: Option<crate::tls::GrpcTls>,
     /// Set once, the first time this process has applied its log (see [`readiness`]).
     caught_up: std::sync::atomic::AtomicBool,
+    /// Why the node cannot serve any more (its Raft core stopped); set once.
+    fatal: std::sync::OnceLock<String>,
+    /// The data directory's file system is below its free-space reserve.
+    disk_low: std::sync::atomic::AtomicBool,
 }
 
 /// How far the applied index may trail the last log index for a starting node to count
@@ -133,37 +141,62 @@ pub enum Proposed {
     Forward(String),
 }
 
-/// Unix milliseconds from the wall clock. The leader stamps commands with it; the state
-/// machine never lets time run backwards, so a leader with a slow clock stalls time
-/// (leases last longer: safe) rather than rewinding it.
-pub fn wall_clock_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
 impl NodeCtx {
     /// A node context; starts its write batcher (must be called inside a Tokio runtime).
+    /// `tls`: the node's certificate; with it every caller is authorized by identity.
     pub fn new(
         id: NodeId,
         raft: Raft,
         state: Arc<RwLock<StateMachineData>>,
         metrics: Metrics,
         tls: Option<crate::tls::GrpcTls>,
+        clock: Arc<crate::clock::TimeKeeper>,
     ) -> Self {
         let (writes, queue) = mpsc::channel(WRITE_QUEUE);
-        tokio::spawn(batcher(raft.clone(), queue));
+        tokio::spawn(batcher(raft.clone(), clock.clone(), queue));
         NodeCtx {
             id,
             raft,
             state,
+            authz: crate::auth::Authz::new(tls.is_some(), metrics.clone()),
             metrics,
+            clock,
             channels: Mutex::new(HashMap::new()),
             writes,
             tls,
             caught_up: std::sync::atomic::AtomicBool::new(false),
+            fatal: std::sync::OnceLock::new(),
+            disk_low: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// This node's TLS (its node certificate), if the group uses TLS.
+    pub fn tls(&self) -> Option<&crate::tls::GrpcTls> {
+        self.tls.as_ref()
+    }
+
+    /// Marks the node broken for good (its Raft core stopped): it is neither healthy nor
+    /// ready from now on, and its process exits.
+    pub fn set_fatal(&self, why: String) {
+        if self.fatal.set(why.clone()).is_ok() {
+            self.metrics.set_fatal();
+            tracing::error!(reason = %why, "the Raft core has stopped: this node cannot serve; exiting so that its supervisor restarts it");
+        }
+    }
+
+    /// Why the node is broken for good, if it is.
+    pub fn fatal(&self) -> Option<&str> {
+        self.fatal.get().map(String::as_str)
+    }
+
+    /// Records whether the data directory's file system is below its reserve.
+    pub fn set_disk_low(&self, low: bool) {
+        self.disk_low.store(low, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The voters of the membership in force.
+    pub fn voters(&self) -> BTreeSet<NodeId> {
+        self.raft.metrics().borrow().membership_config.membership().voter_ids().collect()
     }
 
     /// Proposes `command` if this node leads; otherwise says where the leader is.
@@ -196,12 +229,8 @@ impl NodeCtx {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let ep = crate::tls::endpoint(addr, self.tls.as_ref())
-            .map_err(|e| tonic::Status::internal(format!("leader address: {e}")))?
-            .connect_timeout(Duration::from_millis(500))
-            .timeout(WRITE_TIMEOUT)
-            .tcp_nodelay(true);
-        let c = ep.connect_lazy();
+        let c = crate::tls::channel(addr, self.tls.as_ref(), kvota_tls::Expect::AnyNode, Duration::from_millis(500), WRITE_TIMEOUT)
+            .map_err(|e| tonic::Status::internal(format!("leader address: {e}")))?;
         map.insert(addr.to_string(), c.clone());
         Ok(c)
     }
@@ -223,6 +252,12 @@ impl NodeCtx {
     /// has applied its log counts as caught up from then on.
     pub fn ready(&self) -> Result<(), String> {
         use std::sync::atomic::Ordering;
+        if let Some(why) = self.fatal() {
+            return Err(format!("broken: {why}"));
+        }
+        if self.disk_low.load(Ordering::Relaxed) {
+            return Err("the data directory's file system is below its free-space reserve".to_string());
+        }
         let m = self.raft.metrics().borrow().clone();
         let caught_up = self.caught_up.load(Ordering::Relaxed);
         let r = readiness(
@@ -276,7 +311,7 @@ impl NodeCtx {
 /// Group commit: takes every write queued so far (up to [`BATCH_WEIGHT`]), proposes them
 /// as one entry, and hands each caller its own answer; up to [`BATCHES_IN_FLIGHT`]
 /// entries are in flight at once, and whatever queues meanwhile forms the next batch.
-async fn batcher(raft: Raft, mut queue: mpsc::Receiver<Pending>) {
+async fn batcher(raft: Raft, clock: Arc<crate::clock::TimeKeeper>, mut queue: mpsc::Receiver<Pending>) {
     let in_flight = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
     while let Some(first) = queue.recv().await {
         let Ok(permit) = in_flight.clone().acquire_owned().await else { return };
@@ -293,11 +328,12 @@ async fn batcher(raft: Raft, mut queue: mpsc::Receiver<Pending>) {
                 Err(_) => break,
             }
         }
-        let raft = raft.clone();
+        let (raft, clock) = (raft.clone(), clock.clone());
         tokio::spawn(async move {
             let (commands, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.command, p.reply)).unzip();
             let n = commands.len();
-            let req = Request { now_ms: wall_clock_ms(), commands };
+            let voters: BTreeSet<NodeId> = raft.metrics().borrow().membership_config.membership().voter_ids().collect();
+            let req = Request { now_ms: clock.stamp(&voters), commands };
             let outcome = raft.client_write(req).await;
             drop(permit);
             match outcome {

@@ -1,22 +1,28 @@
 //! Starting and stopping one control-plane node.
 //!
 //! [`start`] takes already-bound listeners ("servers accept an incoming stream"), so
-//! tests bind port 0 and the binary binds what the operator asked for.
+//! tests bind port 0 and the binary binds what the operator asked for. A node has three:
+//! the gRPC API (member and admin services), Raft (node certificates only) and HTTP
+//! (probes, metrics, the JSON API). Each accepts through `kvota_tls::Listener`, with
+//! its connection limits; with TLS each authenticates callers by certificate.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kvota_fairness::federation::Command;
 use kvota_proto::v1::{admin_server::AdminServer, member_server::MemberServer, raft_server::RaftServer};
+use kvota_tls::http::HttpLimits;
+use kvota_tls::{Limits, Listener, Role, ServerTls, TrustGroup};
 use openraft::{Config, SnapshotPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::clock::{TimeKeeper, WallClock};
 use crate::metrics::Metrics;
 use crate::network::{Network, RaftTransport, MAX_RAFT_MESSAGE_BYTES};
 use crate::node::{NodeCtx, Proposed};
@@ -28,18 +34,61 @@ use crate::types::{Node, NodeId, Raft};
 pub const MAX_API_MESSAGE_BYTES: usize = 4 << 20;
 /// Concurrent requests per connection: bounds the work one client can queue.
 pub const MAX_CONCURRENT_PER_CONNECTION: usize = 256;
+/// HTTP/2 streams open at once per gRPC connection: an agent or the CLI has one or two.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+/// Largest header block of a gRPC request (16 KiB): ours carry a few short fields.
+pub const MAX_GRPC_HEADER_BYTES: u32 = 16 << 10;
+/// The longest a gRPC call on the API port may take, body included: longer than any
+/// handler needs (`AddLearner` waits up to 60 s for a learner to catch up), and a
+/// request that dribbles its body in is cut off.
+pub const API_REQUEST_TIMEOUT: Duration = Duration::from_secs(70);
+/// The longest a Raft call may take on the receiving side: a 64 MiB snapshot chunk on a
+/// slow link; openraft's own deadlines on the sending side are much shorter.
+pub const RAFT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often the data directory's free space is checked.
+pub const DISK_CHECK: Duration = Duration::from_secs(1);
+/// Default free-space reserve of the data directory's file system: below it the node is
+/// not ready (and says why) before writes start failing.
+pub const DEFAULT_MIN_FREE_DISK_BYTES: u64 = 64 << 20;
+
+/// The connection limits of a node's three listeners.
+#[derive(Clone, Debug)]
+pub struct PortLimits {
+    /// The gRPC API: agents and operators. Many clusters may share one egress address,
+    /// so the per-address limit is generous.
+    pub api: Limits,
+    /// Raft: a handful of peers, each with one or two connections.
+    pub raft: Limits,
+    /// HTTP: probes, scrapers, the CLI.
+    pub http: Limits,
+    /// HTTP request limits.
+    pub http_requests: HttpLimits,
+}
+
+impl Default for PortLimits {
+    fn default() -> Self {
+        PortLimits {
+            api: Limits { max_connections: 4_096, max_connections_per_peer: 256, ..Limits::default() },
+            raft: Limits { max_connections: 256, max_connections_per_peer: 32, ..Limits::default() },
+            http: Limits { max_connections: 1_024, max_connections_per_peer: 64, ..Limits::default() },
+            http_requests: HttpLimits::default(),
+        }
+    }
+}
 
 /// Everything a node needs to know.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ServerConfig {
     /// This node's id (> 0, stable for its life).
     pub id: NodeId,
     /// Where Raft log, vote and state machine live.
     pub data_dir: PathBuf,
-    /// gRPC address other nodes and clients use to reach this node.
+    /// gRPC API address clients use to reach this node.
     pub advertise_rpc: String,
     /// HTTP address others use to reach this node's admin port.
     pub advertise_http: String,
+    /// Raft address the other nodes use to reach this node.
+    pub advertise_raft: String,
     /// Leader heartbeat interval.
     pub heartbeat_ms: u64,
     /// Election timeout range: a follower that hears nothing for a random time in it
@@ -49,22 +98,45 @@ pub struct ServerConfig {
     pub election_timeout_max_ms: u64,
     /// Take a snapshot (and compact the log) after this many entries.
     pub snapshot_every: u64,
-    /// The leader recomputes entitlements on this interval even without reports.
+    /// The leader recomputes entitlements on this interval even without reports; every
+    /// node reads the voters' clocks on it.
     pub tick_ms: u64,
     /// Initialize a new group with these members if this node's storage is empty.
     pub initial_members: Option<BTreeMap<NodeId, Node>>,
-    /// Mutual TLS on the gRPC port and to the peers (`None`: plain text).
+    /// Mutual TLS on every port and to the peers (`None`: plain text, no identities).
     pub tls: Option<crate::tls::GrpcTls>,
+    /// Allow plain text on listeners that are not loopback (a trusted network only).
+    pub insecure: bool,
+    /// Connection limits of the listeners.
+    pub limits: PortLimits,
+    /// The node's wall clock (tests give nodes wrong ones).
+    pub wall_clock: WallClock,
+    /// Below this many free bytes on the data directory's file system the node is not
+    /// ready.
+    pub min_free_disk_bytes: u64,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("id", &self.id)
+            .field("data_dir", &self.data_dir)
+            .field("advertise_rpc", &self.advertise_rpc)
+            .field("advertise_raft", &self.advertise_raft)
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl ServerConfig {
     /// A configuration with the defaults for everything but identity and addresses.
-    pub fn new(id: NodeId, data_dir: PathBuf, advertise_rpc: String, advertise_http: String) -> Self {
+    pub fn new(id: NodeId, data_dir: PathBuf, advertise_rpc: String, advertise_http: String, advertise_raft: String) -> Self {
         ServerConfig {
             id,
             data_dir,
             advertise_rpc,
             advertise_http,
+            advertise_raft,
             // Measured on 2 loaded cores (docs/benchmarks.md): 50/150-300 ms fails over in
             // well under a second with no spurious elections under load; 40/120-240
             // already caused spurious elections, 100/300-600 takes over a second.
@@ -75,6 +147,19 @@ impl ServerConfig {
             tick_ms: 1_000,
             initial_members: None,
             tls: None,
+            insecure: false,
+            limits: PortLimits::default(),
+            wall_clock: crate::clock::system_wall_clock(),
+            min_free_disk_bytes: DEFAULT_MIN_FREE_DISK_BYTES,
+        }
+    }
+
+    /// This node as a member of the group.
+    pub fn node(&self) -> Node {
+        Node {
+            rpc_addr: self.advertise_rpc.clone(),
+            http_addr: self.advertise_http.clone(),
+            raft_addr: self.advertise_raft.clone(),
         }
     }
 
@@ -94,17 +179,42 @@ impl ServerConfig {
     }
 }
 
+/// A node's three bound listeners.
+#[derive(Debug)]
+pub struct Listeners {
+    /// gRPC API (member and admin services).
+    pub api: TcpListener,
+    /// Raft between nodes.
+    pub raft: TcpListener,
+    /// HTTP: health, readiness, metrics, JSON.
+    pub http: TcpListener,
+}
+
+impl Listeners {
+    /// Binds all three on 127.0.0.1 with ports chosen by the system (tests).
+    pub async fn loopback() -> std::io::Result<Listeners> {
+        Ok(Listeners {
+            api: TcpListener::bind("127.0.0.1:0").await?,
+            raft: TcpListener::bind("127.0.0.1:0").await?,
+            http: TcpListener::bind("127.0.0.1:0").await?,
+        })
+    }
+}
+
 /// A running node.
 pub struct ServerHandle {
     /// Node id.
     pub id: NodeId,
     /// The node's shared context (Raft, state, metrics).
     pub ctx: Arc<NodeCtx>,
-    /// Bound gRPC address.
+    /// Bound gRPC API address.
     pub rpc_addr: SocketAddr,
+    /// Bound Raft address.
+    pub raft_addr: SocketAddr,
     /// Bound HTTP address.
     pub http_addr: SocketAddr,
     shutdown: watch::Sender<bool>,
+    broken: watch::Receiver<bool>,
     tasks: JoinSet<()>,
 }
 
@@ -113,6 +223,7 @@ impl std::fmt::Debug for ServerHandle {
         f.debug_struct("ServerHandle")
             .field("id", &self.id)
             .field("rpc_addr", &self.rpc_addr)
+            .field("raft_addr", &self.raft_addr)
             .field("http_addr", &self.http_addr)
             .finish_non_exhaustive()
     }
@@ -124,6 +235,14 @@ impl ServerHandle {
         &self.ctx.raft
     }
 
+    /// Resolves when the node is broken for good (its Raft core stopped), with why;
+    /// never resolves for a node that works. The binary exits non-zero on it.
+    pub async fn broken(&self) -> String {
+        let mut rx = self.broken.clone();
+        let _ = rx.wait_for(|b| *b).await;
+        self.ctx.fatal().unwrap_or("the Raft core stopped").to_string()
+    }
+
     /// Stops serving, stops Raft, waits for every task. The data directory is closed
     /// when the last handle to the store is dropped.
     pub async fn shutdown(mut self) {
@@ -133,13 +252,55 @@ impl ServerHandle {
     }
 }
 
+fn on_refusal(metrics: &Metrics) -> kvota_tls::listen::OnRefusal {
+    let m = metrics.clone();
+    Arc::new(move |listener, why| m.refused(listener, why.as_str()))
+}
+
+/// Refuses plain text on an address other than loopback unless `insecure`.
+fn check_plain_text(cfg: &ServerConfig, addrs: &[(&str, SocketAddr)]) -> Result<()> {
+    if cfg.tls.is_some() {
+        return Ok(());
+    }
+    if cfg.insecure {
+        tracing::warn!("plain text with --insecure: anyone who reaches these ports can report usage, change the policy, join the group or forge Raft traffic; use it on a trusted network only");
+        return Ok(());
+    }
+    for (what, addr) in addrs {
+        if !kvota_tls::listen::is_loopback(addr) {
+            anyhow::bail!(
+                "the {what} listener is on {addr}, which is not loopback, and TLS is off: anyone who reaches it could report usage, change the policy or join the group. \
+                 Give --tls-ca, --tls-cert and --tls-key (`kvota certs --help`), or --insecure on a trusted network"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Starts a node on the given listeners.
-pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Result<ServerHandle> {
+pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHandle> {
     if cfg.id == 0 {
         anyhow::bail!("node id must be greater than 0");
     }
-    let rpc_addr = rpc.local_addr().context("read gRPC listen address")?;
-    let http_addr = http.local_addr().context("read HTTP listen address")?;
+    let rpc_addr = listeners.api.local_addr().context("read gRPC listen address")?;
+    let raft_addr = listeners.raft.local_addr().context("read Raft listen address")?;
+    let http_addr = listeners.http.local_addr().context("read HTTP listen address")?;
+    check_plain_text(&cfg, &[("gRPC", rpc_addr), ("Raft", raft_addr), ("HTTP", http_addr)])?;
+    if let Some(tls) = &cfg.tls {
+        let me = tls.identity();
+        if me.as_ref().and_then(|i| i.node_id()) != Some(cfg.id) {
+            anyhow::bail!(
+                "the certificate {} names {}, not node {}: give this node a certificate of its own (`kvota certs issue --role node --name {}`)",
+                tls.source().paths().cert.display(),
+                me.map_or_else(|| "no kvota identity".to_string(), |i| i.to_string()),
+                cfg.id,
+                cfg.id
+            );
+        }
+    }
+    if cfg.advertise_raft.is_empty() {
+        anyhow::bail!("the node needs a Raft address others can reach (--advertise-raft)");
+    }
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("create data directory {}", cfg.data_dir.display()))?;
     let (log_store, sm_store) = crate::store::open(&cfg.data_dir.join("raft"))
@@ -152,7 +313,9 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
     let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), Network { tls: cfg.tls.clone() }, log_store, sm_store)
         .await
         .context("start Raft")?;
-    let ctx = Arc::new(NodeCtx::new(cfg.id, raft.clone(), state, Metrics::new(), cfg.tls.clone()));
+    let metrics = Metrics::new();
+    let clock = Arc::new(TimeKeeper::new(cfg.id, cfg.wall_clock.clone()));
+    let ctx = Arc::new(NodeCtx::new(cfg.id, raft.clone(), state, metrics.clone(), cfg.tls.clone(), clock.clone()));
 
     if let Some(members) = &cfg.initial_members {
         if raft.is_initialized().await.context("read Raft state")? {
@@ -160,6 +323,9 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
         } else {
             if !members.contains_key(&cfg.id) {
                 anyhow::bail!("--init members must include this node (id {})", cfg.id);
+            }
+            if let Some((id, _)) = members.iter().find(|(_, n)| n.raft_addr.is_empty()) {
+                anyhow::bail!("--init member {id} has no Raft address");
             }
             raft.initialize(members.clone())
                 .await
@@ -169,44 +335,69 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
     }
 
     let (shutdown, rx) = watch::channel(false);
+    let (broken_tx, broken) = watch::channel(false);
     let mut tasks = JoinSet::new();
+    let refusal = on_refusal(&metrics);
+    let federation_group = |source: &Arc<kvota_tls::TlsSource>| TrustGroup { label: "federation", source: source.clone(), names_identities: true };
 
-    let contact = Arc::new(crate::watchdog::LeaderContact::default());
-    // gRPC: member, admin and Raft services on one port.
-    let mut builder = tonic::transport::Server::builder();
-    match &cfg.tls {
-        Some(t) => builder = builder.tls_config(t.server()).context("set up TLS on the gRPC port")?,
-        None => tracing::warn!(
-            "gRPC without TLS: anyone who can reach the gRPC port can report usage, change the policy or join the group; give --tls-ca, --tls-cert and --tls-key outside a trusted network"
-        ),
-    }
-    let grpc = builder
+    // gRPC API: member and admin services. With TLS every client needs a certificate.
+    let api_tls = cfg.tls.as_ref().map(|t| ServerTls {
+        serving: t.source().clone(),
+        groups: vec![federation_group(t.source())],
+        mandatory: true,
+        roles: None,
+        alpn: vec![b"h2".to_vec()],
+    });
+    let api = Listener::new("grpc", listeners.api, api_tls, cfg.limits.api.clone(), refusal.clone());
+    let grpc = tonic::transport::Server::builder()
+        .timeout(API_REQUEST_TIMEOUT)
         .concurrency_limit_per_connection(MAX_CONCURRENT_PER_CONNECTION)
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(MAX_GRPC_HEADER_BYTES)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
-        .add_service(
-            MemberServer::new(MemberSvc::new(ctx.clone()))
-                .max_decoding_message_size(MAX_API_MESSAGE_BYTES),
-        )
-        .add_service(
-            AdminServer::new(AdminSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES),
-        )
-        .add_service(
-            RaftServer::new(RaftTransport::new(raft.clone(), contact.clone()))
-                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
-        );
+        .add_service(MemberServer::new(MemberSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES))
+        .add_service(AdminServer::new(AdminSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES));
     let mut stop = rx.clone();
+    let incoming = api.incoming(rx.clone());
     tasks.spawn(async move {
-        // tonic applies `tcp_nodelay` only to listeners it binds itself, not to an
-        // incoming stream it is given: without this, Nagle holds back the second small
-        // write of a reply (HTTP/2 DATA after HEADERS) until the peer's delayed ACK,
-        // 40 ms on Linux. That was the whole 1-client p99 (docs/benchmarks.md).
-        let incoming = tonic::transport::server::TcpIncoming::from(rpc).with_nodelay(Some(true));
         let until = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
         if let Err(e) = grpc.serve_with_incoming_shutdown(incoming, until).await {
             tracing::error!(error = %e, "gRPC server stopped");
+        }
+    });
+
+    // Raft: its own port, node certificates only (dropped after the handshake otherwise).
+    let contact = Arc::new(crate::watchdog::LeaderContact::default());
+    let raft_tls = cfg.tls.as_ref().map(|t| ServerTls {
+        serving: t.source().clone(),
+        groups: vec![federation_group(t.source())],
+        mandatory: true,
+        roles: Some(vec![Role::Node]),
+        alpn: vec![b"h2".to_vec()],
+    });
+    let raft_listener = Listener::new("raft", listeners.raft, raft_tls, cfg.limits.raft.clone(), refusal.clone());
+    let raft_server = tonic::transport::Server::builder()
+        .timeout(RAFT_REQUEST_TIMEOUT)
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(MAX_GRPC_HEADER_BYTES)
+        .tcp_nodelay(true)
+        .add_service(
+            RaftServer::new(RaftTransport::new(ctx.clone(), contact.clone()))
+                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
+        );
+    let mut stop = rx.clone();
+    let incoming = raft_listener.incoming(rx.clone());
+    tasks.spawn(async move {
+        let until = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(e) = raft_server.serve_with_incoming_shutdown(incoming, until).await {
+            tracing::error!(error = %e, "Raft server stopped");
         }
     });
 
@@ -220,30 +411,44 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
         rx.clone(),
     ));
 
-    // HTTP admin port.
-    let app = crate::http::router(ctx.clone());
-    let mut stop = rx.clone();
-    tasks.spawn(async move {
-        let until = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        if let Err(e) = axum::serve(http, app).with_graceful_shutdown(until).await {
-            tracing::error!(error = %e, "HTTP server stopped");
-        }
+    // HTTP: client certificates optional (probes carry none); routes authorize.
+    let http_tls = cfg.tls.as_ref().map(|t| ServerTls {
+        serving: t.source().clone(),
+        groups: vec![federation_group(t.source())],
+        mandatory: false,
+        roles: None,
+        alpn: vec![b"h2".to_vec(), b"http/1.1".to_vec()],
     });
+    let http = Listener::new("http", listeners.http, http_tls, cfg.limits.http.clone(), refusal);
+    tasks.spawn(kvota_tls::http::serve(http.incoming(rx.clone()), crate::http::router(ctx.clone()), cfg.limits.http_requests.clone(), rx.clone()));
 
-    // Leader loop: recompute on a timer so budgets move as leases expire and usage decays.
+    // Certificates, key and CA bundle reread when they change.
+    if let Some(tls) = &cfg.tls {
+        let m = metrics.clone();
+        tasks.spawn(tls.source().clone().watch("node certificate", move |ok| m.tls_reload(ok), rx.clone()));
+    }
+
+    // A Raft core that stops (a storage error, a panic) cannot come back in this process.
+    tasks.spawn(watch_raft_core(ctx.clone(), rx.clone(), broken_tx));
+
+    // The data directory's free space.
+    tasks.spawn(watch_disk(ctx.clone(), cfg.data_dir.clone(), cfg.min_free_disk_bytes, rx.clone()));
+
+    // Every node reads the voters' clocks; the leader recomputes on a timer so budgets
+    // move as leases expire and usage decays.
     let tick_ctx = ctx.clone();
     let tick = Duration::from_millis(cfg.tick_ms.max(50));
     let mut stop = rx;
     tasks.spawn(async move {
+        let mut clients = ClockClients::default();
         let mut every = tokio::time::interval(tick);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = every.tick() => {}
-                _ = stop.wait_for(|s| *s) => return,
+                _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
             }
+            read_clocks(&tick_ctx, &mut clients).await;
             let leading = tick_ctx.raft.metrics().borrow().state == openraft::ServerState::Leader;
             if leading {
                 match tick_ctx.propose(Command::Tick).await {
@@ -254,13 +459,113 @@ pub async fn start(cfg: ServerConfig, rpc: TcpListener, http: TcpListener) -> Re
         }
     });
 
-    tracing::info!(id = cfg.id, %rpc_addr, %http_addr, data_dir = %cfg.data_dir.display(), "control-plane node started");
+    tracing::info!(id = cfg.id, %rpc_addr, %raft_addr, %http_addr, tls = cfg.tls.is_some(), data_dir = %cfg.data_dir.display(), "control-plane node started");
     Ok(ServerHandle {
         id: cfg.id,
         ctx,
         rpc_addr,
+        raft_addr,
         http_addr,
         shutdown,
+        broken,
         tasks,
     })
+}
+
+/// Raft clients for reading the voters' clocks, by node and address (kept: a new TLS
+/// connection every tick would cost each pair of nodes a handshake per second).
+type ClockClients = std::collections::HashMap<(NodeId, String), kvota_proto::v1::raft_client::RaftClient<tonic::transport::Channel>>;
+
+/// Asks every other voter for its wall clock (at most 500 ms each, all at once) and
+/// records the answers (see [`crate::clock`]).
+async fn read_clocks(ctx: &Arc<NodeCtx>, clients: &mut ClockClients) {
+    let peers: Vec<(NodeId, String)> = {
+        let m = ctx.raft.metrics().borrow().clone();
+        let membership = m.membership_config.membership();
+        membership
+            .voter_ids()
+            .filter(|v| *v != ctx.id)
+            .filter_map(|v| membership.get_node(&v).map(|n| (v, n.raft_addr.clone())))
+            .collect()
+    };
+    clients.retain(|k, _| peers.contains(k));
+    let asks = peers.into_iter().filter_map(|(id, addr)| {
+        let client = match clients.get(&(id, addr.clone())) {
+            Some(c) => c.clone(),
+            None => {
+                let c = crate::network::raft_client(&addr, id, ctx.tls(), Duration::from_millis(500)).ok()?;
+                clients.insert((id, addr), c.clone());
+                c
+            }
+        };
+        let ctx = ctx.clone();
+        Some(async move {
+            let mut client = client;
+            let sent = Instant::now();
+            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_millis(500), client.clock(kvota_proto::v1::Empty {})).await {
+                ctx.clock.record(id, r.into_inner().wall_ms, sent.elapsed());
+            }
+        })
+    });
+    futures::future::join_all(asks).await;
+}
+
+/// Marks the node broken when its Raft core stops without being asked to.
+async fn watch_raft_core(ctx: Arc<NodeCtx>, mut stop: watch::Receiver<bool>, broken: watch::Sender<bool>) {
+    let mut m = ctx.raft.metrics();
+    loop {
+        let changed = tokio::select! {
+            c = m.changed() => c,
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        };
+        if *stop.borrow() {
+            return;
+        }
+        let why = match changed {
+            Err(_) => Some("the Raft core exited".to_string()),
+            Ok(()) => {
+                let cur = m.borrow_and_update().clone();
+                match (&cur.running_state, cur.state) {
+                    (Err(e), _) => Some(format!("the Raft core stopped: {e}")),
+                    (Ok(()), openraft::ServerState::Shutdown) => Some("the Raft core shut down".to_string()),
+                    _ => None,
+                }
+            }
+        };
+        if let Some(why) = why {
+            ctx.set_fatal(why);
+            let _ = broken.send(true);
+            return;
+        }
+    }
+}
+
+/// Checks the data directory's free space every [`DISK_CHECK`]: below `min_free` the
+/// node is not ready, with a log line when it happens and when it passes.
+async fn watch_disk(ctx: Arc<NodeCtx>, dir: PathBuf, min_free: u64, mut stop: watch::Receiver<bool>) {
+    let mut low = false;
+    let mut every = tokio::time::interval(DISK_CHECK);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        }
+        let free = match rustix::fs::statvfs(&dir) {
+            Ok(s) => s.f_bavail.saturating_mul(s.f_frsize),
+            Err(e) => {
+                tracing::debug!(error = %e, dir = %dir.display(), "statvfs failed");
+                continue;
+            }
+        };
+        let now_low = free < min_free;
+        ctx.metrics.disk(free, now_low);
+        ctx.set_disk_low(now_low);
+        if now_low && !low {
+            tracing::error!(free_bytes = free, reserve_bytes = min_free, dir = %dir.display(), "the data directory's disk is nearly full: this node is not ready; free space (or grow the volume) before writes fail");
+        } else if low && !now_low {
+            tracing::info!(free_bytes = free, dir = %dir.display(), "the data directory's disk has room again");
+        }
+        low = now_low;
+    }
 }

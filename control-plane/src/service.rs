@@ -15,6 +15,7 @@ use kvota_proto::v1::{self, admin_client::AdminClient, member_client::MemberClie
 use openraft::error::{ClientWriteError, RaftError};
 use tonic::{Request, Response, Status};
 
+use crate::auth::{MEMBER, OPERATE, READ, READ_POLICY};
 use crate::node::{no_leader, refusal, NodeCtx, Proposed, FORWARDED_HEADER, LEADER_HEADER};
 use crate::types::Node as NodeAddr;
 
@@ -103,9 +104,11 @@ impl NodeCtx {
 #[tonic::async_trait]
 impl v1::member_server::Member for MemberSvc {
     async fn register(&self, request: Request<v1::RegisterRequest>) -> Result<Response<v1::LeaseReply>, Status> {
+        let caller = self.ctx.authz.check(&request, "member", "Register", MEMBER)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let reg = Registration::try_from(msg.clone()).map_err(invalid)?;
+        self.ctx.authz.for_cluster(&caller, "Register", &reg.cluster)?;
         let cmd = Command::RegisterCluster {
             cluster: reg.cluster,
             capacity: reg.capacity,
@@ -129,6 +132,7 @@ impl v1::member_server::Member for MemberSvc {
     }
 
     async fn report(&self, request: Request<v1::ReportRequest>) -> Result<Response<v1::ReportReply>, Status> {
+        let caller = self.ctx.authz.check(&request, "member", "Report", MEMBER)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let report = match UsageReport::try_from(msg.clone()) {
@@ -138,6 +142,7 @@ impl v1::member_server::Member for MemberSvc {
                 return Err(invalid(e));
             }
         };
+        self.ctx.authz.for_cluster(&caller, "Report", &report.cluster)?;
         let result = self
             .ctx
             .write_or_forward(Command::Report(report), fwd, msg, async |ch, req| {
@@ -170,7 +175,9 @@ impl v1::member_server::Member for MemberSvc {
         &self,
         request: Request<v1::DescribeClusterRequest>,
     ) -> Result<Response<v1::ClusterInfo>, Status> {
+        let caller = self.ctx.authz.check(&request, "member", "DescribeCluster", MEMBER)?;
         let id = convert::cluster_id("cluster", &request.into_inner().cluster).map_err(invalid)?;
+        self.ctx.authz.for_cluster(&caller, "DescribeCluster", &id)?;
         let state = self.ctx.state.read().await;
         cluster_info(&state.federation, &id)
             .map(Response::new)
@@ -242,10 +249,44 @@ fn node_info(id: u64, n: &NodeAddr, voter: bool) -> v1::NodeInfo {
         rpc_addr: n.rpc_addr.clone(),
         http_addr: n.http_addr.clone(),
         voter,
+        raft_addr: n.raft_addr.clone(),
     }
 }
 
+/// Most members of a group: Raft groups of more than 7 voters only slow commits down.
+pub const MAX_MEMBERS: usize = 9;
+
+/// Longest member address accepted (`host:port`).
+const MAX_ADDR: usize = 255;
+
+/// A member's addresses from the wire, checked: an id > 0, a gRPC and a Raft address.
+fn member_addr(m: &v1::NodeInfo) -> Result<NodeAddr, Status> {
+    if m.id == 0 || m.rpc_addr.is_empty() || m.raft_addr.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "node {}: every member needs an id > 0, a gRPC address and a Raft address",
+            m.id
+        )));
+    }
+    for a in [&m.rpc_addr, &m.http_addr, &m.raft_addr] {
+        if a.len() > MAX_ADDR || a.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(Status::invalid_argument(format!("node {}: `{}` is not a host:port address", m.id, a.chars().take(64).collect::<String>())));
+        }
+    }
+    Ok(NodeAddr { rpc_addr: m.rpc_addr.clone(), http_addr: m.http_addr.clone(), raft_addr: m.raft_addr.clone() })
+}
+
 impl AdminSvc {
+    /// With TLS, checks that `raft_addr` is node `id`: it completes a handshake with a
+    /// node certificate naming that id. A leader told to add a member must not be sent
+    /// to dial (and stream the federation's log to) whatever address it is given.
+    async fn verify_member(&self, id: u64, raft_addr: &str) -> Result<(), Status> {
+        let Some(tls) = self.ctx.tls() else { return Ok(()) };
+        kvota_tls::connect::probe(raft_addr, tls.source().clone(), kvota_tls::Expect::Node(id), std::time::Duration::from_secs(5))
+            .await
+            .map(|_| ())
+            .map_err(|e| Status::failed_precondition(format!("node {id} at {raft_addr} is not verified: {e}")))
+    }
+
     async fn status_reply(&self) -> v1::StatusReply {
         let m = self.ctx.raft.metrics().borrow().clone();
         let state = self.ctx.state.read().await;
@@ -303,6 +344,7 @@ impl AdminSvc {
 #[tonic::async_trait]
 impl v1::admin_server::Admin for AdminSvc {
     async fn apply_policy(&self, request: Request<v1::PolicyRequest>) -> Result<Response<v1::PolicyReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "ApplyPolicy", OPERATE)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let policy = Policy::from_yaml(&msg.yaml).map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -321,6 +363,7 @@ impl v1::admin_server::Admin for AdminSvc {
     }
 
     async fn validate_policy(&self, request: Request<v1::PolicyRequest>) -> Result<Response<v1::PolicyReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "ValidatePolicy", READ)?;
         Ok(Response::new(match Policy::from_yaml(&request.into_inner().yaml) {
             Ok(p) => policy_reply(&p),
             Err(e) => v1::PolicyReply {
@@ -330,18 +373,21 @@ impl v1::admin_server::Admin for AdminSvc {
         }))
     }
 
-    async fn get_policy(&self, _: Request<v1::Empty>) -> Result<Response<v1::PolicyReply>, Status> {
+    async fn get_policy(&self, request: Request<v1::Empty>) -> Result<Response<v1::PolicyReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "GetPolicy", READ_POLICY)?;
         let state = self.ctx.state.read().await;
         Ok(Response::new(
             state.federation.policy().map(policy_reply).unwrap_or_default(),
         ))
     }
 
-    async fn status(&self, _: Request<v1::Empty>) -> Result<Response<v1::StatusReply>, Status> {
+    async fn status(&self, request: Request<v1::Empty>) -> Result<Response<v1::StatusReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "Status", READ)?;
         Ok(Response::new(self.status_reply().await))
     }
 
-    async fn list_tenants(&self, _: Request<v1::Empty>) -> Result<Response<v1::ListTenantsReply>, Status> {
+    async fn list_tenants(&self, request: Request<v1::Empty>) -> Result<Response<v1::ListTenantsReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "ListTenants", READ)?;
         let state = self.ctx.state.read().await;
         let fed = &state.federation;
         let Some(policy) = fed.policy() else {
@@ -377,7 +423,8 @@ impl v1::admin_server::Admin for AdminSvc {
         }))
     }
 
-    async fn list_clusters(&self, _: Request<v1::Empty>) -> Result<Response<v1::ListClustersReply>, Status> {
+    async fn list_clusters(&self, request: Request<v1::Empty>) -> Result<Response<v1::ListClustersReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "ListClusters", READ)?;
         let state = self.ctx.state.read().await;
         let fed = &state.federation;
         let clusters = fed.clusters().keys().filter_map(|id| cluster_info(fed, id)).collect();
@@ -388,6 +435,7 @@ impl v1::admin_server::Admin for AdminSvc {
         &self,
         request: Request<v1::ExplainTenantRequest>,
     ) -> Result<Response<v1::ExplainTenantReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "ExplainTenant", READ)?;
         let name = request.into_inner().tenant;
         let state = self.ctx.state.read().await;
         let e = state.federation.explain_tenant(&name).ok_or_else(|| {
@@ -400,6 +448,7 @@ impl v1::admin_server::Admin for AdminSvc {
     }
 
     async fn audit_log(&self, request: Request<v1::AuditLogRequest>) -> Result<Response<v1::AuditLogReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "AuditLog", READ)?;
         let limit = request.into_inner().limit as usize;
         let state = self.ctx.state.read().await;
         let all: Vec<String> = state
@@ -414,6 +463,7 @@ impl v1::admin_server::Admin for AdminSvc {
     }
 
     async fn remove_cluster(&self, request: Request<v1::DescribeClusterRequest>) -> Result<Response<v1::Empty>, Status> {
+        self.ctx.authz.check(&request, "admin", "RemoveCluster", OPERATE)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let id = convert::cluster_id("cluster", &msg.cluster).map_err(invalid)?;
@@ -427,16 +477,21 @@ impl v1::admin_server::Admin for AdminSvc {
     }
 
     async fn initialize(&self, request: Request<v1::InitializeRequest>) -> Result<Response<v1::StatusReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "Initialize", OPERATE)?;
         let msg = request.into_inner();
         if msg.members.is_empty() {
             return Err(Status::invalid_argument("initialize needs at least this node as a member"));
         }
+        if msg.members.len() > MAX_MEMBERS {
+            return Err(Status::invalid_argument(format!("at most {MAX_MEMBERS} members")));
+        }
         let mut members = BTreeMap::new();
         for m in msg.members {
-            if m.id == 0 || m.rpc_addr.is_empty() {
-                return Err(Status::invalid_argument("every member needs an id > 0 and an rpc address"));
+            let node = member_addr(&m)?;
+            if m.id != self.ctx.id {
+                self.verify_member(m.id, &node.raft_addr).await?;
             }
-            members.insert(m.id, NodeAddr { rpc_addr: m.rpc_addr, http_addr: m.http_addr });
+            members.insert(m.id, node);
         }
         if !members.contains_key(&self.ctx.id) {
             return Err(Status::invalid_argument(format!(
@@ -453,13 +508,15 @@ impl v1::admin_server::Admin for AdminSvc {
     }
 
     async fn add_learner(&self, request: Request<v1::AddLearnerRequest>) -> Result<Response<v1::StatusReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "AddLearner", OPERATE)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let node = msg.node.clone().ok_or_else(|| Status::invalid_argument("node is required"))?;
-        if node.id == 0 || node.rpc_addr.is_empty() {
-            return Err(Status::invalid_argument("the learner needs an id > 0 and an rpc address"));
+        let addr = member_addr(&node)?;
+        // Only the leader dials the learner; a follower forwards first.
+        if self.ctx.raft.metrics().borrow().state == openraft::ServerState::Leader {
+            self.verify_member(node.id, &addr.raft_addr).await?;
         }
-        let addr = NodeAddr { rpc_addr: node.rpc_addr, http_addr: node.http_addr };
         // `blocking = true`: answer once the learner has caught up with the log.
         let result = tokio::time::timeout(
             std::time::Duration::from_secs(60),
@@ -474,8 +531,12 @@ impl v1::admin_server::Admin for AdminSvc {
         &self,
         request: Request<v1::ChangeMembershipRequest>,
     ) -> Result<Response<v1::StatusReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "ChangeMembership", OPERATE)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
+        if msg.voters.len() > MAX_MEMBERS {
+            return Err(Status::invalid_argument(format!("at most {MAX_MEMBERS} voters")));
+        }
         if msg.voters.is_empty() {
             return Err(Status::invalid_argument("a group needs at least one voter"));
         }

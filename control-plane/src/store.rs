@@ -140,13 +140,14 @@ pub fn open(path: &Path) -> Result<(LogStore, StateMachineStore), StoreError> {
         path: data.clone(),
         source: sled::Error::Io(e),
     })?;
-    open_disk(Disk { db, file: Some(Arc::new(file)) })
+    let blobs = Some(Arc::new(BlobSync { dir: path.join("blobs"), synced: std::sync::Mutex::new(Default::default()) }));
+    open_disk(Disk { db, file: Some(Arc::new(file)), blobs })
 }
 
 /// Build the two stores on an already opened sled database (e.g. a temporary one in
 /// tests). Same guarantees as [`open`].
 pub fn open_db(db: sled::Db) -> Result<(LogStore, StateMachineStore), StoreError> {
-    open_disk(Disk { db, file: None })
+    open_disk(Disk { db, file: None, blobs: None })
 }
 
 fn open_disk(db: Disk) -> Result<(LogStore, StateMachineStore), StoreError> {
@@ -201,14 +202,59 @@ fn key_index(key: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(bytes))
 }
 
-/// The sled database and, for one on disk, its data file. sled 0.34's `flush` writes the
-/// log with `sync_file_range`, which flushes neither the disk's write cache nor the
-/// file's metadata: that survives a killed process but not a power loss. So every flush
-/// here is followed by an `fdatasync` of the data file.
+/// The sled database and, for one on disk, its data file and blob directory. sled 0.34's
+/// `flush` writes the log with `sync_file_range`, which flushes neither the disk's write
+/// cache nor the file's metadata: that survives a killed process but not a power loss.
+/// So every flush here is followed by an `fdatasync` of the data file. sled writes values
+/// larger than a segment allows (a big snapshot, a large batch of entries) to files of
+/// their own under `blobs/`, which its flush does not sync at all: each new one is
+/// synced too, and the directory that names it.
 #[derive(Clone)]
 struct Disk {
     db: sled::Db,
     file: Option<Arc<std::fs::File>>,
+    blobs: Option<Arc<BlobSync>>,
+}
+
+/// sled's blob files synced so far (names still present in the directory).
+#[derive(Debug)]
+struct BlobSync {
+    dir: PathBuf,
+    synced: std::sync::Mutex<std::collections::HashSet<std::ffi::OsString>>,
+}
+
+impl BlobSync {
+    /// `fdatasync`s every blob file not synced yet, then the directory if any was new.
+    fn sync_new(&self) -> Result<(), io::Error> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let mut synced = self.synced.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut present = std::collections::HashSet::new();
+        let mut new = false;
+        for entry in entries {
+            let entry = entry?;
+            let name = entry.file_name();
+            if !synced.contains(&name) {
+                match std::fs::File::open(entry.path()) {
+                    Ok(f) => f.sync_data()?,
+                    // Collected by sled since it was listed: nothing to keep.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e),
+                }
+                new = true;
+            }
+            present.insert(name);
+        }
+        *synced = present;
+        drop(synced);
+        if new {
+            std::fs::File::open(&self.dir)?.sync_all()?;
+        }
+        Ok(())
+    }
 }
 
 impl std::ops::Deref for Disk {
@@ -224,8 +270,11 @@ async fn flush(disk: &Disk) -> Result<(), io::Error> {
     let disk = disk.clone();
     match tokio::task::spawn_blocking(move || {
         disk.db.flush().map_err(io::Error::from)?;
-        match &disk.file {
-            Some(f) => f.sync_data(),
+        if let Some(f) = &disk.file {
+            f.sync_data()?;
+        }
+        match &disk.blobs {
+            Some(b) => b.sync_new(),
             None => Ok(()),
         }
     })

@@ -12,15 +12,21 @@ pub type NodeId = u64;
 /// How to reach a control-plane node.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Node {
-    /// gRPC address (`host:port`): member, admin and Raft services.
+    /// gRPC API address (`host:port`): the member and admin services.
     pub rpc_addr: String,
     /// HTTP admin address (`host:port`): health, readiness, metrics.
     pub http_addr: String,
+    /// Raft address (`host:port`): the node's own listener for Raft traffic, which serves
+    /// node certificates only. Empty in memberships written before it existed: such a
+    /// member cannot be reached for Raft and must be added again (`kvota members
+    /// add-learner`).
+    #[serde(default)]
+    pub raft_addr: String,
 }
 
 impl fmt::Display for Node {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rpc={} http={}", self.rpc_addr, self.http_addr)
+        write!(f, "rpc={} http={} raft={}", self.rpc_addr, self.http_addr, self.raft_addr)
     }
 }
 

@@ -75,7 +75,7 @@ pub async fn run(raft: Raft, contact: Arc<LeaderContact>, me: NodeId, heartbeat:
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
-            _ = stop.wait_for(|s| *s) => return,
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
         }
         let Some((leader, at)) = contact.last() else { continue };
         let (follower, current, voters, addr) = {
@@ -84,7 +84,9 @@ pub async fn run(raft: Raft, contact: Arc<LeaderContact>, me: NodeId, heartbeat:
             let membership = m.membership_config.membership();
             let mut voters: Vec<NodeId> = membership.voter_ids().filter(|&v| v != leader).collect();
             voters.sort_unstable();
-            let addr = membership.get_node(&leader).map(|n| n.rpc_addr.clone());
+            let addr = membership
+                .get_node(&leader)
+                .map(|n| if n.raft_addr.is_empty() { n.rpc_addr.clone() } else { n.raft_addr.clone() });
             (m.state == openraft::ServerState::Follower, m.current_leader, voters, addr)
         };
         let silent = at.elapsed();

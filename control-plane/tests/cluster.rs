@@ -3,163 +3,17 @@
 //! every node, a leader killed mid-stream, restart from disk, and bad input.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvota_control_plane::client::Client;
-use kvota_control_plane::server::{start, ServerConfig, ServerHandle};
-use kvota_control_plane::types::Node;
-use kvota_fairness::federation::Federation;
+use kvota_control_plane::server::{start, Listeners};
+use kvota_testkit::{config, node_of, Cluster};
 use kvota_fairness::policy::Policy;
 use kvota_proto::v1;
-use tokio::net::TcpListener;
 use tonic::Code;
 
 fn idx(id: u64) -> usize {
     usize::try_from(id - 1).expect("small id")
-}
-
-struct Cluster {
-    dirs: Vec<PathBuf>,
-    nodes: Vec<Option<ServerHandle>>,
-    members: BTreeMap<u64, Node>,
-    _tmp: tempfile::TempDir,
-}
-
-async fn bind() -> (TcpListener, TcpListener) {
-    let rpc = TcpListener::bind("127.0.0.1:0").await.expect("bind rpc");
-    let http = TcpListener::bind("127.0.0.1:0").await.expect("bind http");
-    (rpc, http)
-}
-
-fn config(id: u64, dir: PathBuf, m: &Node) -> ServerConfig {
-    let mut c = ServerConfig::new(id, dir, m.rpc_addr.clone(), m.http_addr.clone());
-    c.tick_ms = 200;
-    c
-}
-
-impl Cluster {
-    async fn start(n: u64) -> Cluster {
-        Cluster::start_with(n, |_| {}).await
-    }
-
-    async fn start_with(n: u64, tweak: fn(&mut ServerConfig)) -> Cluster {
-        let tmp = tempfile::tempdir().expect("tmp");
-        let mut listeners = Vec::new();
-        let mut members = BTreeMap::new();
-        for id in 1..=n {
-            let (rpc, http) = bind().await;
-            members.insert(
-                id,
-                Node {
-                    rpc_addr: rpc.local_addr().expect("addr").to_string(),
-                    http_addr: http.local_addr().expect("addr").to_string(),
-                },
-            );
-            listeners.push((rpc, http));
-        }
-        let mut nodes = Vec::new();
-        let mut dirs = Vec::new();
-        for (i, (rpc, http)) in listeners.into_iter().enumerate() {
-            let id = i as u64 + 1;
-            let dir = tmp.path().join(format!("node{id}"));
-            let mut cfg = config(id, dir.clone(), &members[&id]);
-            tweak(&mut cfg);
-            if id == 1 {
-                cfg.initial_members = Some(members.clone());
-            }
-            nodes.push(Some(start(cfg, rpc, http).await.expect("start node")));
-            dirs.push(dir);
-        }
-        Cluster { dirs, nodes, members, _tmp: tmp }
-    }
-
-    fn endpoints(&self) -> Vec<String> {
-        self.members.values().map(|m| m.rpc_addr.clone()).collect()
-    }
-
-    async fn leader(&self, within: Duration) -> u64 {
-        let deadline = Instant::now() + within;
-        loop {
-            for n in self.nodes.iter().flatten() {
-                let m = n.raft().metrics().borrow().clone();
-                if m.state == openraft::ServerState::Leader {
-                    return n.id;
-                }
-            }
-            assert!(Instant::now() < deadline, "no leader within {within:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn stop(&mut self, id: u64) {
-        if let Some(n) = self.nodes[idx(id)].take() {
-            n.shutdown().await;
-        }
-    }
-
-    async fn restart(&mut self, id: u64) {
-        let m = self.members[&id].clone();
-        // Rebind the same ports (the members' addresses are part of the replicated state)
-        // and reopen the directory. In one process, the stopped instance's last blocking
-        // tasks may still hold sled's directory lock for a moment (a real restart is a new
-        // process, whose exit released it), so retry for a few seconds.
-        let mut tries = 0;
-        let node = loop {
-            let rpc = TcpListener::bind(&m.rpc_addr).await;
-            let http = TcpListener::bind(&m.http_addr).await;
-            let attempt = match (rpc, http) {
-                (Ok(r), Ok(h)) => start(config(id, self.dirs[idx(id)].clone(), &m), r, h).await.map_err(|e| format!("{e:#}")),
-                (r, h) => Err(format!("rebind {m:?}: {:?} {:?}", r.err(), h.err())),
-            };
-            match attempt {
-                Ok(n) => break n,
-                Err(e) if tries < 50 => {
-                    tries += 1;
-                    let _ = e;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => panic!("restart node {id}: {e}"),
-            }
-        };
-        self.nodes[idx(id)] = Some(node);
-    }
-
-    async fn federation(&self, id: u64) -> Federation {
-        let n = self.nodes[idx(id)].as_ref().expect("running");
-        n.ctx.state.read().await.federation.clone()
-    }
-
-    /// Waits until every running node has applied the same log index, then returns
-    /// their federations.
-    async fn converged(&self, within: Duration) -> Vec<Federation> {
-        let deadline = Instant::now() + within;
-        loop {
-            let applied: Vec<u64> = self
-                .nodes
-                .iter()
-                .flatten()
-                .map(|n| n.raft().metrics().borrow().last_applied.map_or(0, |l| l.index))
-                .collect();
-            if applied.windows(2).all(|w| w[0] == w[1]) {
-                let mut out = Vec::new();
-                for n in self.nodes.iter().flatten() {
-                    out.push(self.federation(n.id).await);
-                }
-                if out.windows(2).all(|w| w[0] == w[1]) {
-                    return out;
-                }
-            }
-            assert!(Instant::now() < deadline, "nodes did not converge: applied {applied:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn shutdown(mut self) {
-        for id in 1..=self.nodes.len() as u64 {
-            self.stop(id).await;
-        }
-    }
 }
 
 async fn apply_policy(c: &Client, yaml: &str) -> Result<v1::PolicyReply, tonic::Status> {
@@ -409,15 +263,18 @@ async fn membership_changes_and_admin_http() {
     }
 
     // A fourth node joins as a learner, is promoted, then node 1 is removed.
-    let (rpc, http) = bind().await;
-    let fourth = Node {
-        rpc_addr: rpc.local_addr().expect("addr").to_string(),
-        http_addr: http.local_addr().expect("addr").to_string(),
-    };
-    let dir = cl._tmp.path().join("node4");
-    let n4 = start(config(4, dir, &fourth), rpc, http).await.expect("start node 4");
+    let listeners = Listeners::loopback().await.expect("bind");
+    let fourth = node_of(&listeners);
+    let dir = cl.tmp.path().join("node4");
+    let n4 = start(config(4, dir, &fourth), listeners).await.expect("start node 4");
     let req = v1::AddLearnerRequest {
-        node: Some(v1::NodeInfo { id: 4, rpc_addr: fourth.rpc_addr.clone(), http_addr: fourth.http_addr.clone(), voter: false }),
+        node: Some(v1::NodeInfo {
+            id: 4,
+            rpc_addr: fourth.rpc_addr.clone(),
+            http_addr: fourth.http_addr.clone(),
+            raft_addr: fourth.raft_addr.clone(),
+            voter: false,
+        }),
     };
     let st = client
         .call(|ch| {
@@ -496,7 +353,7 @@ async fn membership_changes_and_admin_http() {
 /// the watchdog about 4.02 s after the last heartbeat.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn survivors_of_a_dead_leader_elect_when_the_lease_ends_not_after_their_timers() {
-    let mut c = Cluster::start_with(3, |cfg| {
+    let mut c = Cluster::start_with(3, None, |cfg| {
         cfg.heartbeat_ms = 200;
         cfg.election_timeout_min_ms = 2_000;
         cfg.election_timeout_max_ms = 4_000;

@@ -79,6 +79,7 @@ fn sample_log() -> Vec<Entry<TypeConfig>> {
             Node {
                 rpc_addr: "127.0.0.1:7000".into(),
                 http_addr: "127.0.0.1:7001".into(),
+                raft_addr: "127.0.0.1:7002".into(),
             },
         )]),
     );

@@ -1,71 +1,18 @@
-//! Mutual TLS on the gRPC port, with real sockets and real certificates (rcgen): three
-//! nodes elect, replicate and forward writes over TLS; a client with a certificate from
-//! the cluster's CA gets in; plain text, no certificate, or a certificate from another CA
-//! does not, and nothing changes. Bad PEM files are refused with the file named.
+//! Identities and authorization on every port of a 3-node control plane with TLS (real
+//! sockets, real certificates from `kvota_tls::issue`): each role gets what it may and
+//! nothing more, a cluster acts only for itself, the Raft port serves nodes only and a
+//! node speaks only for itself, the HTTP port's probes are open and its data is not,
+//! and a member is added only at an address that proves to be that node.
 
-use std::collections::BTreeMap;
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvota_control_plane::client::Client;
-use kvota_control_plane::server::{start, ServerConfig, ServerHandle};
 use kvota_control_plane::tls::{GrpcTls, TlsError};
-use kvota_control_plane::types::Node;
 use kvota_fairness::policy::Policy;
 use kvota_proto::v1;
-use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-use tokio::net::TcpListener;
-
-/// A CA, and a certificate signed by it for `127.0.0.1`, written as PEM files into
-/// `dir` (`ca.pem`, `<name>.pem`, `<name>-key.pem`).
-struct Ca {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-impl Ca {
-    fn new(dir: &Path) -> Ca {
-        let key = KeyPair::generate().expect("key");
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let cert = params.self_signed(&key).expect("self-sign");
-        std::fs::write(dir.join("ca.pem"), cert.pem()).expect("write ca");
-        Ca { cert, key }
-    }
-
-    fn issue(&self, dir: &Path, name: &str) -> GrpcTls {
-        let key = KeyPair::generate().expect("key");
-        let params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).expect("params");
-        let cert = params.signed_by(&key, &self.cert, &self.key).expect("sign");
-        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).expect("write cert");
-        std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).expect("write key");
-        GrpcTls::from_files(&dir.join("ca.pem"), &dir.join(format!("{name}.pem")), &dir.join(format!("{name}-key.pem")))
-            .expect("load")
-    }
-}
-
-async fn cluster(tmp: &Path, ca: &Ca) -> (Vec<ServerHandle>, Vec<String>) {
-    let mut listeners = Vec::new();
-    let mut members = BTreeMap::new();
-    for id in 1..=3u64 {
-        let rpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        members.insert(id, Node { rpc_addr: rpc.local_addr().expect("a").to_string(), http_addr: http.local_addr().expect("a").to_string() });
-        listeners.push((rpc, http));
-    }
-    let mut nodes = Vec::new();
-    for (i, (rpc, http)) in listeners.into_iter().enumerate() {
-        let id = i as u64 + 1;
-        let m = &members[&id];
-        let mut cfg = ServerConfig::new(id, tmp.join(format!("node{id}")), m.rpc_addr.clone(), m.http_addr.clone());
-        cfg.tls = Some(ca.issue(tmp, &format!("node{id}")));
-        if id == 1 {
-            cfg.initial_members = Some(members.clone());
-        }
-        nodes.push(start(cfg, rpc, http).await.expect("start"));
-    }
-    (nodes, members.values().map(|m| m.rpc_addr.clone()).collect())
-}
+use kvota_testkit::{anonymous, http_get, Cluster, Pki};
+use kvota_tls::Role;
+use tonic::Code;
 
 async fn apply_policy(c: &Client) -> Result<v1::PolicyReply, tonic::Status> {
     let yaml = Policy::article_example_yaml().to_string();
@@ -76,124 +23,237 @@ async fn apply_policy(c: &Client) -> Result<v1::PolicyReply, tonic::Status> {
     .await
 }
 
-fn intruder() -> v1::RegisterRequest {
+fn registration(cluster: &str) -> v1::RegisterRequest {
     v1::RegisterRequest {
-        cluster: "intruder".to_string(),
+        cluster: cluster.to_string(),
         capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 8_000 }],
         labels: Default::default(),
     }
 }
 
-/// Whether a client with this TLS setup can register a cluster at `addr`.
-async fn got_in(addr: &str, tls: tonic::transport::ClientTlsConfig) -> bool {
-    let ep = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-        .expect("endpoint")
-        .tls_config(tls)
-        .expect("tls")
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(2));
-    match ep.connect().await {
-        Err(_) => false,
-        Ok(ch) => v1::member_client::MemberClient::new(ch).register(intruder()).await.is_ok(),
-    }
+async fn register(c: &Client, cluster: &str) -> Result<v1::LeaseReply, tonic::Status> {
+    let req = registration(cluster);
+    c.call(|ch| {
+        let req = req.clone();
+        async move { Ok(Client::member(ch).register(req).await?.into_inner()) }
+    })
+    .await
 }
 
-async fn register_intruder(c: &Client) -> Result<v1::LeaseReply, tonic::Status> {
-    c.call(|ch| async move { Ok(Client::member(ch).register(intruder()).await?.into_inner()) }).await
+async fn report(c: &Client, cluster: &str, seq: u64, held: u64) -> Result<v1::ReportReply, tonic::Status> {
+    let req = v1::ReportRequest {
+        cluster: cluster.to_string(),
+        seq,
+        held_epoch: held,
+        tenants: vec![v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: 1_000, inuse_milli_gpue: 1_000, pending_milli_gpue: 0 }],
+        ..Default::default()
+    };
+    c.call(|ch| {
+        let req = req.clone();
+        async move { Ok(Client::member(ch).report(req).await?.into_inner()) }
+    })
+    .await
+}
+
+async fn status(c: &Client) -> Result<v1::StatusReply, tonic::Status> {
+    c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }).await
+}
+
+fn client(endpoints: &[String], party: GrpcTls) -> Client {
+    let c = Client::with_tls(endpoints, Some(party)).expect("client");
+    c.set_call_timeout(Duration::from_secs(2));
+    c
+}
+
+fn denied(r: Result<impl std::fmt::Debug, tonic::Status>, code: Code, says: &str) {
+    match r {
+        Err(s) => assert!(s.code() == code && s.message().contains(says), "expected {code:?} saying `{says}`, got {s:?}"),
+        Ok(v) => panic!("expected {code:?}, got {v:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn only_holders_of_a_certificate_from_the_ca_get_in() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    let ca = Ca::new(tmp.path());
-    let (nodes, endpoints) = cluster(tmp.path(), &ca).await;
+async fn each_role_gets_what_it_may_and_a_cluster_acts_only_for_itself() {
+    let pki = Pki::new("gpu.example");
+    let cl = Cluster::start_with(3, Some(&pki), |_| {}).await;
+    let leader = cl.leader(Duration::from_secs(15)).await;
+    let eps = cl.endpoints();
+    let follower = if leader == 1 { 2 } else { 1 };
+    let follower_ep = vec![cl.members[&follower].rpc_addr.clone()];
 
-    // An operator with a certificate: a leader is elected over TLS and the write is
-    // replicated; sent to a follower first, it is forwarded to the leader over TLS.
-    let admin = Client::with_tls(&endpoints, Some(ca.issue(tmp.path(), "admin"))).expect("client");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let leader = loop {
-        if let Some(l) = nodes.iter().position(|n| n.raft().metrics().borrow().state == openraft::ServerState::Leader) {
-            break l;
-        }
-        assert!(Instant::now() < deadline, "no leader over TLS");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let follower = (leader + 1) % 3;
-    let via_follower = Client::with_tls(&endpoints[follower..=follower], Some(ca.issue(tmp.path(), "admin2"))).expect("client");
-    apply_policy(&via_follower).await.expect("policy through a follower, over TLS");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    for n in &nodes {
-        while n.ctx.state.read().await.federation.policy().is_none() {
-            assert!(Instant::now() < deadline, "node {} never applied the policy", n.id);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-    let st = admin
-        .call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) })
-        .await
-        .expect("status over TLS");
-    assert_eq!(st.members.len(), 3);
+    // An operator, through a follower (forwarded to the leader over TLS as a node).
+    let operator = client(&follower_ep, pki.party(Role::Operator, "alice"));
+    apply_policy(&operator).await.expect("an operator applies the policy through a follower");
+    // A cluster registers and reports for itself, also through a follower.
+    let east = client(&follower_ep, pki.party(Role::Cluster, "east"));
+    let lease = register(&east, "east").await.expect("east registers").lease.expect("lease");
+    report(&east, "east", 1, lease.epoch).await.expect("east reports");
+    // ... and reads the policy it enforces.
+    east.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }).await.expect("get policy");
 
-    // Strangers: plain text, no client certificate, a certificate from another CA.
-    let plain = Client::new(&endpoints).expect("client");
+    // East may not act as west: register, report (an acknowledgement as another
+    // cluster would discard its leases), or describe it.
+    denied(register(&east, "west").await, Code::PermissionDenied, "may act only for cluster `east`, not `west`");
+    denied(report(&east, "west", 1, 0).await, Code::PermissionDenied, "not `west`");
+    let desc = east
+        .call(|ch| async move { Ok(Client::member(ch).describe_cluster(v1::DescribeClusterRequest { cluster: "west".into() }).await?.into_inner()) })
+        .await;
+    denied(desc, Code::PermissionDenied, "not `west`");
+    // A cluster reads no federation-wide data and changes no policy.
+    denied(status(&east).await, Code::PermissionDenied, "may not call admin.Status");
+    denied(apply_policy(&east).await, Code::PermissionDenied, "may not call admin.ApplyPolicy");
+
+    // A viewer reads and changes nothing.
+    let viewer = client(&eps, pki.party(Role::Viewer, "grafana"));
+    assert_eq!(status(&viewer).await.expect("a viewer reads status").members.len(), 3);
+    denied(apply_policy(&viewer).await, Code::PermissionDenied, "may not call admin.ApplyPolicy");
+    let rm = viewer
+        .call(|ch| async move { Ok(Client::admin(ch).remove_cluster(v1::DescribeClusterRequest { cluster: "east".into() }).await?.into_inner()) })
+        .await;
+    denied(rm, Code::PermissionDenied, "RemoveCluster");
+    denied(register(&viewer, "viewer-cluster").await, Code::PermissionDenied, "Register");
+    // An operator reports no usage (only clusters do).
+    denied(report(&operator, "east", 2, 0).await, Code::PermissionDenied, "member.Report");
+    // A node certificate may make writes only as forwarded calls.
+    let node = client(&eps, pki.party(Role::Node, "2"));
+    denied(apply_policy(&node).await, Code::PermissionDenied, "only as a forwarded call");
+
+    // Strangers: plain text, and a certificate of another CA, do not get through the
+    // handshake (the client sees the connection fail).
+    let plain = Client::new(&eps).expect("client");
     plain.set_call_timeout(Duration::from_millis(500));
-    assert!(register_intruder(&plain).await.is_err(), "plain text got in");
+    assert!(register(&plain, "intruder").await.is_err(), "plain text got in");
+    let other = Pki::new("gpu.example");
+    let stranger = client(&eps, other.party(Role::Operator, "mallory"));
+    assert!(apply_policy(&stranger).await.is_err(), "another CA's operator got in");
 
-    // Trusting the cluster's CA (so the server checks out) but presenting no client
-    // certificate, or one from another CA: the server refuses the connection.
-    let ca_pem = std::fs::read(tmp.path().join("ca.pem")).expect("ca");
-    let trust = || tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(&ca_pem));
-    assert!(!got_in(&endpoints[leader], trust()).await, "a client without a certificate got in");
-    let other_dir = tmp.path().join("other");
-    std::fs::create_dir_all(&other_dir).expect("dir");
-    let other = Ca::new(&other_dir);
-    other.issue(&other_dir, "stranger");
-    let identity = tonic::transport::Identity::from_pem(
-        std::fs::read(other_dir.join("stranger.pem")).expect("cert"),
-        std::fs::read(other_dir.join("stranger-key.pem")).expect("key"),
-    );
-    assert!(!got_in(&endpoints[leader], trust().identity(identity)).await, "a certificate from another CA got in");
-    // The same way in with a certificate from the cluster's CA works (the check above
-    // fails for the certificate, not for the way it is made).
-    ca.issue(tmp.path(), "ok");
-    let identity = tonic::transport::Identity::from_pem(
-        std::fs::read(tmp.path().join("ok.pem")).expect("cert"),
-        std::fs::read(tmp.path().join("ok-key.pem")).expect("key"),
-    );
-    let ok = tonic::transport::Endpoint::from_shared(format!("https://{}", endpoints[leader]))
-        .expect("endpoint")
-        .tls_config(trust().identity(identity))
-        .expect("tls")
-        .connect()
-        .await
-        .expect("connect with a good certificate");
-    v1::admin_client::AdminClient::new(ok).status(v1::Empty {}).await.expect("status with a good certificate");
+    // Nothing refused changed anything, and the refusals are counted by reason.
+    let feds = cl.converged(Duration::from_secs(10)).await;
+    for f in &feds {
+        assert_eq!(f.clusters().keys().collect::<Vec<_>>(), vec!["east"]);
+        assert_eq!(f.clusters()["east"].last_seq, 1);
+    }
+    let metrics: String = (1..=3).map(|id| cl.node(id).ctx.metrics.render(&cl.node(id).raft().metrics().borrow(), &feds[0])).collect();
+    for reason in ["cluster_mismatch", "role", "not_forwarded"] {
+        assert!(metrics.contains(&format!("reason=\"{reason}\"")), "no {reason} in\n{metrics}");
+    }
+    cl.shutdown().await;
+}
 
-    // Nothing the strangers sent was applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_raft_port_serves_nodes_only_and_each_only_as_itself() {
+    let pki = Pki::new("kvota");
+    let cl = Cluster::start_with(3, Some(&pki), |_| {}).await;
+    let leader = cl.leader(Duration::from_secs(15)).await;
+    let term = cl.node(leader).raft().metrics().borrow().current_term;
+    let target = if leader == 3 { 2 } else { 3 };
+    let raft_addr = cl.members[&target].raft_addr.clone();
+
+    // An operator (or a cluster) cannot even stay connected to the Raft port.
+    for (role, name) in [(Role::Operator, "alice"), (Role::Cluster, "east")] {
+        let party = pki.party(role, name);
+        let ch = kvota_control_plane::tls::channel(&raft_addr, Some(&party), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
+            .expect("channel");
+        let r = kvota_proto::v1::raft_client::RaftClient::new(ch).clock(v1::Empty {}).await;
+        assert!(r.is_err(), "{role} was served on the Raft port");
+    }
+    // The API port does not serve Raft at all.
+    let node1 = pki.party(Role::Node, "1");
+    let ch = kvota_control_plane::tls::channel(&cl.members[&target].rpc_addr, Some(&node1), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
+        .expect("channel");
+    let r = kvota_proto::v1::raft_client::RaftClient::new(ch).clock(v1::Empty {}).await;
+    assert_eq!(r.expect_err("no Raft on the API port").code(), Code::Unimplemented);
+
+    // A node certificate speaking for another node is refused before openraft sees it.
+    let impostor = if leader == 1 { 2 } else { 1 };
+    let impostor = pki.party(Role::Node, &impostor.to_string());
+    let mut raft = kvota_control_plane::network::raft_client(&raft_addr, target, Some(&impostor), Duration::from_secs(2)).expect("client");
+    let forged = serde_json::json!({
+        "vote": {"leader_id": {"term": term + 100, "node_id": leader}, "committed": true},
+        "prev_log_id": null, "entries": [], "leader_commit": null
+    });
+    let r = raft.append_entries(v1::RaftPayload { data: serde_json::to_vec(&forged).expect("json") }).await;
+    let s = r.expect_err("a node may not send as the leader");
+    assert!(s.code() == Code::InvalidArgument && s.message().contains("as node"), "{s:?}");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    for n in &nodes {
-        assert!(!n.ctx.state.read().await.federation.clusters().contains_key("intruder"), "node {}", n.id);
+    for n in cl.nodes.iter().flatten() {
+        let t = n.raft().metrics().borrow().current_term;
+        assert!(t < term + 100, "node {} moved to the forged term {t}", n.id);
     }
-    for n in nodes {
-        n.shutdown().await;
+    cl.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_probes_are_open_and_everything_else_needs_a_readers_certificate() {
+    let pki = Pki::new("kvota");
+    let cl = Cluster::start_with(3, Some(&pki), |_| {}).await;
+    cl.leader(Duration::from_secs(15)).await;
+    let http = cl.members[&1].http_addr.clone();
+    let viewer = pki.party(Role::Viewer, "prometheus");
+    let probe = anonymous(&viewer);
+    assert_eq!(http_get(&probe, &http, "/healthz").await.expect("healthz").0, 200);
+    let (code, _) = http_get(&probe, &http, "/readyz").await.expect("readyz");
+    assert!(code == 200 || code == 503, "{code}");
+    for path in ["/metrics", "/api/v1/tenants", "/api/v1/status", "/nothing-here"] {
+        let (code, body) = http_get(&probe, &http, path).await.expect("answer");
+        assert_eq!(code, 401, "{path} without a certificate: {body}");
     }
+    let (code, body) = http_get(&viewer.connector(kvota_tls::Expect::AnyNode), &http, "/metrics").await.expect("metrics");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("kvota_auth_denied_total"), "{body}");
+    let east = pki.party(Role::Cluster, "east");
+    let (code, body) = http_get(&east.connector(kvota_tls::Expect::AnyNode), &http, "/api/v1/tenants").await.expect("answer");
+    assert_eq!(code, 403, "{body}");
+    // Plain HTTP to a TLS port gets nowhere.
+    let plain = kvota_tls::connect::Connector::new(None);
+    assert!(!matches!(http_get(&plain, &http, "/metrics").await, Ok((200, _))));
+    cl.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_member_is_added_only_where_that_node_answers() {
+    let pki = Pki::new("kvota");
+    let cl = Cluster::start_with(3, Some(&pki), |_| {}).await;
+    cl.leader(Duration::from_secs(15)).await;
+    let operator = client(&cl.endpoints(), pki.party(Role::Operator, "alice"));
+    // "Node 4" at node 2's Raft address: node 2's certificate says node 2.
+    let two = cl.members[&2].clone();
+    let add = |raft_addr: String| {
+        let req = v1::AddLearnerRequest {
+            node: Some(v1::NodeInfo { id: 4, rpc_addr: "127.0.0.1:1".into(), http_addr: String::new(), raft_addr, voter: false }),
+        };
+        let operator = operator.clone();
+        async move {
+            operator
+                .call(|ch| {
+                    let req = req.clone();
+                    async move { Ok(Client::admin(ch).add_learner(req).await?.into_inner()) }
+                })
+                .await
+        }
+    };
+    denied(add(two.raft_addr.clone()).await, Code::FailedPrecondition, "not node 4");
+    // An address where nothing listens (the leader must not be sent anywhere).
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").to_string();
+    denied(add(closed).await, Code::FailedPrecondition, "is not verified");
+    let st = status(&operator).await.expect("status");
+    assert_eq!(st.members.len(), 3, "{:?}", st.members);
+    cl.shutdown().await;
 }
 
 #[test]
 fn bad_certificate_files_are_refused_naming_the_file() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    let ca = Ca::new(tmp.path());
-    ca.issue(tmp.path(), "node");
-    let (ca_pem, cert, key) = (tmp.path().join("ca.pem"), tmp.path().join("node.pem"), tmp.path().join("node-key.pem"));
-    let missing = tmp.path().join("missing.pem");
-    let junk = tmp.path().join("junk.pem");
+    let pki = Pki::new("kvota");
+    let f = pki.files(Role::Node, "1");
+    let dir = pki.dir();
+    let missing = dir.join("missing.pem");
+    let junk = dir.join("junk.pem");
     std::fs::write(&junk, "not a certificate\n").expect("write");
     let cases = [
-        (&ca_pem, &missing, &key, "read the certificate", "missing.pem"),
-        (&junk, &cert, &key, "the CA certificate", "junk.pem"),
-        (&ca_pem, &junk, &key, "the certificate", "junk.pem"),
-        (&ca_pem, &cert, &cert, "the private key", "node.pem"),
+        (&f.ca, &missing, &f.key, "read the certificate", "missing.pem"),
+        (&junk, &f.cert, &f.key, "the CA bundle", "junk.pem"),
+        (&f.ca, &junk, &f.key, "the certificate", "junk.pem"),
+        (&f.ca, &f.cert, &f.cert, "the private key", "node-1.crt"),
     ];
     for (c, crt, k, what, file) in cases {
         let e = GrpcTls::from_files(c, crt, k).expect_err(what);
@@ -201,4 +261,9 @@ fn bad_certificate_files_are_refused_naming_the_file() {
         assert!(text.contains(what) && text.contains(file), "{what}: {text}");
         assert_eq!(matches!(e, TlsError::Read { .. }), file == "missing.pem", "{text}");
     }
+    // A certificate naming no kvota identity (a webhook's) cannot be a party's.
+    let hook = pki.ca().issue(&kvota_tls::issue::Kind::Webhook, "kvota-agent.kvota-system.svc", &[], &[], 30).expect("issue");
+    let w = pki.write("webhook", &hook);
+    let e = GrpcTls::from_files(&w.ca, &w.cert, &w.key).expect_err("no identity");
+    assert!(e.to_string().contains("names no kvota identity"), "{e}");
 }

@@ -56,7 +56,9 @@ pub struct TenantHere {
     pub min_share_bp: u32,
     /// Its budget in this cluster now (lease budget, or safe budget after expiry).
     pub budget: MilliGpue,
-    /// GPUe it holds here (bound plus reserved).
+    /// GPUe its pods on nodes hold here (bound). Admitted pods still waiting for a node
+    /// are not in it: they are among the waiting pods, and counting them here too would
+    /// make a tenant whose admitted pods cannot be placed look satisfied.
     pub inuse: MilliGpue,
 }
 

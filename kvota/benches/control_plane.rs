@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use kvota_control_plane::client::Client;
 use kvota_proto::etcd::{kv_client::KvClient, PutRequest};
 use kvota_proto::v1::{self, member_client::MemberClient};
+use kvota_testkit::procs::{free_ports, server_command, specs, Procs, ServerSpec};
 use prost::Message;
 use tonic::transport::{Channel, Endpoint};
 
@@ -27,21 +28,6 @@ use tonic::transport::{Channel, Endpoint};
 /// HTTP/2 connections, for both systems.
 const CONNECTIONS: usize = 8;
 
-struct Procs(Vec<Option<Child>>);
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in self.0.iter_mut().flatten() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<std::net::TcpListener> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
-    held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
-}
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -135,20 +121,9 @@ where
     Run { ops: all.len() as u64, errors: errors.load(Ordering::Relaxed), secs, p50_us: pct(50), p99_us: pct(99) }
 }
 
-fn spawn_kvota(id: usize, rpc: &str, http: &str, dir: &Path, init: Option<&[String]>) -> Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvota"));
-    cmd.args(["server", "--id", &id.to_string(), "--listen", rpc, "--http", http])
-        .arg("--data-dir")
-        .arg(dir)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    if let Some(members) = init {
-        cmd.arg("--init");
-        for m in members {
-            cmd.args(["--member", m]);
-        }
-    }
+fn spawn_kvota(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
+    let mut cmd = server_command(Path::new(env!("CARGO_BIN_EXE_kvota")), s, all, init, &[]);
+    cmd.env("RUST_LOG", "error").stderr(Stdio::null());
     cmd.spawn().expect("spawn kvota server")
 }
 
@@ -172,16 +147,9 @@ async fn kvota_leader(rpcs: &[String]) -> usize {
 }
 
 async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u64>, usize) {
-    let ports = free_ports(6);
-    let rpcs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[2 * i])).collect();
-    let https: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[2 * i + 1])).collect();
-    let members: Vec<String> = (0..3).map(|i| format!("{}={},{}", i + 1, rpcs[i], https[i])).collect();
-    let dirs: Vec<_> = (0..3).map(|i| tmp.join(format!("kvota{}", i + 1))).collect();
-    let mut procs = Procs(
-        (0..3)
-            .map(|i| Some(spawn_kvota(i + 1, &rpcs[i], &https[i], &dirs[i], (i == 0).then_some(&members[..]))))
-            .collect(),
-    );
+    let specs = specs(3, tmp);
+    let rpcs: Vec<String> = specs.iter().map(|s| s.rpc.clone()).collect();
+    let mut procs = Procs((0..3).map(|i| Some(spawn_kvota(&specs[i], &specs, i == 0))).collect());
     let leader = kvota_leader(&rpcs).await;
     let client = Client::new(&rpcs).expect("client");
     let yaml = kvota_fairness::policy::Policy::article_example_yaml().to_string();
@@ -272,7 +240,7 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
             target = target.max(kvota_status(s).await.map_or(0, |s| s.committed_index));
         }
         let restarted = Instant::now();
-        procs.0[l] = Some(spawn_kvota(l + 1, &rpcs[l], &https[l], &dirs[l], None));
+        procs.0[l] = Some(spawn_kvota(&specs[l], &specs, false));
         let deadline = Instant::now() + Duration::from_secs(60);
         while kvota_status(&rpcs[l]).await.is_none_or(|s| s.leader_id == 0 || s.last_applied_index < target) {
             assert!(Instant::now() < deadline, "restarted node did not rejoin and catch up");

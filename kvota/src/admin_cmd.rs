@@ -62,21 +62,26 @@ pub fn tls_from(
 #[derive(Debug, Subcommand)]
 pub enum MembersCmd {
     /// Initialize a new group from a node that started without --init. Give every
-    /// initial member, including that node.
+    /// initial member, including that node. With TLS, each other member must answer at
+    /// its Raft address with its own node certificate.
     Init {
-        /// ID=GRPC_ADDR[,HTTP_ADDR]; repeat for each member.
-        #[arg(long = "member", value_name = "ID=GRPC[,HTTP]", required = true)]
+        /// ID=GRPC_ADDR,HTTP_ADDR,RAFT_ADDR; repeat for each member.
+        #[arg(long = "member", value_name = "ID=GRPC,HTTP,RAFT", required = true)]
         members: Vec<String>,
     },
     /// Add a node as a learner (it receives the log but does not vote). Waits until it
-    /// has caught up.
+    /// has caught up. With TLS, the leader first checks that the Raft address answers
+    /// with the certificate of node --id.
     AddLearner {
         /// The new node's id.
         #[arg(long)]
         id: u64,
-        /// Its gRPC address.
+        /// Its gRPC API address.
         #[arg(long)]
         rpc: String,
+        /// Its Raft address (its --advertise-raft).
+        #[arg(long)]
+        raft: String,
         /// Its HTTP address.
         #[arg(long, default_value = "")]
         http: String,
@@ -185,7 +190,7 @@ pub fn status(cp: &Cp, json: bool) -> Result<()> {
                 "node_id": s.node_id, "role": s.role, "term": s.term, "leader_id": s.leader_id,
                 "leader_rpc_addr": s.leader_rpc_addr, "last_log_index": s.last_log_index,
                 "last_applied_index": s.last_applied_index, "policy": s.policy, "clusters": s.clusters,
-                "members": s.members.iter().map(|m| serde_json::json!({"id": m.id, "rpc": m.rpc_addr, "http": m.http_addr, "voter": m.voter})).collect::<Vec<_>>(),
+                "members": s.members.iter().map(|m| serde_json::json!({"id": m.id, "rpc": m.rpc_addr, "http": m.http_addr, "raft": m.raft_addr, "voter": m.voter})).collect::<Vec<_>>(),
             })
         );
         return Ok(());
@@ -205,10 +210,11 @@ pub fn status(cp: &Cp, json: bool) -> Result<()> {
     out!("members:");
     for m in &s.members {
         out!(
-            "  {:>3}  {:<8} grpc {:<22} http {}",
+            "  {:>3}  {:<8} grpc {:<22} raft {:<22} http {}",
             m.id,
             if m.voter { "voter" } else { "learner" },
             m.rpc_addr,
+            m.raft_addr,
             m.http_addr
         );
     }
@@ -392,7 +398,10 @@ fn explain_pod(
         let ca = agent_ca.context(
             "--agent needs --agent-ca FILE (or KVOTA_AGENT_CA): the CA of the agent's serving certificate, the webhook's caBundle",
         )?;
-        let target = kvota_member_agent::https::Target { base: base.to_string(), ca: ca.to_path_buf(), tls_name };
+        // Present the operator's federation certificate when there is one: an agent with
+        // federation TLS explains pods only to viewers, operators and nodes.
+        let client = cp.cp_cert.clone().zip(cp.cp_key.clone());
+        let target = kvota_member_agent::https::Target { base: base.to_string(), ca: ca.to_path_buf(), tls_name, client };
         let path = format!("/explain?pod={}", percent_encode(pod));
         let (status, body) = rt()?
             .block_on(kvota_member_agent::https::get(&target, &path, std::time::Duration::from_secs(10)))
@@ -470,12 +479,8 @@ pub fn audit(cp: &Cp, limit: u32) -> Result<()> {
 }
 
 fn member(spec: &str) -> Result<v1::NodeInfo> {
-    let (id, addrs) = spec
-        .split_once('=')
-        .with_context(|| format!("--member {spec}: expected ID=GRPC_ADDR[,HTTP_ADDR]"))?;
-    let id: u64 = id.parse().ok().filter(|&i| i > 0).with_context(|| format!("--member {spec}: bad id"))?;
-    let (rpc, http) = addrs.split_once(',').unwrap_or((addrs, ""));
-    Ok(v1::NodeInfo { id, rpc_addr: rpc.to_string(), http_addr: http.to_string(), voter: true })
+    let (id, n) = crate::server_cmd::parse_member(spec)?;
+    Ok(v1::NodeInfo { id, rpc_addr: n.rpc_addr, http_addr: n.http_addr, raft_addr: n.raft_addr, voter: true })
 }
 
 /// `kvota members ...`
@@ -490,8 +495,8 @@ pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
                 async move { Ok(Client::admin(ch).initialize(v1::InitializeRequest { members }).await?.into_inner()) }
             }))
         }
-        MembersCmd::AddLearner { id, rpc, http } => {
-            let node = v1::NodeInfo { id: *id, rpc_addr: rpc.clone(), http_addr: http.clone(), voter: false };
+        MembersCmd::AddLearner { id, rpc, http, raft } => {
+            let node = v1::NodeInfo { id: *id, rpc_addr: rpc.clone(), http_addr: http.clone(), raft_addr: raft.clone(), voter: false };
             rt.block_on(c.call(|ch| {
                 let node = node.clone();
                 async move { Ok(Client::admin(ch).add_learner(v1::AddLearnerRequest { node: Some(node) }).await?.into_inner()) }
@@ -505,7 +510,7 @@ pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
     .map_err(|e| status_err(cp, e))?;
     out!("membership now:");
     for m in &reply.members {
-        out!("  {:>3}  {:<8} grpc {}", m.id, if m.voter { "voter" } else { "learner" }, m.rpc_addr);
+        out!("  {:>3}  {:<8} grpc {}  raft {}", m.id, if m.voter { "voter" } else { "learner" }, m.rpc_addr, m.raft_addr);
     }
     Ok(())
 }

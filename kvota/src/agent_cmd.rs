@@ -19,7 +19,7 @@ use kvota_fairness::resources::NVIDIA_GPU;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::metrics::AgentMetrics;
 use kvota_member_agent::state::PodRec;
-use kvota_member_agent::webhook::{self, TlsFiles, WebhookCtx};
+use kvota_member_agent::webhook::{self, WebhookCtx, WebhookTls};
 use tokio::sync::watch;
 
 /// Options of `kvota agent`.
@@ -42,6 +42,12 @@ pub struct AgentArgs {
     /// PEM private key of the webhook (reread when the file changes).
     #[arg(long, env = "KVOTA_TLS_KEY")]
     pub(crate) tls_key: PathBuf,
+    /// PEM bundle of the CA that signs the Kubernetes API server's client certificate
+    /// for webhooks (its AdmissionConfiguration's kubeconfig): with it, /validate and
+    /// /mutate answer only the API server, and a forged review from anything else in
+    /// the cluster is refused. Reread when the file changes.
+    #[arg(long, env = "KVOTA_WEBHOOK_CLIENT_CA", value_name = "FILE")]
+    pub(crate) webhook_client_ca: Option<PathBuf>,
     /// How often usage is reported (each report also renews the lease), milliseconds.
     /// Keep it well under the policy's lease duration (default 30 s).
     #[arg(long, env = "KVOTA_REPORT_INTERVAL_MS", default_value_t = 5_000)]
@@ -101,7 +107,28 @@ pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
     }
     let nodes = args.simulate.as_deref().map(parse_nodes).transpose()?;
     // Certificate problems are reported before anything starts.
-    let tls = Arc::new(TlsFiles::load(&args.tls_cert, &args.tls_key)?);
+    let federation = cp.tls()?;
+    if let Some(f) = &federation {
+        let me = f.identity();
+        let ok = me.as_ref().is_some_and(|i| i.role() == kvota_tls::Role::Cluster && i.name() == args.cluster);
+        if !ok {
+            bail!(
+                "--cp-cert {} names {}, but this agent is cluster `{}`: issue it with `kvota certs issue --role cluster --name {}`",
+                f.source().paths().cert.display(),
+                me.map_or_else(|| "no kvota identity".to_string(), |i| i.to_string()),
+                args.cluster,
+                args.cluster
+            );
+        }
+    }
+    let tls = WebhookTls::load(&args.tls_cert, &args.tls_key, args.webhook_client_ca.as_deref(), federation.map(|f| f.source().clone()))?;
+    if cp.cp_ca.is_none() {
+        tracing::warn!("no --cp-ca/--cp-cert/--cp-key: the agent talks to the control plane in plain text, without identities (the control plane must run with --insecure unless on loopback)");
+    }
+    kvota_tls::listen::raise_file_limit();
+    if !tls.verifies_apiserver() {
+        tracing::warn!("no --webhook-client-ca: /validate and /mutate answer any client that reaches the webhook port; limit it to the API server (deploy/kubernetes NetworkPolicy) or give the API server a client certificate");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("start the async runtime")?;
     match nodes {
         Some(nodes) => rt.block_on(serve(args, cp.clone(), nodes, tls)),
@@ -109,7 +136,7 @@ pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
     }
 }
 
-async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, nodes: Vec<u64>, tls: Arc<TlsFiles>) -> Result<()> {
+async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, nodes: Vec<u64>, tls: WebhookTls) -> Result<()> {
     let capacity: BTreeMap<String, u64> = [(NVIDIA_GPU.to_string(), nodes.iter().sum::<u64>() * 1000)].into();
     let (agent, stop_tx, stop, server) = start_webhook(&args, capacity, &cp, tls, None).await?;
     eprintln!(
@@ -138,7 +165,7 @@ pub(crate) async fn start_webhook(
     args: &AgentArgs,
     capacity: BTreeMap<String, u64>,
     cp: &crate::admin_cmd::Cp,
-    tls: Arc<TlsFiles>,
+    tls: WebhookTls,
     held: Option<String>,
 ) -> Result<(Arc<Agent>, watch::Sender<bool>, watch::Receiver<bool>, tokio::task::JoinHandle<()>)> {
     let agent = Arc::new(
@@ -152,8 +179,8 @@ pub(crate) async fn start_webhook(
     })?;
     let metrics = AgentMetrics::new();
     let (stop_tx, stop) = watch::channel(false);
-    let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
-    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, stop.clone()));
+    let app = webhook::router(WebhookCtx::with_tls(agent.clone(), metrics.clone(), &tls));
+    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, webhook::default_limits(), stop.clone()));
     Ok((agent, stop_tx, stop, server))
 }
 

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::inventory::Inventory;
 use kvota_member_agent::kube::{actions_config, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
-use kvota_member_agent::webhook::TlsFiles;
+use kvota_member_agent::webhook::WebhookTls;
 use tokio::sync::watch;
 
 use crate::agent_cmd::{report_loop, start_webhook, wait_for_signal, AgentArgs};
@@ -39,7 +39,7 @@ async fn kube_config(args: &AgentArgs) -> Result<kube::Config> {
 }
 
 /// Runs the agent against the Kubernetes cluster until Ctrl-C or SIGTERM.
-pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: Arc<TlsFiles>) -> Result<()> {
+pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -> Result<()> {
     let config = kube_config(&args).await?;
     let server_url = config.cluster_url.to_string();
     let watch_client = kube::Client::try_from(config.clone()).context("build the Kubernetes client")?;

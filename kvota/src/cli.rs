@@ -62,6 +62,10 @@ enum Cmd {
         #[arg(long, default_value_t = 50)]
         limit: u32,
     },
+    /// Make the federation's CA and the certificates of its nodes, clusters, operators,
+    /// viewers and webhooks (mutual TLS by identity; see docs/security.md).
+    #[command(subcommand)]
+    Certs(crate::certs_cmd::CertsCmd),
     /// Change the control plane's Raft membership.
     #[command(subcommand)]
     Members(crate::admin_cmd::MembersCmd),
@@ -155,6 +159,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),
         Cmd::Audit { limit } => crate::admin_cmd::audit(&cp, limit).map(|()| ExitCode::SUCCESS),
         Cmd::Members(m) => crate::admin_cmd::members(&cp, &m).map(|()| ExitCode::SUCCESS),
+        Cmd::Certs(c) => crate::certs_cmd::run(c).map(|()| ExitCode::SUCCESS),
         Cmd::Cluster(ClusterCmd::Remove { name }) => {
             crate::admin_cmd::cluster_remove(&cp, &name).map(|()| ExitCode::SUCCESS)
         }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvota_control_plane::server::{start, ServerConfig};
+use kvota_control_plane::server::{start, Listeners, ServerConfig};
 use kvota_control_plane::types::Node;
 
 /// Options of `kvota server`.
@@ -20,15 +20,23 @@ pub struct ServerArgs {
     /// on durable storage: a node restarts from it.
     #[arg(long, env = "KVOTA_DATA_DIR", default_value = "./kvota-data")]
     data_dir: PathBuf,
-    /// Address to serve gRPC on (member, admin and Raft services).
+    /// Address to serve the gRPC API on (member and admin services: agents and
+    /// operators).
     #[arg(long, env = "KVOTA_LISTEN", default_value = "127.0.0.1:7401")]
     listen: String,
+    /// Address to serve Raft on (the other control-plane nodes only; with TLS it accepts
+    /// node certificates only).
+    #[arg(long, env = "KVOTA_RAFT_LISTEN", default_value = "127.0.0.1:7601")]
+    raft_listen: String,
     /// Address to serve HTTP on: /healthz, /readyz, /metrics, /api/v1/...
     #[arg(long, env = "KVOTA_HTTP", default_value = "127.0.0.1:7501")]
     http: String,
-    /// gRPC address other nodes and agents use to reach this node (default: --listen).
+    /// gRPC API address other nodes and agents use to reach this node (default: --listen).
     #[arg(long, env = "KVOTA_ADVERTISE")]
     advertise: Option<String>,
+    /// Raft address the other nodes use to reach this node (default: --raft-listen).
+    #[arg(long, env = "KVOTA_ADVERTISE_RAFT")]
+    advertise_raft: Option<String>,
     /// HTTP address others use to reach this node (default: --http).
     #[arg(long, env = "KVOTA_ADVERTISE_HTTP")]
     advertise_http: Option<String>,
@@ -37,9 +45,9 @@ pub struct ServerArgs {
     /// Harmless on restart: an initialized directory ignores it.
     #[arg(long)]
     init: bool,
-    /// An initial member for --init: ID=GRPC_ADDR[,HTTP_ADDR], e.g.
-    /// `2=10.0.0.2:7401,10.0.0.2:7501`. Repeat for each member.
-    #[arg(long = "member", value_name = "ID=GRPC[,HTTP]")]
+    /// An initial member for --init: ID=GRPC_ADDR,HTTP_ADDR,RAFT_ADDR, e.g.
+    /// `2=10.0.0.2:7401,10.0.0.2:7501,10.0.0.2:7601`. Repeat for each member.
+    #[arg(long = "member", value_name = "ID=GRPC,HTTP,RAFT")]
     members: Vec<String>,
     /// Leader heartbeat interval, milliseconds. openraft also makes it the deadline of
     /// every replication RPC: keep it above the round trip between control-plane nodes,
@@ -61,42 +69,49 @@ pub struct ServerArgs {
     /// How often the leader recomputes entitlements without new reports, milliseconds.
     #[arg(long, env = "KVOTA_TICK_MS", default_value_t = 1_000)]
     tick_ms: u64,
-    /// PEM file with the CA that signs every certificate in the federation (servers,
-    /// agents, operators): serve gRPC over mutual TLS, accepting only clients and peers
-    /// with a certificate from it. Needs --tls-cert and --tls-key; without all three the
-    /// gRPC port is plain text (logged as a warning). Certificates are read at start.
+    /// PEM bundle of the federation's CA (or, while rotating it, old and new CA): serve
+    /// every port over TLS and authorize each caller by the identity in its certificate
+    /// (node, cluster, operator, viewer; see docs/security.md). Needs --tls-cert and
+    /// --tls-key. The three files are reread when they change.
     #[arg(long, env = "KVOTA_TLS_CA", value_name = "FILE")]
     tls_ca: Option<PathBuf>,
-    /// PEM certificate of this node, signed by --tls-ca; its names must include the host
-    /// of --advertise (peers, agents and the CLI check it). Also presented to the peers.
+    /// PEM certificate of this node: `kvota certs issue --role node --name <id>` (its
+    /// identity must be this node's id). Presented on every port and to the peers.
     #[arg(long, env = "KVOTA_TLS_CERT", value_name = "FILE")]
     tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
     #[arg(long, env = "KVOTA_TLS_KEY", value_name = "FILE")]
     tls_key: Option<PathBuf>,
+    /// Allow plain text (no TLS, no identities) on addresses other than loopback.
+    /// Anyone who reaches the ports can then report usage, change the policy, join the
+    /// group or forge Raft traffic: only for a network where every host is trusted.
+    #[arg(long, env = "KVOTA_INSECURE")]
+    insecure: bool,
+    /// Free space (MiB) the data directory's file system must keep: below it the node
+    /// is not ready and says why, before writes fail.
+    #[arg(long, env = "KVOTA_MIN_FREE_DISK_MB", default_value_t = 64)]
+    min_free_disk_mb: u64,
     /// Stop when standard input reaches end of file: a parent that starts servers (the
     /// demo) gives each a pipe, so they exit with it even if it is killed.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
 }
 
-fn parse_member(spec: &str) -> Result<(u64, Node)> {
-    let (id, addrs) = spec
-        .split_once('=')
-        .with_context(|| format!("--member {spec}: expected ID=GRPC_ADDR[,HTTP_ADDR]"))?;
+/// `ID=GRPC,HTTP,RAFT` (HTTP may be empty: `ID=GRPC,,RAFT`).
+pub(crate) fn parse_member(spec: &str) -> Result<(u64, Node)> {
+    let usage = || format!("--member {spec}: expected ID=GRPC_ADDR,HTTP_ADDR,RAFT_ADDR (e.g. 2=10.0.0.2:7401,10.0.0.2:7501,10.0.0.2:7601)");
+    let (id, addrs) = spec.split_once('=').with_context(usage)?;
     let id: u64 = id
         .parse()
         .ok()
         .filter(|&i| i > 0)
         .with_context(|| format!("--member {spec}: `{id}` is not a node id (a number > 0)"))?;
-    let (rpc, http) = match addrs.split_once(',') {
-        Some((r, h)) => (r.to_string(), h.to_string()),
-        None => (addrs.to_string(), String::new()),
-    };
-    if rpc.is_empty() {
-        bail!("--member {spec}: the gRPC address is missing");
+    let parts: Vec<&str> = addrs.split(',').map(str::trim).collect();
+    let [rpc, http, raft] = parts[..] else { bail!("{}", usage()) };
+    if rpc.is_empty() || raft.is_empty() {
+        bail!("{}: the gRPC and Raft addresses are required", usage());
     }
-    Ok((id, Node { rpc_addr: rpc, http_addr: http }))
+    Ok((id, Node { rpc_addr: rpc.to_string(), http_addr: http.to_string(), raft_addr: raft.to_string() }))
 }
 
 async fn bind(addr: &str, what: &str, flag: &str) -> Result<tokio::net::TcpListener> {
@@ -110,6 +125,15 @@ async fn bind(addr: &str, what: &str, flag: &str) -> Result<tokio::net::TcpListe
         };
         anyhow::anyhow!("listen for {what} on {addr}: {e}{hint}")
     })
+}
+
+/// What to advertise for a listen flag without its --advertise: the flag itself, with
+/// the port the system chose when it said port 0.
+fn advertised(flag: &str, bound: &tokio::net::TcpListener) -> String {
+    match (flag.rsplit_once(':'), bound.local_addr()) {
+        (Some((host, "0")), Ok(a)) => format!("{host}:{}", a.port()),
+        _ => flag.to_string(),
+    }
 }
 
 /// Runs the node until a signal arrives.
@@ -126,11 +150,16 @@ async fn serve(args: ServerArgs) -> Result<()> {
         bail!("--id must be greater than 0");
     }
     let tls = crate::admin_cmd::tls_from("--tls", args.tls_ca.as_deref(), args.tls_cert.as_deref(), args.tls_key.as_deref())?;
-    let rpc = bind(&args.listen, "gRPC", "--listen").await?;
+    kvota_tls::listen::raise_file_limit();
+    let api = bind(&args.listen, "gRPC", "--listen").await?;
+    let raft = bind(&args.raft_listen, "Raft", "--raft-listen").await?;
     let http = bind(&args.http, "HTTP", "--http").await?;
-    let advertise = args.advertise.clone().unwrap_or_else(|| args.listen.clone());
-    let advertise_http = args.advertise_http.clone().unwrap_or_else(|| args.http.clone());
-    let mut cfg = ServerConfig::new(args.id, args.data_dir.clone(), advertise.clone(), advertise_http.clone());
+    let advertise = args.advertise.clone().unwrap_or_else(|| advertised(&args.listen, &api));
+    let advertise_raft = args.advertise_raft.clone().unwrap_or_else(|| advertised(&args.raft_listen, &raft));
+    let advertise_http = args.advertise_http.clone().unwrap_or_else(|| advertised(&args.http, &http));
+    let mut cfg = ServerConfig::new(args.id, args.data_dir.clone(), advertise.clone(), advertise_http.clone(), advertise_raft.clone());
+    cfg.insecure = args.insecure;
+    cfg.min_free_disk_bytes = args.min_free_disk_mb.saturating_mul(1 << 20);
     cfg.heartbeat_ms = args.heartbeat_ms;
     cfg.election_timeout_min_ms = args.election_timeout_min_ms;
     cfg.election_timeout_max_ms = args.election_timeout_max_ms;
@@ -148,24 +177,27 @@ async fn serve(args: ServerArgs) -> Result<()> {
         members.entry(args.id).or_insert(Node {
             rpc_addr: advertise,
             http_addr: advertise_http,
+            raft_addr: advertise_raft,
         });
         cfg.initial_members = Some(members);
     } else if !args.members.is_empty() {
         bail!("--member only makes sense with --init");
     }
-    let handle = start(cfg, rpc, http).await?;
+    let handle = start(cfg, Listeners { api, raft, http }).await?;
     eprintln!(
-        "kvota server: node {} serving gRPC on {} and HTTP on {} (data in {}); Ctrl-C to stop",
+        "kvota server: node {} serving gRPC on {}, Raft on {} and HTTP on {}{} (data in {}); Ctrl-C to stop",
         args.id,
         handle.rpc_addr,
+        handle.raft_addr,
         handle.http_addr,
+        if handle.ctx.tls().is_some() { " over mutual TLS" } else { " in plain text" },
         args.data_dir.display()
     );
     if !handle.raft().is_initialized().await.unwrap_or(true) {
         eprintln!(
             "kvota server: this node belongs to no group yet: it waits for a leader to add it \
-             (`kvota members add-learner --id {} --rpc {}`), or start it with --init to create a new group",
-            args.id, handle.rpc_addr
+             (`kvota members add-learner --id {} --rpc {} --raft {}`), or start it with --init to create a new group",
+            args.id, handle.rpc_addr, handle.raft_addr
         );
     }
     if args.exit_with_parent {
@@ -182,13 +214,24 @@ async fn serve(args: ServerArgs) -> Result<()> {
         tokio::select! {
             _ = wait_for_signal() => {}
             _ = stdin_closed => eprintln!("kvota server: the parent process is gone"),
+            why = handle.broken() => return broken(handle, why).await,
         }
     } else {
-        wait_for_signal().await;
+        tokio::select! {
+            _ = wait_for_signal() => {}
+            why = handle.broken() => return broken(handle, why).await,
+        }
     }
     eprintln!("kvota server: stopping");
     handle.shutdown().await;
     Ok(())
+}
+
+/// The Raft core stopped: nothing in this process can bring it back. Exit non-zero so
+/// that the supervisor (systemd, the kubelet) restarts the node from its data directory.
+async fn broken(handle: kvota_control_plane::server::ServerHandle, why: String) -> Result<()> {
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), handle.shutdown()).await;
+    bail!("the Raft core stopped ({why}); exiting so that the node is restarted from its data directory")
 }
 
 async fn wait_for_signal() {

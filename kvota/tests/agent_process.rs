@@ -134,7 +134,7 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
 
     let server = kvota()
-        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--tick-ms", "200"])
+        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
         .arg("--data-dir")
         .arg(tmp.path().join("cp"))
         .env("RUST_LOG", "info")
@@ -330,7 +330,7 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
     std::fs::write(tmp.path().join("kubeconfig"), kubeconfig).expect("w");
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
     let server = kvota()
-        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--tick-ms", "200"])
+        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
         .arg("--data-dir")
         .arg(tmp.path().join("cp"))
         .stdout(Stdio::null())

@@ -101,7 +101,7 @@ fn server_refuses_a_port_in_use_with_a_hint() {
     let addr = busy.local_addr().expect("addr").to_string();
     let dir = tempfile::tempdir().expect("tmp");
     let (code, _, err) = kvota(&[
-        "server", "--id", "1", "--listen", &addr, "--http", "127.0.0.1:0", "--data-dir", dir.path().to_str().expect("utf8"),
+        "server", "--id", "1", "--listen", &addr, "--http", "127.0.0.1:0", "--raft-listen", "127.0.0.1:0", "--data-dir", dir.path().to_str().expect("utf8"),
     ]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains(&format!("listen for gRPC on {addr}")) && err.contains("pick another --listen"), "{err}");
@@ -115,7 +115,7 @@ fn a_server_needs_its_id_and_keeps_its_data_directory() {
     let dir = tempfile::tempdir().expect("tmp");
     let data = dir.path().to_str().expect("utf8");
     let out = Command::new(env!("CARGO_BIN_EXE_kvota"))
-        .args(["server", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+        .args(["server", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--raft-listen", "127.0.0.1:0"])
         .env_remove("KVOTA_NODE_ID")
         .output()
         .expect("run kvota");
@@ -126,7 +126,7 @@ fn a_server_needs_its_id_and_keeps_its_data_directory() {
 
     // Node 1 takes the directory; once it serves, stop it.
     let mut node1 = Command::new(env!("CARGO_BIN_EXE_kvota"))
-        .args(["server", "--id", "1", "--init", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+        .args(["server", "--id", "1", "--init", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--raft-listen", "127.0.0.1:0"])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start node 1");
@@ -142,56 +142,56 @@ fn a_server_needs_its_id_and_keeps_its_data_directory() {
     let _ = node1.wait();
     assert!(serving, "node 1 never said it was serving");
 
-    let (code, _, err) = kvota(&["server", "--id", "2", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"]);
+    let (code, _, err) = kvota(&["server", "--id", "2", "--data-dir", data, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--raft-listen", "127.0.0.1:0"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("belongs to node 1, not node 2"), "{err}");
     assert!(err.contains(data), "the message names the directory: {err}");
 }
 
-/// A CA and certificates signed by it for 127.0.0.1, written as PEM files into `dir`:
-/// `ca.pem`, and `<name>.pem` / `<name>-key.pem` for each name.
-fn write_certs(dir: &std::path::Path, names: &[&str]) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-    let ca_key = KeyPair::generate().expect("key");
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).expect("ca");
-    std::fs::write(dir.join("ca.pem"), ca.pem()).expect("write");
-    for name in names {
-        let key = KeyPair::generate().expect("key");
-        let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
-            .expect("params")
-            .signed_by(&key, &ca, &ca_key)
-            .expect("sign");
-        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).expect("write");
-        std::fs::write(dir.join(format!("{name}-key.pem")), key.serialize_pem()).expect("write");
-    }
-}
-
-/// `kvota server --tls-*` serves gRPC over mutual TLS: the CLI with `--cp-ca/cert/key`
-/// gets in, the plain CLI does not; half the flags is an error naming the missing ones.
+/// `kvota certs` makes a CA and certificates; `kvota server --tls-*` serves over mutual
+/// TLS with them: the operator's CLI gets in and may change the policy, a viewer's may
+/// read but not change it, the plain CLI gets nothing; half the flags is an error
+/// naming the missing ones; a second `certs init` refuses to replace the CA.
 #[test]
-fn a_server_with_mutual_tls_answers_only_a_cli_with_a_certificate() {
+fn a_server_with_mutual_tls_answers_each_certificate_as_its_role() {
     let dir = tempfile::tempdir().expect("tmp");
-    write_certs(dir.path(), &["server", "admin"]);
-    let p = |f: &str| dir.path().join(f).to_str().expect("utf8").to_string();
+    let certs = dir.path().join("certs");
+    let certs_s = certs.to_str().expect("utf8");
+    let (code, out, err) = kvota(&["certs", "init", "--dir", certs_s, "--trust-domain", "cli.test"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("trust domain `cli.test`"), "{out}");
+    for (role, name) in [("node", "1"), ("operator", "alice"), ("viewer", "bob")] {
+        let (code, out, err) = kvota(&["certs", "issue", "--dir", certs_s, "--role", role, "--name", name]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains(&format!("spiffe://cli.test/{role}/{name}")), "{out}");
+    }
+    let (code, _, err) = kvota(&["certs", "init", "--dir", certs_s]);
+    assert_eq!(code, 1);
+    assert!(err.contains("already holds a CA"), "{err}");
+    let (code, _, err) = kvota(&["certs", "issue", "--dir", certs_s, "--role", "cluster", "--name", "Not_A_Cluster"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("cluster name `Not_A_Cluster`"), "{err}");
+    let (code, out, _) = kvota(&["certs", "show", &format!("{certs_s}/viewer-bob.crt")]);
+    assert_eq!(code, 0);
+    assert!(out.contains("identity:  spiffe://cli.test/viewer/bob") && out.contains("days left"), "{out}");
+    let p = |f: &str| certs.join(f).to_str().expect("utf8").to_string();
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
     let listen = format!("127.0.0.1:{port}");
-    let data = p("data");
+    let data = dir.path().join("data").to_str().expect("utf8").to_string();
 
-    // Half the flags: refused before anything is written.
-    let (code, _, err) = kvota(&["server", "--id", "1", "--data-dir", &data, "--listen", &listen, "--http", "127.0.0.1:0", "--tls-ca", &p("ca.pem")]);
+    let (code, _, err) = kvota(&["server", "--id", "1", "--data-dir", &data, "--listen", &listen, "--http", "127.0.0.1:0", "--raft-listen", "127.0.0.1:0", "--tls-ca", &p("ca.crt")]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("missing: --tls-cert, --tls-key"), "{err}");
     assert!(!dir.path().join("data").exists(), "nothing written");
 
     let mut server = Command::new(env!("CARGO_BIN_EXE_kvota"))
-        .args(["server", "--id", "1", "--init", "--data-dir", &data, "--listen", &listen, "--http", "127.0.0.1:0"])
-        .args(["--tls-ca", &p("ca.pem"), "--tls-cert", &p("server.pem"), "--tls-key", &p("server-key.pem")])
+        .args(["server", "--id", "1", "--init", "--data-dir", &data, "--listen", &listen, "--http", "127.0.0.1:0", "--raft-listen", "127.0.0.1:0"])
+        .args(["--tls-ca", &p("ca.crt"), "--tls-cert", &p("node-1.crt"), "--tls-key", &p("node-1.key")])
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start the server");
-    let with_cert = ["--cp", listen.as_str(), "--cp-ca", &p("ca.pem"), "--cp-cert", &p("admin.pem"), "--cp-key", &p("admin-key.pem")];
+    let with_cert = ["--cp", listen.as_str(), "--cp-ca", &p("ca.crt"), "--cp-cert", &p("operator-alice.crt"), "--cp-key", &p("operator-alice.key")];
+    let viewer = ["--cp", listen.as_str(), "--cp-ca", &p("ca.crt"), "--cp-cert", &p("viewer-bob.crt"), "--cp-key", &p("viewer-bob.key")];
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut last = String::new();
     let served = loop {
@@ -207,11 +207,25 @@ fn a_server_with_mutual_tls_answers_only_a_cli_with_a_certificate() {
         }
         std::thread::sleep(std::time::Duration::from_millis(200));
     };
+    let policy = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/policies/article.yaml");
+    let mut args = vec!["policy", "apply", policy];
+    args.extend(viewer);
+    let (viewer_apply, _, viewer_apply_err) = kvota(&args);
+    let mut args = vec!["tenants"];
+    args.extend(viewer);
+    let (viewer_read, _, viewer_read_err) = kvota(&args);
+    let mut args = vec!["policy", "apply", policy];
+    args.extend(with_cert);
+    let (operator_apply, _, operator_apply_err) = kvota(&args);
     let (plain_code, _, plain_err) = kvota(&["status", "--cp", &listen]);
-    let (half_code, _, half_err) = kvota(&["status", "--cp", &listen, "--cp-ca", &p("ca.pem")]);
+    let (half_code, _, half_err) = kvota(&["status", "--cp", &listen, "--cp-ca", &p("ca.crt")]);
     let _ = server.kill();
     let _ = server.wait();
     assert!(served, "the CLI with a certificate never got a status: {last}");
+    assert_ne!(viewer_apply, 0, "a viewer applied a policy");
+    assert!(viewer_apply_err.contains("spiffe://cli.test/viewer/bob may not call admin.ApplyPolicy"), "{viewer_apply_err}");
+    assert_eq!(viewer_read, 0, "{viewer_read_err}");
+    assert_eq!(operator_apply, 0, "{operator_apply_err}");
     assert_ne!(plain_code, 0, "plain text got an answer");
     assert!(plain_err.contains("unavailable"), "{plain_err}");
     assert_ne!(half_code, 0);

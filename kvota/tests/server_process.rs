@@ -2,61 +2,17 @@
 //! the middle of a stream of writes, restart it from its data directory, and check that
 //! every acknowledged write survived and the restarted node caught up.
 
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use kvota_control_plane::client::Client;
 use kvota_proto::v1;
+use kvota_testkit::procs::{server_command, specs, Procs, ServerSpec};
 
-/// Child processes, killed when the test ends however it ends.
-struct Procs(Vec<Option<Child>>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in self.0.iter_mut().flatten() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// `n` distinct free ports: all are held bound until every one is chosen, so the OS
-/// cannot hand the same port out twice.
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0"))
-        .collect();
-    held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
-}
-
-struct Spec {
-    rpc: String,
-    http: String,
-    dir: std::path::PathBuf,
-}
-
-fn spawn(id: usize, s: &Spec, init: Option<&str>) -> Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvota"));
-    cmd.args(["server", "--id", &id.to_string(), "--listen", &s.rpc, "--http", &s.http, "--tick-ms", "300"])
-        .arg("--data-dir")
-        .arg(&s.dir)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(s.dir.with_extension("log"))
-                .map(Stdio::from)
-                .unwrap_or_else(|_| Stdio::null()),
-        );
-    if let Some(members) = init {
-        cmd.arg("--init");
-        for m in members.split(' ') {
-            cmd.args(["--member", m]);
-        }
-    }
-    cmd.spawn().expect("spawn kvota server")
+fn spawn(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
+    server_command(std::path::Path::new(env!("CARGO_BIN_EXE_kvota")), s, all, init, &["--tick-ms".into(), "300".into()])
+        .spawn()
+        .expect("spawn kvota server")
 }
 
 async fn status(addr: &str) -> Option<v1::StatusReply> {
@@ -65,7 +21,7 @@ async fn status(addr: &str) -> Option<v1::StatusReply> {
     tokio::time::timeout(Duration::from_secs(3), call).await.ok()?.ok()
 }
 
-async fn leader(specs: &[Spec]) -> usize {
+async fn leader(specs: &[ServerSpec]) -> usize {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         for (i, s) in specs.iter().enumerate() {
@@ -83,27 +39,8 @@ async fn leader(specs: &[Spec]) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_the_leader_during_writes_then_it_catches_up() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let ports = free_ports(6);
-    let specs: Vec<Spec> = (0..3)
-        .map(|i| Spec {
-            rpc: format!("127.0.0.1:{}", ports[2 * i]),
-            http: format!("127.0.0.1:{}", ports[2 * i + 1]),
-            dir: tmp.path().join(format!("n{}", i + 1)),
-        })
-        .collect();
-    let members = specs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| format!("{}={},{}", i + 1, s.rpc, s.http))
-        .collect::<Vec<_>>()
-        .join(" ");
-    let mut procs = Procs(
-        specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| Some(spawn(i + 1, s, (i == 0).then_some(members.as_str()))))
-            .collect(),
-    );
+    let specs = specs(3, tmp.path());
+    let mut procs = Procs(specs.iter().enumerate().map(|(i, s)| Some(spawn(s, &specs, i == 0))).collect());
     leader(&specs).await;
     let all: Vec<String> = specs.iter().map(|s| s.rpc.clone()).collect();
     let client = Client::new(&all).expect("client");
@@ -136,15 +73,12 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
     for seq in 1..=total {
         if seq == 40 {
             let l = leader(&specs).await;
-            if let Some(mut c) = procs.0[l].take() {
-                c.kill().expect("SIGKILL the leader");
-                let _ = c.wait();
-            }
+            procs.kill(l);
             killed = Some(l);
         }
         if seq == 80 {
             let l = killed.expect("killed");
-            procs.0[l] = Some(spawn(l + 1, &specs[l], None));
+            procs.0[l] = Some(spawn(&specs[l], &specs, false));
         }
         let r = v1::ReportRequest {
             cluster: "east".into(),
@@ -171,7 +105,7 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
             .unwrap_or_else(|e| {
                 let logs: String = specs
                     .iter()
-                    .map(|s| std::fs::read_to_string(s.dir.with_extension("log")).unwrap_or_default())
+                    .map(|s| std::fs::read_to_string(s.log()).unwrap_or_default())
                     .collect::<Vec<_>>()
                     .join("\n---\n");
                 panic!("report {seq}: {e}\nnodes: {:?}\n{logs}", specs.iter().map(|s| (&s.rpc, &s.http)).collect::<Vec<_>>())

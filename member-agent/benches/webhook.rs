@@ -29,7 +29,7 @@ use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use kvota_fairness::measures::percentile;
 use kvota_member_agent::metrics::AgentMetrics;
-use kvota_member_agent::webhook::{self, TlsFiles, WebhookCtx};
+use kvota_member_agent::webhook::{self, WebhookCtx, WebhookTls};
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::json;
 
@@ -182,7 +182,7 @@ fn main() {
         std::fs::write(tmp.path().join("tls.crt"), cert.cert.pem()).expect("w");
         std::fs::write(tmp.path().join("tls.key"), cert.key_pair.serialize_pem()).expect("w");
         let ca = cert.cert.der().to_vec();
-        let tls = Arc::new(TlsFiles::load(&tmp.path().join("tls.crt"), &tmp.path().join("tls.key")).expect("tls"));
+        let tls = WebhookTls::load(&tmp.path().join("tls.crt"), &tmp.path().join("tls.key"), None, None).expect("tls");
         let (_stop, rx) = tokio::sync::watch::channel(false);
 
         // kvota's webhook with a policy and a lease in force.
@@ -191,7 +191,7 @@ fn main() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let kvota_port = l.local_addr().expect("addr").port();
         let app = webhook::router(WebhookCtx::new(agent, metrics.clone()));
-        tokio::spawn(webhook::serve_tls(l, tls.clone(), app, metrics.clone(), rx.clone()));
+        tokio::spawn(webhook::serve_tls(l, tls.clone(), app, metrics.clone(), webhook::default_limits(), rx.clone()));
 
         // The ceiling: same TLS and connection handling, a fixed answer.
         let fixed = Bytes::from(
@@ -208,7 +208,7 @@ fn main() {
         );
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let bare_port = l.local_addr().expect("addr").port();
-        tokio::spawn(webhook::serve_tls(l, tls, bare, metrics, rx));
+        tokio::spawn(webhook::serve_tls(l, tls, bare, metrics, webhook::default_limits(), rx));
 
         let cfg = client_config(&ca);
         println!("webhook benchmark: {conns} keep-alive HTTPS connections, {secs} s per measurement, {} cores", std::thread::available_parallelism().map_or(1, |n| n.get()));

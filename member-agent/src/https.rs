@@ -24,6 +24,9 @@ pub struct Target {
     pub ca: std::path::PathBuf,
     /// Name to verify the certificate for; default: the URL's host.
     pub tls_name: Option<String>,
+    /// A client certificate and key to present (PEM files): an agent with federation TLS
+    /// answers `/explain` only to viewers, operators and nodes.
+    pub client: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 fn host_port(base: &str) -> Result<(String, u16), String> {
@@ -76,8 +79,18 @@ async fn get_inner(t: &Target, path_and_query: &str) -> Result<(u16, Vec<u8>), S
     let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
-        .with_root_certificates(roots(&t.ca)?)
-        .with_no_client_auth();
+        .with_root_certificates(roots(&t.ca)?);
+    let cfg = match &t.client {
+        None => cfg.with_no_client_auth(),
+        Some((cert, key)) => {
+            let read = |p: &Path| std::fs::read(p).map_err(|e| format!("read {}: {e}", p.display()));
+            let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(cert)?)
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("{}: not a PEM certificate: {e}", cert.display()))?;
+            let key_der = rustls_pki_types::PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| format!("{}: no usable private key: {e}", key.display()))?;
+            cfg.with_client_auth_cert(chain, key_der).map_err(|e| format!("{} with {}: {e}", cert.display(), key.display()))?
+        }
+    };
     let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
         .await
         .map_err(|e| format!("connect to {host}:{port}: {e}"))?;

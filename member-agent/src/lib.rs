@@ -23,6 +23,7 @@ pub mod https;
 pub mod inventory;
 pub mod kube;
 pub mod journal;
+pub mod journal_v0;
 pub mod metrics;
 pub mod netfault;
 pub mod placement;

@@ -39,6 +39,14 @@ pub struct StateLabel {
     pub state: String,
 }
 
+/// A reason (refused calls and connections) or a map (shed entries).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// `not_apiserver`, `not_viewer`; a connection refusal (`kvota_tls::Refusal`); or
+    /// `denied`, `reservations`, `queue` for shed entries.
+    pub reason: String,
+}
+
 /// The review outcomes (the `outcome` label of admissions), in the order of
 /// [`AdmissionCounters`].
 const OUTCOMES: [&str; 7] = ["allowed", "denied", "queued", "passed", "held", "error", "busy"];
@@ -66,6 +74,9 @@ pub struct AgentMetrics {
     reported_usage: Family<TenantLabel, Counter>,
     tls_reloads: Family<StateLabel, Counter>,
     evictions: Family<AdmissionLabel, Counter>,
+    denied_calls: Family<ReasonLabel, Counter>,
+    refused_connections: Family<ReasonLabel, Counter>,
+    shed: Family<ReasonLabel, Counter>,
 }
 
 impl Default for AgentMetrics {
@@ -95,6 +106,9 @@ impl AgentMetrics {
             reported_usage: Family::default(),
             tls_reloads: Family::default(),
             evictions: Family::default(),
+            denied_calls: Family::default(),
+            refused_connections: Family::default(),
+            shed: Family::default(),
         };
         r.register("admissions", "Admission reviews answered, by tenant and outcome", m.admissions.clone());
         r.register("admission_duration_seconds", "Time to judge one review (parse, decide, record)", m.latency.clone());
@@ -121,6 +135,9 @@ impl AgentMetrics {
             "Reclaim eviction attempts by victim tenant and outcome (evicted, blocked by a PodDisruptionBudget)",
             m.evictions.clone(),
         );
+        r.register("calls_refused", "Webhook calls refused for the caller's certificate, by reason", m.denied_calls.clone());
+        r.register("connections_refused", "Webhook connections closed before a request, by reason (limits, timeouts, handshakes)", m.refused_connections.clone());
+        r.register("shed", "Admission entries dropped or refused because a bounded map was full, by map", m.shed.clone());
         AgentMetrics { registry: Arc::new(r), ..m }
     }
 
@@ -153,6 +170,16 @@ impl AgentMetrics {
         self.tls_reloads.get_or_create(&StateLabel { state: if ok { "ok" } else { "error" }.to_string() }).inc();
     }
 
+    /// Counts a webhook call refused for its caller.
+    pub fn denied(&self, reason: &str) {
+        self.denied_calls.get_or_create(&ReasonLabel { reason: reason.to_string() }).inc();
+    }
+
+    /// Counts a webhook connection refused.
+    pub fn connection_refused(&self, reason: &str) {
+        self.refused_connections.get_or_create(&ReasonLabel { reason: reason.to_string() }).inc();
+    }
+
     /// Brings the gauges up to date from the agent and renders the text format.
     pub fn render(&self, agent: &Agent) -> String {
         {
@@ -180,6 +207,10 @@ impl AgentMetrics {
                 self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
                 self.budget.get_or_create(&l).set(i64::try_from(st.lease.budget(&t, now)).unwrap_or(i64::MAX));
                 self.inuse.get_or_create(&l).set(i64::try_from(st.inuse(&t)).unwrap_or(i64::MAX));
+            }
+            for (map, n) in st.shed_counts() {
+                let c = self.shed.get_or_create(&ReasonLabel { reason: (*map).to_string() });
+                c.inc_by(n.saturating_sub(c.get()));
             }
             for ((tenant, outcome), n) in st.eviction_counts() {
                 let c = self.evictions.get_or_create(&AdmissionLabel { tenant: tenant.clone(), outcome: outcome.clone() });

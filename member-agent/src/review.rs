@@ -31,6 +31,10 @@ mod wire;
 /// is not a real AdmissionReview.
 pub const MAX_REVIEW_BYTES: usize = 4 << 20;
 
+/// The most GPUe one pod may request: a million (in thousandths). Far beyond any
+/// node, and small enough that sums over a cluster's pods stay far from `u64::MAX`.
+pub const MAX_POD_GPUE_MILLI: kvota_fairness::MilliGpue = 1_000_000_000;
+
 /// Which webhook endpoint received the review.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -74,11 +78,6 @@ pub enum Effect {
         /// GPUe it requested.
         gpue: MilliGpue,
     },
-    /// The pod is being deleted: drop its reservation or queue entry.
-    Forget {
-        /// Pod key.
-        pod: String,
-    },
 }
 
 /// What the webhook needs from the agent.
@@ -102,6 +101,11 @@ pub trait AdmissionState {
     }
     /// Remembers a decision (not called for dry-run requests) for `kvota explain pod`.
     fn remember(&mut self, _key: &str, _pod: &PodRequest, _view: &LocalView, _decision: &Decision) {}
+    /// Why pod `key` cannot be taken in now because the agent's own books are full
+    /// (counted as shed), or None. Checked before a pod would be reserved or queued.
+    fn at_limit(&mut self, _key: &str) -> Option<String> {
+        None
+    }
 }
 
 /// Outcome of one review, for logs and metrics.
@@ -424,12 +428,10 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
 pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState) -> Answer {
     let c = match parsed.0 {
         ParsedKind::Done(r) => return Answer(AnswerKind::Written(r)),
-        ParsedKind::Delete { uid, key, dry_run } => {
-            if !dry_run {
-                state.record(Effect::Forget { pod: key });
-            }
-            return Answer::pass(uid, "");
-        }
+        // Pod lifecycle comes from the inventory's watch, never from a review: a DELETE
+        // review (the webhook is not registered for them; anyone could send one) changes
+        // nothing, or a forged one could drop a running pod's accounting.
+        ParsedKind::Delete { uid, .. } => return Answer::pass(uid, ""),
         ParsedKind::Create(c) => *c,
     };
     let Create { uid, namespace, name, key, dry_run, pod, priority, has_gates } = c;
@@ -443,6 +445,14 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         // Rare (Kubernetes validates quantities first): written here, under the lock.
         Err(e) => return Answer(AnswerKind::Written(error_reply(&uid, &format!("pod resources: {e}")))),
     };
+    if gpue > MAX_POD_GPUE_MILLI {
+        let msg = format!(
+            "kvota: pod {key} requests {} GPUe; kvota accounts for at most {} GPUe in one pod",
+            kvota_fairness::units::format_gpue(gpue),
+            kvota_fairness::units::format_gpue(MAX_POD_GPUE_MILLI)
+        );
+        return Answer::verdict(uid, false, 403, msg, None, None, "denied", gpue);
+    }
     let labels = state.namespace_labels(&namespace);
     let tenant = policy.tenant_for_namespace(&namespace, &labels).map(|t| (t.name.clone(), t.admission));
     let (tenant, mode) = match tenant {
@@ -471,6 +481,12 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
                 Answer::verdict(uid, false, 503, msg, None, Some(tenant), "held", gpue)
             }
         };
+    }
+    if !dry_run {
+        if let Some(why) = state.at_limit(&key) {
+            let msg = format!("kvota: {why}; pod {key} was not judged, retry later");
+            return Answer::verdict(uid, false, 503, msg, None, Some(tenant), "busy", gpue);
+        }
     }
     let view = state.view(&tenant);
     let req = PodRequest { namespace, name, gpue };

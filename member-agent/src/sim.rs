@@ -288,6 +288,13 @@ impl SimCluster {
                 Running { node, started_ms: now_ms, ends_at_ms: now_ms + w.pod.duration_ms, pod: w.pod, tenant: w.tenant, gpue: w.gpue },
             );
         }
+        // What is left exists and waits for a node: the inventory shows it, as a real
+        // cluster's watch does, and its reservation lasts while it does.
+        for (k, w) in &self.unbound {
+            if let Some(t) = &w.tenant {
+                state.hold(k, t, w.gpue);
+            }
+        }
         out
     }
 

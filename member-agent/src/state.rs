@@ -16,10 +16,25 @@ use kvota_fairness::{MilliGpue, Millis};
 
 use crate::review::{AdmissionState, Effect};
 
-/// How long an admitted pod holds its GPUe before it binds. Long enough for a busy
-/// scheduler and image pulls of the pod's sandbox, short enough that a pod that never
-/// appears stops blocking budget.
+/// How long an admitted pod that the inventory has seen holds its GPUe before it binds
+/// (refreshed on every sync while the pod exists). Long enough for a busy scheduler and
+/// image pulls of the pod's sandbox.
 pub const RESERVATION_TTL_MS: Millis = 120_000;
+/// How long a reservation made by an admission review lasts until the inventory sees
+/// the pod: the watch shows a created pod within a second or two; a review whose pod
+/// never appears (another webhook refused it, or the review was forged) stops holding
+/// budget after this.
+pub const UNCONFIRMED_TTL_MS: Millis = 30_000;
+/// Admitted pods not yet bound, at most. Past it new pods are refused (not old
+/// reservations dropped: that would free budget that is in use). A cluster that has this
+/// many pods waiting for a node has a problem kvota cannot fix.
+pub const MAX_RESERVATIONS: usize = 65_536;
+/// Pods behind the scheduling gate, at most (across tenants; each tenant's own
+/// `maxQueued` applies first). Past it new queue-mode pods are refused.
+pub const MAX_QUEUED: usize = 65_536;
+/// Recent denials kept as demand, at most; past it the oldest is dropped (it only
+/// under-states demand for a while).
+pub const MAX_DENIED: usize = 16_384;
 /// How long a denied pod counts as pending demand by default (the client usually retries
 /// within a minute; a retry refreshes it). See [`AgentState::set_denied_demand_ttl`].
 pub const DENIED_DEMAND_TTL_MS: Millis = 60_000;
@@ -62,6 +77,7 @@ pub struct AgentState {
     held: Option<String>,
     standby: bool,
     decisions: DecisionBook,
+    shed: BTreeMap<&'static str, u64>,
 }
 
 /// Most admission decisions an agent remembers for `kvota explain pod` (oldest dropped).
@@ -155,7 +171,22 @@ impl AgentState {
             held: None,
             standby: false,
             decisions: DecisionBook::default(),
+            shed: BTreeMap::new(),
         }
+    }
+
+    /// Entries dropped or refused because a map was full, by map (`denied`,
+    /// `reservations`, `queue`).
+    pub fn shed_counts(&self) -> &BTreeMap<&'static str, u64> {
+        &self.shed
+    }
+
+    fn count_shed(&mut self, map: &'static str) {
+        let n = self.shed.entry(map).or_insert(0);
+        if *n == 0 {
+            tracing::warn!(map, "an admission map is full: entries are being shed (kvota_agent_shed_total counts them)");
+        }
+        *n += 1;
     }
 
     /// Advances the clock: meters usage of bound pods since the last call and drops
@@ -313,11 +344,11 @@ impl AgentState {
         self.queue.insert(pod.to_string(), Queued { tenant: tenant.to_string(), pod: q });
     }
 
-    /// Bound plus reserved GPUe of `tenant`.
+    /// Bound plus reserved GPUe of `tenant` (saturating: no sum of pods can wrap).
     pub fn inuse(&self, tenant: &str) -> MilliGpue {
         let bound = self.bound(tenant);
-        let reserved: u64 = self.reserved.values().filter(|r| r.0 == tenant).map(|r| r.1).sum();
-        bound + reserved
+        let reserved = self.reserved.values().filter(|r| r.0 == tenant).map(|r| r.1).fold(0u64, u64::saturating_add);
+        bound.saturating_add(reserved)
     }
 
     /// Bound GPUe of `tenant` (what the scheduler placed).
@@ -430,11 +461,12 @@ impl AgentState {
         Ok(())
     }
 
-    /// Queued plus recently denied GPUe of `tenant`: demand not yet admitted.
+    /// Queued plus recently denied GPUe of `tenant`: demand not yet admitted
+    /// (saturating).
     pub fn pending(&self, tenant: &str) -> MilliGpue {
-        let q: u64 = self.queue.values().filter(|q| q.tenant == tenant).map(|q| q.pod.gpue).sum();
-        let d: u64 = self.denied.values().filter(|d| d.0 == tenant).map(|d| d.1).sum();
-        q + d
+        let q = self.queue.values().filter(|q| q.tenant == tenant).map(|q| q.pod.gpue).fold(0u64, u64::saturating_add);
+        let d = self.denied.values().filter(|d| d.0 == tenant).map(|d| d.1).fold(0u64, u64::saturating_add);
+        q.saturating_add(d)
     }
 
     /// Per-tenant numbers for a report: usage since the last call (reset), in-use and
@@ -486,7 +518,8 @@ impl AgentState {
                 preemptible: t.preemptible,
                 min_share_bp: t.min_share_bp,
                 budget: self.lease.budget(&t.name, self.now_ms),
-                inuse: self.inuse(&t.name),
+                // On nodes only: admitted pods waiting for one are reclaim's waiting pods.
+                inuse: self.bound(&t.name),
             })
             .collect()
     }
@@ -633,17 +666,36 @@ impl AdmissionState for AgentState {
         match effect {
             Effect::Reserve { tenant, pod, gpue } => {
                 self.denied.remove(&pod);
-                self.reserved.insert(pod, (tenant, gpue, now + RESERVATION_TTL_MS));
+                // Until the inventory sees the pod (`hold`), a short life.
+                self.reserved.insert(pod, (tenant, gpue, now + UNCONFIRMED_TTL_MS));
             }
             Effect::Enqueue { tenant, pod, gpue, priority } => {
                 let q = QueuedPod { key: pod.clone(), priority, queued_at_ms: now, gpue };
                 self.queue.insert(pod, Queued { tenant, pod: q });
             }
             Effect::Denied { tenant, pod, gpue } => {
+                if self.denied.len() >= MAX_DENIED && !self.denied.contains_key(&pod) {
+                    let oldest = self.denied.iter().min_by_key(|(_, d)| d.2).map(|(k, _)| k.clone());
+                    if let Some(k) = oldest {
+                        self.denied.remove(&k);
+                        self.count_shed("denied");
+                    }
+                }
                 self.denied.insert(pod, (tenant, gpue, now + self.denied_ttl_ms));
             }
-            Effect::Forget { pod } => self.pod_gone(&pod),
         }
+    }
+
+    fn at_limit(&mut self, key: &str) -> Option<String> {
+        if self.reserved.len() >= MAX_RESERVATIONS && !self.reserved.contains_key(key) {
+            self.count_shed("reservations");
+            return Some(format!("the agent holds {MAX_RESERVATIONS} admitted pods that have not reached a node; it admits no more until some do"));
+        }
+        if self.queue.len() >= MAX_QUEUED && !self.queue.contains_key(key) {
+            self.count_shed("queue");
+            return Some(format!("{MAX_QUEUED} pods wait behind the gate in this cluster; it queues no more until some are released"));
+        }
+        None
     }
 
     fn held(&self) -> Option<String> {

@@ -2,10 +2,12 @@
 //! `admission.k8s.io/v1` AdmissionReviews; `GET /healthz`, `/readyz` and `/metrics` serve
 //! probes and Prometheus on the same port.
 //!
-//! TLS is rustls with the certificate and key read from PEM files; [`TlsFiles`] rereads
-//! them when they change (cert-manager rotates them in place), keeping the old pair
-//! if the new one does not load, and says so in the log and in
-//! `kvota_agent_tls_reloads{state="error"}`.
+//! TLS is rustls with the certificate and key read from PEM files, reread when they
+//! change (cert-manager rotates them in place), keeping the old pair if the new one does
+//! not load, and saying so in the log and in `kvota_agent_tls_reloads{state="error"}`.
+//! Connections are accepted within limits (`kvota_tls::Listener`: per address, in all,
+//! handshake and first-byte timeouts) and requests within HTTP limits (header read
+//! timeout, header count); who may call which route is in [`WebhookTls`].
 //!
 //! Every review answers with a well-formed AdmissionReview: an oversized or malformed
 //! body gets a 400-coded review (the `uid` echoed when it could be read), and when more
@@ -13,10 +15,9 @@
 //! [`BUSY_WAIT`] and is then told the agent is busy, so nothing queues without bound and
 //! nothing hangs past the API server's timeout.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -24,11 +25,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use hyper_util::service::TowerToHyperService;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use kvota_tls::http::HttpLimits;
+use kvota_tls::{Limits, Listener, PeerInfo, Role, ServerTls, TlsPaths, TlsSource, TrustGroup};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
@@ -43,108 +41,68 @@ pub const MAX_IN_FLIGHT: usize = 512;
 pub const BUSY_WAIT: Duration = Duration::from_secs(2);
 /// Oversized bodies are read and discarded up to this many bytes before answering.
 pub const DRAIN_LIMIT: usize = 4 * MAX_REVIEW_BYTES;
-/// A TLS handshake that takes longer than this is dropped.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often the certificate files are checked for changes.
-pub const RELOAD_CHECK: Duration = Duration::from_secs(2);
 
-/// A problem with the certificate or key.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    /// A file could not be read.
-    #[error("read {path}: {source}")]
-    Read {
-        /// File.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file holds no PEM certificate.
-    #[error("{0}: no PEM certificate (expected -----BEGIN CERTIFICATE-----)")]
-    NoCertificate(PathBuf),
-    /// The file holds no PEM private key.
-    #[error("{0}: no PEM private key (expected PKCS#8, PKCS#1 or SEC1)")]
-    NoKey(PathBuf),
-    /// rustls refused the pair.
-    #[error("certificate {cert} with key {key}: {why}")]
-    Rejected {
-        /// Certificate file.
-        cert: PathBuf,
-        /// Key file.
-        key: PathBuf,
-        /// rustls's reason (e.g. the key does not match the certificate).
-        why: String,
-    },
+pub use kvota_tls::TlsError;
+
+/// The webhook's TLS: what it presents, and whose client certificates count.
+///
+/// - `serving`: the webhook's certificate and key (reread when the files change), and,
+///   as its CA bundle, the CA that signs the Kubernetes API server's client certificate
+///   (`--webhook-client-ca`). With it, `/validate` and `/mutate` answer only clients
+///   whose certificate chains to that CA: a forged review from anyone else is refused.
+/// - `federation`: the agent's own federation TLS (`--cp-ca/--cp-cert/--cp-key`). With
+///   it, `/metrics`, `/explain` and `/reclaims` answer only viewers, operators and
+///   nodes of the federation (by the identity in their certificate).
+///
+/// `/healthz` and `/readyz` answer anyone: kubelet probes carry no certificate.
+#[derive(Clone, Debug)]
+pub struct WebhookTls {
+    /// Certificate, key and (optionally) the API server's client CA.
+    pub serving: Arc<TlsSource>,
+    /// The federation's CA and this agent's identity, if it has them.
+    pub federation: Option<Arc<TlsSource>>,
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read { path: path.to_path_buf(), source })
-}
-
-/// Loads a certificate chain and key into a rustls server configuration (HTTP/1.1 and
-/// HTTP/2 by ALPN).
-pub fn load_tls(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, TlsError> {
-    let cert_pem = read(cert)?;
-    let key_pem = read(key)?;
-    let chain: Vec<CertificateDer<'static>> =
-        CertificateDer::pem_slice_iter(&cert_pem).filter_map(Result::ok).collect();
-    if chain.is_empty() {
-        return Err(TlsError::NoCertificate(cert.to_path_buf()));
-    }
-    let key_der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| TlsError::NoKey(key.to_path_buf()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .and_then(|b| b.with_no_client_auth().with_single_cert(chain, key_der))
-        .map_err(|e| TlsError::Rejected { cert: cert.to_path_buf(), key: key.to_path_buf(), why: e.to_string() })?;
-    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(cfg))
-}
-
-/// The certificate and key files, and the configuration last loaded from them.
-#[derive(Debug)]
-pub struct TlsFiles {
-    cert: PathBuf,
-    key: PathBuf,
-    current: RwLock<(Arc<rustls::ServerConfig>, Option<SystemTime>, Option<SystemTime>)>,
-}
-
-fn mtime(p: &Path) -> Option<SystemTime> {
-    std::fs::metadata(p).and_then(|m| m.modified()).ok()
-}
-
-impl TlsFiles {
-    /// Loads both files; an error here is fatal (the agent cannot serve without them).
-    pub fn load(cert: &Path, key: &Path) -> Result<TlsFiles, TlsError> {
-        let (c, k) = (mtime(cert), mtime(key));
-        let cfg = load_tls(cert, key)?;
-        Ok(TlsFiles { cert: cert.to_path_buf(), key: key.to_path_buf(), current: RwLock::new((cfg, c, k)) })
+impl WebhookTls {
+    /// Loads the webhook's certificate and key, and the API server's client CA if given.
+    pub fn load(cert: &Path, key: &Path, client_ca: Option<&Path>, federation: Option<Arc<TlsSource>>) -> Result<WebhookTls, TlsError> {
+        let serving = TlsSource::load(TlsPaths { ca: client_ca.map(Path::to_path_buf), cert: cert.to_path_buf(), key: key.to_path_buf() })?;
+        Ok(WebhookTls { serving, federation })
     }
 
-    /// The configuration to use for the next connection.
-    pub fn config(&self) -> Arc<rustls::ServerConfig> {
-        self.current.read().unwrap_or_else(std::sync::PoisonError::into_inner).0.clone()
+    /// Whether reviews need the API server's client certificate.
+    pub fn verifies_apiserver(&self) -> bool {
+        self.serving.paths().ca.is_some()
     }
 
-    /// Reloads if either file changed: `Ok(true)` reloaded, `Ok(false)` unchanged, `Err`
-    /// the new files did not load (the previous pair stays in use; retried when the files
-    /// change again).
-    pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
-        let (c, k) = (mtime(&self.cert), mtime(&self.key));
-        {
-            let cur = self.current.read().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if cur.1 == c && cur.2 == k {
-                return Ok(false);
-            }
+    fn server_tls(&self) -> ServerTls {
+        let mut groups = Vec::new();
+        if self.verifies_apiserver() {
+            groups.push(TrustGroup { label: APISERVER, source: self.serving.clone(), names_identities: false });
         }
-        let loaded = load_tls(&self.cert, &self.key);
-        let mut cur = self.current.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Remember these times either way: a broken pair is reported once, not every check.
-        cur.1 = c;
-        cur.2 = k;
-        cur.0 = loaded?;
-        Ok(true)
+        if let Some(f) = &self.federation {
+            groups.push(TrustGroup { label: "federation", source: f.clone(), names_identities: true });
+        }
+        ServerTls {
+            serving: self.serving.clone(),
+            groups,
+            // Probes carry no certificate: each route decides.
+            mandatory: false,
+            roles: None,
+            alpn: vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+        }
     }
+}
+
+/// The trust group of the API server's client certificates.
+const APISERVER: &str = "apiserver";
+
+/// Connection limits of the webhook port. The API server keeps a pool of connections
+/// per instance (HA control planes have a few), so the per-address limit is generous;
+/// one other address cannot take more than that, and the total stays far below the
+/// process's file limit.
+pub fn default_limits() -> Limits {
+    Limits { max_connections: 4_096, max_connections_per_peer: 512, ..Limits::default() }
 }
 
 /// What the handlers share.
@@ -155,12 +113,56 @@ pub struct WebhookCtx {
     /// Its metrics.
     pub metrics: AgentMetrics,
     permits: Semaphore,
+    apiserver_only: bool,
+    federation_only: bool,
 }
 
 impl WebhookCtx {
-    /// Handlers' shared state.
+    /// Handlers' shared state, answering anyone on every route (no client
+    /// certificates checked: tests, benchmarks, a trusted network).
     pub fn new(agent: Arc<Agent>, metrics: AgentMetrics) -> Arc<WebhookCtx> {
-        Arc::new(WebhookCtx { agent, metrics, permits: Semaphore::new(MAX_IN_FLIGHT) })
+        Arc::new(WebhookCtx { agent, metrics, permits: Semaphore::new(MAX_IN_FLIGHT), apiserver_only: false, federation_only: false })
+    }
+
+    /// Handlers' shared state, authorizing callers as `tls` says (see [`WebhookTls`]).
+    pub fn with_tls(agent: Arc<Agent>, metrics: AgentMetrics, tls: &WebhookTls) -> Arc<WebhookCtx> {
+        Arc::new(WebhookCtx {
+            agent,
+            metrics,
+            permits: Semaphore::new(MAX_IN_FLIGHT),
+            apiserver_only: tls.verifies_apiserver(),
+            federation_only: tls.federation.is_some(),
+        })
+    }
+}
+
+/// Who may call which route (see [`WebhookTls`]).
+async fn guard(State(ctx): State<Arc<WebhookCtx>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let peer = req.extensions().get::<PeerInfo>().cloned();
+    let path = req.uri().path();
+    let refuse = |code: StatusCode, reason: &'static str, msg: String| {
+        ctx.metrics.denied(reason);
+        tracing::debug!(peer = ?peer.as_ref().map(|p| p.addr), reason, "webhook call refused");
+        (code, format!("{msg}\n")).into_response()
+    };
+    match path {
+        "/healthz" | "/readyz" => next.run(req).await,
+        "/validate" | "/mutate" if ctx.apiserver_only => {
+            if peer.as_ref().is_some_and(|p| p.trusted_by.contains(&APISERVER)) {
+                next.run(req).await
+            } else {
+                refuse(StatusCode::FORBIDDEN, "not_apiserver", "kvota: reviews are accepted only from the Kubernetes API server's client certificate (--webhook-client-ca)".into())
+            }
+        }
+        "/validate" | "/mutate" => next.run(req).await,
+        _ if ctx.federation_only => {
+            if peer.as_ref().is_some_and(|p| p.admits(&[Role::Viewer, Role::Operator, Role::Node])) {
+                next.run(req).await
+            } else {
+                refuse(StatusCode::UNAUTHORIZED, "not_viewer", "kvota: a viewer, operator or node certificate of the federation is required".into())
+            }
+        }
+        _ => next.run(req).await,
     }
 }
 
@@ -334,72 +336,24 @@ pub fn router(ctx: Arc<WebhookCtx>) -> Router {
         .route("/metrics", get(metrics))
         .route("/reclaims", get(reclaims))
         .route("/explain", get(explain))
+        .layer(axum::middleware::from_fn_with_state(ctx.clone(), guard))
         .with_state(ctx)
 }
 
-/// Serves `app` over TLS on `listener` until `shutdown` turns true; rereads the
-/// certificate files every [`RELOAD_CHECK`].
+/// Serves `app` over TLS on `listener`, within `limits`, until `shutdown` turns true;
+/// rereads the certificate files when they change.
 pub async fn serve_tls(
     listener: TcpListener,
-    tls: Arc<TlsFiles>,
+    tls: WebhookTls,
     app: Router,
     metrics: AgentMetrics,
-    mut shutdown: watch::Receiver<bool>,
+    limits: Limits,
+    shutdown: watch::Receiver<bool>,
 ) {
-    let mut check = tokio::time::interval(RELOAD_CHECK);
-    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let (stream, peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
-            _ = async { let _ = shutdown.wait_for(|s| *s).await; } => return,
-            _ = check.tick() => {
-                match tls.reload_if_changed() {
-                    Ok(true) => { metrics.tls_reload(true); tracing::info!("webhook certificate reloaded"); }
-                    Ok(false) => {}
-                    Err(e) => { metrics.tls_reload(false); tracing::error!(error = %e, "new webhook certificate not loaded; still serving the previous one"); }
-                }
-                continue;
-            }
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
-        let app = app.clone();
-        let mut stop = shutdown.clone();
-        tokio::spawn(async move {
-            let tls_stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let service = TowerToHyperService::new(app);
-            let builder = auto::Builder::new(TokioExecutor::new());
-            let conn = builder.serve_connection(TokioIo::new(tls_stream), service);
-            tokio::pin!(conn);
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(e) = r {
-                        tracing::debug!(%peer, error = %e, "webhook connection ended with an error");
-                    }
-                }
-                _ = async { let _ = stop.wait_for(|s| *s).await; } => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
-                }
-            }
-        });
-    }
+    let m = metrics.clone();
+    tokio::spawn(tls.serving.clone().watch("webhook certificate", move |ok| m.tls_reload(ok), shutdown.clone()));
+    let m = metrics.clone();
+    let on_refusal: kvota_tls::listen::OnRefusal = Arc::new(move |_, why| m.connection_refused(why.as_str()));
+    let listener = Listener::new("webhook", listener, Some(tls.server_tls()), limits, on_refusal);
+    kvota_tls::http::serve(listener.incoming(shutdown.clone()), app, HttpLimits::default(), shutdown).await;
 }

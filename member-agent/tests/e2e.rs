@@ -10,14 +10,12 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvota_control_plane::client::Client;
-use kvota_control_plane::server::{start, ServerConfig, ServerHandle};
-use kvota_control_plane::types::Node;
+use kvota_control_plane::server::ServerHandle;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::netfault::LinkProxy;
 use kvota_member_agent::sim::{SimCluster, SimPod};
 use kvota_proto::v1;
-use tokio::net::TcpListener;
 
 const POLICY: &str = "
 apiVersion: kvota.dev/v1alpha1
@@ -32,27 +30,11 @@ spec:
   - {name: research, weight: 10, minShare: 5, maxShare: 25, preemptible: true, namespaces: [lab]}
 ";
 
-async fn control_plane(tmp: &std::path::Path) -> (Vec<ServerHandle>, Vec<String>) {
-    let mut ls = Vec::new();
-    let mut members = BTreeMap::new();
-    for id in 1..=3u64 {
-        let rpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        members.insert(id, Node { rpc_addr: rpc.local_addr().expect("a").to_string(), http_addr: http.local_addr().expect("a").to_string() });
-        ls.push((rpc, http));
-    }
-    let mut nodes = Vec::new();
-    for (i, (rpc, http)) in ls.into_iter().enumerate() {
-        let id = i as u64 + 1;
-        let m = &members[&id];
-        let mut cfg = ServerConfig::new(id, tmp.join(format!("cp{id}")), m.rpc_addr.clone(), m.http_addr.clone());
-        cfg.tick_ms = 200;
-        if id == 1 {
-            cfg.initial_members = Some(members.clone());
-        }
-        nodes.push(start(cfg, rpc, http).await.expect("start"));
-    }
-    (nodes, members.values().map(|m| m.rpc_addr.clone()).collect())
+/// Three control-plane nodes in this process (see `kvota_testkit::Cluster`).
+async fn control_plane() -> (kvota_testkit::Cluster, Vec<String>) {
+    let cl = kvota_testkit::Cluster::start(3).await;
+    let endpoints = cl.endpoints();
+    (cl, endpoints)
 }
 
 /// Applies [`POLICY`] once the control plane has elected a leader (15 s at most).
@@ -84,7 +66,8 @@ async fn round(agent: &Agent, sim: &mut SimCluster) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let (nodes, endpoints) = control_plane(tmp.path()).await;
+    let (cl, endpoints) = control_plane().await;
+    let nodes: Vec<&ServerHandle> = cl.nodes.iter().flatten().collect();
     apply_policy(&endpoints).await;
 
     // Agent A reaches the control plane only through proxies we can cut.
@@ -232,12 +215,13 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         })
         .collect();
     assert_eq!(cut_evictions, vec![a.cluster().to_string()]);
-    for n in nodes { n.shutdown().await; }
+    drop(nodes);
+    cl.shutdown().await;
 }
 
 /// The training usage the control-plane nodes agree on, once all of them applied the
 /// same (a follower may trail the leader by the entries in flight).
-async fn agreed_training_usage(nodes: &[ServerHandle]) -> u64 {
+async fn agreed_training_usage(nodes: &[&ServerHandle]) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let mut seen = Vec::new();
@@ -264,7 +248,8 @@ async fn agreed_training_usage(nodes: &[ServerHandle]) -> u64 {
 async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     use kvota_member_agent::state::PodRec;
     let tmp = tempfile::tempdir().expect("tmp");
-    let (nodes, endpoints) = control_plane(tmp.path()).await;
+    let (cl, endpoints) = control_plane().await;
+    let nodes: Vec<&ServerHandle> = cl.nodes.iter().flatten().collect();
     apply_policy(&endpoints).await;
     let leader = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-1"), &endpoints).expect("agent 1");
     let standby = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-2"), &endpoints).expect("agent 2");
@@ -313,5 +298,6 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     // milliseconds and the time the retries took (a few report round trips).
     let slack = rate * 300;
     assert!(got <= produced && got + slack >= produced, "ledger {got} vs produced {produced} (off by {} ms of usage)", (produced as i64 - got as i64) / rate as i64);
-    for n in nodes { n.shutdown().await; }
+    drop(nodes);
+    cl.shutdown().await;
 }

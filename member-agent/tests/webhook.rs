@@ -15,7 +15,7 @@ use kvota_fairness::lease::{Lease, TenantBudget};
 use kvota_fairness::policy::Policy;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::metrics::AgentMetrics;
-use kvota_member_agent::webhook::{self, load_tls, TlsError, TlsFiles, WebhookCtx};
+use kvota_member_agent::webhook::{self, TlsError, WebhookCtx, WebhookTls};
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
 use tokio::net::{TcpListener, TcpStream};
@@ -67,12 +67,12 @@ async fn serve(dir: &Path) -> Served {
         );
     }
     let metrics = AgentMetrics::new();
-    let tls = Arc::new(TlsFiles::load(&dir.join("tls.crt"), &dir.join("tls.key")).expect("tls"));
+    let tls = WebhookTls::load(&dir.join("tls.crt"), &dir.join("tls.key"), None, None).expect("tls");
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr");
     let (stop, rx) = tokio::sync::watch::channel(false);
     let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
-    tokio::spawn(webhook::serve_tls(l, tls, app, metrics, rx));
+    tokio::spawn(webhook::serve_tls(l, tls, app, metrics, webhook::default_limits(), rx));
     Served { addr, agent, _stop: stop }
 }
 
@@ -233,7 +233,7 @@ async fn a_rotated_certificate_is_served_and_a_broken_one_is_not() {
     // A broken rotation keeps the last good pair in service.
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     std::fs::write(tmp.path().join("tls.crt"), "garbage").expect("write");
-    tokio::time::sleep(webhook::RELOAD_CHECK + Duration::from_millis(500)).await;
+    tokio::time::sleep(kvota_tls::material::RELOAD_CHECK + Duration::from_millis(500)).await;
     let mut c = connect(s.addr, &second).await.expect("still the second certificate");
     assert_eq!(c.peer_cert, second);
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
@@ -295,20 +295,23 @@ async fn a_body_arriving_late_is_waited_for_and_one_that_stops_is_answered() {
 fn bad_certificate_files_are_named_in_the_error() {
     let tmp = tempfile::tempdir().expect("tmp");
     let (crt, key) = (tmp.path().join("tls.crt"), tmp.path().join("tls.key"));
-    assert!(matches!(load_tls(&crt, &key), Err(TlsError::Read { .. })));
+    let load = |c: &Path, k: &Path| WebhookTls::load(c, k, None, None).map(|_| ());
+    assert!(matches!(load(&crt, &key), Err(TlsError::Read { .. })));
+    write_cert(tmp.path(), "one");
+    std::fs::write(&crt, "not pem").expect("w");
+    let e = load(&crt, &key).expect_err("no cert");
+    assert!(matches!(e, TlsError::Invalid { .. }) && e.to_string().contains("tls.crt") && e.to_string().contains("no PEM certificate"), "{e}");
     write_cert(tmp.path(), "one");
     let good_key = std::fs::read(&key).expect("key");
-    std::fs::write(&crt, "not pem").expect("w");
-    let e = load_tls(&crt, &key).expect_err("no cert");
-    assert!(matches!(e, TlsError::NoCertificate(_)) && e.to_string().contains("tls.crt"), "{e}");
-    write_cert(tmp.path(), "one");
     std::fs::write(&key, "-----BEGIN NOTHING-----\n-----END NOTHING-----\n").expect("w");
-    assert!(matches!(load_tls(&crt, &key), Err(TlsError::NoKey(_))));
+    let e = load(&crt, &key).expect_err("no key");
+    assert!(e.to_string().contains("tls.key") && e.to_string().contains("no usable PEM private key"), "{e}");
     // A key from another certificate.
     let other = tempfile::tempdir().expect("tmp");
     write_cert(other.path(), "other");
     std::fs::copy(other.path().join("tls.key"), &key).expect("copy");
-    let e = load_tls(&crt, &key).expect_err("mismatched pair");
-    assert!(matches!(e, TlsError::Rejected { .. }), "{e}");
+    let e = load(&crt, &key).expect_err("mismatched pair");
+    assert!(e.to_string().contains("does not belong to the certificate"), "{e}");
     std::fs::write(&key, good_key).expect("w");
+    assert!(load(&crt, &key).is_ok());
 }

@@ -396,7 +396,7 @@ impl Listener {
                         (Some(acceptor), Some(tls)) => {
                             let s = match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(stream)).await {
                                 Err(_) => return refuse(Refusal::HandshakeTimeout, "no TLS handshake in time"),
-                                Ok(Err(e)) => return refuse(Refusal::HandshakeFailed, &e.to_string()),
+                                Ok(Err(e)) => return refuse(Refusal::HandshakeFailed, &handshake_error(&e)),
                                 Ok(Ok(s)) => s,
                             };
                             let chain = s.get_ref().1.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
@@ -428,8 +428,40 @@ impl Listener {
     }
 }
 
+/// A failed handshake in words an operator can act on.
+fn handshake_error(e: &io::Error) -> String {
+    let text = e.to_string();
+    if text.contains("InvalidContentType") || text.contains("corrupt message") {
+        format!("the client does not speak TLS (plain text, or the wrong port?): {text}")
+    } else if text.contains("Expired") {
+        format!("the client's certificate has expired: {text}")
+    } else if text.contains("NotValidYet") {
+        format!("the client's certificate is not valid yet (check its clock): {text}")
+    } else if text.contains("UnknownIssuer") {
+        format!("the client's certificate is not from a trusted CA: {text}")
+    } else if text.contains("NoCertificatesPresented") || text.contains("CertificateRequired") {
+        format!("the client presented no certificate: {text}")
+    } else {
+        text
+    }
+}
+
 /// Whether `addr` (as given to a listen flag) is a loopback address: plain text is
 /// allowed there without `--insecure`.
 pub fn is_loopback(addr: &SocketAddr) -> bool {
     addr.ip().is_loopback()
+}
+
+/// Raises this process's soft limit on open files to its hard limit, and returns the
+/// limit in force. The connection limits of every listener are set below it, so a flood
+/// on one port cannot take the descriptors the others and the data files need.
+pub fn raise_file_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let cur = getrlimit(Resource::Nofile);
+    if cur.current != cur.maximum {
+        if let Err(e) = setrlimit(Resource::Nofile, Rlimit { current: cur.maximum, maximum: cur.maximum }) {
+            tracing::debug!(error = %e, "could not raise the open-files limit");
+        }
+    }
+    getrlimit(Resource::Nofile).current
 }

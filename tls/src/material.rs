@@ -283,3 +283,51 @@ impl TlsSource {
         }
     }
 }
+
+/// What a certificate names, for people (`kvota certs show`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Names {
+    /// Subject distinguished name.
+    pub subject: String,
+    /// Issuer distinguished name.
+    pub issuer: String,
+    /// Subject alternative names: URIs, DNS names, IP addresses.
+    pub sans: Vec<String>,
+    /// Start of validity, UTC, for people.
+    pub valid_from: String,
+    /// End of validity, UTC, for people.
+    pub valid_until: String,
+}
+
+/// Reads the names of a DER certificate.
+pub fn describe(der: &[u8]) -> Result<Names, String> {
+    use x509_parser::extensions::GeneralName;
+    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| format!("does not parse: {e}"))?;
+    let mut sans = Vec::new();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for n in &san.value.general_names {
+            match n {
+                GeneralName::URI(u) => sans.push(format!("URI:{u}")),
+                GeneralName::DNSName(d) => sans.push(format!("DNS:{d}")),
+                GeneralName::IPAddress(ip) => match ip.len() {
+                    4 => sans.push(format!("IP:{}", std::net::Ipv4Addr::new(ip[0], ip[1], ip[2], ip[3]))),
+                    16 => {
+                        let mut b = [0u8; 16];
+                        b.copy_from_slice(ip);
+                        sans.push(format!("IP:{}", std::net::Ipv6Addr::from(b)));
+                    }
+                    _ => {}
+                },
+                other => sans.push(format!("{other:?}")),
+            }
+        }
+    }
+    let v = cert.validity();
+    Ok(Names {
+        subject: cert.subject().to_string(),
+        issuer: cert.issuer().to_string(),
+        sans,
+        valid_from: v.not_before.to_string(),
+        valid_until: v.not_after.to_string(),
+    })
+}

@@ -314,14 +314,27 @@ impl Fed {
         let net = Net::build(3, 3).unwrap_or_else(|e| panic!("build the test network for `{scenario}`: {e}"));
         let servers: Vec<net::Host> = net.hosts.iter().filter(|h| h.name.starts_with('s')).cloned().collect();
         let cp: Vec<String> = servers.iter().map(|h| format!("{}:7401", h.addr)).collect();
-        let members: Vec<String> = servers.iter().enumerate().map(|(i, h)| format!("{}={}:7401,{}:7501", i + 1, h.addr, h.addr)).collect();
+        let members: Vec<String> =
+            servers.iter().enumerate().map(|(i, h)| format!("{}={}:7401,{}:7501,{}:7601", i + 1, h.addr, h.addr, h.addr)).collect();
         let mut procs = Vec::new();
         for (i, h) in servers.iter().enumerate() {
-            let mut args: Vec<String> = ["server", "--id", &(i + 1).to_string(), "--listen", &format!("{}:7401", h.addr), "--http", &format!("{}:7501", h.addr)]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-            args.extend(["--tick-ms", "300", "--exit-with-parent"].map(String::from));
+            let mut args: Vec<String> = [
+                "server",
+                "--id",
+                &(i + 1).to_string(),
+                "--listen",
+                &format!("{}:7401", h.addr),
+                "--raft-listen",
+                &format!("{}:7601", h.addr),
+                "--http",
+                &format!("{}:7501", h.addr),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            // Plain text on the test's own private network of namespaces: these scenarios
+            // are about faults, not strangers (the hostile-client suite covers those).
+            args.extend(["--tick-ms", "300", "--exit-with-parent", "--insecure"].map(String::from));
             args.extend(timing.flags().iter().map(|f| f.to_string()));
             args.push("--data-dir".into());
             args.push(dir.path().join(&h.name).display().to_string());

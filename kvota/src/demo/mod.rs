@@ -209,6 +209,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
 struct CpProc {
     id: u64,
     rpc: String,
+    raft: String,
     http: String,
     dir: PathBuf,
     log: PathBuf,
@@ -225,7 +226,7 @@ impl CpProc {
             .with_context(|| format!("open log file {}", self.log.display()))?;
         let mut cmd = tokio::process::Command::new(exe);
         cmd.arg("server")
-            .args(["--id", &self.id.to_string(), "--listen", &self.rpc, "--http", &self.http])
+            .args(["--id", &self.id.to_string(), "--listen", &self.rpc, "--raft-listen", &self.raft, "--http", &self.http])
             .args(["--tick-ms", "250", "--exit-with-parent"])
             // Three servers and three agent journals share one disk here; an election
             // needs two fsyncs in a row, so the demo uses etcd-like timeouts rather than
@@ -289,6 +290,7 @@ async fn start_control_plane(exe: &Path, dir: &Path) -> Result<(Vec<CpProc>, Vec
             procs.push(CpProc {
                 id,
                 rpc: free_addr()?,
+                raft: free_addr()?,
                 http: free_addr()?,
                 dir: node_dir,
                 log: dir.join(format!("cp{id}.log")),
@@ -296,7 +298,7 @@ async fn start_control_plane(exe: &Path, dir: &Path) -> Result<(Vec<CpProc>, Vec
                 _stdin: None,
             });
         }
-        let members: Vec<String> = procs.iter().map(|p| format!("{}={},{}", p.id, p.rpc, p.http)).collect();
+        let members: Vec<String> = procs.iter().map(|p| format!("{}={},{},{}", p.id, p.rpc, p.http, p.raft)).collect();
         for (i, p) in procs.iter_mut().enumerate() {
             p.spawn(exe, if i == 0 { Some(&members) } else { None })?;
         }
