@@ -40,6 +40,12 @@ impl GrpcTls {
         Ok(GrpcTls { source })
     }
 
+    /// A party's TLS from files already loaded (shared with whatever else uses them, so
+    /// one watcher reloads them for all).
+    pub fn from_source(source: Arc<TlsSource>) -> GrpcTls {
+        GrpcTls { source }
+    }
+
     /// The files and what is loaded from them.
     pub fn source(&self) -> &Arc<TlsSource> {
         &self.source

@@ -48,6 +48,10 @@ pub struct AgentArgs {
     /// the cluster is refused. Reread when the file changes.
     #[arg(long, env = "KVOTA_WEBHOOK_CLIENT_CA", value_name = "FILE")]
     pub(crate) webhook_client_ca: Option<PathBuf>,
+    /// Connections one address may hold open on the webhook port at once (the API
+    /// server keeps a pool per instance; anything else gets far fewer in practice).
+    #[arg(long, env = "KVOTA_WEBHOOK_MAX_CONNECTIONS_PER_PEER", default_value_t = 512)]
+    pub(crate) webhook_max_connections_per_peer: usize,
     /// How often usage is reported (each report also renews the lease), milliseconds.
     /// Keep it well under the policy's lease duration (default 30 s).
     #[arg(long, env = "KVOTA_REPORT_INTERVAL_MS", default_value_t = 5_000)]
@@ -169,7 +173,7 @@ pub(crate) async fn start_webhook(
     held: Option<String>,
 ) -> Result<(Arc<Agent>, watch::Sender<bool>, watch::Receiver<bool>, tokio::task::JoinHandle<()>)> {
     let agent = Arc::new(
-        Agent::open_with_tls(&args.cluster, capacity, &args.data_dir, &cp.addrs, cp.tls()?)
+        Agent::open_with_tls(&args.cluster, capacity, &args.data_dir, &cp.addrs, tls.federation.clone().map(kvota_control_plane::tls::GrpcTls::from_source))
             .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
     );
     agent.state().set_held(held);
@@ -179,8 +183,15 @@ pub(crate) async fn start_webhook(
     })?;
     let metrics = AgentMetrics::new();
     let (stop_tx, stop) = watch::channel(false);
+    // The federation certificate (to the control plane, and trusted on the webhook's
+    // read routes) is reread when its files change, like the webhook's own.
+    if let Some(f) = tls.federation.clone() {
+        let m = metrics.clone();
+        tokio::spawn(f.watch("federation certificate", move |ok| m.tls_reload(ok), stop.clone()));
+    }
     let app = webhook::router(WebhookCtx::with_tls(agent.clone(), metrics.clone(), &tls));
-    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, webhook::default_limits(), stop.clone()));
+    let limits = kvota_tls::Limits { max_connections_per_peer: args.webhook_max_connections_per_peer.max(1), ..webhook::default_limits() };
+    let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, limits, stop.clone()));
     Ok((agent, stop_tx, stop, server))
 }
 

@@ -87,6 +87,10 @@ pub struct ServerArgs {
     /// group or forge Raft traffic: only for a network where every host is trusted.
     #[arg(long, env = "KVOTA_INSECURE")]
     insecure: bool,
+    /// Connections one address may hold open on the gRPC API port at once (agents of
+    /// many clusters may share one egress address: keep it above their number).
+    #[arg(long, env = "KVOTA_MAX_CONNECTIONS_PER_PEER", default_value_t = 256)]
+    max_connections_per_peer: usize,
     /// Free space (MiB) the data directory's file system must keep: below it the node
     /// is not ready and says why, before writes fail.
     #[arg(long, env = "KVOTA_MIN_FREE_DISK_MB", default_value_t = 64)]
@@ -159,6 +163,7 @@ async fn serve(args: ServerArgs) -> Result<()> {
     let advertise_http = args.advertise_http.clone().unwrap_or_else(|| advertised(&args.http, &http));
     let mut cfg = ServerConfig::new(args.id, args.data_dir.clone(), advertise.clone(), advertise_http.clone(), advertise_raft.clone());
     cfg.insecure = args.insecure;
+    cfg.limits.api.max_connections_per_peer = args.max_connections_per_peer.max(1);
     cfg.min_free_disk_bytes = args.min_free_disk_mb.saturating_mul(1 << 20);
     cfg.heartbeat_ms = args.heartbeat_ms;
     cfg.election_timeout_min_ms = args.election_timeout_min_ms;

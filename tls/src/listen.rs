@@ -33,8 +33,10 @@ pub struct Limits {
     /// A TLS handshake is a few round trips; 10 s covers a slow, lossy link, and a
     /// client that takes longer is holding a descriptor for nothing.
     pub handshake_timeout: Duration,
-    /// Time from accepting (or the end of the handshake) to the first byte of a request:
-    /// every real client sends at once; one that sends nothing is holding a descriptor.
+    /// Time from accepting (or the end of the handshake) to the first [`FIRST_BYTES`]
+    /// bytes of a request (an HTTP/2 preface is 24; an HTTP/1 request line is longer):
+    /// every real client sends them at once; one that sends nothing, or a dribble, is
+    /// holding a descriptor.
     pub first_byte_timeout: Duration,
     /// Connections open at once on this listener; past it new ones are closed at once.
     /// Below the process's file limit, so the other listeners and the data files keep
@@ -55,6 +57,10 @@ impl Default for Limits {
         }
     }
 }
+
+/// How many bytes must arrive within [`Limits::first_byte_timeout`]: the HTTP/2
+/// connection preface.
+pub const FIRST_BYTES: usize = 24;
 
 /// Why a connection was closed before it carried a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -192,6 +198,8 @@ pub struct Conn {
     peer: PeerInfo,
     silent: Option<Pin<Box<tokio::time::Sleep>>>,
     on_silent: Option<(&'static str, OnRefusal)>,
+    /// Bytes read so far, counted until [`FIRST_BYTES`].
+    read_so_far: usize,
     _slot: Slot,
 }
 
@@ -224,9 +232,12 @@ impl AsyncRead for Conn {
             Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         };
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            this.silent = None;
-            this.on_silent = None;
+        if matches!(r, Poll::Ready(Ok(()))) && this.silent.is_some() {
+            this.read_so_far += buf.filled().len() - before;
+            if this.read_so_far >= FIRST_BYTES {
+                this.silent = None;
+                this.on_silent = None;
+            }
         }
         r
     }
@@ -400,9 +411,7 @@ impl Listener {
                                 Ok(Ok(s)) => s,
                             };
                             let chain = s.get_ref().1.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
-                            let td = tls.serving.identity().map(|i| i.trust_domain().to_string());
-                            let (trusted_by, identity) =
-                                if chain.is_empty() { (Vec::new(), None) } else { classify(&chain, &tls.groups, td.as_deref()) };
+                            let (trusted_by, identity) = if chain.is_empty() { (Vec::new(), None) } else { classify(&chain, &tls.groups) };
                             if let Some(roles) = &tls.roles {
                                 if !identity.as_ref().is_some_and(|i| admits(i, roles)) {
                                     let who = identity.map_or_else(|| "no kvota identity".to_string(), |i| i.to_string());
@@ -418,6 +427,7 @@ impl Listener {
                         peer,
                         silent: Some(Box::pin(tokio::time::sleep(limits.first_byte_timeout))),
                         on_silent: Some((name, on_refusal.clone())),
+                        read_so_far: 0,
                         _slot: slot,
                     };
                     let _ = tx.send(Ok(conn)).await;

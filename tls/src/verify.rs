@@ -227,20 +227,22 @@ impl ClientCertVerifier for ClientVerifier {
 }
 
 /// Who a verified client is: the groups whose bundle its chain leads to, and its kvota
-/// identity if a group that names identities vouched for it and the identity is of
-/// `trust_domain`.
-pub fn classify(chain: &[CertificateDer<'_>], groups: &[TrustGroup], trust_domain: Option<&str>) -> (Vec<&'static str>, Option<Identity>) {
+/// identity if a group that names identities vouched for it and the identity is of that
+/// group's trust domain (the trust domain of the group's own certificate).
+pub fn classify(chain: &[CertificateDer<'_>], groups: &[TrustGroup]) -> (Vec<&'static str>, Option<Identity>) {
     let now = UnixTime::now();
     let mut trusted_by = Vec::new();
     let mut identity = None;
     for g in groups {
-        if verify_chain(&g.source.current().roots, chain, webpki::KeyUsage::client_auth(), now).is_ok() {
+        let loaded = g.source.current();
+        if verify_chain(&loaded.roots, chain, webpki::KeyUsage::client_auth(), now).is_ok() {
             trusted_by.push(g.label);
             if g.names_identities && identity.is_none() {
+                let td = loaded.identity.as_ref().map(|i| i.trust_domain().to_string());
                 identity = chain
                     .first()
                     .and_then(|leaf| crate::identity::from_certificate(leaf).ok().flatten())
-                    .filter(|id| trust_domain.is_some_and(|td| id.trust_domain() == td));
+                    .filter(|id| td.as_deref() == Some(id.trust_domain()));
             }
         }
     }

@@ -371,3 +371,4 @@ async fn certificates_and_the_ca_rotate_on_disk_without_a_restart() {
     ping(&cb, s.addr).await.expect("trusted through the bundle");
     ping(&c, s.addr).await.expect("the old CA's clients too");
 }
+
