@@ -371,3 +371,76 @@ async fn survivors_of_a_dead_leader_elect_when_the_lease_ends_not_after_their_ti
     assert!(took < Duration::from_millis(5_500), "elected {took:?} after the stop: no sooner than openraft's own timers would");
     c.shutdown().await;
 }
+
+/// A year ahead of the system clock: a node whose clock took a bad step.
+fn a_year_ahead() -> kvota_control_plane::clock::WallClock {
+    let year = 365 * 24 * 3_600_000u64;
+    let real = kvota_control_plane::clock::system_wall_clock();
+    std::sync::Arc::new(move || real() + year)
+}
+
+fn unix_ms() -> u64 {
+    u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis()).expect("ms")
+}
+
+/// The federation's time is the median of the voters' clocks: node 1, a year ahead, is
+/// made leader and stamps entries, yet the replicated clock stays with the others (and
+/// keeps moving), so nothing freezes once node 1's clock is fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_with_a_clock_far_ahead_cannot_move_the_federations_time() {
+    let cl = Cluster::start_with(3, None, |cfg| {
+        if cfg.id == 1 {
+            cfg.wall_clock = a_year_ahead();
+        }
+    })
+    .await;
+    cl.leader(Duration::from_secs(10)).await;
+    // Make node 1 the leader.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cl.leader(Duration::from_secs(5)).await != 1 {
+        assert!(Instant::now() < deadline, "node 1 never became leader");
+        let _ = cl.node(1).raft().trigger().elect().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let client = Client::new(&cl.endpoints()).expect("client");
+    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    register(&client, "east", 8).await;
+    // Ticks and writes, stamped by node 1, for a few seconds.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let first = cl.federation(1).await.now_ms();
+    register(&client, "west", 8).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(cl.leader(Duration::from_secs(5)).await, 1, "node 1 still leads");
+    let later = cl.federation(1).await.now_ms();
+    let real = unix_ms();
+    assert!(later.abs_diff(real) < 10_000, "the federation's clock is {} ms off real time", i128::from(later) - i128::from(real));
+    assert!(later > first, "time stood still: {first} -> {later}");
+    cl.shutdown().await;
+}
+
+/// A Raft core that stops without being asked (a storage error, a panic) makes the node
+/// unhealthy and unready, counts it, and the handle says so (the binary then exits
+/// non-zero, for its supervisor to restart it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_raft_core_that_stops_fails_health_and_the_node_says_it_is_broken() {
+    let cl = Cluster::start(3).await;
+    let leader = cl.leader(Duration::from_secs(10)).await;
+    let victim = if leader == 3 { 2 } else { 3 };
+    let http = cl.members[&victim].http_addr.clone();
+    let plain = kvota_tls::connect::Connector::new(None);
+    assert_eq!(kvota_testkit::http_get(&plain, &http, "/healthz").await.expect("healthz").0, 200);
+    // Stop the core behind the node's back.
+    cl.node(victim).raft().shutdown().await.expect("stop the core");
+    let why = tokio::time::timeout(Duration::from_secs(5), cl.node(victim).broken()).await.expect("noticed within 5 s");
+    assert!(why.contains("Raft core"), "{why}");
+    let (code, body) = kvota_testkit::http_get(&plain, &http, "/healthz").await.expect("healthz");
+    assert!(code == 503 && body.contains("broken"), "{code} {body}");
+    let (code, body) = kvota_testkit::http_get(&plain, &http, "/readyz").await.expect("readyz");
+    assert!(code == 503 && body.contains("broken"), "{code} {body}");
+    let (_, metrics) = kvota_testkit::http_get(&plain, &http, "/metrics").await.expect("metrics");
+    assert!(metrics.contains("kvota_raft_fatal 1"), "{metrics}");
+    // The others go on.
+    let others: Vec<String> = cl.members.iter().filter(|(id, _)| **id != victim).map(|(_, m)| m.rpc_addr.clone()).collect();
+    apply_policy(&Client::new(&others).expect("client"), Policy::article_example_yaml()).await.expect("the others take writes");
+    cl.shutdown().await;
+}
