@@ -529,3 +529,48 @@ async fn sigkill_loses_nothing_acknowledged() {
     }
     assert!(max_applied >= 195, "three rounds applied {max_applied}");
 }
+
+/// A snapshot with bytes changed anywhere: installing it either fails and changes
+/// nothing, or installs exactly a state that decodes and matches its meta (a change
+/// inside a string can still be valid JSON). Never a panic.
+#[test]
+fn mutated_snapshots_are_refused_or_installed_whole() {
+    use proptest::prelude::*;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let dir = TempDir::new().unwrap();
+    let (good, sm) = rt.block_on(async {
+        let (_log, mut sm) = open_retrying(dir.path());
+        sm.apply(sample_log()[..5].to_vec()).await.unwrap();
+        let good = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+        drop(_log);
+        (good, sm)
+    });
+    let bytes = good.snapshot.get_ref().clone();
+    let before = rt.block_on(async { sm.shared().read().await.clone() });
+    let sm = std::cell::RefCell::new(sm);
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config { cases: 64, ..Default::default() });
+    runner
+        .run(&proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4), |edits| {
+            let mut b = bytes.clone();
+            for (i, v) in edits {
+                let i = i.index(b.len());
+                b[i] = v;
+            }
+            let decoded = serde_json::from_slice::<StateMachineData>(&b).ok();
+            let mut sm = sm.borrow_mut();
+            let r = rt.block_on(sm.install_snapshot(&good.meta, Box::new(Cursor::new(b))));
+            let now = rt.block_on(async { sm.shared().read().await.clone() });
+            match r {
+                Err(_) => prop_assert_eq!(&now, &before),
+                Ok(()) => {
+                    let d = decoded.expect("installed, so it decoded");
+                    prop_assert_eq!(&now, &d);
+                    prop_assert_eq!(d.last_applied, good.meta.last_log_id);
+                }
+            }
+            // Put the good one back for the next case.
+            rt.block_on(sm.install_snapshot(&good.meta, Box::new(Cursor::new(bytes.clone())))).unwrap();
+            Ok(())
+        })
+        .unwrap();
+}

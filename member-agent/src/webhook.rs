@@ -357,3 +357,36 @@ pub async fn serve_tls(
     let listener = Listener::new("webhook", listener, Some(tls.server_tls()), limits, on_refusal);
     kvota_tls::http::serve(listener.incoming(shutdown.clone()), app, HttpLimits::default(), shutdown).await;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ctx() -> (tempfile::TempDir, Arc<WebhookCtx>) {
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Agent::open("east", [("nvidia.com/gpu".to_string(), 8_000)].into(), dir.path(), &["127.0.0.1:9".to_string()]).expect("agent");
+        (dir, WebhookCtx::new(Arc::new(agent), AgentMetrics::new()))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+        /// Any path and query string on the read routes: a status code, never a panic;
+        /// `/explain` answers 400 without a pod and 404 for one it never judged.
+        #[test]
+        fn any_query_gets_an_answer(path in prop_oneof![Just("/explain"), Just("/reclaims"), Just("/metrics"), Just("/healthz"), Just("/nope")],
+                                    query in "[ -~]{0,60}") {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+            let (_dir, ctx) = ctx();
+            let app = router(ctx);
+            let encoded: String = query.bytes().map(|b| if b.is_ascii_alphanumeric() || b"=&/%.-_".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect();
+            let Ok(req) = axum::http::Request::get(format!("{path}?{encoded}")).body(Body::empty()) else { return Ok(()) };
+            let resp = rt.block_on(tower::ServiceExt::oneshot(app, req)).expect("infallible");
+            let code = resp.status().as_u16();
+            prop_assert!(matches!(code, 200 | 400 | 404 | 405), "{path}?{encoded}: {code}");
+            if path == "/explain" && !encoded.contains("pod=") {
+                prop_assert_eq!(code, 400);
+            }
+        }
+    }
+}

@@ -378,4 +378,92 @@ mod tests {
         bad.epoch = 0;
         assert!(Lease::try_from(bad).is_err());
     }
+
+    mod fuzz {
+        use super::super::*;
+        use prost::Message;
+        use proptest::prelude::*;
+
+        fn name() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("east".to_string()),
+                Just("training".to_string()),
+                Just(String::new()),
+                "[a-z0-9-]{1,70}",
+                ".{0,80}",
+            ]
+        }
+
+        fn number() -> impl Strategy<Value = u64> {
+            prop_oneof![0u64..5_000, Just(u64::MAX), Just(u64::MAX / 2), any::<u64>()]
+        }
+
+        prop_compose! {
+            fn wire_report()(
+                cluster in name(),
+                seq in number(),
+                held in number(),
+                tenants in proptest::collection::vec((name(), number(), number(), number()), 0..6),
+                capacity in proptest::collection::vec((name(), number()), 0..3),
+                window in (number(), number()),
+            ) -> v1::ReportRequest {
+                v1::ReportRequest {
+                    cluster,
+                    seq,
+                    held_epoch: held,
+                    tenants: tenants.into_iter().map(|(tenant, u, i, p)| v1::TenantUsage { tenant, used_milli_gpue_ms: u, inuse_milli_gpue: i, pending_milli_gpue: p }).collect(),
+                    capacity: capacity.into_iter().map(|(name, q)| v1::Resource { name, quantity_milli: q }).collect(),
+                    evictions: vec![],
+                    window_start_ms: window.0,
+                    window_end_ms: window.1,
+                }
+            }
+        }
+
+        proptest! {
+            /// Any field values: the conversion answers (a report, or an error naming a
+            /// field); what converts converts back to the same message.
+            #[test]
+            fn reports_convert_or_name_the_bad_field(r in wire_report()) {
+                match UsageReport::try_from(r.clone()) {
+                    Ok(core) => {
+                        let back = v1::ReportRequest::from(&core);
+                        prop_assert_eq!(UsageReport::try_from(back), Ok(core));
+                    }
+                    Err(e) => prop_assert!(!e.field.is_empty()),
+                }
+            }
+
+            /// Arbitrary bytes as any message of the member API, then converted: decoding
+            /// and conversion answer, never panic.
+            #[test]
+            fn arbitrary_bytes_decode_and_convert_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+                if let Ok(r) = v1::ReportRequest::decode(bytes.as_slice()) {
+                    let _ = UsageReport::try_from(r);
+                }
+                if let Ok(r) = v1::RegisterRequest::decode(bytes.as_slice()) {
+                    let _ = Registration::try_from(r);
+                }
+                if let Ok(l) = v1::Lease::decode(bytes.as_slice()) {
+                    let _ = Lease::try_from(l);
+                }
+            }
+
+            /// A valid report's encoding with bytes changed: it decodes to something that
+            /// converts or is refused, never panics.
+            #[test]
+            fn mutated_reports_are_refused_or_converted(
+                edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            ) {
+                let mut bytes = super::report().encode_to_vec();
+                for (i, b) in edits {
+                    let i = i.index(bytes.len());
+                    bytes[i] = b;
+                }
+                if let Ok(r) = v1::ReportRequest::decode(bytes.as_slice()) {
+                    let _ = UsageReport::try_from(r);
+                }
+            }
+        }
+    }
 }
