@@ -32,6 +32,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, Subject};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -47,6 +48,9 @@ use serde_json::{json, Value};
 const CA_PLACEHOLDER: &str = "@CA_BUNDLE-FILLED-IN-BY-make-webhook-cert@";
 /// What the test puts in its place before parsing: base64, as the script writes.
 const CA_SAMPLE_BASE64: &str = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg==";
+/// The API server's addresses in `agent/networkpolicy/`, filled in by the operator.
+const APISERVER_CIDR_PLACEHOLDER: &str = "@APISERVER_CIDR@";
+const APISERVER_CIDR_SAMPLE: &str = "10.0.0.10/32";
 
 /// Where the agent's API calls apply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +99,8 @@ const EXPECTED: &[(&str, &str)] = &[
     ("StatefulSet", "kvota-server"),
     ("PodDisruptionBudget", "kvota-server"),
     ("Job", "kvota-bootstrap"),
+    ("NetworkPolicy", "kvota-server"),
+    ("NetworkPolicy", "kvota-agent-webhook"),
 ];
 
 /// Kinds without a namespace; every other object must name its namespace, or it lands
@@ -164,7 +170,7 @@ fn documents_under(dir: &Path) -> Vec<Doc> {
     for path in files {
         let file = path.strip_prefix(repo()).unwrap_or(&path).display().to_string();
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {file}: {e}"));
-        let text = text.replace(CA_PLACEHOLDER, CA_SAMPLE_BASE64);
+        let text = text.replace(CA_PLACEHOLDER, CA_SAMPLE_BASE64).replace(APISERVER_CIDR_PLACEHOLDER, APISERVER_CIDR_SAMPLE);
         for d in serde_yaml_ng::Deserializer::from_str(&text) {
             let value = Value::deserialize(d).unwrap_or_else(|e| panic!("{file}: not YAML: {e}"));
             if !value.is_null() {
@@ -237,6 +243,7 @@ fn check_typed(doc: &Doc) -> Result<(), String> {
         "StatefulSet" => round_trip::<StatefulSet>(doc),
         "Job" => round_trip::<Job>(doc),
         "PodDisruptionBudget" => round_trip::<PodDisruptionBudget>(doc),
+        "NetworkPolicy" => round_trip::<NetworkPolicy>(doc),
         "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc),
         "ValidatingWebhookConfiguration" => round_trip::<ValidatingWebhookConfiguration>(doc),
         other => Err(format!("kind `{other}` is not one this test knows: add it to check_typed")),
@@ -971,24 +978,30 @@ fn control_plane_ids_peers_and_bootstrap_agree() {
     assert_eq!(peers_spec.cluster_ip.as_deref(), Some("None"), "{peers_name} must be headless");
     assert_eq!(peers_spec.publish_not_ready_addresses, Some(true), "nodes must find each other before any is ready");
     let grpc = listen_port(server, "--listen", "127.0.0.1:7401");
+    let raft = listen_port(server, "--raft-listen", "127.0.0.1:7601");
     let http = listen_port(server, "--http", "127.0.0.1:7501");
-    for flag in ["--listen", "--http"] {
+    for flag in ["--listen", "--raft-listen", "--http"] {
         let host = server.flag(flag).unwrap_or_default();
         assert!(host.starts_with("0.0.0.0:") || host.starts_with("[::]:"), "{flag} {host}: other pods cannot reach a loopback address");
     }
-    for port in [grpc, http] {
+    for port in [grpc, raft, http] {
         service_target(&docs, ns, &peers_name, port, server).unwrap_or_else(|e| panic!("{e}"));
     }
     let peer = |ordinal: i32| format!("{}-{ordinal}.{peers_name}.{ns}.svc", doc.name());
     assert_eq!(server.flag("--advertise"), Some(format!("{}:{grpc}", peer(start))), "--advertise is the pod's peer name");
     assert_eq!(server.flag("--advertise-http"), Some(format!("{}:{http}", peer(start))));
+    assert_eq!(server.flag("--advertise-raft"), Some(format!("{}:{raft}", peer(start))));
+    // Off loopback the server refuses plain text: the manifests give it TLS (its own
+    // node certificate, by the id) rather than --insecure.
+    assert!(server.flag("--insecure").is_none(), "the control plane runs with TLS, not --insecure");
+    assert_eq!(server.flag("--tls-cert"), Some(format!("/etc/kvota/tls/node-{start}.crt")), "each node presents its own certificate");
 
     // The one-time bootstrap names exactly these nodes, at these addresses, and asks
     // the first of them.
     let job = containers.iter().find(|k| k.subcommand() == ["members", "init"]).expect("a Job runs `kvota members init`");
     let members: BTreeSet<String> = job.args.iter().filter_map(|a| a.strip_prefix("--member=").map(str::to_string)).collect();
     let expected: BTreeSet<String> =
-        (start..start + replicas).map(|i| format!("{i}={}:{grpc},{}:{http}", peer(i), peer(i))).collect();
+        (start..start + replicas).map(|i| format!("{i}={}:{grpc},{}:{http},{}:{raft}", peer(i), peer(i), peer(i))).collect();
     assert_eq!(members, expected, "the bootstrap's members are the StatefulSet's pods");
     assert_eq!(job.flag("--cp"), Some(format!("{}:{grpc}", peer(start))), "the bootstrap asks node {start} through its peer name");
     assert_eq!(job.pod.doc.namespace(), ns);
@@ -1154,7 +1167,7 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
         .spawn()
         .expect("spawn agent");
     let server_proc = kvota()
-        .args(["server", "--id", "1", "--listen", &format!("127.0.0.1:{}", ports[1]), "--http", &format!("127.0.0.1:{}", ports[2])])
+        .args(["server", "--id", "1", "--listen", &format!("127.0.0.1:{}", ports[1]), "--http", &format!("127.0.0.1:{}", ports[2]), "--raft-listen", "127.0.0.1:0"])
         .arg("--data-dir")
         .arg(tmp.path().join("server"))
         .stdout(Stdio::null())
