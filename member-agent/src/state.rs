@@ -724,6 +724,40 @@ mod tests {
         AgentState::new("east", 64_000, AgentLease::new("east"))
     }
 
+    #[test]
+    fn a_reservation_no_pod_confirms_expires_and_a_confirmed_one_lasts() {
+        let mut st = state();
+        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/forged".into(), gpue: 4_000 });
+        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/real".into(), gpue: 1_000 });
+        assert_eq!(st.inuse("a"), 5_000);
+        // The inventory sees the real pod (waiting for a node) on every sync.
+        let mut now = 0;
+        while now < UNCONFIRMED_TTL_MS + 60_000 {
+            now += 1_000;
+            st.set_now(now);
+            st.hold("ns/real", "a", 1_000);
+        }
+        assert_eq!(st.inuse("a"), 1_000, "the unconfirmed reservation is gone, the confirmed one stays");
+        assert!(st.reservations().iter().all(|r| r.0 == "ns/real"));
+    }
+
+    #[test]
+    fn full_maps_shed_and_count_it() {
+        let mut st = state();
+        for i in 0..MAX_DENIED + 10 {
+            st.record(Effect::Denied { tenant: "a".into(), pod: format!("ns/p{i}"), gpue: 1 });
+        }
+        assert_eq!(st.denied_pods().len(), MAX_DENIED);
+        assert_eq!(st.shed_counts().get("denied"), Some(&10));
+        for i in 0..MAX_RESERVATIONS {
+            st.reserved.insert(format!("ns/r{i}"), ("a".into(), 1, u64::MAX));
+        }
+        let why = st.at_limit("ns/new").expect("full");
+        assert!(why.contains("admits no more"), "{why}");
+        assert_eq!(st.at_limit("ns/r7"), None, "a pod already reserved is not refused");
+        assert_eq!(st.shed_counts().get("reservations"), Some(&1));
+    }
+
     proptest! {
         /// The per-tenant totals kept beside the bound pods give what counting the pods
         /// one by one gives: bound and in-use GPUe per tenant and the metered usage,
