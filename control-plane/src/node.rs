@@ -153,7 +153,7 @@ impl NodeCtx {
         clock: Arc<crate::clock::TimeKeeper>,
     ) -> Self {
         let (writes, queue) = mpsc::channel(WRITE_QUEUE);
-        tokio::spawn(batcher(raft.clone(), clock.clone(), queue));
+        tokio::spawn(batcher(raft.clone(), clock.clone(), state.clone(), queue));
         NodeCtx {
             id,
             raft,
@@ -311,7 +311,12 @@ impl NodeCtx {
 /// Group commit: takes every write queued so far (up to [`BATCH_WEIGHT`]), proposes them
 /// as one entry, and hands each caller its own answer; up to [`BATCHES_IN_FLIGHT`]
 /// entries are in flight at once, and whatever queues meanwhile forms the next batch.
-async fn batcher(raft: Raft, clock: Arc<crate::clock::TimeKeeper>, mut queue: mpsc::Receiver<Pending>) {
+async fn batcher(
+    raft: Raft,
+    clock: Arc<crate::clock::TimeKeeper>,
+    state: Arc<RwLock<StateMachineData>>,
+    mut queue: mpsc::Receiver<Pending>,
+) {
     let in_flight = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
     while let Some(first) = queue.recv().await {
         let Ok(permit) = in_flight.clone().acquire_owned().await else { return };
@@ -328,12 +333,20 @@ async fn batcher(raft: Raft, clock: Arc<crate::clock::TimeKeeper>, mut queue: mp
                 Err(_) => break,
             }
         }
-        let (raft, clock) = (raft.clone(), clock.clone());
+        let (raft, clock, state) = (raft.clone(), clock.clone(), state.clone());
         tokio::spawn(async move {
             let (commands, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.command, p.reply)).unzip();
             let n = commands.len();
             let voters: BTreeSet<NodeId> = raft.metrics().borrow().membership_config.membership().voter_ids().collect();
-            let req = Request { now_ms: clock.stamp(&voters), commands };
+            let Some(now_ms) = stamp(&clock, &voters, &state, CLOCK_WAIT).await else {
+                drop(permit);
+                let why = "the federation has no time yet: a majority of the voters has not answered a clock reading (see the Raft port); retry shortly";
+                for reply in replies {
+                    let _ = reply.send(Err(tonic::Status::unavailable(why)));
+                }
+                return;
+            };
+            let req = Request { now_ms, commands };
             let outcome = raft.client_write(req).await;
             drop(permit);
             match outcome {
@@ -369,6 +382,35 @@ async fn batcher(raft: Raft, clock: Arc<crate::clock::TimeKeeper>, mut queue: mp
     }
 }
 
+/// How long a write waits for a majority's clock readings before it is stamped without
+/// one (the tick reads the voters' clocks every second, so a new leader has them within
+/// about a second).
+pub const CLOCK_WAIT: Duration = Duration::from_secs(3);
+
+/// The stamp for a batch: the voters' median clock, waiting up to `wait` for it.
+/// Without one, 0 (time stands still), unless the federation has never had a time
+/// (its applied clock is 0): a command applied at time 0 would record usage and lease expiries at
+/// 1970, and the first real stamp would then decay that usage to nothing and end those
+/// leases at once. Such a write is refused (`None`) instead.
+async fn stamp(
+    clock: &crate::clock::TimeKeeper,
+    voters: &BTreeSet<NodeId>,
+    state: &RwLock<StateMachineData>,
+    wait: Duration,
+) -> Option<u64> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        if let Some(t) = clock.quorum_now(voters) {
+            return Some(t);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let timeless = state.read().await.federation.now_ms() == 0;
+            return if timeless { None } else { Some(0) };
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The status every caller gets when no leader is known.
 pub fn no_leader() -> tonic::Status {
     tonic::Status::unavailable("no control-plane leader is known right now (election in progress or no quorum); retry shortly")
@@ -396,6 +438,29 @@ pub fn refusal(e: CommandError) -> tonic::Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A federation that has never had a time refuses a write it cannot stamp (usage at
+    /// 1970 would decay to nothing at the first real stamp); one that has a time stamps
+    /// 0 (standstill); with a majority's readings the stamp is their median, and a
+    /// reading that arrives while the write waits is used.
+    #[tokio::test]
+    async fn a_write_without_a_majoritys_clock_waits_then_stands_still_or_is_refused() {
+        let voters: BTreeSet<NodeId> = [1, 2, 3].into();
+        let keeper = Arc::new(crate::clock::TimeKeeper::new(1, Arc::new(|| 5_000_000)));
+        let state = RwLock::new(StateMachineData::default());
+        let short = Duration::from_millis(100);
+        assert_eq!(stamp(&keeper, &voters, &state, short).await, None, "no time yet: refused");
+        state.write().await.federation.apply(4_000_000, Command::Tick).expect("tick");
+        assert_eq!(stamp(&keeper, &voters, &state, short).await, Some(0), "a time exists: standstill");
+        let late = keeper.clone();
+        let reader = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            late.record(2, 5_000_000, Duration::ZERO);
+        });
+        let t = stamp(&keeper, &voters, &state, Duration::from_secs(5)).await.expect("a majority");
+        assert!((5_000_000..5_001_000).contains(&t), "{t}");
+        reader.await.expect("reader");
+    }
 
     #[test]
     fn a_follower_replaying_its_log_is_not_ready_until_it_catches_up_then_stays_ready() {

@@ -145,7 +145,13 @@ async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
     let after = cl.converged(Duration::from_secs(10)).await;
     // Ticks after the restart may advance the clock; compare what was there before.
     assert_eq!(after[0].clusters().keys().collect::<Vec<_>>(), before.clusters().keys().collect::<Vec<_>>());
-    assert_eq!(after[0].ledger(), before.ledger());
+    assert_eq!(
+        after[0].ledger(),
+        before.ledger(),
+        "the ledger after a restart (clock {}) differs from before (clock {})",
+        after[0].now_ms(),
+        before.now_ms()
+    );
     assert_eq!(after[0].policy(), before.policy());
     for c in ["east", "west", "edge"] {
         assert_eq!(after[0].clusters()[c].last_seq, before.clusters()[c].last_seq);
