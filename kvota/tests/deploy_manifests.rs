@@ -46,6 +46,10 @@ use serde_json::{json, Value};
 /// The caBundle placeholder of `agent/webhooks/webhooks.yaml`; `make-webhook-cert`
 /// replaces the same string.
 const CA_PLACEHOLDER: &str = "@CA_BUNDLE-FILLED-IN-BY-make-webhook-cert@";
+
+/// The namespace label that opts a namespace into enforcement (docs/operations and
+/// agent/webhooks/webhooks.yaml).
+const ENFORCE_LABEL: &str = "kvota.dev/enforce";
 /// What the test puts in its place before parsing: base64, as the script writes.
 const CA_SAMPLE_BASE64: &str = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg==";
 /// The API server's addresses in `agent/networkpolicy/`, filled in by the operator.
@@ -60,6 +64,9 @@ enum Scope {
     /// The leader Lease: in the agent's Lease namespace, by the `--leader-lease` name
     /// (except `create`, which names no object).
     LeaderLease,
+    /// The state ConfigMap: in the same namespace, by the `--state-configmap` name
+    /// (except `create`).
+    StateConfigMap,
 }
 
 /// Every Kubernetes API call `kvota agent` makes: (API group, resource, verb, scope,
@@ -79,6 +86,9 @@ const AGENT_CALLS: &[(&str, &str, &str, Scope, &str)] = &[
     ("coordination.k8s.io", "leases", "get", Scope::LeaderLease, "member-agent/src/kube.rs Election::step, Election::release: get_opt"),
     ("coordination.k8s.io", "leases", "create", Scope::LeaderLease, "member-agent/src/kube.rs Election::step: create when missing"),
     ("coordination.k8s.io", "leases", "update", Scope::LeaderLease, "member-agent/src/kube.rs Election::step, Election::release: replace"),
+    ("", "configmaps", "get", Scope::StateConfigMap, "member-agent/src/kube.rs ConfigMapStore::load, save: get_opt, get after a 409"),
+    ("", "configmaps", "create", Scope::StateConfigMap, "member-agent/src/kube.rs ConfigMapStore::save: create when missing"),
+    ("", "configmaps", "update", Scope::StateConfigMap, "member-agent/src/kube.rs ConfigMapStore::save: replace with the resourceVersion"),
 ];
 
 /// Objects the install consists of; removing one fails the test.
@@ -632,12 +642,14 @@ fn rbac_grants_exactly_the_calls_the_agent_makes() {
         .or_else(|| agent.env.get("POD_NAMESPACE").cloned())
         .unwrap_or_else(|| "kvota-system".to_string());
     let grants = grants(&docs, &sa, ns);
+    let state_cm = agent.flag("--state-configmap").unwrap_or_else(|| "kvota-agent-state".to_string());
 
     let mut problems = Vec::new();
     for (group, resource, verb, scope, code) in AGENT_CALLS {
         let (in_ns, name) = match scope {
             Scope::Cluster => (None, None),
             Scope::LeaderLease => (Some(lease_ns.as_str()), (*verb != "create").then_some(lease.as_str())),
+            Scope::StateConfigMap => (Some(lease_ns.as_str()), (*verb != "create").then_some(state_cm.as_str())),
         };
         if !grants.iter().any(|g| allows(g, group, resource, verb, in_ns, name)) {
             let group = if group.is_empty() { "core" } else { group };
@@ -856,8 +868,17 @@ fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces() {
                 problems.push(format!("{what}: its namespaceSelector selects {spared}; the agent must never judge its own pods or the system's"));
             }
         }
-        if !selects(&selector, &namespace_labels("ml-training")) {
-            problems.push(format!("{what}: its namespaceSelector does not select an ordinary namespace"));
+        // Opt-in: an ordinary namespace is judged once labelled, not before.
+        let mut opted_in = namespace_labels("ml-training");
+        if selects(&selector, &opted_in) {
+            problems.push(format!("{what}: its namespaceSelector selects a namespace that did not opt in; installing the agent must change nothing until one is labelled {ENFORCE_LABEL}=true"));
+        }
+        opted_in.insert(ENFORCE_LABEL.to_string(), "true".to_string());
+        if !selects(&selector, &opted_in) {
+            problems.push(format!("{what}: its namespaceSelector does not select a namespace labelled {ENFORCE_LABEL}=true"));
+        }
+        if h.failure_policy.as_deref() != Some("Fail") {
+            problems.push(format!("{what}: the template fails closed (failurePolicy Fail); make-webhook-cert --fail-open renders Ignore"));
         }
     }
     let conditions: BTreeSet<String> = hooks.iter().map(|h| format!("{:?}", h.conditions)).collect();
@@ -1144,6 +1165,17 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
     assert_eq!(rendered.len(), hooks(&docs).len(), "webhooks.yaml has every webhook");
     for h in &rendered {
         assert_eq!(h.client.ca_bundle.as_ref().map(|b| b.0.clone()), Some(ca_pem.clone()), "{}: caBundle is the CA", h.name);
+        assert_eq!(h.failure_policy.as_deref(), Some("Fail"), "{}: fails closed by default", h.name);
+    }
+    // --fail-open: the same webhooks, failing open, and nothing else changed.
+    let open_out = tmp.path().join("cert-open");
+    let run = Command::new("bash").arg(deploy_dir().join("make-webhook-cert")).arg("--fail-open").arg("--out").arg(&open_out).output().expect("run");
+    assert!(run.status.success(), "make-webhook-cert --fail-open failed: {}", String::from_utf8_lossy(&run.stderr));
+    let open_hooks = hooks(&documents_under(&open_out));
+    assert_eq!(open_hooks.len(), rendered.len());
+    for (o, c) in open_hooks.iter().zip(&rendered) {
+        assert_eq!(o.failure_policy.as_deref(), Some("Ignore"), "{}: --fail-open", o.name);
+        assert_eq!((&o.name, format!("{:?}", o.namespace_selector), format!("{:?}", o.conditions)), (&c.name, format!("{:?}", c.namespace_selector), format!("{:?}", c.conditions)));
     }
 
     // The real agent serves that certificate; the API server's view: the Service's DNS
