@@ -242,9 +242,8 @@ pub fn check_append(rpc: &AppendEntriesRequest<TypeConfig>, sender: Option<NodeI
     let term = rpc.vote.leader_id().get_term();
     check_log_id("prev_log_id", rpc.prev_log_id.as_ref(), term)?;
     check_log_id("leader_commit", rpc.leader_commit.as_ref(), term)?;
-    let mut next = rpc.prev_log_id.map_or(0, |l| l.index + 1);
     let mut last_term = rpc.prev_log_id.map_or(0, |l| l.leader_id.term);
-    for e in &rpc.entries {
+    for (next, e) in (rpc.prev_log_id.map_or(0, |l| l.index + 1)..).zip(&rpc.entries) {
         check_log_id("entry", Some(&e.log_id), term)?;
         if e.log_id.index != next {
             return Err(out_of_range(format!("entry {} where entry index {next} belongs", e.log_id)));
@@ -253,7 +252,6 @@ pub fn check_append(rpc: &AppendEntriesRequest<TypeConfig>, sender: Option<NodeI
             return Err(out_of_range(format!("entry {} is of an earlier term than the one before it", e.log_id)));
         }
         last_term = e.log_id.leader_id.term;
-        next += 1;
     }
     Ok(())
 }
@@ -476,11 +474,9 @@ mod tests {
             let r = append(term, 1, prev, &entries);
             if check_append(&r, Some(1)).is_ok() {
                 prop_assert!(term <= MAX_TERM_OR_INDEX);
-                let mut next = prev.map_or(0, |p| p.1 + 1);
-                for e in &r.entries {
+                for (next, e) in (prev.map_or(0, |p| p.1 + 1)..).zip(&r.entries) {
                     prop_assert!(e.log_id.leader_id.term <= term);
                     prop_assert_eq!(e.log_id.index, next);
-                    next += 1;
                 }
             }
         }

@@ -202,6 +202,40 @@ impl AgentLease {
         }
     }
 
+    /// Until when (agent clock) the held lease's budgets apply; `None` without a lease
+    /// or with one whose validity is unknown (read back from disk).
+    pub fn valid_until(&self) -> Option<Millis> {
+        self.held.as_ref().and(self.valid_until_ms)
+    }
+
+    /// Takes `lease` as another process of this agent held it, enforceable until
+    /// `valid_until_ms` on this process's clock (`None`: its validity is unknown, so only
+    /// its fallback applies). Epochs never go back: an older lease than the one held is
+    /// ignored; the same epoch keeps the later validity.
+    pub fn restore_anchored(&mut self, lease: Lease, valid_until_ms: Option<Millis>) -> LeaseUpdate {
+        if lease.cluster != self.cluster {
+            return LeaseUpdate::Rejected;
+        }
+        match &self.held {
+            Some(h) if lease.epoch < h.epoch => LeaseUpdate::Stale,
+            Some(h) if lease.epoch == h.epoch => {
+                if lease.budgets != h.budgets {
+                    return LeaseUpdate::Rejected;
+                }
+                self.valid_until_ms = match (self.valid_until_ms, valid_until_ms) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                };
+                LeaseUpdate::Renewed
+            }
+            _ => {
+                self.held = Some(lease);
+                self.valid_until_ms = valid_until_ms;
+                LeaseUpdate::Adopted
+            }
+        }
+    }
+
     /// What `tenant` may hold in this cluster at `now_ms`: the budget while the lease is
     /// in force, the fallback after, 0 without a lease.
     pub fn budget(&self, tenant: &str, now_ms: Millis) -> MilliGpue {
@@ -409,6 +443,24 @@ mod tests {
         assert_eq!(a.on_lease(lease(4, 10, 3), 0), LeaseUpdate::Stale);
         assert_eq!(a.on_lease(lease(5, 10, 3), 0), LeaseUpdate::Renewed);
         assert_eq!(a.budget("t", 1), 10);
+    }
+
+    #[test]
+    fn a_lease_restored_from_another_process_keeps_epochs_and_the_shorter_life() {
+        let mut a = AgentLease::restored(lease(5, 10, 3));
+        assert_eq!(a.valid_until(), None);
+        // The same epoch, with a known validity: enforced until then.
+        assert_eq!(a.restore_anchored(lease(5, 10, 3), Some(9_000)), LeaseUpdate::Renewed);
+        assert_eq!(a.budget("t", 8_999), 10);
+        assert_eq!(a.budget("t", 9_000), 3);
+        // An older epoch is not taken; a newer one is, with its own validity.
+        assert_eq!(a.restore_anchored(lease(4, 99, 99), Some(50_000)), LeaseUpdate::Stale);
+        assert_eq!(a.restore_anchored(lease(6, 20, 5), None), LeaseUpdate::Adopted);
+        assert_eq!(a.status(0), LeaseStatus::Safe, "validity unknown: fallback at once");
+        assert_eq!(a.budget("t", 0), 5);
+        let mut other = lease(7, 1, 1);
+        other.cluster = "c2".into();
+        assert_eq!(a.restore_anchored(other, Some(1)), LeaseUpdate::Rejected);
     }
 
     #[test]

@@ -19,6 +19,7 @@ use kvota_fairness::resources::NVIDIA_GPU;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::metrics::AgentMetrics;
 use kvota_member_agent::state::PodRec;
+use kvota_member_agent::persist::{FileStore, StateStore};
 use kvota_member_agent::webhook::{self, WebhookCtx, WebhookTls};
 use tokio::sync::watch;
 
@@ -76,6 +77,12 @@ pub struct AgentArgs {
     /// and process id.
     #[arg(long, env = "POD_NAME")]
     pub(crate) identity: Option<String>,
+    /// ConfigMap (in --leader-lease-namespace) where the leader keeps what a restarted or
+    /// standby agent needs to go on enforcing at once: the policy, the lease and its
+    /// remaining life, how far usage is counted. Without Kubernetes (--simulate), a file
+    /// in --data-dir.
+    #[arg(long, env = "KVOTA_STATE_CONFIGMAP", default_value = "kvota-agent-state")]
+    pub(crate) state_configmap: String,
     /// How long a simulated pod runs once bound, seconds.
     #[arg(long, default_value_t = 600)]
     pub(crate) simulate_pod_seconds: u64,
@@ -142,7 +149,9 @@ pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
 
 async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, nodes: Vec<u64>, tls: WebhookTls) -> Result<()> {
     let capacity: BTreeMap<String, u64> = [(NVIDIA_GPU.to_string(), nodes.iter().sum::<u64>() * 1000)].into();
-    let (agent, stop_tx, stop, server) = start_webhook(&args, capacity, &cp, tls, None).await?;
+    let store: Arc<dyn StateStore> = Arc::new(FileStore::in_dir(&args.data_dir));
+    let (agent, stop_tx, stop, server) = start_webhook(&args, capacity, &cp, tls, None, store).await?;
+    agent.starts_reporting();
     eprintln!(
         "kvota agent: cluster {} ({} GPUs simulated on {} nodes), webhook https://{} (/validate, /mutate), control plane {}; Ctrl-C to stop",
         args.cluster,
@@ -171,12 +180,27 @@ pub(crate) async fn start_webhook(
     cp: &crate::admin_cmd::Cp,
     tls: WebhookTls,
     held: Option<String>,
+    store: Arc<dyn StateStore>,
 ) -> Result<(Arc<Agent>, watch::Sender<bool>, watch::Receiver<bool>, tokio::task::JoinHandle<()>)> {
     let agent = Arc::new(
         Agent::open_with_tls(&args.cluster, capacity, &args.data_dir, &cp.addrs, tls.federation.clone().map(kvota_control_plane::tls::GrpcTls::from_source))
             .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
     );
     agent.state().set_held(held);
+    // What the last leader kept: enforcement goes on at once, before the control plane
+    // answers (a restart or a takeover during a partition).
+    agent.set_state_store(store.clone(), &replica_identity(args));
+    match agent.restore().await {
+        Ok(Some(s)) => tracing::info!(
+            store = %store.describe(),
+            writer = %s.writer,
+            epoch = s.lease.as_ref().map_or(0, |l| l.epoch),
+            policy = s.policy.as_ref().map(|p| p.name.clone()).unwrap_or_default(),
+            "enforcing the policy and lease kept in the cluster until the control plane answers"
+        ),
+        Ok(None) => tracing::info!(store = %store.describe(), "no agent state kept yet: nothing is enforced until the control plane answers"),
+        Err(e) => tracing::warn!(error = %e, "agent state not used; enforcing the safe budgets of the lease in the journal, if any, until the control plane answers"),
+    }
     let listener = tokio::net::TcpListener::bind(&args.webhook_listen).await.map_err(|e| {
         let hint = if e.kind() == std::io::ErrorKind::AddrInUse { "; another process uses it: pick another --webhook-listen" } else { "" };
         anyhow::anyhow!("listen for the webhook on {}: {e}{hint}", args.webhook_listen)
@@ -193,6 +217,13 @@ pub(crate) async fn start_webhook(
     let limits = kvota_tls::Limits { max_connections_per_peer: args.webhook_max_connections_per_peer.max(1), ..webhook::default_limits() };
     let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, limits, stop.clone()));
     Ok((agent, stop_tx, stop, server))
+}
+
+/// This replica's name (the pod's, or host and process).
+pub(crate) fn replica_identity(args: &AgentArgs) -> String {
+    args.identity
+        .clone()
+        .unwrap_or_else(|| format!("{}-{}", std::env::var("HOSTNAME").unwrap_or_else(|_| "agent".into()), std::process::id()))
 }
 
 /// Registers, fetches the policy, then reports every `every`; retries with backoff and
@@ -242,6 +273,10 @@ pub(crate) async fn report_loop(
                 failures += 1;
                 tracing::warn!(error = %e.message(), failures, backlog = agent.backlog(), "report not delivered; kept in the journal");
             }
+        }
+        // The leader keeps what the next process needs to go on enforcing.
+        if let Err(e) = agent.persist().await {
+            tracing::warn!(error = %e, "could not keep the agent state in the cluster; a restarted or standby agent would start from the control plane's next answer");
         }
         {
             let st = agent.state();

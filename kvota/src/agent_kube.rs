@@ -11,7 +11,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::inventory::Inventory;
-use kvota_member_agent::kube::{actions_config, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
+use kvota_member_agent::agent::History;
+use kvota_member_agent::kube::{actions_config, ConfigMapStore, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
 use kvota_member_agent::webhook::WebhookTls;
 use tokio::sync::watch;
 
@@ -45,10 +46,21 @@ pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -
     let watch_client = kube::Client::try_from(config.clone()).context("build the Kubernetes client")?;
     let action_client = kube::Client::try_from(actions_config(config)).context("build the Kubernetes client")?;
     let held = Some("the agent has not listed the cluster's nodes and pods yet".to_string());
-    let (agent, stop_tx, stop, server) = start_webhook(&args, BTreeMap::new(), &cp, tls, held).await?;
+    let store: Arc<dyn kvota_member_agent::persist::StateStore> =
+        Arc::new(ConfigMapStore::new(action_client.clone(), &args.leader_lease_namespace, &args.state_configmap));
+    let (agent, stop_tx, stop, server) = start_webhook(&args, BTreeMap::new(), &cp, tls, held, store).await?;
 
     let clock = agent.clone();
     let inventory = KubeInventory::new(Arc::new(move || clock.now_ms()));
+    // Usage no agent process metered (all replicas down, or a new leader that started
+    // after the old one's last report) is recovered from the pods' run times.
+    {
+        let (inv, a) = (inventory.clone(), Arc::downgrade(&agent));
+        agent.set_history(History(Arc::new(move |from, to| {
+            let Some(a) = a.upgrade() else { return BTreeMap::new() };
+            inv.usage_between(from, to, |ns| a.state().tenant_of_namespace(ns))
+        })));
+    }
     let watchers = tokio::spawn(inventory.clone().run(watch_client.clone(), stop.clone()));
     eprintln!(
         "kvota agent: cluster {} on Kubernetes {server_url}, webhook https://{} (/validate, /mutate), control plane {}; {}; Ctrl-C to stop",
@@ -73,6 +85,9 @@ pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -
         }
     }
     let leading = Arc::new(AtomicBool::new(args.leader_lease.is_none()));
+    if args.leader_lease.is_none() {
+        agent.starts_reporting();
+    }
     if args.leader_lease.is_some() {
         let mut st = agent.state();
         st.set_held(Some("this agent replica is a standby until it wins the leader Lease".into()));
@@ -152,6 +167,11 @@ async fn election_loop(
         if now != was {
             if now {
                 tracing::info!("this replica leads: it admits, reports, releases gates and reclaims");
+                // The old leader's latest lease and policy, so enforcement goes on under
+                // the lease it held even while the control plane is unreachable.
+                if let Err(e) = agent.restore().await {
+                    tracing::warn!(error = %e, "taking over without the state the old leader kept");
+                }
                 agent.took_over();
                 let mut st = agent.state();
                 st.set_standby(false);

@@ -389,3 +389,251 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
     .await;
     drop(procs);
 }
+
+/// The API server's time format for Unix seconds `s`.
+fn rfc3339(s: u64) -> String {
+    kvota_member_agent::kube::format_time(i64::try_from(s).expect("seconds"))
+}
+
+fn unix_now() -> (u64, u64) {
+    let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock");
+    (d.as_secs(), u64::try_from(d.as_millis()).expect("ms"))
+}
+
+/// A GPU pod of tenant training (namespace `ml`) bound to `node`, scheduled at Unix
+/// second `start`; finished at `end` if given.
+fn gpu_pod(name: &str, node: &str, gpus: u64, start: u64, end: Option<u64>) -> Value {
+    let mut status = json!({
+        "phase": "Running",
+        "startTime": rfc3339(start),
+        "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": rfc3339(start)}],
+        "containerStatuses": [{"name": "c", "state": {"running": {"startedAt": rfc3339(start)}}}],
+    });
+    if let Some(end) = end {
+        status["phase"] = json!("Succeeded");
+        status["containerStatuses"] = json!([{"name": "c", "state": {"terminated": {"exitCode": 0, "startedAt": rfc3339(start), "finishedAt": rfc3339(end)}}}]);
+    }
+    json!({"metadata": {"name": name, "namespace": "ml"},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": gpus.to_string()}}}]},
+        "status": status})
+}
+
+/// The issue's "done when", with the real binaries: a cluster is cut off from the
+/// control plane (a real TCP proxy drops the link), its agent is killed, and a new agent
+/// process, with an empty data directory as a standby on another node would have,
+/// starts while the partition lasts. It goes on enforcing at once from the state the
+/// first one kept in the cluster (ConfigMap kvota-agent-state): ready without the
+/// control plane, it admits training's pods under the still-valid lease up to its
+/// budget and not one GPU beyond. A pod that started and finished while no agent ran is
+/// recovered from its run times; after the partition heals the ledger equals the usage
+/// of every pod that ran within 0.1 %.
+///
+/// No API server can run here: the cluster is the fake API server of
+/// `member-agent/tests/support/fake_apiserver.rs` (list/watch, ConfigMaps with resource
+/// versions). The agents meter live pods once a second, so each live pod's start and
+/// end are known to about a second; the pod that ran while no agent ran is large (2,048
+/// GPUs for 8 s) so that this granularity stays well below 0.1 % of the total.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_agent_during_a_partition_enforces_the_kept_lease_and_recovers_usage_no_agent_saw() {
+    use fake_apiserver::{FakeApi, Kind};
+    use kvota_member_agent::netfault::LinkProxy;
+    let api = FakeApi::start().await;
+    api.put(Kind::Node, json!({"metadata": {"name": "n1"}, "status": {"allocatable": {"nvidia.com/gpu": "8"}}}));
+    api.put(Kind::Node, json!({"metadata": {"name": "big"}, "status": {"allocatable": {"nvidia.com/gpu": "4096"}}}));
+    api.put(Kind::Namespace, json!({"metadata": {"name": "ml"}}));
+    let Env { tmp, rpc, http, hook, ca } = env();
+    let ca: &[u8] = &ca;
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\n\
+         users:\n- name: agent\n  user: {{token: test}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: agent}}\n\
+         current-context: fake\n",
+        api.url
+    );
+    std::fs::write(tmp.path().join("kubeconfig"), kubeconfig).expect("w");
+    let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
+    let server = kvota()
+        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
+        .arg("--data-dir")
+        .arg(tmp.path().join("cp"))
+        .stdout(Stdio::null())
+        .stderr(log("server.log"))
+        .spawn()
+        .expect("spawn server");
+    let mut procs = Procs(vec![server]);
+    // A lease that outlives the agent's restart; decay too slow to matter here.
+    let policy = "apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: restart-test}
+spec:
+  decayHalfLife: 100000h
+  lease: {duration: 60s, clockSkewMargin: 2s}
+  tenants:
+  - {name: training, weight: 40, minShare: 20, maxShare: 60, namespaces: [ml]}
+  - {name: inference, weight: 50, minShare: 40, maxShare: 80, namespaces: [serving]}
+";
+    std::fs::write(tmp.path().join("p.yaml"), policy).expect("w");
+    wait_for("policy applied", Duration::from_secs(20), || async {
+        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+    })
+    .await;
+    let proxy = LinkProxy::start(rpc.clone()).await.expect("proxy");
+    let agent = |dir: &str, logfile: &str| {
+        kvota()
+            .args(["agent", "--cluster", "east", "--cp", proxy.addr(), "--webhook-listen", &format!("127.0.0.1:{hook}")])
+            .args(["--report-interval-ms", "300", "--identity", dir])
+            .arg("--kubeconfig")
+            .arg(tmp.path().join("kubeconfig"))
+            .arg("--tls-cert")
+            .arg(tmp.path().join("tls.crt"))
+            .arg("--tls-key")
+            .arg(tmp.path().join("tls.key"))
+            .arg("--data-dir")
+            .arg(tmp.path().join(dir))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log(logfile))
+            .spawn()
+            .expect("spawn agent")
+    };
+    let read_log = |name: &str| std::fs::read_to_string(tmp.path().join(name)).unwrap_or_default();
+    let allowed = |body: &[u8]| serde_json::from_slice::<Value>(body).is_ok_and(|r| r["response"]["allowed"] == true);
+    let metric = |m: &str, name: &str| m.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<f64>().ok());
+    let metrics = || async { https(hook, ca, "GET", "/metrics", vec![]).await.map(|(_, m)| String::from_utf8_lossy(&m).to_string()).unwrap_or_default() };
+
+    procs.0.push(agent("agent-a", "agent-a.log"));
+    wait_for("agent A ready", Duration::from_secs(30), || async {
+        matches!(https(hook, ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
+    })
+    .await;
+
+    // Training runs two one-GPU pods admitted by A, and asks for more (refused: demand)
+    // until a lease leaves room for at least two more.
+    let mut live: Vec<(String, u64, u64)> = Vec::new(); // (name, gpus, created at ms)
+    for i in 0..2 {
+        let name = format!("a{i}");
+        wait_for("an admission by agent A", Duration::from_secs(20), || async {
+            https(hook, ca, "POST", "/validate", review(&name, "ml", 1)).await.is_ok_and(|(_, b)| allowed(&b))
+        })
+        .await;
+        let (s, ms) = unix_now();
+        api.put(Kind::Pod, gpu_pod(&name, "n1", 1, s, None));
+        live.push((name, 1, ms));
+    }
+    let mut asked = 0;
+    wait_for("a lease with room for more of training", Duration::from_secs(30), || {
+        asked += 1;
+        let round = asked;
+        async move {
+            let m = metrics().await;
+            let budget = metric(&m, r#"kvota_agent_budget_milli_gpue{tenant="training"} "#).unwrap_or(0.0);
+            let inuse = metric(&m, r#"kvota_agent_inuse_milli_gpue{tenant="training"} "#).unwrap_or(f64::MAX);
+            if budget >= inuse + 2_000.0 {
+                return true;
+            }
+            // Demand: a request for two more GPUs, refused, raises the next budget.
+            let _ = https(hook, ca, "POST", "/validate", review(&format!("want{round}"), "ml", 2)).await;
+            false
+        }
+    })
+    .await;
+    // A kept its state in the cluster, a round after that lease.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(api.get(Kind::ConfigMap, "kvota-system/kvota-agent-state").is_some(), "agent A kept no state; log:\n{}", read_log("agent-a.log"));
+
+    // Partition, then kill A.
+    proxy.set_cut(true);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    procs.0[1].kill().expect("kill agent A");
+    let _ = procs.0[1].wait();
+
+    // While no agent runs: a big pod starts and finishes.
+    let (now_s, _) = unix_now();
+    let (ghost_start, ghost_end) = (now_s + 1, now_s + 9);
+    let ghost_gpus = 2_048u64;
+    while unix_now().0 <= ghost_end {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    api.put(Kind::Pod, gpu_pod("ghost", "big", ghost_gpus, ghost_start, Some(ghost_end)));
+
+    // B: a new process with an empty data directory, the partition still on.
+    procs.0.push(agent("agent-b", "agent-b.log"));
+    wait_for("agent B ready without the control plane", Duration::from_secs(30), || async {
+        matches!(https(hook, ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
+    })
+    .await;
+    let m = metrics().await;
+    assert!(m.contains(r#"kvota_agent_lease_state{state="fresh"} 1"#), "B must enforce the kept lease as still valid:\n{m}");
+    let budget = metric(&m, r#"kvota_agent_budget_milli_gpue{tenant="training"} "#).expect("budget");
+    let inuse = metric(&m, r#"kvota_agent_inuse_milli_gpue{tenant="training"} "#).expect("inuse");
+    assert_eq!(inuse, 2_000.0, "B sees A's two pods");
+    let room = (1..=64usize).take_while(|n| (*n as f64) * 1_000.0 <= budget - inuse).count();
+    assert!(room >= 2, "budget {budget}, in use {inuse}");
+    // Pods that fit under the lease are admitted; the first beyond it is refused.
+    let mut admitted_after = 0;
+    for i in 0..room + 1 {
+        let name = format!("b{i}");
+        let (status, body) = https(hook, ca, "POST", "/validate", review(&name, "ml", 1)).await.expect("review");
+        assert_eq!(status, 200);
+        let r: Value = serde_json::from_slice(&body).expect("json");
+        let message = r["response"]["status"]["message"].as_str().unwrap_or_default().to_string();
+        assert!(!message.contains("not judged"), "B judged nothing: {r}");
+        if i < room {
+            assert_eq!(r["response"]["allowed"], true, "pod {i} fits under the lease (budget {budget}, in use {inuse}): {r}\n{}", read_log("agent-b.log"));
+            let (s, ms) = unix_now();
+            api.put(Kind::Pod, gpu_pod(&name, "n1", 1, s, None));
+            live.push((name, 1, ms));
+            admitted_after += 1;
+        } else {
+            assert_eq!(r["response"]["allowed"], false, "over-admission: pod {i} is beyond the budget {budget}: {r}");
+            assert!(message.contains("training"), "{message}");
+        }
+    }
+    assert!(admitted_after >= 2);
+
+    // Heal; let everything run a little, then finish every live pod.
+    proxy.set_cut(false);
+    wait_for("B to report through the healed link", Duration::from_secs(30), || async {
+        read_log("agent-b.log").contains("usage no agent metered recovered")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut expected_ms: u128 = u128::from(ghost_gpus * 1_000) * u128::from((ghost_end - ghost_start) * 1_000);
+    for (name, gpus, created_ms) in &live {
+        let mut p = api.get(Kind::Pod, &format!("ml/{name}")).expect("pod");
+        let (s, ms) = unix_now();
+        p["status"]["phase"] = json!("Succeeded");
+        p["status"]["containerStatuses"] = json!([{"name": "c", "state": {"terminated": {"exitCode": 0, "finishedAt": rfc3339(s)}}}]);
+        api.put(Kind::Pod, p);
+        expected_ms += u128::from(gpus * 1_000) * u128::from(ms - created_ms);
+    }
+    // The ledger settles once reports cover the finishes (then only decay moves it).
+    let ledger = || cli_json(&rpc, &["tenants"]).and_then(|v| {
+        v["tenants"].as_array()?.iter().find(|t| t["tenant"] == "training")?["decayed_usage_milli_gpue_ms"].as_u64()
+    });
+    let mut last = None;
+    wait_for("the ledger to settle", Duration::from_secs(30), || {
+        let now = ledger();
+        // Decay moves it by parts in 10^8 per second: settled is within 10^-6.
+        let settled = matches!((now, last), (Some(a), Some(b)) if a > 0 && a.abs_diff(b) * 1_000_000 <= a);
+        last = now;
+        async move {
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            settled
+        }
+    })
+    .await;
+    let got = u128::from(last.expect("ledger"));
+    let off = got.abs_diff(expected_ms);
+    eprintln!(
+        "ledger {got} milli-GPUe-ms, pods' usage {expected_ms} (of which {} while no agent ran): off by {:.4} %; {admitted_after} pods admitted by the new agent under a budget of {budget}",
+        u128::from(ghost_gpus * 1_000) * u128::from((ghost_end - ghost_start) * 1_000),
+        off as f64 * 100.0 / expected_ms as f64
+    );
+    assert!(
+        off * 1_000 <= expected_ms,
+        "ledger {got} vs the pods' usage {expected_ms} milli-GPUe-ms: off by {:.3} %\nagent B log:\n{}",
+        off as f64 * 100.0 / expected_ms as f64,
+        read_log("agent-b.log")
+    );
+    drop(procs);
+}

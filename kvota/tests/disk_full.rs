@@ -110,7 +110,7 @@ async fn a_full_disk_fails_readiness_then_stops_the_node_and_it_recovers_when_sp
     };
     let log = || std::fs::read_to_string(&node.log).unwrap_or_default();
     let mut child = node.start(true);
-    let client = Client::new(&[node.rpc.clone()]).expect("client");
+    let client = Client::new(std::slice::from_ref(&node.rpc)).expect("client");
     client.set_call_timeout(Duration::from_secs(2));
     let yaml = kvota_fairness::policy::Policy::article_example_yaml().to_string();
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -51,6 +51,18 @@ pub fn already_counted(report: &UsageReport, last_seq: u64, through_ms: u64) -> 
     }
 }
 
+/// Usage per tenant (milli-GPUe x ms) of the pods that ran in the cluster between two
+/// wall-clock instants (Unix ms), from the pods' own start and finish times: how the
+/// agent recovers usage no agent process metered (see [`Agent::set_history`]).
+#[derive(Clone)]
+pub struct History(pub Arc<dyn Fn(u64, u64) -> BTreeMap<String, u64> + Send + Sync>);
+
+impl std::fmt::Debug for History {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("History")
+    }
+}
+
 /// A standby's reading of its usage meter.
 #[derive(Clone, Debug)]
 struct Mark {
@@ -76,7 +88,20 @@ pub struct Agent {
     marks: Mutex<std::collections::VecDeque<Mark>>,
     /// Took over; the first report must first find where the old leader's usage ends.
     takeover_pending: std::sync::atomic::AtomicBool,
+    /// Where the enforcement state is kept for the next process (`crate::persist`).
+    store: Mutex<Option<Arc<dyn crate::persist::StateStore>>>,
+    /// This replica's name in the persisted state.
+    identity: Mutex<String>,
+    /// Highest report sequence acknowledged, and the end of its window (Unix ms): the
+    /// cluster's usage is counted through there.
+    acked: Mutex<(u64, u64)>,
+    /// Pods' run times, to recover usage no process metered.
+    history: Mutex<Option<History>>,
+    /// Wall-clock instant from which this process's meter counts (its first listing of
+    /// the cluster's pods).
+    meter_start: std::sync::atomic::AtomicU64,
 }
+
 
 fn journal_err(e: crate::journal::JournalError) -> Status {
     Status::internal(e.to_string())
@@ -118,7 +143,97 @@ impl Agent {
             window_start: Mutex::new(unix_ms()),
             marks: Mutex::new(std::collections::VecDeque::new()),
             takeover_pending: std::sync::atomic::AtomicBool::new(false),
+            store: Mutex::new(None),
+            identity: Mutex::new(cluster.to_string()),
+            acked: Mutex::new((0, 0)),
+            history: Mutex::new(None),
+            meter_start: std::sync::atomic::AtomicU64::new(unix_ms()),
         })
+    }
+
+    /// Keeps the enforcement state in `store` (see [`crate::persist`]); `identity` names
+    /// this replica in it.
+    pub fn set_state_store(&self, store: Arc<dyn crate::persist::StateStore>, identity: &str) {
+        *self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(store);
+        *self.identity.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = identity.to_string();
+    }
+
+    /// How to find the usage of pods that ran while no process metered them (see
+    /// [`History`]).
+    pub fn set_history(&self, history: History) {
+        *self.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(history);
+    }
+
+    /// This process's meter counts from `unix_ms` on (its first listing of the pods).
+    pub fn meter_started(&self, unix_ms: u64) {
+        self.meter_start.store(unix_ms, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The state to keep for the next process, as this one sees it now.
+    pub fn member_state(&self) -> crate::persist::MemberState {
+        let st = self.state();
+        let now = st.now_ms();
+        let unix_now = unix_ms();
+        let usable_until = st
+            .lease
+            .valid_until()
+            .filter(|u| *u > now)
+            .map_or(0, |u| unix_now.saturating_add(u - now));
+        let (acked_seq, counted_through) = *self.acked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        crate::persist::MemberState {
+            format: crate::persist::FORMAT_VERSION,
+            cluster: self.cluster.clone(),
+            writer: self.identity.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+            written_unix_ms: unix_now,
+            policy: crate::review::AdmissionState::policy(&*st).cloned(),
+            lease: st.lease.lease().cloned(),
+            lease_usable_until_unix_ms: usable_until,
+            acked_seq,
+            counted_through_unix_ms: counted_through,
+        }
+    }
+
+    /// Writes the enforcement state to the store (the leader, after each report round).
+    pub async fn persist(&self) -> Result<(), crate::persist::PersistError> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let Some(store) = store else { return Ok(()) };
+        let bytes = crate::persist::encode(&self.member_state())?;
+        store.save(bytes).await
+    }
+
+    /// Reads the enforcement state another process of this agent kept and takes what is
+    /// newer than what this one has: the policy if it has none, the lease (never an
+    /// older epoch) enforceable for what is left of its life minus the margin, and how
+    /// far the cluster's usage is counted. `Ok(None)`: nothing kept yet. An error (a
+    /// state that does not decode, of a newer format or another cluster) changes
+    /// nothing: the agent goes on with what its own journal holds.
+    pub async fn restore(&self) -> Result<Option<crate::persist::MemberState>, crate::persist::PersistError> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let Some(store) = store else { return Ok(None) };
+        let Some(bytes) = store.load().await? else { return Ok(None) };
+        let kept = crate::persist::decode(&bytes, &store.describe(), &self.cluster)?;
+        let unix_now = unix_ms();
+        {
+            let mut st = self.state();
+            let now = st.now_ms();
+            if crate::review::AdmissionState::policy(&*st).is_none() {
+                if let Some(p) = &kept.policy {
+                    st.set_policy(p.clone());
+                }
+            }
+            if let Some(lease) = &kept.lease {
+                // The other process's wall clock may run ahead of ours: take the margin
+                // off again, so this one never enforces the lease longer than it could.
+                let left = kept.lease_usable_until_unix_ms.saturating_sub(unix_now).saturating_sub(lease.margin_ms);
+                let until = (left > 0).then(|| now.saturating_add(left));
+                let r = st.lease.restore_anchored(lease.clone(), until);
+                tracing::info!(epoch = lease.epoch, enforceable_ms = left, outcome = ?r, writer = %kept.writer, "restored the lease kept in the cluster");
+            }
+        }
+        let mut acked = self.acked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        acked.0 = acked.0.max(kept.acked_seq);
+        acked.1 = acked.1.max(kept.counted_through_unix_ms);
+        Ok(Some(kept))
     }
 
     /// The agent's monotonic clock, milliseconds since it started.
@@ -210,9 +325,31 @@ impl Agent {
             .await
     }
 
+    /// This process starts reporting for the cluster (it started, or took over from
+    /// another replica): its first report first finds where the cluster's counted usage
+    /// ends (see [`Agent::settle_takeover`]).
+    pub fn starts_reporting(&self) {
+        self.takeover_pending.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Where the cluster's usage is counted through, as far as this process knows
+    /// without the control plane: its acknowledged reports, the state kept in the
+    /// cluster, and the end of the last report its journal holds.
+    fn counted_through_locally(&self) -> u64 {
+        let acked = self.acked.lock().unwrap_or_else(std::sync::PoisonError::into_inner).1;
+        let journaled = self.journal.unacked(usize::MAX).ok().and_then(|r| r.last().and_then(|r| r.window)).map_or(0, |w| w.end_ms);
+        acked.max(journaled)
+    }
+
     /// Starts this leader's usage where the cluster's counted usage ends (see
     /// [`Agent::took_over`]). Without an answer from the control plane it starts at its
     /// oldest reading: the control plane cuts what an applied report already covered.
+    ///
+    /// If this process began metering only after that point (it started after the old
+    /// leader's last report, or every replica was down for a while), the gap is recovered
+    /// from the pods' own run times ([`Agent::set_history`]): usage of every pod that
+    /// ran in it, including pods that started and finished while no agent ran (as long
+    /// as the cluster still lists them: a pod deleted while no agent ran is not seen).
     async fn settle_takeover(&self) {
         use std::sync::atomic::Ordering;
         if !self.takeover_pending.swap(false, Ordering::SeqCst) {
@@ -237,9 +374,34 @@ impl Agent {
             // plane cuts whatever the old leader's reports covered).
             Ok(_) | Err(_) => marks.first(),
         };
+        // Counted through here: by the control plane, or by this process's own reports
+        // (its journal's backlog will be delivered, so only what follows it is missing).
+        let local = self.counted_through_locally();
+        let counted = match &info {
+            Ok(i) if i.reported_through_ms > 0 => Some(i.reported_through_ms.max(local)),
+            Ok(i) if i.last_seq > 0 => None,
+            _ => Some(local).filter(|t| *t > 0),
+        };
+        let from_ms = match chosen {
+            Some(mark) => {
+                self.state().rebase_usage(&mark.used);
+                mark.unix_ms
+            }
+            None => self.meter_start.load(Ordering::SeqCst),
+        };
+        let history = self.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let start = match (counted, history) {
+            (Some(t), Some(h)) if t < from_ms => {
+                let gap = (h.0)(t, from_ms);
+                let total: u64 = gap.values().sum();
+                tracing::info!(from_ms = t, to_ms = from_ms, usage_milli_gpue_ms = total, "usage no agent metered recovered from the pods' run times");
+                self.state().add_usage(&gap);
+                t
+            }
+            _ => from_ms,
+        };
+        *self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = start;
         let Some(mark) = chosen else { return };
-        self.state().rebase_usage(&mark.used);
-        *self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = mark.unix_ms;
         match info {
             Ok(i) => tracing::info!(
                 counted_through_ms = i.reported_through_ms,
@@ -371,6 +533,11 @@ impl Agent {
                 Ok(reply) => {
                     self.adopt(reply.lease, sent)?;
                     self.journal.ack_through(report.seq).map_err(journal_err)?;
+                    {
+                        let mut acked = self.acked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        acked.0 = acked.0.max(report.seq);
+                        acked.1 = acked.1.max(report.window.map_or(0, |w| w.end_ms));
+                    }
                     self.renumber_on_conflict.store(false, std::sync::atomic::Ordering::SeqCst);
                 }
                 Err(s) if s.code() == Code::FailedPrecondition => {

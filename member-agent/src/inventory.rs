@@ -71,6 +71,31 @@ pub struct PodInfo {
     /// `metadata.generateName`, if the name was generated: the mutating webhook judged
     /// it before it had a name, under a provisional key (`namespace/prefix*uid`).
     pub generate_name: Option<String>,
+    /// When it held its GPUs, on the wall clock (Unix ms): from being scheduled to a
+    /// node until it finished (`None` while running). `None` for a pod never bound, or
+    /// when the source does not know.
+    pub ran: Option<(u64, Option<u64>)>,
+}
+
+/// Usage per tenant (milli-GPUe x ms) of `pods` between wall-clock instants `from_ms`
+/// and `to_ms`: each pod's GPUe times the part of its run time inside the interval.
+/// `tenant_of` maps a namespace to its tenant (pods of no tenant count for nobody).
+pub fn usage_between(pods: &[PodInfo], from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<String>) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    if to_ms <= from_ms {
+        return out;
+    }
+    for p in pods {
+        let Some((start, end)) = p.ran else { continue };
+        let (a, b) = (start.max(from_ms), end.unwrap_or(to_ms).min(to_ms));
+        if b <= a {
+            continue;
+        }
+        let Some(t) = tenant_of(&p.namespace) else { continue };
+        let e: &mut u64 = out.entry(t).or_insert(0);
+        *e = e.saturating_add(p.gpue.saturating_mul(b - a));
+    }
+    out
 }
 
 impl PodInfo {

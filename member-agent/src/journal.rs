@@ -59,7 +59,7 @@ pub const FILE: &str = "journal.kvj";
 pub const FORMAT_VERSION: u32 = 1;
 
 const MAGIC: &[u8; 4] = b"KVJ\0";
-const HEADER_LEN: u64 = 8;
+const HEADER_LEN: usize = 8;
 const RECORD_HEAD: usize = 9;
 
 const KIND_REPORT: u8 = 1;
@@ -207,7 +207,7 @@ pub struct Scan {
 /// Reads a journal file's bytes (see the module docs): the header, then records up to
 /// the end or to a torn last record. Never panics, whatever the bytes.
 pub fn scan(bytes: &[u8], path: &Path) -> Result<Scan, JournalError> {
-    if bytes.len() < HEADER_LEN as usize {
+    if bytes.len() < HEADER_LEN {
         // A file cut before its header was complete: nothing in it was acknowledged.
         return Ok(Scan { records: Vec::new(), good_len: 0 });
     }
@@ -222,7 +222,7 @@ pub fn scan(bytes: &[u8], path: &Path) -> Result<Scan, JournalError> {
         return Err(corrupt("header", "format version 0".into()));
     }
     let mut records = Vec::new();
-    let mut at = HEADER_LEN as usize;
+    let mut at = HEADER_LEN;
     while at < bytes.len() {
         let rest = &bytes[at..];
         if rest.len() < RECORD_HEAD {
@@ -360,7 +360,7 @@ impl Journal {
         file.read_to_end(&mut bytes).map_err(io("read", &path))?;
         let scan = scan(&bytes, &path)?;
         let mut inner = Inner { path: path.clone(), file, index: BTreeMap::new(), last_seq: 0, lease: None, len: 0, live: 0 };
-        if scan.good_len < HEADER_LEN {
+        if scan.good_len < HEADER_LEN as u64 {
             // New (or cut before its header): start it, durably, with the directory entry.
             inner.file.set_len(0).map_err(io("truncate", &path))?;
             inner.append(&header(), true)?;
@@ -481,7 +481,7 @@ impl Journal {
     /// crash, resending them is answered as a duplicate and changes nothing.
     pub fn ack_through(&self, seq: u64) -> Result<(), JournalError> {
         let mut g = self.lock();
-        if !g.index.keys().next().is_some_and(|s| *s <= seq) {
+        if g.index.keys().next().is_none_or(|s| *s > seq) {
             return Ok(());
         }
         let gone: u64 = g.index.range(..=seq).map(|(_, (_, l))| u64::from(*l) + RECORD_HEAD as u64).sum();
@@ -634,7 +634,7 @@ mod tests {
         // A flipped byte in the first record, with records after it: an error that says
         // so, and the file left as it was for a person to look at.
         let mut bad = good.clone();
-        bad[HEADER_LEN as usize + RECORD_HEAD + 3] ^= 0x40;
+        bad[HEADER_LEN + RECORD_HEAD + 3] ^= 0x40;
         std::fs::write(&path, &bad).expect("write");
         let e = Journal::open(dir.path()).expect_err("damage");
         assert!(e.to_string().contains("checksum mismatch at offset 8") && e.to_string().contains("damaged"), "{e}");
@@ -674,7 +674,7 @@ mod tests {
         };
         let mut sizes = Vec::new();
         for n in 1..=400u64 {
-            j.write(|seq| big(seq)).expect("w");
+            j.write(big).expect("w");
             if n > 2 {
                 j.ack_through(n - 2).expect("ack");
             }
@@ -698,7 +698,7 @@ mod tests {
             let mut input = if with_header { header().to_vec() } else { Vec::new() };
             input.extend(bytes);
             if let Ok(s) = scan(&input, Path::new("fuzz")) {
-                prop_assert!(s.good_len as usize <= input.len());
+                prop_assert!(usize::try_from(s.good_len).is_ok_and(|g| g <= input.len()));
             }
         }
 

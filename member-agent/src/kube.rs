@@ -124,6 +124,7 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
     let created = meta.get("creationTimestamp").and_then(Value::as_str).and_then(parse_time);
     let started = status.and_then(|s| s.get("startTime")).and_then(Value::as_str).and_then(parse_time);
     let since = if stage == PodStage::Bound { started.or(created) } else { created };
+    let ran = run_interval(status, &node, stage, started);
     Some(PodInfo {
         key: format!("{namespace}/{name}"),
         namespace,
@@ -135,7 +136,50 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
         since_ms: to_agent_clock(since, wall_now_s, agent_now_ms),
         placement: crate::placement::Placement::from_pod_spec(spec),
         generate_name: meta.get("generateName").and_then(Value::as_str).filter(|g| !g.is_empty()).map(str::to_string),
+        ran,
     })
+}
+
+/// When a bound pod held its GPUs (Unix ms): from its `PodScheduled` condition (the
+/// binding) or else `status.startTime`, until the last of its containers' `finishedAt`
+/// once it succeeded or failed (`None` while it runs). Kubernetes keeps these times in
+/// seconds, so each end is known to a second.
+fn run_interval(status: Option<&Value>, node: &Option<String>, stage: PodStage, started: Option<i64>) -> Option<(u64, Option<u64>)> {
+    node.as_ref()?;
+    let status = status?;
+    let scheduled = status
+        .get("conditions")
+        .and_then(Value::as_array)
+        .and_then(|c| {
+            c.iter().find(|c| c.get("type").and_then(Value::as_str) == Some("PodScheduled") && c.get("status").and_then(Value::as_str) == Some("True"))
+        })
+        .and_then(|c| c.get("lastTransitionTime"))
+        .and_then(Value::as_str)
+        .and_then(parse_time);
+    let start = scheduled.or(started)?;
+    let end = if stage == PodStage::Finished {
+        let finished = ["containerStatuses", "initContainerStatuses"]
+            .iter()
+            .filter_map(|k| status.get(*k).and_then(Value::as_array))
+            .flatten()
+            .filter_map(|c| c.pointer("/state/terminated/finishedAt").and_then(Value::as_str).and_then(parse_time))
+            .max();
+        // A finished pod without a finish time (unusual): counted up to its start, not
+        // beyond (nothing is invented).
+        Some(finished.unwrap_or(start).max(start))
+    } else {
+        None
+    };
+    let ms = |s: i64| u64::try_from(s).unwrap_or(0).saturating_mul(1000);
+    Some((ms(start), end.map(ms)))
+}
+
+impl KubeInventory {
+    /// Usage per tenant between two wall-clock instants from the pods' run times (see
+    /// [`crate::inventory::usage_between`]).
+    pub fn usage_between(&self, from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<String>) -> BTreeMap<String, u64> {
+        crate::inventory::usage_between(&self.gpu_pods(), from_ms, to_ms, tenant_of)
+    }
 }
 
 /// A node object (JSON) as the inventory keeps it: its allocatable GPU devices.
@@ -664,6 +708,7 @@ pub struct Controller {
     inventory: Arc<KubeInventory>,
     actions: KubeActions,
     known: std::collections::BTreeSet<String>,
+    metering: bool,
 }
 
 /// What one [`Controller::release_gates`] round did.
@@ -678,7 +723,7 @@ pub struct Released {
 impl Controller {
     /// A controller over `inventory` acting through `actions`.
     pub fn new(inventory: Arc<KubeInventory>, actions: KubeActions) -> Self {
-        Controller { inventory, actions, known: Default::default() }
+        Controller { inventory, actions, known: Default::default(), metering: false }
     }
 
     /// The inventory it reads.
@@ -702,6 +747,14 @@ impl Controller {
         let counted = crate::review::AdmissionState::policy(&*st).is_some();
         if counted && st.held_reason().is_some_and(|w| w.contains("not listed")) {
             st.set_held(None);
+        }
+        drop(st);
+        if counted && !self.metering {
+            // From here on the meter counts the bound pods: usage before this instant
+            // that no process metered is recovered from the pods' run times.
+            self.metering = true;
+            let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            agent.meter_started(now_ms);
         }
         true
     }
@@ -826,5 +879,96 @@ mod tests {
         assert!(node_info(&ready("True")).expect("node").schedulable);
         assert!(!node_info(&ready("False")).expect("node").schedulable, "NotReady takes no new pods");
         assert!(!node_info(&ready("Unknown")).expect("node").schedulable, "a node that stopped reporting");
+    }
+}
+
+/// The agent's persisted state (`crate::persist`) in a ConfigMap of the agent's
+/// namespace, key `state.json`. Writes carry the resourceVersion last seen: a replica
+/// that lost the leader Lease and wakes up late gets 409 instead of overwriting what
+/// the new leader wrote. Its namespace, name and size limit are in the RBAC of
+/// `deploy/kubernetes/agent/10-rbac.yaml` (get, create, update on this one name).
+#[derive(Debug)]
+pub struct ConfigMapStore {
+    api: Api<k8s_openapi::api::core::v1::ConfigMap>,
+    namespace: String,
+    name: String,
+    version: Mutex<Option<String>>,
+}
+
+/// The key of the state in the ConfigMap.
+pub const STATE_KEY: &str = "state.json";
+
+impl ConfigMapStore {
+    /// The state in ConfigMap `namespace/name`.
+    pub fn new(client: Client, namespace: &str, name: &str) -> ConfigMapStore {
+        ConfigMapStore { api: Api::namespaced(client, namespace), namespace: namespace.to_string(), name: name.to_string(), version: Mutex::new(None) }
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> crate::persist::PersistError {
+        crate::persist::PersistError::Store { store: crate::persist::StateStore::describe(self), why: e.to_string() }
+    }
+
+    fn remember(&self, cm: &k8s_openapi::api::core::v1::ConfigMap) {
+        *self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = cm.metadata.resource_version.clone();
+    }
+}
+
+impl crate::persist::StateStore for ConfigMapStore {
+    fn load(&self) -> crate::persist::StoreFuture<'_, Option<Vec<u8>>> {
+        Box::pin(async move {
+            let cm = self.api.get_opt(&self.name).await.map_err(|e| self.err(e))?;
+            let Some(cm) = cm else { return Ok(None) };
+            self.remember(&cm);
+            Ok(cm.data.and_then(|d| d.get(STATE_KEY).map(|s| s.as_bytes().to_vec())))
+        })
+    }
+
+    fn save(&self, bytes: Vec<u8>) -> crate::persist::StoreFuture<'_, ()> {
+        Box::pin(async move {
+            let text = String::from_utf8(bytes).map_err(|e| self.err(e))?;
+            let rv = self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            let mut cm = k8s_openapi::api::core::v1::ConfigMap {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(self.name.clone()),
+                    namespace: Some(self.namespace.clone()),
+                    labels: Some([("app.kubernetes.io/name".to_string(), "kvota-agent".to_string())].into()),
+                    annotations: Some([("kvota.dev/state-format".to_string(), crate::persist::FORMAT_VERSION.to_string())].into()),
+                    resource_version: rv.clone(),
+                    ..Default::default()
+                },
+                data: Some([(STATE_KEY.to_string(), text)].into()),
+                ..Default::default()
+            };
+            let result = match rv {
+                Some(_) => self.api.replace(&self.name, &PostParams::default(), &cm).await,
+                None => match self.api.create(&PostParams::default(), &cm).await {
+                    // It exists (another replica made it): take its version, then replace.
+                    Err(e) if matches!(api_status(&e), Some(409)) => {
+                        let cur = self.api.get(&self.name).await.map_err(|e| self.err(e))?;
+                        cm.metadata.resource_version = cur.metadata.resource_version.clone();
+                        self.api.replace(&self.name, &PostParams::default(), &cm).await
+                    }
+                    other => other,
+                },
+            };
+            match result {
+                Ok(saved) => {
+                    self.remember(&saved);
+                    Ok(())
+                }
+                Err(e) => {
+                    if matches!(api_status(&e), Some(409)) {
+                        // Someone wrote since we read: forget our version; the next save,
+                        // if this replica still leads, reads it again.
+                        *self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+                    }
+                    Err(self.err(e))
+                }
+            }
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("ConfigMap {}/{}", self.namespace, self.name)
     }
 }

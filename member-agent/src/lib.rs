@@ -26,6 +26,7 @@ pub mod journal;
 pub mod journal_v0;
 pub mod metrics;
 pub mod netfault;
+pub mod persist;
 pub mod placement;
 pub mod review;
 pub mod sim;

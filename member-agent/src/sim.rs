@@ -148,7 +148,23 @@ pub struct SimCluster {
     evicted: Vec<SimPod>,
     events: Vec<SimEvent>,
     cost: BTreeMap<String, EvictionCost>,
+    /// Pods that held GPUs and are gone (finished or evicted), newest last: what a real
+    /// cluster still lists for a while (completed pods stay until deleted).
+    finished: std::collections::VecDeque<Finished>,
 }
+
+/// A pod that ran and is gone, for [`SimCluster::usage_between`].
+#[derive(Clone, Debug)]
+struct Finished {
+    namespace: String,
+    gpue: MilliGpue,
+    started_ms: Millis,
+    ended_ms: Millis,
+}
+
+/// Gone pods kept for [`SimCluster::usage_between`] at most (a real cluster's garbage
+/// collector deletes completed pods too).
+pub const FINISHED_KEPT: usize = 100_000;
 
 /// How often simulated training checkpoints by default.
 pub const DEFAULT_CHECKPOINT_MS: Millis = 10 * 60_000;
@@ -250,10 +266,39 @@ impl SimCluster {
                 if let Some(node) = self.free.get_mut(r.node) {
                     *node.entry(r.pod.resource.clone()).or_insert(0) += u64::from(r.pod.count);
                 }
+                self.keep_finished(&r, now_ms);
             }
             state.pod_gone(k);
         }
         done
+    }
+
+    fn keep_finished(&mut self, r: &Running, ended_ms: Millis) {
+        if self.finished.len() >= FINISHED_KEPT {
+            self.finished.pop_front();
+        }
+        self.finished.push_back(Finished { namespace: r.pod.namespace.clone(), gpue: r.gpue, started_ms: r.started_ms, ended_ms });
+    }
+
+    /// Usage per tenant between `from_ms` and `to_ms` (this cluster's clock: the one its
+    /// callers drive it with) from the pods' run times, running and gone, as the agent
+    /// recovers usage no process metered (`crate::agent::History`).
+    pub fn usage_between(&self, from_ms: Millis, to_ms: Millis, tenant_of: impl Fn(&str) -> Option<String>) -> BTreeMap<String, u64> {
+        let mut pods: Vec<PodInfo> = self.gpu_pods().into_iter().filter(|p| p.stage == PodStage::Bound).collect();
+        pods.extend(self.finished.iter().map(|f| PodInfo {
+            key: String::new(),
+            namespace: f.namespace.clone(),
+            stage: PodStage::Finished,
+            node: None,
+            gpue: f.gpue,
+            devices: BTreeMap::new(),
+            priority: 0,
+            since_ms: f.started_ms,
+            placement: Default::default(),
+            generate_name: None,
+            ran: Some((f.started_ms, Some(f.ended_ms))),
+        }));
+        crate::inventory::usage_between(&pods, from_ms, to_ms, tenant_of)
     }
 
     /// Removes the scheduling gate from the pods the agent releases (they hold a
@@ -366,6 +411,7 @@ impl SimCluster {
         if let Some(node) = self.free.get_mut(r.node) {
             *node.entry(r.pod.resource.clone()).or_insert(0) += u64::from(r.pod.count);
         }
+        self.keep_finished(&r, now_ms);
         state.pod_gone(key);
         let ran = now_ms.saturating_sub(r.started_ms);
         let lost = ran % self.checkpoint_ms.max(1);
@@ -468,6 +514,7 @@ impl Inventory for SimCluster {
             since_ms: w.since_ms,
             placement: Default::default(),
             generate_name: None,
+            ran: None,
         };
         let mut out: Vec<PodInfo> = self
             .running
@@ -483,6 +530,8 @@ impl Inventory for SimCluster {
                 since_ms: r.started_ms,
                 placement: Default::default(),
                 generate_name: None,
+                // On the clock callers drive this cluster with.
+                ran: Some((r.started_ms, None)),
             })
             .collect();
         out.extend(self.unbound.iter().map(|(k, w)| waiting(k, w, PodStage::Unbound)));

@@ -503,6 +503,15 @@ impl AgentState {
         }
     }
 
+    /// Adds usage metered elsewhere (recovered from the pods' run times) to what the next
+    /// report carries.
+    pub fn add_usage(&mut self, usage: &BTreeMap<String, u64>) {
+        for (t, u) in usage {
+            let e = self.used.entry(t.clone()).or_insert(0);
+            *e = e.saturating_add(*u);
+        }
+    }
+
     /// This cluster's capacity in GPUe.
     pub fn capacity_gpue(&self) -> MilliGpue {
         self.capacity_gpue

@@ -9,7 +9,7 @@
 //!   (409 Conflict when stale);
 //! - the Eviction subresource: 429 while a namespace's "PodDisruptionBudget" forbids it,
 //!   otherwise the pod is deleted;
-//! - Event creation; Lease get/create/replace with optimistic concurrency.
+//! - Event creation; Lease and ConfigMap get/create/replace with optimistic concurrency.
 //!
 //! Tests change the cluster through [`FakeApi`]'s methods, compact history, and cut
 //! every open watch to force reconnects.
@@ -37,6 +37,7 @@ pub enum Kind {
     Namespace,
     Event,
     Lease,
+    ConfigMap,
 }
 
 impl Kind {
@@ -53,6 +54,7 @@ impl Kind {
             Kind::Namespace => "Namespace",
             Kind::Event => "Event",
             Kind::Lease => "Lease",
+            Kind::ConfigMap => "ConfigMap",
         }
     }
 }
@@ -237,6 +239,8 @@ fn route(path: &str) -> Option<Target> {
         ["api", "v1", "namespaces", ns, "pods", n] => Some(Target::Object(Kind::Pod, format!("{ns}/{n}"))),
         ["api", "v1", "namespaces", ns, "pods", n, "eviction"] => Some(Target::Eviction(format!("{ns}/{n}"))),
         ["api", "v1", "namespaces", ns, "events"] => Some(Target::Collection(Kind::Event, Some((*ns).to_string()))),
+        ["api", "v1", "namespaces", ns, "configmaps"] => Some(Target::Collection(Kind::ConfigMap, Some((*ns).to_string()))),
+        ["api", "v1", "namespaces", ns, "configmaps", n] => Some(Target::Object(Kind::ConfigMap, format!("{ns}/{n}"))),
         ["apis", "coordination.k8s.io", "v1", "namespaces", ns, "leases"] => {
             Some(Target::Collection(Kind::Lease, Some((*ns).to_string())))
         }
@@ -306,7 +310,7 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
             let ok = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201});
             (StatusCode::CREATED, axum::Json(ok)).into_response()
         }
-        (Method::POST, Target::Collection(kind @ (Kind::Event | Kind::Lease), Some(ns))) => {
+        (Method::POST, Target::Collection(kind @ (Kind::Event | Kind::Lease | Kind::ConfigMap), Some(ns))) => {
             let Ok(mut obj) = serde_json::from_slice::<Value>(&body) else { return status(400, "BadRequest", "not JSON") };
             obj["metadata"]["namespace"] = json!(ns);
             if obj["metadata"]["name"].is_null() {
@@ -325,14 +329,14 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
             api.put(kind, obj);
             (StatusCode::CREATED, axum::Json(api.get(kind, &key))).into_response()
         }
-        (Method::PUT, Target::Object(Kind::Lease, key)) => {
+        (Method::PUT, Target::Object(kind @ (Kind::Lease | Kind::ConfigMap), key)) => {
             let Ok(obj) = serde_json::from_slice::<Value>(&body) else { return status(400, "BadRequest", "not JSON") };
-            let Some(cur) = api.get(Kind::Lease, &key) else { return status(404, "NotFound", "lease not found") };
+            let Some(cur) = api.get(kind, &key) else { return status(404, "NotFound", &format!("{} not found", kind.name())) };
             if obj["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
                 return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
             }
-            api.put(Kind::Lease, obj);
-            axum::Json(api.get(Kind::Lease, &key)).into_response()
+            api.put(kind, obj);
+            axum::Json(api.get(kind, &key)).into_response()
         }
         (m, _) => status(405, "MethodNotAllowed", &format!("{m} {path} is not served by the fake")),
     }

@@ -1,0 +1,166 @@
+//! The enforcement state an agent keeps for the next process (`persist.rs`): kept in a
+//! ConfigMap with the resourceVersion as a fence, restored by a new process with the
+//! lease's remaining life measured conservatively, and never used when it is corrupt,
+//! newer, of another cluster, or older than what the process holds.
+//!
+//! No API server can run here: the ConfigMap lives in the fake API server of
+//! `support/fake_apiserver.rs` (get, create, replace with resourceVersion conflicts).
+
+#[path = "support/fake_apiserver.rs"]
+mod fake_apiserver;
+
+use std::sync::Arc;
+
+use fake_apiserver::{FakeApi, Kind};
+use kvota_fairness::lease::{Lease, LeaseStatus, TenantBudget};
+use kvota_fairness::policy::Policy;
+use kvota_member_agent::agent::Agent;
+use kvota_member_agent::kube::{ConfigMapStore, STATE_KEY};
+use kvota_member_agent::persist::{self, FileStore, PersistError, StateStore};
+use serde_json::json;
+
+const POLICY: &str = "apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: persist-test}
+spec:
+  lease: {duration: 60s, clockSkewMargin: 2s}
+  tenants:
+  - {name: training, weight: 40, minShare: 20, maxShare: 60, namespaces: [ml]}
+";
+
+fn lease(epoch: u64, budget: u64, fallback: u64) -> Lease {
+    Lease {
+        cluster: "east".into(),
+        epoch,
+        duration_ms: 60_000,
+        margin_ms: 2_000,
+        issued_at_ms: 1,
+        budgets: [("training".to_string(), TenantBudget { budget, fallback, entitlement: budget })].into(),
+    }
+}
+
+/// An agent of cluster `east` that cannot reach any control plane.
+fn agent(dir: &std::path::Path) -> Agent {
+    Agent::open("east", [("nvidia.com/gpu".to_string(), 8_000)].into(), dir, &["127.0.0.1:1".to_string()]).expect("agent")
+}
+
+/// An agent that holds the policy and `l`, received just now.
+fn holding(dir: &std::path::Path, l: Lease) -> Agent {
+    let a = agent(dir);
+    let mut st = a.state();
+    st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    let now = st.now_ms();
+    st.lease.on_lease(l, now);
+    drop(st);
+    a
+}
+
+#[tokio::test]
+async fn a_config_map_keeps_the_state_and_fences_a_writer_that_lost_the_race() {
+    let api = FakeApi::start().await;
+    let leader = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
+    assert_eq!(leader.load().await.expect("load"), None, "nothing kept yet");
+    leader.save(b"{\"one\":1}".to_vec()).await.expect("create");
+    let kept = api.get(Kind::ConfigMap, "kvota-system/kvota-agent-state").expect("made");
+    assert_eq!(kept["data"][STATE_KEY], "{\"one\":1}");
+    assert_eq!(kept["metadata"]["annotations"]["kvota.dev/state-format"], persist::FORMAT_VERSION.to_string());
+    leader.save(b"{\"two\":2}".to_vec()).await.expect("replace");
+
+    // A new leader reads it and writes; the old one, writing late with the version it
+    // last saw, is refused and overwrites nothing.
+    let next = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
+    assert_eq!(next.load().await.expect("load"), Some(b"{\"two\":2}".to_vec()));
+    next.save(b"{\"three\":3}".to_vec()).await.expect("new leader");
+    let e = leader.save(b"{\"stale\":0}".to_vec()).await.expect_err("a stale writer");
+    assert!(matches!(e, PersistError::Store { .. }) && e.to_string().contains("ConfigMap kvota-system/kvota-agent-state"), "{e}");
+    assert_eq!(next.load().await.expect("load"), Some(b"{\"three\":3}".to_vec()));
+
+    // Another replica that never read it (its create conflicts) takes the version and
+    // writes, as a leader that just won the Lease must.
+    let third = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
+    third.save(b"{\"four\":4}".to_vec()).await.expect("create conflicts, then replace");
+    assert_eq!(next.load().await.expect("load"), Some(b"{\"four\":4}".to_vec()));
+}
+
+#[tokio::test]
+async fn a_new_process_enforces_the_kept_lease_for_what_is_left_of_it_and_no_longer() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let first = holding(&dir.path().join("a"), lease(7, 5_000, 1_000));
+    let store: Arc<dyn StateStore> = Arc::new(FileStore::in_dir(&dir.path().join("shared")));
+    first.set_state_store(store.clone(), "replica-a");
+    first.persist().await.expect("persist");
+    let kept = persist::decode(&store.load().await.expect("load").expect("kept"), "file", "east").expect("decode");
+    let left = kept.lease_usable_until_unix_ms.saturating_sub(kept.written_unix_ms);
+    assert!((55_000..=58_000).contains(&left), "usable for duration minus margin from the request: {left} ms");
+
+    // A new process with an empty data directory: the policy and the lease at once,
+    // for the kept life minus the margin once more.
+    let second = agent(&dir.path().join("b"));
+    second.set_state_store(store.clone(), "replica-b");
+    assert!(second.state().ready().is_err(), "nothing to judge with yet");
+    second.restore().await.expect("restore").expect("something kept");
+    let st = second.state();
+    let now = st.now_ms();
+    assert_eq!(st.ready(), Ok(()), "it can judge");
+    assert_eq!(st.lease.held_epoch(), 7);
+    assert!(matches!(st.lease.status(now), LeaseStatus::Fresh { .. }), "{:?}", st.lease.status(now));
+    assert_eq!(st.lease.budget("training", now), 5_000);
+    let until = st.lease.valid_until().expect("known");
+    assert!(until <= now + left - 2_000, "never longer than the first process could have: {until} > {now} + {left} - 2000");
+    assert_eq!(st.lease.budget("training", until), 1_000, "then its fallback");
+    drop(st);
+
+    // A kept lease whose life is over: its fallback at once.
+    let mut expired = kept.clone();
+    expired.lease_usable_until_unix_ms = kept.written_unix_ms.saturating_sub(1);
+    store.save(persist::encode(&expired).expect("encode")).await.expect("save");
+    let third = agent(&dir.path().join("c"));
+    third.set_state_store(store.clone(), "replica-c");
+    third.restore().await.expect("restore");
+    let st = third.state();
+    assert_eq!(st.lease.status(st.now_ms()), LeaseStatus::Safe);
+    assert_eq!(st.lease.budget("training", st.now_ms()), 1_000);
+}
+
+#[tokio::test]
+async fn a_kept_state_that_is_older_corrupt_newer_or_another_clusters_changes_nothing() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let store: Arc<dyn StateStore> = Arc::new(FileStore::in_dir(&dir.path().join("shared")));
+    let old = holding(&dir.path().join("old"), lease(3, 9_000, 9_000));
+    old.set_state_store(store.clone(), "old");
+    old.persist().await.expect("persist");
+    let good = store.load().await.expect("load").expect("kept");
+
+    // This process already holds a newer epoch: the kept (older) lease is not taken.
+    let newer = holding(&dir.path().join("new"), lease(4, 2_000, 500));
+    newer.set_state_store(store.clone(), "new");
+    newer.restore().await.expect("restore");
+    assert_eq!(newer.state().lease.held_epoch(), 4, "epochs never go back");
+    assert_eq!(newer.state().lease.budget("training", newer.now_ms()), 2_000);
+
+    let mut v: serde_json::Value = serde_json::from_slice(&good).expect("json");
+    v["format"] = json!(persist::FORMAT_VERSION + 1);
+    let newer_format = serde_json::to_vec(&v).expect("json");
+    let mut v: serde_json::Value = serde_json::from_slice(&good).expect("json");
+    v["cluster"] = json!("west");
+    let other_cluster = serde_json::to_vec(&v).expect("json");
+    let mut torn = good.clone();
+    torn.truncate(good.len() / 2);
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("torn", torn, "corrupt"),
+        ("garbage", b"\x00\xffnot json".to_vec(), "corrupt"),
+        ("newer", newer_format, "newer than this agent reads"),
+        ("west", other_cluster, "belongs to cluster `west`"),
+    ];
+    for (what, bytes, says) in cases {
+        store.save(bytes.clone()).await.expect("save");
+        let fresh = agent(&dir.path().join(what));
+        fresh.set_state_store(store.clone(), what);
+        let e = fresh.restore().await.expect_err(what);
+        assert!(e.to_string().contains(says), "{what}: {e}");
+        let st = fresh.state();
+        assert_eq!((st.lease.held_epoch(), st.ready().is_err()), (0, true), "{what}: nothing taken from it");
+        drop(st);
+        assert_eq!(store.load().await.expect("load"), Some(bytes), "{what}: left as it was for a person to look at");
+    }
+}
