@@ -15,7 +15,17 @@
 //! `1 + rate_ppm/10^6` of real time and, unlike the real agent's `Instant`, continues
 //! across restarts (nothing but reservation and denial TTLs depends on it). A restart
 //! rebuilds the state from the cluster's inventory ([`SimCluster::list_pods`]), the
-//! saved lease ([`AgentLease::restored`]) and the last policy it knew.
+//! saved lease ([`AgentLease::restored`]) and the last policy it knew, then restores
+//! the state the leader kept in the cluster ([`Kept`], `member-agent/src/persist.rs`):
+//! the policy, and the lease for what is left of its life minus the margin
+//! ([`AgentLease::restore_anchored`]). A **takeover** is a standby starting instead:
+//! it has none of the old process's disk (journal, saved lease, policy), only the kept
+//! state; its reports follow the control plane's sequence once it answers one of them
+//! as a duplicate (`Agent::follow`), and the old journal's reports it never sends are
+//! counted as lost unless the control plane had applied them. As in the real agent, a
+//! report acknowledges no newer lease than the kept state holds (the control plane
+//! stops counting older leases at that acknowledgement), and the kept state may be
+//! stale (writes failing for a while) or unreadable at a restart.
 //!
 //! Ground truth for the checker is kept beside it: GPUe-ms the cluster's running pods
 //! produced, and which part of it the agent could not meter (it was down, or a crash
@@ -63,6 +73,8 @@ pub struct AgentBugs {
     /// Reports leave the journal when sent, not when acknowledged, and a sequence gap
     /// is "repaired" by renumbering from the control plane's expectation.
     pub ack_on_send: bool,
+    /// Reports acknowledge the lease held even before the kept state holds it.
+    pub ack_unkept: bool,
 }
 
 /// An admission that happened in a step (for the admission invariant).
@@ -80,6 +92,26 @@ pub struct Admitted {
     pub budget: MilliGpue,
     /// The agent's lease epoch then.
     pub epoch: u64,
+}
+
+/// What the leader keeps in its cluster for the next process (a ConfigMap in the real
+/// agent, written after each report round).
+#[derive(Clone, Debug)]
+pub struct Kept {
+    policy: Option<Policy>,
+    lease: Option<Lease>,
+    /// Until when the lease may be enforced, on the agent clock (which continues across
+    /// processes here; the real agent goes through the wall clock and takes the margin
+    /// off again, as [`SimAgent::restart`] does).
+    usable_until: Option<Millis>,
+    acked_through: u64,
+}
+
+impl Kept {
+    /// The kept lease's epoch.
+    pub fn lease_epoch(&self) -> Option<u64> {
+        self.lease.as_ref().map(|l| l.epoch)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -142,6 +174,25 @@ pub struct SimAgent {
     /// Crashes so far.
     pub crashes: u64,
     next_reclaim_ms: Millis,
+    /// The state kept in the cluster (see [`Kept`]).
+    pub kept: Option<Kept>,
+    /// The lease epoch the kept state holds: reports acknowledge no newer one.
+    kept_epoch: u64,
+    /// Writes of the kept state fail (the API server is unreachable from the agent).
+    pub store_down: bool,
+    /// The kept state is unreadable at the next restart.
+    pub kept_corrupt: bool,
+    /// A standby took over: a duplicate answer means "follow the control plane's
+    /// sequence" until a report of ours is applied.
+    renumber_pending: bool,
+    /// Reports the old process journaled that the standby never had.
+    pub lost: Vec<UsageReport>,
+    /// Standby takeovers so far.
+    pub takeovers: u64,
+    /// Down, and a standby (not this process) starts next.
+    pub standby_next: bool,
+    /// Restores that did not enforce a still-valid kept lease (the takeover invariant).
+    pub restore_violations: Vec<String>,
 }
 
 impl SimAgent {
@@ -183,6 +234,15 @@ impl SimAgent {
             bugs: AgentBugs::default(),
             crashes: 0,
             next_reclaim_ms: 0,
+            kept: None,
+            kept_epoch: 0,
+            store_down: false,
+            kept_corrupt: false,
+            renumber_pending: false,
+            lost: Vec::new(),
+            takeovers: 0,
+            standby_next: false,
+            restore_violations: Vec::new(),
         }
     }
 
@@ -361,7 +421,23 @@ impl SimAgent {
         }
     }
 
+    /// Keeps the enforcement state in the cluster (after the previous round's answers).
+    fn persist(&mut self) {
+        if self.store_down {
+            return;
+        }
+        let lease = self.state.lease.lease().cloned();
+        self.kept_epoch = self.kept_epoch.max(lease.as_ref().map_or(0, |l| l.epoch));
+        self.kept = Some(Kept {
+            policy: self.policy.clone(),
+            usable_until: self.state.lease.valid_until(),
+            lease,
+            acked_through: self.acked_through,
+        });
+    }
+
     fn report_round(&mut self, h: Millis, net: &mut Net<Msg>, real_ms: u64) {
+        self.persist();
         if self.registered {
             let tenants = self.state.take_usage();
             for (t, r) in &tenants {
@@ -370,7 +446,7 @@ impl SimAgent {
             let report = UsageReport {
                 cluster: self.id.clone(),
                 seq: self.next_seq,
-                held_epoch: self.state.lease.held_epoch(),
+                held_epoch: if self.bugs.ack_unkept { self.state.lease.held_epoch() } else { self.state.lease.held_epoch().min(self.kept_epoch) },
                 capacity: None,
                 tenants,
                 evictions: Vec::new(),
@@ -436,7 +512,7 @@ impl SimAgent {
         self.inflight = None;
         self.guess = ans.from_node;
         match ans.outcome {
-            AnswerOutcome::Lease { lease, seq, policy } => {
+            AnswerOutcome::Lease { lease, seq, policy, applied, last_seq, reported_through_ms } => {
                 if let Some(p) = policy {
                     self.install_policy(*p);
                 }
@@ -447,7 +523,25 @@ impl SimAgent {
                     self.saved_lease = self.state.lease.lease().cloned();
                 }
                 match seq {
-                    Some(s) if seq_sent == Some(s) => self.ack_through(s),
+                    Some(s) if seq_sent == Some(s) && !applied && self.renumber_pending => {
+                        // Taken for a duplicate after a takeover: the old process's
+                        // reports used this number, or it was ours, applied, its answer
+                        // lost. Those the counted usage covers are done (by window, as
+                        // `Agent::follow`); the others follow the control plane's sequence.
+                        self.journal.retain(|j| !kvota_member_agent::agent::already_counted(&j.report, last_seq, reported_through_ms));
+                        let mut n = last_seq + 1;
+                        for j in &mut self.journal {
+                            j.report.seq = n;
+                            n += 1;
+                        }
+                        self.next_seq = n;
+                    }
+                    Some(s) if seq_sent == Some(s) => {
+                        self.ack_through(s);
+                        if applied {
+                            self.renumber_pending = false;
+                        }
+                    }
                     None => self.registered = true,
                     Some(_) => {}
                 }
@@ -538,10 +632,72 @@ impl SimAgent {
                 _ => {}
             }
         }
+        self.restore(h);
+        self.standby_next = false;
         self.up = true;
         self.next_report_ms = h;
         // Metering starts again now (the downtime is unmetered).
         self.window_start = self.wall(real_ms);
+    }
+
+    /// Takes what the last leader kept (see [`Kept`]), unless it is unreadable; checks
+    /// that a kept lease still valid is enforced at once.
+    fn restore(&mut self, h: Millis) {
+        if std::mem::take(&mut self.kept_corrupt) {
+            return;
+        }
+        let Some(k) = self.kept.clone() else { return };
+        if self.policy.is_none() {
+            if let Some(p) = k.policy {
+                self.install_policy(p);
+            }
+        }
+        self.acked_through = self.acked_through.max(k.acked_through);
+        let Some(l) = k.lease else { return };
+        self.kept_epoch = self.kept_epoch.max(l.epoch);
+        let until = k.usable_until.map(|u| u.saturating_sub(l.margin_ms)).filter(|u| *u > h);
+        self.state.lease.restore_anchored(l.clone(), until);
+        if until.is_some() && self.state.lease.held_epoch() == l.epoch {
+            for (t, b) in &l.budgets {
+                let enforced = self.state.lease.budget(t, h);
+                if enforced != b.budget {
+                    self.restore_violations.push(format!(
+                        "{}: restarted with a kept lease (epoch {}) valid for {} ms more, yet enforces {enforced} for {t}, not its budget {}",
+                        self.id,
+                        l.epoch,
+                        until.unwrap_or(h) - h,
+                        b.budget
+                    ));
+                }
+            }
+        }
+    }
+
+    /// The agent process dies and a standby takes over later ([`SimAgent::restart`]):
+    /// the standby has none of this process's disk. Reports the old journal held are
+    /// lost to it (whether the control plane applied them is settled at the end).
+    pub fn takeover_crash(&mut self, real_ms: u64) {
+        if !self.up {
+            return;
+        }
+        self.crash(real_ms);
+        self.takeovers += 1;
+        self.standby_next = true;
+        for j in self.journal.drain(..) {
+            for (t, r) in &j.report.tenants {
+                if let Some(m) = self.metered.get_mut(t) {
+                    *m = m.saturating_sub(r.used_milli_gpue_ms);
+                }
+            }
+            self.lost.push(j.report);
+        }
+        self.saved_lease = None;
+        self.policy = None;
+        self.registered = false;
+        self.next_seq = self.kept.as_ref().map_or(0, |k| k.acked_through) + 1;
+        self.acked_through = 0;
+        self.kept_epoch = 0;
+        self.renumber_pending = true;
     }
 
     /// Writes a final report of what is metered (used when settling, so every GPUe-ms

@@ -51,6 +51,14 @@ pub enum AnswerOutcome {
         seq: Option<u64>,
         /// Policy in force.
         policy: Option<Box<Policy>>,
+        /// The report was counted now (false: a duplicate sequence number).
+        applied: bool,
+        /// The cluster's last applied report sequence and where its counted usage ends
+        /// (wall clock; 0: nowhere yet): what `DescribeCluster` tells a standby that
+        /// takes over.
+        last_seq: u64,
+        /// See `last_seq`.
+        reported_through_ms: u64,
     },
     /// `FAILED_PRECONDITION` with `kvota-expected-seq`.
     SequenceGap {

@@ -482,8 +482,11 @@ impl Cp {
             let Some(routes) = r.waiting.remove(&idx) else { continue };
             for (route, outcome) in routes.into_iter().zip(res) {
                 let Some((route, seq)) = route else { continue };
+                let applied = !matches!(&outcome, Ok(Applied::Reported { applied: false, .. }));
                 let outcome = match outcome {
                     Ok(Applied::Registered(lease)) | Ok(Applied::Reported { lease, .. }) => {
+                        let (last_seq, reported_through_ms) =
+                            r.state.clusters().get(&lease.cluster).map_or((0, 0), |c| (c.last_seq, c.reported_through_ms.unwrap_or(0)));
                         let mut lease = lease;
                         if self.bug_make_before_break {
                             let want = r.state.desired_budgets(&lease.cluster);
@@ -493,7 +496,7 @@ impl Cp {
                                 }
                             }
                         }
-                        AnswerOutcome::Lease { lease, seq, policy: r.state.policy().cloned().map(Box::new) }
+                        AnswerOutcome::Lease { lease, seq, policy: r.state.policy().cloned().map(Box::new), applied, last_seq, reported_through_ms }
                     }
                     Err(CommandError::SequenceGap { expected, got, .. }) => AnswerOutcome::SequenceGap { seq: got, expected },
                     Ok(other) => AnswerOutcome::Refused(format!("unexpected answer {other:?}")),

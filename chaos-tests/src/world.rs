@@ -77,6 +77,8 @@ pub struct Bugs {
     pub ack_on_send: bool,
     /// Agent 0's clock runs 40 % slow: beyond what the margin covers.
     pub clock_beyond_margin: bool,
+    /// Agents acknowledge a lease before the state they keep in the cluster holds it.
+    pub ack_unkept: bool,
 }
 
 impl Bugs {
@@ -90,6 +92,7 @@ impl Bugs {
             "double-apply-resent" => b.double_apply_resent = true,
             "ack-on-send" => b.ack_on_send = true,
             "clock-beyond-margin" => b.clock_beyond_margin = true,
+            "ack-unkept" => b.ack_unkept = true,
             _ => return None,
         }
         Some(b)
@@ -103,6 +106,7 @@ impl Bugs {
             b if b.double_apply_resent => "double-apply-resent",
             b if b.ack_on_send => "ack-on-send",
             b if b.clock_beyond_margin => "clock-beyond-margin",
+            b if b.ack_unkept => "ack-unkept",
             _ => "none",
         }
     }
@@ -128,6 +132,29 @@ pub enum Fault {
     CpCrash(usize),
     /// An agent crashes; restarts when the fault ends.
     AgentCrash(usize),
+    /// An agent is cut off from every control-plane node and killed; a new process
+    /// starts at `restart_ms`, still cut off (its kept state unreadable if `corrupt`).
+    AgentRestartCut {
+        /// Agent.
+        agent: usize,
+        /// When the new process starts.
+        restart_ms: u64,
+        /// The kept state is unreadable then.
+        corrupt: bool,
+    },
+    /// As [`Fault::AgentRestartCut`], but the standby takes over: none of the first
+    /// process's disk (journal, saved lease) survives, only the state kept in the
+    /// cluster.
+    AgentTakeover {
+        /// Agent.
+        agent: usize,
+        /// When the standby starts.
+        restart_ms: u64,
+        /// The kept state is unreadable then.
+        corrupt: bool,
+    },
+    /// The agent cannot write its kept state (it goes stale).
+    AgentStoreDown(usize),
     /// Loss and delay on every link.
     NetChaos {
         /// Loss percent.
@@ -157,6 +184,9 @@ impl Fault {
             Fault::AgentCut { .. } => "agent-cut-one-way",
             Fault::CpCrash(_) => "cp-crash",
             Fault::AgentCrash(_) => "agent-crash",
+            Fault::AgentRestartCut { .. } => "agent-restart-in-partition",
+            Fault::AgentTakeover { .. } => "standby-takeover-in-partition",
+            Fault::AgentStoreDown(_) => "agent-kept-state-stale",
             Fault::NetChaos { .. } => "net-loss-delay",
             Fault::CpSlowDisk(..) => "cp-slow-disk",
             Fault::AgentSlowDisk(..) => "agent-slow-disk",
@@ -172,6 +202,8 @@ struct Scheduled {
     /// Resolved at start (the leader isolated).
     resolved: Vec<usize>,
     active: bool,
+    /// The mid-fault restart happened.
+    restarted: bool,
 }
 
 /// The committed log applied once, plus what the checker needs from it.
@@ -181,6 +213,9 @@ pub struct Oracle {
     pub fed: Federation,
     /// Reports counted: `(cluster, seq)`.
     pub applied_reports: BTreeSet<(String, u64)>,
+    /// The usage window's start of each counted report, by `(cluster, seq)`: which of
+    /// two reports with one number (an old process's, a standby's) was counted.
+    pub applied_windows: BTreeMap<(String, u64), u64>,
     /// Usage counted per `(cluster, tenant)` (undecayed).
     pub counted: BTreeMap<(String, String), u64>,
     /// The ledger rebuilt from the counted reports.
@@ -201,6 +236,7 @@ impl Oracle {
                             detail: format!("report ({}, seq {}) was counted twice", r.cluster, r.seq),
                         });
                     }
+                    self.applied_windows.insert((r.cluster.clone(), r.seq), r.window.map_or(0, |w| w.start_ms));
                     let now = self.fed.now_ms();
                     let Some(p) = self.fed.policy() else { continue };
                     for (t, tr) in &r.tenants {
@@ -239,6 +275,8 @@ pub struct Summary {
     pub admissions: u64,
     /// Agent crashes.
     pub agent_crashes: u64,
+    /// Standby takeovers (of the crashes).
+    pub takeovers: u64,
     /// Usage the agents could not meter (down or crashed), GPUe-ms.
     pub unmetered_gpue_ms: u64,
     /// Network counters.
@@ -271,7 +309,7 @@ pub struct World {
     policy_change_ms: Option<u64>,
     demand_shift_ms: u64,
     shifted: bool,
-    last_epochs: Vec<u64>,
+    last_epochs: Vec<(u64, u64)>,
     inuse_cache: Vec<BTreeMap<String, u64>>,
     bugs: Bugs,
     admissions: u64,
@@ -306,6 +344,7 @@ impl World {
             let mut a = SimAgent::new(i, &node_gpus, rate, offset, cp_nodes, rng.fork());
             a.bugs.ignore_expiry = bugs.ignore_expiry;
             a.bugs.ack_on_send = bugs.ack_on_send;
+            a.bugs.ack_unkept = bugs.ack_unkept;
             for t in tenants {
                 a.load.insert(t.to_string(), random_load(&mut rng, t));
             }
@@ -316,7 +355,7 @@ impl World {
         for _ in 0..n_faults {
             let start_ms = rng.range(3_000, FAULT_PHASE_MS - 5_000);
             let end_ms = (start_ms + rng.range(1_000, 25_000)).min(FAULT_PHASE_MS);
-            let fault = match rng.below(9) {
+            let fault = match rng.below(12) {
                 0 => {
                     // A minority or a majority of the control plane, cut off.
                     let k = rng.range(1, u64::try_from(cp_nodes - 1).unwrap_or(1));
@@ -337,9 +376,12 @@ impl World {
                 5 => Fault::AgentCrash(rng.index(n_agents)),
                 6 => Fault::NetChaos { loss_pct: rng.range(0, 40), max_delay_ms: rng.range(50, 1_500) },
                 7 => Fault::CpSlowDisk(rng.index(cp_nodes), rng.range(50, 800)),
-                _ => Fault::AgentSlowDisk(rng.index(n_agents), rng.range(50, 3_000)),
+                8 => Fault::AgentSlowDisk(rng.index(n_agents), rng.range(50, 3_000)),
+                9 => Fault::AgentRestartCut { agent: rng.index(n_agents), restart_ms: (start_ms + end_ms) / 2, corrupt: rng.chance(15) },
+                10 => Fault::AgentTakeover { agent: rng.index(n_agents), restart_ms: (start_ms + end_ms) / 2, corrupt: rng.chance(15) },
+                _ => Fault::AgentStoreDown(rng.index(n_agents)),
             };
-            schedule.push(Scheduled { start_ms, end_ms, fault, resolved: Vec::new(), active: false });
+            schedule.push(Scheduled { start_ms, end_ms, fault, resolved: Vec::new(), active: false, restarted: false });
         }
         let policy_change_ms = if rng.chance(60) { Some(rng.range(10_000, FAULT_PHASE_MS)) } else { None };
         let demand_shift_ms = rng.range(20_000, FAULT_PHASE_MS);
@@ -349,7 +391,7 @@ impl World {
             rng,
             net: Net::new(),
             cp,
-            last_epochs: vec![0; agents.len()],
+            last_epochs: vec![(0, 0); agents.len()],
             inuse_cache: vec![BTreeMap::new(); agents.len()],
             agents,
             oracle: Oracle::default(),
@@ -437,6 +479,23 @@ impl World {
                             a.crash(now);
                         }
                     }
+                    Fault::AgentRestartCut { agent, corrupt, .. } => {
+                        if let Some(a) = self.agents.get_mut(*agent).filter(|a| a.up) {
+                            a.crash(now);
+                            a.kept_corrupt = *corrupt;
+                        }
+                    }
+                    Fault::AgentTakeover { agent, corrupt, .. } => {
+                        if let Some(a) = self.agents.get_mut(*agent).filter(|a| a.up) {
+                            a.takeover_crash(now);
+                            a.kept_corrupt = *corrupt;
+                        }
+                    }
+                    Fault::AgentStoreDown(i) => {
+                        if let Some(a) = self.agents.get_mut(*i) {
+                            a.store_down = true;
+                        }
+                    }
                     Fault::CpSlowDisk(i, ms) => {
                         if let Some(r) = self.cp.replicas.get_mut(*i) {
                             r.disk_delay_ms = *ms;
@@ -455,12 +514,34 @@ impl World {
                     s.resolved = resolved;
                 }
                 changed = true;
+            } else if s.active && !s.restarted && now < s.end_ms {
+                // The new agent process starts while the partition lasts.
+                if let Fault::AgentRestartCut { agent, restart_ms, .. } | Fault::AgentTakeover { agent, restart_ms, .. } = &s.fault {
+                    if now >= *restart_ms {
+                        if let Some(a) = self.agents.get_mut(*agent) {
+                            a.restart(now);
+                        }
+                        if let Some(s) = self.schedule.get_mut(k) {
+                            s.restarted = true;
+                        }
+                    }
+                }
             } else if s.active && now >= s.end_ms {
                 match &s.fault {
                     Fault::CpCrash(i) => self.cp.restart(*i, now),
                     Fault::AgentCrash(i) => {
                         if let Some(a) = self.agents.get_mut(*i) {
                             a.restart(now);
+                        }
+                    }
+                    Fault::AgentRestartCut { agent, .. } | Fault::AgentTakeover { agent, .. } => {
+                        if let Some(a) = self.agents.get_mut(*agent) {
+                            a.restart(now);
+                        }
+                    }
+                    Fault::AgentStoreDown(i) => {
+                        if let Some(a) = self.agents.get_mut(*i) {
+                            a.store_down = false;
                         }
                     }
                     Fault::CpSlowDisk(i, _) => {
@@ -495,6 +576,12 @@ impl World {
             match &s.fault {
                 Fault::CpIsolate(nodes) => cut_group(&mut self.net, nodes, n),
                 Fault::LeaderIsolate => cut_group(&mut self.net, &s.resolved, n),
+                Fault::AgentRestartCut { agent, .. } | Fault::AgentTakeover { agent, .. } => {
+                    for c in 0..n {
+                        self.net.cut(Addr::Agent(*agent), Addr::Cp(c));
+                        self.net.cut(Addr::Cp(c), Addr::Agent(*agent));
+                    }
+                }
                 Fault::AgentCut { agent, to_cp, from_cp } => {
                     for c in 0..n {
                         if *to_cp {
@@ -601,6 +688,7 @@ impl World {
 
     fn check_continuous(&mut self) -> Result<(), Violation> {
         invariants::partition_safety::check(self)?;
+        invariants::takeover::check(self)?;
         let mut last = std::mem::take(&mut self.last_epochs);
         let r = invariants::epochs::check(self, &mut last);
         self.last_epochs = last;
@@ -638,6 +726,7 @@ impl World {
         for a in &mut self.agents {
             a.restart(now);
             a.disk_delay_ms = 0;
+            a.store_down = false;
         }
     }
 
@@ -677,6 +766,7 @@ impl World {
             reports: self.oracle.applied_reports.len(),
             admissions: self.admissions,
             agent_crashes: self.agents.iter().map(|a| a.crashes).sum(),
+            takeovers: self.agents.iter().map(|a| a.takeovers).sum(),
             unmetered_gpue_ms: self.agents.iter().flat_map(|a| a.unmetered.values()).sum(),
             net: self.net.stats,
             fault_kinds: self.fault_kinds.clone(),

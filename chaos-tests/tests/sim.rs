@@ -63,12 +63,13 @@ fn fixed_seed_set_holds_every_invariant() {
     }
     let total = |f: fn(&Summary) -> u64| passed.iter().map(f).sum::<u64>();
     eprintln!(
-        "chaos: {} seeds, {} failed, {:.1} s; elections {}, agent crashes {}, admissions {}, reports {}, messages lost {} cut {}; faults {kinds:?}",
+        "chaos: {} seeds, {} failed, {:.1} s; elections {}, agent crashes {} (standby takeovers {}), admissions {}, reports {}, messages lost {} cut {}; faults {kinds:?}",
         SEEDS.end - SEEDS.start,
         failures.len(),
         start.elapsed().as_secs_f64(),
         total(|s| s.elections),
         total(|s| s.agent_crashes),
+        total(|s| s.takeovers),
         total(|s| s.admissions),
         total(|s| s.reports as u64),
         total(|s| s.net.lost),
@@ -84,6 +85,9 @@ fn fixed_seed_set_holds_every_invariant() {
         "agent-cut-one-way",
         "cp-crash",
         "agent-crash",
+        "agent-restart-in-partition",
+        "standby-takeover-in-partition",
+        "agent-kept-state-stale",
         "net-loss-delay",
         "cp-slow-disk",
         "agent-slow-disk",
@@ -93,6 +97,7 @@ fn fixed_seed_set_holds_every_invariant() {
         assert!(kinds.get(k).copied().unwrap_or(0) >= 10, "fault {k} ran only {:?} times", kinds.get(k));
     }
     assert!(total(|s| s.elections) >= 100, "leader changes");
+    assert!(total(|s| s.takeovers) >= 50, "standby takeovers: {}", total(|s| s.takeovers));
     assert!(total(|s| s.unmetered_gpue_ms) > 0, "agent downtime with running pods");
     assert!(total(|s| s.net.lost) > 0 && total(|s| s.net.cut) > 0, "lost and cut messages");
 }
@@ -171,4 +176,14 @@ fn checker_catches_a_double_applied_resent_report() {
 fn checker_catches_reports_dropped_before_acknowledgement() {
     let b = Bugs { ack_on_send: true, ..Bugs::default() };
     caught(b, "conservation");
+}
+
+/// An agent that acknowledges a lease before the state it keeps in the cluster holds it
+/// (its writes failing for a while): the control plane stops counting the older lease,
+/// and a standby that takes over would restore exactly that one.
+#[test]
+fn checker_catches_a_lease_acknowledged_before_the_cluster_keeps_it() {
+    let b = Bugs { ack_unkept: true, ..Bugs::default() };
+    let f = caught(b, "epochs");
+    assert!(f.violation.detail.contains("the standby starts from kept epoch"), "{f}");
 }

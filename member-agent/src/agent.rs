@@ -99,6 +99,9 @@ pub struct Agent {
     history: Mutex<Option<History>>,
     /// Wall-clock instant from which this process's meter counts (its first listing of
     /// the cluster's pods).
+    /// The lease epoch the state store holds (`u64::MAX` without a store): reports
+    /// acknowledge no newer epoch than this (see [`Agent::persist`]).
+    kept_epoch: std::sync::atomic::AtomicU64,
     meter_start: std::sync::atomic::AtomicU64,
 }
 
@@ -148,6 +151,7 @@ impl Agent {
             acked: Mutex::new((0, 0)),
             history: Mutex::new(None),
             meter_start: std::sync::atomic::AtomicU64::new(unix_ms()),
+            kept_epoch: std::sync::atomic::AtomicU64::new(u64::MAX),
         })
     }
 
@@ -155,6 +159,7 @@ impl Agent {
     /// this replica in it.
     pub fn set_state_store(&self, store: Arc<dyn crate::persist::StateStore>, identity: &str) {
         *self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(store);
+        self.kept_epoch.store(0, std::sync::atomic::Ordering::SeqCst);
         *self.identity.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = identity.to_string();
     }
 
@@ -194,11 +199,26 @@ impl Agent {
     }
 
     /// Writes the enforcement state to the store (the leader, after each report round).
+    ///
+    /// A lease is acknowledged to the control plane (a report's `held_epoch`) only once
+    /// the store holds it: the control plane stops counting older leases at that
+    /// acknowledgement, so a next process must never restore one of them. While saving
+    /// fails, reports keep acknowledging the epoch the store holds (safe: the control
+    /// plane goes on counting every newer lease too).
     pub async fn persist(&self) -> Result<(), crate::persist::PersistError> {
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let Some(store) = store else { return Ok(()) };
-        let bytes = crate::persist::encode(&self.member_state())?;
-        store.save(bytes).await
+        let state = self.member_state();
+        let epoch = state.lease.as_ref().map_or(0, |l| l.epoch);
+        store.save(crate::persist::encode(&state)?).await?;
+        self.kept_epoch.fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// The epoch a report acknowledges: the lease held, but no newer one than the state
+    /// store holds (see [`Agent::persist`]).
+    fn acknowledged_epoch(&self, held: u64) -> u64 {
+        held.min(self.kept_epoch.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// Reads the enforcement state another process of this agent kept and takes what is
@@ -222,6 +242,7 @@ impl Agent {
                 }
             }
             if let Some(lease) = &kept.lease {
+                self.kept_epoch.fetch_max(lease.epoch, std::sync::atomic::Ordering::SeqCst);
                 // The other process's wall clock may run ahead of ours: take the margin
                 // off again, so this one never enforces the lease longer than it could.
                 let left = kept.lease_usable_until_unix_ms.saturating_sub(unix_now).saturating_sub(lease.margin_ms);
@@ -489,7 +510,7 @@ impl Agent {
             let mut start = self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let window = UsageWindow { start_ms: *start, end_ms: end };
             *start = end;
-            (s.lease.held_epoch(), s.take_usage(), s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS), window)
+            (self.acknowledged_epoch(s.lease.held_epoch()), s.take_usage(), s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS), window)
         };
         let written = self
             .journal

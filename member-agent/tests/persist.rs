@@ -164,3 +164,40 @@ async fn a_kept_state_that_is_older_corrupt_newer_or_another_clusters_changes_no
         assert_eq!(store.load().await.expect("load"), Some(bytes), "{what}: left as it was for a person to look at");
     }
 }
+
+/// A store that refuses every write (an API server that cannot be reached).
+#[derive(Debug)]
+struct Refusing;
+
+impl StateStore for Refusing {
+    fn load(&self) -> persist::StoreFuture<'_, Option<Vec<u8>>> {
+        Box::pin(async { Ok(None) })
+    }
+    fn save(&self, _: Vec<u8>) -> persist::StoreFuture<'_, ()> {
+        Box::pin(async { Err(PersistError::Store { store: "nowhere".into(), why: "refused".into() }) })
+    }
+    fn describe(&self) -> String {
+        "nowhere".into()
+    }
+}
+
+/// The control plane stops counting older leases once a report acknowledges a newer
+/// epoch; a next process restores whatever the store holds. So a report acknowledges
+/// only an epoch the store holds: while saving fails, the older one.
+#[tokio::test]
+async fn a_lease_is_acknowledged_only_once_the_store_holds_it() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let journal_dir = dir.path().join("agent");
+    {
+        let a = holding(&journal_dir, lease(7, 5_000, 1_000));
+        a.set_state_store(Arc::new(Refusing), "a");
+        assert!(a.persist().await.is_err());
+        let _ = a.report_once().await; // no control plane: the report stays in the journal
+        a.set_state_store(Arc::new(FileStore::in_dir(&dir.path().join("shared"))), "a");
+        a.persist().await.expect("persist");
+        let _ = a.report_once().await;
+    }
+    let journal = kvota_member_agent::journal::Journal::open(&journal_dir).expect("journal");
+    let held: Vec<u64> = journal.unacked(10).expect("unacked").iter().map(|r| r.held_epoch).collect();
+    assert_eq!(held, vec![0, 7], "epoch 7 acknowledged only after it was kept");
+}

@@ -9,8 +9,11 @@
 //!    running pods, integrated on the cluster's clock), `metered_tc` what went into durable
 //!    journal reports, and `unmetered_tc` exactly the usage produced while the agent was
 //!    down plus what a crash took with it (its in-memory meter and reports not yet
-//!    fsynced). That last part is a known limit of the agent's design, not hidden here:
-//!    it is counted separately and reported in the run summary;
+//!    fsynced), and the reports of an old process's journal that a standby taking over
+//!    never had, unless the control plane applied them anyway. That last part is a
+//!    known limit of the agent's design, not hidden here: it is counted separately and
+//!    reported in the run summary (the real agent recovers such usage from the pods'
+//!    run times; `kvota/tests/agent_process.rs` tests that);
 //! 2. every report was delivered: the journal is empty and the control plane's last
 //!    applied sequence is the agent's last written one;
 //! 3. the control plane counted exactly what was metered: the sum of `used` over the
@@ -36,10 +39,20 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
         let mut tenants: Vec<&String> = a.produced.keys().chain(a.metered.keys()).chain(a.unmetered.keys()).collect();
         tenants.sort();
         tenants.dedup();
+        // Reports of an old process's journal that the standby never had: counted if
+        // the control plane applied them (before or after the takeover), lost if not.
+        let (mut lost_counted, mut lost) = (BTreeMap::<&str, u64>::new(), BTreeMap::<&str, u64>::new());
+        for r in &a.lost {
+            let start = r.window.map_or(0, |w| w.start_ms);
+            let applied = w.oracle.applied_windows.get(&(a.id.clone(), r.seq)) == Some(&start);
+            for (t, tr) in &r.tenants {
+                *(if applied { &mut lost_counted } else { &mut lost }).entry(t.as_str()).or_default() += tr.used_milli_gpue_ms;
+            }
+        }
         for t in tenants {
             let produced = a.produced.get(t).copied().unwrap_or(0);
-            let metered = a.metered.get(t).copied().unwrap_or(0);
-            let unmetered = a.unmetered.get(t).copied().unwrap_or(0);
+            let metered = a.metered.get(t).copied().unwrap_or(0) + lost_counted.get(t.as_str()).copied().unwrap_or(0);
+            let unmetered = a.unmetered.get(t).copied().unwrap_or(0) + lost.get(t.as_str()).copied().unwrap_or(0);
             if produced != metered + unmetered {
                 return fail(
                     NAME,

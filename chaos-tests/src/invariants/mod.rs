@@ -1,7 +1,8 @@
 //! The invariants, one module each; every module's doc comment states its invariant.
 //!
 //! Checked continuously (after every 100 ms step): [`partition_safety`], [`admission`]
-//! (at every admission), [`epochs`], and the at-most-once part of [`conservation`].
+//! (at every admission), [`epochs`], [`takeover`] (at every agent restart), and the
+//! at-most-once part of [`conservation`].
 //! Checked once all faults have healed and the federation settled: [`conservation`],
 //! [`liveness`], [`replicas`].
 
@@ -11,6 +12,7 @@ pub mod epochs;
 pub mod liveness;
 pub mod partition_safety;
 pub mod replicas;
+pub mod takeover;
 
 use std::fmt;
 
