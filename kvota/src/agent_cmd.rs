@@ -80,7 +80,8 @@ pub struct AgentArgs {
     /// ConfigMap (in --leader-lease-namespace) where the leader keeps what a restarted or
     /// standby agent needs to go on enforcing at once: the policy, the lease and its
     /// remaining life, how far usage is counted. Without Kubernetes (--simulate), a file
-    /// in --data-dir.
+    /// in --data-dir. If you change the name, change it in the agent's RBAC Role too
+    /// (deploy/kubernetes/agent/10-rbac.yaml: resourceNames).
     #[arg(long, env = "KVOTA_STATE_CONFIGMAP", default_value = "kvota-agent-state")]
     pub(crate) state_configmap: String,
     /// How long a simulated pod runs once bound, seconds.
@@ -198,8 +199,8 @@ pub(crate) async fn start_webhook(
             policy = s.policy.as_ref().map(|p| p.name.clone()).unwrap_or_default(),
             "enforcing the policy and lease kept in the cluster until the control plane answers"
         ),
-        Ok(None) => tracing::info!(store = %store.describe(), "no agent state kept yet: nothing is enforced until the control plane answers"),
-        Err(e) => tracing::warn!(error = %e, "agent state not used; enforcing the safe budgets of the lease in the journal, if any, until the control plane answers"),
+        Ok(None) => tracing::info!(store = %store.describe(), "no agent state kept yet: every budget is 0 (GPU pods refused) until the control plane answers"),
+        Err(e) => tracing::warn!(error = %e, "agent state not used (left as it is for a person to look at); enforcing the fallback budgets of the lease in this replica's journal, if any, else 0, until the control plane answers"),
     }
     let listener = tokio::net::TcpListener::bind(&args.webhook_listen).await.map_err(|e| {
         let hint = if e.kind() == std::io::ErrorKind::AddrInUse { "; another process uses it: pick another --webhook-listen" } else { "" };
@@ -276,7 +277,15 @@ pub(crate) async fn report_loop(
         }
         // The leader keeps what the next process needs to go on enforcing.
         if let Err(e) = agent.persist().await {
-            tracing::warn!(error = %e, "could not keep the agent state in the cluster; a restarted or standby agent would start from the control plane's next answer");
+            // Once, then every 20th round: it repeats every round while it lasts.
+            let n = agent.state_save_failures();
+            if n == 1 || n % 20 == 0 {
+                tracing::warn!(
+                    error = %e,
+                    rounds = n,
+                    "could not keep the agent state in the cluster: a restarted or standby agent would start from an older one, and until a save works no newer lease is acknowledged (the control plane keeps counting the older ones, so budgets elsewhere cannot shrink)"
+                );
+            }
         }
         {
             let st = agent.state();

@@ -97,11 +97,13 @@ pub struct Agent {
     acked: Mutex<(u64, u64)>,
     /// Pods' run times, to recover usage no process metered.
     history: Mutex<Option<History>>,
-    /// Wall-clock instant from which this process's meter counts (its first listing of
-    /// the cluster's pods).
     /// The lease epoch the state store holds (`u64::MAX` without a store): reports
     /// acknowledge no newer epoch than this (see [`Agent::persist`]).
     kept_epoch: std::sync::atomic::AtomicU64,
+    /// Consecutive failed saves of the enforcement state.
+    save_failures: std::sync::atomic::AtomicU64,
+    /// Wall-clock instant from which this process's meter counts (its first listing of
+    /// the cluster's pods).
     meter_start: std::sync::atomic::AtomicU64,
 }
 
@@ -152,6 +154,7 @@ impl Agent {
             history: Mutex::new(None),
             meter_start: std::sync::atomic::AtomicU64::new(unix_ms()),
             kept_epoch: std::sync::atomic::AtomicU64::new(u64::MAX),
+            save_failures: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -210,9 +213,22 @@ impl Agent {
         let Some(store) = store else { return Ok(()) };
         let state = self.member_state();
         let epoch = state.lease.as_ref().map_or(0, |l| l.epoch);
-        store.save(crate::persist::encode(&state)?).await?;
+        let saved = match crate::persist::encode(&state) {
+            Ok(bytes) => store.save(bytes).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = saved {
+            self.save_failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            return Err(e);
+        }
+        self.save_failures.store(0, std::sync::atomic::Ordering::SeqCst);
         self.kept_epoch.fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Report rounds in a row whose state could not be saved (0: the last save worked).
+    pub fn state_save_failures(&self) -> u64 {
+        self.save_failures.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The epoch a report acknowledges: the lease held, but no newer one than the state
@@ -245,7 +261,13 @@ impl Agent {
                 self.kept_epoch.fetch_max(lease.epoch, std::sync::atomic::Ordering::SeqCst);
                 // The other process's wall clock may run ahead of ours: take the margin
                 // off again, so this one never enforces the lease longer than it could.
-                let left = kept.lease_usable_until_unix_ms.saturating_sub(unix_now).saturating_sub(lease.margin_ms);
+                // And never longer than any process could from a request sent now
+                // (a clock far ahead, or an edited state, says nothing more).
+                let left = kept
+                    .lease_usable_until_unix_ms
+                    .saturating_sub(unix_now)
+                    .saturating_sub(lease.margin_ms)
+                    .min(lease.duration_ms.saturating_sub(lease.margin_ms.saturating_mul(2)));
                 let until = (left > 0).then(|| now.saturating_add(left));
                 let r = st.lease.restore_anchored(lease.clone(), until);
                 tracing::info!(epoch = lease.epoch, enforceable_ms = left, outcome = ?r, writer = %kept.writer, "restored the lease kept in the cluster");
@@ -316,6 +338,9 @@ impl Agent {
     ///   nearest before that (nothing between the old leader's last report and now is
     ///   lost; the control plane does not count the overlap twice).
     pub fn took_over(&self) {
+        if let Some(store) = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref() {
+            store.rearm();
+        }
         self.renumber_on_conflict.store(true, std::sync::atomic::Ordering::SeqCst);
         self.takeover_pending.store(true, std::sync::atomic::Ordering::SeqCst);
     }

@@ -885,7 +885,8 @@ mod tests {
 /// The agent's persisted state (`crate::persist`) in a ConfigMap of the agent's
 /// namespace, key `state.json`. Writes carry the resourceVersion last seen: a replica
 /// that lost the leader Lease and wakes up late gets 409 instead of overwriting what
-/// the new leader wrote. Its namespace, name and size limit are in the RBAC of
+/// the new leader wrote, and from then on writes nothing until it wins the Lease again
+/// ([`ConfigMapStore::rearm`]). Its namespace, name and size limit are in the RBAC of
 /// `deploy/kubernetes/agent/10-rbac.yaml` (get, create, update on this one name).
 #[derive(Debug)]
 pub struct ConfigMapStore {
@@ -893,6 +894,8 @@ pub struct ConfigMapStore {
     namespace: String,
     name: String,
     version: Mutex<Option<String>>,
+    /// Another writer got there first (409): saves are refused until [`ConfigMapStore::rearm`].
+    fenced: std::sync::atomic::AtomicBool,
 }
 
 /// The key of the state in the ConfigMap.
@@ -901,7 +904,13 @@ pub const STATE_KEY: &str = "state.json";
 impl ConfigMapStore {
     /// The state in ConfigMap `namespace/name`.
     pub fn new(client: Client, namespace: &str, name: &str) -> ConfigMapStore {
-        ConfigMapStore { api: Api::namespaced(client, namespace), namespace: namespace.to_string(), name: name.to_string(), version: Mutex::new(None) }
+        ConfigMapStore {
+            api: Api::namespaced(client, namespace),
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            version: Mutex::new(None),
+            fenced: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 
     fn err(&self, e: impl std::fmt::Display) -> crate::persist::PersistError {
@@ -925,6 +934,9 @@ impl crate::persist::StateStore for ConfigMapStore {
 
     fn save(&self, bytes: Vec<u8>) -> crate::persist::StoreFuture<'_, ()> {
         Box::pin(async move {
+            if self.fenced.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(self.err("another replica wrote it since this one last did; this replica writes again only once it wins the leader Lease"));
+            }
             let text = String::from_utf8(bytes).map_err(|e| self.err(e))?;
             let rv = self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
             let mut cm = k8s_openapi::api::core::v1::ConfigMap {
@@ -957,10 +969,12 @@ impl crate::persist::StateStore for ConfigMapStore {
                     Ok(())
                 }
                 Err(e) => {
-                    if matches!(api_status(&e), Some(409)) {
-                        // Someone wrote since we read: forget our version; the next save,
-                        // if this replica still leads, reads it again.
-                        *self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+                    match api_status(&e) {
+                        // Someone wrote since we did: the new leader. Stop writing.
+                        Some(409) => self.fenced.store(true, std::sync::atomic::Ordering::SeqCst),
+                        // Deleted (by a person): the next save makes it again.
+                        Some(404) => *self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None,
+                        _ => {}
                     }
                     Err(self.err(e))
                 }
@@ -970,5 +984,10 @@ impl crate::persist::StateStore for ConfigMapStore {
 
     fn describe(&self) -> String {
         format!("ConfigMap {}/{}", self.namespace, self.name)
+    }
+
+    fn rearm(&self) {
+        self.fenced.store(false, std::sync::atomic::Ordering::SeqCst);
+        *self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 }

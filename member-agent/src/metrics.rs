@@ -71,6 +71,7 @@ pub struct AgentMetrics {
     lease_epoch: Gauge,
     backlog: Gauge,
     last_seq: Gauge,
+    state_save_failures: Gauge,
     reported_usage: Family<TenantLabel, Counter>,
     tls_reloads: Family<StateLabel, Counter>,
     evictions: Family<AdmissionLabel, Counter>,
@@ -103,6 +104,7 @@ impl AgentMetrics {
             lease_epoch: Gauge::default(),
             backlog: Gauge::default(),
             last_seq: Gauge::default(),
+            state_save_failures: Gauge::default(),
             reported_usage: Family::default(),
             tls_reloads: Family::default(),
             evictions: Family::default(),
@@ -119,6 +121,11 @@ impl AgentMetrics {
         r.register("lease_remaining_milliseconds", "Until the held lease stops being enforced (0: expired or none)", m.lease_remaining_ms.clone());
         r.register("lease_epoch", "Epoch of the held lease", m.lease_epoch.clone());
         r.register("journal_backlog", "Usage reports written but not acknowledged by the control plane", m.backlog.clone());
+        r.register(
+            "state_save_failures",
+            "Consecutive report rounds whose enforcement state could not be kept in the cluster (kvota-agent-state); while above 0 no newer lease is acknowledged, so the control plane cannot lower budgets elsewhere",
+            m.state_save_failures.clone(),
+        );
         r.register(
             "journal_last_seq",
             "Sequence number of the last usage report written (the control plane's last_seq once the backlog is 0)",
@@ -219,6 +226,7 @@ impl AgentMetrics {
         }
         self.backlog.set(i64::try_from(agent.backlog()).unwrap_or(i64::MAX));
         self.last_seq.set(i64::try_from(agent.last_seq()).unwrap_or(i64::MAX));
+        self.state_save_failures.set(i64::try_from(agent.state_save_failures()).unwrap_or(i64::MAX));
         for (tenant, used) in agent.written_usage() {
             let c = self.reported_usage.get_or_create(&TenantLabel { tenant });
             c.inc_by(used.saturating_sub(c.get()));

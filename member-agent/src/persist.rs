@@ -145,8 +145,14 @@ pub fn decode(bytes: &[u8], store: &str, cluster: &str) -> Result<MemberState, P
     if s.cluster != cluster {
         return Err(PersistError::OtherCluster { store: store.into(), found: s.cluster, cluster: cluster.into() });
     }
-    if s.lease.as_ref().is_some_and(|l| l.cluster != cluster) {
-        return Err(PersistError::Corrupt { store: store.into(), why: "its lease is another cluster's".into() });
+    if let Some(l) = &s.lease {
+        if l.cluster != cluster {
+            return Err(PersistError::Corrupt { store: store.into(), why: "its lease is another cluster's".into() });
+        }
+        // The checks a lease from the control plane passes (epoch, margin against
+        // duration, budgets), so an edited one is refused as a received one would be.
+        Lease::try_from(kvota_proto::v1::Lease::from(l))
+            .map_err(|e| PersistError::Corrupt { store: store.into(), why: format!("its lease: {e}") })?;
     }
     Ok(s)
 }
@@ -162,6 +168,9 @@ pub trait StateStore: Send + Sync + fmt::Debug {
     fn save(&self, bytes: Vec<u8>) -> StoreFuture<'_, ()>;
     /// Where, for logs and errors.
     fn describe(&self) -> String;
+    /// This replica (again) holds the leader Lease: a store that stopped writing after
+    /// another writer got there first may write again.
+    fn rearm(&self) {}
 }
 
 /// The state in a file (no Kubernetes: a simulated cluster, or tests): written to a

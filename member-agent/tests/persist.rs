@@ -35,13 +35,27 @@ fn lease(epoch: u64, budget: u64, fallback: u64) -> Lease {
         duration_ms: 60_000,
         margin_ms: 2_000,
         issued_at_ms: 1,
-        budgets: [("training".to_string(), TenantBudget { budget, fallback, entitlement: budget })].into(),
+        budgets: [(
+            "training".to_string(),
+            TenantBudget {
+                budget,
+                fallback,
+                entitlement: budget,
+            },
+        )]
+        .into(),
     }
 }
 
 /// An agent of cluster `east` that cannot reach any control plane.
 fn agent(dir: &std::path::Path) -> Agent {
-    Agent::open("east", [("nvidia.com/gpu".to_string(), 8_000)].into(), dir, &["127.0.0.1:1".to_string()]).expect("agent")
+    Agent::open(
+        "east",
+        [("nvidia.com/gpu".to_string(), 8_000)].into(),
+        dir,
+        &["127.0.0.1:1".to_string()],
+    )
+    .expect("agent")
 }
 
 /// An agent that holds the policy and `l`, received just now.
@@ -61,25 +75,52 @@ async fn a_config_map_keeps_the_state_and_fences_a_writer_that_lost_the_race() {
     let leader = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
     assert_eq!(leader.load().await.expect("load"), None, "nothing kept yet");
     leader.save(b"{\"one\":1}".to_vec()).await.expect("create");
-    let kept = api.get(Kind::ConfigMap, "kvota-system/kvota-agent-state").expect("made");
+    let kept = api
+        .get(Kind::ConfigMap, "kvota-system/kvota-agent-state")
+        .expect("made");
     assert_eq!(kept["data"][STATE_KEY], "{\"one\":1}");
-    assert_eq!(kept["metadata"]["annotations"]["kvota.dev/state-format"], persist::FORMAT_VERSION.to_string());
+    assert_eq!(
+        kept["metadata"]["annotations"]["kvota.dev/state-format"],
+        persist::FORMAT_VERSION.to_string()
+    );
     leader.save(b"{\"two\":2}".to_vec()).await.expect("replace");
 
     // A new leader reads it and writes; the old one, writing late with the version it
     // last saw, is refused and overwrites nothing.
     let next = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
-    assert_eq!(next.load().await.expect("load"), Some(b"{\"two\":2}".to_vec()));
-    next.save(b"{\"three\":3}".to_vec()).await.expect("new leader");
-    let e = leader.save(b"{\"stale\":0}".to_vec()).await.expect_err("a stale writer");
-    assert!(matches!(e, PersistError::Store { .. }) && e.to_string().contains("ConfigMap kvota-system/kvota-agent-state"), "{e}");
-    assert_eq!(next.load().await.expect("load"), Some(b"{\"three\":3}".to_vec()));
+    assert_eq!(
+        next.load().await.expect("load"),
+        Some(b"{\"two\":2}".to_vec())
+    );
+    next.save(b"{\"three\":3}".to_vec())
+        .await
+        .expect("new leader");
+    let e = leader
+        .save(b"{\"stale\":0}".to_vec())
+        .await
+        .expect_err("a stale writer");
+    assert!(
+        matches!(e, PersistError::Store { .. })
+            && e.to_string()
+                .contains("ConfigMap kvota-system/kvota-agent-state"),
+        "{e}"
+    );
+    assert_eq!(
+        next.load().await.expect("load"),
+        Some(b"{\"three\":3}".to_vec())
+    );
 
     // Another replica that never read it (its create conflicts) takes the version and
     // writes, as a leader that just won the Lease must.
     let third = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
-    third.save(b"{\"four\":4}".to_vec()).await.expect("create conflicts, then replace");
-    assert_eq!(next.load().await.expect("load"), Some(b"{\"four\":4}".to_vec()));
+    third
+        .save(b"{\"four\":4}".to_vec())
+        .await
+        .expect("create conflicts, then replace");
+    assert_eq!(
+        next.load().await.expect("load"),
+        Some(b"{\"four\":4}".to_vec())
+    );
 }
 
 #[tokio::test]
@@ -89,31 +130,60 @@ async fn a_new_process_enforces_the_kept_lease_for_what_is_left_of_it_and_no_lon
     let store: Arc<dyn StateStore> = Arc::new(FileStore::in_dir(&dir.path().join("shared")));
     first.set_state_store(store.clone(), "replica-a");
     first.persist().await.expect("persist");
-    let kept = persist::decode(&store.load().await.expect("load").expect("kept"), "file", "east").expect("decode");
-    let left = kept.lease_usable_until_unix_ms.saturating_sub(kept.written_unix_ms);
-    assert!((55_000..=58_000).contains(&left), "usable for duration minus margin from the request: {left} ms");
+    let kept = persist::decode(
+        &store.load().await.expect("load").expect("kept"),
+        "file",
+        "east",
+    )
+    .expect("decode");
+    let left = kept
+        .lease_usable_until_unix_ms
+        .saturating_sub(kept.written_unix_ms);
+    assert!(
+        (55_000..=58_000).contains(&left),
+        "usable for duration minus margin from the request: {left} ms"
+    );
 
     // A new process with an empty data directory: the policy and the lease at once,
     // for the kept life minus the margin once more.
     let second = agent(&dir.path().join("b"));
     second.set_state_store(store.clone(), "replica-b");
     assert!(second.state().ready().is_err(), "nothing to judge with yet");
-    second.restore().await.expect("restore").expect("something kept");
-    let st = second.state();
-    let now = st.now_ms();
-    assert_eq!(st.ready(), Ok(()), "it can judge");
-    assert_eq!(st.lease.held_epoch(), 7);
-    assert!(matches!(st.lease.status(now), LeaseStatus::Fresh { .. }), "{:?}", st.lease.status(now));
-    assert_eq!(st.lease.budget("training", now), 5_000);
-    let until = st.lease.valid_until().expect("known");
-    assert!(until <= now + left - 2_000, "never longer than the first process could have: {until} > {now} + {left} - 2000");
-    assert_eq!(st.lease.budget("training", until), 1_000, "then its fallback");
-    drop(st);
+    second
+        .restore()
+        .await
+        .expect("restore")
+        .expect("something kept");
+    {
+        let st = second.state();
+        let now = st.now_ms();
+        assert_eq!(st.ready(), Ok(()), "it can judge");
+        assert_eq!(st.lease.held_epoch(), 7);
+        assert!(
+            matches!(st.lease.status(now), LeaseStatus::Fresh { .. }),
+            "{:?}",
+            st.lease.status(now)
+        );
+        assert_eq!(st.lease.budget("training", now), 5_000);
+        let until = st.lease.valid_until().expect("known");
+        assert!(
+            until <= now + left - 2_000,
+            "never longer than the first process could have: {until} > {now} + {left} - 2000"
+        );
+        assert_eq!(
+            st.lease.budget("training", until),
+            1_000,
+            "then its fallback"
+        );
+    }
 
     // A kept lease whose life is over: its fallback at once.
     let mut expired = kept.clone();
     expired.lease_usable_until_unix_ms = kept.written_unix_ms.saturating_sub(1);
-    store.save(persist::encode(&expired).expect("encode")).await.expect("save");
+    store
+        .save(persist::encode(&expired).expect("encode"))
+        .await
+        .expect("save");
     let third = agent(&dir.path().join("c"));
     third.set_state_store(store.clone(), "replica-c");
     third.restore().await.expect("restore");
@@ -136,7 +206,10 @@ async fn a_kept_state_that_is_older_corrupt_newer_or_another_clusters_changes_no
     newer.set_state_store(store.clone(), "new");
     newer.restore().await.expect("restore");
     assert_eq!(newer.state().lease.held_epoch(), 4, "epochs never go back");
-    assert_eq!(newer.state().lease.budget("training", newer.now_ms()), 2_000);
+    assert_eq!(
+        newer.state().lease.budget("training", newer.now_ms()),
+        2_000
+    );
 
     let mut v: serde_json::Value = serde_json::from_slice(&good).expect("json");
     v["format"] = json!(persist::FORMAT_VERSION + 1);
@@ -158,10 +231,16 @@ async fn a_kept_state_that_is_older_corrupt_newer_or_another_clusters_changes_no
         fresh.set_state_store(store.clone(), what);
         let e = fresh.restore().await.expect_err(what);
         assert!(e.to_string().contains(says), "{what}: {e}");
-        let st = fresh.state();
-        assert_eq!((st.lease.held_epoch(), st.ready().is_err()), (0, true), "{what}: nothing taken from it");
-        drop(st);
-        assert_eq!(store.load().await.expect("load"), Some(bytes), "{what}: left as it was for a person to look at");
+        let taken = {
+            let st = fresh.state();
+            (st.lease.held_epoch(), st.ready().is_err())
+        };
+        assert_eq!(taken, (0, true), "{what}: nothing taken from it");
+        assert_eq!(
+            store.load().await.expect("load"),
+            Some(bytes),
+            "{what}: left as it was for a person to look at"
+        );
     }
 }
 
@@ -174,7 +253,12 @@ impl StateStore for Refusing {
         Box::pin(async { Ok(None) })
     }
     fn save(&self, _: Vec<u8>) -> persist::StoreFuture<'_, ()> {
-        Box::pin(async { Err(PersistError::Store { store: "nowhere".into(), why: "refused".into() }) })
+        Box::pin(async {
+            Err(PersistError::Store {
+                store: "nowhere".into(),
+                why: "refused".into(),
+            })
+        })
     }
     fn describe(&self) -> String {
         "nowhere".into()
@@ -198,6 +282,100 @@ async fn a_lease_is_acknowledged_only_once_the_store_holds_it() {
         let _ = a.report_once().await;
     }
     let journal = kvota_member_agent::journal::Journal::open(&journal_dir).expect("journal");
-    let held: Vec<u64> = journal.unacked(10).expect("unacked").iter().map(|r| r.held_epoch).collect();
-    assert_eq!(held, vec![0, 7], "epoch 7 acknowledged only after it was kept");
+    let held: Vec<u64> = journal
+        .unacked(10)
+        .expect("unacked")
+        .iter()
+        .map(|r| r.held_epoch)
+        .collect();
+    assert_eq!(
+        held,
+        vec![0, 7],
+        "epoch 7 acknowledged only after it was kept"
+    );
+}
+
+/// An edited state cannot stretch a lease: its life is capped at what a process could
+/// hold from a request sent now, and a lease that would be refused from the control
+/// plane (here a margin above half its duration) is refused from the store as well.
+#[tokio::test]
+async fn an_edited_state_cannot_stretch_a_lease_or_smuggle_in_a_bad_one() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let store: Arc<dyn StateStore> = Arc::new(FileStore::in_dir(&dir.path().join("shared")));
+    let first = holding(&dir.path().join("a"), lease(7, 5_000, 1_000));
+    first.set_state_store(store.clone(), "a");
+    first.persist().await.expect("persist");
+    let mut kept = persist::decode(
+        &store.load().await.expect("load").expect("kept"),
+        "file",
+        "east",
+    )
+    .expect("decode");
+    kept.lease_usable_until_unix_ms = u64::MAX;
+    store
+        .save(persist::encode(&kept).expect("encode"))
+        .await
+        .expect("save");
+    let second = agent(&dir.path().join("b"));
+    second.set_state_store(store.clone(), "b");
+    second.restore().await.expect("restore");
+    let (until, now) = {
+        let st = second.state();
+        (st.lease.valid_until().expect("valid"), st.now_ms())
+    };
+    assert!(
+        until <= now + 60_000 - 2 * 2_000,
+        "capped at duration minus twice the margin: {until}"
+    );
+
+    let mut bad = kept.clone();
+    if let Some(l) = bad.lease.as_mut() {
+        l.margin_ms = 40_000;
+    }
+    store
+        .save(persist::encode(&bad).expect("encode"))
+        .await
+        .expect("save");
+    let third = agent(&dir.path().join("c"));
+    third.set_state_store(store.clone(), "c");
+    let e = third.restore().await.expect_err("refused");
+    assert!(e.to_string().contains("margin"), "{e}");
+    assert_eq!(third.state().lease.held_epoch(), 0);
+}
+
+/// A replica that lost the Lease and writes late is refused once, and then writes
+/// nothing (not even by re-reading the object) until it leads again; a state deleted by
+/// a person is made again.
+#[tokio::test]
+async fn a_fenced_writer_stays_fenced_until_it_leads_again_and_a_deleted_state_is_remade() {
+    let api = FakeApi::start().await;
+    let old = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
+    old.save(b"{\"old\":1}".to_vec()).await.expect("create");
+    let new = ConfigMapStore::new(api.client(), "kvota-system", "kvota-agent-state");
+    new.save(b"{\"new\":1}".to_vec())
+        .await
+        .expect("new leader writes");
+    assert!(old.save(b"{\"old\":2}".to_vec()).await.is_err(), "409");
+    let e = old
+        .save(b"{\"old\":3}".to_vec())
+        .await
+        .expect_err("still fenced");
+    assert!(e.to_string().contains("wins the leader Lease"), "{e}");
+    assert_eq!(
+        new.load().await.expect("load"),
+        Some(b"{\"new\":1}".to_vec())
+    );
+    old.rearm();
+    old.save(b"{\"old\":4}".to_vec())
+        .await
+        .expect("leads again");
+    assert_eq!(
+        new.load().await.expect("load"),
+        Some(b"{\"old\":4}".to_vec())
+    );
+
+    assert!(api.delete(Kind::ConfigMap, "kvota-system/kvota-agent-state"));
+    assert!(old.save(b"{\"x\":5}".to_vec()).await.is_err(), "404 once");
+    old.save(b"{\"x\":6}".to_vec()).await.expect("made again");
+    assert_eq!(new.load().await.expect("load"), Some(b"{\"x\":6}".to_vec()));
 }

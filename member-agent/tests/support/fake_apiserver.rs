@@ -93,7 +93,11 @@ fn key_of(v: &Value) -> String {
 fn status(code: u16, reason: &str, message: &str) -> Response {
     let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                       "message": message, "reason": reason, "code": code});
-    (StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), axum::Json(body)).into_response()
+    (
+        StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        axum::Json(body),
+    )
+        .into_response()
 }
 
 fn merge_patch(target: &mut Value, patch: &Value) {
@@ -114,11 +118,18 @@ fn merge_patch(target: &mut Value, patch: &Value) {
 impl FakeApi {
     /// Starts the server on an ephemeral loopback port.
     pub async fn start() -> FakeApi {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind fake API server");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind fake API server");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         let (events, _) = broadcast::channel(4096);
         let (cut, _) = broadcast::channel(16);
-        let api = FakeApi { store: Arc::new(Mutex::new(Store::default())), events, cut, url };
+        let api = FakeApi {
+            store: Arc::new(Mutex::new(Store::default())),
+            events,
+            cut,
+            url,
+        };
         let app = Router::new().fallback(handle).with_state(api.clone());
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -129,12 +140,16 @@ impl FakeApi {
     /// A kube client for this server, configured as the agent's actions client (no
     /// automatic retries).
     pub fn client(&self) -> kube::Client {
-        let config = kvota_member_agent::kube::actions_config(kube::Config::new(self.url.parse().expect("url")));
+        let config = kvota_member_agent::kube::actions_config(kube::Config::new(
+            self.url.parse().expect("url"),
+        ));
         kube::Client::try_from(config).expect("kube client")
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Store> {
-        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.store
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn emit(&self, s: &mut Store, kind: Kind, ty: &'static str, obj: Value) {
@@ -154,7 +169,11 @@ impl FakeApi {
             obj["metadata"]["uid"] = json!(format!("uid-{rv}"));
         }
         let key = (kind, key_of(&obj));
-        let ty = if s.objects.contains_key(&key) { "MODIFIED" } else { "ADDED" };
+        let ty = if s.objects.contains_key(&key) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
         s.objects.insert(key, obj.clone());
         self.emit(&mut s, kind, ty, obj);
         rv
@@ -163,7 +182,9 @@ impl FakeApi {
     /// Deletes an object (test side).
     pub fn delete(&self, kind: Kind, key: &str) -> bool {
         let mut s = self.lock();
-        let Some(mut obj) = s.objects.remove(&(kind, key.to_string())) else { return false };
+        let Some(mut obj) = s.objects.remove(&(kind, key.to_string())) else {
+            return false;
+        };
         s.rv += 1;
         obj["metadata"]["resourceVersion"] = json!(s.rv.to_string());
         self.emit(&mut s, kind, "DELETED", obj);
@@ -177,7 +198,12 @@ impl FakeApi {
 
     /// Every object of a kind.
     pub fn all(&self, kind: Kind) -> Vec<Value> {
-        self.lock().objects.iter().filter(|((k, _), _)| *k == kind).map(|(_, v)| v.clone()).collect()
+        self.lock()
+            .objects
+            .iter()
+            .filter(|((k, _), _)| *k == kind)
+            .map(|(_, v)| v.clone())
+            .collect()
     }
 
     /// Forgets the watch history (as etcd compaction does): watches from older versions
@@ -235,12 +261,24 @@ fn route(path: &str) -> Option<Target> {
         ["api", "v1", "nodes", n] => Some(Target::Object(Kind::Node, (*n).to_string())),
         ["api", "v1", "namespaces"] => Some(Target::Collection(Kind::Namespace, None)),
         ["api", "v1", "namespaces", n] => Some(Target::Object(Kind::Namespace, (*n).to_string())),
-        ["api", "v1", "namespaces", ns, "pods"] => Some(Target::Collection(Kind::Pod, Some((*ns).to_string()))),
-        ["api", "v1", "namespaces", ns, "pods", n] => Some(Target::Object(Kind::Pod, format!("{ns}/{n}"))),
-        ["api", "v1", "namespaces", ns, "pods", n, "eviction"] => Some(Target::Eviction(format!("{ns}/{n}"))),
-        ["api", "v1", "namespaces", ns, "events"] => Some(Target::Collection(Kind::Event, Some((*ns).to_string()))),
-        ["api", "v1", "namespaces", ns, "configmaps"] => Some(Target::Collection(Kind::ConfigMap, Some((*ns).to_string()))),
-        ["api", "v1", "namespaces", ns, "configmaps", n] => Some(Target::Object(Kind::ConfigMap, format!("{ns}/{n}"))),
+        ["api", "v1", "namespaces", ns, "pods"] => {
+            Some(Target::Collection(Kind::Pod, Some((*ns).to_string())))
+        }
+        ["api", "v1", "namespaces", ns, "pods", n] => {
+            Some(Target::Object(Kind::Pod, format!("{ns}/{n}")))
+        }
+        ["api", "v1", "namespaces", ns, "pods", n, "eviction"] => {
+            Some(Target::Eviction(format!("{ns}/{n}")))
+        }
+        ["api", "v1", "namespaces", ns, "events"] => {
+            Some(Target::Collection(Kind::Event, Some((*ns).to_string())))
+        }
+        ["api", "v1", "namespaces", ns, "configmaps"] => {
+            Some(Target::Collection(Kind::ConfigMap, Some((*ns).to_string())))
+        }
+        ["api", "v1", "namespaces", ns, "configmaps", n] => {
+            Some(Target::Object(Kind::ConfigMap, format!("{ns}/{n}")))
+        }
         ["apis", "coordination.k8s.io", "v1", "namespaces", ns, "leases"] => {
             Some(Target::Collection(Kind::Lease, Some((*ns).to_string())))
         }
@@ -254,7 +292,10 @@ fn route(path: &str) -> Option<Target> {
 fn query_map(q: Option<&str>) -> BTreeMap<String, String> {
     q.unwrap_or("")
         .split('&')
-        .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .filter_map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
         .collect()
 }
 
@@ -267,12 +308,20 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
         Ok(b) => b,
         Err(_) => return status(400, "BadRequest", "body unreadable"),
     };
-    let Some(target) = route(&path) else { return status(404, "NotFound", &format!("no route {path}")) };
+    let Some(target) = route(&path) else {
+        return status(404, "NotFound", &format!("no route {path}"));
+    };
     match (method, target) {
         (Method::GET, Target::Collection(kind, ns)) => {
             if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
-                let from: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
-                let timeout = query.get("timeoutSeconds").and_then(|v| v.parse().ok()).unwrap_or(290u64);
+                let from: u64 = query
+                    .get("resourceVersion")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                let timeout = query
+                    .get("timeoutSeconds")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(290u64);
                 watch(api, kind, ns, from, timeout)
             } else {
                 list(&api, kind, ns.as_deref())
@@ -280,11 +329,19 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
         }
         (Method::GET, Target::Object(kind, key)) => match api.get(kind, &key) {
             Some(v) => axum::Json(v).into_response(),
-            None => status(404, "NotFound", &format!("{} \"{key}\" not found", kind.name())),
+            None => status(
+                404,
+                "NotFound",
+                &format!("{} \"{key}\" not found", kind.name()),
+            ),
         },
         (Method::PATCH, Target::Object(Kind::Pod, key)) => {
-            let Ok(patch) = serde_json::from_slice::<Value>(&body) else { return status(400, "BadRequest", "patch not JSON") };
-            let Some(mut pod) = api.get(Kind::Pod, &key) else { return status(404, "NotFound", "pod not found") };
+            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
+                return status(400, "BadRequest", "patch not JSON");
+            };
+            let Some(mut pod) = api.get(Kind::Pod, &key) else {
+                return status(404, "NotFound", "pod not found");
+            };
             if let Some(want) = patch["metadata"]["resourceVersion"].as_str() {
                 if pod["metadata"]["resourceVersion"].as_str() != Some(want) {
                     return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
@@ -304,14 +361,23 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
                 return status(404, "NotFound", "pod not found");
             }
             if api.lock().pdb_blocked.contains(&ns) {
-                return status(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget.");
+                return status(
+                    429,
+                    "TooManyRequests",
+                    "Cannot evict pod as it would violate the pod's disruption budget.",
+                );
             }
             api.delete(Kind::Pod, &key);
             let ok = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201});
             (StatusCode::CREATED, axum::Json(ok)).into_response()
         }
-        (Method::POST, Target::Collection(kind @ (Kind::Event | Kind::Lease | Kind::ConfigMap), Some(ns))) => {
-            let Ok(mut obj) = serde_json::from_slice::<Value>(&body) else { return status(400, "BadRequest", "not JSON") };
+        (
+            Method::POST,
+            Target::Collection(kind @ (Kind::Event | Kind::Lease | Kind::ConfigMap), Some(ns)),
+        ) => {
+            let Ok(mut obj) = serde_json::from_slice::<Value>(&body) else {
+                return status(400, "BadRequest", "not JSON");
+            };
             obj["metadata"]["namespace"] = json!(ns);
             if obj["metadata"]["name"].is_null() {
                 let n = {
@@ -319,26 +385,41 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
                     s.generated += 1;
                     s.generated
                 };
-                let base = obj["metadata"]["generateName"].as_str().unwrap_or("obj-").to_string();
+                let base = obj["metadata"]["generateName"]
+                    .as_str()
+                    .unwrap_or("obj-")
+                    .to_string();
                 obj["metadata"]["name"] = json!(format!("{base}{n}"));
             }
             let key = key_of(&obj);
             if api.get(kind, &key).is_some() {
-                return status(409, "AlreadyExists", &format!("{} \"{key}\" already exists", kind.name()));
+                return status(
+                    409,
+                    "AlreadyExists",
+                    &format!("{} \"{key}\" already exists", kind.name()),
+                );
             }
             api.put(kind, obj);
             (StatusCode::CREATED, axum::Json(api.get(kind, &key))).into_response()
         }
         (Method::PUT, Target::Object(kind @ (Kind::Lease | Kind::ConfigMap), key)) => {
-            let Ok(obj) = serde_json::from_slice::<Value>(&body) else { return status(400, "BadRequest", "not JSON") };
-            let Some(cur) = api.get(kind, &key) else { return status(404, "NotFound", &format!("{} not found", kind.name())) };
+            let Ok(obj) = serde_json::from_slice::<Value>(&body) else {
+                return status(400, "BadRequest", "not JSON");
+            };
+            let Some(cur) = api.get(kind, &key) else {
+                return status(404, "NotFound", &format!("{} not found", kind.name()));
+            };
             if obj["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
                 return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
             }
             api.put(kind, obj);
             axum::Json(api.get(kind, &key)).into_response()
         }
-        (m, _) => status(405, "MethodNotAllowed", &format!("{m} {path} is not served by the fake")),
+        (m, _) => status(
+            405,
+            "MethodNotAllowed",
+            &format!("{m} {path} is not served by the fake"),
+        ),
     }
 }
 
@@ -348,8 +429,12 @@ fn in_scope(v: &Value, ns: Option<&str>) -> bool {
 
 fn list(api: &FakeApi, kind: Kind, ns: Option<&str>) -> Response {
     let s = api.lock();
-    let items: Vec<Value> =
-        s.objects.iter().filter(|((k, _), v)| *k == kind && in_scope(v, ns)).map(|(_, v)| v.clone()).collect();
+    let items: Vec<Value> = s
+        .objects
+        .iter()
+        .filter(|((k, _), v)| *k == kind && in_scope(v, ns))
+        .map(|(_, v)| v.clone())
+        .collect();
     let body = json!({"kind": format!("{}List", kind.name()), "apiVersion": kind.api_version(),
                       "metadata": {"resourceVersion": s.rv.to_string()}, "items": items});
     axum::Json(body).into_response()
@@ -368,7 +453,11 @@ fn watch(api: FakeApi, kind: Kind, ns: Option<String>, from: u64, timeout_s: u64
         // started before `hold_watches(true)` (and is ended by a later `cut_watches`) or
         // is refused; none slips in between and sees events a test meant to hide.
         if s.hold_watches {
-            return status(503, "ServiceUnavailable", "the fake API server holds watches");
+            return status(
+                503,
+                "ServiceUnavailable",
+                "the fake API server holds watches",
+            );
         }
         if from < s.compacted {
             s.gone_served += 1;
@@ -387,26 +476,32 @@ fn watch(api: FakeApi, kind: Kind, ns: Option<String>, from: u64, timeout_s: u64
         (backlog, api.events.subscribe(), api.cut.subscribe())
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s.max(1));
-    let live = futures::stream::unfold((live, cut, ns, from), move |(mut live, mut cut, ns, from)| async move {
-        loop {
-            tokio::select! {
-                // A cut comes first: a test cuts watches and then changes the cluster,
-                // and under load both are ready by the time this stream is polled; an
-                // unbiased select sometimes delivered the changes before ending the watch
-                // (1 run in 15 with both cores busy), so the 410 test saw no relist.
-                biased;
-                _ = cut.recv() => return None,
-                _ = tokio::time::sleep_until(deadline) => return None,
-                ev = live.recv() => match ev {
-                    Ok((rv, k, ty, v)) if rv > from && k == kind && in_scope(&v, ns.as_deref()) => {
-                        return Some((line(ty, &v), (live, cut, ns, from)));
-                    }
-                    Ok(_) => continue,
-                    Err(_) => return None,
-                },
+    let live = futures::stream::unfold(
+        (live, cut, ns, from),
+        move |(mut live, mut cut, ns, from)| async move {
+            loop {
+                tokio::select! {
+                    // A cut comes first: a test cuts watches and then changes the cluster,
+                    // and under load both are ready by the time this stream is polled; an
+                    // unbiased select sometimes delivered the changes before ending the watch
+                    // (1 run in 15 with both cores busy), so the 410 test saw no relist.
+                    biased;
+                    _ = cut.recv() => return None,
+                    _ = tokio::time::sleep_until(deadline) => return None,
+                    ev = live.recv() => match ev {
+                        Ok((rv, k, ty, v)) if rv > from && k == kind && in_scope(&v, ns.as_deref()) => {
+                            return Some((line(ty, &v), (live, cut, ns, from)));
+                        }
+                        Ok(_) => continue,
+                        Err(_) => return None,
+                    },
+                }
             }
-        }
-    });
-    let body = Body::from_stream(futures::StreamExt::chain(futures::stream::iter(backlog), live));
+        },
+    );
+    let body = Body::from_stream(futures::StreamExt::chain(
+        futures::stream::iter(backlog),
+        live,
+    ));
     (StatusCode::OK, body).into_response()
 }
