@@ -100,6 +100,8 @@ pub struct Agent {
     /// The lease epoch the state store holds (`u64::MAX` without a store): reports
     /// acknowledge no newer epoch than this (see [`Agent::persist`]).
     kept_epoch: std::sync::atomic::AtomicU64,
+    /// Whether `meter_start` is known (see [`Agent::set_history`]).
+    meter_known: std::sync::atomic::AtomicBool,
     /// Consecutive failed saves of the enforcement state.
     save_failures: std::sync::atomic::AtomicU64,
     /// Wall-clock instant from which this process's meter counts (its first listing of
@@ -155,6 +157,7 @@ impl Agent {
             meter_start: std::sync::atomic::AtomicU64::new(unix_ms()),
             kept_epoch: std::sync::atomic::AtomicU64::new(u64::MAX),
             save_failures: std::sync::atomic::AtomicU64::new(0),
+            meter_known: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
@@ -168,13 +171,17 @@ impl Agent {
 
     /// How to find the usage of pods that ran while no process metered them (see
     /// [`History`]).
+    /// Until [`Agent::meter_started`] says where this process's meter starts, the
+    /// takeover is not settled (the gap before it could not be sized).
     pub fn set_history(&self, history: History) {
         *self.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(history);
+        self.meter_known.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// This process's meter counts from `unix_ms` on (its first listing of the pods).
     pub fn meter_started(&self, unix_ms: u64) {
         self.meter_start.store(unix_ms, std::sync::atomic::Ordering::SeqCst);
+        self.meter_known.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The state to keep for the next process, as this one sees it now.
@@ -396,10 +403,24 @@ impl Agent {
     /// from the pods' own run times ([`Agent::set_history`]): usage of every pod that
     /// ran in it, including pods that started and finished while no agent ran (as long
     /// as the cluster still lists them: a pod deleted while no agent ran is not seen).
-    async fn settle_takeover(&self) {
+    ///
+    /// Returns false, changing nothing, while that cannot be done yet: the gap could not
+    /// be sized (where this process's meter starts is not known) or its pods not mapped
+    /// to tenants (no policy yet). No report may be written before (its window would
+    /// overlap the gap's).
+    async fn settle_takeover(&self) -> bool {
         use std::sync::atomic::Ordering;
+        if !self.takeover_pending.load(Ordering::SeqCst) {
+            return true;
+        }
+        let has_history = self.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some();
+        if has_history
+            && (!self.meter_known.load(Ordering::SeqCst) || crate::review::AdmissionState::policy(&*self.state()).is_none())
+        {
+            return false;
+        }
         if !self.takeover_pending.swap(false, Ordering::SeqCst) {
-            return;
+            return true;
         }
         let info = self.describe().await;
         if let Ok(i) = &info {
@@ -447,7 +468,7 @@ impl Agent {
             _ => from_ms,
         };
         *self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = start;
-        let Some(mark) = chosen else { return };
+        let Some(mark) = chosen else { return true };
         match info {
             Ok(i) => tracing::info!(
                 counted_through_ms = i.reported_through_ms,
@@ -460,6 +481,7 @@ impl Agent {
                 "took over without reaching the control plane: reporting usage since the oldest reading (the control plane cuts any overlap)"
             ),
         }
+        true
     }
 
     /// Reports written but not yet acknowledged.
@@ -528,7 +550,11 @@ impl Agent {
     /// Writes a report of usage since the last one into the journal, then sends every
     /// unacknowledged report in order. On error the reports stay for the next round.
     pub async fn report_once(&self) -> Result<(), Status> {
-        self.settle_takeover().await;
+        if !self.settle_takeover().await {
+            return Err(Status::unavailable(
+                "the first report waits for the agent's first listing of the cluster's pods and for the policy",
+            ));
+        }
         let (held, tenants, evictions, window) = {
             let mut s = self.state();
             let end = unix_ms();

@@ -379,3 +379,28 @@ async fn a_fenced_writer_stays_fenced_until_it_leads_again_and_a_deleted_state_i
     old.save(b"{\"x\":6}".to_vec()).await.expect("made again");
     assert_eq!(new.load().await.expect("load"), Some(b"{\"x\":6}".to_vec()));
 }
+
+/// A new process's first report covers the gap since the cluster's usage was counted,
+/// rebuilt from the pods' run times up to where its own meter starts. Until it knows
+/// where that is (its first listing of the pods) and has a policy to map the pods to
+/// tenants, it writes no report (one would overlap the gap, and the control plane would
+/// cut the overlap out of the rebuilt usage).
+#[tokio::test]
+async fn the_first_report_waits_until_the_gap_before_it_can_be_sized() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let journal_dir = dir.path().join("agent");
+    {
+        let a = agent(&journal_dir);
+        a.set_history(kvota_member_agent::agent::History(Arc::new(|_, _| Default::default())));
+        a.starts_reporting();
+        let e = a.report_once().await.expect_err("no listing yet");
+        assert!(e.message().contains("first listing"), "{e}");
+        a.meter_started(1_000);
+        let e = a.report_once().await.expect_err("no policy yet");
+        assert!(e.message().contains("policy"), "{e}");
+        a.state().set_policy(Policy::from_yaml(POLICY).expect("policy"));
+        let _ = a.report_once().await; // no control plane: written, not delivered
+    }
+    let journal = kvota_member_agent::journal::Journal::open(&journal_dir).expect("journal");
+    assert_eq!(journal.unacked(10).expect("unacked").len(), 1, "one report, written once the gap could be sized");
+}
