@@ -123,6 +123,28 @@ where
     }
 }
 
+/// A kubeconfig at `dir/kubeconfig` for the fake API server at `url`.
+fn write_kubeconfig(dir: &std::path::Path, url: &str) {
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{url}\"}}\n\
+         users:\n- name: agent\n  user: {{token: test}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: agent}}\n\
+         current-context: fake\n"
+    );
+    std::fs::write(dir.join("kubeconfig"), kubeconfig).expect("write kubeconfig");
+}
+
+/// A one-node `kvota server` with its data in `dir/cp`, logging to `dir/server.log`.
+fn one_node_server(dir: &std::path::Path, rpc: &str, http: &str) -> Child {
+    kvota()
+        .args(["server", "--id", "1", "--init", "--listen", rpc, "--http", http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
+        .arg("--data-dir")
+        .arg(dir.join("cp"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(dir.join("server.log")).expect("log")))
+        .spawn()
+        .expect("spawn server")
+}
+
 fn cli_json(cp: &str, args: &[&str]) -> Option<Value> {
     let out = kvota().args(args).args(["--json", "--cp", cp]).output().ok()?;
     serde_json::from_slice(&out.stdout).ok()
@@ -321,23 +343,9 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
         "status": {"phase": "Running"}}));
 
     let Env { tmp, rpc, http, hook, ca } = env();
-    let kubeconfig = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\n\
-         users:\n- name: agent\n  user: {{token: test}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: agent}}\n\
-         current-context: fake\n",
-        api.url
-    );
-    std::fs::write(tmp.path().join("kubeconfig"), kubeconfig).expect("w");
+    write_kubeconfig(tmp.path(), &api.url);
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
-    let server = kvota()
-        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
-        .arg("--data-dir")
-        .arg(tmp.path().join("cp"))
-        .stdout(Stdio::null())
-        .stderr(log("server.log"))
-        .spawn()
-        .expect("spawn server");
-    let mut procs = Procs(vec![server]);
+    let mut procs = Procs(vec![one_node_server(tmp.path(), &rpc, &http)]);
     std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
     wait_for("policy applied", Duration::from_secs(20), || async {
         kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
@@ -443,23 +451,9 @@ async fn a_new_agent_during_a_partition_enforces_the_kept_lease_and_recovers_usa
     api.put(Kind::Namespace, json!({"metadata": {"name": "ml"}}));
     let Env { tmp, rpc, http, hook, ca } = env();
     let ca: &[u8] = &ca;
-    let kubeconfig = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\n\
-         users:\n- name: agent\n  user: {{token: test}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: agent}}\n\
-         current-context: fake\n",
-        api.url
-    );
-    std::fs::write(tmp.path().join("kubeconfig"), kubeconfig).expect("w");
+    write_kubeconfig(tmp.path(), &api.url);
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
-    let server = kvota()
-        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
-        .arg("--data-dir")
-        .arg(tmp.path().join("cp"))
-        .stdout(Stdio::null())
-        .stderr(log("server.log"))
-        .spawn()
-        .expect("spawn server");
-    let mut procs = Procs(vec![server]);
+    let mut procs = Procs(vec![one_node_server(tmp.path(), &rpc, &http)]);
     // A lease that outlives the agent's restart; decay too slow to matter here.
     let policy = "apiVersion: kvota.dev/v1alpha1
 kind: FairnessPolicy

@@ -58,6 +58,13 @@ fn agent(dir: &std::path::Path) -> Agent {
     .expect("agent")
 }
 
+/// An agent of cluster `east` (no control plane) keeping its state in `store`.
+fn agent_on(dir: &std::path::Path, store: &Arc<dyn StateStore>, replica: &str) -> Agent {
+    let a = agent(dir);
+    a.set_state_store(store.clone(), replica);
+    a
+}
+
 /// An agent that holds the policy and `l`, received just now.
 fn holding(dir: &std::path::Path, l: Lease) -> Agent {
     let a = agent(dir);
@@ -146,8 +153,7 @@ async fn a_new_process_enforces_the_kept_lease_for_what_is_left_of_it_and_no_lon
 
     // A new process with an empty data directory: the policy and the lease at once,
     // for the kept life minus the margin once more.
-    let second = agent(&dir.path().join("b"));
-    second.set_state_store(store.clone(), "replica-b");
+    let second = agent_on(&dir.path().join("b"), &store, "replica-b");
     assert!(second.state().ready().is_err(), "nothing to judge with yet");
     second
         .restore()
@@ -184,8 +190,7 @@ async fn a_new_process_enforces_the_kept_lease_for_what_is_left_of_it_and_no_lon
         .save(persist::encode(&expired).expect("encode"))
         .await
         .expect("save");
-    let third = agent(&dir.path().join("c"));
-    third.set_state_store(store.clone(), "replica-c");
+    let third = agent_on(&dir.path().join("c"), &store, "replica-c");
     third.restore().await.expect("restore");
     let st = third.state();
     assert_eq!(st.lease.status(st.now_ms()), LeaseStatus::Safe);
@@ -227,8 +232,7 @@ async fn a_kept_state_that_is_older_corrupt_newer_or_another_clusters_changes_no
     ];
     for (what, bytes, says) in cases {
         store.save(bytes.clone()).await.expect("save");
-        let fresh = agent(&dir.path().join(what));
-        fresh.set_state_store(store.clone(), what);
+        let fresh = agent_on(&dir.path().join(what), &store, what);
         let e = fresh.restore().await.expect_err(what);
         assert!(e.to_string().contains(says), "{what}: {e}");
         let taken = {
@@ -316,8 +320,7 @@ async fn an_edited_state_cannot_stretch_a_lease_or_smuggle_in_a_bad_one() {
         .save(persist::encode(&kept).expect("encode"))
         .await
         .expect("save");
-    let second = agent(&dir.path().join("b"));
-    second.set_state_store(store.clone(), "b");
+    let second = agent_on(&dir.path().join("b"), &store, "b");
     second.restore().await.expect("restore");
     let (until, now) = {
         let st = second.state();
@@ -336,8 +339,7 @@ async fn an_edited_state_cannot_stretch_a_lease_or_smuggle_in_a_bad_one() {
         .save(persist::encode(&bad).expect("encode"))
         .await
         .expect("save");
-    let third = agent(&dir.path().join("c"));
-    third.set_state_store(store.clone(), "c");
+    let third = agent_on(&dir.path().join("c"), &store, "c");
     let e = third.restore().await.expect_err("refused");
     assert!(e.to_string().contains("margin"), "{e}");
     assert_eq!(third.state().lease.held_epoch(), 0);
