@@ -110,6 +110,14 @@ pub struct Agent {
 }
 
 
+/// How long a read or write of the kept state may take: a slow API server must not hold
+/// up the report round that follows (or the start of enforcement).
+pub const STATE_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn store_timeout(store: &dyn crate::persist::StateStore) -> crate::persist::PersistError {
+    crate::persist::PersistError::Store { store: store.describe(), why: format!("no answer within {STATE_STORE_TIMEOUT:?}") }
+}
+
 fn journal_err(e: crate::journal::JournalError) -> Status {
     Status::internal(e.to_string())
 }
@@ -221,7 +229,10 @@ impl Agent {
         let state = self.member_state();
         let epoch = state.lease.as_ref().map_or(0, |l| l.epoch);
         let saved = match crate::persist::encode(&state) {
-            Ok(bytes) => store.save(bytes).await,
+            Ok(bytes) => match tokio::time::timeout(STATE_STORE_TIMEOUT, store.save(bytes)).await {
+                Ok(r) => r,
+                Err(_) => Err(store_timeout(&*store)),
+            },
             Err(e) => Err(e),
         };
         if let Err(e) = saved {
@@ -253,7 +264,8 @@ impl Agent {
     pub async fn restore(&self) -> Result<Option<crate::persist::MemberState>, crate::persist::PersistError> {
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let Some(store) = store else { return Ok(None) };
-        let Some(bytes) = store.load().await? else { return Ok(None) };
+        let loaded = tokio::time::timeout(STATE_STORE_TIMEOUT, store.load()).await.map_err(|_| store_timeout(&*store))?;
+        let Some(bytes) = loaded? else { return Ok(None) };
         let kept = crate::persist::decode(&bytes, &store.describe(), &self.cluster)?;
         let unix_now = unix_ms();
         {

@@ -406,3 +406,37 @@ async fn the_first_report_waits_until_the_gap_before_it_can_be_sized() {
     let journal = kvota_member_agent::journal::Journal::open(&journal_dir).expect("journal");
     assert_eq!(journal.unacked(10).expect("unacked").len(), 1, "one report, written once the gap could be sized");
 }
+
+/// A store that never answers (an API server that accepted the connection and hangs).
+#[derive(Debug)]
+struct Hanging;
+
+impl StateStore for Hanging {
+    fn load(&self) -> persist::StoreFuture<'_, Option<Vec<u8>>> {
+        Box::pin(std::future::pending())
+    }
+    fn save(&self, _: Vec<u8>) -> persist::StoreFuture<'_, ()> {
+        Box::pin(std::future::pending())
+    }
+    fn describe(&self) -> String {
+        "a hanging API server".into()
+    }
+}
+
+/// A hung store holds up neither the start of enforcement nor a report round for long:
+/// reading and writing the kept state give up after `STATE_STORE_TIMEOUT`, with an
+/// error that says so, and a failed write is counted.
+#[tokio::test]
+async fn a_store_that_never_answers_costs_a_bounded_wait() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let a = holding(&dir.path().join("a"), lease(7, 5_000, 1_000));
+    a.set_state_store(Arc::new(Hanging), "a");
+    let started = std::time::Instant::now();
+    let e = a.restore().await.expect_err("no answer");
+    assert!(e.to_string().contains("no answer within"), "{e}");
+    let e = a.persist().await.expect_err("no answer");
+    assert!(e.to_string().contains("a hanging API server"), "{e}");
+    let limit = kvota_member_agent::agent::STATE_STORE_TIMEOUT;
+    assert!(started.elapsed() < limit * 3, "{:?}", started.elapsed());
+    assert_eq!(a.state_save_failures(), 1);
+}
