@@ -7,13 +7,11 @@
 //! Map: [`types`] (Raft type config), [`store`] (sled log and state machine),
 //! [`network`] (Raft over gRPC), [`node`] (write path, forwarding, readiness),
 //! [`service`] (Member and Admin gRPC), [`metrics`], [`http`] (health, readiness,
-//! metrics, JSON), [`server`] (configuration and startup), [`client`] (for the CLI and
-//! agents: any node, leader-following, retries), [`tls`] (mutual TLS by identity on
-//! every port), [`auth`] (who may call what), [`clock`] (the federation's time: the
-//! median of the voters' clocks).
+//! metrics, JSON), [`server`] (configuration and startup), [`auth`] (who may call what), [`clock`] (the federation's time: the
+//! median of the voters' clocks). The client and its TLS set-up live in `kvota-client`,
+//! which the agent and the CLI use without this crate.
 
 pub mod auth;
-pub mod client;
 pub mod clock;
 pub mod http;
 pub mod metrics;
@@ -22,6 +20,5 @@ pub mod node;
 pub mod server;
 pub mod service;
 pub mod store;
-pub mod tls;
 pub mod types;
 pub mod watchdog;

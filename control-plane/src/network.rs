@@ -53,7 +53,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 #[derive(Clone, Debug, Default)]
 pub struct Network {
     /// Mutual TLS to the peers (with the node's own certificate), if the group uses it.
-    pub tls: Option<crate::tls::GrpcTls>,
+    pub tls: Option<kvota_client::tls::GrpcTls>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -75,7 +75,7 @@ pub struct PeerClient {
     target: NodeId,
     addr: String,
     client: Option<RaftClient<Channel>>,
-    tls: Option<crate::tls::GrpcTls>,
+    tls: Option<kvota_client::tls::GrpcTls>,
 }
 
 type RpcResult<T, E> = Result<T, RPCError<NodeId, Node, E>>;
@@ -91,13 +91,13 @@ fn decode<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, NetworkError> {
 }
 
 /// A Raft client to `addr`, which must be node `target` (with TLS).
-pub fn raft_client(addr: &str, target: NodeId, tls: Option<&crate::tls::GrpcTls>, timeout: Duration) -> Result<RaftClient<Channel>, String> {
+pub fn raft_client(addr: &str, target: NodeId, tls: Option<&kvota_client::tls::GrpcTls>, timeout: Duration) -> Result<RaftClient<Channel>, String> {
     if addr.is_empty() {
         return Err(format!(
             "node {target} has no Raft address in the membership (it was added by a kvota that served Raft on the API port); add it again with its --advertise-raft address"
         ));
     }
-    let channel = crate::tls::channel(addr, tls, Expect::Node(target), CONNECT_TIMEOUT, timeout)?;
+    let channel = kvota_client::tls::channel(addr, tls, Expect::Node(target), CONNECT_TIMEOUT, timeout)?;
     Ok(RaftClient::new(channel)
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES))

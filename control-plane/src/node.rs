@@ -15,10 +15,7 @@ use crate::metrics::Metrics;
 use crate::store::StateMachineData;
 use crate::types::{Node as NodeAddr, NodeId, Raft, Request};
 
-/// Metadata key on a request a follower forwarded, so it is never forwarded twice.
-pub const FORWARDED_HEADER: &str = "kvota-forwarded";
-/// Metadata key carrying the leader's address on `UNAVAILABLE` answers.
-pub const LEADER_HEADER: &str = "kvota-leader";
+pub use kvota_proto::{FORWARDED_HEADER, LEADER_HEADER};
 
 /// How long a write may wait for commit before the caller gets `UNAVAILABLE`: a few
 /// election timeouts, so a write survives one failover but never hangs.
@@ -65,7 +62,7 @@ pub struct NodeCtx {
     pub clock: Arc<crate::clock::TimeKeeper>,
     channels: Mutex<HashMap<String, Channel>>,
     writes: mpsc::Sender<Pending>,
-    tls: Option<crate::tls::GrpcTls>,
+    tls: Option<kvota_client::tls::GrpcTls>,
     /// Set once, the first time this process has applied its log (see [`readiness`]).
     caught_up: std::sync::atomic::AtomicBool,
     /// Why the node cannot serve any more (its Raft core stopped); set once.
@@ -149,7 +146,7 @@ impl NodeCtx {
         raft: Raft,
         state: Arc<RwLock<StateMachineData>>,
         metrics: Metrics,
-        tls: Option<crate::tls::GrpcTls>,
+        tls: Option<kvota_client::tls::GrpcTls>,
         clock: Arc<crate::clock::TimeKeeper>,
     ) -> Self {
         let (writes, queue) = mpsc::channel(WRITE_QUEUE);
@@ -171,7 +168,7 @@ impl NodeCtx {
     }
 
     /// This node's TLS (its node certificate), if the group uses TLS.
-    pub fn tls(&self) -> Option<&crate::tls::GrpcTls> {
+    pub fn tls(&self) -> Option<&kvota_client::tls::GrpcTls> {
         self.tls.as_ref()
     }
 
@@ -229,7 +226,7 @@ impl NodeCtx {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let c = crate::tls::channel(addr, self.tls.as_ref(), kvota_tls::Expect::AnyNode, Duration::from_millis(500), WRITE_TIMEOUT)
+        let c = kvota_client::tls::channel(addr, self.tls.as_ref(), kvota_tls::Expect::AnyNode, Duration::from_millis(500), WRITE_TIMEOUT)
             .map_err(|e| tonic::Status::internal(format!("leader address: {e}")))?;
         map.insert(addr.to_string(), c.clone());
         Ok(c)

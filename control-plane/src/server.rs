@@ -29,9 +29,7 @@ use crate::node::{NodeCtx, Proposed};
 use crate::service::{AdminSvc, MemberSvc};
 use crate::types::{Node, NodeId, Raft};
 
-/// Largest member/admin message accepted: 4 MiB (a report for 10,000 tenants is about
-/// 400 KB). Larger ones are refused with `RESOURCE_EXHAUSTED` before decoding.
-pub const MAX_API_MESSAGE_BYTES: usize = 4 << 20;
+pub use kvota_proto::MAX_API_MESSAGE_BYTES;
 /// Concurrent requests per connection: bounds the work one client can queue.
 pub const MAX_CONCURRENT_PER_CONNECTION: usize = 256;
 /// HTTP/2 streams open at once per gRPC connection: an agent or the CLI has one or two.
@@ -104,7 +102,7 @@ pub struct ServerConfig {
     /// Initialize a new group with these members if this node's storage is empty.
     pub initial_members: Option<BTreeMap<NodeId, Node>>,
     /// Mutual TLS on every port and to the peers (`None`: plain text, no identities).
-    pub tls: Option<crate::tls::GrpcTls>,
+    pub tls: Option<kvota_client::tls::GrpcTls>,
     /// Allow plain text on listeners that are not loopback (a trusted network only).
     pub insecure: bool,
     /// Connection limits of the listeners.

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_control_plane::server::{start, Listeners};
 use kvota_testkit::{config, node_of, Cluster};
 use kvota_fairness::policy::Policy;

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use kvota_control_plane::client::Client;
-use kvota_control_plane::tls::{GrpcTls, TlsError};
+use kvota_client::client::Client;
+use kvota_client::tls::{GrpcTls, TlsError};
 use kvota_fairness::policy::Policy;
 use kvota_proto::v1;
 use kvota_testkit::{anonymous, http_get, Cluster, Pki};
@@ -152,14 +152,14 @@ async fn the_raft_port_serves_nodes_only_and_each_only_as_itself() {
     // An operator (or a cluster) cannot even stay connected to the Raft port.
     for (role, name) in [(Role::Operator, "alice"), (Role::Cluster, "east")] {
         let party = pki.party(role, name);
-        let ch = kvota_control_plane::tls::channel(&raft_addr, Some(&party), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
+        let ch = kvota_client::tls::channel(&raft_addr, Some(&party), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
             .expect("channel");
         let r = kvota_proto::v1::raft_client::RaftClient::new(ch).clock(v1::Empty {}).await;
         assert!(r.is_err(), "{role} was served on the Raft port");
     }
     // The API port does not serve Raft at all.
     let node1 = pki.party(Role::Node, "1");
-    let ch = kvota_control_plane::tls::channel(&cl.members[&target].rpc_addr, Some(&node1), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
+    let ch = kvota_client::tls::channel(&cl.members[&target].rpc_addr, Some(&node1), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
         .expect("channel");
     let r = kvota_proto::v1::raft_client::RaftClient::new(ch).clock(v1::Empty {}).await;
     assert_eq!(r.expect_err("no Raft on the API port").code(), Code::Unimplemented);

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_proto::etcd::{kv_client::KvClient, PutRequest};
 use kvota_proto::v1::{self, member_client::MemberClient};
 use kvota_testkit::procs::{free_ports, server_command, specs, Procs, ServerSpec};

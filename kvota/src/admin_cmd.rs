@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_fairness::units::{format_duration_ms, format_gpue};
 use kvota_proto::v1;
 
@@ -30,7 +30,7 @@ pub struct Cp {
 
 impl Cp {
     /// The mutual-TLS settings: all three files, or none (plain text).
-    pub fn tls(&self) -> Result<Option<kvota_control_plane::tls::GrpcTls>> {
+    pub fn tls(&self) -> Result<Option<kvota_client::tls::GrpcTls>> {
         tls_from("--cp", self.cp_ca.as_deref(), self.cp_cert.as_deref(), self.cp_key.as_deref())
     }
 }
@@ -41,10 +41,10 @@ pub fn tls_from(
     ca: Option<&std::path::Path>,
     cert: Option<&std::path::Path>,
     key: Option<&std::path::Path>,
-) -> Result<Option<kvota_control_plane::tls::GrpcTls>> {
+) -> Result<Option<kvota_client::tls::GrpcTls>> {
     match (ca, cert, key) {
         (None, None, None) => Ok(None),
-        (Some(ca), Some(cert), Some(key)) => kvota_control_plane::tls::GrpcTls::from_files(ca, cert, key)
+        (Some(ca), Some(cert), Some(key)) => kvota_client::tls::GrpcTls::from_files(ca, cert, key)
             .map(Some)
             .map_err(|e| anyhow::anyhow!("{e}")),
         _ => {

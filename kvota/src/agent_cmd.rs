@@ -183,8 +183,10 @@ pub(crate) async fn start_webhook(
     held: Option<String>,
     store: Arc<dyn StateStore>,
 ) -> Result<(Arc<Agent>, watch::Sender<bool>, watch::Receiver<bool>, tokio::task::JoinHandle<()>)> {
+    crate::journal_v0::migrate(&args.data_dir)
+        .map_err(|e| anyhow::anyhow!("migrate the usage journal in {}: {e}", args.data_dir.display()))?;
     let agent = Arc::new(
-        Agent::open_with_tls(&args.cluster, capacity, &args.data_dir, &cp.addrs, tls.federation.clone().map(kvota_control_plane::tls::GrpcTls::from_source))
+        Agent::open_with_tls(&args.cluster, capacity, &args.data_dir, &cp.addrs, tls.federation.clone().map(kvota_client::tls::GrpcTls::from_source))
             .map_err(|e| anyhow::anyhow!("open the agent's data directory {}: {}", args.data_dir.display(), e.message()))?,
     );
     agent.state().set_held(held);

@@ -28,6 +28,7 @@ mod agent_kube;
 mod certs_cmd;
 mod cli;
 mod demo;
+mod journal_v0;
 mod server_cmd;
 mod sim_cmd;
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_proto::v1;
 use kvota_testkit::procs::free_ports;
 

@@ -5,7 +5,7 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_proto::v1;
 use kvota_testkit::procs::{server_command, specs, Procs, ServerSpec};
 

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_fairness::federation::{UsageReport, UsageWindow};
 use kvota_fairness::lease::{AgentLease, Lease};
 use kvota_fairness::policy::Policy;
@@ -136,7 +136,7 @@ impl Agent {
         capacity: BTreeMap<String, u64>,
         dir: &Path,
         endpoints: &[String],
-        tls: Option<kvota_control_plane::tls::GrpcTls>,
+        tls: Option<kvota_client::tls::GrpcTls>,
     ) -> Result<Agent, Status> {
         let journal = Journal::open(dir).map_err(journal_err)?;
         let lease = match journal.load_lease().map_err(journal_err)? {

@@ -31,9 +31,10 @@
 //! torn write: opening fails with an error naming the offset, and nothing is changed.
 //! A file of a newer format version than this agent knows is refused, not misread.
 //!
-//! An agent of the previous version kept its journal in a sled database in the same
-//! directory; opening migrates it (its reports, last sequence number and lease) and
-//! moves the old files into `sled-journal.migrated/`.
+//! An agent of an earlier version kept its journal in a sled database in the same
+//! directory. This crate does not read sled (a member cluster's agent carries no storage
+//! engine of the control plane's); the `kvota` binary reads such a journal before the
+//! agent opens its directory and hands it to [`Journal::import`].
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -109,8 +110,17 @@ pub enum JournalError {
 pub struct Opened {
     /// Bytes of a torn last record cut off.
     pub torn_bytes: u64,
-    /// Reports migrated from a sled journal of the previous version.
-    pub migrated: Option<usize>,
+}
+
+/// What a journal of an earlier format held, for [`Journal::import`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Imported {
+    /// Unacknowledged reports, in order.
+    pub reports: Vec<UsageReport>,
+    /// The last sequence number written.
+    pub last_seq: u64,
+    /// The last lease saved.
+    pub lease: Option<Lease>,
 }
 
 #[derive(Debug)]
@@ -354,7 +364,6 @@ impl Journal {
         std::fs::create_dir_all(dir).map_err(io("create directory", dir))?;
         let path = dir.join(FILE);
         let mut opened = Opened::default();
-        let migrated = if path.exists() { None } else { crate::journal_v0::read(dir)? };
         let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io("open", &path))?;
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes).map_err(io("read", &path))?;
@@ -392,18 +401,33 @@ impl Journal {
             }
         }
         inner.live = inner.len;
-        let journal = Journal { inner: Arc::new(Mutex::new(inner)), opened: opened.clone() };
-        if let Some(old) = migrated {
-            let n = old.reports.len();
-            {
-                let mut g = journal.lock();
-                g.lease = old.lease;
-                let last = old.last_seq.max(old.reports.iter().map(|r| r.seq).max().unwrap_or(0));
-                g.rewrite(&old.reports, last)?;
-            }
-            crate::journal_v0::retire(dir)?;
-            tracing::info!(reports = n, "usage journal migrated from the previous (sled) format");
-            return Ok(Journal { opened: Opened { migrated: Some(n), ..opened }, ..journal });
+        Ok(Journal { inner: Arc::new(Mutex::new(inner)), opened })
+    }
+
+    /// Whether directory `dir` holds a journal file of this format (a new agent's
+    /// directory does not).
+    pub fn exists_in(dir: &Path) -> bool {
+        dir.join(FILE).exists()
+    }
+
+    /// Creates the journal in `dir` holding what a journal of an earlier format held
+    /// (durably, before this returns), for the caller that read that format.
+    ///
+    /// Refused if `dir` already holds a journal of this format: that one is newer than
+    /// anything an earlier format could hold, and nothing in it is overwritten.
+    pub fn import(dir: &Path, old: Imported) -> Result<Journal, JournalError> {
+        if Journal::exists_in(dir) {
+            return Err(corrupt(
+                "import",
+                format!("{} already holds a usage journal; an earlier format is not imported over it", dir.display()),
+            ));
+        }
+        let journal = Journal::open(dir)?;
+        {
+            let mut g = journal.lock();
+            g.lease = old.lease;
+            let last = old.last_seq.max(old.reports.iter().map(|r| r.seq).max().unwrap_or(0));
+            g.rewrite(&old.reports, last)?;
         }
         Ok(journal)
     }
@@ -412,7 +436,7 @@ impl Journal {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// What opening found (a torn tail cut, a migration).
+    /// What opening found (a torn tail cut).
     pub fn opened(&self) -> &Opened {
         &self.opened
     }

@@ -23,7 +23,6 @@ pub mod https;
 pub mod inventory;
 pub mod kube;
 pub mod journal;
-pub mod journal_v0;
 pub mod metrics;
 pub mod netfault;
 pub mod persist;

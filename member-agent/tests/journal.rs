@@ -1,16 +1,14 @@
 //! The usage journal against real crashes and its previous format: a writer process
 //! killed with SIGKILL in the middle of writing, many times, never loses a report whose
 //! write returned (the journal syncs before returning), and reopening cuts a torn last
-//! record cleanly; a journal of the previous (sled) format is migrated with its
-//! reports, numbering and lease.
+//! record cleanly. (A journal of the earliest, sled, format is migrated by the `kvota`
+//! binary: see its journal_v0.rs.)
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use kvota_fairness::federation::{TenantReport, UsageReport};
-use kvota_fairness::lease::{Lease, TenantBudget};
 use kvota_member_agent::journal::Journal;
 
 fn report(seq: u64) -> UsageReport {
@@ -111,53 +109,3 @@ fn sigkill_mid_write_loses_no_acknowledged_report_and_cuts_the_torn_tail() {
     eprintln!("20 kills, {acked_max} reports acknowledged, {torn_seen} torn tails cut");
 }
 
-#[test]
-fn a_journal_of_the_previous_sled_format_is_migrated() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let lease = Lease {
-        cluster: "east".into(),
-        epoch: 4,
-        duration_ms: 30_000,
-        margin_ms: 3_000,
-        issued_at_ms: 10,
-        budgets: [("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000 })]
-            .into_iter()
-            .collect::<BTreeMap<_, _>>(),
-    };
-    {
-        // Written the way the previous agent wrote it.
-        let db = sled::Config::new().path(dir.path()).open().expect("sled");
-        let reports = db.open_tree("reports").expect("tree");
-        let meta = db.open_tree("meta").expect("tree");
-        for seq in [5u64, 6] {
-            reports.insert(seq.to_be_bytes(), serde_json::to_vec(&report(seq)).expect("json")).expect("insert");
-        }
-        meta.insert(b"last_seq", &6u64.to_be_bytes()).expect("insert");
-        meta.insert(b"lease", serde_json::to_vec(&lease).expect("json")).expect("insert");
-        db.flush().expect("flush");
-    }
-    // sled lets go of its lock when its background threads notice; retry briefly.
-    let mut tries = 0;
-    let j = loop {
-        match Journal::open(dir.path()) {
-            Ok(j) => break j,
-            Err(e) if tries < 50 && e.to_string().contains("lock") => {
-                tries += 1;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => panic!("migrate: {e}"),
-        }
-    };
-    assert_eq!(j.opened().migrated, Some(2));
-    assert_eq!(j.unacked(10).expect("read"), vec![report(5), report(6)]);
-    assert_eq!(j.load_lease().expect("lease"), Some(lease.clone()));
-    assert_eq!(j.write(report).expect("w").seq, 7, "numbering goes on");
-    assert!(dir.path().join("sled-journal.migrated").join("db").is_file(), "old files moved aside, not deleted");
-    assert!(!dir.path().join("db").exists());
-    drop(j);
-    // Opened again: read from the new file; nothing migrated twice.
-    let j = Journal::open(dir.path()).expect("reopen");
-    assert_eq!(j.opened().migrated, None);
-    assert_eq!(j.unacked(10).expect("read").iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6, 7]);
-    assert_eq!(j.load_lease().expect("lease"), Some(lease));
-}

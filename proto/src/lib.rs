@@ -12,6 +12,14 @@ pub mod v1 {
 
 pub mod convert;
 
+/// Metadata key on a request a follower forwarded, so it is never forwarded twice.
+pub const FORWARDED_HEADER: &str = "kvota-forwarded";
+/// Metadata key carrying the leader's address on `UNAVAILABLE` answers.
+pub const LEADER_HEADER: &str = "kvota-leader";
+/// Largest member/admin message either side accepts: 4 MiB (a report for 10,000 tenants
+/// is about 400 KB). Larger ones are refused with `RESOURCE_EXHAUSTED` before decoding.
+pub const MAX_API_MESSAGE_BYTES: usize = 4 << 20;
+
 /// A client for etcd's `KV.Put`, for the benchmark that compares kvota with etcd.
 #[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
 pub mod etcd {

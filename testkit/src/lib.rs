@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvota_control_plane::server::{start, Listeners, ServerConfig, ServerHandle};
-use kvota_control_plane::tls::GrpcTls;
+use kvota_client::tls::GrpcTls;
 use kvota_control_plane::types::Node;
 use kvota_fairness::federation::Federation;
 use kvota_tls::issue::{new_ca, Ca, Issued, Kind};

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_fairness::policy::{Policy, TENANT_LABEL};
 use kvota_fairness::reclaim::Decision;

@@ -11,9 +11,10 @@ use tokio::sync::Mutex;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
-use crate::node::LEADER_HEADER;
+use kvota_proto::{LEADER_HEADER, MAX_API_MESSAGE_BYTES};
 
-/// Per-call deadline: a write may wait through one failover (see `node::WRITE_TIMEOUT`).
+/// Per-call deadline: a write may wait through one failover (the control plane gives a
+/// write 5 s to commit).
 /// The longest a caller may set with [`Client::set_call_timeout`].
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(8);
 /// The shortest per-call deadline a caller may set: a loaded node answers a write within
@@ -154,7 +155,7 @@ impl Client {
 
     /// A member client on the given channel (for use inside [`Client::call`]).
     pub fn member(ch: Channel) -> MemberClient<Channel> {
-        MemberClient::new(ch).max_decoding_message_size(crate::server::MAX_API_MESSAGE_BYTES)
+        MemberClient::new(ch).max_decoding_message_size(MAX_API_MESSAGE_BYTES)
     }
 }
 

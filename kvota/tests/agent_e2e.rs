@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvota_control_plane::client::Client;
+use kvota_client::client::Client;
 use kvota_control_plane::server::ServerHandle;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_member_agent::agent::Agent;
