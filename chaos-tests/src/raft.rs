@@ -319,7 +319,7 @@ impl Cp {
                     .collect();
                 let commands = batch.into_iter().map(|(c, _)| c).collect();
                 let term = r.term;
-                r.append(LogEntry { term, req: Request { now_ms: clock, commands } }, now_ms);
+                r.append(LogEntry { term, req: Request::new(clock, commands) }, now_ms);
                 r.waiting.insert(r.log.len(), routes);
                 if r.disk_delay_ms == 0 {
                     r.make_durable(now_ms);

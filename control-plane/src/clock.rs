@@ -23,6 +23,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use crate::types::NodeId;
 
 /// A wall clock: Unix milliseconds. Tests give nodes wrong ones.
@@ -52,6 +54,10 @@ pub struct TimeKeeper {
     wall: WallClock,
     /// Per node: its wall clock at `Instant` (half the round trip after it answered).
     readings: Mutex<HashMap<NodeId, (u64, Instant)>>,
+    /// Per node: the newest feature level it supports, as it said at `Instant`.
+    supports: Mutex<HashMap<NodeId, (u32, Instant)>>,
+    /// The newest feature level this node supports.
+    own_feature_max: AtomicU32,
 }
 
 impl std::fmt::Debug for TimeKeeper {
@@ -73,7 +79,52 @@ fn lower_median(mut v: Vec<u64>) -> Option<u64> {
 impl TimeKeeper {
     /// Node `me` with wall clock `wall`.
     pub fn new(me: NodeId, wall: WallClock) -> Self {
-        TimeKeeper { me, wall, readings: Mutex::new(HashMap::new()) }
+        TimeKeeper {
+            me,
+            wall,
+            readings: Mutex::new(HashMap::new()),
+            supports: Mutex::new(HashMap::new()),
+            own_feature_max: AtomicU32::new(crate::types::FEATURE_LEVEL),
+        }
+    }
+
+    /// The newest feature level this node supports.
+    pub fn own_feature_max(&self) -> u32 {
+        self.own_feature_max.load(Ordering::Relaxed)
+    }
+
+    /// Poses as a build that supports feature levels up to `level` (tests of the
+    /// upgrade gate only).
+    #[doc(hidden)]
+    pub fn set_own_feature_max(&self, level: u32) {
+        self.own_feature_max.store(level, Ordering::Relaxed);
+    }
+
+    /// Records that node `node` said it supports feature levels up to `max` (0, from a
+    /// node that predates feature levels, is level 1).
+    pub fn record_support(&self, node: NodeId, max: u32) {
+        self.supports.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(node, (max.max(1), Instant::now()));
+    }
+
+    /// The newest feature level every voter supports, if this node has heard from each
+    /// of them within [`READING_MAX_AGE`] (one silent voter, which might be an old build
+    /// just restarted, holds the level where it is).
+    pub fn voters_support(&self, voters: &BTreeSet<NodeId>) -> Option<u32> {
+        let now = Instant::now();
+        let supports = self.supports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut level = u32::MAX;
+        for v in voters {
+            let max = if *v == self.me {
+                self.own_feature_max()
+            } else {
+                match supports.get(v) {
+                    Some((max, at)) if now.saturating_duration_since(*at) <= READING_MAX_AGE => *max,
+                    _ => return None,
+                }
+            };
+            level = level.min(max);
+        }
+        (level != u32::MAX).then_some(level)
     }
 
     /// This node's wall clock, Unix milliseconds.

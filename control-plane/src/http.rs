@@ -103,6 +103,8 @@ async fn status(State(ctx): State<Arc<NodeCtx>>) -> Response {
         "state_time_ms": state.federation.now_ms(),
         "policy": state.federation.policy().map(|p| p.name.clone()),
         "clusters": state.federation.clusters().len(),
+        "feature_level": state.feature_level,
+        "feature_level_max": ctx.clock.own_feature_max(),
     }))
     .into_response()
 }

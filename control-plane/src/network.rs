@@ -342,8 +342,23 @@ impl RaftService for RaftTransport {
         request: tonic::Request<RaftPayload>,
     ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
         let sender = self.sender("AppendEntries", &request)?;
-        let rpc: AppendEntriesRequest<TypeConfig> =
-            serde_json::from_slice(&request.into_inner().data).map_err(bad_payload)?;
+        let rpc: AppendEntriesRequest<TypeConfig> = match serde_json::from_slice(&request.into_inner().data) {
+            Ok(rpc) => rpc,
+            Err(e) => {
+                // An authenticated node sent entries of a format this build cannot read:
+                // the group runs at a feature level this node does not support (it was
+                // added, or restarted, as an older build). Stop rather than lag forever.
+                let why = e.to_string();
+                if let (Some(from), true) = (sender, why.contains(crate::types::NEWER_THAN_THIS_NODE)) {
+                    self.ctx.set_fatal(format!("replicated from node {from}: {why}"));
+                    let raft = self.raft.clone();
+                    tokio::spawn(async move {
+                        let _ = raft.shutdown().await;
+                    });
+                }
+                return Err(bad_payload(e));
+            }
+        };
         check_append(&rpc, sender).map_err(|r| self.refuse("AppendEntries", sender, r))?;
         if let Some(leader) = rpc.vote.leader_id().voted_for() {
             self.contact.heard(leader);
@@ -371,7 +386,7 @@ impl RaftService for RaftTransport {
 
     async fn clock(&self, request: tonic::Request<Empty>) -> Result<tonic::Response<ClockReply>, tonic::Status> {
         self.sender("Clock", &request)?;
-        Ok(tonic::Response::new(ClockReply { wall_ms: self.ctx.clock.wall_ms() }))
+        Ok(tonic::Response::new(ClockReply { wall_ms: self.ctx.clock.wall_ms(), feature_level_max: self.ctx.clock.own_feature_max() }))
     }
 }
 

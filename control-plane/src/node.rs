@@ -343,7 +343,17 @@ async fn batcher(
                 }
                 return;
             };
-            let req = Request { now_ms, commands };
+            let mut req = Request::new(now_ms, commands);
+            // Every voter supports a newer feature level than the group runs at: this
+            // entry raises it (entries in flight may carry the same raise; applying it
+            // again changes nothing).
+            if let Some(support) = clock.voters_support(&voters) {
+                let level = state.read().await.feature_level;
+                if support > level {
+                    tracing::info!(from = level, to = support, "every voter supports a newer feature level; raising it");
+                    req.raise_feature_level = Some(support);
+                }
+            }
             let outcome = raft.client_write(req).await;
             drop(permit);
             match outcome {

@@ -112,6 +112,10 @@ pub struct ServerConfig {
     /// Below this many free bytes on the data directory's file system the node is not
     /// ready.
     pub min_free_disk_bytes: u64,
+    /// The newest feature level this node supports: [`crate::types::FEATURE_LEVEL`].
+    /// Tests of the upgrade gate set it higher to pose as a newer build.
+    #[doc(hidden)]
+    pub feature_level_max: u32,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -149,6 +153,7 @@ impl ServerConfig {
             limits: PortLimits::default(),
             wall_clock: crate::clock::system_wall_clock(),
             min_free_disk_bytes: DEFAULT_MIN_FREE_DISK_BYTES,
+            feature_level_max: crate::types::FEATURE_LEVEL,
         }
     }
 
@@ -301,7 +306,7 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
     }
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("create data directory {}", cfg.data_dir.display()))?;
-    let (log_store, sm_store) = crate::store::open(&cfg.data_dir.join("raft"))
+    let (log_store, sm_store) = crate::store::open_for(&cfg.data_dir.join("raft"), cfg.feature_level_max)
         .with_context(|| format!("open data directory {}", cfg.data_dir.display()))?;
     log_store
         .claim_for_node(cfg.id)
@@ -313,6 +318,7 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
         .context("start Raft")?;
     let metrics = Metrics::new();
     let clock = Arc::new(TimeKeeper::new(cfg.id, cfg.wall_clock.clone()));
+    clock.set_own_feature_max(cfg.feature_level_max);
     let ctx = Arc::new(NodeCtx::new(cfg.id, raft.clone(), state, metrics.clone(), cfg.tls.clone(), clock.clone()));
 
     if let Some(members) = &cfg.initial_members {
@@ -501,7 +507,9 @@ async fn read_clocks(ctx: &Arc<NodeCtx>, clients: &mut ClockClients) {
             let mut client = client;
             let sent = Instant::now();
             if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_millis(500), client.clock(kvota_proto::v1::Empty {})).await {
-                ctx.clock.record(id, r.into_inner().wall_ms, sent.elapsed());
+                let r = r.into_inner();
+                ctx.clock.record(id, r.wall_ms, sent.elapsed());
+                ctx.clock.record_support(id, r.feature_level_max);
             }
         })
     });

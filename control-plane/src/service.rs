@@ -313,6 +313,8 @@ impl AdminSvc {
             state_time_ms: state.federation.now_ms(),
             policy: state.federation.policy().map(|p| p.name.clone()).unwrap_or_default(),
             clusters: u32::try_from(state.federation.clusters().len()).unwrap_or(u32::MAX),
+            feature_level: state.feature_level,
+            feature_level_max: self.ctx.clock.own_feature_max(),
         }
     }
 

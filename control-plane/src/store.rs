@@ -92,6 +92,16 @@ pub enum StoreError {
         /// The id this process was started with.
         requested: NodeId,
     },
+    /// The directory was written by a newer kvota, in a layout this one does not know.
+    #[error("{what} is format {found}, newer than this kvota reads ({reads}): run the newer kvota on it, or restore a backup made by this one")]
+    Newer {
+        /// What.
+        what: &'static str,
+        /// The format found.
+        found: u32,
+        /// The newest format this build reads.
+        reads: u32,
+    },
     /// A stored value does not decode: the directory is damaged or was written by an
     /// incompatible version.
     #[error("data directory holds a corrupt {what}: {why}")]
@@ -103,21 +113,91 @@ pub enum StoreError {
     },
 }
 
+/// The newest snapshot format this build writes and reads: the JSON of
+/// [`StateMachineData`], `format` its first field. Snapshots written before formats were
+/// stamped carry none and are format 1.
+pub const SNAPSHOT_FORMAT: u32 = 1;
+
+/// The newest data-directory layout this build opens (the trees and keys described at
+/// the top of this module), recorded in the directory under `meta/format`.
+pub const DIR_FORMAT: u32 = 1;
+
+const DIR_FORMAT_KEY: &[u8] = b"format";
+
 /// The replicated state: what the state machine has applied and the resulting
 /// [`Federation`].
 ///
 /// Holds: `federation` is exactly the result of applying, in order, every normal entry
 /// up to and including `last_applied` (directly or through an installed snapshot);
-/// `last_membership` is the last membership entry at or before `last_applied`. Its JSON
-/// form is both the persisted state machine and the snapshot format.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// `last_membership` is the last membership entry at or before `last_applied`;
+/// `feature_level` is the highest level a `raise_feature_level` among those entries
+/// asked for (1 before any). Its JSON form is both the persisted state machine and the
+/// snapshot format.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StateMachineData {
+    /// The snapshot format ([`SNAPSHOT_FORMAT`] when written by this build).
+    #[serde(default = "format_1")]
+    pub format: u32,
+    /// The group's feature level (see [`crate::types::FEATURE_LEVEL`]).
+    #[serde(default = "format_1")]
+    pub feature_level: u32,
     /// The last log entry applied, `None` before the first.
     pub last_applied: Option<LogId<NodeId>>,
     /// The last membership applied (with its log id).
     pub last_membership: StoredMembership<NodeId, Node>,
     /// The deterministic state machine.
     pub federation: Federation,
+}
+
+fn format_1() -> u32 {
+    1
+}
+
+impl Default for StateMachineData {
+    fn default() -> Self {
+        StateMachineData {
+            format: SNAPSHOT_FORMAT,
+            feature_level: 1,
+            last_applied: None,
+            last_membership: StoredMembership::default(),
+            federation: Federation::default(),
+        }
+    }
+}
+
+impl StateMachineData {
+    /// Decodes a snapshot (or the persisted state) of a node that supports feature
+    /// levels up to `feature_max`: the format and level first, so that one this build
+    /// cannot read is refused with a clear error instead of misread.
+    pub fn decode(bytes: &[u8], feature_max: u32) -> Result<StateMachineData, String> {
+        #[derive(Deserialize)]
+        struct Head {
+            #[serde(default = "format_1")]
+            format: u32,
+            #[serde(default = "format_1")]
+            feature_level: u32,
+        }
+        let head: Head = serde_json::from_slice(bytes).map_err(|e| format!("snapshot: {e}"))?;
+        if head.format > SNAPSHOT_FORMAT || head.format == 0 {
+            return Err(format!(
+                "snapshot format {} is not one this node reads (1 to {SNAPSHOT_FORMAT}): it was written by a newer kvota; upgrade this node",
+                head.format
+            ));
+        }
+        if head.feature_level > feature_max {
+            return Err(newer_feature_level(head.feature_level, feature_max));
+        }
+        serde_json::from_slice(bytes).map_err(|e| format!("snapshot: {e}"))
+    }
+}
+
+/// Why a node cannot follow the group (the text a stopped node logs).
+pub fn newer_feature_level(level: u32, feature_max: u32) -> String {
+    format!(
+        "the federation runs at feature level {level}, and this node supports up to {feature_max}: \
+         upgrade this node's kvota (every voter must support a level before the leader raises it; \
+         a node added later must be as new)"
+    )
 }
 
 /// Open (or create) the data directory at `path` and return its log store and
@@ -127,6 +207,12 @@ pub struct StateMachineData {
 /// acknowledged `apply` or `install_snapshot`), and the log is what was last
 /// acknowledged. Only one process may have a directory open at a time (sled locks it).
 pub fn open(path: &Path) -> Result<(LogStore, StateMachineStore), StoreError> {
+    open_for(path, crate::types::FEATURE_LEVEL)
+}
+
+/// [`open`] for a node that supports feature levels up to `feature_max` (a state
+/// persisted at a higher level is refused as written by a newer kvota).
+pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachineStore), StoreError> {
     let db = sled::Config::new()
         .path(path)
         .open()
@@ -141,16 +227,16 @@ pub fn open(path: &Path) -> Result<(LogStore, StateMachineStore), StoreError> {
         source: sled::Error::Io(e),
     })?;
     let blobs = Some(Arc::new(BlobSync { dir: path.join("blobs"), synced: std::sync::Mutex::new(Default::default()) }));
-    open_disk(Disk { db, file: Some(Arc::new(file)), blobs })
+    open_disk(Disk { db, file: Some(Arc::new(file)), blobs }, feature_max)
 }
 
 /// Build the two stores on an already opened sled database (e.g. a temporary one in
 /// tests). Same guarantees as [`open`].
 pub fn open_db(db: sled::Db) -> Result<(LogStore, StateMachineStore), StoreError> {
-    open_disk(Disk { db, file: None, blobs: None })
+    open_disk(Disk { db, file: None, blobs: None }, crate::types::FEATURE_LEVEL)
 }
 
-fn open_disk(db: Disk) -> Result<(LogStore, StateMachineStore), StoreError> {
+fn open_disk(db: Disk, feature_max: u32) -> Result<(LogStore, StateMachineStore), StoreError> {
     let tree = |name: &'static str| {
         db.open_tree(name).map_err(|source| StoreError::Sled {
             what: "open tree",
@@ -160,6 +246,7 @@ fn open_disk(db: Disk) -> Result<(LogStore, StateMachineStore), StoreError> {
     let logs = tree(LOGS_TREE)?;
     let meta = tree(META_TREE)?;
     let state = tree(STATE_TREE)?;
+    check_dir_format(&meta)?;
 
     let log_store = LogStore {
         db: db.clone(),
@@ -173,12 +260,8 @@ fn open_disk(db: Disk) -> Result<(LogStore, StateMachineStore), StoreError> {
         what: "read the state machine",
         source,
     })? {
-        Some(bytes) => {
-            serde_json::from_slice::<StateMachineData>(&bytes).map_err(|e| StoreError::Corrupt {
-                what: "state machine",
-                why: e.to_string(),
-            })?
-        }
+        Some(bytes) => StateMachineData::decode(&bytes, feature_max)
+            .map_err(|why| StoreError::Corrupt { what: "state machine", why })?,
         None => StateMachineData::default(),
     };
 
@@ -187,8 +270,34 @@ fn open_disk(db: Disk) -> Result<(LogStore, StateMachineStore), StoreError> {
         state,
         data: Arc::new(RwLock::new(data)),
         snapshot_lock: Arc::new(Mutex::new(())),
+        feature_max: Arc::new(std::sync::atomic::AtomicU32::new(feature_max)),
     };
     Ok((log_store, sm_store))
+}
+
+/// Records [`DIR_FORMAT`] in a directory that has none (new, or written before the
+/// layout had a number, which is layout 1) and refuses one of a newer layout.
+fn check_dir_format(meta: &sled::Tree) -> Result<(), StoreError> {
+    let sled_err = |source| StoreError::Sled { what: "data directory format", source };
+    match meta.get(DIR_FORMAT_KEY).map_err(sled_err)? {
+        Some(v) => {
+            let found = <[u8; 4]>::try_from(v.as_ref()).map(u32::from_le_bytes).map_err(|_| StoreError::Corrupt {
+                what: "data directory format",
+                why: format!("{} bytes where 4 were written", v.len()),
+            })?;
+            if found > DIR_FORMAT {
+                return Err(StoreError::Newer { what: "data directory", found, reads: DIR_FORMAT });
+            }
+            Ok(())
+        }
+        None => {
+            // Made durable with the first write that is flushed (every write openraft
+            // relies on is); until then a crash leaves a directory without it, which is
+            // layout 1 all the same.
+            meta.insert(DIR_FORMAT_KEY, &DIR_FORMAT.to_le_bytes()).map_err(sled_err)?;
+            Ok(())
+        }
+    }
 }
 
 /// The sled key of log index `index`: big-endian, so byte order is index order.
@@ -664,6 +773,9 @@ pub struct StateMachineStore {
     /// it, so meta and bytes always match and a newer snapshot is never replaced by an
     /// older build.
     snapshot_lock: Arc<Mutex<()>>,
+    /// The newest feature level this node supports ([`crate::types::FEATURE_LEVEL`]
+    /// unless a test poses as a newer build).
+    feature_max: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl fmt::Debug for StateMachineStore {
@@ -681,6 +793,18 @@ impl StateMachineStore {
     /// `apply` waits for readers.
     pub fn shared(&self) -> Arc<RwLock<StateMachineData>> {
         Arc::clone(&self.data)
+    }
+
+    /// The newest feature level this node supports.
+    pub fn feature_max(&self) -> u32 {
+        self.feature_max.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Poses as a build that supports feature levels up to `level` (tests of the
+    /// upgrade gate only: a real build supports what it was written for).
+    #[doc(hidden)]
+    pub fn set_feature_max(&self, level: u32) {
+        self.feature_max.store(level, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -757,15 +881,34 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     )
                     .into());
                 }
+                let previous = data.last_applied;
                 data.last_applied = Some(entry.log_id);
                 let reply = match entry.payload {
                     EntryPayload::Blank => Response(None),
-                    EntryPayload::Normal(Request { now_ms, commands }) => Response(Some(
-                        commands
-                            .into_iter()
-                            .map(|c| data.federation.apply(now_ms, c))
-                            .collect(),
-                    )),
+                    EntryPayload::Normal(Request { now_ms, commands, raise_feature_level, .. }) => {
+                        // Checked before anything of the entry is applied: a node that
+                        // cannot run at the new level stops here, its state untouched
+                        // by this entry (openraft applies it again after an upgrade).
+                        if let Some(level) = raise_feature_level {
+                            let max = self.feature_max();
+                            if level > max {
+                                data.last_applied = previous;
+                                return Err(StorageIOError::apply(
+                                    entry.log_id,
+                                    openraft::AnyError::error(crate::store::newer_feature_level(level, max)),
+                                )
+                                .into());
+                            }
+                        }
+                        let answers = commands.into_iter().map(|c| data.federation.apply(now_ms, c)).collect();
+                        if let Some(level) = raise_feature_level {
+                            if level > data.feature_level {
+                                tracing::info!(from = data.feature_level, to = level, "feature level raised");
+                                data.feature_level = level;
+                            }
+                        }
+                        Response(Some(answers))
+                    }
                     EntryPayload::Membership(membership) => {
                         data.last_membership =
                             StoredMembership::new(Some(entry.log_id), membership);
@@ -811,8 +954,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let bytes = snapshot.into_inner();
         // Decode and check everything before touching disk or memory: a bad snapshot
         // must leave the state machine as it was.
-        let new: StateMachineData = serde_json::from_slice(&bytes)
-            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        let new = StateMachineData::decode(&bytes, self.feature_max())
+            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), openraft::AnyError::error(e)))?;
         if new.last_applied != meta.last_log_id || new.last_membership != meta.last_membership {
             return Err(StorageIOError::read_snapshot(
                 Some(meta.signature()),

@@ -7,94 +7,26 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Cursor};
 use std::path::Path;
 use std::process::{Command as Process, Stdio};
 use std::time::{Duration, Instant};
 
 use kvota_control_plane::store::{self, LogStore, StateMachineData};
-use kvota_control_plane::types::{Node, Request, Response, TypeConfig};
-use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
-use kvota_fairness::policy::Policy;
+use kvota_control_plane::types::{Response, TypeConfig};
+use kvota_fairness::federation::{Applied, Command};
 use openraft::storage::{RaftLogStorage, RaftLogStorageExt, RaftStateMachine};
 use openraft::testing::log_id;
 use openraft::{
-    Entry, EntryPayload, Membership, RaftLogReader, RaftSnapshotBuilder, SnapshotMeta,
+    Entry, RaftLogReader, RaftSnapshotBuilder, SnapshotMeta,
     StoredMembership, Vote,
 };
 use tempfile::TempDir;
 
+mod common;
+use common::*;
+
 const CRASH_DIR_ENV: &str = "KVOTA_STORE_CRASH_DIR";
-
-fn entry(term: u64, index: u64, payload: EntryPayload<TypeConfig>) -> Entry<TypeConfig> {
-    Entry {
-        log_id: log_id(term, 1, index),
-        payload,
-    }
-}
-
-fn normal(now_ms: u64, command: Command) -> EntryPayload<TypeConfig> {
-    EntryPayload::Normal(Request { now_ms, commands: vec![command] })
-}
-
-fn register(cluster: &str, gpus: u64) -> Command {
-    Command::RegisterCluster {
-        cluster: cluster.to_string(),
-        capacity: [("nvidia.com/gpu".to_string(), gpus * 1000)].into(),
-        labels: BTreeMap::new(),
-    }
-}
-
-fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
-    Command::Report(UsageReport {
-        cluster: cluster.to_string(),
-        seq,
-        held_epoch: 0,
-        capacity: None,
-        tenants: [(
-            "training".to_string(),
-            TenantReport {
-                used_milli_gpue_ms: inuse * 30_000,
-                inuse,
-                pending: 2_000,
-            },
-        )]
-        .into(),
-        evictions: Vec::new(),
-        window: None,
-    })
-}
-
-fn policy() -> Command {
-    Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).unwrap())
-}
-
-/// A realistic log: membership, blank, then commands including a refused one.
-fn sample_log() -> Vec<Entry<TypeConfig>> {
-    let membership = Membership::new(
-        vec![[1u64].into()],
-        BTreeMap::from([(
-            1u64,
-            Node {
-                rpc_addr: "127.0.0.1:7000".into(),
-                http_addr: "127.0.0.1:7001".into(),
-                raft_addr: "127.0.0.1:7002".into(),
-            },
-        )]),
-    );
-    vec![
-        entry(1, 1, EntryPayload::Membership(membership)),
-        entry(1, 2, EntryPayload::Blank),
-        entry(1, 3, normal(1_000, policy())),
-        entry(1, 4, normal(2_000, register("east", 32))),
-        entry(2, 5, normal(3_000, register("west", 16))),
-        entry(2, 6, normal(4_000, report("east", 1, 5_000))),
-        // Refused (sequence gap): answered with an error, changes nothing.
-        entry(2, 7, normal(5_000, report("west", 9, 1_000))),
-        entry(2, 8, normal(6_000, Command::Tick)),
-    ]
-}
 
 /// Opens the store at `path`, waiting up to 5 s for a previous handle's lock: sled
 /// releases its file lock only when its last background reference (flusher, IO
@@ -111,19 +43,6 @@ fn open_retrying(path: &Path) -> (LogStore, kvota_control_plane::store::StateMac
             Err(e) => panic!("open {}: {e}", path.display()),
         }
     }
-}
-
-/// The Federation obtained by applying the normal entries of `log` directly.
-fn replay(log: &[Entry<TypeConfig>]) -> Federation {
-    let mut fed = Federation::new();
-    for e in log {
-        if let EntryPayload::Normal(Request { now_ms, commands }) = &e.payload {
-            for command in commands {
-                let _ = fed.apply(*now_ms, command.clone());
-            }
-        }
-    }
-    fed
 }
 
 async fn all_entries(log: &mut LogStore) -> Vec<Entry<TypeConfig>> {

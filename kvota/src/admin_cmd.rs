@@ -190,6 +190,7 @@ pub fn status(cp: &Cp, json: bool) -> Result<()> {
                 "node_id": s.node_id, "role": s.role, "term": s.term, "leader_id": s.leader_id,
                 "leader_rpc_addr": s.leader_rpc_addr, "last_log_index": s.last_log_index,
                 "last_applied_index": s.last_applied_index, "policy": s.policy, "clusters": s.clusters,
+                "feature_level": s.feature_level, "feature_level_max": s.feature_level_max,
                 "members": s.members.iter().map(|m| serde_json::json!({"id": m.id, "rpc": m.rpc_addr, "http": m.http_addr, "raft": m.raft_addr, "voter": m.voter})).collect::<Vec<_>>(),
             })
         );
@@ -202,6 +203,9 @@ pub fn status(cp: &Cp, json: bool) -> Result<()> {
         out!("leader: node {} at {}", s.leader_id, s.leader_rpc_addr);
     }
     out!("log: last index {}, applied {}", s.last_log_index, s.last_applied_index);
+    if s.feature_level != 0 {
+        out!("feature level: {} (this node supports up to {})", s.feature_level, s.feature_level_max);
+    }
     out!(
         "policy: {}; {} member cluster(s)",
         if s.policy.is_empty() { "none (apply one: kvota policy apply FILE)" } else { &s.policy },

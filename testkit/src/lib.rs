@@ -156,6 +156,11 @@ impl Cluster {
         Cluster { dirs, nodes, members, tweak, tls, tmp }
     }
 
+    /// Changes how each node's configuration is adjusted at its next (re)start.
+    pub fn set_tweak(&mut self, tweak: fn(&mut ServerConfig)) {
+        self.tweak = tweak;
+    }
+
     /// Every node's gRPC API address.
     pub fn endpoints(&self) -> Vec<String> {
         self.members.values().map(|m| m.rpc_addr.clone()).collect()
@@ -190,6 +195,14 @@ impl Cluster {
 
     /// Starts node `id` again on its addresses and directory.
     pub async fn restart(&mut self, id: u64) {
+        if let Err(e) = self.try_restart(id).await {
+            panic!("restart node {id}: {e}");
+        }
+    }
+
+    /// Starts node `id` again on its addresses and directory; the error of a start that
+    /// fails for another reason than a port or the directory's lock still held.
+    pub async fn try_restart(&mut self, id: u64) -> Result<(), String> {
         let m = self.members[&id].clone();
         // Rebind the same ports (the members' addresses are part of the replicated state)
         // and reopen the directory. In one process, the stopped instance's last blocking
@@ -200,26 +213,33 @@ impl Cluster {
             let api = TcpListener::bind(&m.rpc_addr).await;
             let raft = TcpListener::bind(&m.raft_addr).await;
             let http = TcpListener::bind(&m.http_addr).await;
-            let attempt = match (api, raft, http) {
+            let (attempt, transient) = match (api, raft, http) {
                 (Ok(api), Ok(raft), Ok(http)) => {
                     let mut cfg = config(id, self.dirs[idx(id)].clone(), &m);
                     cfg.tls = self.tls[idx(id)].clone();
                     (self.tweak)(&mut cfg);
-                    start(cfg, Listeners { api, raft, http }).await.map_err(|e| format!("{e:#}"))
+                    match start(cfg, Listeners { api, raft, http }).await {
+                        Ok(n) => (Ok(n), false),
+                        Err(e) => {
+                            let e = format!("{e:#}");
+                            let lock = e.contains("lock");
+                            (Err(e), lock)
+                        }
+                    }
                 }
-                (a, r, h) => Err(format!("rebind {m:?}: {:?} {:?} {:?}", a.err(), r.err(), h.err())),
+                (a, r, h) => (Err(format!("rebind {m:?}: {:?} {:?} {:?}", a.err(), r.err(), h.err())), true),
             };
             match attempt {
                 Ok(n) => break n,
-                Err(e) if tries < 50 => {
+                Err(_) if transient && tries < 50 => {
                     tries += 1;
-                    let _ = e;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                Err(e) => panic!("restart node {id}: {e}"),
+                Err(e) => return Err(e),
             }
         };
         self.nodes[idx(id)] = Some(node);
+        Ok(())
     }
 
     /// Node `id`'s applied federation.

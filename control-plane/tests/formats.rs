@@ -1,0 +1,327 @@
+//! Persistent formats of the control plane: what an earlier build wrote still reads,
+//! what a newer build wrote is refused with an error that says so, and the feature
+//! level moves only when every voter supports it.
+//!
+//! `tests/golden/` holds bytes as the build before format versions wrote them (log
+//! entries as stored and replicated, a snapshot, which is also the persisted state);
+//! they are format 1 and must decode, unchanged, to the values [`common::full_log`]
+//! builds. A change that breaks them needs a new format version and a migration (the
+//! upgrade rule in docs/operations.md).
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvota_client::client::Client;
+use kvota_control_plane::store::{self, StateMachineData, StoreError};
+use kvota_control_plane::types::{Request, TypeConfig, FEATURE_LEVEL, LOG_FORMAT};
+use kvota_fairness::policy::Policy;
+use kvota_proto::v1;
+use openraft::storage::{RaftLogStorageExt, RaftStateMachine};
+use openraft::{Entry, EntryPayload, RaftLogReader, SnapshotMeta, StoredMembership};
+
+fn golden(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name)
+}
+
+fn golden_log() -> Vec<Entry<TypeConfig>> {
+    std::fs::read_to_string(golden("log-entries.format-1.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("a format-1 entry does not decode: {e}\n{l}")))
+        .collect()
+}
+
+/// The state the golden log leaves, built by applying it here.
+fn state_after(log: &[Entry<TypeConfig>]) -> StateMachineData {
+    let EntryPayload::Membership(m) = &log[0].payload else { panic!("the log starts with a membership") };
+    StateMachineData {
+        last_applied: Some(log.last().unwrap().log_id),
+        last_membership: StoredMembership::new(Some(log[0].log_id), m.clone()),
+        federation: replay(log),
+        ..StateMachineData::default()
+    }
+}
+
+#[test]
+fn format_1_log_entries_decode_to_what_was_written() {
+    let got = golden_log();
+    assert_eq!(got, full_log());
+    for e in &got {
+        if let EntryPayload::Normal(r) = &e.payload {
+            assert_eq!(r.format, 1, "entries without a format field are format 1");
+        }
+    }
+    // Written today: the format first, and it reads back the same.
+    let r = Request::new(5, vec![kvota_fairness::federation::Command::Tick]);
+    let json = serde_json::to_string(&r).unwrap();
+    assert!(json.starts_with(&format!("{{\"format\":{LOG_FORMAT},")), "{json}");
+    assert_eq!(serde_json::from_str::<Request>(&json).unwrap(), r);
+}
+
+#[test]
+fn a_format_1_snapshot_decodes_to_the_state_its_log_leaves() {
+    let bytes = std::fs::read(golden("snapshot.format-1.json")).unwrap();
+    let got = StateMachineData::decode(&bytes, FEATURE_LEVEL).unwrap();
+    assert_eq!(got, state_after(&full_log()));
+    assert_eq!((got.format, got.feature_level), (1, 1));
+    assert!(got.federation.policy().is_some() && got.federation.now_ms() == 8_000, "a state with content, not an empty one");
+}
+
+/// The golden files through a real store: the entries appended and read back, the
+/// snapshot installed, then the store reopened.
+#[tokio::test]
+async fn a_store_takes_format_1_entries_and_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = golden_log();
+    {
+        let (mut logs, mut sm) = store::open(dir.path()).unwrap();
+        logs.blocking_append(log.clone()).await.unwrap();
+        assert_eq!(logs.try_get_log_entries(..).await.unwrap(), log);
+        let want = state_after(&log);
+        let meta = SnapshotMeta { last_log_id: want.last_applied, last_membership: want.last_membership.clone(), snapshot_id: "golden".into() };
+        let bytes = std::fs::read(golden("snapshot.format-1.json")).unwrap();
+        sm.install_snapshot(&meta, Box::new(std::io::Cursor::new(bytes))).await.unwrap();
+        assert_eq!(*sm.shared().read().await, want);
+    }
+    let mut tries = 0;
+    let (mut logs, sm) = loop {
+        match store::open(dir.path()) {
+            Ok(s) => break s,
+            Err(e) if tries < 100 && e.to_string().contains("lock") => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("reopen: {e}"),
+        }
+    };
+    assert_eq!(logs.try_get_log_entries(..).await.unwrap(), log);
+    assert_eq!(*sm.shared().read().await, state_after(&log));
+}
+
+#[test]
+fn newer_formats_are_refused_with_an_error_that_says_so() {
+    let line = std::fs::read_to_string(golden("log-entries.format-1.jsonl")).unwrap().lines().nth(3).unwrap().to_string();
+    assert!(line.contains("\"Normal\":{\"now_ms\""), "{line}");
+    // The same entry marked format 2: refused, whatever follows.
+    let newer = line.replacen("\"Normal\":{", "\"Normal\":{\"format\":2,", 1);
+    let e = serde_json::from_str::<Entry<TypeConfig>>(&newer).unwrap_err().to_string();
+    assert!(e.contains("log entry format 2 is newer than this node reads (up to 1)"), "{e}");
+    assert!(e.contains("upgrade this node"), "{e}");
+    // A field this build does not know is refused, not dropped.
+    let unknown = line.replacen("\"Normal\":{", "\"Normal\":{\"priority\":3,", 1);
+    let e = serde_json::from_str::<Entry<TypeConfig>>(&unknown).unwrap_err().to_string();
+    assert!(e.contains("unknown field `priority`"), "{e}");
+    for bad in ["\"format\":0,", "\"format\":1,\"format\":1,"] {
+        let b = line.replacen("\"Normal\":{", &format!("\"Normal\":{{{bad}"), 1);
+        assert!(serde_json::from_str::<Entry<TypeConfig>>(&b).is_err(), "{b}");
+    }
+
+    let snap = String::from_utf8(std::fs::read(golden("snapshot.format-1.json")).unwrap()).unwrap();
+    let newer = snap.replacen('{', "{\"format\":2,", 1);
+    let e = StateMachineData::decode(newer.as_bytes(), FEATURE_LEVEL).unwrap_err();
+    assert!(e.contains("snapshot format 2") && e.contains("newer kvota"), "{e}");
+    let higher = snap.replacen('{', "{\"feature_level\":2,", 1);
+    let e = StateMachineData::decode(higher.as_bytes(), FEATURE_LEVEL).unwrap_err();
+    assert!(e.contains("feature level 2") && e.contains("upgrade this node"), "{e}");
+    assert!(StateMachineData::decode(higher.as_bytes(), 2).is_ok(), "a node that supports level 2 reads it");
+}
+
+#[test]
+fn a_data_directory_of_a_newer_layout_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = sled::open(dir.path()).unwrap();
+        db.open_tree("meta").unwrap().insert("format", &2u32.to_le_bytes()).unwrap();
+        db.flush().unwrap();
+    }
+    let mut tries = 0;
+    let e = loop {
+        match store::open(dir.path()) {
+            Err(e) if tries < 100 && e.to_string().contains("lock") => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => break e,
+            Ok(_) => panic!("a layout-2 directory opened"),
+        }
+    };
+    assert!(matches!(e, StoreError::Newer { found: 2, reads: 1, .. }), "{e}");
+    assert!(e.to_string().contains("newer than this kvota reads"), "{e}");
+}
+
+async fn apply_policy(c: &Client) {
+    let yaml = Policy::article_example_yaml().to_string();
+    c.call(|ch| {
+        let yaml = yaml.clone();
+        async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+    })
+    .await
+    .unwrap();
+}
+
+async fn wait_for<F: Fn() -> bool>(what: &str, within: Duration, f: F) {
+    let deadline = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A node meets, in its own log, an entry of a format newer than it reads (as after a
+/// downgrade): it stops with an error that names the format, instead of misreading it.
+#[tokio::test]
+async fn a_node_that_meets_a_newer_log_entry_stops_with_a_clear_error() {
+    let mut cl = kvota_testkit::Cluster::start(1).await;
+    cl.leader(Duration::from_secs(10)).await;
+    apply_policy(&Client::new(&cl.endpoints()).unwrap()).await;
+    // Let ticks append entries after it, so that the marked entry is met on replay.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let applied = cl.node(1).raft().metrics().borrow().last_applied.unwrap().index;
+    cl.stop(1).await;
+    // Mark the policy's entry (committed and applied, after no snapshot: it is replayed
+    // at the next start) as format 2.
+    let raft_dir = cl.dirs[0].join("raft");
+    let mut tries = 0;
+    let db = loop {
+        match sled::open(&raft_dir) {
+            Ok(db) => break db,
+            Err(e) if tries < 100 => {
+                tries += 1;
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("open {}: {e}", raft_dir.display()),
+        }
+    };
+    let logs = db.open_tree("logs").unwrap();
+    let mut marked = None;
+    for kv in logs.iter() {
+        let (k, v) = kv.unwrap();
+        let text = String::from_utf8(v.to_vec()).unwrap();
+        if text.contains("ApplyPolicy") {
+            let newer = text.replacen("\"Normal\":{\"format\":1,", "\"Normal\":{\"format\":2,", 1);
+            assert_ne!(newer, text, "entries are written with their format first: {text}");
+            logs.insert(k.clone(), newer.as_bytes()).unwrap();
+            marked = Some(u64::from_be_bytes(k.as_ref().try_into().unwrap()));
+        }
+    }
+    let marked = marked.expect("the policy's entry");
+    assert!(marked <= applied);
+    db.flush().unwrap();
+    drop(logs);
+    drop(db);
+
+    // Met while the Raft core starts (it reads the log's last entry) the start fails;
+    // met on replay, the core stops (`ServerHandle::broken`). Same words either way.
+    let why = match cl.try_restart(1).await {
+        Err(why) => why,
+        Ok(()) => tokio::time::timeout(Duration::from_secs(20), cl.node(1).broken()).await.expect("the node stops"),
+    };
+    assert!(why.contains("log entry format 2 is newer than this node reads (up to 1)"), "{why}");
+    assert!(why.contains("upgrade this node"), "{why}");
+    assert!(why.contains(&format!("LogIndex({marked})")), "the error names the entry: {why}");
+    cl.shutdown().await;
+}
+
+fn supports_2(c: &mut kvota_control_plane::server::ServerConfig) {
+    c.feature_level_max = 2;
+}
+
+fn node_3_supports_1(c: &mut kvota_control_plane::server::ServerConfig) {
+    c.feature_level_max = if c.id == 3 { 1 } else { 2 };
+}
+
+async fn levels(cl: &kvota_testkit::Cluster) -> Vec<u32> {
+    let mut out = Vec::new();
+    for n in cl.nodes.iter().flatten() {
+        out.push(n.ctx.state.read().await.feature_level);
+    }
+    out
+}
+
+/// The upgrade gate: while one voter supports only level 1 the group stays there; once
+/// every voter supports level 2 the leader raises it on every node; a node that cannot
+/// run at it (an old build started again) stops with an error that says to upgrade it.
+#[tokio::test]
+async fn the_feature_level_rises_only_when_every_voter_supports_it() {
+    let mut cl = kvota_testkit::Cluster::start_with(3, None, node_3_supports_1).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).unwrap();
+    apply_policy(&client).await;
+    // Several ticks (200 ms each) with fresh readings from every voter: no raise.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(levels(&cl).await, vec![1, 1, 1], "node 3 supports level 1 only");
+
+    // Node 3 upgraded: the next ticks raise the level everywhere.
+    cl.set_tweak(supports_2);
+    cl.stop(3).await;
+    cl.restart(3).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while levels(&cl).await != vec![2, 2, 2] {
+        assert!(Instant::now() < deadline, "level not raised: {:?}", levels(&cl).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    apply_policy(&client).await;
+
+    // Node 3 downgraded: it replays the raise and stops, saying why (as it starts, when
+    // the Raft core replays its log then; or right after, if it learns of it later).
+    cl.set_tweak(node_3_supports_1);
+    cl.stop(3).await;
+    let why = match cl.try_restart(3).await {
+        Err(why) => why,
+        Ok(()) => tokio::time::timeout(Duration::from_secs(20), cl.node(3).broken()).await.expect("node 3 stops"),
+    };
+    assert!(why.contains("feature level 2") && why.contains("supports up to 1") && why.contains("upgrade"), "{why}");
+    // The others go on.
+    wait_for("a leader among 1 and 2", Duration::from_secs(10), || {
+        [1u64, 2].iter().any(|id| cl.node(*id).raft().metrics().borrow().state == openraft::ServerState::Leader)
+    })
+    .await;
+    cl.stop(3).await;
+    apply_policy(&client).await;
+    cl.shutdown().await;
+}
+
+/// A node that is sent entries of a format newer than it reads (it was added, or
+/// restarted, as an older build than the group's level needs) stops with an error that
+/// names the sender and the format, instead of refusing them forever while it lags. The
+/// sender must be an authenticated node: without TLS there are no identities, and
+/// anyone reaching the port could stop a node this way, so such a payload is only
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_sent_newer_entries_by_a_node_stops_saying_why() {
+    let pki = kvota_testkit::Pki::new("kvota");
+    let cl = kvota_testkit::Cluster::start_with(1, Some(&pki), |_| {}).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let term = cl.node(1).raft().metrics().borrow().current_term;
+    // Written as kvota writes entries: the format first (what follows it may mean
+    // anything in a newer format; here a command this build does not know).
+    let newer = format!(
+        r#"{{"vote":{{"leader_id":{{"term":{t},"node_id":2}},"committed":true}},"prev_log_id":null,"entries":[{{"log_id":{{"leader_id":{{"term":{t},"node_id":2}},"index":100}},"payload":{{"Normal":{{"format":2,"now_ms":1,"commands":[{{"Renamed":{{}}}}]}}}}}}],"leader_commit":null}}"#,
+        t = term + 1
+    );
+    serde_json::from_str::<serde_json::Value>(&newer).expect("valid JSON");
+    let node2 = pki.party(kvota_tls::Role::Node, "2");
+    let mut raft = kvota_control_plane::network::raft_client(&cl.members[&1].raft_addr, 1, Some(&node2), Duration::from_secs(2)).unwrap();
+    let s = raft.append_entries(v1::RaftPayload { data: newer.clone().into_bytes() }).await.expect_err("refused");
+    assert!(s.message().contains("log entry format 2 is newer than this node reads"), "{s:?}");
+    let why = tokio::time::timeout(Duration::from_secs(10), cl.node(1).broken()).await.expect("node 1 stops");
+    assert!(why.contains("replicated from node 2") && why.contains("format 2") && why.contains("upgrade this node"), "{why}");
+    cl.shutdown().await;
+
+    // Plain text: refused, and the node goes on.
+    let cl = kvota_testkit::Cluster::start(1).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let mut raft = kvota_control_plane::network::raft_client(&cl.members[&1].raft_addr, 1, None, Duration::from_secs(2)).unwrap();
+    let s = raft.append_entries(v1::RaftPayload { data: newer.clone().into_bytes() }).await.expect_err("refused");
+    assert!(s.message().contains("format 2"), "{s:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(cl.node(1).ctx.fatal(), None, "an unauthenticated payload stops nothing");
+    apply_policy(&Client::new(&cl.endpoints()).unwrap()).await;
+    cl.shutdown().await;
+}
