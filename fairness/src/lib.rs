@@ -36,6 +36,7 @@ pub mod measures;
 pub mod policy;
 pub mod reclaim;
 pub mod resources;
+pub mod rng;
 pub mod split;
 pub mod units;
 

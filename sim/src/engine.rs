@@ -547,24 +547,8 @@ pub enum SimError {
     Config(String),
 }
 
-/// Deterministic 64-bit generator (splitmix64): the only source of randomness.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded.
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    /// Next value.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
+/// The seeded generator: the only source of randomness of a run.
+pub use kvota_fairness::rng::Rng;
 
 /// Runs one scheduler over the trace.
 pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Scheduler) -> Result<RunResult, SimError> {

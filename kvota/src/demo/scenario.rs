@@ -105,31 +105,22 @@ pub struct Script {
     pub phases: Vec<Phase>,
 }
 
-/// splitmix64: tiny, seedable, and the same on every platform.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
+/// The demo's generator: the workspace's seeded one (`kvota_fairness::rng`), salted so
+/// the demo's streams differ from a simulation's of the same seed.
+struct Rng(kvota_fairness::rng::Rng);
 
 impl Rng {
-    /// A generator for `seed`.
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x6b76_6f74_6164_656d)
+    fn new(seed: u64) -> Rng {
+        Rng(kvota_fairness::rng::Rng::new(seed ^ 0x6b76_6f74_6164_656d))
     }
 
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+    /// Uniform in `lo..=hi`; `lo`, drawing nothing, when `hi <= lo` (the script's
+    /// numbers for every seed depend on it).
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
         if hi <= lo {
             return lo;
         }
-        lo + self.next_u64() % (hi - lo + 1)
+        self.0.range(lo, hi)
     }
 }
 

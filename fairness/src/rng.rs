@@ -1,7 +1,9 @@
-//! The one source of randomness of a run: SplitMix64 seeded from the run's seed.
+//! The one seeded generator of the workspace: SplitMix64, the only source of randomness
+//! of a chaos run, a simulation and the demo's script, so each replays from its seed.
 //!
 //! Hand-written (a dozen lines) so a seed replays bit-identically whatever version of a
-//! random-number crate the workspace pins next year.
+//! random-number crate the workspace pins next year. No IO, no clock: it belongs to the
+//! pure core as much as the arithmetic does.
 
 /// SplitMix64 (Steele, Lea, Flood 2014): full 2^64 period, passes BigCrush, one add and
 /// three multiply-xorshifts per number.
