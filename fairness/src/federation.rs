@@ -64,14 +64,9 @@ pub const MAX_EVICTION_TEXT: usize = 1024;
 /// Most resource names in a cluster's capacity.
 pub const MAX_CAPACITY_RESOURCES: usize = 64;
 
-/// A cluster id: DNS-label style, 1-63 characters.
+/// A cluster id: a DNS label ([`crate::names`]).
 pub fn valid_cluster_id(id: &str) -> bool {
-    let b = id.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
+    crate::names::is_dns_label(id)
 }
 
 /// Every (tenant, cluster) pair's usage and enforceable budget, read once per applied
@@ -543,7 +538,7 @@ impl Federation {
         if !valid_cluster_id(&cluster) {
             return Err(CommandError::Invalid {
                 what: "cluster id".to_string(),
-                why: format!("`{cluster}`: use 1-63 lowercase letters, digits or '-'"),
+                why: format!("`{cluster}`: use {}", crate::names::DNS_LABEL_RULE),
             });
         }
         validate_capacity(&capacity)?;

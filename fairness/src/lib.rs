@@ -33,6 +33,7 @@ pub mod explain;
 pub mod federation;
 pub mod lease;
 pub mod measures;
+pub mod names;
 pub mod policy;
 pub mod reclaim;
 pub mod resources;

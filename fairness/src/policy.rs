@@ -882,12 +882,12 @@ impl Checker {
                 None
             }
             Some(v) => self.string(&join(path, "name"), v).and_then(|n| {
-                if valid_dns_label(&n) {
+                if crate::names::is_dns_label(&n) {
                     Some(n)
                 } else {
                     self.push(
                         &join(path, "name"),
-                        format!("`{n}` is not a valid tenant name (lowercase letters, digits and '-', 1-63 characters, starting and ending with a letter or digit)"),
+                        format!("`{n}` is not a valid tenant name ({})", crate::names::DNS_LABEL_RULE),
                     );
                     None
                 }
@@ -978,7 +978,7 @@ impl Checker {
         for (i, item) in seq.iter().enumerate() {
             let p = format!("{path}[{i}]");
             match self.string(&p, item) {
-                Some(s) if valid_dns_label(&s) => out.push(s),
+                Some(s) if crate::names::is_dns_label(&s) => out.push(s),
                 Some(s) => {
                     self.push(&p, format!("`{s}` is not a valid namespace name"));
                     ok = false;
@@ -1092,16 +1092,6 @@ fn fmt_scaled(v: i128, decimals: u32) -> String {
         let fs = format!("{f:0width$}", width = decimals as usize);
         format!("{sign}{i}.{}", fs.trim_end_matches('0'))
     }
-}
-
-fn valid_dns_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b.first().is_some_and(|c| *c != b'-')
-        && b.last().is_some_and(|c| *c != b'-')
 }
 
 fn valid_resource_name(s: &str) -> bool {

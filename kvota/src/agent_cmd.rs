@@ -26,7 +26,7 @@ use tokio::sync::watch;
 /// Options of `kvota agent`.
 #[derive(Debug, Args)]
 pub struct AgentArgs {
-    /// This member cluster's id (lowercase letters, digits, '-'), unique in the federation.
+    /// This member cluster's id (a DNS label: 1-63 lowercase letters, digits and '-'), unique in the federation.
     #[arg(long, env = "KVOTA_CLUSTER")]
     pub(crate) cluster: String,
     /// Directory for the usage journal and the last lease (created if missing). Keep it
@@ -112,7 +112,7 @@ fn parse_nodes(spec: &str) -> Result<Vec<u64>> {
 /// Runs the agent until Ctrl-C or SIGTERM.
 pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
     if !kvota_fairness::federation::valid_cluster_id(&args.cluster) {
-        bail!("--cluster `{}`: use lowercase letters, digits and '-', starting with a letter", args.cluster);
+        bail!("--cluster `{}`: use {}", args.cluster, kvota_fairness::names::DNS_LABEL_RULE);
     }
     if args.report_interval_ms < 100 {
         bail!("--report-interval-ms {}: at least 100", args.report_interval_ms);

@@ -90,7 +90,7 @@ fn parse_clusters(spec: &str) -> Result<Vec<(String, u64)>> {
         };
         let name = name.trim();
         if !kvota_fairness::federation::valid_cluster_id(name) {
-            bail!("--clusters {spec}: `{name}` is not a valid cluster name (lowercase letters, digits and '-')");
+            bail!("--clusters {spec}: `{name}` is not a valid cluster name ({})", kvota_fairness::names::DNS_LABEL_RULE);
         }
         if out.iter().any(|c| c.0 == name) {
             bail!("--clusters {spec}: cluster `{name}` appears twice");

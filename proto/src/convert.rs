@@ -41,7 +41,7 @@ pub fn cluster_id(field: &str, id: &str) -> Result<String, Invalid> {
     } else {
         Err(invalid(
             field,
-            format!("`{}` is not a cluster id (1-63 lowercase letters, digits or '-')", truncate(id)),
+            format!("`{}` is not a cluster id ({})", truncate(id), kvota_fairness::names::DNS_LABEL_RULE),
         ))
     }
 }
@@ -55,15 +55,10 @@ fn truncate(s: &str) -> String {
 }
 
 fn tenant_name(field: &str, name: &str) -> Result<String, Invalid> {
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-');
-    if ok {
+    if kvota_fairness::names::is_dns_label(name) {
         Ok(name.to_string())
     } else {
-        Err(invalid(field, format!("`{}` is not a tenant name", truncate(name))))
+        Err(invalid(field, format!("`{}` is not a tenant name ({})", truncate(name), kvota_fairness::names::DNS_LABEL_RULE)))
     }
 }
 

@@ -112,7 +112,7 @@ pub fn check_name(role: Role, name: &str) -> Result<(), IdentityError> {
     }
     let rule = match role {
         Role::Node => "a node id: a number > 0 without leading zeros".to_string(),
-        Role::Cluster => "a cluster id: 1-63 lowercase letters, digits and '-', not starting or ending with '-'".to_string(),
+        Role::Cluster => format!("a cluster id: {}", kvota_fairness::names::DNS_LABEL_RULE),
         Role::Operator | Role::Viewer => format!("1 to {MAX_PERSON_NAME} of letters, digits, '.', '-', '_' and '@'"),
     };
     Err(IdentityError(format!("{role} name `{}` is not {rule}", clip(name))))
