@@ -8,11 +8,12 @@
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use kvota_tls::http::answer;
 use kvota_tls::PeerInfo;
 
 use crate::node::NodeCtx;
@@ -63,29 +64,18 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
 /// as a partition, shows in `/readyz` only, so an orchestrator does not restart a node
 /// that is merely cut off; a stopped Raft core cannot pass, and the process exits.)
 async fn healthz(State(ctx): State<Arc<NodeCtx>>) -> Response {
-    match ctx.fatal() {
-        None => (StatusCode::OK, "ok\n").into_response(),
-        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("broken: {why}\n")).into_response(),
-    }
+    answer::probe(ctx.fatal().map_or(Ok(()), Err), "ok", "broken")
 }
 
 /// Ready: part of a quorum with a known leader, and caught up (see `NodeCtx::ready_checked`).
 async fn readyz(State(ctx): State<Arc<NodeCtx>>) -> Response {
-    match ctx.ready_checked().await {
-        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
-        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
-    }
+    answer::probe(ctx.ready_checked().await, "ready", "not ready")
 }
 
 async fn metrics(State(ctx): State<Arc<NodeCtx>>) -> Response {
     let raft = ctx.raft.metrics().borrow().clone();
     let state = ctx.state.read().await;
-    let body = ctx.metrics.render(&raft, &state.federation);
-    (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-        body,
-    )
-        .into_response()
+    answer::openmetrics(ctx.metrics.render(&raft, &state.federation))
 }
 
 async fn status(State(ctx): State<Arc<NodeCtx>>) -> Response {

@@ -25,6 +25,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use kvota_tls::http::answer;
 use kvota_tls::http::HttpLimits;
 use kvota_tls::{Limits, Listener, PeerInfo, Role, ServerTls, TlsPaths, TlsSource, TrustGroup};
 use tokio::net::TcpListener;
@@ -276,20 +277,16 @@ async fn mutate(State(ctx): State<Arc<WebhookCtx>>, body: Body) -> Response {
     handle(ctx, Endpoint::Mutate, body).await
 }
 
-async fn healthz() -> &'static str {
-    "ok\n"
+async fn healthz() -> Response {
+    answer::probe(Ok::<(), &str>(()), "ok", "broken")
 }
 
 async fn readyz(State(ctx): State<Arc<WebhookCtx>>) -> Response {
-    match ctx.agent.state().ready() {
-        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
-        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
-    }
+    answer::probe(ctx.agent.state().ready(), "ready", "not ready")
 }
 
 async fn metrics(State(ctx): State<Arc<WebhookCtx>>) -> Response {
-    let text = ctx.metrics.render(&ctx.agent);
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+    answer::openmetrics(ctx.metrics.render(&ctx.agent))
 }
 
 /// The reclaim audit log (newest last): every eviction this agent attempted, who was

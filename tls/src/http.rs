@@ -100,3 +100,24 @@ where
         });
     }
 }
+
+/// The answers of the routes every kvota server has (`/healthz`, `/readyz`,
+/// `/metrics`), one wording and one content type for the control plane and the agent.
+pub mod answer {
+    use axum::http::{header, StatusCode};
+    use axum::response::{IntoResponse, Response};
+
+    /// A probe's answer: 200 with `ok` (say, "ok" or "ready"), or 503 with
+    /// `<bad>: <why>` (say, "broken" or "not ready"), each a line of text.
+    pub fn probe<E: std::fmt::Display>(state: Result<(), E>, ok: &str, bad: &str) -> Response {
+        match state {
+            Ok(()) => (StatusCode::OK, format!("{ok}\n")).into_response(),
+            Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{bad}: {why}\n")).into_response(),
+        }
+    }
+
+    /// Metrics in the OpenMetrics text format, as Prometheus asks for them.
+    pub fn openmetrics(text: String) -> Response {
+        ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+    }
+}
