@@ -109,7 +109,11 @@ pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -
         let e = Election::new(watch_client.clone(), &args.leader_lease_namespace, &name, &identity, Duration::from_secs(15));
         tokio::spawn(election_loop(e, marker, agent.clone(), leading.clone(), stop.clone()))
     });
-    let controller = Controller::new(inventory.clone(), KubeActions::new(action_client, "kvota-agent"));
+    let mut controller = Controller::new(inventory.clone(), KubeActions::new(action_client, "kvota-agent"));
+    // The first sync before the first report: it sets the capacity listed, which the
+    // registration carries (the control loop and the reporter start together, and a
+    // registration ahead of the loop's first sync announced 0 GPUs).
+    controller.sync(&agent);
     let control = tokio::spawn(control_loop(controller, agent.clone(), leading.clone(), stop.clone()));
     let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), leading, stop));
     wait_for_signal().await;
