@@ -128,22 +128,11 @@ fn spawn_kvota(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
 }
 
 async fn kvota_status(addr: &str) -> Option<v1::StatusReply> {
-    let c = Client::new(&[addr.to_string()]).ok()?;
-    let f = c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) });
-    tokio::time::timeout(Duration::from_millis(500), f).await.ok()?.ok()
+    kvota_testkit::procs::status(addr, Duration::from_millis(500)).await
 }
 
 async fn kvota_leader(rpcs: &[String]) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        for (i, a) in rpcs.iter().enumerate() {
-            if kvota_status(a).await.is_some_and(|s| s.role == "leader") {
-                return i;
-            }
-        }
-        assert!(Instant::now() < deadline, "kvota elected no leader");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    kvota_testkit::procs::leader(rpcs, Duration::from_millis(500), Duration::from_secs(30)).await
 }
 
 async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u64>, usize) {

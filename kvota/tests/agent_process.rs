@@ -16,22 +16,7 @@ use serde_json::{json, Value};
 #[path = "../../member-agent/tests/support/fake_apiserver.rs"]
 mod fake_apiserver;
 
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<std::net::TcpListener> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
-    held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
-}
+use kvota_testkit::procs::{free_ports, Procs};
 
 /// A temp directory with a self-signed webhook certificate (tls.crt, tls.key), and free
 /// ports for a server (rpc, http) and an agent's webhook.
@@ -164,7 +149,7 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
         .stderr(log("server.log"))
         .spawn()
         .expect("spawn server");
-    let mut procs = Procs(vec![server]);
+    let mut procs = Procs::of([server]);
     std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
     let mut applied = false;
     for _ in 0..100 {
@@ -191,7 +176,7 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
         .stderr(log("agent.log"))
         .spawn()
         .expect("spawn agent");
-    procs.0.push(agent);
+    procs.push(agent);
     wait_for("agent ready", Duration::from_secs(20), || async {
         matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
     })
@@ -277,8 +262,8 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
 
     // Kill the control plane: the agent keeps answering, and after the 3 s lease it
     // enforces its safe budget (fallback), visible in its metrics.
-    procs.0[0].kill().expect("kill server");
-    let _ = procs.0[0].wait();
+    procs.get(0).expect("running").kill().expect("kill server");
+    let _ = procs.get(0).expect("running").wait();
     wait_for("lease to expire into safe budgets", Duration::from_secs(10), || async {
         https(hook, &ca, "GET", "/metrics", vec![])
             .await
@@ -294,11 +279,11 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     assert!(m.contains("kvota_agent_journal_backlog"), "{m}");
 
     // SIGTERM: a clean stop.
-    let pid = procs.0[1].id().to_string();
+    let pid = procs.get(1).expect("running").id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if let Some(status) = procs.0[1].try_wait().expect("wait") {
+        if let Some(status) = procs.get(1).expect("running").try_wait().expect("wait") {
             assert!(status.success(), "agent exit: {status}");
             break;
         }
@@ -345,7 +330,7 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
     let Env { tmp, rpc, http, hook, ca } = env();
     write_kubeconfig(tmp.path(), &api.url);
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
-    let mut procs = Procs(vec![one_node_server(tmp.path(), &rpc, &http)]);
+    let mut procs = Procs::of([one_node_server(tmp.path(), &rpc, &http)]);
     std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
     wait_for("policy applied", Duration::from_secs(20), || async {
         kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
@@ -367,7 +352,7 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
         .stderr(log("agent.log"))
         .spawn()
         .expect("spawn agent");
-    procs.0.push(agent);
+    procs.push(agent);
     let agent_log = || std::fs::read_to_string(tmp.path().join("agent.log")).unwrap_or_default();
     wait_for("agent ready", Duration::from_secs(30), || async {
         matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
@@ -453,7 +438,7 @@ async fn a_new_agent_during_a_partition_enforces_the_kept_lease_and_recovers_usa
     let ca: &[u8] = &ca;
     write_kubeconfig(tmp.path(), &api.url);
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
-    let mut procs = Procs(vec![one_node_server(tmp.path(), &rpc, &http)]);
+    let mut procs = Procs::of([one_node_server(tmp.path(), &rpc, &http)]);
     // A lease that outlives the agent's restart; decay too slow to matter here.
     let policy = "apiVersion: kvota.dev/v1alpha1
 kind: FairnessPolicy
@@ -494,7 +479,7 @@ spec:
     let metric = |m: &str, name: &str| m.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<f64>().ok());
     let metrics = || async { https(hook, ca, "GET", "/metrics", vec![]).await.map(|(_, m)| String::from_utf8_lossy(&m).to_string()).unwrap_or_default() };
 
-    procs.0.push(agent("agent-a", "agent-a.log"));
+    procs.push(agent("agent-a", "agent-a.log"));
     wait_for("agent A ready", Duration::from_secs(30), || async {
         matches!(https(hook, ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
     })
@@ -537,8 +522,8 @@ spec:
     // Partition, then kill A.
     proxy.set_cut(true);
     tokio::time::sleep(Duration::from_millis(700)).await;
-    procs.0[1].kill().expect("kill agent A");
-    let _ = procs.0[1].wait();
+    procs.get(1).expect("running").kill().expect("kill agent A");
+    let _ = procs.get(1).expect("running").wait();
 
     // While no agent runs: a big pod starts and finishes.
     let (now_s, _) = unix_now();
@@ -550,7 +535,7 @@ spec:
     api.put(Kind::Pod, gpu_pod("ghost", "big", ghost_gpus, ghost_start, Some(ghost_end)));
 
     // B: a new process with an empty data directory, the partition still on.
-    procs.0.push(agent("agent-b", "agent-b.log"));
+    procs.push(agent("agent-b", "agent-b.log"));
     wait_for("agent B ready without the control plane", Duration::from_secs(30), || async {
         matches!(https(hook, ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
     })

@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -1050,22 +1050,7 @@ fn control_plane_ids_peers_and_bootstrap_agree() {
 
 // ---- The real binaries on the manifests' paths, with make-webhook-cert's certificate.
 
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<std::net::TcpListener> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
-    held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
-}
+use kvota_testkit::procs::{free_ports, Procs};
 
 /// One HTTP/1.1 request to 127.0.0.1:`port`; over TLS, trusting only `ca`, to
 /// `server_name`, when `tls` is given.
@@ -1206,7 +1191,7 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
         .stderr(log("server.log"))
         .spawn()
         .expect("spawn server");
-    let _procs = Procs(vec![agent_proc, server_proc]);
+    let _procs = Procs::of([agent_proc, server_proc]);
     let ca = out.join("ca.crt");
     let tls = Some((ca.as_path(), dns.as_str()));
     until_answers("the agent", hook, tls, "/healthz", &tmp.path().join("agent.log")).await;

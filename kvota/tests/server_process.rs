@@ -16,24 +16,12 @@ fn spawn(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
 }
 
 async fn status(addr: &str) -> Option<v1::StatusReply> {
-    let c = Client::new(&[addr.to_string()]).ok()?;
-    let call = c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) });
-    tokio::time::timeout(Duration::from_secs(3), call).await.ok()?.ok()
+    kvota_testkit::procs::status(addr, Duration::from_secs(3)).await
 }
 
 async fn leader(specs: &[ServerSpec]) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        for (i, s) in specs.iter().enumerate() {
-            if let Some(st) = status(&s.rpc).await {
-                if st.role == "leader" {
-                    return i;
-                }
-            }
-        }
-        assert!(Instant::now() < deadline, "no leader elected");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let rpcs: Vec<String> = specs.iter().map(|s| s.rpc.clone()).collect();
+    kvota_testkit::procs::leader(&rpcs, Duration::from_secs(3), Duration::from_secs(20)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -317,6 +317,7 @@ pub async fn http_get(connector: &kvota_tls::connect::Connector, addr: &str, pat
 pub mod procs {
     use std::path::{Path, PathBuf};
     use std::process::{Child, Command, Stdio};
+    use std::time::Duration;
 
     /// Child processes, killed (SIGKILL) when the guard drops, however the test ends.
     #[derive(Debug, Default)]
@@ -332,12 +333,51 @@ pub mod procs {
     }
 
     impl Procs {
+        /// A guard over `children`.
+        pub fn of(children: impl IntoIterator<Item = Child>) -> Procs {
+            Procs(children.into_iter().map(Some).collect())
+        }
+
+        /// Adds a child.
+        pub fn push(&mut self, child: Child) {
+            self.0.push(Some(child));
+        }
+
+        /// Process `i` (0-based), if it has not been killed through the guard.
+        pub fn get(&mut self, i: usize) -> Option<&mut Child> {
+            self.0.get_mut(i).and_then(Option::as_mut)
+        }
+
         /// SIGKILLs process `i` (0-based) and waits for it.
         pub fn kill(&mut self, i: usize) {
             if let Some(mut c) = self.0.get_mut(i).and_then(Option::take) {
                 let _ = c.kill();
                 let _ = c.wait();
             }
+        }
+    }
+
+    /// Node `addr`'s `Status` (its gRPC API address), or `None` if it does not answer
+    /// within `within`.
+    pub async fn status(addr: &str, within: Duration) -> Option<kvota_proto::v1::StatusReply> {
+        use kvota_client::client::Client;
+        let c = Client::new(&[addr.to_string()]).ok()?;
+        let call = c.call(|ch| async move { Ok(Client::admin(ch).status(kvota_proto::v1::Empty {}).await?.into_inner()) });
+        tokio::time::timeout(within, call).await.ok()?.ok()
+    }
+
+    /// The index in `rpcs` (gRPC API addresses) of the node that says it leads, waiting
+    /// up to `within` for one; each node gets `ask` to answer.
+    pub async fn leader(rpcs: &[String], ask: Duration, within: Duration) -> usize {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            for (i, a) in rpcs.iter().enumerate() {
+                if status(a, ask).await.is_some_and(|s| s.role == "leader") {
+                    return i;
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "no leader elected within {within:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
