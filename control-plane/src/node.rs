@@ -12,6 +12,8 @@ use tokio::sync::{mpsc, oneshot, Mutex, RwLock, Semaphore};
 use tonic::transport::Channel;
 
 use crate::metrics::Metrics;
+use tracing::Instrument as _;
+
 use crate::store::StateMachineData;
 use crate::types::{Node as NodeAddr, NodeId, Raft, Request};
 
@@ -36,6 +38,8 @@ pub const BATCH_WEIGHT: usize = 20_000;
 struct Pending {
     command: Command,
     reply: oneshot::Sender<Result<Proposed, tonic::Status>>,
+    /// The proposer's span (a gRPC call's), which the batch's span follows from.
+    span: tracing::Span,
 }
 
 fn weight(c: &Command) -> usize {
@@ -201,7 +205,7 @@ impl NodeCtx {
     pub async fn propose(&self, command: Command) -> Result<Proposed, tonic::Status> {
         let started = Instant::now();
         let (reply, answer) = oneshot::channel();
-        self.writes.try_send(Pending { command, reply }).map_err(|e| match e {
+        self.writes.try_send(Pending { command, reply, span: tracing::Span::current() }).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => tonic::Status::resource_exhausted(
                 "the control plane has too many writes queued; retry with backoff",
             ),
@@ -331,6 +335,10 @@ async fn batcher(
             }
         }
         let (raft, clock, state) = (raft.clone(), clock.clone(), state.clone());
+        let span = tracing::info_span!("commit", commands = batch.len());
+        for p in &batch {
+            span.follows_from(&p.span);
+        }
         tokio::spawn(async move {
             let (commands, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.command, p.reply)).unzip();
             let n = commands.len();
@@ -385,7 +393,7 @@ async fn batcher(
                     }
                 }
             }
-        });
+        }.instrument(span));
     }
 }
 

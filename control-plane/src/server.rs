@@ -361,6 +361,9 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
+        // One span per call, named by its method, so that what a handler logs (and the
+        // write it proposes) can be followed back to the call.
+        .trace_fn(|req| tracing::info_span!("grpc", method = req.uri().path()))
         .add_service(MemberServer::new(MemberSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES))
         .add_service(AdminServer::new(AdminSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES));
     let mut stop = rx.clone();

@@ -16,6 +16,8 @@ use openraft::error::{ClientWriteError, RaftError};
 use tonic::{Request, Response, Status};
 
 use crate::auth::{MEMBER, OPERATE, READ, READ_POLICY};
+use tracing::Instrument as _;
+
 use crate::node::{no_leader, refusal, NodeCtx, Proposed, FORWARDED_HEADER, LEADER_HEADER};
 use crate::types::Node as NodeAddr;
 
@@ -143,6 +145,7 @@ impl v1::member_server::Member for MemberSvc {
             }
         };
         self.ctx.authz.for_cluster(&caller, "Report", &report.cluster)?;
+        let span = tracing::info_span!("report", cluster = %report.cluster, seq = report.seq, tenants = report.tenants.len(), forwarded = fwd);
         let result = self
             .ctx
             .write_or_forward(Command::Report(report), fwd, msg, async |ch, req| {
@@ -154,10 +157,13 @@ impl v1::member_server::Member for MemberSvc {
                     lease,
                 }))
             })
+            .instrument(span.clone())
             .await;
+        let _entered = span.enter();
         match result {
             Ok(Applied::Reported { applied, lease }) => {
                 self.ctx.metrics.report(if applied { "applied" } else { "duplicate" });
+                tracing::debug!(applied, epoch = lease.epoch, budgets = lease.budgets.len(), "lease sent");
                 Ok(Response::new(v1::ReportReply {
                     applied,
                     lease: Some(v1::Lease::from(&lease)),

@@ -882,6 +882,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     .into());
                 }
                 let previous = data.last_applied;
+                let _span = tracing::debug_span!("apply", index = entry.log_id.index, term = entry.log_id.leader_id.term).entered();
                 data.last_applied = Some(entry.log_id);
                 let reply = match entry.payload {
                     EntryPayload::Blank => Response(None),

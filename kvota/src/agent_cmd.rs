@@ -153,7 +153,7 @@ async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, nodes: Vec<u64>, tls: 
     let store: Arc<dyn StateStore> = Arc::new(FileStore::in_dir(&args.data_dir));
     let (agent, stop_tx, stop, server) = start_webhook(&args, capacity, &cp, tls, None, store).await?;
     agent.starts_reporting();
-    eprintln!(
+    tracing::info!(
         "kvota agent: cluster {} ({} GPUs simulated on {} nodes), webhook https://{} (/validate, /mutate), control plane {}; Ctrl-C to stop",
         args.cluster,
         nodes.iter().sum::<u64>(),
@@ -165,7 +165,7 @@ async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, nodes: Vec<u64>, tls: 
     let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), leading, stop.clone()));
     let sim = tokio::spawn(simulated_cluster(agent.clone(), nodes, Duration::from_secs(args.simulate_pod_seconds), stop));
     wait_for_signal().await;
-    eprintln!("kvota agent: stopping");
+    tracing::info!("kvota agent: stopping");
     let _ = stop_tx.send(true);
     for t in [server, reporter, sim] {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;

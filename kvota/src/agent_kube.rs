@@ -62,7 +62,7 @@ pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -
         })));
     }
     let watchers = tokio::spawn(inventory.clone().run(watch_client.clone(), stop.clone()));
-    eprintln!(
+    tracing::info!(
         "kvota agent: cluster {} on Kubernetes {server_url}, webhook https://{} (/validate, /mutate), control plane {}; {}; Ctrl-C to stop",
         args.cluster,
         args.webhook_listen,
@@ -117,7 +117,7 @@ pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -
     let control = tokio::spawn(control_loop(controller, agent.clone(), leading.clone(), stop.clone()));
     let reporter = tokio::spawn(report_loop(agent.clone(), Duration::from_millis(args.report_interval_ms), leading, stop));
     wait_for_signal().await;
-    eprintln!("kvota agent: stopping");
+    tracing::info!("kvota agent: stopping");
     let _ = stop_tx.send(true);
     let mut tasks = vec![server, watchers, control, reporter];
     tasks.extend(elector);

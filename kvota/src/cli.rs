@@ -22,6 +22,20 @@ pub struct Cli {
     command: Cmd,
     #[command(flatten)]
     cp: crate::admin_cmd::Cp,
+    /// How log lines on stderr look: `text` for people, `json` (one object per line,
+    /// with the span fields such as cluster, seq and tenant) for a log pipeline.
+    /// RUST_LOG sets what is logged.
+    #[arg(long, global = true, value_enum, default_value = "text", env = "KVOTA_LOG_FORMAT")]
+    pub(crate) log_format: LogFormat,
+}
+
+/// The log line format (`--log-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 #[derive(Debug, Subcommand)]

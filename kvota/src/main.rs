@@ -38,15 +38,20 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
-    // Logs to stderr; RUST_LOG overrides the default (info for kvota, warn elsewhere).
+    // Logs to stderr; RUST_LOG overrides the default (info for kvota's crates, warn elsewhere).
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kvota=info,kvota_control_plane=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kvota=info,kvota_control_plane=info,kvota_member_agent=info"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let _ = match args.log_format {
+        cli::LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init(),
+        cli::LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init(),
+    };
     match cli::run(args) {
         Ok(code) => code,
         Err(e) => {

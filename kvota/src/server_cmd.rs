@@ -189,17 +189,18 @@ async fn serve(args: ServerArgs) -> Result<()> {
         bail!("--member only makes sense with --init");
     }
     let handle = start(cfg, Listeners { api, raft, http }).await?;
-    eprintln!(
-        "kvota server: node {} serving gRPC on {}, Raft on {} and HTTP on {}{} (data in {}); Ctrl-C to stop",
-        args.id,
-        handle.rpc_addr,
-        handle.raft_addr,
-        handle.http_addr,
-        if handle.ctx.tls().is_some() { " over mutual TLS" } else { " in plain text" },
-        args.data_dir.display()
+    tracing::info!(
+        id = args.id,
+        grpc = %handle.rpc_addr,
+        raft = %handle.raft_addr,
+        http = %handle.http_addr,
+        tls = handle.ctx.tls().is_some(),
+        data_dir = %args.data_dir.display(),
+        "kvota server: serving{}; Ctrl-C to stop",
+        if handle.ctx.tls().is_some() { " over mutual TLS" } else { " in plain text" }
     );
     if !handle.raft().is_initialized().await.unwrap_or(true) {
-        eprintln!(
+        tracing::info!(
             "kvota server: this node belongs to no group yet: it waits for a leader to add it \
              (`kvota members add-learner --id {} --rpc {} --raft {}`), or start it with --init to create a new group",
             args.id, handle.rpc_addr, handle.raft_addr
@@ -218,7 +219,7 @@ async fn serve(args: ServerArgs) -> Result<()> {
         });
         tokio::select! {
             _ = wait_for_signal() => {}
-            _ = stdin_closed => eprintln!("kvota server: the parent process is gone"),
+            _ = stdin_closed => tracing::info!("kvota server: the parent process is gone"),
             why = handle.broken() => return broken(handle, why).await,
         }
     } else {
@@ -227,7 +228,7 @@ async fn serve(args: ServerArgs) -> Result<()> {
             why = handle.broken() => return broken(handle, why).await,
         }
     }
-    eprintln!("kvota server: stopping");
+    tracing::info!("kvota server: stopping");
     handle.shutdown().await;
     Ok(())
 }

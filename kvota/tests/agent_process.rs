@@ -616,3 +616,85 @@ spec:
     );
     drop(procs);
 }
+
+/// `--log-format json`: every line a JSON object, and one report followed by its span
+/// fields from the agent (cluster, sequence number) through the control plane's gRPC
+/// call (method, cluster, sequence) to the lease it sent back; an admission decision
+/// carries its tenant and outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant() {
+    let Env { tmp, rpc, http, hook, ca } = env();
+    let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
+    let server = kvota()
+        .args(["--log-format", "json", "server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
+        .arg("--data-dir")
+        .arg(tmp.path().join("cp"))
+        .env("RUST_LOG", "info,kvota_control_plane=debug")
+        .stdout(Stdio::null())
+        .stderr(log("server.log"))
+        .spawn()
+        .expect("spawn server");
+    let mut procs = Procs::of([server]);
+    std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
+    wait_for("policy applied", Duration::from_secs(20), || async {
+        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+    })
+    .await;
+    let agent = kvota()
+        .args(["agent", "--cluster", "east", "--cp", &rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
+        .args(["--report-interval-ms", "300", "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
+        .arg("--tls-cert")
+        .arg(tmp.path().join("tls.crt"))
+        .arg("--tls-key")
+        .arg(tmp.path().join("tls.key"))
+        .arg("--data-dir")
+        .arg(tmp.path().join("agent"))
+        .env("KVOTA_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info,kvota_member_agent=debug")
+        .stdout(Stdio::null())
+        .stderr(log("agent.log"))
+        .spawn()
+        .expect("spawn agent");
+    procs.push(agent);
+    wait_for("agent ready", Duration::from_secs(20), || async {
+        matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
+    })
+    .await;
+    let (status, _) = https(hook, &ca, "POST", "/validate", review("j1", "ml", 1)).await.expect("review");
+    assert_eq!(status, 200);
+
+    let lines = |name: &str| -> Vec<Value> {
+        std::fs::read_to_string(tmp.path().join(name))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{name}: not a JSON line ({e}): {l}")))
+            .collect()
+    };
+    let span = |line: &Value, name: &str| -> Option<Value> {
+        line["spans"].as_array()?.iter().find(|s| s["name"] == name).cloned()
+    };
+    wait_for("a lease sent for a report of east, and the report's acknowledgement", Duration::from_secs(20), || async {
+        let server = lines("server.log");
+        let agent = lines("agent.log");
+        let sent = server.iter().any(|l| {
+            l["fields"]["message"] == "lease sent"
+                && span(l, "grpc").is_some_and(|s| s["method"] == "/kvota.v1.Member/Report")
+                && span(l, "report").is_some_and(|s| s["cluster"] == "east" && s["seq"].as_u64().is_some())
+        });
+        let acked = agent.iter().any(|l| {
+            l["fields"]["message"] == "report acknowledged" && span(l, "report").is_some_and(|s| s["cluster"] == "east" && s["seq"].as_u64().is_some())
+        });
+        sent && acked
+    })
+    .await;
+    let agent = lines("agent.log");
+    let decided = agent
+        .iter()
+        .find(|l| l["fields"]["message"] == "admission decided")
+        .unwrap_or_else(|| panic!("no admission line in {agent:?}"));
+    let a = span(decided, "admission").expect("admission span");
+    assert_eq!(a["tenant"], "training", "{decided}");
+    assert!(a["outcome"].as_str().is_some_and(|o| !o.is_empty()), "{decided}");
+    drop(procs);
+}

@@ -562,6 +562,12 @@ impl Agent {
     /// Writes a report of usage since the last one into the journal, then sends every
     /// unacknowledged report in order. On error the reports stay for the next round.
     pub async fn report_once(&self) -> Result<(), Status> {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!("report", cluster = %self.cluster, seq = tracing::field::Empty);
+        self.report_round(&span).instrument(span.clone()).await
+    }
+
+    async fn report_round(&self, span: &tracing::Span) -> Result<(), Status> {
         if !self.settle_takeover().await {
             return Err(Status::unavailable(
                 "the first report waits for the agent's first listing of the cluster's pods and for the policy",
@@ -587,6 +593,7 @@ impl Agent {
                 window: Some(window),
             })
             .map_err(journal_err)?;
+        span.record("seq", written.seq);
         {
             let mut w = self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             for (t, r) in &written.tenants {
@@ -615,6 +622,7 @@ impl Agent {
                     return Err(Status::aborted("reports renumbered after a takeover; sending them next round"));
                 }
                 Ok(reply) => {
+                    tracing::debug!(sent = report.seq, applied = reply.applied, epoch = reply.lease.as_ref().map_or(0, |l| l.epoch), "report acknowledged");
                     self.adopt(reply.lease, sent)?;
                     self.journal.ack_through(report.seq).map_err(journal_err)?;
                     {

@@ -204,16 +204,23 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
     };
     // Parse outside the lock; only the decision and its effect hold it; the answer is
     // written after.
+    // A span per decision, at debug level: off (one check) unless asked for with
+    // RUST_LOG=kvota_member_agent=debug, since this path answers thousands per second.
+    let span = tracing::debug_span!("admission", endpoint = ?endpoint, tenant = tracing::field::Empty, outcome = tracing::field::Empty);
     let parsed = parse(&bytes);
     drop(bytes);
-    let answer = {
-        let mut st = ctx.agent.state();
-        judge(parsed, endpoint, &mut *st)
-    };
-    let r = answer.render();
+    let r = span.in_scope(|| {
+        let answer = {
+            let mut st = ctx.agent.state();
+            judge(parsed, endpoint, &mut *st)
+        };
+        answer.render()
+    });
     ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().as_secs_f64());
-    if r.outcome == "denied" || r.outcome == "error" {
-        tracing::debug!(tenant = ?r.tenant, outcome = r.outcome, "admission review");
+    if !span.is_disabled() {
+        span.record("tenant", r.tenant.as_deref().unwrap_or("-"));
+        span.record("outcome", r.outcome);
+        span.in_scope(|| tracing::debug!(micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX), "admission decided"));
     }
     // A review is always answered 200 with the verdict inside, except for bodies that
     // were not reviews at all, which get 400 (the API server logs both the same way).
