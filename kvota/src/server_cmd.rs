@@ -191,13 +191,14 @@ async fn serve(args: ServerArgs) -> Result<()> {
     let handle = start(cfg, Listeners { api, raft, http }).await?;
     tracing::info!(
         id = args.id,
-        grpc = %handle.rpc_addr,
-        raft = %handle.raft_addr,
-        http = %handle.http_addr,
         tls = handle.ctx.tls().is_some(),
-        data_dir = %args.data_dir.display(),
-        "kvota server: serving{}; Ctrl-C to stop",
-        if handle.ctx.tls().is_some() { " over mutual TLS" } else { " in plain text" }
+        "kvota server: node {} serving gRPC on {}, Raft on {} and HTTP on {}{} (data in {}); Ctrl-C to stop",
+        args.id,
+        handle.rpc_addr,
+        handle.raft_addr,
+        handle.http_addr,
+        if handle.ctx.tls().is_some() { " over mutual TLS" } else { " in plain text" },
+        args.data_dir.display()
     );
     if !handle.raft().is_initialized().await.unwrap_or(true) {
         tracing::info!(
