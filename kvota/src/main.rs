@@ -24,7 +24,6 @@ macro_rules! outp {
 
 mod admin_cmd;
 mod agent_cmd;
-mod agent_kube;
 mod certs_cmd;
 mod cli;
 mod demo;

@@ -9,14 +9,17 @@
 //! - [`agent`]: registration, policy fetch, journaled reporting and lease adoption;
 //! - [`inventory`]: the inventory trait and what is shared by its sources (state sync,
 //!   reclaim view, eviction records);
-//! - [`kube`]: the Kubernetes inventory (kube-rs watchers), gate controller, Eviction
-//!   API, Events and replica leader election through a Lease;
+//! - [`kube`]: the Kubernetes side, one file per job: conversion of objects, the
+//!   inventory's watchers, actions (gates, Eviction API, Events), leader election
+//!   through a Lease, the controller round, the kept state's ConfigMap;
 //! - [`placement`]: which nodes a pod may run on (selectors, affinity, taints);
 //! - [`sim`]: a simulated cluster whose pods go through `review`;
 //! - [`netfault`]: a TCP proxy whose link can be cut (tests and the demo);
 //! - [`https`]: a small HTTPS client for the agent's port (`kvota explain pod --agent`);
 //! - [`webhook`]: the HTTPS admission webhook (rustls, certificate reload, limits);
-//! - [`metrics`]: the agent's Prometheus metrics.
+//! - [`metrics`]: the agent's Prometheus metrics;
+//! - [`runtime`]: what `kvota agent` runs: the webhook, the report and policy loops, and
+//!   on Kubernetes the watchers, the controller and the leader election, as tasks.
 
 pub mod agent;
 pub mod https;
@@ -28,6 +31,7 @@ pub mod netfault;
 pub mod persist;
 pub mod placement;
 pub mod review;
+pub mod runtime;
 pub mod sim;
 pub mod state;
 pub mod webhook;

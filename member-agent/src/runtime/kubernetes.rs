@@ -1,7 +1,7 @@
-//! `kvota agent` against a Kubernetes cluster: the inventory from kube-rs watchers, the
-//! gate controller and reclaim through the API, and (with `--leader-lease`) leader
-//! election among replicas. The pieces live in `kvota_member_agent::kube`; this file
-//! runs them as loops next to the webhook and the reporter.
+//! The agent against a Kubernetes cluster: the inventory from kube-rs watchers, the gate
+//! controller and reclaim through the API, and (with a leader Lease) leader election
+//! among replicas. The pieces live in [`crate::kube`]; this file runs them as loops next
+//! to the webhook and the reporter.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,21 +9,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use kvota_member_agent::agent::Agent;
-use kvota_member_agent::inventory::Inventory;
-use kvota_member_agent::agent::History;
-use kvota_member_agent::kube::{actions_config, ConfigMapStore, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
-use kvota_member_agent::webhook::WebhookTls;
+use crate::agent::Agent;
+use crate::inventory::Inventory;
+use crate::agent::History;
+use crate::kube::{actions_config, ConfigMapStore, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
+use crate::webhook::WebhookTls;
 use tokio::sync::watch;
 
-use crate::agent_cmd::{report_loop, start_webhook, wait_for_signal, AgentArgs};
+use super::{report_loop, start_webhook, wait_for_signal, Config};
 
 /// How often the controller syncs state and releases gates.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 /// How often reclaim runs (its own damping limits evictions further).
 const RECLAIM_EVERY: Duration = Duration::from_secs(5);
 
-async fn kube_config(args: &AgentArgs) -> Result<kube::Config> {
+async fn kube_config(args: &Config) -> Result<kube::Config> {
     match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -40,15 +40,15 @@ async fn kube_config(args: &AgentArgs) -> Result<kube::Config> {
 }
 
 /// Runs the agent against the Kubernetes cluster until Ctrl-C or SIGTERM.
-pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -> Result<()> {
+pub async fn serve(args: Config, tls: WebhookTls) -> Result<()> {
     let config = kube_config(&args).await?;
     let server_url = config.cluster_url.to_string();
     let watch_client = kube::Client::try_from(config.clone()).context("build the Kubernetes client")?;
     let action_client = kube::Client::try_from(actions_config(config)).context("build the Kubernetes client")?;
     let held = Some("the agent has not listed the cluster's nodes and pods yet".to_string());
-    let store: Arc<dyn kvota_member_agent::persist::StateStore> =
+    let store: Arc<dyn crate::persist::StateStore> =
         Arc::new(ConfigMapStore::new(action_client.clone(), &args.leader_lease_namespace, &args.state_configmap));
-    let (agent, stop_tx, stop, server) = start_webhook(&args, BTreeMap::new(), &cp, tls, held, store).await?;
+    let (agent, stop_tx, stop, server) = start_webhook(&args, BTreeMap::new(), tls, held, store).await?;
 
     let clock = agent.clone();
     let inventory = KubeInventory::new(Arc::new(move || clock.now_ms()));
@@ -66,7 +66,7 @@ pub async fn serve(args: AgentArgs, cp: crate::admin_cmd::Cp, tls: WebhookTls) -
         "kvota agent: cluster {} on Kubernetes {server_url}, webhook https://{} (/validate, /mutate), control plane {}; {}; Ctrl-C to stop",
         args.cluster,
         args.webhook_listen,
-        cp.addrs.join(","),
+        args.cp_addrs.join(","),
         match &args.leader_lease {
             Some(l) => format!("replicas elect a leader through Lease {}/{l}", args.leader_lease_namespace),
             None => "single replica".to_string(),
