@@ -449,25 +449,16 @@ impl v1::admin_server::Admin for AdminSvc {
         let e = state.federation.explain_tenant(&name).ok_or_else(|| {
             Status::not_found(format!("the policy in force has no tenant `{}`", name.chars().take(64).collect::<String>()))
         })?;
-        Ok(Response::new(v1::ExplainTenantReply {
-            text: e.to_string(),
-            json: serde_json::to_string(&e).unwrap_or_default(),
-        }))
+        Ok(Response::new(v1::ExplainTenantReply { text: e.to_string(), explanation: Some((&e).into()) }))
     }
 
     async fn audit_log(&self, request: Request<v1::AuditLogRequest>) -> Result<Response<v1::AuditLogReply>, Status> {
         self.ctx.authz.check(&request, "admin", "AuditLog", READ)?;
         let limit = request.into_inner().limit as usize;
         let state = self.ctx.state.read().await;
-        let all: Vec<String> = state
-            .federation
-            .audit()
-            .map(|r| serde_json::to_string(r).unwrap_or_default())
-            .collect();
+        let all: Vec<v1::AuditRecord> = state.federation.audit().map(v1::AuditRecord::from).collect();
         let skip = if limit == 0 { 0 } else { all.len().saturating_sub(limit) };
-        Ok(Response::new(v1::AuditLogReply {
-            records: all.into_iter().skip(skip).collect(),
-        }))
+        Ok(Response::new(v1::AuditLogReply { entries: all.into_iter().skip(skip).collect() }))
     }
 
     async fn remove_cluster(&self, request: Request<v1::DescribeClusterRequest>) -> Result<Response<v1::Empty>, Status> {

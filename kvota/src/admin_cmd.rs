@@ -377,7 +377,7 @@ pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
         }))
         .map_err(|e| status_err(cp, e))?;
     if *json {
-        out!("{}", r.json);
+        out!("{}", explanation_json(r)?);
     } else {
         out!("{}", r.text);
     }
@@ -449,7 +449,7 @@ fn explain_pod(
         }))
         .map_err(|e| status_err(cp, e))?;
     if json {
-        out!("{}", e.json);
+        out!("{}", explanation_json(e)?);
     } else {
         out!("pod {pod}: namespace `{namespace}` belongs to tenant `{tenant}`. A GPU pod is admitted in a cluster while the tenant's in use there plus the pod's request stays within its budget there:");
         out!("{}", e.text);
@@ -476,10 +476,18 @@ pub fn audit(cp: &Cp, limit: u32) -> Result<()> {
             Ok(Client::admin(ch).audit_log(v1::AuditLogRequest { limit }).await?.into_inner())
         }))
         .map_err(|e| status_err(cp, e))?;
-    for rec in &r.records {
-        out!("{rec}");
+    for (i, rec) in r.entries.into_iter().enumerate() {
+        let rec = kvota_fairness::federation::AuditRecord::try_from(rec).with_context(|| format!("audit record {i} from the control plane"))?;
+        out!("{}", serde_json::to_string(&rec).context("encode an audit record")?);
     }
     Ok(())
+}
+
+/// A tenant's explanation as JSON (the core's form, as the HTTP API serves it).
+fn explanation_json(r: v1::ExplainTenantReply) -> Result<String> {
+    let e = r.explanation.context("the control plane answered without the explanation's numbers (an older kvota?)")?;
+    let e = kvota_fairness::explain::TenantExplanation::try_from(e).context("the explanation from the control plane")?;
+    serde_json::to_string(&e).context("encode the explanation")
 }
 
 fn member(spec: &str) -> Result<v1::NodeInfo> {

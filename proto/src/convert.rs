@@ -164,15 +164,7 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
         let evictions = r
             .evictions
             .into_iter()
-            .map(|e| EvictionNote {
-                victim: e.victim,
-                victim_tenant: e.victim_tenant,
-                for_tenant: e.for_tenant,
-                for_pod: e.for_pod,
-                milli_gpue: e.milli_gpue,
-                outcome: e.outcome,
-                why: e.why,
-            })
+            .map(EvictionNote::from)
             .collect();
         Ok(UsageReport {
             cluster,
@@ -207,15 +199,7 @@ impl From<&UsageReport> for v1::ReportRequest {
             evictions: r
                 .evictions
                 .iter()
-                .map(|e| v1::Eviction {
-                    victim: e.victim.clone(),
-                    victim_tenant: e.victim_tenant.clone(),
-                    for_tenant: e.for_tenant.clone(),
-                    for_pod: e.for_pod.clone(),
-                    milli_gpue: e.milli_gpue,
-                    outcome: e.outcome.clone(),
-                    why: e.why.clone(),
-                })
+                .map(v1::Eviction::from)
                 .collect(),
             window_start_ms: r.window.map_or(0, |w| w.start_ms),
             window_end_ms: r.window.map_or(0, |w| w.end_ms),

@@ -1,8 +1,9 @@
 //! The kvota wire API (`kvota.v1`): member, admin and Raft transport services.
 //!
-//! Generated code lives in [`v1`]; [`convert`] turns wire messages into the fairness
-//! core's types with validation (and back), so nothing unvalidated crosses into the
-//! core.
+//! Generated code lives in [`v1`]; [`convert`] turns the member service's messages into
+//! the fairness core's types with validation (and back), so nothing unvalidated crosses
+//! into the core; [`answers`] does the same for the admin service's read answers
+//! (explanations, audit records).
 
 /// Generated protobuf types and gRPC stubs for `kvota.v1`.
 #[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
@@ -10,6 +11,7 @@ pub mod v1 {
     tonic::include_proto!("kvota.v1");
 }
 
+pub mod answers;
 pub mod convert;
 
 /// Metadata key on a request a follower forwarded, so it is never forwarded twice.
