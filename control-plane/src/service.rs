@@ -235,7 +235,7 @@ fn policy_reply(p: &Policy) -> v1::PolicyReply {
         name: p.name.clone(),
         tenants: u32::try_from(p.tenants.len()).unwrap_or(u32::MAX),
         problems: Vec::new(),
-        json: serde_json::to_string(p).unwrap_or_default(),
+        yaml: p.to_yaml(),
     }
 }
 

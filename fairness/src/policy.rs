@@ -256,6 +256,67 @@ impl Policy {
         }
     }
 
+    /// The policy as a FairnessPolicy document that [`Policy::from_yaml`] reads back to
+    /// this very policy: every field written out (each tenant's own, not inherited), so
+    /// `kvota policy get` prints what `kvota policy apply` takes, and a diff of two of
+    /// them shows every difference. Strings are double-quoted (a namespace such as
+    /// `123` stays a string), numbers exact.
+    pub fn to_yaml(&self) -> String {
+        use std::fmt::Write as _;
+        let q = yaml_quote;
+        let mut y = String::new();
+        let _ = writeln!(y, "apiVersion: {}", q(&self.api_version));
+        let _ = writeln!(y, "kind: FairnessPolicy");
+        let _ = writeln!(y, "metadata:\n  name: {}", q(&self.name));
+        let _ = writeln!(y, "spec:");
+        if let Some(d) = &self.default_tenant {
+            let _ = writeln!(y, "  defaultTenant: {}", q(d));
+        }
+        let _ = writeln!(
+            y,
+            "  lease:\n    duration: {}\n    clockSkewMargin: {}",
+            q(&duration_text(self.lease.duration_ms)),
+            q(&duration_text(self.lease.clock_skew_margin_ms))
+        );
+        let r = &self.reclaim;
+        let _ = writeln!(
+            y,
+            "  reclaim:\n    enabled: {}\n    starvedFor: {}\n    maxEvictionsPerMinute: {}\n    maxEvictionsPerMinutePerTenant: {}\n    minRuntime: {}",
+            r.enabled,
+            q(&duration_text(r.starved_for_ms)),
+            r.max_evictions_per_minute,
+            r.max_evictions_per_minute_per_tenant,
+            q(&duration_text(r.min_runtime_ms))
+        );
+        if !self.resource_weights.explicit().is_empty() {
+            let _ = writeln!(y, "  resourceWeights:");
+            for (name, milli) in self.resource_weights.explicit() {
+                let _ = writeln!(y, "    {}: {}", q(name), q(&format!("{milli}m")));
+            }
+        }
+        let _ = writeln!(y, "  tenants:");
+        for t in &self.tenants {
+            let _ = writeln!(y, "  - name: {}", q(&t.name));
+            let _ = writeln!(y, "    weight: {}", fmt_scaled(i128::from(t.weight_milli), 3));
+            let _ = writeln!(y, "    minShare: {}", fmt_scaled(i128::from(t.min_share_bp), 2));
+            let _ = writeln!(y, "    maxShare: {}", fmt_scaled(i128::from(t.max_share_bp), 2));
+            let _ = writeln!(y, "    preemptible: {}", t.preemptible);
+            let _ = writeln!(y, "    decayHalfLife: {}", q(&duration_text(t.decay_half_life_ms)));
+            let _ = writeln!(y, "    admission: {}", q(&t.admission.to_string()));
+            let _ = writeln!(y, "    maxQueued: {}", t.max_queued);
+            let _ = writeln!(y, "    burstFactor: {}", fmt_scaled(i128::from(t.burst_factor_milli), 3));
+            let list: Vec<String> = t.namespaces.iter().map(|n| q(n)).collect();
+            let _ = writeln!(y, "    namespaces: [{}]", list.join(", "));
+            if !t.namespace_selector.is_empty() {
+                let _ = writeln!(y, "    namespaceSelector:\n      matchLabels:");
+                for (k, v) in &t.namespace_selector {
+                    let _ = writeln!(y, "        {}: {}", q(k), q(v));
+                }
+            }
+        }
+        y
+    }
+
     /// The article's three-tenant policy (training / inference / research), as YAML.
     pub fn article_example_yaml() -> &'static str {
         ARTICLE_POLICY
@@ -1079,6 +1140,35 @@ fn parse_scaled_decimal(text: &str, decimals: u32) -> Result<i128, String> {
         value = value * 10 + i128::from(digit);
     }
     Ok(if neg { -value } else { value })
+}
+
+/// `s` as a YAML double-quoted scalar (quotes, backslashes and control characters
+/// escaped), which reads back as exactly `s`, whatever it looks like.
+fn yaml_quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() || c == '\u{2028}' || c == '\u{2029}' || c == '\u{feff}' => {
+                let _ = std::fmt::Write::write_fmt(&mut out, format_args!("\\u{:04X}", u32::from(c)));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A duration in the largest unit that writes it exactly (`24h`, `90m`, `30s`, `250ms`).
+fn duration_text(ms: Millis) -> String {
+    for (unit, size) in [("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms != 0 && ms % size == 0 {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
 }
 
 fn fmt_scaled(v: i128, decimals: u32) -> String {

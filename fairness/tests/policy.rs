@@ -113,3 +113,67 @@ proptest! {
         let _ = Policy::from_yaml(&text);
     }
 }
+
+/// `Policy::to_yaml` writes a document that loads back to the same policy: the shipped
+/// examples, and (below) any valid policy.
+#[test]
+fn a_policy_written_out_loads_back_unchanged() {
+    for file in ["deploy/policies/article.yaml", "deploy/policies/extended.yaml", "deploy/policies/philly-vc.yaml"] {
+        let p = Policy::from_yaml(&load(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let text = p.to_yaml();
+        let back = Policy::from_yaml(&text).unwrap_or_else(|e| panic!("{file} written out does not load: {e}\n{text}"));
+        assert_eq!(back, p, "{file}:\n{text}");
+        assert_eq!(back.to_yaml(), text, "{file}: writing is stable");
+    }
+}
+
+fn tenant_yaml(i: usize, weight_milli: u64, min_bp: u32, extra_bp: u32, half_life_ms: u64, queue: bool, max_queued: u32, burst: u32, label: &str) -> String {
+    format!(
+        "  - name: t{i}\n    weight: {}.{:03}\n    minShare: {}.{:02}\n    maxShare: {}.{:02}\n    preemptible: {}\n    decayHalfLife: {}ms\n    admission: {}\n    maxQueued: {max_queued}\n    burstFactor: {}.{:03}\n    namespaces: [\"ns-{i}\", \"{i}{i}\"]\n    namespaceSelector: {{matchLabels: {{\"team\": {label:?}}}}}\n",
+        weight_milli / 1000,
+        weight_milli % 1000,
+        min_bp / 100,
+        min_bp % 100,
+        (min_bp + extra_bp).min(10_000) / 100,
+        (min_bp + extra_bp).min(10_000) % 100,
+        i % 2 == 0,
+        half_life_ms,
+        if queue { "queue" } else { "reject" },
+        burst / 1000,
+        burst % 1000,
+    )
+}
+
+proptest! {
+    #[test]
+    fn any_valid_policy_round_trips(
+        tenants in prop::collection::vec((1u64..1_000_000_000, 0u32..2_000, 0u32..10_000, 1u64..10_000_000_000, any::<bool>(), 0u32..100_000, 1_000u32..10_000, "[ -~]{0,12}"), 1..5),
+        lease_s in 1u64..600,
+        margin_pct in 0u64..50,
+        reclaim in (any::<bool>(), 0u64..10_000_000, 0u32..1_000, 0u32..1_000, 0u64..10_000_000),
+        weight in prop::option::of(1u64..1_000_000),
+        name in "[a-z0-9][a-z0-9 ._\"'\\\\-]{0,20}",
+    ) {
+        let mut doc = format!("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {{name: {name:?}}}\nspec:\n  defaultTenant: t0\n");
+        let lease_ms = lease_s * 1000;
+        doc.push_str(&format!("  lease: {{duration: {lease_ms}ms, clockSkewMargin: {}ms}}\n", lease_ms * margin_pct / 100));
+        doc.push_str(&format!(
+            "  reclaim: {{enabled: {}, starvedFor: {}ms, maxEvictionsPerMinute: {}, maxEvictionsPerMinutePerTenant: {}, minRuntime: {}ms}}\n",
+            reclaim.0, reclaim.1, reclaim.2, reclaim.3, reclaim.4
+        ));
+        if let Some(w) = weight {
+            doc.push_str(&format!("  resourceWeights: {{\"example.com/mig-1g\": \"{w}m\"}}\n"));
+        }
+        doc.push_str("  tenants:\n");
+        for (i, (w, min, extra, hl, queue, mq, burst, label)) in tenants.iter().enumerate() {
+            doc.push_str(&tenant_yaml(i, *w, *min, *extra, *hl, *queue, *mq, *burst, label));
+        }
+        let p = match Policy::from_yaml(&doc) {
+            Ok(p) => p,
+            Err(e) => panic!("the generator wrote an invalid policy: {e}\n{doc}"),
+        };
+        let text = p.to_yaml();
+        let back = Policy::from_yaml(&text).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(back, p);
+    }
+}

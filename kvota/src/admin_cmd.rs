@@ -252,8 +252,9 @@ pub fn policy_get(cp: &Cp) -> Result<()> {
     if r.name.is_empty() {
         bail!("no policy is in force; apply one with `kvota policy apply FILE`");
     }
-    let v: serde_json::Value = serde_json::from_str(&r.json).context("decode the policy")?;
-    out!("{}", serde_json::to_string_pretty(&v)?);
+    // Checked before it is printed: what `policy apply` would make of it.
+    kvota_fairness::policy::Policy::from_yaml(&r.yaml).map_err(|e| anyhow::anyhow!("the policy from the control plane does not load: {e}"))?;
+    outp!("{}", r.yaml);
     Ok(())
 }
 
@@ -433,7 +434,7 @@ fn explain_pod(
     if r.name.is_empty() {
         bail!("no policy is in force, so kvota governs no pod; apply one with `kvota policy apply FILE`");
     }
-    let policy: kvota_fairness::policy::Policy = serde_json::from_str(&r.json).context("decode the policy")?;
+    let policy = kvota_fairness::policy::Policy::from_yaml(&r.yaml).map_err(|e| anyhow::anyhow!("the policy from the control plane does not load: {e}"))?;
     let tenant = policy.tenant_for_namespace(namespace, &std::collections::BTreeMap::new()).map(|t| t.name.clone());
     let hint = format!(
         "the decision about {namespace}/{name} was made by the agent of its cluster; to read it:\n  kvota explain pod {pod} --agent https://AGENT:PORT --agent-ca CA.crt"

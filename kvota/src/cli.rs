@@ -117,7 +117,8 @@ enum PolicyCmd {
         /// Path to a FairnessPolicy YAML file.
         file: PathBuf,
     },
-    /// Print the policy in force (as the control plane parsed it), as JSON.
+    /// Print the policy in force as a FairnessPolicy document, every field written out
+    /// (defaults included): `kvota policy apply` takes it back unchanged.
     Get,
     /// Check a policy file and list every problem with its field path.
     /// Exit status 0: valid; 2: invalid; 1: the file could not be read.

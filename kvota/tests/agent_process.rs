@@ -708,5 +708,22 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
     assert!(records.iter().any(|r| r["event"]["PolicyApplied"]["name"] == "agent-test"), "{records:?}");
     assert!(records.iter().any(|r| r["event"]["ClusterRegistered"]["cluster"] == "east"), "{records:?}");
     assert!(records.windows(2).all(|w| w[0]["seq"].as_u64() < w[1]["seq"].as_u64()), "oldest first: {records:?}");
+
+    // `policy get` prints a document that `policy apply` takes back unchanged.
+    let get = || {
+        let out = kvota().args(["policy", "get", "--cp", &rpc]).output().expect("policy get");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).expect("utf8")
+    };
+    let first = get();
+    assert_eq!(
+        kvota_fairness::policy::Policy::from_yaml(&first).expect("loads"),
+        kvota_fairness::policy::Policy::from_yaml(POLICY).expect("loads"),
+        "{first}"
+    );
+    std::fs::write(tmp.path().join("got.yaml"), &first).expect("w");
+    let out = kvota().args(["policy", "apply"]).arg(tmp.path().join("got.yaml")).args(["--cp", &rpc]).output().expect("apply");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(get(), first);
     drop(procs);
 }

@@ -554,7 +554,9 @@ impl Agent {
         if reply.name.is_empty() {
             return Err(Status::failed_precondition("the control plane has no policy yet"));
         }
-        let p: Policy = serde_json::from_str(&reply.json).map_err(|e| Status::internal(format!("decode policy: {e}")))?;
+        // The document is validated here as any policy is: an agent never enforces a
+        // policy it would have refused.
+        let p = Policy::from_yaml(&reply.yaml).map_err(|e| Status::internal(format!("the policy from the control plane does not load: {e}")))?;
         self.state().set_policy(p);
         Ok(())
     }
