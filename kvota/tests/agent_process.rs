@@ -135,6 +135,24 @@ fn cli_json(cp: &str, args: &[&str]) -> Option<Value> {
     serde_json::from_slice(&out.stdout).ok()
 }
 
+/// `kvota agent` for cluster east on a simulated cluster of 2x4 GPUs, reporting every
+/// 300 ms, its webhook on `hook` with the test's certificate, its data in `dir/agent`,
+/// stderr to `dir/<log>`; the caller adds the environment and spawns it.
+fn sim_agent(dir: &std::path::Path, rpc: &str, hook: u16, log: &str) -> Command {
+    let mut c = kvota();
+    c.args(["agent", "--cluster", "east", "--cp", rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
+        .args(["--report-interval-ms", "300", "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
+        .arg("--tls-cert")
+        .arg(dir.join("tls.crt"))
+        .arg("--tls-key")
+        .arg(dir.join("tls.key"))
+        .arg("--data-dir")
+        .arg(dir.join("agent"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(dir.join(log)).expect("log")));
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_control_plane() {
     let Env { tmp, rpc, http, hook, ca } = env();
@@ -162,20 +180,7 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     }
     assert!(applied, "policy apply never succeeded");
 
-    let agent = kvota()
-        .args(["agent", "--cluster", "east", "--cp", &rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
-        .args(["--report-interval-ms", "300", "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
-        .arg("--tls-cert")
-        .arg(tmp.path().join("tls.crt"))
-        .arg("--tls-key")
-        .arg(tmp.path().join("tls.key"))
-        .arg("--data-dir")
-        .arg(tmp.path().join("agent"))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log("agent.log"))
-        .spawn()
-        .expect("spawn agent");
+    let agent = sim_agent(tmp.path(), &rpc, hook, "agent.log").env("RUST_LOG", "info").spawn().expect("spawn agent");
     procs.push(agent);
     wait_for("agent ready", Duration::from_secs(20), || async {
         matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
@@ -640,19 +645,9 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
         kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
     })
     .await;
-    let agent = kvota()
-        .args(["agent", "--cluster", "east", "--cp", &rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
-        .args(["--report-interval-ms", "300", "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
-        .arg("--tls-cert")
-        .arg(tmp.path().join("tls.crt"))
-        .arg("--tls-key")
-        .arg(tmp.path().join("tls.key"))
-        .arg("--data-dir")
-        .arg(tmp.path().join("agent"))
+    let agent = sim_agent(tmp.path(), &rpc, hook, "agent.log")
         .env("KVOTA_LOG_FORMAT", "json")
         .env("RUST_LOG", "info,kvota_member_agent=debug")
-        .stdout(Stdio::null())
-        .stderr(log("agent.log"))
         .spawn()
         .expect("spawn agent");
     procs.push(agent);
