@@ -408,11 +408,11 @@ impl SimAgent {
             self.pods += 1;
             pod.name = format!("p{}-{}", self.index, self.pods);
             match self.sim.submit(&mut self.state, &pod) {
-                "allowed" => {
+                kvota_member_agent::review::Outcome::Allowed => {
                     let gpue = u64::from(pod.count) * 1_000;
                     adm.push(self.admitted(&pod.namespace, &pod.key(), gpue, h));
                 }
-                "denied" if self.retry.len() < MAX_RETRIES && self.rng.chance(70) => {
+                kvota_member_agent::review::Outcome::Denied if self.retry.len() < MAX_RETRIES && self.rng.chance(70) => {
                     let at = h + self.rng.range(2_000, 6_000);
                     self.retry.push((at, pod));
                 }

@@ -14,6 +14,7 @@ use kvota_control_plane::server::ServerHandle;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::netfault::LinkProxy;
+use kvota_member_agent::review::Outcome;
 use kvota_member_agent::sim::{SimCluster, SimPod};
 use kvota_proto::v1;
 
@@ -108,7 +109,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
                 let before = st.inuse("training");
                 let budget = st.lease.budget("training", st.now_ms());
                 match sim_a.submit(&mut st, &p) {
-                    "allowed" => {
+                    Outcome::Allowed => {
                         admitted += 1;
                         next += 1;
                         assert!(before + 1_000 <= budget, "admitted past the budget: {before} + 1000 > {budget}");
@@ -139,7 +140,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
             let before = st.inuse("training");
             let p = SimPod::gpus("ml", &format!("train-cut-{denied_while_cut}"), 1, 600_000, 0);
             let out = sim_a.submit(&mut st, &p);
-            if out == "allowed" {
+            if out == Outcome::Allowed {
                 // Until the lease expires the last fresh budget applies (a slow machine may
                 // not have filled it before the cut); after, the safe one.
                 assert!(before + 1_000 <= budget, "partitioned agent admitted past its budget");

@@ -7,6 +7,7 @@
 //! Run: `cargo bench -p kvota-member-agent --bench review`
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use kvota_member_agent::review::Outcome;
 use kvota_member_agent::review::{judge, parse, review, Endpoint};
 use serde_json::{json, Value};
 
@@ -29,7 +30,7 @@ fn bench(c: &mut Criterion) {
     let agent = agent(tmp.path());
     for (name, body) in [("webhook-pod", webhook_body()), ("fixture-pod", fixture_body())] {
         let r = review(&body, Endpoint::Validate, &mut *agent.state());
-        assert_eq!(r.outcome, "allowed", "{name}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.outcome, Outcome::Allowed, "{name}: {}", String::from_utf8_lossy(&r.body));
         c.bench_function(&format!("parse/{name} ({} bytes)", body.len()), |b| b.iter(|| parse(std::hint::black_box(&body))));
         c.bench_function(&format!("judge/{name}"), |b| {
             b.iter_batched(|| parse(&body), |p| judge(p, Endpoint::Validate, &mut *agent.state()), BatchSize::SmallInput)

@@ -14,6 +14,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::review::Outcome;
+
 use crate::agent::Agent;
 
 /// Tenant and outcome of an admission.
@@ -49,7 +51,7 @@ pub struct ReasonLabel {
 
 /// The review outcomes (the `outcome` label of admissions), in the order of
 /// [`AdmissionCounters`].
-const OUTCOMES: [&str; 7] = ["allowed", "denied", "queued", "passed", "held", "error", "busy"];
+const OUTCOMES: [Outcome; 7] = Outcome::ALL;
 
 /// The admissions counters created so far, by tenant then outcome: a review finds its
 /// counter with a lookup by `&str`, without building a label (two Strings) and hashing
@@ -149,9 +151,9 @@ impl AgentMetrics {
     }
 
     /// Counts one review.
-    pub fn admission(&self, tenant: Option<&str>, outcome: &str, seconds: f64) {
+    pub fn admission(&self, tenant: Option<&str>, outcome: Outcome, seconds: f64) {
         let tenant = tenant.unwrap_or("-");
-        let label = || AdmissionLabel { tenant: tenant.to_string(), outcome: outcome.to_string() };
+        let label = || AdmissionLabel { tenant: tenant.to_string(), outcome: outcome.as_str().to_string() };
         match OUTCOMES.iter().position(|o| *o == outcome) {
             Some(i) => {
                 let counters = self.admission_counters.read().unwrap_or_else(PoisonError::into_inner);

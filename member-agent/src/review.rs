@@ -108,6 +108,50 @@ pub trait AdmissionState {
     }
 }
 
+/// What a review decided, for logs and metrics (label values: [`Outcome::as_str`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Admitted under the tenant's budget.
+    Allowed,
+    /// Refused: over budget, or a pod kvota cannot admit.
+    Denied,
+    /// Admitted behind kvota's scheduling gate until budget frees.
+    Queued,
+    /// Not judged here (no GPUs, another endpoint's tenant, a dry run).
+    Passed,
+    /// This agent admits nothing now (a standby, or before its first listing): gated,
+    /// or denied for a retry.
+    Held,
+    /// Not a review the agent could read (answered 400).
+    Error,
+    /// Too many reviews at once (answered 429 or a retryable denial).
+    Busy,
+}
+
+impl Outcome {
+    /// Every outcome, in a fixed order (metrics index their counters by it).
+    pub const ALL: [Outcome; 7] = [Outcome::Allowed, Outcome::Denied, Outcome::Queued, Outcome::Passed, Outcome::Held, Outcome::Error, Outcome::Busy];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Allowed => "allowed",
+            Outcome::Denied => "denied",
+            Outcome::Queued => "queued",
+            Outcome::Passed => "passed",
+            Outcome::Held => "held",
+            Outcome::Error => "error",
+            Outcome::Busy => "busy",
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Outcome of one review, for logs and metrics.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reviewed {
@@ -115,9 +159,8 @@ pub struct Reviewed {
     pub body: Vec<u8>,
     /// Tenant judged, if any.
     pub tenant: Option<String>,
-    /// `allowed`, `denied`, `queued`, `passed` (not judged here), `held` (this agent
-    /// admits nothing now: gated or denied for a retry), `error`.
-    pub outcome: &'static str,
+    /// What was decided.
+    pub outcome: Outcome,
     /// GPUe the pod requests (0 if not computed).
     pub gpue: MilliGpue,
 }
@@ -198,7 +241,7 @@ pub fn error_reply(uid: &str, why: &str) -> Reviewed {
     Reviewed {
         body: response(uid, false, 400, &format!("kvota: malformed AdmissionReview: {why}"), None),
         tenant: None,
-        outcome: "error",
+        outcome: Outcome::Error,
         gpue: 0,
     }
 }
@@ -207,7 +250,7 @@ fn pass(uid: &str, message: &str) -> Reviewed {
     Reviewed {
         body: response(uid, true, 200, message, None),
         tenant: None,
-        outcome: "passed",
+        outcome: Outcome::Passed,
         gpue: 0,
     }
 }
@@ -236,7 +279,7 @@ enum AnswerKind {
         message: Cow<'static, str>,
         patch: Option<Gate>,
         tenant: Option<String>,
-        outcome: &'static str,
+        outcome: Outcome,
         gpue: MilliGpue,
     },
 }
@@ -250,7 +293,7 @@ impl Answer {
         message: impl Into<Cow<'static, str>>,
         patch: Option<Gate>,
         tenant: Option<String>,
-        outcome: &'static str,
+        outcome: Outcome,
         gpue: MilliGpue,
     ) -> Answer {
         Answer(AnswerKind::Verdict { uid, allowed, code, message: message.into(), patch, tenant, outcome, gpue })
@@ -258,7 +301,7 @@ impl Answer {
 
     /// Allowed without being judged here.
     fn pass(uid: String, message: impl Into<Cow<'static, str>>) -> Answer {
-        Answer::verdict(uid, true, 200, message, None, None, "passed", 0)
+        Answer::verdict(uid, true, 200, message, None, None, Outcome::Passed, 0)
     }
 
     /// Writes the response body.
@@ -451,7 +494,7 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
             kvota_fairness::units::format_gpue(gpue),
             kvota_fairness::units::format_gpue(MAX_POD_GPUE_MILLI)
         );
-        return Answer::verdict(uid, false, 403, msg, None, None, "denied", gpue);
+        return Answer::verdict(uid, false, 403, msg, None, None, Outcome::Denied, gpue);
     }
     let labels = state.namespace_labels(&namespace);
     let tenant = policy.tenant_for_namespace(&namespace, &labels).map(|t| (t.name.clone(), t.admission));
@@ -460,32 +503,32 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         None => {
             let v = LocalView { tenant: None, ..state.view("") };
             let d = decide(&PodRequest { namespace, name, gpue }, &v);
-            return Answer::verdict(uid, true, 200, d.message, None, None, "passed", gpue);
+            return Answer::verdict(uid, true, 200, d.message, None, None, Outcome::Passed, gpue);
         }
     };
     // Each endpoint judges only its mode's tenants.
     let mine = matches!((endpoint, mode), (Endpoint::Validate, AdmissionMode::Reject) | (Endpoint::Mutate, AdmissionMode::Queue));
     if !mine || gpue == 0 {
         let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
-        return Answer::verdict(uid, true, 200, msg, None, Some(tenant), "passed", gpue);
+        return Answer::verdict(uid, true, 200, msg, None, Some(tenant), Outcome::Passed, gpue);
     }
     let gate = if has_gates { Gate::Append } else { Gate::New };
     if let Some(why) = state.held() {
         return match mode {
             AdmissionMode::Queue => {
                 let msg = format!("kvota: {why}; pod {key} waits behind the {SCHEDULING_GATE} gate for the leader to release it");
-                Answer::verdict(uid, true, 200, msg, Some(gate), Some(tenant), "held", gpue)
+                Answer::verdict(uid, true, 200, msg, Some(gate), Some(tenant), Outcome::Held, gpue)
             }
             AdmissionMode::Reject => {
                 let msg = format!("kvota: {why}; pod {key} was not judged, retry in a few seconds");
-                Answer::verdict(uid, false, 503, msg, None, Some(tenant), "held", gpue)
+                Answer::verdict(uid, false, 503, msg, None, Some(tenant), Outcome::Held, gpue)
             }
         };
     }
     if !dry_run {
         if let Some(why) = state.at_limit(&key) {
             let msg = format!("kvota: {why}; pod {key} was not judged, retry later");
-            return Answer::verdict(uid, false, 503, msg, None, Some(tenant), "busy", gpue);
+            return Answer::verdict(uid, false, 503, msg, None, Some(tenant), Outcome::Busy, gpue);
         }
     }
     let view = state.view(&tenant);
@@ -499,19 +542,19 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
             if !dry_run {
                 state.record(Effect::Reserve { tenant: tenant.clone(), pod: key, gpue });
             }
-            Answer::verdict(uid, true, 200, d.message, None, Some(tenant), "allowed", gpue)
+            Answer::verdict(uid, true, 200, d.message, None, Some(tenant), Outcome::Allowed, gpue)
         }
         Verdict::Deny => {
             if !dry_run {
                 state.record(Effect::Denied { tenant: tenant.clone(), pod: key, gpue });
             }
-            Answer::verdict(uid, false, 403, d.message, None, Some(tenant), "denied", gpue)
+            Answer::verdict(uid, false, 403, d.message, None, Some(tenant), Outcome::Denied, gpue)
         }
         Verdict::Queue => {
             if !dry_run {
                 state.record(Effect::Enqueue { tenant: tenant.clone(), pod: key, gpue, priority });
             }
-            Answer::verdict(uid, true, 200, d.message, Some(gate), Some(tenant), "queued", gpue)
+            Answer::verdict(uid, true, 200, d.message, Some(gate), Some(tenant), Outcome::Queued, gpue)
         }
     }
 }

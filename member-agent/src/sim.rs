@@ -13,7 +13,7 @@ use serde_json::json;
 
 use kvota_fairness::reclaim::{ClusterView, Decision};
 
-use crate::review::{review, Endpoint};
+use crate::review::{review, Endpoint, Outcome};
 use crate::inventory::{self, Inventory, NodeInfo, PodInfo, PodStage};
 use crate::state::{AgentState, PodRec};
 
@@ -218,7 +218,7 @@ impl SimCluster {
     /// `error` (as the webhook judged it). Reject-mode tenants go through the validating
     /// endpoint, queue-mode ones through the mutating one, as an API server would call
     /// both.
-    pub fn submit(&mut self, state: &mut AgentState, pod: &SimPod) -> &'static str {
+    pub fn submit(&mut self, state: &mut AgentState, pod: &SimPod) -> Outcome {
         self.uid += 1;
         let body = json!({
             "apiVersion": "admission.k8s.io/v1",
@@ -243,13 +243,13 @@ impl SimCluster {
         });
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mutate = review(&bytes, Endpoint::Mutate, state);
-        let verdict = if mutate.outcome == "passed" { review(&bytes, Endpoint::Validate, state) } else { mutate };
+        let verdict = if mutate.outcome == Outcome::Passed { review(&bytes, Endpoint::Validate, state) } else { mutate };
         let w = Waiting { pod: pod.clone(), tenant: verdict.tenant.clone(), gpue: verdict.gpue, since_ms: state.now_ms() };
         match verdict.outcome {
-            "allowed" | "passed" => {
+            Outcome::Allowed | Outcome::Passed => {
                 self.unbound.insert(pod.key(), w);
             }
-            "queued" => {
+            Outcome::Queued => {
                 self.gated.insert(pod.key(), w);
             }
             _ => {}
@@ -560,7 +560,7 @@ mod tests {
         // No policy: pods are not governed, so they pass and bind by fit alone.
         let mut p = SimPod::gpus("ns", "a", 1, 1_000, 0);
         p.resource = "nvidia.com/mig-3g.40gb".into();
-        assert_eq!(c.submit(&mut st, &p), "passed");
+        assert_eq!(c.submit(&mut st, &p), Outcome::Passed);
         p.name = "b".into();
         c.submit(&mut st, &p);
         p.name = "c".into();

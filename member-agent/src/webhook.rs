@@ -33,7 +33,7 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::agent::Agent;
 use crate::metrics::AgentMetrics;
-use crate::review::{error_reply, judge, parse, Endpoint, MAX_REVIEW_BYTES};
+use crate::review::{error_reply, judge, parse, Endpoint, Outcome, MAX_REVIEW_BYTES};
 
 /// Reviews judged at once; more wait (briefly) for a slot. Judging takes microseconds
 /// under one lock, so this bounds memory (bodies held), not throughput.
@@ -189,7 +189,7 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
         Err(_) => match tokio::time::timeout(BUSY_WAIT, ctx.permits.acquire()).await {
             Ok(Ok(permit)) => permit,
             _ => {
-                ctx.metrics.admission(None, "busy", started.elapsed().as_secs_f64());
+                ctx.metrics.admission(None, Outcome::Busy, started.elapsed().as_secs_f64());
                 return review_response(StatusCode::TOO_MANY_REQUESTS, busy_reply());
             }
         },
@@ -219,12 +219,12 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
     ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().as_secs_f64());
     if !span.is_disabled() {
         span.record("tenant", r.tenant.as_deref().unwrap_or("-"));
-        span.record("outcome", r.outcome);
+        span.record("outcome", r.outcome.as_str());
         span.in_scope(|| tracing::debug!(micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX), "admission decided"));
     }
     // A review is always answered 200 with the verdict inside, except for bodies that
     // were not reviews at all, which get 400 (the API server logs both the same way).
-    let status = if r.outcome == "error" { StatusCode::BAD_REQUEST } else { StatusCode::OK };
+    let status = if r.outcome == Outcome::Error { StatusCode::BAD_REQUEST } else { StatusCode::OK };
     review_response(status, r.body)
 }
 

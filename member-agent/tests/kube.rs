@@ -19,6 +19,7 @@ use fake_apiserver::{FakeApi, Kind};
 use kvota_fairness::lease::{Lease, TenantBudget};
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::Decision;
+use kvota_member_agent::review::Outcome;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::inventory::{capacity_milli, Inventory, PodStage};
 use kvota_member_agent::kube::{format_time, Controller, Election, KubeActions, KubeInventory, RoleMarker, ROLE_LABEL};
@@ -323,9 +324,9 @@ async fn a_generated_name_takes_over_the_provisional_reservation() {
         .expect("json")
     };
     let r = review(&review_of("u1"), Endpoint::Mutate, &mut *s.agent.state());
-    assert_eq!(r.outcome, "allowed", "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.outcome, Outcome::Allowed, "{}", String::from_utf8_lossy(&r.body));
     let r = review(&review_of("u2"), Endpoint::Mutate, &mut *s.agent.state());
-    assert_eq!(r.outcome, "queued", "the budget of 2 GPUs is reserved for the first");
+    assert_eq!(r.outcome, Outcome::Queued, "the budget of 2 GPUs is reserved for the first");
     {
         let st = s.agent.state();
         assert_eq!((st.inuse("inference"), st.queued("inference")), (2000, 1));

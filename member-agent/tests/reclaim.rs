@@ -9,6 +9,7 @@ use kvota_fairness::lease::{AgentLease, Lease, TenantBudget};
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::Decision;
 use kvota_fairness::Millis;
+use kvota_member_agent::review::Outcome;
 use kvota_member_agent::sim::{SimCluster, SimPod};
 use kvota_member_agent::state::AgentState;
 
@@ -46,7 +47,7 @@ fn full_of_training(policy: &str) -> (SimCluster, AgentState, Millis) {
     for i in 0..16 {
         now += 1_000;
         st.set_now(now);
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0)), "allowed");
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0)), Outcome::Allowed);
         c.bind(&mut st, now);
     }
     assert_eq!(c.running(), 16);
@@ -93,7 +94,7 @@ fn max_in_a_minute(ev: &[(Millis, String)]) -> usize {
 fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evicted() {
     let (mut c, mut st, now) = full_of_training(POLICY);
     for i in 0..4 {
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), "allowed");
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
     }
     let run = drive(&mut c, &mut st, now, 300, |_, _, _| {});
     // 4 pods x 2 GPUs need 8 GPUs: exactly 8 training pods go, the 8 youngest.
@@ -146,7 +147,7 @@ fn a_non_preemptible_tenant_is_never_a_victim() {
     c.bind(&mut st, 1_000);
     st.lease.on_lease(lease(2, &[("inference", 2), ("training", 14)]), 1_000);
     for i in 0..4 {
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i}"), 1, 60_000, 0)), "allowed");
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i}"), 1, 60_000, 0)), Outcome::Allowed);
     }
     let run = drive(&mut c, &mut st, 1_000, 600, |_, _, _| {});
     assert!(run.evictions.is_empty(), "{:?}", run.evictions);
@@ -207,5 +208,5 @@ fn a_tenant_whose_budget_is_held_by_others_is_still_restored() {
     });
     assert_eq!(run.evictions.len(), 2, "{:?}", run.evictions);
     assert_eq!(c.running(), 14);
-    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "again", 1, 1_000, 0)), "denied", "over budget: no re-admission");
+    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "again", 1, 1_000, 0)), Outcome::Denied, "over budget: no re-admission");
 }

@@ -8,6 +8,7 @@ use base64::Engine as _;
 use kvota_fairness::admission::LocalView;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_fairness::policy::Policy;
+use kvota_member_agent::review::Outcome;
 use kvota_member_agent::review::{review, AdmissionState, Effect, Endpoint, MAX_REVIEW_BYTES};
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -81,7 +82,7 @@ fn gpu_review(resource: &str, gpus: &str) -> Value {
     json!({ "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": req })
 }
 
-fn run(doc: &Value, ep: Endpoint, st: &mut State) -> (Value, &'static str) {
+fn run(doc: &Value, ep: Endpoint, st: &mut State) -> (Value, Outcome) {
     let r = review(&serde_json::to_vec(doc).expect("encode"), ep, st);
     let v: Value = serde_json::from_slice(&r.body).expect("response is JSON");
     assert_eq!(v["apiVersion"], "admission.k8s.io/v1");
@@ -95,7 +96,7 @@ fn gpu_pod_within_budget_is_allowed_and_reserved() {
     let (resp, outcome) = run(&gpu_review("nvidia.com/gpu", "2"), Endpoint::Validate, &mut st);
     assert_eq!(resp["uid"], "1299d386-525b-4032-98ae-1949f69f9cfc");
     assert_eq!(resp["allowed"], true);
-    assert_eq!(outcome, "allowed");
+    assert_eq!(outcome, Outcome::Allowed);
     assert_eq!(st.effects, [Effect::Reserve { tenant: "training".into(), pod: "default/nginx".into(), gpue: 2_000 }]);
 }
 
@@ -110,7 +111,7 @@ fn gpu_pod_over_budget_is_denied_with_an_actionable_message() {
     for needle in ["`training`", "5 GPUe", "in use 3", "this pod 2", "budget of 4", "entitlement 40", "kvota explain pod default/nginx"] {
         assert!(msg.contains(needle), "{needle:?} missing: {msg}");
     }
-    assert_eq!(outcome, "denied");
+    assert_eq!(outcome, Outcome::Denied);
     assert_eq!(st.effects, [Effect::Denied { tenant: "training".into(), pod: "default/nginx".into(), gpue: 2_000 }]);
 }
 
@@ -119,7 +120,7 @@ fn mig_slices_count_by_weight() {
     let mut st = state(4_000, 0);
     let r = review(&serde_json::to_vec(&gpu_review("nvidia.com/mig-1g.5gb", "2")).expect("enc"), Endpoint::Validate, &mut st);
     assert_eq!(r.gpue, 286);
-    assert_eq!(r.outcome, "allowed");
+    assert_eq!(r.outcome, Outcome::Allowed);
 }
 
 #[test]
@@ -128,11 +129,11 @@ fn pods_without_gpus_and_other_kinds_pass_untouched() {
     let no_res = json!({ "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": fixture("pod_without_resources.json") });
     let (resp, outcome) = run(&no_res, Endpoint::Validate, &mut st);
     assert_eq!(resp["allowed"], true);
-    assert_eq!(outcome, "passed");
+    assert_eq!(outcome, Outcome::Passed);
     let deploy = json!({ "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": fixture("deployment_with_limits_admission_request.json") });
     let (resp, outcome) = run(&deploy, Endpoint::Validate, &mut st);
     assert_eq!(resp["allowed"], true);
-    assert_eq!(outcome, "passed");
+    assert_eq!(outcome, Outcome::Passed);
     assert!(resp["uid"].as_str().is_some_and(|u| !u.is_empty()));
     assert!(st.effects.is_empty());
 }
@@ -145,9 +146,9 @@ fn queue_mode_gates_the_pod_with_a_json_patch() {
     doc["request"]["object"]["spec"]["priority"] = json!(7);
     // The validating endpoint leaves queue-mode tenants to the mutating one.
     let (_, outcome) = run(&doc, Endpoint::Validate, &mut st);
-    assert_eq!(outcome, "passed");
+    assert_eq!(outcome, Outcome::Passed);
     let (resp, outcome) = run(&doc, Endpoint::Mutate, &mut st);
-    assert_eq!(outcome, "queued");
+    assert_eq!(outcome, Outcome::Queued);
     assert_eq!(resp["allowed"], true);
     assert_eq!(resp["patchType"], "JSONPatch");
     let patch = base64::engine::general_purpose::STANDARD.decode(resp["patch"].as_str().expect("patch")).expect("b64");
@@ -160,7 +161,7 @@ fn queue_mode_gates_the_pod_with_a_json_patch() {
     let patch = base64::engine::general_purpose::STANDARD.decode(resp["patch"].as_str().expect("patch")).expect("b64");
     assert_eq!(serde_json::from_slice::<Value>(&patch).expect("json")[0]["path"], "/spec/schedulingGates/-");
     let (resp, outcome) = run(&doc, Endpoint::Mutate, &mut st);
-    assert_eq!((resp["allowed"].clone(), outcome), (json!(false), "denied"));
+    assert_eq!((resp["allowed"].clone(), outcome), (json!(false), Outcome::Denied));
     assert!(resp["status"]["message"].as_str().is_some_and(|m| m.contains("maxQueued 2")));
 }
 
@@ -206,12 +207,12 @@ fn malformed_requests_get_a_well_formed_error() {
         assert_eq!(v["response"]["uid"], uid);
         assert_eq!(v["response"]["allowed"], false);
         assert_eq!(v["response"]["status"]["code"], 400);
-        assert_eq!(r.outcome, "error");
+        assert_eq!(r.outcome, Outcome::Error);
     }
     // A garbage quantity in a real pod: 400, uid echoed, nothing reserved.
     let doc = gpu_review("nvidia.com/gpu", "two");
     let (resp, outcome) = run(&doc, Endpoint::Validate, &mut st);
-    assert_eq!((resp["allowed"].clone(), resp["status"]["code"].clone(), outcome), (json!(false), json!(400), "error"));
+    assert_eq!((resp["allowed"].clone(), resp["status"]["code"].clone(), outcome), (json!(false), json!(400), Outcome::Error));
     assert_eq!(resp["uid"], "1299d386-525b-4032-98ae-1949f69f9cfc");
     assert!(st.effects.is_empty());
 }

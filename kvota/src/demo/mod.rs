@@ -32,6 +32,7 @@ use kvota_fairness::policy::{Policy, TENANT_LABEL};
 use kvota_fairness::reclaim::Decision;
 use kvota_fairness::resources::ResourceWeights;
 use kvota_fairness::MilliGpue;
+use kvota_member_agent::review::Outcome;
 use kvota_member_agent::agent::Agent;
 use kvota_member_agent::netfault::LinkProxy;
 use kvota_member_agent::sim::{SimCluster, SimPod};
@@ -698,7 +699,7 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
             // Retries go to the same cluster (a job stays where it was submitted; moving it
             // would chase budgets that follow demand).
             let outcome = submit(&mut fleet[a.cluster], a, speed, &weights, &mut open, now, &mut lease_e);
-            if matches!(outcome, "denied" | "error") {
+            if matches!(outcome, Outcome::Denied | Outcome::Error) {
                 retries.push((now + real_ms(scenario::RETRY_MS, speed), idx));
                 if let Some(t) = measures.tenants.get_mut(a.tenant) {
                     t.denials += 1;
@@ -741,7 +742,7 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
             }
             let m = &mut fleet[ci];
             let mut st = m.agent.state();
-            if matches!(m.sim.submit(&mut st, &pod), "denied" | "error") {
+            if matches!(m.sim.submit(&mut st, &pod), Outcome::Denied | Outcome::Error) {
                 still.push((now + real_ms(scenario::RETRY_MS, speed), ci, pod));
             }
         }
@@ -974,7 +975,7 @@ fn submit(
     open: &mut BTreeMap<String, Open>,
     now: u64,
     lease_e: &mut BTreeMap<String, MilliGpue>,
-) -> &'static str {
+) -> Outcome {
     let pod = SimPod {
         namespace: a.tenant.to_string(),
         name: a.name.clone(),
@@ -993,7 +994,7 @@ fn submit(
     });
     let mut st = m.agent.state();
     let outcome = m.sim.submit(&mut st, &pod);
-    if outcome == "allowed" {
+    if outcome == Outcome::Allowed {
         let e = st.lease.lease().and_then(|l| l.budgets.get(a.tenant)).map_or(0, |b| b.entitlement);
         let slot = lease_e.entry(a.tenant.to_string()).or_insert(0);
         *slot = (*slot).max(e);
