@@ -106,9 +106,12 @@ impl TimeKeeper {
         self.supports.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(node, (max.max(1), Instant::now()));
     }
 
-    /// The newest feature level every voter supports, if this node has heard from each
-    /// of them within [`READING_MAX_AGE`] (one silent voter, which might be an old build
-    /// just restarted, holds the level where it is).
+    /// The newest feature level every one of `members` supports (the leader passes
+    /// voters and learners), if this node has heard from each of them within
+    /// [`READING_MAX_AGE`] (one silent member, which might be an old build just
+    /// restarted, holds the level where it is). A member rolled back to an old build
+    /// within that window still counts with its last answer: it then stops, saying so,
+    /// when it meets the raise (fail-safe, not divergence).
     pub fn voters_support(&self, voters: &BTreeSet<NodeId>) -> Option<u32> {
         let now = Instant::now();
         let supports = self.supports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

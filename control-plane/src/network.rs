@@ -319,6 +319,53 @@ impl RaftTransport {
         }
     }
 
+    /// Why this node must stop, if an AppendEntries payload that did not decode comes
+    /// from `from` as the leader of a term at least this node's, `from` is a member of
+    /// the group as this node knows it, and it carries a log entry of a format newer
+    /// than this build reads. Anything else that does not decode is only refused: a
+    /// removed node, a stale leader or a node of another group with a certificate from
+    /// the same CA cannot stop a node this way.
+    fn newer_from_leader(&self, data: &[u8], from: NodeId) -> Option<String> {
+        #[derive(serde::Deserialize)]
+        struct Probe {
+            vote: ProbeVote,
+            #[serde(default)]
+            entries: Vec<ProbeEntry>,
+        }
+        #[derive(serde::Deserialize)]
+        struct ProbeVote {
+            leader_id: ProbeLeader,
+        }
+        #[derive(serde::Deserialize)]
+        struct ProbeLeader {
+            term: u64,
+            node_id: NodeId,
+        }
+        #[derive(serde::Deserialize)]
+        struct ProbeEntry {
+            payload: serde_json::Value,
+        }
+        let probe: Probe = serde_json::from_slice(data).ok()?;
+        let m = self.raft.metrics().borrow().clone();
+        let member = m.membership_config.membership().nodes().any(|(id, _)| *id == from);
+        if probe.vote.leader_id.node_id != from || probe.vote.leader_id.term < m.current_term || !member {
+            return None;
+        }
+        let newest = probe
+            .entries
+            .iter()
+            .filter_map(|e| e.payload.get("Normal")?.get("format")?.as_u64())
+            .max()?;
+        let found = u32::try_from(newest).unwrap_or(u32::MAX);
+        (found > crate::types::LOG_FORMAT).then(|| {
+            format!(
+                "replicated from node {from}, leader in term {}: {}",
+                probe.vote.leader_id.term,
+                crate::types::newer_entry_format(found)
+            )
+        })
+    }
+
     fn refuse(&self, method: &str, sender: Option<NodeId>, r: Refused) -> tonic::Status {
         let who = sender.map_or_else(|| "unauthenticated peer".to_string(), |s| format!("node {s}"));
         self.ctx.authz.deny("raft", method, r.reason, &who, tonic::Status::invalid_argument(r.why))
@@ -342,15 +389,15 @@ impl RaftService for RaftTransport {
         request: tonic::Request<RaftPayload>,
     ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
         let sender = self.sender("AppendEntries", &request)?;
-        let rpc: AppendEntriesRequest<TypeConfig> = match serde_json::from_slice(&request.into_inner().data) {
+        let data = request.into_inner().data;
+        let rpc: AppendEntriesRequest<TypeConfig> = match serde_json::from_slice(&data) {
             Ok(rpc) => rpc,
             Err(e) => {
-                // An authenticated node sent entries of a format this build cannot read:
-                // the group runs at a feature level this node does not support (it was
-                // added, or restarted, as an older build). Stop rather than lag forever.
-                let why = e.to_string();
-                if let (Some(from), true) = (sender, why.contains(crate::types::NEWER_THAN_THIS_NODE)) {
-                    self.ctx.set_fatal(format!("replicated from node {from}: {why}"));
+                // The group's leader sent entries of a format this build cannot read: the
+                // group runs at a feature level this node does not support (it was added,
+                // or restarted, as an older build). Stop rather than lag forever.
+                if let Some(why) = sender.and_then(|from| self.newer_from_leader(&data, from)) {
+                    self.ctx.set_fatal(why);
                     let raft = self.raft.clone();
                     tokio::spawn(async move {
                         let _ = raft.shutdown().await;

@@ -351,12 +351,14 @@ async fn batcher(
                 }
                 return;
             };
+            let level = state.read().await.feature_level;
             let mut req = Request::new(now_ms, commands);
-            // Every voter supports a newer feature level than the group runs at: this
-            // entry raises it (entries in flight may carry the same raise; applying it
-            // again changes nothing).
-            if let Some(support) = clock.voters_support(&voters) {
-                let level = state.read().await.feature_level;
+            req.format = crate::types::entry_format_for(level);
+            // Every member (voters and learners) supports a newer feature level than the
+            // group runs at: this entry raises it (entries in flight may carry the same
+            // raise; applying it again changes nothing).
+            let members: BTreeSet<NodeId> = raft.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect();
+            if let Some(support) = clock.voters_support(&members) {
                 if support > level {
                     tracing::info!(from = level, to = support, "every voter supports a newer feature level; raising it");
                     req.raise_feature_level = Some(support);

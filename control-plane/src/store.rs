@@ -118,6 +118,16 @@ pub enum StoreError {
 /// stamped carry none and are format 1.
 pub const SNAPSHOT_FORMAT: u32 = 1;
 
+/// The snapshot format a group at feature level `level` writes (as
+/// [`crate::types::entry_format_for`] for log entries).
+pub fn snapshot_format_for(level: u32) -> u32 {
+    if level <= 1 {
+        1
+    } else {
+        SNAPSHOT_FORMAT
+    }
+}
+
 /// The newest data-directory layout this build opens (the trees and keys described at
 /// the top of this module), recorded in the directory under `meta/format`.
 pub const DIR_FORMAT: u32 = 1;
@@ -931,7 +941,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         // here is exactly "everything up to last_applied", consistent with its header.
         let bytes = {
             let data = self.data.read().await;
-            serde_json::to_vec(&*data).map_err(|e| e.to_string())
+            // Stamped with the format this level writes, whatever format the state was
+            // read from.
+            let mut data = data.clone();
+            data.format = snapshot_format_for(data.feature_level);
+            serde_json::to_vec(&data).map_err(|e| e.to_string())
         };
         SledSnapshotBuilder {
             db: self.db.clone(),

@@ -74,6 +74,17 @@ impl Request {
     }
 }
 
+/// The log-entry format a group at feature level `level` writes: format 1 at level 1,
+/// the newest this build writes above it. A format newer than 1 may be written only
+/// once the level says every member reads it.
+pub fn entry_format_for(level: u32) -> u32 {
+    if level <= 1 {
+        1
+    } else {
+        LOG_FORMAT
+    }
+}
+
 /// Why a log entry's format cannot be read by this build (the text a stopped node logs).
 pub fn newer_entry_format(found: u32) -> String {
     format!(

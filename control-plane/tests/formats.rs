@@ -287,38 +287,58 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
     cl.shutdown().await;
 }
 
-/// A node that is sent entries of a format newer than it reads (it was added, or
-/// restarted, as an older build than the group's level needs) stops with an error that
-/// names the sender and the format, instead of refusing them forever while it lags. The
-/// sender must be an authenticated node: without TLS there are no identities, and
-/// anyone reaching the port could stop a node this way, so such a payload is only
-/// refused.
+/// A node that is sent entries of a format newer than it reads by the leader of its
+/// group (it was added, or restarted, as an older build than the group's level needs)
+/// stops with an error that names the leader and the format, instead of refusing them
+/// forever while it lags. Only the group's leader can do that: the same payload from a
+/// node certificate that is not a member, or as a leader of an older term, is only
+/// refused; and without TLS (no identities) it is only refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_node_sent_newer_entries_by_a_node_stops_saying_why() {
+async fn a_node_sent_newer_entries_by_its_leader_stops_saying_why() {
     let pki = kvota_testkit::Pki::new("kvota");
-    let cl = kvota_testkit::Cluster::start_with(1, Some(&pki), |_| {}).await;
-    cl.leader(Duration::from_secs(10)).await;
-    let term = cl.node(1).raft().metrics().borrow().current_term;
+    let cl = kvota_testkit::Cluster::start_with(3, Some(&pki), |_| {}).await;
+    let leader = cl.leader(Duration::from_secs(15)).await;
+    let target = if leader == 3 { 2 } else { 3 };
+    let sender = (1..=3).find(|n| *n != target && *n != leader).expect("a third member");
+    let term = cl.node(target).raft().metrics().borrow().current_term;
     // Written as kvota writes entries: the format first (what follows it may mean
     // anything in a newer format; here a command this build does not know).
-    let newer = format!(
-        r#"{{"vote":{{"leader_id":{{"term":{t},"node_id":2}},"committed":true}},"prev_log_id":null,"entries":[{{"log_id":{{"leader_id":{{"term":{t},"node_id":2}},"index":100}},"payload":{{"Normal":{{"format":2,"now_ms":1,"commands":[{{"Renamed":{{}}}}]}}}}}}],"leader_commit":null}}"#,
-        t = term + 1
-    );
-    serde_json::from_str::<serde_json::Value>(&newer).expect("valid JSON");
-    let node2 = pki.party(kvota_tls::Role::Node, "2");
-    let mut raft = kvota_control_plane::network::raft_client(&cl.members[&1].raft_addr, 1, Some(&node2), Duration::from_secs(2)).unwrap();
-    let s = raft.append_entries(v1::RaftPayload { data: newer.clone().into_bytes() }).await.expect_err("refused");
+    let payload = |node: u64, term: u64| {
+        let p = format!(
+            r#"{{"vote":{{"leader_id":{{"term":{term},"node_id":{node}}},"committed":true}},"prev_log_id":null,"entries":[{{"log_id":{{"leader_id":{{"term":{term},"node_id":{node}}},"index":100}},"payload":{{"Normal":{{"format":2,"now_ms":1,"commands":[{{"Renamed":{{}}}}]}}}}}}],"leader_commit":null}}"#
+        );
+        serde_json::from_str::<serde_json::Value>(&p).expect("valid JSON");
+        p.into_bytes()
+    };
+    let send = |as_node: u64, data: Vec<u8>| {
+        let party = pki.party(kvota_tls::Role::Node, &as_node.to_string());
+        let addr = cl.members[&target].raft_addr.clone();
+        async move {
+            let mut raft = kvota_control_plane::network::raft_client(&addr, target, Some(&party), Duration::from_secs(2)).unwrap();
+            raft.append_entries(v1::RaftPayload { data }).await.expect_err("refused")
+        }
+    };
+    // Not a member, or a leader of an older term: refused, nothing stops.
+    let s = send(9, payload(9, term + 1)).await;
     assert!(s.message().contains("log entry format 2 is newer than this node reads"), "{s:?}");
-    let why = tokio::time::timeout(Duration::from_secs(10), cl.node(1).broken()).await.expect("node 1 stops");
-    assert!(why.contains("replicated from node 2") && why.contains("format 2") && why.contains("upgrade this node"), "{why}");
+    let s = send(sender, payload(sender, term.saturating_sub(1))).await;
+    assert!(s.message().contains("format 2"), "{s:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(cl.node(target).ctx.fatal(), None, "a non-member or a stale leader stops nothing");
+
+    // A member, as the leader of a newer term: the node stops and says why.
+    let s = send(sender, payload(sender, term + 1)).await;
+    assert!(s.message().contains("format 2"), "{s:?}");
+    let why = tokio::time::timeout(Duration::from_secs(10), cl.node(target).broken()).await.expect("the node stops");
+    assert!(why.contains(&format!("replicated from node {sender}")) && why.contains("format 2") && why.contains("upgrade this node"), "{why}");
     cl.shutdown().await;
 
     // Plain text: refused, and the node goes on.
     let cl = kvota_testkit::Cluster::start(1).await;
     cl.leader(Duration::from_secs(10)).await;
+    let term = cl.node(1).raft().metrics().borrow().current_term;
     let mut raft = kvota_control_plane::network::raft_client(&cl.members[&1].raft_addr, 1, None, Duration::from_secs(2)).unwrap();
-    let s = raft.append_entries(v1::RaftPayload { data: newer.clone().into_bytes() }).await.expect_err("refused");
+    let s = raft.append_entries(v1::RaftPayload { data: payload(1, term + 1) }).await.expect_err("refused");
     assert!(s.message().contains("format 2"), "{s:?}");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(cl.node(1).ctx.fatal(), None, "an unauthenticated payload stops nothing");

@@ -313,28 +313,8 @@ impl Inner {
     /// Writes a new file holding only what is live (`reports` in order, the last
     /// sequence number, the lease), syncs it, and puts it in place of the old one.
     fn rewrite(&mut self, reports: &[UsageReport], last_seq: u64) -> Result<(), JournalError> {
-        let dir = self.path.parent().map(Path::to_path_buf).unwrap_or_default();
-        let tmp = self.path.with_extension("kvj.tmp");
-        let mut bytes = header().to_vec();
-        bytes.extend(frame(KIND_LAST_SEQ, &last_seq.to_le_bytes())?);
-        if let Some(l) = &self.lease {
-            bytes.extend(frame(KIND_LEASE, &serde_json::to_vec(l).map_err(|e| corrupt("lease", e.to_string()))?)?);
-        }
-        let mut index = BTreeMap::new();
-        for r in reports {
-            let payload = serde_json::to_vec(r).map_err(|e| corrupt("report", e.to_string()))?;
-            let offset = (bytes.len() + RECORD_HEAD) as u64;
-            let len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
-            bytes.extend(frame(KIND_REPORT, &payload)?);
-            index.insert(r.seq, (offset, len));
-        }
-        {
-            let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
-            f.write_all(&bytes).map_err(io("write", &tmp))?;
-            f.sync_all().map_err(io("fsync", &tmp))?;
-        }
-        std::fs::rename(&tmp, &self.path).map_err(io("rename into place", &self.path))?;
-        sync_dir(&dir)?;
+        let (bytes, index) = file_bytes(reports, last_seq, self.lease.as_ref())?;
+        put_in_place(&self.path, &bytes)?;
         self.file = OpenOptions::new().read(true).write(true).open(&self.path).map_err(io("reopen", &self.path))?;
         self.index = index;
         self.last_seq = last_seq;
@@ -356,6 +336,40 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// A whole journal file holding `reports` (in order), the last sequence number and the
+/// lease; with where each report's payload is.
+#[allow(clippy::type_complexity)]
+fn file_bytes(reports: &[UsageReport], last_seq: u64, lease: Option<&Lease>) -> Result<(Vec<u8>, BTreeMap<u64, (u64, u32)>), JournalError> {
+    let mut bytes = header().to_vec();
+    bytes.extend(frame(KIND_LAST_SEQ, &last_seq.to_le_bytes())?);
+    if let Some(l) = lease {
+        bytes.extend(frame(KIND_LEASE, &serde_json::to_vec(l).map_err(|e| corrupt("lease", e.to_string()))?)?);
+    }
+    let mut index = BTreeMap::new();
+    for r in reports {
+        let payload = serde_json::to_vec(r).map_err(|e| corrupt("report", e.to_string()))?;
+        let offset = (bytes.len() + RECORD_HEAD) as u64;
+        let len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
+        bytes.extend(frame(KIND_REPORT, &payload)?);
+        index.insert(r.seq, (offset, len));
+    }
+    Ok((bytes, index))
+}
+
+/// Writes `bytes` to a temporary file beside `path`, syncs it, renames it to `path` and
+/// syncs the directory: a crash leaves the old file or the new one, never a part.
+fn put_in_place(path: &Path, bytes: &[u8]) -> Result<(), JournalError> {
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let tmp = path.with_extension("kvj.tmp");
+    {
+        let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
+        f.write_all(bytes).map_err(io("write", &tmp))?;
+        f.sync_all().map_err(io("fsync", &tmp))?;
+    }
+    std::fs::rename(&tmp, path).map_err(io("rename into place", path))?;
+    sync_dir(&dir)
 }
 
 impl Journal {
@@ -422,14 +436,14 @@ impl Journal {
                 format!("{} already holds a usage journal; an earlier format is not imported over it", dir.display()),
             ));
         }
-        let journal = Journal::open(dir)?;
-        {
-            let mut g = journal.lock();
-            g.lease = old.lease;
-            let last = old.last_seq.max(old.reports.iter().map(|r| r.seq).max().unwrap_or(0));
-            g.rewrite(&old.reports, last)?;
-        }
-        Ok(journal)
+        // The whole file is written aside and renamed into place: a crash part-way
+        // leaves no journal (the earlier one is imported again at the next start),
+        // never an empty one that would hide it.
+        std::fs::create_dir_all(dir).map_err(io("create directory", dir))?;
+        let last = old.last_seq.max(old.reports.iter().map(|r| r.seq).max().unwrap_or(0));
+        let (bytes, _) = file_bytes(&old.reports, last, old.lease.as_ref())?;
+        put_in_place(&dir.join(FILE), &bytes)?;
+        Journal::open(dir)
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
