@@ -345,3 +345,48 @@ async fn a_node_sent_newer_entries_by_its_leader_stops_saying_why() {
     apply_policy(&Client::new(&cl.endpoints()).unwrap()).await;
     cl.shutdown().await;
 }
+
+mod hostile_bytes {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn golden_bytes(name: &str) -> Vec<u8> {
+        std::fs::read(golden(name)).unwrap()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// A log entry with bytes changed, cut or inserted is read whole or refused
+        /// with an error: never a panic, and never a format above this build's.
+        #[test]
+        fn garbled_log_entries_are_refused_or_read_whole(line in 0usize..10, at in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<bool>()) {
+            let text = golden_bytes("log-entries.format-1.jsonl");
+            let mut bytes = text.split(|b| *b == b'\n').filter(|l| !l.is_empty()).nth(line).unwrap().to_vec();
+            let i = at.index(bytes.len());
+            if cut { bytes.truncate(i) } else { bytes[i] = byte }
+            if let Ok(Entry::<TypeConfig> { payload: EntryPayload::Normal(r), .. }) = serde_json::from_slice::<Entry<TypeConfig>>(&bytes) {
+                prop_assert!(r.format >= 1 && r.format <= LOG_FORMAT);
+            }
+        }
+
+        /// The same for a snapshot (which is also the persisted state).
+        #[test]
+        fn garbled_snapshots_are_refused_or_read_whole(at in any::<prop::sample::Index>(), byte in any::<u8>(), cut in any::<bool>()) {
+            let mut bytes = golden_bytes("snapshot.format-1.json");
+            let i = at.index(bytes.len());
+            if cut { bytes.truncate(i) } else { bytes[i] = byte }
+            if let Ok(s) = StateMachineData::decode(&bytes, FEATURE_LEVEL) {
+                prop_assert!(s.feature_level <= FEATURE_LEVEL && s.format <= kvota_control_plane::store::SNAPSHOT_FORMAT);
+            }
+        }
+
+        /// Arbitrary bytes as a log entry or a snapshot: an answer, not a panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = serde_json::from_slice::<Entry<TypeConfig>>(&bytes);
+            let _ = serde_json::from_slice::<Request>(&bytes);
+            let _ = StateMachineData::decode(&bytes, FEATURE_LEVEL);
+        }
+    }
+}

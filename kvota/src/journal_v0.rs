@@ -141,9 +141,24 @@ mod tests {
             meta.insert(b"lease", serde_json::to_vec(&lease).expect("json")).expect("insert");
             db.flush().expect("flush");
         }
-        // A migration cut short by a crash leaves at most the temporary file: no journal,
-        // so the next start imports again.
-        std::fs::write(dir.path().join("journal.kvj.tmp"), b"half of a journal").expect("w");
+        // A migration that fails part-way (here its temporary file cannot be created)
+        // leaves no journal behind, so the next start imports again instead of finding an
+        // empty journal that hides the old one.
+        std::fs::create_dir(dir.path().join("journal.kvj.tmp")).expect("obstacle");
+        let mut tries = 0;
+        let e = loop {
+            match migrate(dir.path()) {
+                Err(e) if tries < 50 && e.to_string().contains("lock") => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => break e,
+                Ok(n) => panic!("migrated {n:?} past the obstacle"),
+            }
+        };
+        assert!(!Journal::exists_in(dir.path()), "a failed import leaves no journal behind: {e}");
+        assert!(dir.path().join("db").is_file(), "the old journal is still in place");
+        std::fs::remove_dir(dir.path().join("journal.kvj.tmp")).expect("remove obstacle");
         // sled lets go of its lock when its background threads notice; retry briefly.
         let mut tries = 0;
         let j = loop {
@@ -156,7 +171,6 @@ mod tests {
                 Err(e) => panic!("migrate: {e}"),
             }
         };
-        
         assert_eq!(j.unacked(10).expect("read"), vec![report(5), report(6)]);
         assert_eq!(j.load_lease().expect("lease"), Some(lease.clone()));
         assert_eq!(j.write(report).expect("w").seq, 7, "numbering goes on");

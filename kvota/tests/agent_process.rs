@@ -120,14 +120,18 @@ fn write_kubeconfig(dir: &std::path::Path, url: &str) {
 
 /// A one-node `kvota server` with its data in `dir/cp`, logging to `dir/server.log`.
 fn one_node_server(dir: &std::path::Path, rpc: &str, http: &str) -> Child {
-    kvota()
-        .args(["server", "--id", "1", "--init", "--listen", rpc, "--http", http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
+    one_node_server_cmd(dir, rpc, http).spawn().expect("spawn server")
+}
+
+/// [`one_node_server`]'s command, for a caller that adds flags or environment.
+fn one_node_server_cmd(dir: &std::path::Path, rpc: &str, http: &str) -> Command {
+    let mut c = kvota();
+    c.args(["server", "--id", "1", "--init", "--listen", rpc, "--http", http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
         .arg("--data-dir")
         .arg(dir.join("cp"))
         .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(dir.join("server.log")).expect("log")))
-        .spawn()
-        .expect("spawn server")
+        .stderr(Stdio::from(std::fs::File::create(dir.join("server.log")).expect("log")));
+    c
 }
 
 fn cli_json(cp: &str, args: &[&str]) -> Option<Value> {
@@ -156,17 +160,8 @@ fn sim_agent(dir: &std::path::Path, rpc: &str, hook: u16, log: &str) -> Command 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_control_plane() {
     let Env { tmp, rpc, http, hook, ca } = env();
-    let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
 
-    let server = kvota()
-        .args(["server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
-        .arg("--data-dir")
-        .arg(tmp.path().join("cp"))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log("server.log"))
-        .spawn()
-        .expect("spawn server");
+    let server = one_node_server_cmd(tmp.path(), &rpc, &http).env("RUST_LOG", "info").spawn().expect("spawn server");
     let mut procs = Procs::of([server]);
     std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
     let mut applied = false;
@@ -629,14 +624,11 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant() {
     let Env { tmp, rpc, http, hook, ca } = env();
-    let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
-    let server = kvota()
-        .args(["--log-format", "json", "server", "--id", "1", "--init", "--listen", &rpc, "--http", &http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
-        .arg("--data-dir")
-        .arg(tmp.path().join("cp"))
+    // The server takes the flag (a global one, after its subcommand), the agent the
+    // environment variable.
+    let server = one_node_server_cmd(tmp.path(), &rpc, &http)
+        .args(["--log-format", "json"])
         .env("RUST_LOG", "info,kvota_control_plane=debug")
-        .stdout(Stdio::null())
-        .stderr(log("server.log"))
         .spawn()
         .expect("spawn server");
     let mut procs = Procs::of([server]);
