@@ -280,7 +280,7 @@ fn open_disk(db: Disk, feature_max: u32) -> Result<(LogStore, StateMachineStore)
         state,
         data: Arc::new(RwLock::new(data)),
         snapshot_lock: Arc::new(Mutex::new(())),
-        feature_max: Arc::new(std::sync::atomic::AtomicU32::new(feature_max)),
+        feature_max,
     };
     Ok((log_store, sm_store))
 }
@@ -785,7 +785,7 @@ pub struct StateMachineStore {
     snapshot_lock: Arc<Mutex<()>>,
     /// The newest feature level this node supports ([`crate::types::FEATURE_LEVEL`]
     /// unless a test poses as a newer build).
-    feature_max: Arc<std::sync::atomic::AtomicU32>,
+    feature_max: u32,
 }
 
 impl fmt::Debug for StateMachineStore {
@@ -805,16 +805,9 @@ impl StateMachineStore {
         Arc::clone(&self.data)
     }
 
-    /// The newest feature level this node supports.
+    /// The newest feature level this node supports (given to [`open_for`]).
     pub fn feature_max(&self) -> u32 {
-        self.feature_max.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Poses as a build that supports feature levels up to `level` (tests of the
-    /// upgrade gate only: a real build supports what it was written for).
-    #[doc(hidden)]
-    pub fn set_feature_max(&self, level: u32) {
-        self.feature_max.store(level, std::sync::atomic::Ordering::Relaxed);
+        self.feature_max
     }
 }
 

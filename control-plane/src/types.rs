@@ -88,13 +88,10 @@ pub fn entry_format_for(level: u32) -> u32 {
 /// Why a log entry's format cannot be read by this build (the text a stopped node logs).
 pub fn newer_entry_format(found: u32) -> String {
     format!(
-        "log entry format {found} {NEWER_THAN_THIS_NODE} (up to {LOG_FORMAT}): the group was raised \
+        "log entry format {found} is newer than this node reads (up to {LOG_FORMAT}): the group was raised \
          to a feature level this build does not support; upgrade this node's kvota"
     )
 }
-
-/// The words in every error about a format newer than this build reads.
-pub const NEWER_THAN_THIS_NODE: &str = "is newer than this node reads";
 
 impl<'de> Deserialize<'de> for Request {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
