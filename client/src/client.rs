@@ -1,6 +1,7 @@
 //! A client of the control plane for the CLI and agents: give it any nodes' addresses;
-//! it tries them in turn, follows a `kvota-leader` hint, and retries a bounded number
-//! of times with jittered backoff. Every call has a deadline.
+//! it tries them in turn, follows a `kvota-leader` hint when it names one of them (it
+//! never dials an address it was not given), and retries a bounded number of times with
+//! jittered backoff. Every call has a deadline.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -26,7 +27,7 @@ pub const MAX_ATTEMPTS: usize = 6;
 /// A control-plane client. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Client {
-    endpoints: Arc<Mutex<Vec<String>>>,
+    endpoints: Arc<[String]>,
     preferred: Arc<AtomicUsize>,
     channels: Arc<Mutex<Vec<Option<Channel>>>>,
     call_timeout_ms: Arc<AtomicU64>,
@@ -56,7 +57,7 @@ impl Client {
         }
         let n = eps.len();
         Ok(Client {
-            endpoints: Arc::new(Mutex::new(eps)),
+            endpoints: eps.into(),
             preferred: Arc::new(AtomicUsize::new(0)),
             channels: Arc::new(Mutex::new(vec![None; n])),
             call_timeout_ms: Arc::new(AtomicU64::new(ms(CALL_TIMEOUT))),
@@ -80,7 +81,7 @@ impl Client {
     }
 
     async fn channel(&self, i: usize) -> Result<(String, Channel), Status> {
-        let addr = self.endpoints.lock().await[i].clone();
+        let addr = self.endpoints[i].clone();
         let mut chans = self.channels.lock().await;
         if let Some(Some(c)) = chans.get(i) {
             return Ok((addr, c.clone()));
@@ -93,14 +94,12 @@ impl Client {
         Ok((addr, c))
     }
 
-    async fn index_of(&self, addr: &str) -> usize {
-        let mut eps = self.endpoints.lock().await;
-        if let Some(i) = eps.iter().position(|e| e == addr) {
-            return i;
-        }
-        eps.push(addr.to_string());
-        self.channels.lock().await.push(None);
-        eps.len() - 1
+    /// Which configured endpoint `addr` is. A hint naming any other address is not
+    /// followed: the client dials only what it was configured with (a member cluster
+    /// often reaches the nodes by other addresses than they advertise, and a path that is
+    /// cut must stay cut), and every node forwards writes to the leader anyway.
+    fn index_of(&self, addr: &str) -> Option<usize> {
+        self.endpoints.iter().position(|e| e == addr)
     }
 
     /// Runs `f` against endpoints until one answers, following leader hints.
@@ -111,7 +110,7 @@ impl Client {
     {
         let mut last = Status::unavailable("no control-plane node answered");
         for attempt in 0..MAX_ATTEMPTS {
-            let n = self.endpoints.lock().await.len();
+            let n = self.endpoints.len();
             let i = self.preferred.load(Ordering::Relaxed) % n.max(1);
             let (addr, ch) = self.channel(i).await?;
             let deadline = self.call_timeout();
@@ -124,10 +123,11 @@ impl Client {
                         .get(LEADER_HEADER)
                         .and_then(|v| v.to_str().ok())
                         .map(normalize);
-                    let next = match hint {
-                        Some(h) if h != addr => self.index_of(&h).await,
-                        _ => (i + 1) % n.max(1),
+                    let known = match hint {
+                        Some(h) if h != addr => self.index_of(&h),
+                        _ => None,
                     };
+                    let next = known.unwrap_or((i + 1) % n.max(1));
                     if let Some(slot) = self.channels.lock().await.get_mut(i) {
                         *slot = None;
                     }
@@ -196,5 +196,41 @@ mod tests {
         assert!(t0.elapsed() < CALL_TIMEOUT, "{:?}", t0.elapsed());
         assert!(e.message().contains("did not answer within 300ms"), "{e:?}");
         drop(silent);
+    }
+
+    /// A `kvota-leader` hint naming an address the client was not given is not dialed:
+    /// the client moves on to its next configured endpoint (a path that is cut, or an
+    /// address the member cluster cannot reach, stays out of use).
+    #[tokio::test]
+    async fn a_hint_to_an_unknown_address_is_not_dialed() {
+        let listen = || {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.set_nonblocking(true).expect("nonblocking");
+            let a = l.local_addr().expect("addr").to_string();
+            (l, a)
+        };
+        let ((a, a_addr), (b, b_addr), (elsewhere, elsewhere_addr)) = (listen(), listen(), listen());
+        let c = Client::new(&[a_addr, b_addr]).expect("client");
+        let attempts = Arc::new(AtomicUsize::new(0));
+        c.call(|ch| {
+            let attempts = attempts.clone();
+            let hint = elsewhere_addr.clone();
+            async move {
+                if attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let mut s = Status::unavailable("not the leader");
+                    s.metadata_mut().insert(LEADER_HEADER, hint.parse().expect("ascii"));
+                    return Err(s);
+                }
+                // Dials whichever endpoint the client chose; nobody answers here.
+                let _ = tokio::time::timeout(Duration::from_millis(300), Client::admin(ch).status(v1::Empty {})).await;
+                Ok(())
+            }
+        })
+        .await
+        .expect("the second attempt succeeds");
+        assert_eq!(attempts.load(Ordering::SeqCst), 2);
+        assert!(b.accept().is_ok(), "the next configured endpoint was dialed");
+        assert!(elsewhere.accept().is_err(), "the hinted address was dialed");
+        assert!(a.accept().is_err(), "the first endpoint was dialed again");
     }
 }
