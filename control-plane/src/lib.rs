@@ -5,7 +5,7 @@
 //! [`kvota_fairness::federation::Command`]; applying it calls `Federation::apply`.
 //!
 //! Map: [`types`] (Raft type config), [`store`] (sled log and state machine),
-//! [`network`] (Raft over gRPC), [`node`] (write path, forwarding, readiness),
+//! [`network`] (Raft over gRPC), [`wire`] (the Raft port's protobuf to and from openraft's types), [`node`] (write path, forwarding, readiness),
 //! [`service`] (Member and Admin gRPC), [`metrics`], [`http`] (health, readiness,
 //! metrics, JSON), [`server`] (configuration and startup), [`auth`] (who may call what), [`clock`] (the federation's time: the
 //! median of the voters' clocks). The client and its TLS set-up live in `kvota-client`,
@@ -22,3 +22,4 @@ pub mod service;
 pub mod store;
 pub mod types;
 pub mod watchdog;
+pub mod wire;

@@ -1,10 +1,10 @@
-//! Raft traffic between control-plane nodes over gRPC (`kvota.v1.Raft`), on each node's
+//! Raft traffic between control-plane nodes over gRPC (`kvota.raft.v1.Raft`), on each node's
 //! own Raft listener.
 //!
-//! openraft's own request and response types travel as JSON inside a `RaftPayload`;
-//! the gRPC service only carries bytes. Every call has a deadline (openraft's
-//! `hard_ttl`), and a node that cannot be reached is reported as `Unreachable` so
-//! openraft backs off instead of hammering it.
+//! Every message is protobuf (`proto/kvota/raft/v1/raft.proto`), converted to and from
+//! openraft's types in [`crate::wire`]. Every call has a deadline (openraft's
+//! `hard_ttl`); a node that cannot be reached, or whose Raft core has stopped, is
+//! reported as `Unreachable` so openraft backs off instead of hammering it.
 //!
 //! What enters openraft is checked first ([`check_append`], [`check_vote`],
 //! [`check_snapshot`]): with TLS, the sender named in the message must be the node of
@@ -15,22 +15,22 @@
 
 use std::time::Duration;
 
-use kvota_proto::v1::raft_client::RaftClient;
-use kvota_proto::v1::raft_server::Raft as RaftService;
-use kvota_proto::v1::{ClockReply, Empty, RaftPayload};
+use kvota_proto::raft::v1 as pb;
+use kvota_proto::raft::v1::raft_client::RaftClient;
+use kvota_proto::raft::v1::raft_server::Raft as RaftService;
+use kvota_proto::raft::v1::{ClockReply, Empty};
 use kvota_tls::{Expect, PeerInfo};
-use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
+use openraft::error::{Fatal, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
     VoteResponse,
 };
 use openraft::{LogId, Vote};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use tonic::transport::Channel;
 
 use crate::types::{Node, NodeId, Raft, TypeConfig};
+use crate::wire::{self, WireError};
 
 /// Largest Raft message accepted (snapshot chunks and entry batches): 64 MiB. A
 /// snapshot of a 10,000-tenant, 1,000-cluster federation is well below that.
@@ -80,16 +80,6 @@ pub struct PeerClient {
 
 type RpcResult<T, E> = Result<T, RPCError<NodeId, Node, E>>;
 
-fn encode<T: Serialize>(v: &T) -> Result<RaftPayload, NetworkError> {
-    serde_json::to_vec(v)
-        .map(|data| RaftPayload { data })
-        .map_err(|e| NetworkError::new(&e))
-}
-
-fn decode<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, NetworkError> {
-    serde_json::from_slice(&p.data).map_err(|e| NetworkError::new(&e))
-}
-
 /// A Raft client to `addr`, which must be node `target` (with TLS).
 pub fn raft_client(addr: &str, target: NodeId, tls: Option<&kvota_client::tls::GrpcTls>, timeout: Duration) -> Result<RaftClient<Channel>, String> {
     if addr.is_empty() {
@@ -115,30 +105,16 @@ impl PeerClient {
         Ok(c)
     }
 
-    /// One call: encode, send with a deadline, decode `Result<Resp, RaftError<E>>`.
-    async fn call<Req, Resp, E>(
-        &mut self,
-        method: Method,
-        req: &Req,
-        option: &RPCOption,
-    ) -> RpcResult<Resp, RaftError<NodeId, E>>
+    /// One call: send `request` with a deadline; a transport failure or a peer whose
+    /// Raft core has stopped is `Unreachable` (openraft backs off).
+    async fn call<Resp, E, F, Fut>(&mut self, option: &RPCOption, send: F) -> RpcResult<Resp, RaftError<NodeId, E>>
     where
-        Req: Serialize,
-        Resp: DeserializeOwned,
-        E: std::error::Error + DeserializeOwned,
+        E: std::error::Error,
+        F: FnOnce(RaftClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
-        let payload = encode(req).map_err(RPCError::Network)?;
-        let mut client = self.client().await?;
-        let mut request = tonic::Request::new(payload);
-        request.set_timeout(option.hard_ttl());
-        let fut = async {
-            match method {
-                Method::Append => client.append_entries(request).await,
-                Method::Vote => client.vote(request).await,
-                Method::Snapshot => client.install_snapshot(request).await,
-            }
-        };
-        let reply = match tokio::time::timeout(option.hard_ttl(), fut).await {
+        let client = self.client().await?;
+        let reply = match tokio::time::timeout(option.hard_ttl(), send(client)).await {
             Err(elapsed) => {
                 return Err(RPCError::Unreachable(Unreachable::new(&elapsed)));
             }
@@ -149,16 +125,19 @@ impl PeerClient {
             }
             Ok(Ok(reply)) => reply.into_inner(),
         };
-        let result: Result<Resp, RaftError<NodeId, E>> = decode(&reply).map_err(RPCError::Network)?;
-        result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+        Ok(reply)
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-enum Method {
-    Append,
-    Vote,
-    Snapshot,
+fn with_deadline<T>(msg: T, option: &RPCOption) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(option.hard_ttl());
+    r
+}
+
+/// A reply that did not decode: the peer speaks another version of the schema.
+fn undecodable<E: std::error::Error>(e: &WireError) -> RPCError<NodeId, Node, RaftError<NodeId, E>> {
+    RPCError::Network(NetworkError::new(e))
 }
 
 impl RaftNetwork<TypeConfig> for PeerClient {
@@ -167,7 +146,9 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, RaftError<NodeId>> {
-        self.call(Method::Append, &rpc, &option).await
+        let req = with_deadline(wire::append_to(&rpc), &option);
+        let reply = self.call(&option, |mut c| async move { c.append_entries(req).await }).await?;
+        wire::append_reply_from(reply).map_err(|e| undecodable(&e))
     }
 
     async fn install_snapshot(
@@ -175,7 +156,12 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>> {
-        self.call(Method::Snapshot, &rpc, &option).await
+        let req = with_deadline(wire::snapshot_to(&rpc), &option);
+        let reply = self.call(&option, |mut c| async move { c.install_snapshot(req).await }).await?;
+        match wire::snapshot_reply_from(reply).map_err(|e| undecodable(&e))? {
+            Ok(r) => Ok(r),
+            Err(e) => Err(RPCError::RemoteError(RemoteError::new(self.target, RaftError::APIError(e)))),
+        }
     }
 
     async fn vote(
@@ -183,7 +169,9 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, RaftError<NodeId>> {
-        self.call(Method::Vote, &rpc, &option).await
+        let req = with_deadline(wire::vote_request_to(&rpc), &option);
+        let reply = self.call(&option, |mut c| async move { c.vote(req).await }).await?;
+        wire::vote_reply_from(reply).map_err(|e| undecodable(&e))
     }
 }
 
@@ -319,51 +307,20 @@ impl RaftTransport {
         }
     }
 
-    /// Why this node must stop, if an AppendEntries payload that did not decode comes
-    /// from `from` as the leader of a term at least this node's, `from` is a member of
-    /// the group as this node knows it, and it carries a log entry of a format newer
-    /// than this build reads. Anything else that does not decode is only refused: a
-    /// removed node, a stale leader or a node of another group with a certificate from
-    /// the same CA cannot stop a node this way.
-    fn newer_from_leader(&self, data: &[u8], from: NodeId) -> Option<String> {
-        #[derive(serde::Deserialize)]
-        struct Probe {
-            vote: ProbeVote,
-            #[serde(default)]
-            entries: Vec<ProbeEntry>,
-        }
-        #[derive(serde::Deserialize)]
-        struct ProbeVote {
-            leader_id: ProbeLeader,
-        }
-        #[derive(serde::Deserialize)]
-        struct ProbeLeader {
-            term: u64,
-            node_id: NodeId,
-        }
-        #[derive(serde::Deserialize)]
-        struct ProbeEntry {
-            payload: serde_json::Value,
-        }
-        let probe: Probe = serde_json::from_slice(data).ok()?;
+    /// Why this node must stop, if an AppendEntries that carries log entries of a
+    /// format newer than this build reads (`format`) comes from `from` as the leader of a
+    /// term at least this node's, and `from` is a member of the group as this node knows
+    /// it. Anything else that does not decode is only refused: a removed node, a stale
+    /// leader or a node of another group with a certificate from the same CA cannot stop
+    /// a node this way.
+    fn newer_from_leader(&self, vote: Option<&pb::RaftVote>, format: u32, from: NodeId) -> Option<String> {
+        let vote = vote?;
         let m = self.raft.metrics().borrow().clone();
         let member = m.membership_config.membership().nodes().any(|(id, _)| *id == from);
-        if probe.vote.leader_id.node_id != from || probe.vote.leader_id.term < m.current_term || !member {
+        if vote.node_id != from || vote.term < m.current_term || !member || format <= crate::types::LOG_FORMAT {
             return None;
         }
-        let newest = probe
-            .entries
-            .iter()
-            .filter_map(|e| e.payload.get("Normal")?.get("format")?.as_u64())
-            .max()?;
-        let found = u32::try_from(newest).unwrap_or(u32::MAX);
-        (found > crate::types::LOG_FORMAT).then(|| {
-            format!(
-                "replicated from node {from}, leader in term {}: {}",
-                probe.vote.leader_id.term,
-                crate::types::newer_entry_format(found)
-            )
-        })
+        Some(format!("replicated from node {from}, leader in term {}: {}", vote.term, crate::types::newer_entry_format(format)))
     }
 
     fn refuse(&self, method: &str, sender: Option<NodeId>, r: Refused) -> tonic::Status {
@@ -372,63 +329,73 @@ impl RaftTransport {
     }
 }
 
-fn bad_payload(e: serde_json::Error) -> tonic::Status {
-    tonic::Status::invalid_argument(format!("malformed Raft payload: {e}"))
+fn bad_payload(e: &WireError) -> tonic::Status {
+    tonic::Status::invalid_argument(format!("malformed Raft message: {e}"))
 }
 
-fn reply<T: Serialize>(v: &T) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
-    serde_json::to_vec(v)
-        .map(|data| tonic::Response::new(RaftPayload { data }))
-        .map_err(|e| tonic::Status::internal(format!("encode Raft reply: {e}")))
+/// The local Raft core failed or stopped: the sender treats this node as unreachable.
+fn core_failed(e: &Fatal<NodeId>) -> tonic::Status {
+    tonic::Status::unavailable(format!("this node's Raft core has stopped: {e}"))
 }
 
 #[tonic::async_trait]
 impl RaftService for RaftTransport {
     async fn append_entries(
         &self,
-        request: tonic::Request<RaftPayload>,
-    ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+        request: tonic::Request<pb::AppendEntriesRequest>,
+    ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
         let sender = self.sender("AppendEntries", &request)?;
-        let data = request.into_inner().data;
-        let rpc: AppendEntriesRequest<TypeConfig> = match serde_json::from_slice(&data) {
-            Ok(rpc) => rpc,
-            Err(e) => {
-                // The group's leader sent entries of a format this build cannot read: the
-                // group runs at a feature level this node does not support (it was added,
-                // or restarted, as an older build). Stop rather than lag forever.
-                if let Some(why) = sender.and_then(|from| self.newer_from_leader(&data, from)) {
-                    self.ctx.set_fatal(why);
-                    let raft = self.raft.clone();
-                    tokio::spawn(async move {
-                        let _ = raft.shutdown().await;
-                    });
-                }
-                return Err(bad_payload(e));
+        let msg = request.into_inner();
+        // The group's leader sent entries of a format this build cannot read: the group
+        // runs at a feature level this node does not support (it was added, or
+        // restarted, as an older build). Stop rather than lag forever.
+        if let (Some(from), Some(format)) = (sender, wire::newest_entry_format(&msg)) {
+            if let Some(why) = self.newer_from_leader(msg.vote.as_ref(), format, from) {
+                self.ctx.set_fatal(why.clone());
+                let raft = self.raft.clone();
+                tokio::spawn(async move {
+                    let _ = raft.shutdown().await;
+                });
+                return Err(tonic::Status::failed_precondition(why));
             }
-        };
+        }
+        let rpc = wire::append_from(msg).map_err(|e| bad_payload(&e))?;
         check_append(&rpc, sender).map_err(|r| self.refuse("AppendEntries", sender, r))?;
         if let Some(leader) = rpc.vote.leader_id().voted_for() {
             self.contact.heard(leader);
         }
-        reply(&self.raft.append_entries(rpc).await)
+        match self.raft.append_entries(rpc).await {
+            Ok(r) => Ok(tonic::Response::new(wire::append_reply_to(&r))),
+            Err(RaftError::Fatal(f)) => Err(core_failed(&f)),
+            Err(RaftError::APIError(e)) => match e {},
+        }
     }
 
-    async fn vote(&self, request: tonic::Request<RaftPayload>) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+    async fn vote(&self, request: tonic::Request<pb::VoteRequest>) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
         let sender = self.sender("Vote", &request)?;
-        let rpc: VoteRequest<NodeId> = serde_json::from_slice(&request.into_inner().data).map_err(bad_payload)?;
+        let rpc = wire::vote_request_from(request.into_inner()).map_err(|e| bad_payload(&e))?;
         check_vote(&rpc, sender).map_err(|r| self.refuse("Vote", sender, r))?;
-        reply(&self.raft.vote(rpc).await)
+        match self.raft.vote(rpc).await {
+            Ok(r) => Ok(tonic::Response::new(wire::vote_reply_to(&r))),
+            Err(RaftError::Fatal(f)) => Err(core_failed(&f)),
+            Err(RaftError::APIError(e)) => match e {},
+        }
     }
 
     async fn install_snapshot(
         &self,
-        request: tonic::Request<RaftPayload>,
-    ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+        request: tonic::Request<pb::InstallSnapshotRequest>,
+    ) -> Result<tonic::Response<pb::InstallSnapshotReply>, tonic::Status> {
         let sender = self.sender("InstallSnapshot", &request)?;
-        let rpc: InstallSnapshotRequest<TypeConfig> =
-            serde_json::from_slice(&request.into_inner().data).map_err(bad_payload)?;
+        let rpc = wire::snapshot_from(request.into_inner()).map_err(|e| bad_payload(&e))?;
         check_snapshot(&rpc, sender).map_err(|r| self.refuse("InstallSnapshot", sender, r))?;
-        reply(&self.raft.install_snapshot(rpc).await)
+        match self.raft.install_snapshot(rpc).await {
+            Ok(r) => Ok(tonic::Response::new(wire::snapshot_reply_to(Ok(&r)))),
+            Err(RaftError::APIError(InstallSnapshotError::SnapshotMismatch(m))) => {
+                Ok(tonic::Response::new(wire::snapshot_reply_to(Err(&m))))
+            }
+            Err(RaftError::Fatal(f)) => Err(core_failed(&f)),
+        }
     }
 
     async fn clock(&self, request: tonic::Request<Empty>) -> Result<tonic::Response<ClockReply>, tonic::Status> {
@@ -510,18 +477,31 @@ mod tests {
     }
 
     proptest! {
-        /// Arbitrary bytes as any of the three payloads: decoding answers with an error or
-        /// a value, and checking a decoded value answers too (no panic).
+        /// Arbitrary bytes as any of the three requests: protobuf decoding, then the
+        /// conversion, then the check, each answers with an error or a value (no panic).
         #[test]
         fn any_payload_decodes_or_is_refused_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            if let Ok(r) = serde_json::from_slice::<AppendEntriesRequest<TypeConfig>>(&bytes) {
-                let _ = check_append(&r, Some(1));
+            use prost::Message;
+            if let Ok(m) = pb::AppendEntriesRequest::decode(bytes.as_slice()) {
+                let _ = wire::newest_entry_format(&m);
+                if let Ok(r) = wire::append_from(m) {
+                    let _ = check_append(&r, Some(1));
+                }
             }
-            if let Ok(r) = serde_json::from_slice::<VoteRequest<NodeId>>(&bytes) {
+            if let Ok(Ok(r)) = pb::VoteRequest::decode(bytes.as_slice()).map(wire::vote_request_from) {
                 let _ = check_vote(&r, Some(1));
             }
-            if let Ok(r) = serde_json::from_slice::<InstallSnapshotRequest<TypeConfig>>(&bytes) {
+            if let Ok(Ok(r)) = pb::InstallSnapshotRequest::decode(bytes.as_slice()).map(wire::snapshot_from) {
                 let _ = check_snapshot(&r, Some(1));
+            }
+            if let Ok(m) = pb::AppendEntriesReply::decode(bytes.as_slice()) {
+                let _ = wire::append_reply_from(m);
+            }
+            if let Ok(m) = pb::VoteReply::decode(bytes.as_slice()) {
+                let _ = wire::vote_reply_from(m);
+            }
+            if let Ok(m) = pb::InstallSnapshotReply::decode(bytes.as_slice()) {
+                let _ = wire::snapshot_reply_from(m);
             }
         }
 

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kvota_fairness::federation::Command;
-use kvota_proto::v1::{admin_server::AdminServer, member_server::MemberServer, raft_server::RaftServer};
+use kvota_proto::raft::v1::raft_server::RaftServer;
+use kvota_proto::v1::{admin_server::AdminServer, member_server::MemberServer};
 use kvota_tls::http::HttpLimits;
 use kvota_tls::{Limits, Listener, Role, ServerTls, TrustGroup};
 use openraft::{Config, SnapshotPolicy};
@@ -481,7 +482,7 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
 
 /// Raft clients for reading the voters' clocks, by node and address (kept: a new TLS
 /// connection every tick would cost each pair of nodes a handshake per second).
-type ClockClients = std::collections::HashMap<(NodeId, String), kvota_proto::v1::raft_client::RaftClient<tonic::transport::Channel>>;
+type ClockClients = std::collections::HashMap<(NodeId, String), kvota_proto::raft::v1::raft_client::RaftClient<tonic::transport::Channel>>;
 
 /// Asks every other voter for its wall clock (at most 500 ms each, all at once) and
 /// records the answers (see [`crate::clock`]).
@@ -509,7 +510,7 @@ async fn read_clocks(ctx: &Arc<NodeCtx>, clients: &mut ClockClients) {
         Some(async move {
             let mut client = client;
             let sent = Instant::now();
-            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_millis(500), client.clock(kvota_proto::v1::Empty {})).await {
+            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_millis(500), client.clock(kvota_proto::raft::v1::Empty {})).await {
                 let r = r.into_inner();
                 ctx.clock.record(id, r.wall_ms, sent.elapsed());
                 ctx.clock.record_support(id, r.feature_level_max);

@@ -20,6 +20,7 @@ use kvota_client::client::Client;
 use kvota_control_plane::store::{self, StateMachineData, StoreError};
 use kvota_control_plane::types::{Request, TypeConfig, FEATURE_LEVEL, LOG_FORMAT};
 use kvota_fairness::policy::Policy;
+use kvota_proto::raft::v1 as rv1;
 use kvota_proto::v1;
 use openraft::storage::{RaftLogStorageExt, RaftStateMachine};
 use openraft::{Entry, EntryPayload, RaftLogReader, SnapshotMeta, StoredMembership};
@@ -301,21 +302,23 @@ async fn a_node_sent_newer_entries_by_its_leader_stops_saying_why() {
     let target = if leader == 3 { 2 } else { 3 };
     let sender = (1..=3).find(|n| *n != target && *n != leader).expect("a third member");
     let term = cl.node(target).raft().metrics().borrow().current_term;
-    // Written as kvota writes entries: the format first (what follows it may mean
-    // anything in a newer format; here a command this build does not know).
-    let payload = |node: u64, term: u64| {
-        let p = format!(
-            r#"{{"vote":{{"leader_id":{{"term":{term},"node_id":{node}}},"committed":true}},"prev_log_id":null,"entries":[{{"log_id":{{"leader_id":{{"term":{term},"node_id":{node}}},"index":100}},"payload":{{"Normal":{{"format":2,"now_ms":1,"commands":[{{"Renamed":{{}}}}]}}}}}}],"leader_commit":null}}"#
-        );
-        serde_json::from_str::<serde_json::Value>(&p).expect("valid JSON");
-        p.into_bytes()
+    // An entry of format 2 whose command this build does not know (a newer build's
+    // command arrives as a field this schema lacks: an empty oneof here).
+    let payload = |node: u64, term: u64| rv1::AppendEntriesRequest {
+        vote: Some(rv1::RaftVote { term, node_id: node, committed: true }),
+        prev_log_id: None,
+        entries: vec![rv1::RaftEntry {
+            log_id: Some(rv1::RaftLogId { term, node_id: node, index: 100 }),
+            payload: Some(rv1::raft_entry::Payload::Normal(rv1::LogBatch { format: 2, now_ms: 1, commands: vec![rv1::LogCommand::default()], raise_feature_level: None })),
+        }],
+        leader_commit: None,
     };
-    let send = |as_node: u64, data: Vec<u8>| {
+    let send = |as_node: u64, msg: rv1::AppendEntriesRequest| {
         let party = pki.party(kvota_tls::Role::Node, &as_node.to_string());
         let addr = cl.members[&target].raft_addr.clone();
         async move {
             let mut raft = kvota_control_plane::network::raft_client(&addr, target, Some(&party), Duration::from_secs(2)).unwrap();
-            raft.append_entries(v1::RaftPayload { data }).await.expect_err("refused")
+            raft.append_entries(msg).await.expect_err("refused")
         }
     };
     // Not a member, or a leader of an older term: refused, nothing stops.
@@ -338,7 +341,7 @@ async fn a_node_sent_newer_entries_by_its_leader_stops_saying_why() {
     cl.leader(Duration::from_secs(10)).await;
     let term = cl.node(1).raft().metrics().borrow().current_term;
     let mut raft = kvota_control_plane::network::raft_client(&cl.members[&1].raft_addr, 1, None, Duration::from_secs(2)).unwrap();
-    let s = raft.append_entries(v1::RaftPayload { data: payload(1, term + 1) }).await.expect_err("refused");
+    let s = raft.append_entries(payload(1, term + 1)).await.expect_err("refused");
     assert!(s.message().contains("format 2"), "{s:?}");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(cl.node(1).ctx.fatal(), None, "an unauthenticated payload stops nothing");

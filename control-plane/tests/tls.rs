@@ -154,25 +154,22 @@ async fn the_raft_port_serves_nodes_only_and_each_only_as_itself() {
         let party = pki.party(role, name);
         let ch = kvota_client::tls::channel(&raft_addr, Some(&party), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
             .expect("channel");
-        let r = kvota_proto::v1::raft_client::RaftClient::new(ch).clock(v1::Empty {}).await;
+        let r = kvota_proto::raft::v1::raft_client::RaftClient::new(ch).clock(kvota_proto::raft::v1::Empty {}).await;
         assert!(r.is_err(), "{role} was served on the Raft port");
     }
     // The API port does not serve Raft at all.
     let node1 = pki.party(Role::Node, "1");
     let ch = kvota_client::tls::channel(&cl.members[&target].rpc_addr, Some(&node1), kvota_tls::Expect::Node(target), Duration::from_secs(1), Duration::from_secs(2))
         .expect("channel");
-    let r = kvota_proto::v1::raft_client::RaftClient::new(ch).clock(v1::Empty {}).await;
+    let r = kvota_proto::raft::v1::raft_client::RaftClient::new(ch).clock(kvota_proto::raft::v1::Empty {}).await;
     assert_eq!(r.expect_err("no Raft on the API port").code(), Code::Unimplemented);
 
     // A node certificate speaking for another node is refused before openraft sees it.
     let impostor = if leader == 1 { 2 } else { 1 };
     let impostor = pki.party(Role::Node, &impostor.to_string());
     let mut raft = kvota_control_plane::network::raft_client(&raft_addr, target, Some(&impostor), Duration::from_secs(2)).expect("client");
-    let forged = serde_json::json!({
-        "vote": {"leader_id": {"term": term + 100, "node_id": leader}, "committed": true},
-        "prev_log_id": null, "entries": [], "leader_commit": null
-    });
-    let r = raft.append_entries(v1::RaftPayload { data: serde_json::to_vec(&forged).expect("json") }).await;
+    let forged = kvota_proto::raft::v1::AppendEntriesRequest { vote: Some(kvota_proto::raft::v1::RaftVote { term: term + 100, node_id: leader, committed: true }), ..Default::default() };
+    let r = raft.append_entries(forged).await;
     let s = r.expect_err("a node may not send as the leader");
     assert!(s.code() == Code::InvalidArgument && s.message().contains("as node"), "{s:?}");
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -316,8 +316,8 @@ async fn strangers_and_wrong_roles_change_nothing() {
     assert_eq!(r.expect_err("a cluster removes no cluster").code(), Code::PermissionDenied);
     let east_tls = fed.party(Role::Cluster, "east");
     let raft = kvota_control_plane::network::raft_client(&fed.specs[1].raft, 2, Some(&east_tls), Duration::from_secs(2)).expect("client");
-    let forged = json!({"vote": {"leader_id": {"term": 1_000, "node_id": 1}, "committed": false}, "last_log_id": null});
-    let r = raft.clone().vote(v1::RaftPayload { data: serde_json::to_vec(&forged).expect("json") }).await;
+    let forged = kvota_proto::raft::v1::VoteRequest { vote: Some(kvota_proto::raft::v1::RaftVote { term: 1_000, node_id: 1, committed: false }), last_log_id: None };
+    let r = raft.clone().vote(forged).await;
     assert!(r.is_err(), "a cluster was served on the Raft port");
     seen = intact(&fed, "a cluster at admin and Raft", &seen, &mut east, false).await;
 
@@ -371,15 +371,12 @@ async fn a_forged_huge_term_is_refused_and_a_killed_leader_is_replaced() {
     let target = &fed.specs[usize::try_from(leader - 1).expect("id")];
     let raft = kvota_control_plane::network::raft_client(&target.raft, leader, Some(&attacker), Duration::from_secs(2)).expect("client");
     for sender in [attacker_id, leader] {
-        let forged = json!({
-            "vote": {"leader_id": {"term": u64::MAX, "node_id": sender}, "committed": true},
-            "prev_log_id": null, "entries": [], "leader_commit": null
-        });
-        let r = raft.clone().append_entries(v1::RaftPayload { data: serde_json::to_vec(&forged).expect("json") }).await;
+        let forged = kvota_proto::raft::v1::AppendEntriesRequest { vote: Some(kvota_proto::raft::v1::RaftVote { term: u64::MAX, node_id: sender, committed: true }), ..Default::default() };
+        let r = raft.clone().append_entries(forged).await;
         let e = r.expect_err("forged AppendEntries");
         assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-        let vote = json!({"vote": {"leader_id": {"term": u64::MAX, "node_id": sender}, "committed": false}, "last_log_id": null});
-        let r = raft.clone().vote(v1::RaftPayload { data: serde_json::to_vec(&vote).expect("json") }).await;
+        let vote = kvota_proto::raft::v1::VoteRequest { vote: Some(kvota_proto::raft::v1::RaftVote { term: u64::MAX, node_id: sender, committed: false }), last_log_id: None };
+        let r = raft.clone().vote(vote).await;
         assert_eq!(r.expect_err("forged Vote").code(), Code::InvalidArgument);
     }
     let seen = intact(&fed, "a forged term u64::MAX", &seen, &mut east, false).await;
@@ -614,7 +611,7 @@ async fn flood(from: &str, to: SocketAddr, n: usize, half_request: Option<&Arc<r
     for _ in 0..n {
         let sock = tokio::net::TcpSocket::new_v4().expect("socket");
         sock.bind(format!("{from}:0").parse().expect("addr")).expect("bind the attacker's address");
-        let Ok(mut tcp) = sock.connect(to).await else {
+        let Ok(tcp) = sock.connect(to).await else {
             closed += 1;
             continue;
         };

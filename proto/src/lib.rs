@@ -1,4 +1,5 @@
-//! The kvota wire API (`kvota.v1`): member, admin and Raft transport services.
+//! The kvota wire API: member and admin services (`kvota.v1`), and the Raft transport
+//! between control-plane nodes with the replicated log's schema (`kvota.raft.v1`).
 //!
 //! Generated code lives in [`v1`]; [`convert`] turns the member service's messages into
 //! the fairness core's types with validation (and back), so nothing unvalidated crosses
@@ -9,6 +10,16 @@
 #[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
 pub mod v1 {
     tonic::include_proto!("kvota.v1");
+}
+
+/// Generated protobuf types and gRPC stubs for `kvota.raft.v1`: the Raft transport
+/// between control-plane nodes and the replicated log's schema.
+pub mod raft {
+    /// Version 1.
+    #[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
+    pub mod v1 {
+        tonic::include_proto!("kvota.raft.v1");
+    }
 }
 
 pub mod answers;
