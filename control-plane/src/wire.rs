@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvota_fairness::federation::{Command, EvictionNote, TenantReport, UsageReport, UsageWindow};
+use kvota_fairness::federation::{Command, EvictionNote, EvictionOutcome, TenantReport, UsageReport, UsageWindow};
 use kvota_fairness::policy::{AdmissionMode, LeaseConfig, Policy, ReclaimConfig, TenantPolicy};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_proto::raft::v1 as pb;
@@ -442,7 +442,7 @@ fn report_to(r: &UsageReport) -> pb::LogReport {
                 for_tenant: e.for_tenant.clone(),
                 for_pod: e.for_pod.clone(),
                 milli_gpue: e.milli_gpue,
-                outcome: e.outcome.clone(),
+                outcome: e.outcome.to_string(),
                 why: e.why.clone(),
             })
             .collect(),
@@ -470,7 +470,7 @@ fn report_from(r: pb::LogReport) -> UsageReport {
                 for_tenant: e.for_tenant,
                 for_pod: e.for_pod,
                 milli_gpue: e.milli_gpue,
-                outcome: e.outcome,
+                outcome: EvictionOutcome::parse(&e.outcome),
                 why: e.why,
             })
             .collect(),

@@ -7,7 +7,7 @@ use std::fmt::{self, Write as _};
 use serde::{Deserialize, Serialize};
 
 use crate::admission::{Decision, LocalView, PodRequest};
-use crate::federation::{AuditEvent, Federation};
+use crate::federation::{AuditEvent, EvictionOutcome, Federation};
 use crate::measures::{drift_ppm, tenant_score};
 use crate::units::{format_duration_ms, format_gpue as g};
 use crate::{MilliGpue, Millis};
@@ -279,7 +279,10 @@ impl fmt::Display for TenantExplanation {
         }
         for e in &self.evictions {
             let n = &e.note;
-            let what = if n.outcome == "evicted" { "evicted" } else { "could not evict (PodDisruptionBudget; retried later)" };
+            let what = match n.outcome {
+                EvictionOutcome::Evicted => "evicted",
+                _ => "could not evict (PodDisruptionBudget; retried later)",
+            };
             let side = if n.victim_tenant == self.tenant { "lost" } else { "gained room" };
             let _ = writeln!(
                 s,

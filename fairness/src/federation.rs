@@ -27,6 +27,7 @@
 //! ([`Federation::check_safety`] verifies it).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
@@ -138,10 +139,63 @@ pub struct EvictionNote {
     pub for_pod: String,
     /// GPUe the victim held.
     pub milli_gpue: MilliGpue,
-    /// `evicted`, or `blocked` (a PodDisruptionBudget refused it; retried later).
-    pub outcome: String,
+    /// Evicted, or blocked (a PodDisruptionBudget refused it; retried later).
+    pub outcome: EvictionOutcome,
     /// Why this victim, with the starved tenant's numbers.
     pub why: String,
+}
+
+/// What became of an eviction a member's reclaim loop attempted. Written as its word
+/// (`evicted`, `blocked`) in log entries, snapshots, messages and metric labels.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum EvictionOutcome {
+    /// The pod was evicted.
+    #[default]
+    Evicted,
+    /// A PodDisruptionBudget refused the eviction; reclaim retries later.
+    Blocked,
+    /// A word no kvota sends, kept as it was read: a log entry that carries one still
+    /// decodes, and its report is refused when applied, as it always was.
+    Unrecognized(String),
+}
+
+impl EvictionOutcome {
+    /// The outcome named by `word`.
+    pub fn parse(word: &str) -> EvictionOutcome {
+        match word {
+            "evicted" => EvictionOutcome::Evicted,
+            "blocked" => EvictionOutcome::Blocked,
+            other => EvictionOutcome::Unrecognized(other.to_string()),
+        }
+    }
+
+    /// Its word.
+    pub fn as_str(&self) -> &str {
+        match self {
+            EvictionOutcome::Evicted => "evicted",
+            EvictionOutcome::Blocked => "blocked",
+            EvictionOutcome::Unrecognized(w) => w,
+        }
+    }
+}
+
+impl fmt::Display for EvictionOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for EvictionOutcome {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for EvictionOutcome {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let word = std::borrow::Cow::<'de, str>::deserialize(d)?;
+        Ok(EvictionOutcome::parse(&word))
+    }
 }
 
 impl EvictionNote {
@@ -151,19 +205,19 @@ impl EvictionNote {
             why,
         };
         for (name, v) in [
-            ("victim", &self.victim),
-            ("victim_tenant", &self.victim_tenant),
-            ("for_tenant", &self.for_tenant),
-            ("for_pod", &self.for_pod),
-            ("outcome", &self.outcome),
-            ("why", &self.why),
+            ("victim", self.victim.as_str()),
+            ("victim_tenant", self.victim_tenant.as_str()),
+            ("for_tenant", self.for_tenant.as_str()),
+            ("for_pod", self.for_pod.as_str()),
+            ("outcome", self.outcome.as_str()),
+            ("why", self.why.as_str()),
         ] {
             if v.len() > MAX_EVICTION_TEXT {
                 return Err(invalid(format!("{name} is {} bytes; at most {MAX_EVICTION_TEXT}", v.len())));
             }
         }
-        if self.outcome != "evicted" && self.outcome != "blocked" {
-            return Err(invalid(format!("outcome `{}`: `evicted` or `blocked`", self.outcome)));
+        if let EvictionOutcome::Unrecognized(word) = &self.outcome {
+            return Err(invalid(format!("outcome `{word}`: `evicted` or `blocked`")));
         }
         Ok(())
     }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use kvota_fairness::federation::{
+use kvota_fairness::federation::{EvictionOutcome, 
     Applied, AuditEvent, Command, CommandError, EvictionNote, Federation, TenantReport, UsageReport,
     MAX_EVICTION_TEXT, MAX_REPORT_EVICTIONS,
 };
@@ -17,7 +17,7 @@ fn note(victim: &str) -> EvictionNote {
         for_tenant: "inference".into(),
         for_pod: "serve/api-0".into(),
         milli_gpue: 1_000,
-        outcome: "evicted".into(),
+        outcome: EvictionOutcome::Evicted,
         why: "training is 4 GPUe above its budget; youngest pod".into(),
     }
 }
@@ -61,7 +61,7 @@ fn bad_eviction_notes_are_refused_and_change_nothing() {
     let (mut fed, epoch) = federation();
     let before = fed.clone();
     let long = EvictionNote { why: "x".repeat(MAX_EVICTION_TEXT + 1), ..note("t1") };
-    let odd = EvictionNote { outcome: "forced".into(), ..note("t1") };
+    let odd = EvictionNote { outcome: EvictionOutcome::parse("forced"), ..note("t1") };
     for bad in [vec![long], vec![odd], vec![note("t"); MAX_REPORT_EVICTIONS + 1]] {
         match fed.apply(1_000, report(1, epoch, bad)) {
             Err(CommandError::Invalid { what, why }) => assert!(what.contains("report") && !why.is_empty(), "{what}: {why}"),
@@ -70,4 +70,28 @@ fn bad_eviction_notes_are_refused_and_change_nothing() {
     }
     assert!(fed == before, "nothing changed");
     assert!(evictions(&fed).is_empty());
+}
+
+/// An outcome is written as its word in log entries and snapshots, as before it was an
+/// enum; a word no kvota sends (in a refused report an older log may hold) still reads,
+/// keeps its word, and is refused when applied with the words it always was.
+#[test]
+fn outcomes_are_written_as_their_words_and_unknown_words_still_read() {
+    let json = serde_json::to_value(note("t1")).expect("json");
+    assert_eq!(json["outcome"], "evicted");
+    let blocked = EvictionNote { outcome: EvictionOutcome::Blocked, ..note("t1") };
+    assert_eq!(serde_json::to_value(&blocked).expect("json")["outcome"], "blocked");
+    let mut odd = json.clone();
+    odd["outcome"] = "forced".into();
+    let read: EvictionNote = serde_json::from_value(odd.clone()).expect("an unknown word reads");
+    assert_eq!(read.outcome, EvictionOutcome::Unrecognized("forced".into()));
+    assert_eq!(serde_json::to_value(&read).expect("json"), odd, "and is written back unchanged");
+    let (mut fed, epoch) = federation();
+    match fed.apply(1_000, report(1, epoch, vec![read])) {
+        Err(CommandError::Invalid { why, .. }) => assert_eq!(why, "outcome `forced`: `evicted` or `blocked`"),
+        other => panic!("{other:?}"),
+    }
+    for word in ["evicted", "blocked"] {
+        assert_eq!(EvictionOutcome::parse(word).as_str(), word);
+    }
 }

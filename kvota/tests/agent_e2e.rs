@@ -174,7 +174,7 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         victim: "train/t-cut".into(),
         victim_tenant: "training".into(),
         gpue: 1_000,
-        outcome: "evicted".into(),
+        outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
         why: "recorded while the link was cut".into(),
     };
     a.state().record_eviction(evicted_while_cut);

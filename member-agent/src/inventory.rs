@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use kvota_fairness::federation::EvictionOutcome;
 use kvota_fairness::reclaim::{Decision, RunningPod, TenantHere, Victim, WaitingPod};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_fairness::{MilliGpue, Millis};
@@ -302,12 +303,12 @@ pub fn eviction_record(
     let (reason, word, message) = match outcome {
         EvictOutcome::Evicted => (
             "Evicted",
-            "evicted",
+            EvictionOutcome::Evicted,
             format!("kvota: evicted to restore tenant `{for_tenant}`'s guarantee. {summary}. This pod: {}", victim.why),
         ),
         EvictOutcome::Blocked => (
             "EvictionBlocked",
-            "blocked",
+            EvictionOutcome::Blocked,
             format!(
                 "kvota: eviction refused by the PodDisruptionBudget of namespace `{}`; not forced, retried later. {summary}. This pod: {}",
                 victim.key.split('/').next().unwrap_or(""),
@@ -323,7 +324,7 @@ pub fn eviction_record(
         victim: victim.key.clone(),
         victim_tenant: victim.tenant.clone(),
         gpue: victim.gpue,
-        outcome: word.to_string(),
+        outcome: word,
         why: format!("{summary}. This pod: {}", victim.why),
     };
     Some((reason, message, record))

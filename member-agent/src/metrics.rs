@@ -222,7 +222,7 @@ impl AgentMetrics {
                 c.inc_by(n.saturating_sub(c.get()));
             }
             for ((tenant, outcome), n) in st.eviction_counts() {
-                let c = self.evictions.get_or_create(&AdmissionLabel { tenant: tenant.clone(), outcome: outcome.clone() });
+                let c = self.evictions.get_or_create(&AdmissionLabel { tenant: tenant.clone(), outcome: outcome.to_string() });
                 c.inc_by(n.saturating_sub(c.get()));
             }
         }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use kvota_fairness::admission::{release_order, LocalView, PodRequest, QueuedPod};
-use kvota_fairness::federation::TenantReport;
+use kvota_fairness::federation::{EvictionOutcome, TenantReport};
 use kvota_fairness::lease::AgentLease;
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::{self, ClusterView, Decision, TenantHere};
@@ -133,8 +133,8 @@ pub struct ReclaimRecord {
     pub victim_tenant: String,
     /// GPUe freed.
     pub gpue: MilliGpue,
-    /// `evicted`, or `blocked` (a PodDisruptionBudget refused it; retried later).
-    pub outcome: String,
+    /// Evicted, or blocked (a PodDisruptionBudget refused it; retried later).
+    pub outcome: EvictionOutcome,
     /// Why this victim, and the starved tenant's numbers.
     pub why: String,
 }
@@ -147,7 +147,7 @@ struct ReclaimBook {
     audit: std::collections::VecDeque<ReclaimRecord>,
     /// Records not yet written into a usage report (bounded like the audit log).
     unreported: std::collections::VecDeque<ReclaimRecord>,
-    counts: BTreeMap<(String, String), u64>,
+    counts: BTreeMap<(String, EvictionOutcome), u64>,
 }
 
 impl AgentState {
@@ -555,7 +555,7 @@ impl AgentState {
     /// Records an eviction attempt: counted against the rate limits when it happened,
     /// kept in the audit log either way.
     pub fn record_eviction(&mut self, record: ReclaimRecord) {
-        if record.outcome == "evicted" {
+        if record.outcome == EvictionOutcome::Evicted {
             self.reclaim.recent.push_back((record.at_ms, record.victim_tenant.clone()));
         }
         *self.reclaim.counts.entry((record.victim_tenant.clone(), record.outcome.clone())).or_insert(0) += 1;
@@ -594,7 +594,7 @@ impl AgentState {
     }
 
     /// Eviction attempts by (victim tenant, outcome).
-    pub fn eviction_counts(&self) -> &BTreeMap<(String, String), u64> {
+    pub fn eviction_counts(&self) -> &BTreeMap<(String, EvictionOutcome), u64> {
         &self.reclaim.counts
     }
 

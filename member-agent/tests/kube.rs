@@ -298,7 +298,7 @@ async fn reclaim_evicts_the_youngest_training_pods_through_the_eviction_api_with
         let msg = e["message"].as_str().expect("message");
         assert!(msg.contains("inference") && msg.contains("guarantee"), "{msg}");
     }
-    let audit: Vec<(String, String)> = s.agent.state().reclaim_audit().map(|r| (r.victim.clone(), r.outcome.clone())).collect();
+    let audit: Vec<(String, String)> = s.agent.state().reclaim_audit().map(|r| (r.victim.clone(), r.outcome.to_string())).collect();
     assert_eq!(audit, [("ml/t7".to_string(), "evicted".to_string()), ("ml/t6".to_string(), "evicted".to_string())]);
     // Once the deletions are seen the guarantee is within reach: nothing more to evict.
     eventually(&mut s, "evictions seen", |s| s.agent.state().bound("training") == 6000).await;
@@ -390,7 +390,7 @@ async fn a_pod_disruption_budget_refusal_is_reported_and_not_forced() {
     assert_eq!(s.api.all(Kind::Pod).len(), 9, "no pod deleted");
     let reasons: Vec<String> = s.api.all(Kind::Event).iter().map(|e| e["reason"].as_str().unwrap_or("").to_string()).collect();
     assert!(!reasons.is_empty() && reasons.iter().all(|r| r == "EvictionBlocked"), "{reasons:?}");
-    assert!(s.agent.state().reclaim_audit().all(|r| r.outcome == "blocked"));
+    assert!(s.agent.state().reclaim_audit().all(|r| r.outcome.as_str() == "blocked"));
     // The budget lets go: the next round evicts.
     s.api.set_pdb_blocked("ml", false);
     let d = s.controller.reclaim(&s.agent).await;

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use kvota_fairness::federation::EvictionOutcome;
 use kvota_fairness::lease::{AgentLease, Lease, TenantBudget};
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::Decision;
@@ -116,14 +117,14 @@ fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evic
     }
     let audit: Vec<_> = st.reclaim_audit().collect();
     assert_eq!(audit.len(), 8);
-    assert!(audit.iter().all(|r| r.for_tenant == "inference" && r.victim_tenant == "training" && r.outcome == "evicted"));
-    assert_eq!(st.eviction_counts().get(&("training".to_string(), "evicted".to_string())), Some(&8));
+    assert!(audit.iter().all(|r| r.for_tenant == "inference" && r.victim_tenant == "training" && r.outcome == EvictionOutcome::Evicted));
+    assert_eq!(st.eviction_counts().get(&("training".to_string(), EvictionOutcome::Evicted)), Some(&8));
     // The next usage reports carry them to the control plane's audit log, each once.
     let oldest = audit[0].victim.clone();
     let notes = st.take_eviction_notes(5);
     assert_eq!(notes.len(), 5);
     assert_eq!(notes[0].victim, oldest, "oldest first");
-    assert!(notes.iter().all(|n| n.for_tenant == "inference" && n.outcome == "evicted" && n.milli_gpue == 1_000 && !n.why.is_empty()));
+    assert!(notes.iter().all(|n| n.for_tenant == "inference" && n.outcome == EvictionOutcome::Evicted && n.milli_gpue == 1_000 && !n.why.is_empty()));
     assert_eq!(st.take_eviction_notes(64).len(), 3, "the rest in the next report");
     assert!(st.take_eviction_notes(64).is_empty());
     // The checkpoint model: each victim lost the work since its last 10-minute checkpoint.
@@ -187,7 +188,7 @@ fn evictions_a_pod_disruption_budget_refuses_are_retried_and_reported_not_forced
     let blocked: Vec<_> = c.events().iter().filter(|e| e.reason == "EvictionBlocked").collect();
     assert!(blocked.len() >= 2, "refusals are reported, and retried: {blocked:?}");
     assert!(blocked[0].message.contains("PodDisruptionBudget of namespace `training`"), "{}", blocked[0].message);
-    assert!(st.reclaim_audit().any(|r| r.outcome == "blocked"));
+    assert!(st.reclaim_audit().any(|r| r.outcome == EvictionOutcome::Blocked));
     // The budget relaxes: the next attempt succeeds.
     c.set_pdb("training", 12);
     let run = drive(&mut c, &mut st, now + 120_000, 60, |_, _, _| {});

@@ -201,7 +201,7 @@ async fn reviews_over_https_decide_reserve_and_explain() {
         victim: "ml/p1".into(),
         victim_tenant: "training".into(),
         gpue: 1_000,
-        outcome: "evicted".into(),
+        outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
         why: "youngest pod of the most over-entitled tenant".into(),
     });
     let (status, body) = c.call("GET", "/reclaims", vec![]).await;

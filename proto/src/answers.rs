@@ -5,7 +5,7 @@
 //! half-read answer.
 
 use kvota_fairness::explain::{ClusterPart, EvictionSeen, TenantExplanation};
-use kvota_fairness::federation::{AuditEvent, AuditRecord, BudgetChange, EvictionNote};
+use kvota_fairness::federation::{AuditEvent, AuditRecord, BudgetChange, EvictionNote, EvictionOutcome};
 
 use crate::convert::Invalid;
 use crate::v1;
@@ -22,7 +22,7 @@ impl From<&EvictionNote> for v1::Eviction {
             for_tenant: e.for_tenant.clone(),
             for_pod: e.for_pod.clone(),
             milli_gpue: e.milli_gpue,
-            outcome: e.outcome.clone(),
+            outcome: e.outcome.to_string(),
             why: e.why.clone(),
         }
     }
@@ -36,7 +36,7 @@ impl From<v1::Eviction> for EvictionNote {
             for_tenant: e.for_tenant,
             for_pod: e.for_pod,
             milli_gpue: e.milli_gpue,
-            outcome: e.outcome,
+            outcome: EvictionOutcome::parse(&e.outcome),
             why: e.why,
         }
     }
@@ -205,14 +205,14 @@ mod tests {
     use super::*;
 
     fn note() -> impl Strategy<Value = EvictionNote> {
-        ("[a-z/-]{0,12}", "[a-z-]{0,8}", "[a-z-]{0,8}", "[a-z/-]{0,12}", any::<u64>(), "evicted|blocked", ".{0,20}").prop_map(
+        ("[a-z/-]{0,12}", "[a-z-]{0,8}", "[a-z-]{0,8}", "[a-z/-]{0,12}", any::<u64>(), "evicted|blocked|[a-z]{0,8}", ".{0,20}").prop_map(
             |(victim, victim_tenant, for_tenant, for_pod, milli_gpue, outcome, why)| EvictionNote {
                 victim,
                 victim_tenant,
                 for_tenant,
                 for_pod,
                 milli_gpue,
-                outcome,
+                outcome: EvictionOutcome::parse(&outcome),
                 why,
             },
         )

@@ -106,7 +106,7 @@ pub fn full_log() -> Vec<Entry<TypeConfig>> {
         for_tenant: "training".into(),
         for_pod: "training/train-1".into(),
         milli_gpue: 2_000,
-        outcome: "evicted".into(),
+        outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
         why: "training below its entitlement for 30 s".into(),
     });
     log.push(entry(2, 9, normal(7_000, Command::Report(r))));
