@@ -225,7 +225,7 @@ async fn agent_cut_off_past_its_lease_keeps_enforcing_then_drains() {
         for s in book.samples.iter().filter(|s| s.cluster == "east" && s.at > safe_at && s.at < healed_at) {
             backlog = backlog.max(s.metrics.get("kvota_agent_journal_backlog").unwrap_or(0));
             for (t, _) in TENANTS {
-                let b = s.metrics.tenant("kvota_agent_budget_milli_gpue", t);
+                let b = s.metrics.tenant_scaled("kvota_agent_budget_gpus", t, 1000.0);
                 if b > may.get(t).copied().unwrap_or(0) {
                     fed.fail(&format!("east enforced a {t} budget of {b} while cut off, above the {:?} the control plane accounts", may.get(t)));
                 }

@@ -1,4 +1,7 @@
-//! Prometheus metrics of a control-plane node (one registry, prefix `kvota`).
+//! Prometheus metrics of a control-plane node (one registry, prefix `kvota`), in
+//! Prometheus conventions: GPU-equivalents as floats (`_gpus`), time in `_seconds`,
+//! ratios 0 to 1. Per-tenant and per-cluster series are bounded by the policy's tenants
+//! and the registered clusters. docs/metrics.md lists every series.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +15,14 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// A gauge of a float (GPU-equivalents, seconds, ratios).
+type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+
+/// GPU-equivalents from thousandths.
+fn gpus(milli: u64) -> f64 {
+    milli as f64 / 1000.0
+}
+
 use crate::types::{Node, NodeId};
 
 /// Label set naming a tenant.
@@ -19,6 +30,22 @@ use crate::types::{Node, NodeId};
 pub struct TenantLabel {
     /// Tenant name.
     pub tenant: String,
+}
+
+/// Label set naming a cluster.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClusterLabel {
+    /// Cluster name.
+    pub cluster: String,
+}
+
+/// Label set of `kvota_build_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabel {
+    /// The kvota version.
+    pub version: String,
+    /// The newest feature level this build supports.
+    pub feature_level_max: String,
 }
 
 /// Label set naming an outcome.
@@ -74,12 +101,22 @@ pub struct Metrics {
     last_log_index: Gauge,
     last_applied_index: Gauge,
     leader_id: Gauge,
-    entitlement: Family<TenantLabel, Gauge>,
-    target: Family<TenantLabel, Gauge>,
-    inuse: Family<TenantLabel, Gauge>,
-    drift: Family<TenantLabel, Gauge>,
-    capacity: Gauge,
+    has_leader: Gauge,
+    entitlement: Family<TenantLabel, FGauge>,
+    target: Family<TenantLabel, FGauge>,
+    inuse: Family<TenantLabel, FGauge>,
+    pending: Family<TenantLabel, FGauge>,
+    guarantee: Family<TenantLabel, FGauge>,
+    decayed: Family<TenantLabel, FGauge>,
+    drift: Family<TenantLabel, FGauge>,
+    score: Family<TenantLabel, FGauge>,
+    federation_score: FGauge,
+    capacity: FGauge,
     clusters: Gauge,
+    cluster_capacity: Family<ClusterLabel, FGauge>,
+    cluster_inuse: Family<ClusterLabel, FGauge>,
+    cluster_report_age: Family<ClusterLabel, FGauge>,
+    cluster_unreachable: Family<ClusterLabel, Gauge>,
     denied: Family<DeniedLabel, Counter>,
     refused: Family<RefusedLabel, Counter>,
     tls_reloads: Family<ReloadLabel, Counter>,
@@ -104,11 +141,24 @@ impl Metrics {
         let role = Family::<RoleLabel, Gauge>::default();
         let (term, last_log_index, last_applied_index, leader_id) =
             (Gauge::default(), Gauge::default(), Gauge::default(), Gauge::default());
-        let entitlement = Family::<TenantLabel, Gauge>::default();
-        let target = Family::<TenantLabel, Gauge>::default();
-        let inuse = Family::<TenantLabel, Gauge>::default();
-        let drift = Family::<TenantLabel, Gauge>::default();
-        let (capacity, clusters) = (Gauge::default(), Gauge::default());
+        let has_leader = Gauge::default();
+        let (entitlement, target, inuse, pending, guarantee, decayed, drift, score) = (
+            Family::<TenantLabel, FGauge>::default(),
+            Family::<TenantLabel, FGauge>::default(),
+            Family::<TenantLabel, FGauge>::default(),
+            Family::<TenantLabel, FGauge>::default(),
+            Family::<TenantLabel, FGauge>::default(),
+            Family::<TenantLabel, FGauge>::default(),
+            Family::<TenantLabel, FGauge>::default(),
+            Family::<TenantLabel, FGauge>::default(),
+        );
+        let (federation_score, capacity, clusters) = (FGauge::default(), FGauge::default(), Gauge::default());
+        let (cluster_capacity, cluster_inuse, cluster_report_age, cluster_unreachable) = (
+            Family::<ClusterLabel, FGauge>::default(),
+            Family::<ClusterLabel, FGauge>::default(),
+            Family::<ClusterLabel, FGauge>::default(),
+            Family::<ClusterLabel, Gauge>::default(),
+        );
         r.register(
             "apply_duration_seconds",
             "Time from proposing a command to its answer from the state machine",
@@ -120,24 +170,43 @@ impl Metrics {
         r.register("raft_last_log_index", "Index of the last log entry", last_log_index.clone());
         r.register("raft_last_applied_index", "Index of the last applied entry", last_applied_index.clone());
         r.register("raft_leader_id", "Id of the known leader (0: none)", leader_id.clone());
+        r.register("raft_has_leader", "1 while this node knows a leader", has_leader.clone());
+        r.register("tenant_entitlement_gpus", "Committed entitlement per tenant (budgets are cut from it), GPU-equivalents", entitlement.clone());
+        r.register("tenant_target_gpus", "Target entitlement per tenant from the fairness model, GPU-equivalents", target.clone());
+        r.register("tenant_inuse_gpus", "Reported in-use (bound plus reserved) per tenant, GPU-equivalents", inuse.clone());
+        r.register("tenant_pending_gpus", "Reported waiting demand per tenant (queued or recently denied), GPU-equivalents", pending.clone());
         r.register(
-            "tenant_entitlement_milli_gpue",
-            "Committed entitlement per tenant (budgets are cut from it), milli-GPUe",
-            entitlement.clone(),
+            "tenant_guarantee_gpus",
+            "What the tenant is guaranteed now: its minShare of capacity, up to its reported demand (in use plus waiting), GPU-equivalents",
+            guarantee.clone(),
         );
         r.register(
-            "tenant_target_milli_gpue",
-            "Target entitlement per tenant from the fairness model, milli-GPUe",
-            target.clone(),
+            "tenant_decayed_usage_gpu_seconds",
+            "Decayed usage per tenant (the fairness model's input), GPU-equivalent seconds",
+            decayed.clone(),
         );
-        r.register("tenant_inuse_milli_gpue", "Reported in-use GPUe per tenant, milli-GPUe", inuse.clone());
-        r.register(
-            "tenant_drift_ppm",
-            "In-use share minus entitled share per tenant, parts per million of capacity",
-            drift.clone(),
-        );
-        r.register("federation_capacity_milli_gpue", "Federation capacity, milli-GPUe", capacity.clone());
+        r.register("tenant_drift_ratio", "In-use share minus entitled share per tenant, as a fraction of capacity (-1 to 1)", drift.clone());
+        r.register("tenant_fairness_score", "Fairness score per tenant: 1 while its in-use share is near its entitled share, falling to 0", score.clone());
+        r.register("fairness_score", "The lowest tenant fairness score (1 with no tenants)", federation_score.clone());
+        r.register("federation_capacity_gpus", "Federation capacity, GPU-equivalents", capacity.clone());
         r.register("clusters", "Registered member clusters", clusters.clone());
+        r.register("cluster_capacity_gpus", "Capacity per member cluster, GPU-equivalents", cluster_capacity.clone());
+        r.register("cluster_inuse_gpus", "Reported in-use per member cluster (all tenants), GPU-equivalents", cluster_inuse.clone());
+        r.register(
+            "cluster_report_age_seconds",
+            "Since the cluster's last applied report, on the federation's clock (absent before its first)",
+            cluster_report_age.clone(),
+        );
+        r.register(
+            "cluster_unreachable",
+            "1 while every lease of the cluster has expired: it enforces its safe budgets until it calls again",
+            cluster_unreachable.clone(),
+        );
+        let build = Family::<BuildLabel, Gauge>::default();
+        build
+            .get_or_create(&BuildLabel { version: env!("CARGO_PKG_VERSION").to_string(), feature_level_max: crate::types::FEATURE_LEVEL.to_string() })
+            .set(1);
+        r.register("build_info", "1, labelled with this build's version and the newest feature level it supports", build);
         let denied = Family::<DeniedLabel, Counter>::default();
         let refused = Family::<RefusedLabel, Counter>::default();
         let tls_reloads = Family::<ReloadLabel, Counter>::default();
@@ -157,12 +226,22 @@ impl Metrics {
             last_log_index,
             last_applied_index,
             leader_id,
+            has_leader,
             entitlement,
             target,
             inuse,
+            pending,
+            guarantee,
+            decayed,
             drift,
+            score,
+            federation_score,
             capacity,
             clusters,
+            cluster_capacity,
+            cluster_inuse,
+            cluster_report_age,
+            cluster_unreachable,
             denied,
             refused,
             tls_reloads,
@@ -225,25 +304,58 @@ impl Metrics {
         self.last_log_index.set(g(raft.last_log_index.unwrap_or(0)));
         self.last_applied_index.set(g(raft.last_applied.map_or(0, |l| l.index)));
         self.leader_id.set(g(raft.current_leader.unwrap_or(0)));
+        self.has_leader.set(i64::from(raft.current_leader.is_some()));
         let plan = fed.plan();
-        self.capacity.set(g(plan.capacity));
+        self.capacity.set(gpus(plan.capacity));
         self.clusters.set(g(fed.clusters().len() as u64));
-        self.entitlement.clear();
-        self.target.clear();
-        self.inuse.clear();
-        self.drift.clear();
+        for family in [&self.entitlement, &self.target, &self.inuse, &self.pending, &self.guarantee, &self.decayed, &self.drift, &self.score] {
+            family.clear();
+        }
+        let policy = fed.policy();
+        // Reported demand per tenant (in use plus waiting), over every cluster.
+        let mut pending: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+        for rec in fed.clusters().values() {
+            for (t, u) in &rec.usage {
+                let p = pending.entry(t.as_str()).or_default();
+                *p = p.saturating_add(u.pending);
+            }
+        }
+        let mut lowest = 1.0f64;
         for (i, name) in plan.tenants.iter().enumerate() {
             let l = TenantLabel { tenant: name.clone() };
             let committed = fed.committed().get(name).copied().unwrap_or(0);
             let inuse = plan.inuse.get(i).copied().unwrap_or(0);
-            self.entitlement.get_or_create(&l).set(g(committed));
-            self.target
-                .get_or_create(&l)
-                .set(g(plan.entitlements.get(i).map_or(0, |e| e.total)));
-            self.inuse.get_or_create(&l).set(g(inuse));
+            let waiting = pending.get(name.as_str()).copied().unwrap_or(0);
+            let min_share = policy
+                .and_then(|p| p.tenants.iter().find(|t| &t.name == name))
+                .map_or(0, |t| u64::try_from(u128::from(plan.capacity) * u128::from(t.min_share_bp) / 10_000).unwrap_or(u64::MAX));
+            let score = kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity);
+            lowest = lowest.min(score);
+            self.entitlement.get_or_create(&l).set(gpus(committed));
+            self.target.get_or_create(&l).set(gpus(plan.entitlements.get(i).map_or(0, |e| e.total)));
+            self.inuse.get_or_create(&l).set(gpus(inuse));
+            self.pending.get_or_create(&l).set(gpus(waiting));
+            self.guarantee.get_or_create(&l).set(gpus(min_share.min(inuse.saturating_add(waiting))));
+            // The ledger keeps milli-GPUe x ms.
+            self.decayed.get_or_create(&l).set(plan.usage.get(i).copied().unwrap_or(0) as f64 / 1e6);
             self.drift
                 .get_or_create(&l)
-                .set(kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity));
+                .set(kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity) as f64 / 1e6);
+            self.score.get_or_create(&l).set(score);
+        }
+        self.federation_score.set(lowest);
+        for family in [&self.cluster_capacity, &self.cluster_inuse, &self.cluster_report_age] {
+            family.clear();
+        }
+        self.cluster_unreachable.clear();
+        for (name, rec) in fed.clusters() {
+            let l = ClusterLabel { cluster: name.clone() };
+            self.cluster_capacity.get_or_create(&l).set(gpus(rec.capacity_gpue));
+            self.cluster_inuse.get_or_create(&l).set(gpus(rec.usage.values().fold(0u64, |a, u| a.saturating_add(u.inuse))));
+            if let Some(at) = rec.last_report_ms {
+                self.cluster_report_age.get_or_create(&l).set(fed.now_ms().saturating_sub(at) as f64 / 1000.0);
+            }
+            self.cluster_unreachable.get_or_create(&l).set(i64::from(fed.cluster_unreachable(rec)));
         }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {

@@ -259,7 +259,7 @@ async fn membership_changes_and_admin_http() {
         assert_eq!(code, 200, "{body}");
         let (code, metrics) = http_get(&m.http_addr, "/metrics").await;
         assert_eq!(code, 200);
-        for name in ["kvota_raft_term", "kvota_raft_role", "kvota_tenant_entitlement_milli_gpue", "kvota_apply_duration_seconds"] {
+        for name in ["kvota_raft_term", "kvota_raft_role", "kvota_tenant_entitlement_gpus", "kvota_apply_duration_seconds"] {
             assert!(metrics.contains(name), "{name} missing from /metrics of {}", m.http_addr);
         }
         let (code, json) = http_get(&m.http_addr, "/api/v1/tenants").await;

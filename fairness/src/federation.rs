@@ -784,6 +784,12 @@ impl Federation {
         });
     }
 
+    /// Whether every lease of `rec` has expired now (see [`Self::is_unreachable`]): the
+    /// cluster enforces its safe budgets until it calls again.
+    pub fn cluster_unreachable(&self, rec: &ClusterRecord) -> bool {
+        Self::is_unreachable(rec, self.now_ms)
+    }
+
     /// Clusters whose every lease has expired (control-plane view): they may enforce only
     /// fallbacks, and the control plane cannot change that until they call again.
     fn is_unreachable(rec: &ClusterRecord, now: Millis) -> bool {

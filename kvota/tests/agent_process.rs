@@ -253,10 +253,11 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
         });
         let Ok((_, m)) = https(hook, &ca, "GET", "/metrics", vec![]).await else { return false };
         let m = String::from_utf8_lossy(&m).to_string();
-        let metric = |name: &str| m.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<u64>().ok());
+        let metric = |name: &str| m.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<f64>().ok());
         let seq = metric("kvota_agent_journal_last_seq ");
-        let used = metric(r#"kvota_agent_reported_usage_milli_gpue_milliseconds_total{tenant="training"} "#);
-        matches!((east, seq), (Some(e), Some(s)) if e > 0 && e <= s) && matches!((ledger, used), (Some(l), Some(u)) if l > 0 && l <= u)
+        // GPU-seconds written, against the ledger's milli-GPUe x ms.
+        let used = metric(r#"kvota_agent_reported_usage_gpu_seconds_total{tenant="training"} "#).map(|u| u * 1e6);
+        matches!((east, seq), (Some(e), Some(s)) if e > 0 && e as f64 <= s) && matches!((ledger, used), (Some(l), Some(u)) if l > 0 && l as f64 <= u * (1.0 + 1e-9))
     })
     .await;
 
@@ -504,9 +505,9 @@ spec:
         let round = asked;
         async move {
             let m = metrics().await;
-            let budget = metric(&m, r#"kvota_agent_budget_milli_gpue{tenant="training"} "#).unwrap_or(0.0);
-            let inuse = metric(&m, r#"kvota_agent_inuse_milli_gpue{tenant="training"} "#).unwrap_or(f64::MAX);
-            if budget >= inuse + 2_000.0 {
+            let budget = metric(&m, r#"kvota_agent_budget_gpus{tenant="training"} "#).unwrap_or(0.0);
+            let inuse = metric(&m, r#"kvota_agent_inuse_gpus{tenant="training"} "#).unwrap_or(f64::MAX);
+            if budget >= inuse + 2.0 {
                 return true;
             }
             // Demand: a request for two more GPUs, refused, raises the next budget.
@@ -542,10 +543,10 @@ spec:
     .await;
     let m = metrics().await;
     assert!(m.contains(r#"kvota_agent_lease_state{state="fresh"} 1"#), "B must enforce the kept lease as still valid:\n{m}");
-    let budget = metric(&m, r#"kvota_agent_budget_milli_gpue{tenant="training"} "#).expect("budget");
-    let inuse = metric(&m, r#"kvota_agent_inuse_milli_gpue{tenant="training"} "#).expect("inuse");
-    assert_eq!(inuse, 2_000.0, "B sees A's two pods");
-    let room = (1..=64usize).take_while(|n| (*n as f64) * 1_000.0 <= budget - inuse).count();
+    let budget = metric(&m, r#"kvota_agent_budget_gpus{tenant="training"} "#).expect("budget");
+    let inuse = metric(&m, r#"kvota_agent_inuse_gpus{tenant="training"} "#).expect("inuse");
+    assert_eq!(inuse, 2.0, "B sees A's two pods");
+    let room = (1..=64usize).take_while(|n| (*n as f64) <= budget - inuse).count();
     assert!(room >= 2, "budget {budget}, in use {inuse}");
     // Pods that fit under the lease are admitted; the first beyond it is refused.
     let mut admitted_after = 0;

@@ -538,7 +538,7 @@ impl AgentProc {
 }
 
 fn training_inuse(metrics: &str) -> String {
-    metrics.lines().find(|l| l.starts_with("kvota_agent_inuse_milli_gpue{tenant=\"training\"}")).unwrap_or("none").to_string()
+    metrics.lines().find(|l| l.starts_with("kvota_agent_inuse_gpus{tenant=\"training\"}")).unwrap_or("none").to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -560,7 +560,7 @@ async fn the_webhook_answers_only_the_api_server_and_forged_reviews_change_nothi
     }
     tokio::time::sleep(Duration::from_millis(600)).await; // the simulated cluster binds it
     let before = training_inuse(&agent.metrics(&fed).await);
-    assert!(before.ends_with(" 1000"), "{before}");
+    assert!(before.ends_with(" 1.0"), "{before}");
 
     // A review from anyone but the API server: no certificate, or one of the federation.
     let stranger = hook_config(&fed.pki.ca_pem, None);

@@ -1,7 +1,9 @@
 //! Prometheus metrics of an agent (prefix `kvota_agent`): admissions by tenant and
-//! outcome, admission latency, gate queue depth, lease state and time to expiry, journal
-//! backlog and last written report, usage reported per tenant, budgets and in-use per
-//! tenant, certificate reloads, reclaim evictions.
+//! outcome, admission latency, admission waits per tenant, gate queue depth, lease state
+//! and time to expiry, journal backlog and last written report, usage reported per
+//! tenant, budgets and in-use per tenant, certificate reloads, reclaim evictions. In
+//! Prometheus conventions: GPU-equivalents as floats (`_gpus`), time in `_seconds`.
+//! docs/metrics.md lists every series.
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -17,6 +19,25 @@ use prometheus_client::registry::Registry;
 use crate::review::Outcome;
 
 use crate::agent::Agent;
+
+/// A gauge of a float (GPU-equivalents, seconds).
+type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+
+/// A histogram per tenant, with the buckets of [`wait_histogram`].
+type WaitFamily = Family<TenantLabel, Histogram, fn() -> Histogram>;
+
+/// Admission waits: 1 s to about 9 hours (a pod denied until a report round, a queue
+/// drained by the next lease, a tenant held back for hours).
+fn wait_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(1.0, 2.0, 16))
+}
+
+/// Label set of `kvota_agent_build_info`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabel {
+    /// The kvota version.
+    pub version: String,
+}
 
 /// Tenant and outcome of an admission.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -66,15 +87,16 @@ pub struct AgentMetrics {
     admission_counters: AdmissionCounters,
     latency: Histogram,
     queue: Family<TenantLabel, Gauge>,
-    budget: Family<TenantLabel, Gauge>,
-    inuse: Family<TenantLabel, Gauge>,
+    waits: WaitFamily,
+    budget: Family<TenantLabel, FGauge>,
+    inuse: Family<TenantLabel, FGauge>,
     lease_state: Family<StateLabel, Gauge>,
-    lease_remaining_ms: Gauge,
+    lease_remaining: FGauge,
     lease_epoch: Gauge,
     backlog: Gauge,
     last_seq: Gauge,
     state_save_failures: Gauge,
-    reported_usage: Family<TenantLabel, Counter>,
+    reported_usage: Family<TenantLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
     tls_reloads: Family<StateLabel, Counter>,
     evictions: Family<AdmissionLabel, Counter>,
     denied_calls: Family<ReasonLabel, Counter>,
@@ -99,10 +121,11 @@ impl AgentMetrics {
             // 10 µs .. ~160 ms: a decision is microseconds; milliseconds mean contention.
             latency: Histogram::new(exponential_buckets(0.000_01, 2.0, 15)),
             queue: Family::default(),
+            waits: WaitFamily::new_with_constructor(wait_histogram),
             budget: Family::default(),
             inuse: Family::default(),
             lease_state: Family::default(),
-            lease_remaining_ms: Gauge::default(),
+            lease_remaining: FGauge::default(),
             lease_epoch: Gauge::default(),
             backlog: Gauge::default(),
             last_seq: Gauge::default(),
@@ -117,10 +140,15 @@ impl AgentMetrics {
         r.register("admissions", "Admission reviews answered, by tenant and outcome", m.admissions.clone());
         r.register("admission_duration_seconds", "Time to judge one review (parse, decide, record)", m.latency.clone());
         r.register("queue_depth", "Pods waiting behind the scheduling gate, per tenant", m.queue.clone());
-        r.register("budget_milli_gpue", "Budget enforced now per tenant (the lease's, or the safe one)", m.budget.clone());
-        r.register("inuse_milli_gpue", "Bound plus reserved GPUe per tenant", m.inuse.clone());
+        r.register(
+            "admission_wait_seconds",
+            "Per tenant, how long pods that were denied or queued first waited until admitted (from the first denial or the queueing); pods admitted at once are not counted here",
+            m.waits.clone(),
+        );
+        r.register("budget_gpus", "Budget enforced now per tenant (the lease's, or the safe one), GPU-equivalents", m.budget.clone());
+        r.register("inuse_gpus", "Bound plus reserved per tenant, GPU-equivalents", m.inuse.clone());
         r.register("lease_state", "1 for the lease's current state (none, fresh, expiring, safe)", m.lease_state.clone());
-        r.register("lease_remaining_milliseconds", "Until the held lease stops being enforced (0: expired or none)", m.lease_remaining_ms.clone());
+        r.register("lease_remaining_seconds", "Until the held lease stops being enforced (0: expired or none)", m.lease_remaining.clone());
         r.register("lease_epoch", "Epoch of the held lease", m.lease_epoch.clone());
         r.register("journal_backlog", "Usage reports written but not acknowledged by the control plane", m.backlog.clone());
         r.register(
@@ -134,8 +162,8 @@ impl AgentMetrics {
             m.last_seq.clone(),
         );
         r.register(
-            "reported_usage_milli_gpue_milliseconds",
-            "Usage written into reports since the agent started, per tenant (milli-GPUe x ms; the ledger's undecayed input)",
+            "reported_usage_gpu_seconds",
+            "Usage written into reports since the agent started, per tenant, GPU-equivalent seconds (the ledger's undecayed input)",
             m.reported_usage.clone(),
         );
         r.register("tls_reloads", "Certificate reloads, by outcome", m.tls_reloads.clone());
@@ -147,6 +175,9 @@ impl AgentMetrics {
         r.register("calls_refused", "Webhook calls refused for the caller's certificate, by reason", m.denied_calls.clone());
         r.register("connections_refused", "Webhook connections closed before a request, by reason (limits, timeouts, handshakes)", m.refused_connections.clone());
         r.register("shed", "Admission entries dropped or refused because a bounded map was full, by map", m.shed.clone());
+        let build = Family::<BuildLabel, Gauge>::default();
+        build.get_or_create(&BuildLabel { version: env!("CARGO_PKG_VERSION").to_string() }).set(1);
+        r.register("build_info", "1, labelled with this build's version", build);
         AgentMetrics { registry: Arc::new(r), ..m }
     }
 
@@ -192,7 +223,10 @@ impl AgentMetrics {
     /// Brings the gauges up to date from the agent and renders the text format.
     pub fn render(&self, agent: &Agent) -> String {
         {
-            let st = agent.state();
+            let mut st = agent.state();
+            for (tenant, waited_ms) in st.take_waits() {
+                self.waits.get_or_create(&TenantLabel { tenant }).observe(waited_ms as f64 / 1000.0);
+            }
             let now = st.now_ms();
             let status = st.lease.status(now);
             for s in ["none", "fresh", "expiring", "safe"] {
@@ -209,13 +243,13 @@ impl AgentMetrics {
                 LeaseStatus::Fresh { remaining_ms } | LeaseStatus::Expiring { remaining_ms } => remaining_ms,
                 _ => 0,
             };
-            self.lease_remaining_ms.set(i64::try_from(remaining).unwrap_or(i64::MAX));
+            self.lease_remaining.set(remaining as f64 / 1000.0);
             self.lease_epoch.set(i64::try_from(st.lease.held_epoch()).unwrap_or(i64::MAX));
             for t in st.tenants() {
                 let l = TenantLabel { tenant: t.clone() };
                 self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
-                self.budget.get_or_create(&l).set(i64::try_from(st.lease.budget(&t, now)).unwrap_or(i64::MAX));
-                self.inuse.get_or_create(&l).set(i64::try_from(st.inuse(&t)).unwrap_or(i64::MAX));
+                self.budget.get_or_create(&l).set(st.lease.budget(&t, now) as f64 / 1000.0);
+                self.inuse.get_or_create(&l).set(st.inuse(&t) as f64 / 1000.0);
             }
             for (map, n) in st.shed_counts() {
                 let c = self.shed.get_or_create(&ReasonLabel { reason: (*map).to_string() });
@@ -230,8 +264,12 @@ impl AgentMetrics {
         self.last_seq.set(i64::try_from(agent.last_seq()).unwrap_or(i64::MAX));
         self.state_save_failures.set(i64::try_from(agent.state_save_failures()).unwrap_or(i64::MAX));
         for (tenant, used) in agent.written_usage() {
+            // Written usage only grows (milli-GPUe x ms); the counter follows it.
             let c = self.reported_usage.get_or_create(&TenantLabel { tenant });
-            c.inc_by(used.saturating_sub(c.get()));
+            let delta = used as f64 / 1e6 - c.get();
+            if delta > 0.0 {
+                c.inc_by(delta);
+            }
         }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {

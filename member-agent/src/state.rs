@@ -5,7 +5,7 @@
 //! ([`AgentState::set_now`]); nothing here reads a clock. One lock around this struct
 //! makes each admission's decide-and-reserve atomic.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use kvota_fairness::admission::{release_order, LocalView, PodRequest, QueuedPod};
 use kvota_fairness::federation::{EvictionOutcome, TenantReport};
@@ -35,6 +35,20 @@ pub const MAX_QUEUED: usize = 65_536;
 /// Recent denials kept as demand, at most; past it the oldest is dropped (it only
 /// under-states demand for a while).
 pub const MAX_DENIED: usize = 16_384;
+/// A pod denied recently: counted as its tenant's demand until `until`; `since` is its
+/// first denial (a retry keeps it), from which its wait is counted.
+#[derive(Clone, Debug)]
+struct DeniedPod {
+    tenant: String,
+    gpue: MilliGpue,
+    until: Millis,
+    since: Millis,
+}
+
+/// Most admission waits kept for the metrics between two scrapes; older ones are shed
+/// (counted in `kvota_agent_shed_total{map="waits"}`).
+pub const MAX_WAITS: usize = 4_096;
+
 /// How long a denied pod counts as pending demand by default (the client usually retries
 /// within a minute; a retry refreshes it). See [`AgentState::set_denied_demand_ttl`].
 pub const DENIED_DEMAND_TTL_MS: Millis = 60_000;
@@ -69,7 +83,10 @@ pub struct AgentState {
     bound_by_tenant: BTreeMap<String, (usize, MilliGpue)>,
     reserved: BTreeMap<String, (String, MilliGpue, Millis)>,
     queue: BTreeMap<String, Queued>,
-    denied: BTreeMap<String, (String, MilliGpue, Millis)>,
+    denied: BTreeMap<String, DeniedPod>,
+    /// Pods admitted after a wait (denied or queued first): (tenant, ms waited), oldest
+    /// first, at most [`MAX_WAITS`], drained by the metrics.
+    waits: VecDeque<(String, Millis)>,
     used: BTreeMap<String, u64>,
     now_ms: Millis,
     denied_ttl_ms: Millis,
@@ -164,6 +181,7 @@ impl AgentState {
             reserved: BTreeMap::new(),
             queue: BTreeMap::new(),
             denied: BTreeMap::new(),
+            waits: VecDeque::new(),
             used: BTreeMap::new(),
             now_ms: 0,
             denied_ttl_ms: DENIED_DEMAND_TTL_MS,
@@ -207,7 +225,7 @@ impl AgentState {
         }
         self.now_ms = now_ms;
         self.reserved.retain(|_, (_, _, until)| *until > now_ms);
-        self.denied.retain(|_, (_, _, until)| *until > now_ms);
+        self.denied.retain(|_, d| d.until > now_ms);
     }
 
     /// How long a denial keeps counting as its tenant's demand: about as long as the
@@ -236,7 +254,7 @@ impl AgentState {
     /// The inventory saw `pod` bound to a node: its reservation becomes in-use.
     pub fn pod_bound(&mut self, pod: &str, rec: PodRec) {
         self.reserved.remove(pod);
-        self.queue.remove(pod);
+        self.leave_queue(pod);
         self.denied.remove(pod);
         if let Some(t) = &rec.tenant {
             let e = self.bound_by_tenant.entry(t.clone()).or_default();
@@ -255,6 +273,28 @@ impl AgentState {
         }
         self.reserved.remove(pod);
         self.queue.remove(pod);
+    }
+
+    /// A queued pod seen holding or bound before [`Self::release_queue`] let it go (its
+    /// gate lifted by someone else): admitted, its wait counts.
+    fn leave_queue(&mut self, pod: &str) {
+        if let Some(q) = self.queue.remove(pod) {
+            self.note_wait(&q.tenant, q.pod.queued_at_ms);
+        }
+    }
+
+    fn note_wait(&mut self, tenant: &str, since: Millis) {
+        if self.waits.len() >= MAX_WAITS {
+            self.waits.pop_front();
+            self.count_shed("waits");
+        }
+        self.waits.push_back((tenant.to_string(), self.now_ms.saturating_sub(since)));
+    }
+
+    /// The waits of pods admitted since the last call (denied or queued first, then
+    /// admitted): (tenant, milliseconds from the first denial or the queueing).
+    pub fn take_waits(&mut self) -> Vec<(String, Millis)> {
+        self.waits.drain(..).collect()
     }
 
     /// Takes a pod that left `bound` out of its tenant's totals.
@@ -285,7 +325,7 @@ impl AgentState {
     /// The inventory shows an admitted pod that is not bound yet: it holds its GPUe for
     /// as long as it exists (the reservation is refreshed on every call).
     pub fn hold(&mut self, pod: &str, tenant: &str, gpue: MilliGpue) {
-        self.queue.remove(pod);
+        self.leave_queue(pod);
         self.denied.remove(pod);
         self.reserved.insert(pod.to_string(), (tenant.to_string(), gpue, self.now_ms + RESERVATION_TTL_MS));
     }
@@ -363,7 +403,7 @@ impl AgentState {
 
     /// Recently denied pods still counted as demand: `(pod key, tenant, GPUe)`.
     pub fn denied_pods(&self) -> Vec<(String, String, MilliGpue)> {
-        self.denied.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
+        self.denied.iter().map(|(k, d)| (k.clone(), d.tenant.clone(), d.gpue)).collect()
     }
 
     /// Explains the last decision about pod `key` (`namespace/name`) and where it stands
@@ -465,7 +505,7 @@ impl AgentState {
     /// (saturating).
     pub fn pending(&self, tenant: &str) -> MilliGpue {
         let q = self.queue.values().filter(|q| q.tenant == tenant).map(|q| q.pod.gpue).fold(0u64, u64::saturating_add);
-        let d = self.denied.values().filter(|d| d.0 == tenant).map(|d| d.1).fold(0u64, u64::saturating_add);
+        let d = self.denied.values().filter(|d| d.tenant == tenant).map(|d| d.gpue).fold(0u64, u64::saturating_add);
         q.saturating_add(d)
     }
 
@@ -617,6 +657,7 @@ impl AgentState {
                 let key = &keys[i];
                 if let Some(q) = self.queue.remove(key) {
                     self.reserved.insert(key.clone(), (t.clone(), q.pod.gpue, self.now_ms + RESERVATION_TTL_MS));
+                    self.note_wait(&t, q.pod.queued_at_ms);
                     out.push(key.clone());
                 }
             }
@@ -674,7 +715,9 @@ impl AdmissionState for AgentState {
         let now = self.now_ms;
         match effect {
             Effect::Reserve { tenant, pod, gpue } => {
-                self.denied.remove(&pod);
+                if let Some(d) = self.denied.remove(&pod) {
+                    self.note_wait(&d.tenant, d.since);
+                }
                 // Until the inventory sees the pod (`hold`), a short life.
                 self.reserved.insert(pod, (tenant, gpue, now + UNCONFIRMED_TTL_MS));
             }
@@ -684,13 +727,15 @@ impl AdmissionState for AgentState {
             }
             Effect::Denied { tenant, pod, gpue } => {
                 if self.denied.len() >= MAX_DENIED && !self.denied.contains_key(&pod) {
-                    let oldest = self.denied.iter().min_by_key(|(_, d)| d.2).map(|(k, _)| k.clone());
+                    let oldest = self.denied.iter().min_by_key(|(_, d)| d.until).map(|(k, _)| k.clone());
                     if let Some(k) = oldest {
                         self.denied.remove(&k);
                         self.count_shed("denied");
                     }
                 }
-                self.denied.insert(pod, (tenant, gpue, now + self.denied_ttl_ms));
+                // A retry keeps the time of the first denial: the wait is counted from it.
+                let since = self.denied.get(&pod).map_or(now, |d| d.since);
+                self.denied.insert(pod, DeniedPod { tenant, gpue, until: now + self.denied_ttl_ms, since });
             }
         }
     }

@@ -119,7 +119,7 @@ pub struct Metrics(pub String);
 
 impl Metrics {
     /// The value of the series written exactly as `series` (name and labels), e.g.
-    /// `kvota_agent_inuse_milli_gpue{tenant="training"}`.
+    /// `kvota_agent_journal_backlog`, as an integer.
     pub fn get(&self, series: &str) -> Option<u64> {
         self.0.lines().find_map(|l| {
             let v = l.strip_prefix(series)?.strip_prefix(' ')?;
@@ -127,9 +127,14 @@ impl Metrics {
         })
     }
 
-    /// A per-tenant series, 0 when absent.
-    pub fn tenant(&self, name: &str, tenant: &str) -> u64 {
-        self.get(&format!("{name}{{tenant=\"{tenant}\"}}")).unwrap_or(0)
+    /// A per-tenant series in base units (GPUs, GPU-seconds) times `scale`, rounded: 1000
+    /// gives thousandths of a GPU, 1e6 milli-GPUe x ms. 0 when absent.
+    pub fn tenant_scaled(&self, name: &str, tenant: &str, scale: f64) -> u64 {
+        let series = format!("{name}{{tenant=\"{tenant}\"}} ");
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str())?.trim().parse::<f64>().ok())
+            .map_or(0, |v| (v * scale).round().max(0.0) as u64)
     }
 
     /// The lease state the agent reports: `none`, `fresh`, `expiring` or `safe`.

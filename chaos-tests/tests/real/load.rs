@@ -190,11 +190,11 @@ impl Load {
                     // plus a round trip to the control plane.
                     if got.len() == agents.len() && t0.elapsed() < Duration::from_millis(150) {
                         for (tenant, cap) in &caps {
-                            let sum: u64 = got.iter().map(|s| s.metrics.tenant("kvota_agent_inuse_milli_gpue", tenant)).sum();
+                            let sum: u64 = got.iter().map(|s| s.metrics.tenant_scaled("kvota_agent_inuse_gpus", tenant, 1000.0)).sum();
                             let peak = b.peak_inuse.entry(tenant.clone()).or_default();
                             *peak = (*peak).max(sum);
                             if sum > *cap {
-                                let per: Vec<String> = got.iter().map(|s| format!("{} {}", s.cluster, s.metrics.tenant("kvota_agent_inuse_milli_gpue", tenant))).collect();
+                                let per: Vec<String> = got.iter().map(|s| format!("{} {}", s.cluster, s.metrics.tenant_scaled("kvota_agent_inuse_gpus", tenant, 1000.0))).collect();
                                 b.violation(format!("{tenant} holds {sum} milli-GPUe federation-wide, above maxShare x capacity = {cap} ({})", per.join(", ")));
                             }
                         }

@@ -581,9 +581,9 @@ impl Fed {
                 out.push(format!("{c} seq {cp}"));
             }
             for (t, _) in TENANTS {
-                let series = "kvota_agent_reported_usage_milli_gpue_milliseconds_total";
-                let u0: u64 = before.values().map(|m| m.tenant(series, t)).sum();
-                let u1: u64 = after.values().map(|m| m.tenant(series, t)).sum();
+                let series = "kvota_agent_reported_usage_gpu_seconds_total";
+                let u0: u64 = before.values().map(|m| m.tenant_scaled(series, t, 1e6)).sum();
+                let u1: u64 = after.values().map(|m| m.tenant_scaled(series, t, 1e6)).sum();
                 let ledger = tenants["tenants"]
                     .as_array()
                     .and_then(|a| a.iter().find(|x| x["tenant"] == t))
