@@ -51,7 +51,7 @@ pub struct BuildLabel {
 /// Label set naming an outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
-    /// `applied`, `duplicate`, `rejected`, `forwarded`.
+    /// `applied`, `duplicate`, `rejected`.
     pub outcome: String,
 }
 
@@ -94,6 +94,7 @@ pub struct ReloadLabel {
 #[derive(Clone, Debug)]
 pub struct Metrics {
     registry: Arc<Registry>,
+    rendering: Arc<std::sync::Mutex<()>>,
     apply_seconds: Histogram,
     reports: Family<OutcomeLabel, Counter>,
     role: Family<RoleLabel, Gauge>,
@@ -219,6 +220,7 @@ impl Metrics {
         r.register("raft_fatal", "1 once the Raft core has stopped (the process exits)", fatal.clone());
         Metrics {
             registry: Arc::new(r),
+            rendering: Arc::default(),
             apply_seconds,
             reports,
             role,
@@ -293,8 +295,11 @@ impl Metrics {
             .inc();
     }
 
-    /// Refreshes gauges from Raft and the state machine, then encodes the registry.
+    /// Refreshes gauges from Raft and the state machine, then encodes the registry. One
+    /// render at a time: the per-tenant and per-cluster families are cleared and filled
+    /// again, and a concurrent scrape must not see them half filled.
     pub fn render(&self, raft: &RaftMetrics<NodeId, Node>, fed: &Federation) -> String {
+        let _one = self.rendering.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for r in ["leader", "follower", "candidate", "learner", "shutdown"] {
             let v = i64::from(role_name(raft) == r);
             self.role.get_or_create(&RoleLabel { role: r.to_string() }).set(v);
@@ -326,8 +331,10 @@ impl Metrics {
             let committed = fed.committed().get(name).copied().unwrap_or(0);
             let inuse = plan.inuse.get(i).copied().unwrap_or(0);
             let waiting = pending.get(name.as_str()).copied().unwrap_or(0);
+            // The plan lists the policy's tenants first, in policy order.
             let min_share = policy
-                .and_then(|p| p.tenants.iter().find(|t| &t.name == name))
+                .and_then(|p| p.tenants.get(i))
+                .filter(|t| &t.name == name)
                 .map_or(0, |t| u64::try_from(u128::from(plan.capacity) * u128::from(t.min_share_bp) / 10_000).unwrap_or(u64::MAX));
             let score = kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity);
             lowest = lowest.min(score);

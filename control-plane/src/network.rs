@@ -315,6 +315,8 @@ impl RaftTransport {
     /// a node this way.
     fn newer_from_leader(&self, vote: Option<&pb::RaftVote>, format: u32, from: NodeId) -> Option<String> {
         let vote = vote?;
+        // A term the engine could not handle is refused like any other such message.
+        check_term("vote", vote.term).ok()?;
         let m = self.raft.metrics().borrow().clone();
         let member = m.membership_config.membership().nodes().any(|(id, _)| *id == from);
         if vote.node_id != from || vote.term < m.current_term || !member || format <= crate::types::LOG_FORMAT {

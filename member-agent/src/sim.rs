@@ -305,12 +305,15 @@ impl SimCluster {
     /// reservation from now on). Returns their keys.
     pub fn release(&mut self, state: &mut AgentState) -> Vec<String> {
         let released = state.release_queue();
-        for k in &released {
-            if let Some(w) = self.gated.remove(k) {
-                self.unbound.insert(k.clone(), w);
+        let mut keys = Vec::with_capacity(released.len());
+        for r in released {
+            if let Some(w) = self.gated.remove(&r.key) {
+                self.unbound.insert(r.key.clone(), w);
             }
+            state.note_wait(&r.tenant, r.queued_at_ms);
+            keys.push(r.key);
         }
-        released
+        keys
     }
 
     /// Binds what fits (first fit, in key order) and returns what was bound.

@@ -45,6 +45,17 @@ struct DeniedPod {
     since: Millis,
 }
 
+/// A gated pod [`AgentState::release_queue`] lets go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReleasedPod {
+    /// `namespace/name`.
+    pub key: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// When it was queued: its wait runs from here.
+    pub queued_at_ms: Millis,
+}
+
 /// Most admission waits kept for the metrics between two scrapes; older ones are shed
 /// (counted in `kvota_agent_shed_total{map="waits"}`).
 pub const MAX_WAITS: usize = 4_096;
@@ -275,18 +286,22 @@ impl AgentState {
         self.queue.remove(pod);
     }
 
-    /// A queued pod seen holding or bound before [`Self::release_queue`] let it go (its
-    /// gate lifted by someone else): admitted, its wait counts.
+    /// A queued pod is seen holding or bound: it left the queue (whoever lifted its gate;
+    /// a standby replica sees the leader's releases here, so no wait is counted).
     fn leave_queue(&mut self, pod: &str) {
-        if let Some(q) = self.queue.remove(pod) {
-            self.note_wait(&q.tenant, q.pod.queued_at_ms);
-        }
+        self.queue.remove(pod);
     }
 
-    fn note_wait(&mut self, tenant: &str, since: Millis) {
+    /// A pod this process admitted after a wait since `since` (its first denial, or its
+    /// queueing): counted in the admission-wait metric once the metrics drain it. The
+    /// webhook path calls it on a reservation; the gate's path once the gate is off
+    /// ([`ReleasedPod`]).
+    pub fn note_wait(&mut self, tenant: &str, since: Millis) {
         if self.waits.len() >= MAX_WAITS {
+            // Nobody scrapes the metrics: the oldest sample goes (counted, without the
+            // warning a full admission map deserves).
             self.waits.pop_front();
-            self.count_shed("waits");
+            *self.shed.entry("waits").or_insert(0) += 1;
         }
         self.waits.push_back((tenant.to_string(), self.now_ms.saturating_sub(since)));
     }
@@ -639,8 +654,9 @@ impl AgentState {
     }
 
     /// Gated pods that fit their tenant's budget now, in release order (priority, then
-    /// age); they become reservations until they bind.
-    pub fn release_queue(&mut self) -> Vec<String> {
+    /// age); they become reservations until they bind. The caller lifts their gates and
+    /// notes the wait of each one it could ([`Self::note_wait`]).
+    pub fn release_queue(&mut self) -> Vec<ReleasedPod> {
         let tenants: Vec<String> = {
             let mut t: Vec<String> = self.queue.values().map(|q| q.tenant.clone()).collect();
             t.dedup();
@@ -657,8 +673,7 @@ impl AgentState {
                 let key = &keys[i];
                 if let Some(q) = self.queue.remove(key) {
                     self.reserved.insert(key.clone(), (t.clone(), q.pod.gpue, self.now_ms + RESERVATION_TTL_MS));
-                    self.note_wait(&t, q.pod.queued_at_ms);
-                    out.push(key.clone());
+                    out.push(ReleasedPod { key: key.clone(), tenant: t.clone(), queued_at_ms: q.pod.queued_at_ms });
                 }
             }
         }
@@ -793,6 +808,55 @@ mod tests {
         }
         assert_eq!(st.inuse("a"), 1_000, "the unconfirmed reservation is gone, the confirmed one stays");
         assert!(st.reservations().iter().all(|r| r.0 == "ns/real"));
+    }
+
+    /// A wait is noted once, by the process that admitted the pod: a denied pod's from
+    /// its first denial (a retry keeps it) when a retry is reserved; a queued pod's by
+    /// whoever lifts its gate ([`ReleasedPod`]). Seeing a pod bind (as a standby does
+    /// for the leader's pods) notes nothing; nor does a denial that is never followed
+    /// by an admission.
+    #[test]
+    fn admission_waits_are_noted_once_by_the_admitting_process() {
+        let mut st = state();
+        st.set_now(1_000);
+        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/p".into(), gpue: 1_000 });
+        st.set_now(4_000);
+        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/p".into(), gpue: 1_000 });
+        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/never".into(), gpue: 1_000 });
+        st.set_now(9_000);
+        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/p".into(), gpue: 1_000 });
+        st.pod_bound("ns/p", PodRec { tenant: Some("a".into()), gpue: 1_000 });
+        assert_eq!(st.take_waits(), [("a".to_string(), 8_000)], "from the first denial");
+        assert!(st.take_waits().is_empty(), "drained");
+
+        // A standby: the leader's queued pod binds; nothing is noted here.
+        st.record(Effect::Enqueue { tenant: "b".into(), pod: "ns/q".into(), gpue: 1_000, priority: 0 });
+        st.set_now(12_000);
+        st.pod_bound("ns/q", PodRec { tenant: Some("b".into()), gpue: 1_000 });
+        assert!(st.take_waits().is_empty());
+        // The releasing process notes what it let go, once its gate is off.
+        let lease = kvota_fairness::lease::Lease {
+            cluster: "east".into(),
+            epoch: 1,
+            duration_ms: 3_600_000,
+            margin_ms: 60_000,
+            issued_at_ms: 0,
+            budgets: [("b".to_string(), kvota_fairness::lease::TenantBudget { budget: 4_000, fallback: 4_000, entitlement: 4_000 })].into(),
+        };
+        st.lease.on_lease(lease, 12_000);
+        st.record(Effect::Enqueue { tenant: "b".into(), pod: "ns/r".into(), gpue: 1_000, priority: 0 });
+        st.set_now(15_000);
+        let released = st.release_queue();
+        assert_eq!(released, [ReleasedPod { key: "ns/r".into(), tenant: "b".into(), queued_at_ms: 12_000 }]);
+        assert!(st.take_waits().is_empty(), "not before the gate is off");
+        st.note_wait(&released[0].tenant, released[0].queued_at_ms);
+        assert_eq!(st.take_waits(), [("b".to_string(), 3_000)]);
+        // Bounded when nobody drains them.
+        for _ in 0..MAX_WAITS + 3 {
+            st.note_wait("c", 0);
+        }
+        assert_eq!(st.take_waits().len(), MAX_WAITS);
+        assert_eq!(st.shed_counts().get("waits"), Some(&3));
     }
 
     #[test]

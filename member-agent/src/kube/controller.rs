@@ -70,11 +70,14 @@ impl Controller {
     /// Removes the gate from the pods the agent releases (priority, then age, as budget
     /// allows). A pod whose patch fails goes back to the queue for the next round.
     pub async fn release_gates(&mut self, agent: &crate::agent::Agent) -> Released {
-        let keys = agent.state().release_queue();
+        let released = agent.state().release_queue();
         let mut out = Released::default();
-        for key in keys {
+        for crate::state::ReleasedPod { key, tenant, queued_at_ms } in released {
             match self.actions.ungate(&key).await {
-                Ok(_) => out.ungated.push(key),
+                Ok(_) => {
+                    agent.state().note_wait(&tenant, queued_at_ms);
+                    out.ungated.push(key);
+                }
                 Err(e) => {
                     tracing::warn!(pod = %key, error = %e, "could not remove the scheduling gate; retrying next round");
                     agent.state().pod_gone(&key);

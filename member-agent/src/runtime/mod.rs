@@ -273,6 +273,9 @@ async fn simulated_cluster(agent: Arc<Agent>, nodes: Vec<u64>, run_for: Duration
             if !released.is_empty() {
                 tracing::info!(pods = released.len(), "gates removed as budget freed");
             }
+            for r in &released {
+                st.note_wait(&r.tenant, r.queued_at_ms);
+            }
             for (key, tenant, gpue) in st.reservations() {
                 if running.contains_key(&key) {
                     continue;
