@@ -303,6 +303,26 @@ impl Agent {
         u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// Waits until a pod is denied or queued here (at once if one was since the last
+    /// call): demand the next report should carry early.
+    pub async fn demand_waiting(&self) {
+        let signal = self.state().demand_signal();
+        signal.notified().await;
+    }
+
+    /// Waits `every` for the next report round, or less once demand is waiting (a pod
+    /// denied or queued): then the round starts no sooner than `min_gap` after the last
+    /// one, so a flood of denials costs at most one report per `min_gap`.
+    pub async fn next_round(&self, last: tokio::time::Instant, every: std::time::Duration, min_gap: std::time::Duration) {
+        let due = last + every;
+        tokio::select! {
+            _ = tokio::time::sleep_until(due) => {}
+            _ = self.demand_waiting() => {
+                tokio::time::sleep_until((last + min_gap).min(due)).await;
+            }
+        }
+    }
+
     /// The admission state, locked and brought up to the current time.
     pub fn state(&self) -> MutexGuard<'_, AgentState> {
         let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

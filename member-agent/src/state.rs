@@ -6,6 +6,7 @@
 //! makes each admission's decide-and-reserve atomic.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use kvota_fairness::admission::{release_order, LocalView, PodRequest, QueuedPod};
 use kvota_fairness::federation::{EvictionOutcome, TenantReport};
@@ -98,6 +99,9 @@ pub struct AgentState {
     /// Pods admitted after a wait (denied or queued first): (tenant, ms waited), oldest
     /// first, at most [`MAX_WAITS`], drained by the metrics.
     waits: VecDeque<(String, Millis)>,
+    /// Signalled when a pod is denied or queued: demand the control plane has not seen,
+    /// which the report loop carries early ([`Self::demand_signal`]).
+    demand: Arc<tokio::sync::Notify>,
     used: BTreeMap<String, u64>,
     now_ms: Millis,
     denied_ttl_ms: Millis,
@@ -193,6 +197,7 @@ impl AgentState {
             queue: BTreeMap::new(),
             denied: BTreeMap::new(),
             waits: VecDeque::new(),
+            demand: Arc::default(),
             used: BTreeMap::new(),
             now_ms: 0,
             denied_ttl_ms: DENIED_DEMAND_TTL_MS,
@@ -304,6 +309,13 @@ impl AgentState {
             *self.shed.entry("waits").or_insert(0) += 1;
         }
         self.waits.push_back((tenant.to_string(), self.now_ms.saturating_sub(since)));
+    }
+
+    /// Signalled whenever a pod is denied or queued here (a permit is kept if nobody
+    /// waits): the report loop sends the next report early, so a tenant that has no
+    /// budget here yet gets one within a round trip instead of a report interval.
+    pub fn demand_signal(&self) -> Arc<tokio::sync::Notify> {
+        self.demand.clone()
     }
 
     /// The waits of pods admitted since the last call (denied or queued first, then
@@ -739,6 +751,7 @@ impl AdmissionState for AgentState {
             Effect::Enqueue { tenant, pod, gpue, priority } => {
                 let q = QueuedPod { key: pod.clone(), priority, queued_at_ms: now, gpue };
                 self.queue.insert(pod, Queued { tenant, pod: q });
+                self.demand.notify_one();
             }
             Effect::Denied { tenant, pod, gpue } => {
                 if self.denied.len() >= MAX_DENIED && !self.denied.contains_key(&pod) {
@@ -751,6 +764,7 @@ impl AdmissionState for AgentState {
                 // A retry keeps the time of the first denial: the wait is counted from it.
                 let since = self.denied.get(&pod).map_or(now, |d| d.since);
                 self.denied.insert(pod, DeniedPod { tenant, gpue, until: now + self.denied_ttl_ms, since });
+                self.demand.notify_one();
             }
         }
     }

@@ -555,8 +555,11 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
         let stop = stop.clone();
         reporters.push(tokio::spawn(async move {
             while !stop.load(Ordering::SeqCst) {
+                // As `kvota agent` does: every REPORT_EVERY, sooner once a pod was denied
+                // or queued.
+                let started = tokio::time::Instant::now();
                 let _ = tokio::time::timeout(Duration::from_secs(2), a.report_once()).await;
-                tokio::time::sleep(REPORT_EVERY).await;
+                a.next_round(started, REPORT_EVERY, kvota_member_agent::runtime::early_gap(REPORT_EVERY)).await;
             }
         }));
     }
