@@ -61,6 +61,13 @@ pub fn tls_from(
 /// `kvota members ...`
 #[derive(Debug, Subcommand)]
 pub enum MembersCmd {
+    /// List the control plane's members: id, voter or learner, which one leads, and
+    /// their gRPC, Raft and HTTP addresses, as the answering node knows them.
+    List {
+        /// Print JSON: an array of {id, voter, leader, rpc, raft, http}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Initialize a new group from a node that started without --init. Give every
     /// initial member, including that node. With TLS, each other member must answer at
     /// its Raft address with its own node certificate.
@@ -496,11 +503,45 @@ fn member(spec: &str) -> Result<v1::NodeInfo> {
     Ok(v1::NodeInfo { id, rpc_addr: n.rpc_addr, http_addr: n.http_addr, raft_addr: n.raft_addr, voter: true })
 }
 
+/// `kvota members list`
+fn members_list(cp: &Cp, json: bool) -> Result<()> {
+    let c = client(cp)?;
+    let s = rt()?
+        .block_on(c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }))
+        .map_err(|e| status_err(cp, e))?;
+    if json {
+        let list: Vec<serde_json::Value> = s
+            .members
+            .iter()
+            .map(|m| serde_json::json!({"id": m.id, "voter": m.voter, "leader": m.id == s.leader_id, "rpc": m.rpc_addr, "raft": m.raft_addr, "http": m.http_addr}))
+            .collect();
+        out!("{}", serde_json::to_string_pretty(&list).context("encode the members")?);
+        return Ok(());
+    }
+    out!("{:>4}  {:<8}  {:<6}  {:<22}  {:<22}  HTTP", "ID", "ROLE", "LEADS", "GRPC", "RAFT");
+    for m in &s.members {
+        out!(
+            "{:>4}  {:<8}  {:<6}  {:<22}  {:<22}  {}",
+            m.id,
+            if m.voter { "voter" } else { "learner" },
+            if m.id == s.leader_id { "yes" } else { "" },
+            m.rpc_addr,
+            if m.raft_addr.is_empty() { "-" } else { &m.raft_addr },
+            if m.http_addr.is_empty() { "-" } else { &m.http_addr },
+        );
+    }
+    if s.leader_id == 0 {
+        out!("no leader known to node {} (election in progress or no quorum)", s.node_id);
+    }
+    Ok(())
+}
+
 /// `kvota members ...`
 pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
     let c = client(cp)?;
     let rt = rt()?;
     let reply = match cmd {
+        MembersCmd::List { json } => return members_list(cp, *json),
         MembersCmd::Init { members } => {
             let members = members.iter().map(|m| member(m)).collect::<Result<Vec<_>>>()?;
             rt.block_on(c.call(|ch| {

@@ -80,7 +80,7 @@ enum Cmd {
     /// viewers and webhooks (mutual TLS by identity; see docs/security.md).
     #[command(subcommand)]
     Certs(crate::certs_cmd::CertsCmd),
-    /// Change the control plane's Raft membership.
+    /// List or change the control plane's Raft membership.
     #[command(subcommand)]
     Members(crate::admin_cmd::MembersCmd),
     /// Manage member clusters.

@@ -149,4 +149,36 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
     // half-life and rounded down once per report: just under 120,000. Had one report
     // been lost it would be at most 119,000; counted twice, above 120,000.
     assert!((119_500..=120_000).contains(&seen[0]), "usage {}", seen[0]);
+
+    // `kvota members list`, as an operator runs it against the restarted node: the three
+    // voters with their addresses, one of them the leader that `status` names.
+    let leader_id = loop {
+        match status(&specs[l].rpc).await {
+            Some(st) if st.leader_id != 0 => break st.leader_id,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvota"))
+            .args(args)
+            .args(["--cp", &specs[l].rpc])
+            .output()
+            .expect("run kvota");
+        assert!(out.status.success(), "kvota {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let list: serde_json::Value = serde_json::from_str(&cli(&["members", "list", "--json"])).expect("JSON");
+    let list = list.as_array().expect("an array");
+    assert_eq!(list.len(), 3, "{list:?}");
+    for (m, s) in list.iter().zip(&specs) {
+        assert_eq!(m["voter"], true, "{m}");
+        assert_eq!(m["rpc"], s.rpc.as_str(), "{m}");
+        assert_eq!(m["raft"], s.raft.as_str(), "{m}");
+    }
+    let leaders: Vec<u64> = list.iter().filter(|m| m["leader"] == true).filter_map(|m| m["id"].as_u64()).collect();
+    assert_eq!(leaders, [leader_id]);
+    let table = cli(&["members", "list"]);
+    assert!(table.starts_with("  ID  ROLE"), "{table}");
+    let leading = table.lines().filter(|l| l.contains(" yes ")).collect::<Vec<_>>();
+    assert!(leading.len() == 1 && leading[0].trim_start().starts_with(&leader_id.to_string()), "{table}");
 }
