@@ -99,6 +99,13 @@ enum Cmd {
     /// reservation, elastic DRF) and compare the article's measures: delay at
     /// admission, share violation, inference SLA, recovery, fairness, utilization.
     Sim(crate::sim_cmd::SimArgs),
+    /// Print a completion script for a shell, e.g. `source <(kvota completions bash)`,
+    /// or save it where the shell looks (`kvota completions bash >
+    /// /etc/bash_completion.d/kvota`; zsh: a directory on `$fpath`, as `_kvota`).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -182,6 +189,11 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Whatif(args) => whatif(args),
         Cmd::Demo(a) => crate::demo::run(a),
         Cmd::Sim(a) => crate::sim_cmd::run(a),
+        Cmd::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "kvota", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

@@ -231,3 +231,39 @@ fn a_server_with_mutual_tls_answers_each_certificate_as_its_role() {
     assert_ne!(half_code, 0);
     assert!(half_err.contains("missing: --cp-cert, --cp-key"), "{half_err}");
 }
+
+/// `kvota completions SHELL` prints a script the shell accepts: bash loads it and then
+/// completes `kvota mem` to `members` and `kvota members l` to `list`; the other shells
+/// get a script that names the subcommands; an unknown shell is a usage error.
+#[test]
+fn completions_load_in_bash_and_complete_subcommands() {
+    let (code, script, err) = kvota(&["completions", "bash"]);
+    assert_eq!(code, 0, "{err}");
+    let dir = std::env::temp_dir().join(format!("kvota-completions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let file = dir.join("kvota.bash");
+    std::fs::write(&file, &script).expect("write");
+    // What bash's programmable completion does on TAB: call the function `complete -p`
+    // names, with the words typed so far.
+    let complete = |words: &str, cword: usize| {
+        let probe = format!(
+            "source {}; f=$(complete -p kvota | sed -E 's/.*-F ([^ ]+).*/\\1/'); COMP_WORDS=({words}); COMP_CWORD={cword}; COMP_LINE='{words}'; COMP_POINT=${{#COMP_LINE}}; $f kvota \"${{COMP_WORDS[$COMP_CWORD]}}\" \"${{COMP_WORDS[$COMP_CWORD-1]}}\"; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+            file.display()
+        );
+        let out = Command::new("bash").args(["--norc", "-c", &probe]).output().expect("run bash");
+        assert!(out.status.success(), "bash: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect::<Vec<_>>()
+    };
+    assert_eq!(complete("kvota mem", 1), ["members"]);
+    let sub = complete("kvota members l", 2);
+    assert!(sub.contains(&"list".to_string()), "{sub:?}");
+    for shell in ["zsh", "fish"] {
+        let (code, script, err) = kvota(&["completions", shell]);
+        assert_eq!(code, 0, "{err}");
+        assert!(script.contains("members") && script.contains("add-learner"), "{shell}: {script}");
+    }
+    let (code, _, err) = kvota(&["completions", "tcsh"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("invalid value 'tcsh'"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
