@@ -1,12 +1,15 @@
 //! Operator commands against a running control plane: `status`, `policy apply|get`,
 //! `tenants`, `clusters`, `explain tenant`, `audit`, `members ...`, `cluster remove`.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use kvota_client::client::Client;
 use kvota_fairness::units::{format_duration_ms, format_gpue};
+use kvota_fairness::federation::{Command, Federation, TenantReport, UsageReport};
+use kvota_fairness::policy::Policy;
 use kvota_proto::v1;
 
 /// Where the control plane is.
@@ -262,6 +265,138 @@ pub fn policy_get(cp: &Cp) -> Result<()> {
     // Checked before it is printed: what `policy apply` would make of it.
     kvota_fairness::policy::Policy::from_yaml(&r.yaml).map_err(|e| anyhow::anyhow!("the policy from the control plane does not load: {e}"))?;
     outp!("{}", r.yaml);
+    Ok(())
+}
+
+/// The federation as the control plane reports it (clusters with each tenant's in-use
+/// and waiting GPUe, tenants' decayed usage), rebuilt offline under `policy` at `now_ms`:
+/// what the fairness core would make of today's state under that policy.
+fn rebuilt(policy: &Policy, clusters: &[v1::ClusterInfo], tenants: &[v1::TenantInfo], now_ms: u64) -> Result<Federation> {
+    let mut fed = Federation::new();
+    fed.apply(now_ms, Command::ApplyPolicy(policy.clone())).map_err(|e| anyhow::anyhow!("apply the policy offline: {e}"))?;
+    for (i, c) in clusters.iter().enumerate() {
+        let capacity = kvota_proto::convert::capacity("capacity", &c.capacity).map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
+        fed.apply(now_ms, Command::RegisterCluster { cluster: c.cluster.clone(), capacity, labels: BTreeMap::new() })
+            .map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
+        let mut report: BTreeMap<String, TenantReport> = c
+            .tenants
+            .iter()
+            .map(|t| (t.tenant.clone(), TenantReport { used_milli_gpue_ms: 0, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue }))
+            .collect();
+        // The ledger's decayed usage goes in with the first cluster's report.
+        if i == 0 {
+            for t in tenants {
+                report.entry(t.tenant.clone()).or_default().used_milli_gpue_ms = t.decayed_usage;
+            }
+        }
+        let r = UsageReport { cluster: c.cluster.clone(), seq: 1, held_epoch: 0, capacity: None, tenants: report, evictions: Vec::new(), window: None };
+        fed.apply(now_ms, Command::Report(r)).map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
+    }
+    Ok(fed)
+}
+
+/// Target entitlement per tenant under the plan of `fed`.
+fn targets(fed: &Federation) -> BTreeMap<String, u64> {
+    let plan = fed.plan();
+    plan.tenants.iter().cloned().zip(plan.entitlements.iter().map(|e| e.total)).collect()
+}
+
+/// Fields that differ between two policies, as `path: old -> new` (tenants by name).
+fn policy_changes(old: &Policy, new: &Policy) -> Result<Vec<String>> {
+    fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        use serde_json::Value;
+        match (a, b) {
+            (Value::Object(x), Value::Object(y)) => {
+                let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+                for k in keys {
+                    let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                    walk(&p, x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null), out);
+                }
+            }
+            _ if a != b => out.push(format!("{path}: {a} -> {b}")),
+            _ => {}
+        }
+    }
+    let by_name = |p: &Policy| -> Result<BTreeMap<String, serde_json::Value>> {
+        p.tenants.iter().map(|t| Ok((t.name.clone(), serde_json::to_value(t)?))).collect()
+    };
+    let (mut a, mut b) = (serde_json::to_value(old)?, serde_json::to_value(new)?);
+    for v in [&mut a, &mut b] {
+        if let Some(o) = v.as_object_mut() {
+            o.remove("tenants");
+        }
+    }
+    let mut out = Vec::new();
+    walk("", &a, &b, &mut out);
+    let (ta, tb) = (by_name(old)?, by_name(new)?);
+    for name in ta.keys().chain(tb.keys()).collect::<std::collections::BTreeSet<_>>() {
+        match (ta.get(name), tb.get(name)) {
+            (Some(x), Some(y)) => walk(&format!("tenants[{name}]"), x, y, &mut out),
+            (None, Some(_)) => out.push(format!("tenants[{name}]: added")),
+            (Some(_), None) => out.push(format!("tenants[{name}]: removed")),
+            (None, None) => {}
+        }
+    }
+    Ok(out)
+}
+
+/// `kvota policy diff FILE`: what applying `new` would change, in the policy's fields and
+/// in every tenant's target entitlement for the federation as it is now.
+pub fn policy_diff(cp: &Cp, new: &Policy, json: bool) -> Result<()> {
+    let c = client(cp)?;
+    let rt = rt()?;
+    let (current, clusters, tenants) = rt
+        .block_on(async {
+            let p = c.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }).await?;
+            let cl = c.call(|ch| async move { Ok(Client::admin(ch).list_clusters(v1::Empty {}).await?.into_inner()) }).await?;
+            let t = c.call(|ch| async move { Ok(Client::admin(ch).list_tenants(v1::Empty {}).await?.into_inner()) }).await?;
+            Ok::<_, tonic::Status>((p, cl, t))
+        })
+        .map_err(|e| status_err(cp, e))?;
+    let old = if current.name.is_empty() {
+        None
+    } else {
+        Some(Policy::from_yaml(&current.yaml).map_err(|e| anyhow::anyhow!("the policy from the control plane does not load: {e}"))?)
+    };
+    // One instant for both: the ledger's numbers as read, no decay between them.
+    let now = 0;
+    let after = targets(&rebuilt(new, &clusters.clusters, &tenants.tenants, now)?);
+    let before = match &old {
+        Some(p) => targets(&rebuilt(p, &clusters.clusters, &tenants.tenants, now)?),
+        None => BTreeMap::new(),
+    };
+    let changes = match &old {
+        Some(p) => policy_changes(p, new)?,
+        None => vec![format!("no policy in force: `{}` would be the first", new.name)],
+    };
+    let names: std::collections::BTreeSet<&String> = before.keys().chain(after.keys()).collect();
+    if json {
+        let rows: Vec<serde_json::Value> = names
+            .iter()
+            .map(|n| serde_json::json!({"tenant": n, "target_milli_gpue_now": before.get(*n), "target_milli_gpue_after": after.get(*n)}))
+            .collect();
+        out!("{}", serde_json::to_string_pretty(&serde_json::json!({"changes": changes, "entitlements": rows}))?);
+        return Ok(());
+    }
+    if changes.is_empty() {
+        out!("no field changes: the file is the policy in force");
+    } else {
+        out!("policy changes:");
+        for ch in &changes {
+            out!("  {ch}");
+        }
+    }
+    let capacity = format_gpue(tenants.capacity_milli_gpue);
+    let n = clusters.clusters.len();
+    out!("target entitlements for today's federation ({capacity} GPUe, {n} cluster{}), now -> after applying:", if n == 1 { "" } else { "s" });
+    out!("  {:<20} {:>10} {:>10} {:>10}", "TENANT", "NOW", "AFTER", "CHANGE");
+    for n in names {
+        let (a, b) = (before.get(n).copied(), after.get(n).copied());
+        let cell = |v: Option<u64>| v.map_or_else(|| "-".to_string(), format_gpue);
+        let delta = i128::from(b.unwrap_or(0)) - i128::from(a.unwrap_or(0));
+        let sign = if delta > 0 { "+" } else if delta < 0 { "-" } else { "" };
+        out!("  {:<20} {:>10} {:>10} {:>10}", n, cell(a), cell(b), format!("{sign}{}", format_gpue(u64::try_from(delta.unsigned_abs()).unwrap_or(u64::MAX))));
+    }
     Ok(())
 }
 

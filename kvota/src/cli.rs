@@ -127,6 +127,19 @@ enum PolicyCmd {
     /// Print the policy in force as a FairnessPolicy document, every field written out
     /// (defaults included): `kvota policy apply` takes it back unchanged.
     Get,
+    /// Show what applying a policy file would change, before applying it: the fields that
+    /// differ from the policy in force, and every tenant's target entitlement now and
+    /// after, computed by the fairness core for the federation as it is now (capacity,
+    /// in use, waiting, decayed usage). Changes nothing. Exit status 0; 2: the file is
+    /// invalid; 1: the control plane could not be read.
+    Diff {
+        /// Path to a FairnessPolicy YAML file.
+        file: PathBuf,
+        /// Print JSON: {changes: [...], entitlements: [{tenant, target_milli_gpue_now,
+        /// target_milli_gpue_after}]}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check a policy file and list every problem with its field path.
     /// Exit status 0: valid; 2: invalid; 1: the file could not be read.
     Validate {
@@ -186,6 +199,13 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             crate::admin_cmd::cluster_remove(&cp, &name).map(|()| ExitCode::SUCCESS)
         }
         Cmd::Policy(PolicyCmd::Validate { file, json }) => policy_validate(&file, json),
+        Cmd::Policy(PolicyCmd::Diff { file, json }) => match read_policy(&file)? {
+            Ok(p) => crate::admin_cmd::policy_diff(&cp, &p, json).map(|()| ExitCode::SUCCESS),
+            Err(e) => {
+                eprintln!("{}: {e}", file.display());
+                Ok(ExitCode::from(2))
+            }
+        },
         Cmd::Whatif(args) => whatif(args),
         Cmd::Demo(a) => crate::demo::run(a),
         Cmd::Sim(a) => crate::sim_cmd::run(a),

@@ -267,3 +267,115 @@ fn completions_load_in_bash_and_complete_subcommands() {
     assert!(err.contains("invalid value 'tcsh'"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `kvota policy diff FILE` against a real control plane (one node in this process, real
+/// gRPC; the CLI as a process): it lists the fields that change, and its "after"
+/// entitlements are what the control plane computes once the file is applied; its "now"
+/// ones are what it computes before. Applying is the oracle, not a number written here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_diff_predicts_what_applying_the_file_gives() {
+    use kvota_client::client::Client;
+    use kvota_proto::v1;
+    use std::collections::BTreeMap;
+
+    let cl = kvota_testkit::Cluster::start(1).await;
+    cl.leader(std::time::Duration::from_secs(15)).await;
+    let cp = cl.endpoints()[0].clone();
+    let c = Client::new(&cl.endpoints()).expect("client");
+    let (code, _, err) = tokio::task::spawn_blocking({
+        let cp = cp.clone();
+        move || kvota(&["policy", "apply", &repo("deploy/policies/article.yaml"), "--cp", &cp])
+    })
+    .await
+    .expect("join");
+    assert_eq!(code, 0, "{err}");
+    let reg = v1::RegisterRequest { cluster: "east".into(), capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 32_000 }], labels: Default::default() };
+    let epoch = c
+        .call(|ch| {
+            let reg = reg.clone();
+            async move { Ok(Client::member(ch).register(reg).await?.into_inner()) }
+        })
+        .await
+        .expect("register")
+        .lease
+        .expect("lease")
+        .epoch;
+    let usage = |t: &str, inuse: u64, pending: u64, used: u64| v1::TenantUsage { tenant: t.into(), used_milli_gpue_ms: used, inuse_milli_gpue: inuse, pending_milli_gpue: pending };
+    let report = v1::ReportRequest {
+        cluster: "east".into(),
+        seq: 1,
+        held_epoch: epoch,
+        tenants: vec![usage("training", 8_000, 20_000, 3_600_000_000), usage("inference", 6_000, 4_000, 900_000_000), usage("research", 0, 6_000, 0)],
+        capacity: vec![],
+        evictions: vec![],
+        window_start_ms: 0,
+        window_end_ms: 0,
+    };
+    c.call(|ch| {
+        let r = report.clone();
+        async move { Ok(Client::member(ch).report(r).await?.into_inner()) }
+    })
+    .await
+    .expect("report");
+    let live = || async {
+        let r = c.call(|ch| async move { Ok(Client::admin(ch).list_tenants(v1::Empty {}).await?.into_inner()) }).await.expect("tenants");
+        r.tenants.into_iter().map(|t| (t.tenant, t.target_milli_gpue)).collect::<BTreeMap<String, u64>>()
+    };
+    let before = live().await;
+
+    // Training's guarantee from 20 % to 50 %, research's cap from 25 % to 10 %.
+    let text = std::fs::read_to_string(repo("deploy/policies/article.yaml")).expect("read")
+        .replace("    minShare: 20\n", "    minShare: 50\n")
+        .replace("    maxShare: 25\n", "    maxShare: 10\n");
+    let dir = tempfile::tempdir().expect("tmp");
+    let file = dir.path().join("new.yaml");
+    std::fs::write(&file, text).expect("write");
+    let file = file.display().to_string();
+    let (code, out, err) = tokio::task::spawn_blocking({
+        let (cp, file) = (cp.clone(), file.clone());
+        move || kvota(&["policy", "diff", &file, "--json", "--cp", &cp])
+    })
+    .await
+    .expect("join");
+    assert_eq!(code, 0, "{err}");
+    let d: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let changes: Vec<&str> = d["changes"].as_array().expect("changes").iter().filter_map(|c| c.as_str()).collect();
+    assert_eq!(changes, ["tenants[research].max_share_bp: 2500 -> 1000", "tenants[training].min_share_bp: 2000 -> 5000"], "{out}");
+    let predicted = |key: &str| -> BTreeMap<String, u64> {
+        d["entitlements"].as_array().expect("rows").iter().map(|r| (r["tenant"].as_str().expect("tenant").to_string(), r[key].as_u64().expect("target"))).collect()
+    };
+    let (now, after) = (predicted("target_milli_gpue_now"), predicted("target_milli_gpue_after"));
+    // The ledger decays between the readings (24 h half-life, milliseconds apart): equal
+    // within 0.1 GPUe.
+    let close = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| a.len() == b.len() && a.iter().all(|(k, v)| b.get(k).is_some_and(|w| v.abs_diff(*w) <= 100));
+    assert!(close(&now, &before), "now {now:?} vs the control plane's {before:?}");
+    assert!(after["training"] > now["training"] && after["research"] <= 3_200, "{after:?}");
+
+    // The table form says the same in words.
+    let (code, table, err) = tokio::task::spawn_blocking({
+        let (cp, file) = (cp.clone(), file.clone());
+        move || kvota(&["policy", "diff", &file, "--cp", &cp])
+    })
+    .await
+    .expect("join");
+    assert_eq!(code, 0, "{err}");
+    assert!(table.contains("tenants[training].min_share_bp: 2000 -> 5000") && table.contains("TENANT"), "{table}");
+
+    // Apply it: the control plane's targets are the predicted ones.
+    let (code, _, err) = tokio::task::spawn_blocking({
+        let (cp, file) = (cp.clone(), file.clone());
+        move || kvota(&["policy", "apply", &file, "--cp", &cp])
+    })
+    .await
+    .expect("join");
+    assert_eq!(code, 0, "{err}");
+    let applied = live().await;
+    assert!(close(&after, &applied), "predicted {after:?}, applied {applied:?}");
+
+    // An invalid file: exit 2 with the problems, nothing read from the control plane.
+    std::fs::write(dir.path().join("bad.yaml"), "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec: {tenants: []}\n").expect("write");
+    let bad = dir.path().join("bad.yaml").display().to_string();
+    let (code, _, err) = tokio::task::spawn_blocking(move || kvota(&["policy", "diff", &bad, "--cp", "127.0.0.1:1"])).await.expect("join");
+    assert_eq!(code, 2, "{err}");
+    cl.shutdown().await;
+}
