@@ -3,8 +3,9 @@
 //! `promtool check metrics` passes on both expositions; every series either exports is
 //! listed in docs/metrics.md and every series listed there is exported; the alert rules
 //! in deploy/prometheus pass `promtool check rules` and their unit tests (`promtool test
-//! rules`); and a real Prometheus server scrapes the node and answers a query for the
-//! per-tenant series with the node's numbers.
+//! rules`); a real Prometheus server scrapes the node and answers a query for the
+//! per-tenant series with the node's numbers, and the Grafana dashboard's queries; the
+//! dashboard reads only documented series, with queries that parse.
 //!
 //! `promtool` and `prometheus` come from Debian's `prometheus` package, which
 //! `scripts/test` installs when missing.
@@ -122,6 +123,69 @@ fn documented() -> BTreeMap<String, String> {
             name.starts_with("kvota_").then_some((name, kind))
         })
         .collect()
+}
+
+/// Every query of the Grafana dashboard in deploy/grafana, with its panel's title.
+fn dashboard_queries() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(repo().join("deploy/grafana/kvota-dashboard.json")).expect("the dashboard");
+    let d: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let mut out = Vec::new();
+    for p in d["panels"].as_array().expect("panels") {
+        let title = p["title"].as_str().expect("a title").to_string();
+        for t in p["targets"].as_array().expect("targets") {
+            out.push((title.clone(), t["expr"].as_str().expect("an expr").to_string()));
+        }
+    }
+    out
+}
+
+/// The kvota series a PromQL expression reads (histogram samples by their family).
+fn series_in(expr: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("kvota_") {
+        let tail = &rest[i..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        let name = &tail[..end];
+        let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name);
+        out.insert(family.to_string());
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// The dashboard: its panels are laid out on Grafana's 24 columns with distinct ids,
+/// every query parses as PromQL (`promtool check rules` on them as recording rules),
+/// and every series it reads is one docs/metrics.md lists.
+#[test]
+fn the_grafana_dashboard_reads_only_documented_series_with_valid_queries() {
+    let text = std::fs::read_to_string(repo().join("deploy/grafana/kvota-dashboard.json")).expect("the dashboard");
+    let d: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let mut ids = BTreeSet::new();
+    for p in d["panels"].as_array().expect("panels") {
+        assert!(ids.insert(p["id"].as_u64().expect("id")), "panel id repeated: {p}");
+        let g = &p["gridPos"];
+        let (x, w) = (g["x"].as_u64().expect("x"), g["w"].as_u64().expect("w"));
+        assert!(w > 0 && x + w <= 24, "{}: beyond 24 columns", p["title"]);
+    }
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 15, "{queries:?}");
+    let doc = documented();
+    for (title, expr) in &queries {
+        let read = series_in(expr);
+        assert!(!read.is_empty(), "{title}: reads no kvota series: {expr}");
+        for s in read {
+            assert!(doc.contains_key(&s), "{title}: {s} is not in docs/metrics.md");
+        }
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    let mut rules = String::from("groups:\n- name: dashboard\n  rules:\n");
+    for (i, (_, expr)) in queries.iter().enumerate() {
+        rules.push_str(&format!("  - record: kvota:dashboard:{i}\n    expr: {}\n", serde_json::to_string(expr).expect("quoted")));
+    }
+    std::fs::write(dir.path().join("dashboard.rules.yaml"), rules).expect("write");
+    let (ok, out) = promtool(&["check", "rules", "dashboard.rules.yaml"], dir.path(), "");
+    assert!(ok, "{out}");
 }
 
 fn sample(text: &str, series: &str) -> Option<f64> {
@@ -273,6 +337,17 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
+    // The dashboard's control-plane panels, against the same Prometheus: every query is
+    // answered, and the per-tenant one has the three tenants.
+    for (title, expr) in dashboard_queries().iter().filter(|(_, e)| !e.contains("kvota_agent_")) {
+        let q: String = expr.bytes().map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") }).collect();
+        let (code, body) = http_get(&addr, &format!("/api/v1/query?query={q}")).await;
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        assert!(code == 200 && v["status"] == "success", "{title}: {expr}: {code} {body}");
+        if title.starts_with("Entitlement vs in use") {
+            assert_eq!(v["data"]["result"].as_array().map(Vec::len), Some(3), "{title}: {body}");
+        }
+    }
     let _ = prom.kill();
     let _ = prom.wait();
     assert_eq!(got.keys().map(String::as_str).collect::<Vec<_>>(), ["inference", "research", "training"]);
