@@ -101,9 +101,13 @@ fn membership_to(m: &Membership<NodeId, Node>) -> pb::RaftMembership {
 }
 
 /// A membership: one voter set, or two during a joint change; none empty; every voter
-/// with its addresses.
-fn membership_from(m: Option<pb::RaftMembership>, field: &str) -> Result<Membership<NodeId, Node>, WireError> {
+/// with its addresses. With `empty_ok`, also openraft's empty default (no voter set, no
+/// node), which a snapshot taken before any membership was applied carries.
+fn membership_from(m: Option<pb::RaftMembership>, field: &str, empty_ok: bool) -> Result<Membership<NodeId, Node>, WireError> {
     let m = need(m, field)?;
+    if empty_ok && m.configs.is_empty() && m.nodes.is_empty() {
+        return Ok(Membership::default());
+    }
     if m.configs.is_empty() || m.configs.len() > 2 {
         return Err(invalid(format!("{field}.configs"), format!("{} voter sets; a membership has one, or two during a change", m.configs.len())));
     }
@@ -143,7 +147,7 @@ pub fn entry_from(e: pb::RaftEntry, field: &str) -> Result<Entry, WireError> {
         None => return Err(invalid(format!("{field}.payload"), "absent, or of a kind this build does not know")),
         Some(pb::raft_entry::Payload::Blank(_)) => EntryPayload::Blank,
         Some(pb::raft_entry::Payload::Normal(b)) => EntryPayload::Normal(batch_from(b, &format!("{field}.normal"))?),
-        Some(pb::raft_entry::Payload::Membership(m)) => EntryPayload::Membership(membership_from(Some(m), &format!("{field}.membership"))?),
+        Some(pb::raft_entry::Payload::Membership(m)) => EntryPayload::Membership(membership_from(Some(m), &format!("{field}.membership"), false)?),
     };
     Ok(Entry { log_id, payload })
 }
@@ -240,7 +244,7 @@ pub fn snapshot_to(r: &InstallSnapshotRequest<TypeConfig>) -> pb::InstallSnapsho
 pub fn snapshot_from(r: pb::InstallSnapshotRequest) -> Result<InstallSnapshotRequest<TypeConfig>, WireError> {
     let vote = vote_from(r.vote, "vote")?;
     let meta = need(r.meta, "meta")?;
-    let membership = membership_from(meta.membership, "meta.membership")?;
+    let membership = membership_from(meta.membership, "meta.membership", true)?;
     Ok(InstallSnapshotRequest {
         vote,
         meta: SnapshotMeta {

@@ -149,6 +149,14 @@ fn raft_messages_and_answers_cross_the_wire_unchanged() {
     };
     let back = wire::snapshot_from(wire::snapshot_to(&snap)).unwrap();
     assert_eq!(format!("{back:?}"), format!("{snap:?}"));
+    // A snapshot taken before any membership was applied carries openraft's empty
+    // default: it crosses too (an entry's membership may not be empty, below).
+    let early = InstallSnapshotRequest::<TypeConfig> {
+        meta: SnapshotMeta { last_log_id: None, last_membership: StoredMembership::default(), snapshot_id: "0".into() },
+        ..snap.clone()
+    };
+    let back = wire::snapshot_from(wire::snapshot_to(&early)).unwrap();
+    assert_eq!(format!("{back:?}"), format!("{early:?}"));
     let ok = InstallSnapshotResponse { vote: Vote::new_committed(4, 1) };
     assert_eq!(wire::snapshot_reply_from(wire::snapshot_reply_to(Ok(&ok))).unwrap().unwrap(), ok);
     let m = SnapshotMismatch { expect: SnapshotSegmentId { id: "a".into(), offset: 0 }, got: SnapshotSegmentId { id: "b".into(), offset: 4096 } };
