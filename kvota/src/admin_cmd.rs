@@ -201,7 +201,7 @@ pub fn status(cp: &Cp, json: bool) -> Result<()> {
                 "leader_rpc_addr": s.leader_rpc_addr, "last_log_index": s.last_log_index,
                 "last_applied_index": s.last_applied_index, "policy": s.policy, "clusters": s.clusters,
                 "feature_level": s.feature_level, "feature_level_max": s.feature_level_max,
-                "members": s.members.iter().map(|m| serde_json::json!({"id": m.id, "rpc": m.rpc_addr, "http": m.http_addr, "raft": m.raft_addr, "voter": m.voter})).collect::<Vec<_>>(),
+                "members": s.members.iter().map(|m| member_json(m, s.leader_id)).collect::<Vec<_>>(),
             })
         );
         return Ok(());
@@ -638,6 +638,11 @@ fn member(spec: &str) -> Result<v1::NodeInfo> {
     Ok(v1::NodeInfo { id, rpc_addr: n.rpc_addr, http_addr: n.http_addr, raft_addr: n.raft_addr, voter: true })
 }
 
+/// One member as `status --json` and `members list --json` print it.
+fn member_json(m: &v1::NodeInfo, leader_id: u64) -> serde_json::Value {
+    serde_json::json!({"id": m.id, "voter": m.voter, "leader": m.id == leader_id, "rpc": m.rpc_addr, "raft": m.raft_addr, "http": m.http_addr})
+}
+
 /// `kvota members list`
 fn members_list(cp: &Cp, json: bool) -> Result<()> {
     let c = client(cp)?;
@@ -645,11 +650,7 @@ fn members_list(cp: &Cp, json: bool) -> Result<()> {
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }))
         .map_err(|e| status_err(cp, e))?;
     if json {
-        let list: Vec<serde_json::Value> = s
-            .members
-            .iter()
-            .map(|m| serde_json::json!({"id": m.id, "voter": m.voter, "leader": m.id == s.leader_id, "rpc": m.rpc_addr, "raft": m.raft_addr, "http": m.http_addr}))
-            .collect();
+        let list: Vec<serde_json::Value> = s.members.iter().map(|m| member_json(m, s.leader_id)).collect();
         out!("{}", serde_json::to_string_pretty(&list).context("encode the members")?);
         return Ok(());
     }
