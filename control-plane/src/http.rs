@@ -1,5 +1,10 @@
-//! The HTTP admin port: `/healthz`, `/readyz`, `/metrics`, and a small JSON API
-//! (`/api/v1/status`, `/api/v1/tenants`, `/api/v1/clusters`, `/api/v1/audit`).
+//! The HTTP admin port: `/healthz`, `/readyz`, `/metrics`, a small JSON API
+//! (`/api/v1/status`, `/api/v1/tenants`, `/api/v1/clusters`, `/api/v1/audit`,
+//! `/api/v1/overview`, `/api/v1/history`) and the dashboard (`/ui/`, its assets embedded
+//! in the binary: no CDN, no build step, works offline; see [`crate::view`]).
+//!
+//! The dashboard's reads follow the leader: `/api/v1/overview` passes
+//! [`NodeCtx::read_barrier`] first and says how fresh its answer is.
 //!
 //! With TLS the port serves the node's certificate and asks for a client certificate:
 //! `/healthz` and `/readyz` answer anyone (probes carry none), everything else only
@@ -7,8 +12,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Request, State};
-use axum::http::StatusCode;
+use axum::extract::{Query, Request, State};
+use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -28,6 +33,14 @@ pub fn router(ctx: Arc<NodeCtx>) -> Router {
         .route("/api/v1/tenants", get(tenants))
         .route("/api/v1/clusters", get(clusters))
         .route("/api/v1/audit", get(audit))
+        .route("/api/v1/overview", get(overview))
+        .route("/api/v1/history", get(history))
+        .route("/", get(|| async { axum::response::Redirect::to("/ui/") }))
+        .route("/ui", get(|| async { axum::response::Redirect::to("/ui/") }))
+        .route("/ui/", get(|| async { asset("text/html; charset=utf-8", UI_HTML) }))
+        .route("/ui/app.js", get(|| async { asset("text/javascript; charset=utf-8", UI_JS) }))
+        .route("/ui/app.css", get(|| async { asset("text/css; charset=utf-8", UI_CSS) }))
+        .layer(axum::middleware::from_fn(no_store))
         .layer(axum::middleware::from_fn_with_state(ctx.clone(), guard))
         .with_state(ctx)
 }
@@ -41,7 +54,8 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
     let id = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.clone());
     // Routes are few and fixed: the label set stays bounded (unknown paths are "other").
     let route = match path {
-        "/metrics" | "/api/v1/status" | "/api/v1/tenants" | "/api/v1/clusters" | "/api/v1/audit" => path.to_string(),
+        "/metrics" | "/api/v1/status" | "/api/v1/tenants" | "/api/v1/clusters" | "/api/v1/audit" | "/api/v1/overview"
+        | "/api/v1/history" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
         _ => "other".to_string(),
     };
     match id {
@@ -58,6 +72,39 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
             (StatusCode::UNAUTHORIZED, format!("{msg}\n")).into_response()
         }
     }
+}
+
+/// The dashboard's page, script and style sheet, compiled into the binary.
+const UI_HTML: &str = include_str!("ui/index.html");
+const UI_JS: &str = include_str!("ui/app.js");
+const UI_CSS: &str = include_str!("ui/app.css");
+
+/// The dashboard loads nothing from elsewhere and runs no inline script: a tenant or
+/// cluster name (or anything else the page shows) can never become code.
+const UI_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; \
+                      base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CONTENT_SECURITY_POLICY, UI_CSP),
+            (header::X_FRAME_OPTIONS, "DENY"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// Every answer: not cached (state changes by the second; assets change with the
+/// binary), and never sniffed into another type.
+async fn no_store(req: Request, next: Next) -> Response {
+    let mut res = next.run(req).await;
+    let h = res.headers_mut();
+    h.insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-store"));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    res
 }
 
 /// Alive: the process answers and its Raft core runs. (Raft trouble that can pass, such
@@ -78,25 +125,97 @@ async fn metrics(State(ctx): State<Arc<NodeCtx>>) -> Response {
     answer::openmetrics(ctx.metrics.render(&raft, &state.federation))
 }
 
-async fn status(State(ctx): State<Arc<NodeCtx>>) -> Response {
+/// A node's own view of itself and the group (`/api/v1/status`, and the `node` part of
+/// `/api/v1/overview`).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct NodeStatus {
+    /// This node.
+    pub node_id: u64,
+    /// Its Raft role: leader, follower, candidate, learner, shutdown.
+    pub role: String,
+    /// Its Raft term.
+    pub term: u64,
+    /// The leader it knows, if any.
+    pub leader_id: Option<u64>,
+    /// The leader's HTTP address (where its dashboard is), if known.
+    pub leader_http_addr: Option<String>,
+    /// Last log index.
+    pub last_log_index: Option<u64>,
+    /// Last applied index.
+    pub last_applied_index: Option<u64>,
+    /// `/readyz` would pass.
+    pub ready: bool,
+    /// The replicated clock, ms since the Unix epoch.
+    pub state_time_ms: u64,
+    /// Name of the policy in force.
+    pub policy: Option<String>,
+    /// Registered clusters.
+    pub clusters: usize,
+    /// The replicated state's feature level.
+    pub feature_level: u32,
+    /// The newest feature level this build supports.
+    pub feature_level_max: u32,
+}
+
+async fn node_status(ctx: &NodeCtx) -> NodeStatus {
     let ready = ctx.ready_checked().await.is_ok();
     let m = ctx.raft.metrics().borrow().clone();
+    let leader_http_addr = ctx.leader().map(|(_, n)| n.http_addr);
     let state = ctx.state.read().await;
-    Json(serde_json::json!({
-        "node_id": ctx.id,
-        "role": crate::metrics::role_name(&m),
-        "term": m.current_term,
-        "leader_id": m.current_leader,
-        "last_log_index": m.last_log_index,
-        "last_applied_index": m.last_applied.map(|l| l.index),
-        "ready": ready,
-        "state_time_ms": state.federation.now_ms(),
-        "policy": state.federation.policy().map(|p| p.name.clone()),
-        "clusters": state.federation.clusters().len(),
-        "feature_level": state.feature_level,
-        "feature_level_max": ctx.clock.own_feature_max(),
-    }))
-    .into_response()
+    NodeStatus {
+        node_id: ctx.id,
+        role: crate::metrics::role_name(&m).to_string(),
+        term: m.current_term,
+        leader_id: m.current_leader,
+        leader_http_addr,
+        last_log_index: m.last_log_index,
+        last_applied_index: m.last_applied.map(|l| l.index),
+        ready,
+        state_time_ms: state.federation.now_ms(),
+        policy: state.federation.policy().map(|p| p.name.clone()),
+        clusters: state.federation.clusters().len(),
+        feature_level: state.feature_level,
+        feature_level_max: ctx.clock.own_feature_max(),
+    }
+}
+
+async fn status(State(ctx): State<Arc<NodeCtx>>) -> Response {
+    Json(node_status(&ctx).await).into_response()
+}
+
+/// `/api/v1/overview`: the node, how fresh the read is, and the federation.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Overview {
+    /// The node that answered.
+    pub node: NodeStatus,
+    /// Whether the read followed the leader.
+    pub read: crate::node::ReadFreshness,
+    /// The federation.
+    pub federation: crate::view::FederationView,
+}
+
+async fn overview(State(ctx): State<Arc<NodeCtx>>) -> Response {
+    let read = ctx.read_barrier().await;
+    let node = node_status(&ctx).await;
+    let federation = crate::view::FederationView::of(&ctx.state.read().await.federation);
+    Json(Overview { node, read, federation }).into_response()
+}
+
+/// Query of `/api/v1/history` and `/api/v1/audit`.
+#[derive(Debug, serde::Deserialize)]
+struct Filter {
+    tenant: Option<String>,
+    limit: Option<usize>,
+}
+
+async fn history(State(ctx): State<Arc<NodeCtx>>, Query(f): Query<Filter>) -> Response {
+    if let Some(t) = &f.tenant {
+        if !kvota_fairness::names::is_dns_label(t) {
+            return (StatusCode::BAD_REQUEST, "tenant: not a tenant name (a DNS label of at most 63 characters)\n").into_response();
+        }
+    }
+    let h = ctx.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).view(f.tenant.as_deref());
+    Json(h).into_response()
 }
 
 async fn tenants(State(ctx): State<Arc<NodeCtx>>) -> Response {
@@ -114,8 +233,10 @@ async fn clusters(State(ctx): State<Arc<NodeCtx>>) -> Response {
     Json(state.federation.clusters()).into_response()
 }
 
-async fn audit(State(ctx): State<Arc<NodeCtx>>) -> Response {
+/// The audit log, oldest first; `?limit=N` keeps the newest N.
+async fn audit(State(ctx): State<Arc<NodeCtx>>, Query(f): Query<Filter>) -> Response {
     let state = ctx.state.read().await;
-    let list: Vec<_> = state.federation.audit().collect();
+    let skip = f.limit.map_or(0, |n| state.federation.audit().count().saturating_sub(n));
+    let list: Vec<_> = state.federation.audit().skip(skip).collect();
     Json(list).into_response()
 }

@@ -6,8 +6,9 @@
 //!
 //! Map: [`types`] (Raft type config), [`store`] (sled log and state machine),
 //! [`network`] (Raft over gRPC), [`wire`] (the Raft port's protobuf to and from openraft's types), [`node`] (write path, forwarding, readiness),
-//! [`service`] (Member and Admin gRPC), [`metrics`], [`http`] (health, readiness,
-//! metrics, JSON), [`server`] (configuration and startup), [`auth`] (who may call what), [`clock`] (the federation's time: the
+//! [`service`] (Member and Admin gRPC), [`metrics`], [`view`] (the federation in base
+//! units, shared by the metrics and the dashboard), [`http`] (health, readiness,
+//! metrics, JSON, the dashboard), [`server`] (configuration and startup), [`auth`] (who may call what), [`clock`] (the federation's time: the
 //! median of the voters' clocks). The client and its TLS set-up live in `kvota-client`,
 //! which the agent and the CLI use without this crate.
 
@@ -21,5 +22,6 @@ pub mod server;
 pub mod service;
 pub mod store;
 pub mod types;
+pub mod view;
 pub mod watchdog;
 pub mod wire;

@@ -18,11 +18,6 @@ use prometheus_client::registry::Registry;
 /// A gauge of a float (GPU-equivalents, seconds, ratios).
 type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
-/// GPU-equivalents from thousandths.
-fn gpus(milli: u64) -> f64 {
-    milli as f64 / 1000.0
-}
-
 use crate::types::{Node, NodeId};
 
 /// Label set naming a tenant.
@@ -310,59 +305,36 @@ impl Metrics {
         self.last_applied_index.set(g(raft.last_applied.map_or(0, |l| l.index)));
         self.leader_id.set(g(raft.current_leader.unwrap_or(0)));
         self.has_leader.set(i64::from(raft.current_leader.is_some()));
-        let plan = fed.plan();
-        self.capacity.set(gpus(plan.capacity));
+        let view = crate::view::FederationView::of(fed);
+        self.capacity.set(view.capacity_gpus);
         self.clusters.set(g(fed.clusters().len() as u64));
         for family in [&self.entitlement, &self.target, &self.inuse, &self.pending, &self.guarantee, &self.decayed, &self.drift, &self.score] {
             family.clear();
         }
-        let policy = fed.policy();
-        // Reported demand per tenant (in use plus waiting), over every cluster.
-        let mut pending: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
-        for rec in fed.clusters().values() {
-            for (t, u) in &rec.usage {
-                let p = pending.entry(t.as_str()).or_default();
-                *p = p.saturating_add(u.pending);
-            }
+        for t in &view.tenants {
+            let l = TenantLabel { tenant: t.tenant.clone() };
+            self.entitlement.get_or_create(&l).set(t.entitlement_gpus);
+            self.target.get_or_create(&l).set(t.target_gpus);
+            self.inuse.get_or_create(&l).set(t.inuse_gpus);
+            self.pending.get_or_create(&l).set(t.pending_gpus);
+            self.guarantee.get_or_create(&l).set(t.guarantee_gpus);
+            self.decayed.get_or_create(&l).set(t.decayed_usage_gpu_seconds);
+            self.drift.get_or_create(&l).set(t.drift_ratio);
+            self.score.get_or_create(&l).set(t.fairness_score);
         }
-        let mut lowest = 1.0f64;
-        for (i, name) in plan.tenants.iter().enumerate() {
-            let l = TenantLabel { tenant: name.clone() };
-            let committed = fed.committed().get(name).copied().unwrap_or(0);
-            let inuse = plan.inuse.get(i).copied().unwrap_or(0);
-            let waiting = pending.get(name.as_str()).copied().unwrap_or(0);
-            // The plan lists the policy's tenants first, in policy order.
-            let min_share = policy
-                .and_then(|p| p.tenants.get(i))
-                .filter(|t| &t.name == name)
-                .map_or(0, |t| u64::try_from(u128::from(plan.capacity) * u128::from(t.min_share_bp) / 10_000).unwrap_or(u64::MAX));
-            let score = kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity);
-            lowest = lowest.min(score);
-            self.entitlement.get_or_create(&l).set(gpus(committed));
-            self.target.get_or_create(&l).set(gpus(plan.entitlements.get(i).map_or(0, |e| e.total)));
-            self.inuse.get_or_create(&l).set(gpus(inuse));
-            self.pending.get_or_create(&l).set(gpus(waiting));
-            self.guarantee.get_or_create(&l).set(gpus(min_share.min(inuse.saturating_add(waiting))));
-            // The ledger keeps milli-GPUe x ms.
-            self.decayed.get_or_create(&l).set(plan.usage.get(i).copied().unwrap_or(0) as f64 / 1e6);
-            self.drift
-                .get_or_create(&l)
-                .set(kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity) as f64 / 1e6);
-            self.score.get_or_create(&l).set(score);
-        }
-        self.federation_score.set(lowest);
+        self.federation_score.set(view.fairness_score);
         for family in [&self.cluster_capacity, &self.cluster_inuse, &self.cluster_report_age] {
             family.clear();
         }
         self.cluster_unreachable.clear();
-        for (name, rec) in fed.clusters() {
-            let l = ClusterLabel { cluster: name.clone() };
-            self.cluster_capacity.get_or_create(&l).set(gpus(rec.capacity_gpue));
-            self.cluster_inuse.get_or_create(&l).set(gpus(rec.usage.values().fold(0u64, |a, u| a.saturating_add(u.inuse))));
-            if let Some(at) = rec.last_report_ms {
-                self.cluster_report_age.get_or_create(&l).set(fed.now_ms().saturating_sub(at) as f64 / 1000.0);
+        for c in &view.clusters {
+            let l = ClusterLabel { cluster: c.cluster.clone() };
+            self.cluster_capacity.get_or_create(&l).set(c.capacity_gpus);
+            self.cluster_inuse.get_or_create(&l).set(c.inuse_gpus);
+            if let Some(age) = c.report_age_seconds {
+                self.cluster_report_age.get_or_create(&l).set(age);
             }
-            self.cluster_unreachable.get_or_create(&l).set(i64::from(fed.cluster_unreachable(rec)));
+            self.cluster_unreachable.get_or_create(&l).set(i64::from(c.lease == crate::view::LeaseState::Fallback));
         }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {

@@ -73,6 +73,8 @@ pub struct NodeCtx {
     fatal: std::sync::OnceLock<String>,
     /// The data directory's file system is below its free-space reserve.
     disk_low: std::sync::atomic::AtomicBool,
+    /// Samples of the federation for the dashboard's charts (see [`crate::view`]).
+    pub history: std::sync::Mutex<crate::view::History>,
 }
 
 /// How far the applied index may trail the last log index for a starting node to count
@@ -168,6 +170,7 @@ impl NodeCtx {
             caught_up: std::sync::atomic::AtomicBool::new(false),
             fatal: std::sync::OnceLock::new(),
             disk_low: std::sync::atomic::AtomicBool::new(false),
+            history: std::sync::Mutex::new(crate::view::History::default()),
         }
     }
 
@@ -306,6 +309,66 @@ impl NodeCtx {
         caught_up_with_leader(mine, leaders)?;
         self.caught_up.store(true, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+/// How fresh a read served by this node is (see [`NodeCtx::read_barrier`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReadFreshness {
+    /// The state read has applied everything the leader had applied when the read began
+    /// (on the leader: everything committed, with its leadership confirmed by a quorum).
+    pub follows_leader: bool,
+    /// The index of the last log entry applied to the state read.
+    pub applied_index: u64,
+    /// Why the read may be stale, when it may.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// How long a read waits to catch up with the leader before it serves what this node has.
+pub const READ_BARRIER_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl NodeCtx {
+    /// Makes a read follow the leader, in the manner of Raft's read index: the leader
+    /// confirms its leadership with a quorum and waits until it has applied everything
+    /// committed; a follower asks the leader how far it has applied and waits until it
+    /// has applied as far. Within [`READ_BARRIER_TIMEOUT`]; if that fails (no leader,
+    /// a partition, a slow follower), the read goes on with this node's own state and
+    /// the answer says why it may be stale, rather than failing a dashboard or a probe.
+    pub async fn read_barrier(&self) -> ReadFreshness {
+        let outcome = tokio::time::timeout(READ_BARRIER_TIMEOUT, self.catch_up_with_leader()).await;
+        let applied_index = self.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
+        let note = match outcome {
+            Ok(Ok(())) => None,
+            Ok(Err(why)) => Some(why),
+            Err(_) => Some(format!("could not catch up with the leader within {} s", READ_BARRIER_TIMEOUT.as_secs())),
+        };
+        ReadFreshness { follows_leader: note.is_none(), applied_index, note }
+    }
+
+    async fn catch_up_with_leader(&self) -> Result<(), String> {
+        let (id, node) = self.leader().ok_or_else(|| "this node knows no leader".to_string())?;
+        if id == self.id {
+            return self
+                .raft
+                .ensure_linearizable()
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("leadership not confirmed by a quorum: {e}"));
+        }
+        let ch = self.channel(&node.rpc_addr).await.map_err(|e| e.message().to_string())?;
+        let leaders = kvota_proto::v1::admin_client::AdminClient::new(ch)
+            .status(kvota_proto::v1::Empty {})
+            .await
+            .map_err(|e| format!("the leader (node {id} at {}) did not answer: {}", node.rpc_addr, e.message()))?
+            .into_inner()
+            .last_applied_index;
+        self.raft
+            .wait(Some(READ_BARRIER_TIMEOUT))
+            .applied_index_at_least(Some(leaders), "read barrier")
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("applying the leader's log up to {leaders}: {e}"))
     }
 }
 

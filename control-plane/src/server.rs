@@ -446,7 +446,7 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
     // move as leases expire and usage decays.
     let tick_ctx = ctx.clone();
     let tick = Duration::from_millis(cfg.tick_ms.max(50));
-    let mut stop = rx;
+    let mut stop = rx.clone();
     tasks.spawn(async move {
         let mut clients = ClockClients::default();
         let mut every = tokio::time::interval(tick);
@@ -467,6 +467,9 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
         }
     });
 
+    // Samples of the federation for the dashboard's charts.
+    tasks.spawn(sample_history(ctx.clone(), rx));
+
     tracing::info!(id = cfg.id, %rpc_addr, %raft_addr, %http_addr, tls = cfg.tls.is_some(), data_dir = %cfg.data_dir.display(), "control-plane node started");
     Ok(ServerHandle {
         id: cfg.id,
@@ -478,6 +481,21 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
         broken,
         tasks,
     })
+}
+
+/// Samples this node's applied state into its history every
+/// [`crate::view::HISTORY_INTERVAL`], the first at once.
+async fn sample_history(ctx: Arc<NodeCtx>, mut stop: watch::Receiver<bool>) {
+    let mut every = tokio::time::interval(crate::view::HISTORY_INTERVAL);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        }
+        let view = crate::view::FederationView::of(&ctx.state.read().await.federation);
+        ctx.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample(&view);
+    }
 }
 
 /// Raft clients for reading the voters' clocks, by node and address (kept: a new TLS

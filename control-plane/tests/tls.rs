@@ -191,10 +191,26 @@ async fn http_probes_are_open_and_everything_else_needs_a_readers_certificate() 
     assert_eq!(http_get(&probe, &http, "/healthz").await.expect("healthz").0, 200);
     let (code, _) = http_get(&probe, &http, "/readyz").await.expect("readyz");
     assert!(code == 200 || code == 503, "{code}");
-    for path in ["/metrics", "/api/v1/tenants", "/api/v1/status", "/nothing-here"] {
+    for path in ["/metrics", "/api/v1/tenants", "/api/v1/status", "/api/v1/overview", "/api/v1/history", "/", "/ui/", "/ui/app.js", "/nothing-here"] {
         let (code, body) = http_get(&probe, &http, path).await.expect("answer");
         assert_eq!(code, 401, "{path} without a certificate: {body}");
     }
+    // The dashboard's data, read by a viewer from whichever node this is: the read
+    // follows the leader over the nodes' own mTLS.
+    let reader = viewer.connector(kvota_tls::Expect::AnyNode);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = http_get(&reader, &http, "/api/v1/overview").await.expect("overview");
+        assert_eq!(code, 200, "{body}");
+        let o: serde_json::Value = serde_json::from_str(&body).expect("json");
+        if o["read"]["follows_leader"] == true {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "a viewer's read never followed the leader: {o}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (code, body) = http_get(&reader, &http, "/ui/").await.expect("dashboard");
+    assert!(code == 200 && body.contains("<title>kvota"), "{code}: {body}");
     let (code, body) = http_get(&viewer.connector(kvota_tls::Expect::AnyNode), &http, "/metrics").await.expect("metrics");
     assert_eq!(code, 200, "{body}");
     assert!(body.contains("kvota_auth_denied_total"), "{body}");

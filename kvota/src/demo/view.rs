@@ -132,7 +132,7 @@ impl Out {
         let leader = f.cp.leader.map_or("none (election)".to_string(), |l| format!("node {l} (term {})", f.cp.term));
         let _ = writeln!(s, "control plane: leader {leader}   GPU utilization {:.0}%", f.utilization * 100.0);
         if let Some(h) = &f.http {
-            let _ = writeln!(s, "  API: http://{h}/api/v1/tenants   metrics: http://{h}/metrics");
+            let _ = writeln!(s, "  dashboard: http://{h}/ui/   API: http://{h}/api/v1/tenants   metrics: http://{h}/metrics");
         }
         let _ = writeln!(s);
         let _ = writeln!(s, "{:<10} {:>9} {:>9} {:>8} {:>8} {:>7} {:>6}", "TENANT", "ENTITLED", "COMMITTED", "IN USE", "WAITING", "DRIFT", "SCORE");

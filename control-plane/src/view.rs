@@ -1,0 +1,396 @@
+//! The federation as an operator reads it: one snapshot of the replicated state in base
+//! units (GPU-equivalents as floats, seconds, ratios 0 to 1), computed once from
+//! [`Federation`] and shared by the Prometheus exposition ([`crate::metrics`]) and the
+//! dashboard's JSON (`/api/v1/overview`, [`crate::http`]), so the two never disagree.
+//!
+//! Also [`History`]: a bounded ring of samples of that view, taken on this node every
+//! [`HISTORY_INTERVAL`], for the dashboard's charts (`/api/v1/history`). It is not
+//! replicated: every node samples the same replicated state, and a restarted node starts
+//! an empty chart.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use kvota_fairness::federation::Federation;
+use serde::{Deserialize, Serialize};
+
+/// GPU-equivalents from thousandths.
+pub fn gpus(milli: u64) -> f64 {
+    milli as f64 / 1000.0
+}
+
+/// One tenant's row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TenantRow {
+    /// Tenant name.
+    pub tenant: String,
+    /// Policy weight (1.0 = one share); 0 for a tenant that left the policy but still
+    /// holds leases.
+    pub weight: f64,
+    /// Committed entitlement: what the leases give it now.
+    pub entitlement_gpus: f64,
+    /// The plan's target (where the entitlement converges).
+    pub target_gpus: f64,
+    /// Bound GPUs in every cluster.
+    pub inuse_gpus: f64,
+    /// Reported waiting demand in every cluster.
+    pub pending_gpus: f64,
+    /// The minimum share it can claim now (its min share, capped at what it asks for).
+    pub guarantee_gpus: f64,
+    /// Decayed usage (GPU-equivalent seconds).
+    pub decayed_usage_gpu_seconds: f64,
+    /// `(in use - entitlement) / capacity`, -1 to 1.
+    pub drift_ratio: f64,
+    /// 1 when in use matches the entitlement, lower the further it strays.
+    pub fairness_score: f64,
+    /// Budget per cluster in the cluster's newest lease (clusters without one omitted).
+    pub budgets: BTreeMap<String, f64>,
+}
+
+/// Where a cluster's lease stands, as the control plane sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseState {
+    /// Never issued one (not yet reported).
+    None,
+    /// In force with more than a fifth of its life left.
+    Fresh,
+    /// In force, a fifth of its life or less left: the cluster has not renewed.
+    Expiring,
+    /// Every lease has run out: the cluster enforces its safe budgets (fallback).
+    Fallback,
+}
+
+/// One member cluster's row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterRow {
+    /// Cluster name.
+    pub cluster: String,
+    /// Capacity under the policy's GPU weights.
+    pub capacity_gpus: f64,
+    /// Bound GPUs it last reported.
+    pub inuse_gpus: f64,
+    /// Seconds since its last report was applied (control-plane clock); none before one.
+    pub report_age_seconds: Option<f64>,
+    /// Its lease's state.
+    pub lease: LeaseState,
+    /// Newest lease epoch issued (0: none).
+    pub lease_epoch: u64,
+    /// Seconds the newest lease has left (0 once run out); none without a lease.
+    pub lease_remaining_seconds: Option<f64>,
+}
+
+/// The whole federation at one instant of the replicated clock.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FederationView {
+    /// The replicated clock (ms since the Unix epoch, the voters' median).
+    pub state_time_ms: u64,
+    /// Name of the policy in force.
+    pub policy: Option<String>,
+    /// Federation capacity.
+    pub capacity_gpus: f64,
+    /// Bound GPUs over every cluster.
+    pub inuse_gpus: f64,
+    /// `inuse / capacity` (0 without capacity).
+    pub utilization: f64,
+    /// The lowest tenant fairness score (1 without tenants).
+    pub fairness_score: f64,
+    /// Tenants: the policy's in policy order, then any that left it but hold leases.
+    pub tenants: Vec<TenantRow>,
+    /// Clusters in name order.
+    pub clusters: Vec<ClusterRow>,
+}
+
+impl FederationView {
+    /// Reads `fed` once.
+    pub fn of(fed: &Federation) -> FederationView {
+        let plan = fed.plan();
+        let now = fed.now_ms();
+        let policy = fed.policy();
+        // Reported waiting demand per tenant, over every cluster.
+        let mut pending: BTreeMap<&str, u64> = BTreeMap::new();
+        for rec in fed.clusters().values() {
+            for (t, u) in &rec.usage {
+                let p = pending.entry(t.as_str()).or_default();
+                *p = p.saturating_add(u.pending);
+            }
+        }
+        let mut lowest = 1.0f64;
+        let mut tenants = Vec::with_capacity(plan.tenants.len());
+        for (i, name) in plan.tenants.iter().enumerate() {
+            let committed = fed.committed().get(name).copied().unwrap_or(0);
+            let inuse = plan.inuse.get(i).copied().unwrap_or(0);
+            let waiting = pending.get(name.as_str()).copied().unwrap_or(0);
+            // The plan lists the policy's tenants first, in policy order.
+            let spec = policy.and_then(|p| p.tenants.get(i)).filter(|t| &t.name == name);
+            let min_share = spec.map_or(0, |t| {
+                u64::try_from(u128::from(plan.capacity) * u128::from(t.min_share_bp) / 10_000).unwrap_or(u64::MAX)
+            });
+            let score = kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity);
+            lowest = lowest.min(score);
+            let budgets = fed
+                .clusters()
+                .iter()
+                .filter_map(|(c, rec)| {
+                    let l = rec.leases.latest()?;
+                    Some((c.clone(), gpus(l.budgets.get(name).map_or(0, |b| b.budget))))
+                })
+                .collect();
+            tenants.push(TenantRow {
+                tenant: name.clone(),
+                weight: spec.map_or(0.0, |t| t.weight_milli as f64 / 1000.0),
+                entitlement_gpus: gpus(committed),
+                target_gpus: gpus(plan.entitlements.get(i).map_or(0, |e| e.total)),
+                inuse_gpus: gpus(inuse),
+                pending_gpus: gpus(waiting),
+                guarantee_gpus: gpus(min_share.min(inuse.saturating_add(waiting))),
+                // The ledger keeps milli-GPUe x ms.
+                decayed_usage_gpu_seconds: plan.usage.get(i).copied().unwrap_or(0) as f64 / 1e6,
+                drift_ratio: kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity) as f64 / 1e6,
+                fairness_score: score,
+                budgets,
+            });
+        }
+        let mut total_inuse = 0u64;
+        let clusters = fed
+            .clusters()
+            .iter()
+            .map(|(name, rec)| {
+                let inuse = rec.usage.values().fold(0u64, |a, u| a.saturating_add(u.inuse));
+                total_inuse = total_inuse.saturating_add(inuse);
+                let newest = rec.leases.latest();
+                let lease = match newest {
+                    None if rec.leases.last_epoch == 0 => LeaseState::None,
+                    _ if fed.cluster_unreachable(rec) => LeaseState::Fallback,
+                    None => LeaseState::None,
+                    Some(l) => {
+                        let life = l.expires_at_ms.saturating_sub(l.issued_at_ms);
+                        if l.expires_at_ms.saturating_sub(now).saturating_mul(5) <= life {
+                            LeaseState::Expiring
+                        } else {
+                            LeaseState::Fresh
+                        }
+                    }
+                };
+                ClusterRow {
+                    cluster: name.clone(),
+                    capacity_gpus: gpus(rec.capacity_gpue),
+                    inuse_gpus: gpus(inuse),
+                    report_age_seconds: rec.last_report_ms.map(|at| now.saturating_sub(at) as f64 / 1000.0),
+                    lease,
+                    lease_epoch: rec.leases.last_epoch,
+                    lease_remaining_seconds: newest.map(|l| l.expires_at_ms.saturating_sub(now) as f64 / 1000.0),
+                }
+            })
+            .collect();
+        FederationView {
+            state_time_ms: now,
+            policy: policy.map(|p| p.name.clone()),
+            capacity_gpus: gpus(plan.capacity),
+            inuse_gpus: gpus(total_inuse),
+            utilization: if plan.capacity == 0 { 0.0 } else { (total_inuse as f64 / plan.capacity as f64).min(1.0) },
+            fairness_score: lowest,
+            tenants,
+            clusters,
+        }
+    }
+}
+
+/// How often a node samples the view for the charts.
+pub const HISTORY_INTERVAL: Duration = Duration::from_secs(5);
+/// Samples kept: one hour at [`HISTORY_INTERVAL`].
+pub const HISTORY_POINTS: usize = 720;
+/// Tenants whose series are kept per sample: the first this many in policy order. A
+/// sample keeps 12 bytes per tenant (the names are shared between samples while the
+/// policy stays), so the ring stays under 9 MB.
+pub const HISTORY_TENANTS: usize = 1_000;
+
+/// A number kept for a chart: single precision (GPU counts well within it) halves the
+/// ring's size.
+#[allow(clippy::cast_possible_truncation)]
+fn chart(x: f64) -> f32 {
+    x as f32
+}
+
+/// One tenant's numbers in one sample: entitlement, in use, target (GPUs).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TenantPoint {
+    /// Committed entitlement.
+    pub entitlement_gpus: f32,
+    /// In use.
+    pub inuse_gpus: f32,
+    /// The plan's target.
+    pub target_gpus: f32,
+}
+
+/// One sample of the federation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The replicated clock at the sample.
+    pub at_ms: u64,
+    /// Federation capacity.
+    pub capacity_gpus: f32,
+    /// In use over every cluster.
+    pub inuse_gpus: f32,
+    /// The lowest tenant fairness score.
+    pub fairness_score: f32,
+    /// Tenant names, shared with the previous sample while they stay the same.
+    pub names: std::sync::Arc<[String]>,
+    /// Per tenant, in the order of `names` (at most [`HISTORY_TENANTS`]).
+    pub tenants: Vec<TenantPoint>,
+}
+
+/// A bounded ring of samples, oldest first.
+#[derive(Debug, Default)]
+pub struct History {
+    samples: VecDeque<Sample>,
+}
+
+/// What `/api/v1/history` answers: the federation's totals, and one tenant's series when
+/// asked for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HistoryView {
+    /// Seconds between samples.
+    pub interval_seconds: f64,
+    /// The tenant asked for, if any.
+    pub tenant: Option<String>,
+    /// Oldest first.
+    pub points: Vec<HistoryPoint>,
+}
+
+/// One point of [`HistoryView`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HistoryPoint {
+    /// The replicated clock at the sample.
+    pub at_ms: u64,
+    /// Federation capacity.
+    pub capacity_gpus: f32,
+    /// In use over every cluster.
+    pub inuse_gpus: f32,
+    /// The lowest tenant fairness score.
+    pub fairness_score: f32,
+    /// The tenant's numbers (absent when no tenant was asked for, or it had none then).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<TenantPoint>,
+}
+
+impl History {
+    /// Adds a sample of `view`, unless the replicated clock has not moved since the
+    /// last one (a node without a quorum keeps time standing: nothing new to draw) or
+    /// has never been set (a node that has applied nothing yet).
+    pub fn sample(&mut self, view: &FederationView) {
+        if view.state_time_ms == 0 || self.samples.back().is_some_and(|s| s.at_ms >= view.state_time_ms) {
+            return;
+        }
+        let kept = &view.tenants[..view.tenants.len().min(HISTORY_TENANTS)];
+        let names = match self.samples.back() {
+            Some(s) if s.names.iter().eq(kept.iter().map(|t| &t.tenant)) => s.names.clone(),
+            _ => kept.iter().map(|t| t.tenant.clone()).collect(),
+        };
+        let tenants = kept
+            .iter()
+            .map(|t| TenantPoint {
+                entitlement_gpus: chart(t.entitlement_gpus),
+                inuse_gpus: chart(t.inuse_gpus),
+                target_gpus: chart(t.target_gpus),
+            })
+            .collect();
+        if self.samples.len() == HISTORY_POINTS {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(Sample {
+            at_ms: view.state_time_ms,
+            capacity_gpus: chart(view.capacity_gpus),
+            inuse_gpus: chart(view.inuse_gpus),
+            fairness_score: chart(view.fairness_score),
+            names,
+            tenants,
+        });
+    }
+
+    /// Samples kept.
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// No samples yet.
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// The series, with `tenant`'s numbers when given.
+    pub fn view(&self, tenant: Option<&str>) -> HistoryView {
+        HistoryView {
+            interval_seconds: HISTORY_INTERVAL.as_secs_f64(),
+            tenant: tenant.map(str::to_string),
+            points: self
+                .samples
+                .iter()
+                .map(|s| HistoryPoint {
+                    at_ms: s.at_ms,
+                    capacity_gpus: s.capacity_gpus,
+                    inuse_gpus: s.inuse_gpus,
+                    fairness_score: s.fairness_score,
+                    tenant: tenant
+                        .and_then(|t| s.names.iter().position(|n| n == t))
+                        .and_then(|i| s.tenants.get(i).copied()),
+                })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(at: u64, tenants: usize) -> FederationView {
+        FederationView {
+            state_time_ms: at,
+            policy: Some("p".into()),
+            capacity_gpus: 8.0,
+            inuse_gpus: 2.0,
+            utilization: 0.25,
+            fairness_score: 1.0,
+            tenants: (0..tenants)
+                .map(|i| TenantRow {
+                    tenant: format!("t{i}"),
+                    weight: 1.0,
+                    entitlement_gpus: i as f64,
+                    target_gpus: 1.0,
+                    inuse_gpus: 0.5,
+                    pending_gpus: 0.0,
+                    guarantee_gpus: 0.0,
+                    decayed_usage_gpu_seconds: 0.0,
+                    drift_ratio: 0.0,
+                    fairness_score: 1.0,
+                    budgets: BTreeMap::new(),
+                })
+                .collect(),
+            clusters: vec![],
+        }
+    }
+
+    #[test]
+    fn the_history_is_bounded_and_skips_a_clock_that_stands() {
+        let mut h = History::default();
+        h.sample(&view(0, 2));
+        assert!(h.is_empty(), "a clock never set is no time to chart");
+        h.sample(&view(1_000, 2));
+        h.sample(&view(1_000, 2));
+        assert_eq!(h.len(), 1, "the clock stood: no new sample");
+        for i in 0..(HISTORY_POINTS as u64 + 10) {
+            h.sample(&view(2_000 + i, HISTORY_TENANTS + 5));
+        }
+        assert_eq!(h.len(), HISTORY_POINTS);
+        let v = h.view(Some("t3"));
+        assert_eq!(v.points.first().map(|p| p.at_ms), Some(2_000 + 10), "the oldest fell out");
+        assert_eq!(v.points.last().and_then(|p| p.tenant).map(|t| t.entitlement_gpus), Some(3.0));
+        let beyond = format!("t{}", HISTORY_TENANTS + 1);
+        assert!(h.view(Some(&beyond)).points.iter().all(|p| p.tenant.is_none()), "tenants past the cap are not kept");
+        assert!(h.view(None).points.iter().all(|p| p.tenant.is_none()));
+        let mut names = h.samples.iter().map(|s| std::sync::Arc::as_ptr(&s.names));
+        let first = names.next();
+        assert!(names.all(|p| Some(p) == first), "unchanged names are shared, not copied");
+    }
+}

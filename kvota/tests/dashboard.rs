@@ -1,0 +1,320 @@
+//! The dashboard in a real browser: a 3-node control plane (real nodes in this process,
+//! real HTTP) with three simulated member clusters (real agents, simulated clusters; no
+//! Kubernetes API server can run here); headless Chromium (Debian's `chromium`, which
+//! `scripts/test` installs) loads the dashboard from a follower, and the page it built
+//! must show the API's numbers: every tenant's row, the tenant x cluster budget matrix,
+//! the lease states (one cluster stopped reporting and is on its safe budgets) and the
+//! chart's current values. A screenshot is saved as `target/dashboard.png`.
+//!
+//! The test is slow (a browser), so `cargo test` skips it and `scripts/test` runs it as
+//! its own step: `cargo test -p kvota --test dashboard -- --ignored`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kvota_client::client::Client;
+use kvota_member_agent::agent::Agent;
+use kvota_member_agent::review::Outcome;
+use kvota_member_agent::sim::{SimCluster, SimPod};
+use kvota_proto::v1;
+use serde_json::Value;
+
+const POLICY: &str = "
+apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: dashboard}
+spec:
+  lease: {duration: 6s, clockSkewMargin: 500ms}
+  tenants:
+  - {name: training, weight: 40, minShare: 20, maxShare: 60, preemptible: true, namespaces: [ml]}
+  - {name: inference, weight: 50, minShare: 40, maxShare: 80, namespaces: [serving]}
+  - {name: research, weight: 10, minShare: 5, maxShare: 25, preemptible: true, namespaces: [lab]}
+";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn chromium() -> PathBuf {
+    ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .find_map(|name| {
+            std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|f| f.is_file()))
+        })
+        .unwrap_or_else(|| panic!("no Chromium on PATH: install Debian's `chromium` package (scripts/test does)"))
+}
+
+/// Runs headless Chromium on `url` with `extra` flags; its stdout.
+fn browse(url: &str, extra: &[&str], profile: &Path) -> String {
+    let out = Command::new(chromium())
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        // Timers run on virtual time: the page's 2 s refresh fires several times
+        // within this budget, while fetches to the node take the real time they take.
+        .arg("--virtual-time-budget=9000")
+        .arg("--window-size=1400,2200")
+        .args(extra)
+        .arg(url)
+        .output()
+        .expect("run chromium");
+    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// GET over plain HTTP: status, head, body.
+async fn get(addr: &str, path: &str) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect http");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await.expect("answered in time").expect("read");
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let (head, body) = text.split_once("\r\n\r\n").map(|(h, b)| (h.to_string(), b.to_string())).unwrap_or_default();
+    (code, head.to_ascii_lowercase(), body)
+}
+
+async fn get_json(addr: &str, path: &str) -> Value {
+    let (code, _, body) = get(addr, path).await;
+    assert_eq!(code, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"))
+}
+
+/// The part of `html` from the element with `id` to the end of that table or list.
+fn section<'a>(html: &'a str, id: &str, end: &str) -> &'a str {
+    let start = html.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no #{id} in the page:\n{html}"));
+    let rest = &html[start..];
+    &rest[..rest.find(end).unwrap_or(rest.len())]
+}
+
+/// The `<tr …>` … `</tr>` whose opening tag carries `attr`.
+fn row<'a>(html: &'a str, attr: &str) -> Option<&'a str> {
+    let at = html.find(&format!("<tr {attr}"))?;
+    let rest = &html[at..];
+    Some(&rest[..rest.find("</tr>")?])
+}
+
+/// In `html`, the element carrying `attr`: its `data-value` and its text.
+fn cell(html: &str, attr: &str) -> Option<(String, String)> {
+    let at = html.find(attr)?;
+    let tag_end = at + html[at..].find('>')?;
+    let tag = &html[at..tag_end];
+    let value = tag.split_once("data-value=\"").map(|(_, v)| v[..v.find('"').unwrap_or(0)].to_string()).unwrap_or_default();
+    let text_end = tag_end + 1 + html[tag_end + 1..].find('<')?;
+    Some((value, html[tag_end + 1..text_end].to_string()))
+}
+
+/// `milli` GPUe as the page writes it.
+fn shown(milli: u64) -> String {
+    format!("{:.2}", milli as f64 / 1000.0)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 0.011
+}
+
+/// A member: an agent on a simulated cluster of `gpus` per node, with pods submitted
+/// and bound.
+struct Member {
+    agent: Agent,
+    sim: SimCluster,
+}
+
+impl Member {
+    async fn start(name: &str, nodes: &[u32], dir: &Path, endpoints: &[String]) -> Member {
+        let total: u64 = nodes.iter().map(|g| u64::from(*g) * 1000).sum();
+        let agent = Agent::open(name, [("nvidia.com/gpu".to_string(), total)].into(), &dir.join(name), endpoints).expect("agent");
+        agent.register().await.expect("register");
+        agent.fetch_policy().await.expect("policy");
+        Member { agent, sim: SimCluster::new(nodes) }
+    }
+
+    /// Submits `pod` until admitted (reports in between raise budgets), then binds it.
+    async fn run(&mut self, pod: SimPod) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let outcome = {
+                let mut st = self.agent.state();
+                self.sim.submit(&mut st, &pod)
+            };
+            if outcome == Outcome::Allowed {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{} was never admitted ({outcome:?})", pod.name);
+            let _ = self.agent.report_once().await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let mut st = self.agent.state();
+        let now = st.now_ms();
+        self.sim.step(&mut st, now);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "starts a browser: scripts/test runs it as its own step"]
+async fn the_dashboard_shows_the_apis_numbers_in_a_real_browser() {
+    let cl = kvota_testkit::Cluster::start(3).await;
+    let leader = cl.leader(Duration::from_secs(20)).await;
+    let endpoints = cl.endpoints();
+    let admin = Client::new(&endpoints).expect("client");
+    let y = POLICY.to_string();
+    admin
+        .call(|ch| {
+            let y = y.clone();
+            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) }
+        })
+        .await
+        .expect("policy");
+
+    let tmp = tempfile::tempdir().expect("tmp");
+    let hour = 3_600_000;
+    let mut east = Member::start("east", &[8, 8], tmp.path(), &endpoints).await;
+    let mut west = Member::start("west", &[4], tmp.path(), &endpoints).await;
+    let mut north = Member::start("north", &[4], tmp.path(), &endpoints).await;
+    east.run(SimPod::gpus("ml", "train-1", 4, hour, 0)).await;
+    east.run(SimPod::gpus("serving", "serve-1", 2, hour, 0)).await;
+    west.run(SimPod::gpus("serving", "serve-2", 1, hour, 0)).await;
+    north.run(SimPod::gpus("lab", "explore-1", 1, hour, 0)).await;
+    let _ = north.agent.report_once().await;
+
+    // east and west keep reporting; north goes silent and falls back once its 6 s lease
+    // has run out.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut reporters = Vec::new();
+    for m in [east, west] {
+        let stop = stop.clone();
+        reporters.push(tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = m.agent.report_once().await;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }));
+    }
+    let follower = (1..=3).find(|id| *id != leader).expect("a follower");
+    let http = cl.members[&follower].http_addr.clone();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let o = get_json(&http, "/api/v1/overview").await;
+        let lease = |c: &str| {
+            o["federation"]["clusters"].as_array().and_then(|a| a.iter().find(|x| x["cluster"] == c)).map(|x| x["lease"].clone())
+        };
+        let inuse = o["federation"]["inuse_gpus"].as_f64().unwrap_or(0.0);
+        if lease("north") == Some(Value::from("fallback")) && lease("east") == Some(Value::from("fresh")) && close(inuse, 8.0) {
+            assert_eq!(o["read"]["follows_leader"], true, "a follower's read follows the leader: {o}");
+            assert_eq!(o["node"]["node_id"], follower);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the federation never showed north on safe budgets and 8 GPUs in use: {o}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    // The page and its assets: embedded, typed, not cached, scripts only from the node.
+    for (path, kind) in [("/ui/", "text/html"), ("/ui/app.js", "text/javascript"), ("/ui/app.css", "text/css")] {
+        let (code, head, body) = get(&http, path).await;
+        assert_eq!(code, 200, "{path}");
+        assert!(head.contains(&format!("content-type: {kind}")), "{path}: {head}");
+        assert!(head.contains("content-security-policy: default-src 'none'; script-src 'self'"), "{path}: {head}");
+        assert!(head.contains("cache-control: no-store") && head.contains("x-content-type-options: nosniff"), "{path}: {head}");
+        // (SVG's namespace is a name, not something fetched.)
+        let body = body.replace("http://www.w3.org/2000/svg", "");
+        assert!(!body.contains("http://") && !body.contains("https://"), "{path} loads nothing from elsewhere");
+    }
+    let (code, head, _) = get(&http, "/").await;
+    assert!(code == 303 && head.contains("location: /ui/"), "/ sends the browser to the dashboard: {code} {head}");
+    let (code, _, body) = get(&http, "/api/v1/history?tenant=Not%20A%20Name").await;
+    assert_eq!(code, 400, "{body}");
+
+    // The browser.
+    let profile = tmp.path().join("chromium");
+    let url = format!("http://{http}/ui/");
+    let dom = browse(&url, &["--dump-dom"], &profile);
+    let api_tenants = get_json(&http, "/api/v1/tenants").await;
+    let api_clusters = get_json(&http, "/api/v1/clusters").await;
+    let shot = repo().join("target/dashboard.png");
+    let _ = std::fs::remove_file(&shot);
+    browse(&url, &[&format!("--screenshot={}", shot.display())], &profile);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in reporters {
+        let _ = r.await;
+    }
+
+    assert!(dom.contains("data-loaded=\"true\""), "the page never loaded its data:\n{dom}");
+    assert!(!dom.contains("Could not read the federation"), "the page reported an error:\n{dom}");
+    assert!(dom.contains("follows leader"), "the freshness badge:\n{dom}");
+    assert!(dom.contains("policy dashboard"), "the policy's name:\n{dom}");
+
+    // Tenants: every row shows the API's numbers.
+    let table = section(&dom, "tenants", "</table>");
+    let tenants = api_tenants.as_array().expect("tenants");
+    assert_eq!(tenants.len(), 3);
+    let mut total_inuse = 0u64;
+    for t in tenants {
+        let name = t["tenant"].as_str().expect("name");
+        let r = row(table, &format!("data-tenant=\"{name}\"")).unwrap_or_else(|| panic!("no row for {name}:\n{table}"));
+        let inuse = t["inuse"].as_u64().expect("inuse");
+        total_inuse += inuse;
+        let (v, text) = cell(r, "data-field=\"inuse_gpus\"").expect("in use cell");
+        assert_eq!(text, shown(inuse), "{name} in use: {r}");
+        assert!(close(v.parse().expect("number"), inuse as f64 / 1000.0), "{name}: {v}");
+        for (field, api) in [("entitlement_gpus", "committed"), ("target_gpus", "target")] {
+            let (v, text) = cell(r, &format!("data-field=\"{field}\"")).unwrap_or_else(|| panic!("{name}: no {field}"));
+            let want = t[api].as_u64().expect(api) as f64 / 1000.0;
+            let got: f64 = v.parse().expect("number");
+            assert!(close(got, want), "{name} {field}: page {got}, API {want}");
+            assert!(close(text.parse().expect("shown"), want), "{name} {field}: shows {text}, API {want}");
+        }
+        let (w, _) = cell(r, "data-field=\"weight\"").expect("weight");
+        assert!(close(w.parse().expect("weight"), t["weight_milli"].as_u64().expect("weight") as f64 / 1000.0), "{name} weight {w}");
+    }
+    assert_eq!(total_inuse, 8_000, "{api_tenants}");
+
+    // The budget matrix: every cell is the cluster's newest lease's budget.
+    let matrix = section(&dom, "matrix", "</table>");
+    assert!(matrix.contains("north (safe budgets)"), "north stands out as on safe budgets:\n{matrix}");
+    let mut cells = 0;
+    for (cluster, rec) in api_clusters.as_object().expect("clusters") {
+        let newest = rec["leases"]["open"].as_array().and_then(|a| a.last()).expect("a lease");
+        for t in tenants {
+            let name = t["tenant"].as_str().expect("name");
+            let r = row(matrix, &format!("data-tenant=\"{name}\"")).unwrap_or_else(|| panic!("no matrix row for {name}"));
+            let want = newest["budgets"][name]["budget"].as_u64().unwrap_or(0) as f64 / 1000.0;
+            let (v, text) = cell(r, &format!("data-cluster=\"{cluster}\"")).unwrap_or_else(|| panic!("no cell {name} x {cluster}"));
+            assert!(close(v.parse().expect("budget"), want), "{name} in {cluster}: page {v}, API {want}");
+            assert!(close(text.parse().expect("shown"), want), "{name} in {cluster}: shows {text}");
+            cells += 1;
+        }
+    }
+    assert_eq!(cells, 9, "3 tenants x 3 clusters");
+
+    // Clusters: lease states.
+    let clusters = section(&dom, "clusters", "</table>");
+    for (c, state) in [("north", "fallback"), ("east", "fresh"), ("west", "fresh")] {
+        let r = row(clusters, &format!("data-cluster=\"{c}\"")).unwrap_or_else(|| panic!("no row for {c}"));
+        let (v, _) = cell(r, "data-field=\"lease\"").expect("lease");
+        assert_eq!(v, state, "{c}: {r}");
+        let (cap, _) = cell(r, "data-field=\"capacity_gpus\"").expect("capacity");
+        let want = api_clusters[c]["capacity_gpue"].as_u64().expect("capacity") as f64 / 1000.0;
+        assert!(close(cap.parse().expect("capacity"), want), "{c} capacity {cap} vs {want}");
+    }
+    assert!(section(&dom, "ov-fallback", "</div>").contains("on safe budgets: north"), "the overview names north");
+
+    // The chart: a line per series, ending at the federation's current numbers.
+    let chart = section(&dom, "chart", "id=\"legend\"");
+    assert!(chart.contains("<polyline"), "a drawn chart:\n{chart}");
+    let legend = section(&dom, "legend", "</div>");
+    let (v, text) = cell(legend, "data-series=\"inuse_gpus\"").expect("in use key");
+    assert!(close(v.parse().expect("in use"), 8.0) && text.ends_with("8.00"), "chart's in use: {v} {text}");
+    let (v, _) = cell(legend, "data-series=\"capacity_gpus\"").expect("capacity key");
+    assert!(close(v.parse().expect("capacity"), 24.0), "chart's capacity: {v}");
+
+    // The audit timeline, in sentences.
+    let audit = section(&dom, "audit", "</ol>");
+    assert!(audit.contains("Policy dashboard came into force (3 tenants)."), "{audit}");
+    assert!(audit.contains("Cluster north registered with 4.00 GPUs."), "{audit}");
+
+    let png = std::fs::read(&shot).expect("the screenshot was written");
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 20_000, "a real screenshot ({} bytes)", png.len());
+    cl.shutdown().await;
+}
