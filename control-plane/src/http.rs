@@ -35,6 +35,7 @@ pub fn router(ctx: Arc<NodeCtx>) -> Router {
         .route("/api/v1/audit", get(audit))
         .route("/api/v1/overview", get(overview))
         .route("/api/v1/history", get(history))
+        .route("/api/v1/usage", get(usage))
         .route("/", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui/", get(|| async { asset("text/html; charset=utf-8", UI_HTML) }))
@@ -55,7 +56,7 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
     // Routes are few and fixed: the label set stays bounded (unknown paths are "other").
     let route = match path {
         "/metrics" | "/api/v1/status" | "/api/v1/tenants" | "/api/v1/clusters" | "/api/v1/audit" | "/api/v1/overview"
-        | "/api/v1/history" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
+        | "/api/v1/history" | "/api/v1/usage" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
         _ => "other".to_string(),
     };
     match id {
@@ -199,6 +200,50 @@ async fn overview(State(ctx): State<Arc<NodeCtx>>) -> Response {
     let node = node_status(&ctx).await;
     let federation = crate::view::FederationView::of(&ctx.state.read().await.federation);
     Json(Overview { node, read, federation }).into_response()
+}
+
+/// Query of `/api/v1/usage`: `since_ms`, `until_ms` (ms since the Unix epoch; default
+/// the last 24 hours of the federation's clock), `by` (`tenant`, `cluster`, both
+/// comma-separated, or empty for one total; default `tenant`).
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsageQuery {
+    since_ms: Option<u64>,
+    until_ms: Option<u64>,
+    by: Option<String>,
+}
+
+/// `by` as (tenant, cluster), or why not.
+pub fn parse_group_by(by: &str) -> Result<(bool, bool), String> {
+    let (mut tenant, mut cluster) = (false, false);
+    for part in by.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part {
+            "tenant" => tenant = true,
+            "cluster" => cluster = true,
+            other => return Err(format!("by: `{}` is not tenant or cluster", other.chars().take(32).collect::<String>())),
+        }
+    }
+    Ok((tenant, cluster))
+}
+
+async fn usage(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<UsageQuery>) -> Response {
+    let (by_tenant, by_cluster) = match parse_group_by(q.by.as_deref().unwrap_or("tenant")) {
+        Ok(b) => b,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
+    let state = ctx.state.read().await;
+    let fed = &state.federation;
+    let until_ms = q.until_ms.unwrap_or_else(|| fed.now_ms());
+    let req = kvota_proto::v1::UsageRequest {
+        since_ms: q.since_ms.unwrap_or_else(|| until_ms.saturating_sub(24 * 3_600_000)),
+        until_ms,
+        by_tenant,
+        by_cluster,
+    };
+    match crate::service::usage_reply(fed, &req) {
+        Ok(r) => Json(crate::view::UsageView::from(&r)).into_response(),
+        Err(s) => (StatusCode::BAD_REQUEST, format!("{}\n", s.message())).into_response(),
+    }
 }
 
 /// Query of `/api/v1/history` and `/api/v1/audit`.

@@ -230,6 +230,41 @@ pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> O
     })
 }
 
+/// Showback over `req`'s period (see [`kvota_fairness::showback`]); the gRPC `Usage`
+/// call and the HTTP `/api/v1/usage` both answer with it.
+pub fn usage_reply(fed: &kvota_fairness::federation::Federation, req: &v1::UsageRequest) -> Result<v1::UsageReply, Status> {
+    use kvota_fairness::showback::{GroupBy, HOUR_MS};
+    let until = if req.until_ms == 0 { fed.now_ms() } else { req.until_ms };
+    if req.since_ms >= until {
+        return Err(Status::invalid_argument(format!(
+            "since ({} ms) must be before until ({until} ms)",
+            req.since_ms
+        )));
+    }
+    let Some(sb) = fed.showback() else {
+        return Ok(v1::UsageReply { kept: false, ..Default::default() });
+    };
+    let by = GroupBy { tenant: req.by_tenant, cluster: req.by_cluster };
+    let rows = sb
+        .query(req.since_ms, until, by)
+        .into_iter()
+        .map(|r| v1::UsageRow {
+            tenant: r.tenant.unwrap_or_default(),
+            cluster: r.cluster.unwrap_or_default(),
+            // milli-GPUe x ms per GPU-hour: 1,000 x 3,600,000.
+            gpu_hours: r.milli_gpue_ms as f64 / 3.6e9,
+            milli_gpue_ms: u64::try_from(r.milli_gpue_ms).unwrap_or(u64::MAX),
+        })
+        .collect();
+    Ok(v1::UsageReply {
+        kept: true,
+        since_ms: req.since_ms / HOUR_MS * HOUR_MS,
+        until_ms: (until - 1) / HOUR_MS * HOUR_MS + HOUR_MS,
+        kept_from_ms: sb.oldest_ms().unwrap_or(0),
+        rows,
+    })
+}
+
 fn policy_reply(p: &Policy) -> v1::PolicyReply {
     v1::PolicyReply {
         name: p.name.clone(),
@@ -356,6 +391,14 @@ impl v1::admin_server::Admin for AdminSvc {
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let policy = Policy::from_yaml(&msg.yaml).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let level = self.ctx.state.read().await.feature_level;
+        if !policy.showback.is_default() && level < crate::types::SHOWBACK_LEVEL {
+            return Err(Status::failed_precondition(format!(
+                "spec.showback needs feature level {} and the group runs at {level}: every node must run a kvota that \
+                 supports it first (see docs/operations.md, \"Upgrades\"); nothing was changed",
+                crate::types::SHOWBACK_LEVEL
+            )));
+        }
         let reply = policy_reply(&policy);
         let applied = self
             .ctx
@@ -450,6 +493,13 @@ impl v1::admin_server::Admin for AdminSvc {
             Status::not_found(format!("the policy in force has no tenant `{}`", name.chars().take(64).collect::<String>()))
         })?;
         Ok(Response::new(v1::ExplainTenantReply { text: e.to_string(), explanation: Some((&e).into()) }))
+    }
+
+    async fn usage(&self, request: Request<v1::UsageRequest>) -> Result<Response<v1::UsageReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "Usage", READ)?;
+        let req = request.into_inner();
+        let state = self.ctx.state.read().await;
+        usage_reply(&state.federation, &req).map(Response::new)
     }
 
     async fn audit_log(&self, request: Request<v1::AuditLogRequest>) -> Result<Response<v1::AuditLogReply>, Status> {

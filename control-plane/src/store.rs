@@ -910,6 +910,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                                 tracing::info!(from = data.feature_level, to = level, "feature level raised");
                                 data.feature_level = level;
                             }
+                            if data.feature_level >= crate::types::SHOWBACK_LEVEL {
+                                data.federation.enable_showback();
+                            }
                         }
                         Response(Some(answers))
                     }

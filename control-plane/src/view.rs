@@ -340,6 +340,57 @@ impl History {
     }
 }
 
+/// Showback over a period as `kvota usage -o json` prints it and `/api/v1/usage`
+/// answers: one schema for both.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UsageView {
+    /// False while the group runs below feature level 2 (no showback kept yet).
+    pub kept: bool,
+    /// The whole hours covered, `[since_ms, until_ms)`, ms since the Unix epoch.
+    pub since_ms: u64,
+    /// End of the period (exclusive).
+    pub until_ms: u64,
+    /// Start of the oldest hour still kept (none: nothing kept yet).
+    pub kept_from_ms: Option<u64>,
+    /// Sum of the rows.
+    pub total_gpu_hours: f64,
+    /// Rows in name order.
+    pub rows: Vec<UsageViewRow>,
+}
+
+/// One row of [`UsageView`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UsageViewRow {
+    /// The tenant, when grouped by tenant.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The cluster, when grouped by cluster.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<String>,
+    /// GPU-equivalent hours, undecayed.
+    pub gpu_hours: f64,
+    /// The same, exact: thousandths of a GPU-equivalent x milliseconds.
+    pub milli_gpue_ms: u64,
+}
+
+impl From<&kvota_proto::v1::UsageReply> for UsageView {
+    fn from(r: &kvota_proto::v1::UsageReply) -> UsageView {
+        let text = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        UsageView {
+            kept: r.kept,
+            since_ms: r.since_ms,
+            until_ms: r.until_ms,
+            kept_from_ms: (r.kept_from_ms > 0).then_some(r.kept_from_ms),
+            total_gpu_hours: r.rows.iter().map(|x| x.gpu_hours).sum(),
+            rows: r
+                .rows
+                .iter()
+                .map(|x| UsageViewRow { tenant: text(&x.tenant), cluster: text(&x.cluster), gpu_hours: x.gpu_hours, milli_gpue_ms: x.milli_gpue_ms })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

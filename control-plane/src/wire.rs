@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvota_fairness::federation::{Command, EvictionNote, EvictionOutcome, TenantReport, UsageReport, UsageWindow};
-use kvota_fairness::policy::{AdmissionMode, LeaseConfig, Policy, ReclaimConfig, TenantPolicy};
+use kvota_fairness::policy::{AdmissionMode, LeaseConfig, Policy, ReclaimConfig, ShowbackConfig, TenantPolicy};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_proto::raft::v1 as pb;
 use openraft::error::{InstallSnapshotError, SnapshotMismatch};
@@ -353,6 +353,8 @@ fn policy_to(p: &Policy) -> pb::LogPolicy {
         }),
         resource_weights_milli: p.resource_weights.explicit().clone().into_iter().collect(),
         tenants: p.tenants.iter().map(tenant_to).collect(),
+        // Absent when default: an entry is then the same bytes as before the field existed.
+        showback_retention_ms: (p.showback != ShowbackConfig::default()).then_some(p.showback.retention_ms),
     }
 }
 
@@ -380,6 +382,7 @@ fn policy_from(p: pb::LogPolicy, field: &str) -> Result<Policy, WireError> {
         default_tenant: p.default_tenant,
         lease: LeaseConfig { duration_ms: p.lease_duration_ms, clock_skew_margin_ms: p.lease_clock_skew_margin_ms },
         reclaim,
+        showback: p.showback_retention_ms.map_or_else(ShowbackConfig::default, |retention_ms| ShowbackConfig { retention_ms }),
         resource_weights,
         tenants,
     })

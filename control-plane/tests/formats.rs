@@ -126,10 +126,11 @@ fn newer_formats_are_refused_with_an_error_that_says_so() {
     let newer = snap.replacen('{', "{\"format\":2,", 1);
     let e = StateMachineData::decode(newer.as_bytes(), FEATURE_LEVEL).unwrap_err();
     assert!(e.contains("snapshot format 2") && e.contains("newer kvota"), "{e}");
-    let higher = snap.replacen('{', "{\"feature_level\":2,", 1);
+    let next = FEATURE_LEVEL + 1;
+    let higher = snap.replacen('{', &format!("{{\"feature_level\":{next},"), 1);
     let e = StateMachineData::decode(higher.as_bytes(), FEATURE_LEVEL).unwrap_err();
-    assert!(e.contains("feature level 2") && e.contains("upgrade this node"), "{e}");
-    assert!(StateMachineData::decode(higher.as_bytes(), 2).is_ok(), "a node that supports level 2 reads it");
+    assert!(e.contains(&format!("feature level {next}")) && e.contains("upgrade this node"), "{e}");
+    assert!(StateMachineData::decode(higher.as_bytes(), next).is_ok(), "a node that supports level {next} reads it");
 }
 
 #[test]
@@ -257,6 +258,18 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
     // Several ticks (200 ms each) with fresh readings from every voter: no raise.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(levels(&cl).await, vec![1, 1, 1], "node 3 supports level 1 only");
+    assert!(cl.federation(1).await.showback().is_none(), "no showback at level 1");
+    // A policy that sets showback needs level 2: refused, nothing changed.
+    let with_showback = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  showback: {retention: 30d}\n", 1);
+    assert!(with_showback.contains("showback"));
+    let refused = client
+        .call(|ch| {
+            let yaml = with_showback.clone();
+            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+        })
+        .await
+        .expect_err("needs level 2");
+    assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains("feature level 2"), "{refused:?}");
 
     // Node 3 upgraded: the next ticks raise the level everywhere.
     cl.set_tweak(supports_2);
@@ -268,6 +281,17 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     apply_policy(&client).await;
+    // Level 2: every node keeps showback from the raise on, and the policy may set it.
+    for id in 1..=3 {
+        assert!(cl.federation(id).await.showback().is_some(), "node {id} keeps showback at level 2");
+    }
+    client
+        .call(|ch| {
+            let yaml = with_showback.clone();
+            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+        })
+        .await
+        .expect("showback settings at level 2");
 
     // Node 3 downgraded: it replays the raise and stops, saying why (as it starts, when
     // the Raft core replays its log then; or right after, if it learns of it later).

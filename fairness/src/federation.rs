@@ -502,12 +502,38 @@ pub struct Federation {
     now_ms: Millis,
     audit: VecDeque<AuditRecord>,
     audit_seq: u64,
+    /// Undecayed usage in hourly buckets; kept from the moment the control plane turns
+    /// it on ([`Federation::enable_showback`], at its feature level 2), absent before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    showback: Option<crate::showback::Showback>,
 }
 
 impl Federation {
     /// An empty federation: no policy, no clusters.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Starts keeping showback (if not kept yet): from now on every counted usage is
+    /// also recorded, undecayed, in hourly buckets. Every replica must turn it on at the
+    /// same point of the log (the control plane does so when its feature level reaches
+    /// 2), so their states stay identical.
+    pub fn enable_showback(&mut self) {
+        if self.showback.is_none() {
+            self.showback = Some(crate::showback::Showback::new());
+        }
+    }
+
+    /// The showback, if kept.
+    pub fn showback(&self) -> Option<&crate::showback::Showback> {
+        self.showback.as_ref()
+    }
+
+    /// Drops showback buckets past the policy's retention.
+    fn prune_showback(&mut self) {
+        if let (Some(sb), Some(p)) = (&mut self.showback, &self.policy) {
+            sb.prune(self.now_ms, p.showback.retention_ms);
+        }
     }
 
     /// The policy in force.
@@ -558,6 +584,7 @@ impl Federation {
             Command::Report(r) => self.report(now, r),
             Command::Tick => {
                 self.now_ms = now;
+                self.prune_showback();
                 if self.policy.is_some() {
                     self.commit_plan();
                 }
@@ -742,6 +769,12 @@ impl Federation {
                     );
                     let used = window.map_or(tr.used_milli_gpue_ms, |w| w.uncovered(tr.used_milli_gpue_ms, covered));
                     self.ledger.add(tenant, used, now, h);
+                    if let Some(sb) = &mut self.showback {
+                        // The uncovered part of the window, on the agent's clock (checked
+                        // above not to run ahead of ours); without one, now.
+                        let (start, end) = window.map_or((now, now), |w| (w.start_ms.max(covered.unwrap_or(0)), w.end_ms));
+                        sb.record(tenant, &r.cluster, used, start, end);
+                    }
                 }
             }
             // The snapshot is from when the report was written; since then the agent may

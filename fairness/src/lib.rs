@@ -38,6 +38,7 @@ pub mod policy;
 pub mod reclaim;
 pub mod resources;
 pub mod rng;
+pub mod showback;
 pub mod split;
 pub mod units;
 

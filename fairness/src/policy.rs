@@ -56,6 +56,8 @@ pub mod defaults {
     pub const RECLAIM_STARVED_FOR_MS: Millis = 30_000;
     /// Evictions per minute per cluster.
     pub const RECLAIM_PER_MINUTE: u32 = 10;
+    /// How long hourly showback buckets are kept: a quarter and then some.
+    pub const SHOWBACK_RETENTION_MS: Millis = 100 * 24 * 3_600_000;
     /// Evictions per minute per victim tenant.
     pub const RECLAIM_PER_MINUTE_PER_TENANT: u32 = 5;
     /// Pods younger than this are evicted only if nothing else frees enough.
@@ -89,6 +91,29 @@ impl Default for ReclaimConfig {
         }
     }
 }
+
+/// The showback's settings (see [`crate::showback`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShowbackConfig {
+    /// How long hourly buckets are kept.
+    pub retention_ms: Millis,
+}
+
+impl ShowbackConfig {
+    /// The defaults.
+    pub fn is_default(&self) -> bool {
+        *self == ShowbackConfig::default()
+    }
+}
+
+impl Default for ShowbackConfig {
+    fn default() -> Self {
+        ShowbackConfig { retention_ms: defaults::SHOWBACK_RETENTION_MS }
+    }
+}
+
+/// Shortest and longest showback retention a policy may ask for.
+pub const SHOWBACK_RETENTION_RANGE_MS: (Millis, Millis) = (3_600_000, 3 * 366 * 24 * 3_600_000);
 
 /// What the admission webhook does with a pod that does not fit its tenant's budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -171,6 +196,10 @@ pub struct Policy {
     /// Reclaim damping (absent from policies replicated before it existed: defaults).
     #[serde(default)]
     pub reclaim: ReclaimConfig,
+    /// Showback retention (absent from policies replicated before it existed: defaults;
+    /// written only when set, so a state without it is the same bytes as before).
+    #[serde(default, skip_serializing_if = "ShowbackConfig::is_default")]
+    pub showback: ShowbackConfig,
     /// GPUe per resource name (explicit ones; built-in defaults apply to the rest).
     pub resource_weights: ResourceWeights,
     /// Tenants, sorted by name.
@@ -288,6 +317,10 @@ impl Policy {
             r.max_evictions_per_minute_per_tenant,
             q(&duration_text(r.min_runtime_ms))
         );
+        // Written only when set: a build that predates it reads the document unchanged.
+        if self.showback != ShowbackConfig::default() {
+            let _ = writeln!(y, "  showback:\n    retention: {}", q(&duration_text(self.showback.retention_ms)));
+        }
         if !self.resource_weights.explicit().is_empty() {
             let _ = writeln!(y, "  resourceWeights:");
             for (name, milli) in self.resource_weights.explicit() {
@@ -576,13 +609,14 @@ impl Checker {
             }
             Some(s) => self.spec(s),
         };
-        let (default_tenant, lease, reclaim, resource_weights, tenants) = spec?;
+        let (default_tenant, lease, reclaim, showback, resource_weights, tenants) = spec?;
         Some(Policy {
             name: name?,
             api_version: api_version?,
             default_tenant,
             lease,
             reclaim,
+            showback,
             resource_weights,
             tenants,
         })
@@ -611,7 +645,7 @@ impl Checker {
     fn spec(
         &mut self,
         v: &Value,
-    ) -> Option<(Option<String>, LeaseConfig, ReclaimConfig, ResourceWeights, Vec<TenantPolicy>)> {
+    ) -> Option<(Option<String>, LeaseConfig, ReclaimConfig, ShowbackConfig, ResourceWeights, Vec<TenantPolicy>)> {
         let m = self.mapping("spec", v)?;
         self.unknown_keys(
             "spec",
@@ -626,6 +660,7 @@ impl Checker {
                 "resourceWeights",
                 "lease",
                 "reclaim",
+                "showback",
             ],
         );
         let half_life_ms = match m.get("decayHalfLife") {
@@ -651,6 +686,10 @@ impl Checker {
         let reclaim = match m.get("reclaim") {
             None => Some(ReclaimConfig::default()),
             Some(v) => self.reclaim(v),
+        };
+        let showback = match m.get("showback") {
+            None => Some(ShowbackConfig::default()),
+            Some(v) => self.showback(v),
         };
         let weights = match m.get("resourceWeights") {
             None => Some(ResourceWeights::new()),
@@ -690,7 +729,7 @@ impl Checker {
         admission?;
         max_queued?;
         burst?;
-        Some((default_tenant?, lease?, reclaim?, weights?, tenants?))
+        Some((default_tenant?, lease?, reclaim?, showback?, weights?, tenants?))
     }
 
     fn positive_duration(&mut self, path: &str, v: &Value) -> Option<Millis> {
@@ -767,6 +806,27 @@ impl Checker {
             duration_ms: d,
             clock_skew_margin_ms: mg,
         })
+    }
+
+    fn showback(&mut self, v: &Value) -> Option<ShowbackConfig> {
+        let m = self.mapping("spec.showback", v)?;
+        self.unknown_keys("spec.showback", m, &["retention"]);
+        let Some(v) = m.get("retention") else { return Some(ShowbackConfig::default()) };
+        let ms = self.duration("spec.showback.retention", v)?;
+        let (lo, hi) = SHOWBACK_RETENTION_RANGE_MS;
+        if !(lo..=hi).contains(&ms) {
+            self.push(
+                "spec.showback.retention",
+                format!(
+                    "must be from {} to {}, found {}",
+                    crate::units::format_duration_ms(lo),
+                    crate::units::format_duration_ms(hi),
+                    crate::units::format_duration_ms(ms)
+                ),
+            );
+            return None;
+        }
+        Some(ShowbackConfig { retention_ms: ms })
     }
 
     fn reclaim(&mut self, v: &Value) -> Option<ReclaimConfig> {
@@ -1353,6 +1413,22 @@ spec:
             ["spec.admission", "spec.lease.clockSkewMargin", "spec.defaultTenant"],
             "{err}"
         );
+    }
+
+    #[test]
+    fn showback_retention_is_optional_bounded_and_round_trips() {
+        let base = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec:\n  tenants:\n  - {name: a}\n";
+        let p = Policy::from_yaml(base).expect("valid");
+        assert_eq!(p.showback, ShowbackConfig::default());
+        assert!(!p.to_yaml().contains("showback"), "the default is not written: older builds read the document");
+        let set = base.replace("spec:\n", "spec:\n  showback: {retention: 30d}\n");
+        let p = Policy::from_yaml(&set).expect("valid");
+        assert_eq!(p.showback.retention_ms, 30 * 24 * 3_600_000);
+        assert_eq!(Policy::from_yaml(&p.to_yaml()).expect("round trip"), p);
+        for (bad, want) in [("{retention: 10m}", "must be from 1h"), ("{retention: 9999d}", "must be from 1h"), ("{keep: 1d}", "keep")] {
+            let err = Policy::from_yaml(&base.replace("spec:\n", &format!("spec:\n  showback: {bad}\n"))).expect_err(bad);
+            assert!(err.issues.iter().any(|i| i.path.starts_with("spec.showback") && (i.message.contains(want) || i.path.contains(want))), "{bad}: {err}");
+        }
     }
 
     #[test]

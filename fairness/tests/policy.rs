@@ -17,6 +17,7 @@ fn shipped_policies_load() {
     assert_eq!(ext.tenant("training").map(|t| t.admission), Some(AdmissionMode::Queue));
     assert_eq!(ext.default_tenant.as_deref(), Some("research"));
     assert_eq!(ext.reclaim, kvota_fairness::policy::ReclaimConfig::default(), "extended.yaml shows the defaults");
+    assert_eq!(ext.showback, kvota_fairness::policy::ShowbackConfig::default(), "extended.yaml shows the defaults");
     assert!(article.reclaim.enabled, "reclaim is on by default");
 }
 

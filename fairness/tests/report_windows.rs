@@ -8,6 +8,7 @@ mod common;
 use kvota_fairness::federation::{
     Applied, Command, Federation, TenantReport, UsageReport, UsageWindow, MAX_WINDOW_AHEAD_MS,
 };
+use kvota_fairness::showback::GroupBy;
 use proptest::prelude::*;
 
 /// 4 GPUs of training, all the time: 4,000 milli-GPUe per ms.
@@ -63,6 +64,7 @@ fn uncovered_cuts_the_covered_part_pro_rata() {
 #[test]
 fn a_takeover_report_counts_only_what_the_old_leader_did_not() {
     let (mut fed, epoch) = federation();
+    fed.enable_showback();
     // The old leader: two back-to-back windows, 0-10 s and 10-20 s.
     apply(&mut fed, report(1, epoch, RATE * 10_000, Some((0, 10_000))));
     apply(&mut fed, report(2, epoch, RATE * 10_000, Some((10_000, 20_000))));
@@ -89,6 +91,33 @@ fn a_takeover_report_counts_only_what_the_old_leader_did_not() {
     assert_eq!(fed.clusters()["east"].reported_through_ms, Some(35_000));
     apply(&mut fed, report(7, epoch, RATE * 1_000, Some((35_000, 36_000))));
     assert_eq!(counted(&fed), RATE * 36_000 + 18, "later reports still count");
+    // The showback: the same amounts, by tenant and cluster.
+    let rows = fed.showback().expect("kept").query(0, u64::MAX, GroupBy { tenant: true, cluster: true });
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].tenant.as_deref(), rows[0].cluster.as_deref()), (Some("training"), Some("east")));
+    assert_eq!(rows[0].milli_gpue_ms, u128::from(RATE * 36_000 + 18));
+}
+
+#[test]
+fn showback_is_kept_only_once_turned_on_and_a_late_report_lands_in_its_own_hour() {
+    const H: u64 = kvota_fairness::showback::HOUR_MS;
+    let (mut fed, epoch) = federation();
+    apply(&mut fed, report(1, epoch, 5, Some((0, 1_000))));
+    assert!(fed.showback().is_none(), "off until the control plane turns it on");
+    fed.enable_showback();
+    // Reported at NOW (in hour 0), but metered in hour 0 and in hours 0 to 2 on the
+    // agent's clock... which must not run ahead of the control plane's: only windows
+    // ending by NOW + MAX_WINDOW_AHEAD_MS are taken as windows.
+    let now = 3 * H;
+    for (seq, (s, e)) in [(2, (H / 2, H / 2 + 10)), (3, (2 * H - 10, 2 * H + 10))] {
+        match fed.apply(now, report(seq, epoch, 20, Some((s, e)))) {
+            Ok(Applied::Reported { applied: true, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    let sb = fed.showback().expect("kept");
+    let hour = |h: u64| sb.query(h * H, (h + 1) * H, GroupBy::default()).first().map_or(0, |r| r.milli_gpue_ms);
+    assert_eq!((hour(0), hour(1), hour(2)), (20, 10, 10), "each report in the hours it was metered");
 }
 
 proptest! {
@@ -102,6 +131,7 @@ proptest! {
         contiguous in any::<bool>(),
     ) {
         let (mut fed, epoch) = federation();
+        fed.enable_showback();
         let mut spans: Vec<(u64, u64)> = Vec::new();
         let mut at = 0;
         for &(start, len) in &windows {
@@ -129,5 +159,9 @@ proptest! {
         if contiguous {
             prop_assert_eq!(got, RATE * union);
         }
+        // The showback holds exactly what the ledger was given (nothing decayed here).
+        let sb = fed.showback().expect("kept");
+        let total: u128 = sb.query(0, u64::MAX, GroupBy::default()).iter().map(|r| r.milli_gpue_ms).sum();
+        prop_assert_eq!(total, u128::from(got));
     }
 }

@@ -76,6 +76,11 @@ enum Cmd {
         #[arg(long, default_value_t = 50)]
         limit: u32,
     },
+    /// Showback: GPU-hours each tenant used in each cluster over a period, undecayed,
+    /// from the hourly buckets the control plane keeps (whole hours; retention is the
+    /// policy's `spec.showback.retention`, 100 days by default). The same JSON as the
+    /// HTTP API's `/api/v1/usage`.
+    Usage(crate::admin_cmd::UsageArgs),
     /// Make the federation's CA and the certificates of its nodes, clusters, operators,
     /// viewers and webhooks (mutual TLS by identity; see docs/security.md).
     #[command(subcommand)]
@@ -193,6 +198,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Clusters { json } => crate::admin_cmd::clusters(&cp, json).map(|()| ExitCode::SUCCESS),
         Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),
         Cmd::Audit { limit } => crate::admin_cmd::audit(&cp, limit).map(|()| ExitCode::SUCCESS),
+        Cmd::Usage(args) => crate::admin_cmd::usage(&cp, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Members(m) => crate::admin_cmd::members(&cp, &m).map(|()| ExitCode::SUCCESS),
         Cmd::Certs(c) => crate::certs_cmd::run(c).map(|()| ExitCode::SUCCESS),
         Cmd::Cluster(ClusterCmd::Remove { name }) => {

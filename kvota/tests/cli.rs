@@ -379,3 +379,157 @@ async fn policy_diff_predicts_what_applying_the_file_gives() {
     assert_eq!(code, 2, "{err}");
     cl.shutdown().await;
 }
+
+/// Showback against a real 3-node control plane (nodes in this process): two clusters
+/// report known GPU time over windows that cross an hour boundary; `kvota usage` prints
+/// exactly those amounts by tenant and cluster (the totals are what the ledger was
+/// given), its JSON is the HTTP API's `/api/v1/usage` answer byte for byte, and the CSV
+/// and table forms carry the same numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_shows_what_the_clusters_reported_in_every_form() {
+    use kvota_client::client::Client;
+    use kvota_proto::v1;
+    use std::time::{Duration, Instant};
+
+    let cl = kvota_testkit::Cluster::start(3).await;
+    let leader = cl.leader(Duration::from_secs(20)).await;
+    let cp = cl.members[&leader].rpc_addr.clone();
+    let http = cl.members[&leader].http_addr.clone();
+    let c = Client::new(&cl.endpoints()).expect("client");
+    // Showback is kept from feature level 2, which the leader raises once every voter
+    // has said it supports it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut levels = Vec::new();
+        for id in 1..=3 {
+            levels.push(cl.node(id).ctx.state.read().await.feature_level);
+        }
+        if levels.iter().all(|l| *l >= 2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "feature level never reached 2: {levels:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, _, err) = tokio::task::spawn_blocking({
+        let cp = cp.clone();
+        move || kvota(&["policy", "apply", &repo("deploy/policies/article.yaml"), "--cp", &cp])
+    })
+    .await
+    .expect("join");
+    assert_eq!(code, 0, "{err}");
+
+    let now = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis()).expect("ms");
+    const GPU_HOUR: u64 = 3_600_000_000;
+    let usage = |t: &str, used: u64| v1::TenantUsage { tenant: t.into(), used_milli_gpue_ms: used, inuse_milli_gpue: 0, pending_milli_gpue: 0 };
+    // (cluster, [(tenant, used)], window): east reports 1 GPU-hour of training and a
+    // quarter of inference over the last 90 to 30 minutes; west 2 GPU-hours of training
+    // in two reports.
+    let reports = [
+        ("east", vec![usage("training", GPU_HOUR), usage("inference", GPU_HOUR / 4)], (now - 90 * 60_000, now - 30 * 60_000)),
+        ("west", vec![usage("training", GPU_HOUR)], (now - 100 * 60_000, now - 40 * 60_000)),
+        ("west", vec![usage("training", GPU_HOUR)], (now - 40 * 60_000, now - 10 * 60_000)),
+    ];
+    let mut seqs = std::collections::BTreeMap::new();
+    for (cluster, tenants, (start, end)) in reports {
+        let epoch = match seqs.get(cluster) {
+            Some(&(_, epoch)) => epoch,
+            None => {
+                let reg = v1::RegisterRequest {
+                    cluster: cluster.into(),
+                    capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 8_000 }],
+                    labels: Default::default(),
+                };
+                c.call(|ch| {
+                    let reg = reg.clone();
+                    async move { Ok(Client::member(ch).register(reg).await?.into_inner()) }
+                })
+                .await
+                .expect("register")
+                .lease
+                .expect("lease")
+                .epoch
+            }
+        };
+        let seq = seqs.get(cluster).map_or(1, |(s, _)| s + 1);
+        seqs.insert(cluster, (seq, epoch));
+        let report = v1::ReportRequest {
+            cluster: cluster.into(),
+            seq,
+            held_epoch: epoch,
+            tenants,
+            capacity: vec![],
+            evictions: vec![],
+            window_start_ms: start,
+            window_end_ms: end,
+        };
+        c.call(|ch| {
+            let r = report.clone();
+            async move { Ok(Client::member(ch).report(r).await?.into_inner()) }
+        })
+        .await
+        .expect("report");
+    }
+
+    let run = |args: Vec<String>| {
+        let cp = cp.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
+                all.extend(["--cp", &cp]);
+                kvota(&all)
+            })
+            .await
+            .expect("join")
+        }
+    };
+    let (code, out, err) = run(["usage", "--since", "3h", "--by", "tenant,cluster", "-o", "json"].map(String::from).to_vec()).await;
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["kept"], true, "{out}");
+    let rows: Vec<(String, String, u64)> = v["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| (r["tenant"].as_str().expect("tenant").into(), r["cluster"].as_str().expect("cluster").into(), r["milli_gpue_ms"].as_u64().expect("amount")))
+        .collect();
+    let want = vec![
+        ("inference".to_string(), "east".to_string(), GPU_HOUR / 4),
+        ("training".to_string(), "east".to_string(), GPU_HOUR),
+        ("training".to_string(), "west".to_string(), 2 * GPU_HOUR),
+    ];
+    assert_eq!(rows, want, "{out}");
+    let total = v["total_gpu_hours"].as_f64().expect("total");
+    assert!((total - 3.25).abs() < 3.25e-3, "total {total} GPU-hours, reported 3.25");
+
+    // The ledger was given the same amounts: its decayed usage (24 h half-life, counted
+    // minutes ago) is at most that and within the decay of a few minutes of it.
+    let st = cl.node(leader).ctx.state.read().await;
+    let decayed: u64 = st.federation.ledger().entries().values().map(|u| u.value_milli_gpue_ms).sum();
+    drop(st);
+    let given = 13 * GPU_HOUR / 4;
+    assert!(decayed <= given && decayed as f64 >= given as f64 * 0.999, "ledger {decayed}, reported {given}");
+
+    // The HTTP API answers the same period with the same JSON.
+    let url = format!("/api/v1/usage?since_ms={}&until_ms={}&by=tenant,cluster", v["since_ms"], v["until_ms"]);
+    let (code, body) = kvota_testkit::http_get(&kvota_tls::connect::Connector::new(None), &http, &url).await.expect("http");
+    assert_eq!(code, 200, "{body}");
+    let h: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(h, v, "CLI and HTTP differ");
+    let (code, body) = kvota_testkit::http_get(&kvota_tls::connect::Connector::new(None), &http, "/api/v1/usage?by=team").await.expect("http");
+    assert!(code == 400 && body.contains("team"), "{code} {body}");
+
+    // By tenant, as CSV and as a table.
+    let (code, csv, err) = run(["usage", "--since", "3h", "-o", "csv"].map(String::from).to_vec()).await;
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines[0], "tenant,cluster,gpu_hours,since,until");
+    assert!(lines[1].starts_with("inference,*,0.250000,") && lines[2].starts_with("training,*,3.000000,"), "{csv}");
+    let (code, table, err) = run(["usage", "--since", "3h", "--by", "cluster"].map(String::from).to_vec()).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(table.contains("east") && table.contains("1.250") && table.contains("west") && table.contains("2.000"), "{table}");
+    assert!(table.lines().last().is_some_and(|l| l.starts_with("TOTAL") && l.ends_with("3.250")), "{table}");
+    // A period that ends before it starts is refused before anything is asked.
+    let (code, _, err) = run(["usage", "--since", "1h", "--until", "2h"].map(String::from).to_vec()).await;
+    assert!(code != 0 && err.contains("must be before"), "{err}");
+    cl.shutdown().await;
+}
