@@ -450,6 +450,7 @@ impl SimAgent {
                 capacity: None,
                 tenants,
                 evictions: Vec::new(),
+                decisions: Vec::new(),
                 window: Some(UsageWindow { start_ms: self.window_start, end_ms: self.wall(real_ms) }),
             };
             self.window_start = self.wall(real_ms);

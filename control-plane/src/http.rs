@@ -36,6 +36,7 @@ pub fn router(ctx: Arc<NodeCtx>) -> Router {
         .route("/api/v1/overview", get(overview))
         .route("/api/v1/history", get(history))
         .route("/api/v1/usage", get(usage))
+        .route("/api/v1/decisions", get(decisions))
         .route("/", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui/", get(|| async { asset("text/html; charset=utf-8", UI_HTML) }))
@@ -56,7 +57,7 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
     // Routes are few and fixed: the label set stays bounded (unknown paths are "other").
     let route = match path {
         "/metrics" | "/api/v1/status" | "/api/v1/tenants" | "/api/v1/clusters" | "/api/v1/audit" | "/api/v1/overview"
-        | "/api/v1/history" | "/api/v1/usage" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
+        | "/api/v1/history" | "/api/v1/usage" | "/api/v1/decisions" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
         _ => "other".to_string(),
     };
     match id {
@@ -242,6 +243,32 @@ async fn usage(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<UsageQuery>) -> 
     };
     match crate::service::usage_reply(fed, &req) {
         Ok(r) => Json(crate::view::UsageView::from(&r)).into_response(),
+        Err(s) => (StatusCode::BAD_REQUEST, format!("{}\n", s.message())).into_response(),
+    }
+}
+
+/// Query of `/api/v1/decisions`: `pod` (`namespace/name`), optionally `cluster`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DecisionsQuery {
+    pod: String,
+    cluster: Option<String>,
+}
+
+async fn decisions(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<DecisionsQuery>) -> Response {
+    let read = ctx.read_barrier().await;
+    let req = kvota_proto::v1::ExplainPodRequest { pod: q.pod, cluster: q.cluster.unwrap_or_default() };
+    let state = ctx.state.read().await;
+    match crate::service::explain_pod_reply(&state.federation, &req) {
+        Ok(r) => {
+            let mut res = Json(crate::view::DecisionsView::from(&r)).into_response();
+            if let Some(note) = read.note {
+                if let Ok(v) = header::HeaderValue::from_str(&note.replace(|c: char| !c.is_ascii() || c.is_ascii_control(), " ")) {
+                    res.headers_mut().insert("kvota-stale-read", v);
+                }
+            }
+            res
+        }
         Err(s) => (StatusCode::BAD_REQUEST, format!("{}\n", s.message())).into_response(),
     }
 }

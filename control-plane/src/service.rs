@@ -230,6 +230,28 @@ pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> O
     })
 }
 
+/// The kept decisions about `req.pod` (the gRPC `ExplainPod` call and the HTTP
+/// `/api/v1/decisions` both answer with it).
+pub fn explain_pod_reply(fed: &kvota_fairness::federation::Federation, req: &v1::ExplainPodRequest) -> Result<v1::ExplainPodReply, Status> {
+    let shown = |s: &str| s.chars().take(64).collect::<String>();
+    let ok = req.pod.len() <= 317 && req.pod.split_once('/').is_some_and(|(ns, name)| !ns.is_empty() && !name.is_empty());
+    if !ok {
+        return Err(Status::invalid_argument(format!("pod: `{}` is not namespace/name", shown(&req.pod))));
+    }
+    if !req.cluster.is_empty() && !kvota_fairness::names::is_dns_label(&req.cluster) {
+        return Err(Status::invalid_argument(format!("cluster: `{}` is not a cluster name", shown(&req.cluster))));
+    }
+    let cluster = (!req.cluster.is_empty()).then_some(req.cluster.as_str());
+    Ok(v1::ExplainPodReply {
+        kept: fed.keeps_records(),
+        decisions: fed
+            .pod_decisions(&req.pod, cluster)
+            .into_iter()
+            .map(|(c, d)| v1::ClusterDecision { cluster: c.to_string(), decision: Some(d.into()) })
+            .collect(),
+    })
+}
+
 /// Showback over `req`'s period (see [`kvota_fairness::showback`]); the gRPC `Usage`
 /// call and the HTTP `/api/v1/usage` both answer with it.
 pub fn usage_reply(fed: &kvota_fairness::federation::Federation, req: &v1::UsageRequest) -> Result<v1::UsageReply, Status> {
@@ -493,6 +515,13 @@ impl v1::admin_server::Admin for AdminSvc {
             Status::not_found(format!("the policy in force has no tenant `{}`", name.chars().take(64).collect::<String>()))
         })?;
         Ok(Response::new(v1::ExplainTenantReply { text: e.to_string(), explanation: Some((&e).into()) }))
+    }
+
+    async fn explain_pod(&self, request: Request<v1::ExplainPodRequest>) -> Result<Response<v1::ExplainPodReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "ExplainPod", READ)?;
+        let req = request.into_inner();
+        let state = self.ctx.state.read().await;
+        explain_pod_reply(&state.federation, &req).map(Response::new)
     }
 
     async fn usage(&self, request: Request<v1::UsageRequest>) -> Result<Response<v1::UsageReply>, Status> {

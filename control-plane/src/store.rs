@@ -911,7 +911,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                                 data.feature_level = level;
                             }
                             if data.feature_level >= crate::types::SHOWBACK_LEVEL {
-                                data.federation.enable_showback();
+                                data.federation.enable_records();
                             }
                         }
                         Response(Some(answers))

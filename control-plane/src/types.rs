@@ -40,8 +40,9 @@ pub const LOG_FORMAT: u32 = 1;
 /// leader raises it only once every voter reports support for the new level over the
 /// Raft port, so a group in a rolling upgrade keeps writing what its oldest voter
 /// reads. Level 1: log entries of format 1, snapshots of format 1. Level 2: the same
-/// formats, and the state keeps showback (undecayed usage in hourly buckets, turned on
-/// by the entry that raises the level; a policy may set `spec.showback` only from then).
+/// formats, and the state keeps records (showback: undecayed usage in hourly buckets;
+/// the agents' reported admission decisions), turned on by the entry that raises the
+/// level; a policy may set `spec.showback` only from then.
 pub const FEATURE_LEVEL: u32 = 2;
 
 /// The feature level from which the replicated state keeps showback.

@@ -391,6 +391,59 @@ impl From<&kvota_proto::v1::UsageReply> for UsageView {
     }
 }
 
+/// The kept admission decisions about a pod, as `kvota explain pod -o json` prints them
+/// and `/api/v1/decisions` answers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecisionsView {
+    /// False while the group runs below feature level 2 (no decisions kept yet).
+    pub kept: bool,
+    /// Newest first.
+    pub decisions: Vec<DecisionRow>,
+}
+
+/// One decision of [`DecisionsView`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecisionRow {
+    /// The member cluster whose agent decided.
+    pub cluster: String,
+    /// `namespace/name`.
+    pub pod: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// `allow`, `queue` or `deny`.
+    pub verdict: String,
+    /// GPUs the pod asked for.
+    pub gpus: f64,
+    /// When (the agent's wall clock, ms since the Unix epoch).
+    pub at_ms: u64,
+    /// The numbers behind it, in sentences.
+    pub text: String,
+}
+
+impl From<&kvota_proto::v1::ExplainPodReply> for DecisionsView {
+    fn from(r: &kvota_proto::v1::ExplainPodReply) -> DecisionsView {
+        DecisionsView {
+            kept: r.kept,
+            decisions: r
+                .decisions
+                .iter()
+                .filter_map(|c| {
+                    let d = c.decision.as_ref()?;
+                    Some(DecisionRow {
+                        cluster: c.cluster.clone(),
+                        pod: d.pod.clone(),
+                        tenant: d.tenant.clone(),
+                        verdict: d.verdict.clone(),
+                        gpus: gpus(d.milli_gpue),
+                        at_ms: d.at_ms,
+                        text: d.text.clone(),
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,7 +15,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvota_fairness::federation::{Command, EvictionNote, EvictionOutcome, TenantReport, UsageReport, UsageWindow};
+use kvota_fairness::admission::Verdict;
+use kvota_fairness::federation::{Command, EvictionNote, EvictionOutcome, PodDecision, TenantReport, UsageReport, UsageWindow};
 use kvota_fairness::policy::{AdmissionMode, LeaseConfig, Policy, ReclaimConfig, ShowbackConfig, TenantPolicy};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_proto::raft::v1 as pb;
@@ -454,6 +455,18 @@ fn report_to(r: &UsageReport) -> pb::LogReport {
             })
             .collect(),
         window: r.window.map(|w| pb::LogWindow { start_ms: w.start_ms, end_ms: w.end_ms }),
+        decisions: r
+            .decisions
+            .iter()
+            .map(|d| pb::LogDecision {
+                pod: d.pod.clone(),
+                tenant: d.tenant.clone(),
+                verdict: d.verdict.as_str().to_string(),
+                milli_gpue: d.milli_gpue,
+                at_ms: d.at_ms,
+                text: d.text.clone(),
+            })
+            .collect(),
     }
 }
 
@@ -482,5 +495,21 @@ fn report_from(r: pb::LogReport) -> UsageReport {
             })
             .collect(),
         window: r.window.map(|w| UsageWindow { start_ms: w.start_ms, end_ms: w.end_ms }),
+        // A verdict word this build does not know is dropped here, the same way on every
+        // node (decisions are a record, not a fact the plan depends on).
+        decisions: r
+            .decisions
+            .into_iter()
+            .filter_map(|d| {
+                Some(PodDecision {
+                    verdict: Verdict::parse(&d.verdict)?,
+                    pod: d.pod,
+                    tenant: d.tenant,
+                    milli_gpue: d.milli_gpue,
+                    at_ms: d.at_ms,
+                    text: d.text,
+                })
+            })
+            .collect(),
     }
 }

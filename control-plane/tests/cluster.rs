@@ -52,6 +52,7 @@ fn report(cluster: &str, seq: u64, held: u64, used: u64) -> v1::ReportRequest {
         ],
         capacity: vec![],
         evictions: vec![],
+        decisions: vec![],
         window_start_ms: 0,
         window_end_ms: 0,
     }

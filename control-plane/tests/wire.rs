@@ -229,6 +229,21 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
     assert_eq!(wire::snapshot_reply_from(pb::InstallSnapshotReply::default()).unwrap_err(), WireError::Missing("result".into()));
 }
 
+/// A policy's showback retention crosses the wire (and its default is no bytes at all,
+/// so entries written before the field existed read the same).
+#[test]
+fn a_showback_retention_crosses_the_wire_and_its_default_costs_nothing() {
+    let base = Policy::from_yaml(Policy::article_example_yaml()).unwrap();
+    let mut set = base.clone();
+    set.showback.retention_ms = 30 * 24 * 3_600_000;
+    for p in [&base, &set] {
+        let e = entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())));
+        assert_eq!(through_the_wire(&e), e);
+    }
+    let size = |p: &Policy| wire::entry_to(&entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())))).encode_to_vec().len();
+    assert!(size(&set) > size(&base), "the retention is written when set");
+}
+
 mod hostile_bytes {
     use super::*;
     use proptest::prelude::*;
@@ -275,6 +290,7 @@ mod hostile_bytes {
             tenants in prop::collection::btree_map("[a-z]{1,8}", (any::<u64>(), any::<u64>(), any::<u64>()), 0..6),
             window in proptest::option::of((any::<u64>(), any::<u64>())),
             now in any::<u64>(),
+            decisions in prop::collection::vec(("[a-z]{1,6}/[a-z0-9.-]{1,12}", "[a-z]{1,8}", 0usize..3, any::<u64>(), any::<u64>(), ".{0,60}"), 0..4),
         ) {
             let Command::Report(mut r) = report("x", 1, 0) else { unreachable!() };
             r.cluster = cluster;
@@ -283,6 +299,11 @@ mod hostile_bytes {
             r.capacity = capacity;
             r.tenants = tenants.into_iter().map(|(k, (u, i, p))| (k, kvota_fairness::federation::TenantReport { used_milli_gpue_ms: u, inuse: i, pending: p })).collect();
             r.window = window.map(|(start_ms, end_ms)| kvota_fairness::federation::UsageWindow { start_ms, end_ms });
+            use kvota_fairness::admission::Verdict;
+            r.decisions = decisions
+                .into_iter()
+                .map(|(pod, tenant, v, milli_gpue, at_ms, text)| kvota_fairness::federation::PodDecision { pod, tenant, verdict: [Verdict::Allow, Verdict::Queue, Verdict::Deny][v], milli_gpue, at_ms, text })
+                .collect();
             let e = entry(1, 1, EntryPayload::Normal(Request::new(now, vec![Command::Report(r)])));
             prop_assert_eq!(through_the_wire(&e), e);
         }

@@ -67,6 +67,22 @@ pub enum Verdict {
     Deny,
 }
 
+impl Verdict {
+    /// Its word on the wire: `allow`, `queue`, `deny`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Allow => "allow",
+            Verdict::Queue => "queue",
+            Verdict::Deny => "deny",
+        }
+    }
+
+    /// The verdict named by `word`, if any.
+    pub fn parse(word: &str) -> Option<Verdict> {
+        [Verdict::Allow, Verdict::Queue, Verdict::Deny].into_iter().find(|v| v.as_str() == word)
+    }
+}
+
 /// Why, in one word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reason {

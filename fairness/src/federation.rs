@@ -62,6 +62,13 @@ pub const MAX_REPORT_EVICTIONS: usize = 64;
 
 /// Longest text field of an eviction note, in bytes (pod keys, the reason).
 pub const MAX_EVICTION_TEXT: usize = 1024;
+/// Most admission decisions one report carries (the agent keeps the rest for its next).
+pub const MAX_REPORT_DECISIONS: usize = 64;
+/// Longest explanation of a decision, in bytes (an agent cuts longer ones).
+pub const MAX_DECISION_TEXT: usize = 4096;
+/// Admission decisions kept per cluster (oldest dropped; a pod judged again replaces
+/// its earlier decision).
+pub const DECISIONS_PER_CLUSTER: usize = 512;
 /// Most resource names in a cluster's capacity.
 pub const MAX_CAPACITY_RESOURCES: usize = 64;
 
@@ -223,6 +230,34 @@ impl EvictionNote {
     }
 }
 
+/// An admission decision a member's agent made about a GPU pod, carried by its next
+/// report so `kvota explain pod` works from any control-plane node, long after.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodDecision {
+    /// The pod (`namespace/name`).
+    pub pod: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// Allow, queue or deny.
+    pub verdict: crate::admission::Verdict,
+    /// GPUe the pod asked for.
+    pub milli_gpue: MilliGpue,
+    /// When the agent decided (its wall clock, Unix ms).
+    pub at_ms: u64,
+    /// The numbers behind it, in sentences (at most [`MAX_DECISION_TEXT`] bytes).
+    pub text: String,
+}
+
+impl PodDecision {
+    /// Fit to keep: a `namespace/name` of DNS names, a tenant name, a bounded text.
+    pub fn is_valid(&self) -> bool {
+        let pod_ok = self.pod.split_once('/').is_some_and(|(ns, name)| {
+            crate::names::is_dns_label(ns) && !name.is_empty() && name.len() <= 253 && name.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
+        });
+        pod_ok && crate::names::is_dns_label(&self.tenant) && self.text.len() <= MAX_DECISION_TEXT
+    }
+}
+
 /// A member's usage report; its answer carries the cluster's lease.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UsageReport {
@@ -239,6 +274,10 @@ pub struct UsageReport {
     /// Evictions since the previous report (at most [`MAX_REPORT_EVICTIONS`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub evictions: Vec<EvictionNote>,
+    /// Admission decisions since the previous report (at most [`MAX_REPORT_DECISIONS`]);
+    /// kept per cluster once the federation keeps records ([`Federation::enable_records`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<PodDecision>,
     /// The span of time the usage was metered over, on the reporting agent's wall clock.
     /// `None` (older agents): counted in full. See [`UsageWindow`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -503,9 +542,13 @@ pub struct Federation {
     audit: VecDeque<AuditRecord>,
     audit_seq: u64,
     /// Undecayed usage in hourly buckets; kept from the moment the control plane turns
-    /// it on ([`Federation::enable_showback`], at its feature level 2), absent before.
+    /// records on ([`Federation::enable_records`], at its feature level 2), absent before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     showback: Option<crate::showback::Showback>,
+    /// The last admission decisions each cluster reported, oldest first (kept with the
+    /// showback, from [`Federation::enable_records`] on).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    decisions: BTreeMap<String, VecDeque<PodDecision>>,
 }
 
 impl Federation {
@@ -514,13 +557,48 @@ impl Federation {
         Self::default()
     }
 
-    /// Starts keeping showback (if not kept yet): from now on every counted usage is
-    /// also recorded, undecayed, in hourly buckets. Every replica must turn it on at the
-    /// same point of the log (the control plane does so when its feature level reaches
-    /// 2), so their states stay identical.
-    pub fn enable_showback(&mut self) {
+    /// Starts keeping records (if not kept yet): from now on every counted usage is
+    /// also recorded, undecayed, in hourly buckets (the showback), and the admission
+    /// decisions reports carry are kept per cluster. Every replica must turn them on at
+    /// the same point of the log (the control plane does so when its feature level
+    /// reaches 2), so their states stay identical.
+    pub fn enable_records(&mut self) {
         if self.showback.is_none() {
             self.showback = Some(crate::showback::Showback::new());
+        }
+    }
+
+    /// Whether records are kept (see [`Self::enable_records`]).
+    pub fn keeps_records(&self) -> bool {
+        self.showback.is_some()
+    }
+
+    /// The kept decisions about `pod` (`namespace/name`), newest first, in `cluster` or
+    /// in every cluster.
+    pub fn pod_decisions(&self, pod: &str, cluster: Option<&str>) -> Vec<(&str, &PodDecision)> {
+        let mut out: Vec<(&str, &PodDecision)> = self
+            .decisions
+            .iter()
+            .filter(|(c, _)| cluster.is_none_or(|want| want == c.as_str()))
+            .flat_map(|(c, ds)| ds.iter().filter(|d| d.pod == pod).map(move |d| (c.as_str(), d)))
+            .collect();
+        out.sort_by(|a, b| b.1.at_ms.cmp(&a.1.at_ms).then_with(|| a.0.cmp(b.0)));
+        out
+    }
+
+    /// Keeps `cluster`'s reported decisions (valid ones; a pod judged again replaces its
+    /// earlier decision), at most [`DECISIONS_PER_CLUSTER`].
+    fn keep_decisions(&mut self, cluster: &str, decisions: Vec<PodDecision>) {
+        if !self.keeps_records() || decisions.is_empty() {
+            return;
+        }
+        let book = self.decisions.entry(cluster.to_string()).or_default();
+        for d in decisions.into_iter().filter(PodDecision::is_valid) {
+            book.retain(|k| k.pod != d.pod);
+            book.push_back(d);
+            while book.len() > DECISIONS_PER_CLUSTER {
+                book.pop_front();
+            }
         }
     }
 
@@ -674,6 +752,7 @@ impl Federation {
         }
         self.now_ms = now;
         self.clusters.remove(cluster);
+        self.decisions.remove(cluster);
         self.record(AuditEvent::ClusterRemoved {
             cluster: cluster.to_string(),
         });
@@ -710,6 +789,12 @@ impl Federation {
             return Err(CommandError::Invalid {
                 what: "report".to_string(),
                 why: format!("{} evictions; at most {MAX_REPORT_EVICTIONS}", r.evictions.len()),
+            });
+        }
+        if r.decisions.len() > MAX_REPORT_DECISIONS {
+            return Err(CommandError::Invalid {
+                what: "report".to_string(),
+                why: format!("{} decisions; at most {MAX_REPORT_DECISIONS}", r.decisions.len()),
             });
         }
         for (i, e) in r.evictions.iter().enumerate() {
@@ -786,6 +871,7 @@ impl Federation {
                     note,
                 });
             }
+            self.keep_decisions(&r.cluster, r.decisions);
         }
         let names = self.plan_names();
         let grid = self.grid(&names);

@@ -183,7 +183,7 @@ mod tests {
         s.record("b", "east", 30, 6 * HOUR_MS, 6 * HOUR_MS + 10);
         s.record("b", "east", 0, 0, 6 * HOUR_MS);
         let by_tenant = s.query(0, 7 * HOUR_MS, GroupBy { tenant: true, cluster: false });
-        assert_eq!(by_tenant.iter().map(|r| (r.tenant.clone().unwrap(), r.milli_gpue_ms)).collect::<Vec<_>>(), vec![("a".into(), 30), ("b".into(), 30)]);
+        assert_eq!(by_tenant.iter().map(|r| (r.tenant.clone(), r.milli_gpue_ms)).collect::<Vec<_>>(), vec![(Some("a".into()), 30), (Some("b".into()), 30)]);
         let both = s.query(0, 7 * HOUR_MS, GroupBy { tenant: true, cluster: true });
         assert_eq!(both.len(), 3);
         assert_eq!(s.query(6 * HOUR_MS, 7 * HOUR_MS, GroupBy { tenant: false, cluster: true })[0].cluster.as_deref(), Some("east"));

@@ -207,6 +207,7 @@ impl World {
             capacity: None,
             tenants,
             evictions: Vec::new(),
+            decisions: Vec::new(),
             window: None,
         };
         a.next_seq += 1;

@@ -223,7 +223,7 @@ fn article_worked_example_across_three_clusters() {
                 .iter()
                 .map(|&(t, inuse, pending)| (t.to_string(), TenantReport { used_milli_gpue_ms: 0, inuse, pending }))
                 .collect();
-            let r = UsageReport { cluster: c.to_string(), seq, held_epoch: epochs[c], capacity: None, tenants, evictions: Vec::new(), window: None };
+            let r = UsageReport { cluster: c.to_string(), seq, held_epoch: epochs[c], capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
             match fed.apply(seq * 1000, Command::Report(r)) {
                 Ok(Applied::Reported { lease, applied: true }) => {
                     epochs.insert(c, lease.epoch);

@@ -25,6 +25,7 @@ fn report(seq: u64, epoch: u64, used: u64, window: Option<(u64, u64)>) -> Comman
         capacity: None,
         tenants,
         evictions: Vec::new(),
+        decisions: Vec::new(),
         window: window.map(|(start_ms, end_ms)| UsageWindow { start_ms, end_ms }),
     })
 }
@@ -64,7 +65,7 @@ fn uncovered_cuts_the_covered_part_pro_rata() {
 #[test]
 fn a_takeover_report_counts_only_what_the_old_leader_did_not() {
     let (mut fed, epoch) = federation();
-    fed.enable_showback();
+    fed.enable_records();
     // The old leader: two back-to-back windows, 0-10 s and 10-20 s.
     apply(&mut fed, report(1, epoch, RATE * 10_000, Some((0, 10_000))));
     apply(&mut fed, report(2, epoch, RATE * 10_000, Some((10_000, 20_000))));
@@ -104,7 +105,7 @@ fn showback_is_kept_only_once_turned_on_and_a_late_report_lands_in_its_own_hour(
     let (mut fed, epoch) = federation();
     apply(&mut fed, report(1, epoch, 5, Some((0, 1_000))));
     assert!(fed.showback().is_none(), "off until the control plane turns it on");
-    fed.enable_showback();
+    fed.enable_records();
     // Reported at NOW (in hour 0), but metered in hour 0 and in hours 0 to 2 on the
     // agent's clock... which must not run ahead of the control plane's: only windows
     // ending by NOW + MAX_WINDOW_AHEAD_MS are taken as windows.
@@ -131,7 +132,7 @@ proptest! {
         contiguous in any::<bool>(),
     ) {
         let (mut fed, epoch) = federation();
-        fed.enable_showback();
+        fed.enable_records();
         let mut spans: Vec<(u64, u64)> = Vec::new();
         let mut at = 0;
         for &(start, len) in &windows {

@@ -59,6 +59,7 @@ fn report(cluster: &str, seq: u64) -> v1::ReportRequest {
             .collect(),
         capacity: vec![],
         evictions: vec![],
+        decisions: vec![],
         window_start_ms: 0,
         window_end_ms: 0,
     }

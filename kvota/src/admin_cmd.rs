@@ -118,12 +118,17 @@ pub enum ExplainCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Why a pod was admitted, queued or denied, and where it stands now. The decision is
-    /// the agent's (of the cluster the pod was created in): pass --agent and --agent-ca
-    /// to read it; without them, what the control plane knows about the pod's tenant.
+    /// Why a pod was admitted, queued or denied. Agents send their decisions about GPU
+    /// pods to the control plane with their usage reports, so any node answers (the
+    /// last 512 decisions per cluster are kept); without a reported decision, the
+    /// numbers of the pod's tenant. With --agent and --agent-ca, the agent itself
+    /// answers, also with where the pod stands now.
     Pod {
         /// NAMESPACE/NAME, as in the denial or queue message.
         pod: String,
+        /// Only the decision of this member cluster's agent (default: every cluster's).
+        #[arg(long, value_name = "CLUSTER", conflicts_with = "agent")]
+        cluster: Option<String>,
         /// The agent's webhook address, e.g. https://kvota-agent.kvota-system.svc:443 or,
         /// through `kubectl -n kvota-system port-forward svc/kvota-agent 8443:443`,
         /// https://localhost:8443 (with --agent-tls-name).
@@ -136,7 +141,9 @@ pub enum ExplainCmd {
         /// Name to verify the agent's certificate for (default: the host in --agent).
         #[arg(long, value_name = "NAME", requires = "agent")]
         agent_tls_name: Option<String>,
-        /// Print JSON.
+        /// Print JSON: the agent's answer with --agent; else the reported decisions,
+        /// `{kept, decisions: [{cluster, pod, tenant, verdict, gpus, at_ms, text}]}`, as
+        /// the HTTP API's `/api/v1/decisions` answers.
         #[arg(long)]
         json: bool,
     },
@@ -289,7 +296,7 @@ fn rebuilt(policy: &Policy, clusters: &[v1::ClusterInfo], tenants: &[v1::TenantI
                 report.entry(t.tenant.clone()).or_default().used_milli_gpue_ms = t.decayed_usage;
             }
         }
-        let r = UsageReport { cluster: c.cluster.clone(), seq: 1, held_epoch: 0, capacity: None, tenants: report, evictions: Vec::new(), window: None };
+        let r = UsageReport { cluster: c.cluster.clone(), seq: 1, held_epoch: 0, capacity: None, tenants: report, evictions: Vec::new(), decisions: Vec::new(), window: None };
         fed.apply(now_ms, Command::Report(r)).map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
     }
     Ok(fed)
@@ -507,8 +514,8 @@ pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
 pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
     let (name, json) = match cmd {
         ExplainCmd::Tenant { name, json } => (name, json),
-        ExplainCmd::Pod { pod, agent, agent_ca, agent_tls_name, json } => {
-            return explain_pod(cp, pod, agent.as_deref(), agent_ca.as_deref(), agent_tls_name.clone(), *json)
+        ExplainCmd::Pod { pod, cluster, agent, agent_ca, agent_tls_name, json } => {
+            return explain_pod(cp, pod, cluster.as_deref(), agent.as_deref(), agent_ca.as_deref(), agent_tls_name.clone(), *json)
         }
     };
     let c = client(cp)?;
@@ -532,6 +539,7 @@ pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
 fn explain_pod(
     cp: &Cp,
     pod: &str,
+    cluster: Option<&str>,
     agent: Option<&str>,
     agent_ca: Option<&std::path::Path>,
     tls_name: Option<String>,
@@ -567,9 +575,34 @@ fn explain_pod(
         }
         return Ok(());
     }
-    // No agent: the pod's tenant as the control plane sees it.
+    // No agent: the decisions the agents reported, from the control plane.
     let c = client(cp)?;
     let rt = rt()?;
+    let req = v1::ExplainPodRequest { pod: pod.to_string(), cluster: cluster.unwrap_or_default().to_string() };
+    let reported = rt
+        .block_on(c.call(|ch| {
+            let req = req.clone();
+            async move { Ok(Client::admin(ch).explain_pod(req).await?.into_inner()) }
+        }))
+        .map_err(|e| status_err(cp, e))?;
+    let view = kvota_control_plane::view::DecisionsView::from(&reported);
+    if json {
+        out!("{}", serde_json::to_string_pretty(&view).context("encode the decisions")?);
+        return Ok(());
+    }
+    if !view.decisions.is_empty() {
+        let wall = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())).unwrap_or(u64::MAX);
+        for d in &view.decisions {
+            out!("decided by the agent of cluster `{}` {} ago ({}):", d.cluster, kvota_fairness::units::format_duration_ms(wall.saturating_sub(d.at_ms)), rfc3339(d.at_ms));
+            out!("{}", d.text);
+        }
+        out!("where it stands now: kvota explain pod {pod} --agent https://AGENT:PORT --agent-ca CA.crt");
+        return Ok(());
+    }
+    if reported.kept {
+        out!("the control plane has no reported decision about {pod}{}: its agent has not judged it, has not reported since, or it was judged more than 512 decisions ago.", cluster.map(|c| format!(" in cluster `{c}`")).unwrap_or_default());
+    }
+    // Nothing reported: the pod's tenant as the control plane sees it.
     let r = rt
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }))
         .map_err(|e| status_err(cp, e))?;
@@ -591,13 +624,9 @@ fn explain_pod(
             async move { Ok(Client::admin(ch).explain_tenant(v1::ExplainTenantRequest { tenant }).await?.into_inner()) }
         }))
         .map_err(|e| status_err(cp, e))?;
-    if json {
-        out!("{}", explanation_json(e)?);
-    } else {
-        out!("pod {pod}: namespace `{namespace}` belongs to tenant `{tenant}`. A GPU pod is admitted in a cluster while the tenant's in use there plus the pod's request stays within its budget there:");
-        out!("{}", e.text);
-        out!("{hint}");
-    }
+    out!("pod {pod}: namespace `{namespace}` belongs to tenant `{tenant}`. A GPU pod is admitted in a cluster while the tenant's in use there plus the pod's request stays within its budget there:");
+    out!("{}", e.text);
+    out!("{hint}");
     Ok(())
 }
 

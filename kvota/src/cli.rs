@@ -397,6 +397,7 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
                         capacity: None,
                         tenants,
                         evictions: Vec::new(),
+                        decisions: Vec::new(),
                         window: None,
                     }),
                 )

@@ -227,9 +227,15 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     assert!(ok && text.contains("Allow") && (text.contains("now: bound") || text.contains("now: admitted")), "{text}{err}");
     let (ok, _, err) = explain("ml/never-created", true);
     assert!(!ok && err.contains("has not judged pod ml/never-created"), "{err}");
-    // Without an agent: the tenant's numbers from the control plane, and how to ask the agent.
-    let (ok, text, err) = explain(&denied_pod, false);
-    assert!(ok && text.contains("belongs to tenant `training`") && text.contains("--agent https://"), "{text}{err}");
+    // Without an agent: the decision the agent reported with its usage, from the control
+    // plane; for a pod no agent reported, the tenant's numbers and how to ask the agent.
+    wait_for("the control plane to know the denial", Duration::from_secs(15), || async {
+        let (ok, text, _) = explain(&denied_pod, false);
+        ok && text.contains("decided by the agent of cluster `east`") && text.contains(&format!("pod {denied_pod} requests 1 GPUe")) && text.contains("Deny")
+    })
+    .await;
+    let (ok, text, err) = explain("ml/never-created", false);
+    assert!(ok && text.contains("no reported decision") && text.contains("belongs to tenant `training`") && text.contains("--agent https://"), "{text}{err}");
     let (ok, _, err) = explain("no-slash", false);
     assert!(!ok && err.contains("expected NAMESPACE/NAME"), "{err}");
 

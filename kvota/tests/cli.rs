@@ -308,6 +308,7 @@ async fn policy_diff_predicts_what_applying_the_file_gives() {
         tenants: vec![usage("training", 8_000, 20_000, 3_600_000_000), usage("inference", 6_000, 4_000, 900_000_000), usage("research", 0, 6_000, 0)],
         capacity: vec![],
         evictions: vec![],
+        decisions: vec![],
         window_start_ms: 0,
         window_end_ms: 0,
     };
@@ -459,6 +460,7 @@ async fn usage_shows_what_the_clusters_reported_in_every_form() {
             tenants,
             capacity: vec![],
             evictions: vec![],
+            decisions: vec![],
             window_start_ms: start,
             window_end_ms: end,
         };

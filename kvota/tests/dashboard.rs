@@ -232,6 +232,23 @@ async fn the_dashboard_shows_the_apis_numbers_in_a_real_browser() {
     let dom = browse(&url, &["--dump-dom"], &profile);
     let api_tenants = get_json(&http, "/api/v1/tenants").await;
     let api_clusters = get_json(&http, "/api/v1/clusters").await;
+    // A pod's decision, searched from the page (a link carries the search).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let decisions = loop {
+        let v = get_json(&http, "/api/v1/decisions?pod=ml/train-1").await;
+        if v["decisions"].as_array().is_some_and(|d| !d.is_empty()) {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "the agent's decision never reached the control plane: {v}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(decisions["decisions"][0]["cluster"], "east", "{decisions}");
+    let searched = browse(&format!("{url}#pod=ml/train-1&cluster=east"), &["--dump-dom"], &profile);
+    let found = section(&searched, "pod-result", "</section>");
+    assert!(found.contains("data-pod-cluster=\"east\"") && found.contains("data-verdict=\"allow\""), "{found}");
+    assert!(found.contains("pod ml/train-1 requests 4 GPUe"), "the explanation in sentences: {found}");
+    let (code, _, body) = get(&http, "/api/v1/decisions?pod=no-slash").await;
+    assert_eq!(code, 400, "{body}");
     let shot = repo().join("target/dashboard.png");
     let _ = std::fs::remove_file(&shot);
     browse(&url, &[&format!("--screenshot={}", shot.display())], &profile);

@@ -80,6 +80,7 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
             }],
             capacity: vec![],
             evictions: vec![],
+            decisions: vec![],
             window_start_ms: 0,
             window_end_ms: 0,
         };

@@ -595,13 +595,19 @@ impl Agent {
                 "the first report waits for the agent's first listing of the cluster's pods and for the policy",
             ));
         }
-        let (held, tenants, evictions, window) = {
+        let (held, tenants, evictions, decisions, window) = {
             let mut s = self.state();
             let end = unix_ms();
             let mut start = self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let window = UsageWindow { start_ms: *start, end_ms: end };
             *start = end;
-            (self.acknowledged_epoch(s.lease.held_epoch()), s.take_usage(), s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS), window)
+            (
+                self.acknowledged_epoch(s.lease.held_epoch()),
+                s.take_usage(),
+                s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS),
+                s.take_decision_notes(kvota_fairness::federation::MAX_REPORT_DECISIONS),
+                window,
+            )
         };
         let written = self
             .journal
@@ -612,6 +618,7 @@ impl Agent {
                 capacity: self.capacity_changed.swap(false, std::sync::atomic::Ordering::SeqCst).then(|| self.capacity()),
                 tenants,
                 evictions,
+                decisions,
                 window: Some(window),
             })
             .map_err(journal_err)?;
@@ -694,6 +701,7 @@ mod tests {
             capacity: None,
             tenants: BTreeMap::new(),
             evictions: Vec::new(),
+            decisions: Vec::new(),
             window: window.map(|(start_ms, end_ms)| UsageWindow { start_ms, end_ms }),
         }
     }

@@ -560,6 +560,7 @@ mod tests {
             capacity: None,
             tenants: [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 1_000, pending: 0 })].into(),
             evictions: Vec::new(),
+            decisions: Vec::new(),
             window: None,
         }
     }

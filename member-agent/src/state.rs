@@ -109,8 +109,15 @@ pub struct AgentState {
     held: Option<String>,
     standby: bool,
     decisions: DecisionBook,
+    /// Decisions about GPU pods not yet carried by a report, oldest first, at most
+    /// [`MAX_DECISION_OUTBOX`] (older ones are shed, counted as `decisions`).
+    outbox: VecDeque<kvota_fairness::federation::PodDecision>,
     shed: BTreeMap<&'static str, u64>,
 }
+
+/// Most decisions waiting for a report (a report carries
+/// [`kvota_fairness::federation::MAX_REPORT_DECISIONS`]).
+pub const MAX_DECISION_OUTBOX: usize = 256;
 
 /// Most admission decisions an agent remembers for `kvota explain pod` (oldest dropped).
 pub const DECISIONS_KEPT: usize = 4096;
@@ -205,6 +212,7 @@ impl AgentState {
             held: None,
             standby: false,
             decisions: DecisionBook::default(),
+            outbox: VecDeque::new(),
             shed: BTreeMap::new(),
         }
     }
@@ -636,6 +644,13 @@ impl AgentState {
         self.reclaim.audit.push_back(record);
     }
 
+    /// Up to `max` decisions about GPU pods since the last call, oldest first, for the
+    /// next report.
+    pub fn take_decision_notes(&mut self, max: usize) -> Vec<kvota_fairness::federation::PodDecision> {
+        let n = self.outbox.len().min(max);
+        self.outbox.drain(..n).collect()
+    }
+
     /// Takes up to `max` eviction records not yet reported, oldest first, as the notes
     /// a usage report carries into the control plane's audit log.
     pub fn take_eviction_notes(&mut self, max: usize) -> Vec<kvota_fairness::federation::EvictionNote> {
@@ -700,6 +715,21 @@ impl AdmissionState for AgentState {
         let note = DecisionNote { at_ms: self.now_ms, pod: pod.clone(), view: view.clone(), decision: decision.clone() };
         b.by_key.insert(key.to_string(), (b.next, note));
         b.order.push_back((b.next, key.to_string()));
+        // A governed GPU pod's decision goes to the control plane with the next report.
+        if let (Some(tenant), true) = (&view.tenant, pod.gpue > 0) {
+            if self.outbox.len() == MAX_DECISION_OUTBOX {
+                self.outbox.pop_front();
+                *self.shed.entry("decisions").or_insert(0) += 1;
+            }
+            self.outbox.push_back(kvota_fairness::federation::PodDecision {
+                pod: key.to_string(),
+                tenant: tenant.clone(),
+                verdict: decision.verdict,
+                milli_gpue: pod.gpue,
+                at_ms: self.now_ms,
+                text: clip(kvota_fairness::explain::explain_pod(pod, view, decision), kvota_fairness::federation::MAX_DECISION_TEXT),
+            });
+        }
         // Drop the oldest notes; a key judged again since has a newer number and stays.
         while b.by_key.len() > DECISIONS_KEPT || b.order.len() > 2 * DECISIONS_KEPT {
             let Some((n, k)) = b.order.pop_front() else { break };

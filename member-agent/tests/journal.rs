@@ -23,6 +23,7 @@ fn report(seq: u64) -> UsageReport {
             .map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0 }))
             .collect(),
         evictions: Vec::new(),
+        decisions: Vec::new(),
         window: None,
     }
 }

@@ -6,9 +6,10 @@
 
 use std::collections::BTreeMap;
 
+use kvota_fairness::admission::Verdict;
 use kvota_fairness::federation::{
-    valid_cluster_id, EvictionNote, TenantReport, UsageReport, UsageWindow, MAX_CAPACITY_RESOURCES,
-    MAX_REPORT_EVICTIONS, MAX_REPORT_TENANTS,
+    valid_cluster_id, EvictionNote, PodDecision, TenantReport, UsageReport, UsageWindow, MAX_CAPACITY_RESOURCES,
+    MAX_REPORT_DECISIONS, MAX_REPORT_EVICTIONS, MAX_REPORT_TENANTS,
 };
 use kvota_fairness::lease::{Lease, TenantBudget};
 
@@ -166,6 +167,18 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
             .into_iter()
             .map(EvictionNote::from)
             .collect();
+        if r.decisions.len() > MAX_REPORT_DECISIONS {
+            return Err(invalid(
+                "decisions",
+                format!("{} entries; at most {MAX_REPORT_DECISIONS}", r.decisions.len()),
+            ));
+        }
+        let decisions = r
+            .decisions
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| PodDecision::try_from(d).map_err(|e| invalid(format!("decisions[{i}].{}", e.field), e.why)))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(UsageReport {
             cluster,
             seq: r.seq,
@@ -173,6 +186,7 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
             capacity,
             tenants,
             evictions,
+            decisions,
             window: (r.window_start_ms != 0 || r.window_end_ms != 0)
                 .then_some(UsageWindow { start_ms: r.window_start_ms, end_ms: r.window_end_ms }),
         })
@@ -203,6 +217,36 @@ impl From<&UsageReport> for v1::ReportRequest {
                 .collect(),
             window_start_ms: r.window.map_or(0, |w| w.start_ms),
             window_end_ms: r.window.map_or(0, |w| w.end_ms),
+            decisions: r.decisions.iter().map(v1::PodDecision::from).collect(),
+        }
+    }
+}
+
+impl TryFrom<v1::PodDecision> for PodDecision {
+    type Error = Invalid;
+    fn try_from(d: v1::PodDecision) -> Result<Self, Invalid> {
+        let verdict = Verdict::parse(&d.verdict)
+            .ok_or_else(|| invalid("verdict", format!("`{}`: allow, queue or deny", truncate(&d.verdict))))?;
+        let out = PodDecision { pod: d.pod, tenant: d.tenant, verdict, milli_gpue: d.milli_gpue, at_ms: d.at_ms, text: d.text };
+        if out.text.len() > kvota_fairness::federation::MAX_DECISION_TEXT {
+            return Err(invalid("text", format!("{} bytes; at most {}", out.text.len(), kvota_fairness::federation::MAX_DECISION_TEXT)));
+        }
+        if !out.is_valid() {
+            return Err(invalid("pod", format!("`{}` of tenant `{}`: not a namespace/name of DNS names and a tenant name", truncate(&out.pod), truncate(&out.tenant))));
+        }
+        Ok(out)
+    }
+}
+
+impl From<&PodDecision> for v1::PodDecision {
+    fn from(d: &PodDecision) -> Self {
+        v1::PodDecision {
+            pod: d.pod.clone(),
+            tenant: d.tenant.clone(),
+            verdict: d.verdict.as_str().to_string(),
+            milli_gpue: d.milli_gpue,
+            at_ms: d.at_ms,
+            text: d.text.clone(),
         }
     }
 }
@@ -293,6 +337,7 @@ mod tests {
                 outcome: "evicted".into(),
                 why: "youngest pod of the most over-entitled tenant".into(),
             }],
+            decisions: vec![],
             window_start_ms: 0,
             window_end_ms: 0,
         }
@@ -306,6 +351,29 @@ mod tests {
         assert_eq!(core.evictions.len(), 1);
         assert_eq!(core.evictions[0].victim, "train/job-7");
         assert_eq!(v1::ReportRequest::from(&core), report());
+    }
+
+    #[test]
+    fn decisions_round_trip_and_bad_ones_name_their_field() {
+        let mut r = report();
+        let d = v1::PodDecision { pod: "ml/job-1".into(), tenant: "training".into(), verdict: "queue".into(), milli_gpue: 2_000, at_ms: 7, text: "why".into() };
+        r.decisions = vec![d.clone()];
+        let core = UsageReport::try_from(r.clone()).expect("valid");
+        assert_eq!(core.decisions[0].verdict, kvota_fairness::admission::Verdict::Queue);
+        assert_eq!(v1::ReportRequest::from(&core), r);
+        for (field, edit) in [
+            ("decisions[0].verdict", v1::PodDecision { verdict: "maybe".into(), ..d.clone() }),
+            ("decisions[0].pod", v1::PodDecision { pod: "no-slash".into(), ..d.clone() }),
+            ("decisions[0].pod", v1::PodDecision { tenant: "T".into(), ..d.clone() }),
+            ("decisions[0].text", v1::PodDecision { text: "x".repeat(kvota_fairness::federation::MAX_DECISION_TEXT + 1), ..d.clone() }),
+        ] {
+            let mut bad = report();
+            bad.decisions = vec![edit];
+            assert_eq!(UsageReport::try_from(bad).map_err(|e| e.field), Err(field.to_string()));
+        }
+        let mut many = report();
+        many.decisions = vec![d; MAX_REPORT_DECISIONS + 1];
+        assert_eq!(UsageReport::try_from(many).map_err(|e| e.field), Err("decisions".to_string()));
     }
 
     #[test]
@@ -385,6 +453,7 @@ mod tests {
                 tenants in proptest::collection::vec((name(), number(), number(), number()), 0..6),
                 capacity in proptest::collection::vec((name(), number()), 0..3),
                 window in (number(), number()),
+                decisions in proptest::collection::vec((prop_oneof![Just("ml/a".to_string()), name()], name(), prop_oneof![Just("deny".to_string()), name()], number(), ".{0,40}"), 0..3),
             ) -> v1::ReportRequest {
                 v1::ReportRequest {
                     cluster,
@@ -393,6 +462,7 @@ mod tests {
                     tenants: tenants.into_iter().map(|(tenant, u, i, p)| v1::TenantUsage { tenant, used_milli_gpue_ms: u, inuse_milli_gpue: i, pending_milli_gpue: p }).collect(),
                     capacity: capacity.into_iter().map(|(name, q)| v1::Resource { name, quantity_milli: q }).collect(),
                     evictions: vec![],
+                    decisions: decisions.into_iter().map(|(pod, tenant, verdict, n, text)| v1::PodDecision { pod, tenant, verdict, milli_gpue: n, at_ms: n, text }).collect(),
                     window_start_ms: window.0,
                     window_end_ms: window.1,
                 }

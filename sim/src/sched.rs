@@ -309,6 +309,7 @@ impl Scheduler for WfqDecay {
                 capacity: None,
                 tenants,
                 evictions: Vec::new(),
+                decisions: Vec::new(),
                 window: None,
             };
             match self.fed.apply(now, Command::Report(report)) {

@@ -301,4 +301,53 @@ async function refresh() {
   }
 }
 
+const VERDICT_WORDS = { allow: "admitted", queue: "queued behind the gate", deny: "denied" };
+
+async function explainPod() {
+  const pod = document.getElementById("pod-q").value.trim();
+  const cluster = document.getElementById("pod-cluster").value.trim();
+  const out = document.getElementById("pod-result");
+  if (!/^[^/\s]+\/[^/\s]+$/.test(pod)) {
+    out.replaceChildren(el("p", { class: "error" }, "Give the pod as namespace/name, as in its admission message."));
+    return;
+  }
+  history.replaceState(null, "", "#pod=" + encodeURIComponent(pod) + (cluster ? "&cluster=" + encodeURIComponent(cluster) : ""));
+  out.replaceChildren(el("p", { class: "muted" }, "Asking…"));
+  let r;
+  try {
+    r = await getJson("/api/v1/decisions?pod=" + encodeURIComponent(pod) + (cluster ? "&cluster=" + encodeURIComponent(cluster) : ""));
+  } catch (e) {
+    out.replaceChildren(el("p", { class: "error" }, String(e.message || e)));
+    return;
+  }
+  if (!r.kept) {
+    out.replaceChildren(el("p", { class: "muted" }, "This federation keeps no decisions yet: every control-plane node must run a kvota that supports feature level 2."));
+    return;
+  }
+  if (r.decisions.length === 0) {
+    out.replaceChildren(el("p", { class: "muted" }, "No agent has reported a decision about " + pod + (cluster ? " in " + cluster : "") +
+      ": not judged, not reported yet, or judged more than 512 decisions ago."));
+    return;
+  }
+  const now = last ? last.federation.state_time_ms : Date.now();
+  out.replaceChildren(...r.decisions.map((d) =>
+    el("div", { class: "decision verdict-" + d.verdict, "data-pod-cluster": d.cluster, "data-verdict": d.verdict },
+      el("h3", {}, d.pod + " in " + d.cluster + ": " + (VERDICT_WORDS[d.verdict] || d.verdict) + " (" + fix2(d.gpus) + " GPUs, tenant " + d.tenant + ", " + ago(Math.max(0, now - d.at_ms) / 1000) + ")"),
+      el("pre", {}, d.text))));
+}
+
+function searchFromHash() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  if (!params.get("pod")) return;
+  document.getElementById("pod-q").value = params.get("pod");
+  document.getElementById("pod-cluster").value = params.get("cluster") || "";
+  explainPod();
+}
+
+document.getElementById("pod-go").addEventListener("click", explainPod);
+for (const id of ["pod-q", "pod-cluster"]) {
+  document.getElementById(id).addEventListener("keydown", (e) => { if (e.key === "Enter") explainPod(); });
+}
+window.addEventListener("hashchange", searchFromHash);
+searchFromHash();
 refresh();

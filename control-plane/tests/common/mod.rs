@@ -45,6 +45,7 @@ pub fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
         )]
         .into(),
         evictions: Vec::new(),
+        decisions: Vec::new(),
         window: None,
     })
 }
