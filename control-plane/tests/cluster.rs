@@ -143,7 +143,18 @@ async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
         cl.restart(id).await;
     }
     cl.leader(Duration::from_secs(10)).await;
-    let after = cl.converged(Duration::from_secs(10)).await;
+    // A restarted node applies its log only as far as the commit index it last wrote
+    // (every second at most); the rest follows once the new leader commits in its term.
+    // Wait for the state to reach where it was, not merely for the nodes to agree.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let after = loop {
+        let feds = cl.converged(Duration::from_secs(10)).await;
+        if feds[0].now_ms() >= before.now_ms() {
+            break feds;
+        }
+        assert!(std::time::Instant::now() < deadline, "the restarted nodes never caught up with the state before the restart");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     // Ticks after the restart may advance the clock; compare what was there before.
     assert_eq!(after[0].clusters().keys().collect::<Vec<_>>(), before.clusters().keys().collect::<Vec<_>>());
     assert_eq!(
