@@ -37,6 +37,7 @@ pub fn router(ctx: Arc<NodeCtx>) -> Router {
         .route("/api/v1/history", get(history))
         .route("/api/v1/usage", get(usage))
         .route("/api/v1/decisions", get(decisions))
+        .route("/api/v1/explain/tenant", get(explain_tenant))
         .route("/", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui/", get(|| async { asset("text/html; charset=utf-8", UI_HTML) }))
@@ -57,7 +58,7 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
     // Routes are few and fixed: the label set stays bounded (unknown paths are "other").
     let route = match path {
         "/metrics" | "/api/v1/status" | "/api/v1/tenants" | "/api/v1/clusters" | "/api/v1/audit" | "/api/v1/overview"
-        | "/api/v1/history" | "/api/v1/usage" | "/api/v1/decisions" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
+        | "/api/v1/history" | "/api/v1/usage" | "/api/v1/decisions" | "/api/v1/explain/tenant" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
         _ => "other".to_string(),
     };
     match id {
@@ -127,69 +128,15 @@ async fn metrics(State(ctx): State<Arc<NodeCtx>>) -> Response {
     answer::openmetrics(ctx.metrics.render(&raft, &state.federation))
 }
 
-/// A node's own view of itself and the group (`/api/v1/status`, and the `node` part of
-/// `/api/v1/overview`).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct NodeStatus {
-    /// This node.
-    pub node_id: u64,
-    /// Its Raft role: leader, follower, candidate, learner, shutdown.
-    pub role: String,
-    /// Its Raft term.
-    pub term: u64,
-    /// The leader it knows, if any.
-    pub leader_id: Option<u64>,
-    /// The leader's HTTP address (where its dashboard is), if known.
-    pub leader_http_addr: Option<String>,
-    /// Last log index.
-    pub last_log_index: Option<u64>,
-    /// Last applied index.
-    pub last_applied_index: Option<u64>,
-    /// `/readyz` would pass.
-    pub ready: bool,
-    /// The replicated clock, ms since the Unix epoch.
-    pub state_time_ms: u64,
-    /// Name of the policy in force.
-    pub policy: Option<String>,
-    /// Registered clusters.
-    pub clusters: usize,
-    /// The replicated state's feature level.
-    pub feature_level: u32,
-    /// The newest feature level this build supports.
-    pub feature_level_max: u32,
-}
-
-async fn node_status(ctx: &NodeCtx) -> NodeStatus {
-    let ready = ctx.ready_checked().await.is_ok();
-    let m = ctx.raft.metrics().borrow().clone();
-    let leader_http_addr = ctx.leader().map(|(_, n)| n.http_addr);
-    let state = ctx.state.read().await;
-    NodeStatus {
-        node_id: ctx.id,
-        role: crate::metrics::role_name(&m).to_string(),
-        term: m.current_term,
-        leader_id: m.current_leader,
-        leader_http_addr,
-        last_log_index: m.last_log_index,
-        last_applied_index: m.last_applied.map(|l| l.index),
-        ready,
-        state_time_ms: state.federation.now_ms(),
-        policy: state.federation.policy().map(|p| p.name.clone()),
-        clusters: state.federation.clusters().len(),
-        feature_level: state.feature_level,
-        feature_level_max: ctx.clock.own_feature_max(),
-    }
-}
-
 async fn status(State(ctx): State<Arc<NodeCtx>>) -> Response {
-    Json(node_status(&ctx).await).into_response()
+    Json(crate::view::StatusView::from(&crate::service::status_reply(&ctx).await)).into_response()
 }
 
 /// `/api/v1/overview`: the node, how fresh the read is, and the federation.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Overview {
     /// The node that answered.
-    pub node: NodeStatus,
+    pub node: crate::view::StatusView,
     /// Whether the read followed the leader.
     pub read: crate::node::ReadFreshness,
     /// The federation.
@@ -198,7 +145,7 @@ pub struct Overview {
 
 async fn overview(State(ctx): State<Arc<NodeCtx>>) -> Response {
     let read = ctx.read_barrier().await;
-    let node = node_status(&ctx).await;
+    let node = crate::view::StatusView::from(&crate::service::status_reply(&ctx).await);
     let federation = crate::view::FederationView::of(&ctx.state.read().await.federation);
     Json(Overview { node, read, federation }).into_response()
 }
@@ -247,6 +194,26 @@ async fn usage(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<UsageQuery>) -> 
     }
 }
 
+/// Query of `/api/v1/explain/tenant`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantQuery {
+    tenant: String,
+}
+
+/// Every number behind a tenant's entitlement (`kvota explain tenant T -o json`).
+async fn explain_tenant(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<TenantQuery>) -> Response {
+    let state = ctx.state.read().await;
+    match state.federation.explain_tenant(&q.tenant) {
+        Some(e) => Json(e).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            format!("the policy in force has no tenant `{}`\n", q.tenant.chars().take(64).collect::<String>()),
+        )
+            .into_response(),
+    }
+}
+
 /// Query of `/api/v1/decisions`: `pod` (`namespace/name`), optionally `cluster`.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -292,17 +259,13 @@ async fn history(State(ctx): State<Arc<NodeCtx>>, Query(f): Query<Filter>) -> Re
 
 async fn tenants(State(ctx): State<Arc<NodeCtx>>) -> Response {
     let state = ctx.state.read().await;
-    let fed = &state.federation;
-    let list: Vec<_> = fed
-        .policy()
-        .map(|p| p.tenants.iter().filter_map(|t| fed.explain_tenant(&t.name)).collect())
-        .unwrap_or_default();
-    Json(list).into_response()
+    Json(crate::view::TenantsView::from(&crate::service::tenants_reply(&state.federation))).into_response()
 }
 
 async fn clusters(State(ctx): State<Arc<NodeCtx>>) -> Response {
     let state = ctx.state.read().await;
-    Json(state.federation.clusters()).into_response()
+    let list: Vec<crate::view::ClusterView> = crate::service::clusters_reply(&state.federation).clusters.iter().map(Into::into).collect();
+    Json(list).into_response()
 }
 
 /// The audit log, oldest first; `?limit=N` keeps the newest N.

@@ -252,6 +252,85 @@ pub fn explain_pod_reply(fed: &kvota_fairness::federation::Federation, req: &v1:
     })
 }
 
+/// A node's view of itself and the group (the gRPC `Status` call and the HTTP
+/// `/api/v1/status` both answer with it).
+pub async fn status_reply(ctx: &NodeCtx) -> v1::StatusReply {
+    let ready = ctx.ready_checked().await.is_ok();
+    let m = ctx.raft.metrics().borrow().clone();
+    let state = ctx.state.read().await;
+    let membership = m.membership_config.membership();
+    let voters: BTreeSet<u64> = membership.voter_ids().collect();
+    let members = membership
+        .nodes()
+        .map(|(id, n)| node_info(*id, n, voters.contains(id)))
+        .collect();
+    let leader_addr = m
+        .current_leader
+        .and_then(|id| membership.get_node(&id).map(|n| n.rpc_addr.clone()))
+        .unwrap_or_default();
+    v1::StatusReply {
+        node_id: ctx.id,
+        role: crate::metrics::role_name(&m).to_string(),
+        term: m.current_term,
+        leader_id: m.current_leader.unwrap_or(0),
+        leader_rpc_addr: leader_addr,
+        last_log_index: m.last_log_index.unwrap_or(0),
+        last_applied_index: m.last_applied.map_or(0, |l| l.index),
+        committed_index: state.last_applied.map_or(0, |l| l.index),
+        members,
+        state_time_ms: state.federation.now_ms(),
+        policy: state.federation.policy().map(|p| p.name.clone()).unwrap_or_default(),
+        clusters: u32::try_from(state.federation.clusters().len()).unwrap_or(u32::MAX),
+        feature_level: state.feature_level,
+        feature_level_max: ctx.clock.own_feature_max(),
+        ready,
+    }
+}
+
+
+/// The policy's tenants with their numbers (the gRPC `ListTenants` call and the HTTP
+/// `/api/v1/tenants` both answer with it).
+pub fn tenants_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListTenantsReply {
+    let Some(policy) = fed.policy() else {
+        return v1::ListTenantsReply::default();
+    };
+    let plan = fed.plan();
+    let tenants = policy
+        .tenants
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let committed = fed.committed().get(&t.name).copied().unwrap_or(0);
+            let inuse = plan.inuse.get(i).copied().unwrap_or(0);
+            v1::TenantInfo {
+                tenant: t.name.clone(),
+                weight_milli: t.weight_milli,
+                min_share_bp: t.min_share_bp,
+                max_share_bp: t.max_share_bp,
+                preemptible: t.preemptible,
+                demand_milli_gpue: plan.demand.get(i).copied().unwrap_or(0),
+                inuse_milli_gpue: inuse,
+                target_milli_gpue: plan.entitlements.get(i).map_or(0, |e| e.total),
+                entitlement_milli_gpue: committed,
+                drift_ppm: kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity),
+                fairness_score: kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity),
+                decayed_usage: plan.usage.get(i).copied().unwrap_or(0),
+            }
+        })
+        .collect();
+    v1::ListTenantsReply {
+        capacity_milli_gpue: plan.capacity,
+        tenants,
+    }
+}
+
+
+/// Every registered cluster (the gRPC `ListClusters` call and the HTTP
+/// `/api/v1/clusters` both answer with it).
+pub fn clusters_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListClustersReply {
+    v1::ListClustersReply { clusters: fed.clusters().keys().filter_map(|id| cluster_info(fed, id)).collect() }
+}
+
 /// Showback over `req`'s period (see [`kvota_fairness::showback`]); the gRPC `Usage`
 /// call and the HTTP `/api/v1/usage` both answer with it.
 pub fn usage_reply(fed: &kvota_fairness::federation::Federation, req: &v1::UsageRequest) -> Result<v1::UsageReply, Status> {
@@ -350,37 +429,6 @@ impl AdminSvc {
             .map_err(|e| Status::failed_precondition(format!("node {id} at {raft_addr} is not verified: {e}")))
     }
 
-    async fn status_reply(&self) -> v1::StatusReply {
-        let m = self.ctx.raft.metrics().borrow().clone();
-        let state = self.ctx.state.read().await;
-        let membership = m.membership_config.membership();
-        let voters: BTreeSet<u64> = membership.voter_ids().collect();
-        let members = membership
-            .nodes()
-            .map(|(id, n)| node_info(*id, n, voters.contains(id)))
-            .collect();
-        let leader_addr = m
-            .current_leader
-            .and_then(|id| membership.get_node(&id).map(|n| n.rpc_addr.clone()))
-            .unwrap_or_default();
-        v1::StatusReply {
-            node_id: self.ctx.id,
-            role: crate::metrics::role_name(&m).to_string(),
-            term: m.current_term,
-            leader_id: m.current_leader.unwrap_or(0),
-            leader_rpc_addr: leader_addr,
-            last_log_index: m.last_log_index.unwrap_or(0),
-            last_applied_index: m.last_applied.map_or(0, |l| l.index),
-            committed_index: state.last_applied.map_or(0, |l| l.index),
-            members,
-            state_time_ms: state.federation.now_ms(),
-            policy: state.federation.policy().map(|p| p.name.clone()).unwrap_or_default(),
-            clusters: u32::try_from(state.federation.clusters().len()).unwrap_or(u32::MAX),
-            feature_level: state.feature_level,
-            feature_level_max: self.ctx.clock.own_feature_max(),
-        }
-    }
-
     /// Runs a membership call on the leader, forwarding once if needed.
     async fn leader_only<T>(
         &self,
@@ -389,7 +437,7 @@ impl AdminSvc {
         forward: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> Result<Response<v1::StatusReply>, Status>,
     ) -> Result<Response<v1::StatusReply>, Status> {
         match result {
-            Ok(_) => Ok(Response::new(self.status_reply().await)),
+            Ok(_) => Ok(Response::new(status_reply(&self.ctx).await)),
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
                 let addr = f.leader_node.map(|n| n.rpc_addr).ok_or_else(no_leader)?;
                 if fwd {
@@ -456,52 +504,19 @@ impl v1::admin_server::Admin for AdminSvc {
 
     async fn status(&self, request: Request<v1::Empty>) -> Result<Response<v1::StatusReply>, Status> {
         self.ctx.authz.check(&request, "admin", "Status", READ)?;
-        Ok(Response::new(self.status_reply().await))
+        Ok(Response::new(status_reply(&self.ctx).await))
     }
 
     async fn list_tenants(&self, request: Request<v1::Empty>) -> Result<Response<v1::ListTenantsReply>, Status> {
         self.ctx.authz.check(&request, "admin", "ListTenants", READ)?;
         let state = self.ctx.state.read().await;
-        let fed = &state.federation;
-        let Some(policy) = fed.policy() else {
-            return Ok(Response::new(v1::ListTenantsReply::default()));
-        };
-        let plan = fed.plan();
-        let tenants = policy
-            .tenants
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                let committed = fed.committed().get(&t.name).copied().unwrap_or(0);
-                let inuse = plan.inuse.get(i).copied().unwrap_or(0);
-                v1::TenantInfo {
-                    tenant: t.name.clone(),
-                    weight_milli: t.weight_milli,
-                    min_share_bp: t.min_share_bp,
-                    max_share_bp: t.max_share_bp,
-                    preemptible: t.preemptible,
-                    demand_milli_gpue: plan.demand.get(i).copied().unwrap_or(0),
-                    inuse_milli_gpue: inuse,
-                    target_milli_gpue: plan.entitlements.get(i).map_or(0, |e| e.total),
-                    entitlement_milli_gpue: committed,
-                    drift_ppm: kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity),
-                    fairness_score: kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity),
-                    decayed_usage: plan.usage.get(i).copied().unwrap_or(0),
-                }
-            })
-            .collect();
-        Ok(Response::new(v1::ListTenantsReply {
-            capacity_milli_gpue: plan.capacity,
-            tenants,
-        }))
+        Ok(Response::new(tenants_reply(&state.federation)))
     }
 
     async fn list_clusters(&self, request: Request<v1::Empty>) -> Result<Response<v1::ListClustersReply>, Status> {
         self.ctx.authz.check(&request, "admin", "ListClusters", READ)?;
         let state = self.ctx.state.read().await;
-        let fed = &state.federation;
-        let clusters = fed.clusters().keys().filter_map(|id| cluster_info(fed, id)).collect();
-        Ok(Response::new(v1::ListClustersReply { clusters }))
+        Ok(Response::new(clusters_reply(&state.federation)))
     }
 
     async fn explain_tenant(
@@ -582,7 +597,7 @@ impl v1::admin_server::Admin for AdminSvc {
             .initialize(members)
             .await
             .map_err(|e| Status::failed_precondition(format!("cannot initialize: {e}")))?;
-        Ok(Response::new(self.status_reply().await))
+        Ok(Response::new(status_reply(&self.ctx).await))
     }
 
     async fn add_learner(&self, request: Request<v1::AddLearnerRequest>) -> Result<Response<v1::StatusReply>, Status> {

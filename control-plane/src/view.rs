@@ -1,5 +1,10 @@
-//! The federation as an operator reads it: one snapshot of the replicated state in base
-//! units (GPU-equivalents as floats, seconds, ratios 0 to 1), computed once from
+//! What operators read, in one schema for the HTTP API and the CLI's `-o json|yaml`:
+//! every read answer is a serde type here, built from the same gRPC reply (or the same
+//! function behind it) whoever asks ([`StatusView`], [`TenantsView`], [`ClusterView`],
+//! [`UsageView`], [`DecisionsView`]).
+//!
+//! [`FederationView`]: the federation as the dashboard and the metrics read it, one
+//! snapshot of the replicated state in base units (GPU-equivalents as floats, seconds, ratios 0 to 1), computed once from
 //! [`Federation`] and shared by the Prometheus exposition ([`crate::metrics`]) and the
 //! dashboard's JSON (`/api/v1/overview`, [`crate::http`]), so the two never disagree.
 //!
@@ -12,6 +17,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use kvota_fairness::federation::Federation;
+use kvota_proto::v1;
 use serde::{Deserialize, Serialize};
 
 /// GPU-equivalents from thousandths.
@@ -334,6 +340,222 @@ impl History {
                     tenant: tenant
                         .and_then(|t| s.names.iter().position(|n| n == t))
                         .and_then(|i| s.tenants.get(i).copied()),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A control-plane member, as `kvota status` and `kvota members list` print it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberView {
+    /// Node id.
+    pub id: u64,
+    /// A voter (else a learner).
+    pub voter: bool,
+    /// The leader, as the answering node knows it.
+    pub leader: bool,
+    /// gRPC address.
+    pub rpc: String,
+    /// Raft address.
+    pub raft: String,
+    /// HTTP address (the dashboard's).
+    pub http: String,
+}
+
+/// A node's view of itself and the group: `kvota status -o json`, `/api/v1/status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusView {
+    /// The node that answered.
+    pub node_id: u64,
+    /// Its Raft role: leader, follower, candidate, learner, shutdown.
+    pub role: String,
+    /// Its Raft term.
+    pub term: u64,
+    /// The leader it knows (none during an election or without a quorum).
+    pub leader_id: Option<u64>,
+    /// The leader's gRPC address, if known.
+    pub leader_rpc_addr: Option<String>,
+    /// The leader's HTTP address (its dashboard), if known.
+    pub leader_http_addr: Option<String>,
+    /// Last log index.
+    pub last_log_index: u64,
+    /// Last applied index.
+    pub last_applied_index: u64,
+    /// Whether `/readyz` would pass.
+    pub ready: bool,
+    /// The replicated clock, ms since the Unix epoch.
+    pub state_time_ms: u64,
+    /// Name of the policy in force.
+    pub policy: Option<String>,
+    /// Registered member clusters.
+    pub clusters: u32,
+    /// The replicated state's feature level.
+    pub feature_level: u32,
+    /// The newest feature level the answering node supports.
+    pub feature_level_max: u32,
+    /// The group's members.
+    pub members: Vec<MemberView>,
+}
+
+impl From<&v1::StatusReply> for StatusView {
+    fn from(s: &v1::StatusReply) -> StatusView {
+        let leader = (s.leader_id != 0).then_some(s.leader_id);
+        let leader_member = s.members.iter().find(|m| Some(m.id) == leader);
+        let text = |x: &str| (!x.is_empty()).then(|| x.to_string());
+        StatusView {
+            node_id: s.node_id,
+            role: s.role.clone(),
+            term: s.term,
+            leader_id: leader,
+            leader_rpc_addr: text(&s.leader_rpc_addr),
+            leader_http_addr: leader_member.and_then(|m| text(&m.http_addr)),
+            last_log_index: s.last_log_index,
+            last_applied_index: s.last_applied_index,
+            ready: s.ready,
+            state_time_ms: s.state_time_ms,
+            policy: text(&s.policy),
+            clusters: s.clusters,
+            feature_level: s.feature_level,
+            feature_level_max: s.feature_level_max,
+            members: s
+                .members
+                .iter()
+                .map(|m| MemberView { id: m.id, voter: m.voter, leader: Some(m.id) == leader, rpc: m.rpc_addr.clone(), raft: m.raft_addr.clone(), http: m.http_addr.clone() })
+                .collect(),
+        }
+    }
+}
+
+/// One tenant in `kvota tenants -o json` and `/api/v1/tenants` (GPU-equivalents in
+/// thousandths, shares in basis points: exact integers).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TenantView {
+    /// Name.
+    pub tenant: String,
+    /// Policy weight, thousandths.
+    pub weight_milli: u64,
+    /// Guaranteed share, basis points.
+    pub min_share_bp: u32,
+    /// Largest share, basis points.
+    pub max_share_bp: u32,
+    /// Whether its pods may be evicted for others.
+    pub preemptible: bool,
+    /// Demand the plan used.
+    pub demand_milli_gpue: u64,
+    /// In use in every cluster.
+    pub inuse_milli_gpue: u64,
+    /// The plan's target.
+    pub target_milli_gpue: u64,
+    /// Committed entitlement.
+    pub entitlement_milli_gpue: u64,
+    /// `(in use - entitlement) / capacity`, parts per million.
+    pub drift_ppm: i64,
+    /// 1 when in use matches the entitlement.
+    pub fairness_score: f64,
+    /// Decayed usage, milli-GPUe x ms.
+    pub decayed_usage_milli_gpue_ms: u64,
+}
+
+/// `kvota tenants -o json`, `/api/v1/tenants`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TenantsView {
+    /// Federation capacity, thousandths of a GPU-equivalent.
+    pub capacity_milli_gpue: u64,
+    /// The policy's tenants in policy order (empty without a policy).
+    pub tenants: Vec<TenantView>,
+}
+
+impl From<&v1::ListTenantsReply> for TenantsView {
+    fn from(r: &v1::ListTenantsReply) -> TenantsView {
+        TenantsView {
+            capacity_milli_gpue: r.capacity_milli_gpue,
+            tenants: r
+                .tenants
+                .iter()
+                .map(|t| TenantView {
+                    tenant: t.tenant.clone(),
+                    weight_milli: t.weight_milli,
+                    min_share_bp: t.min_share_bp,
+                    max_share_bp: t.max_share_bp,
+                    preemptible: t.preemptible,
+                    demand_milli_gpue: t.demand_milli_gpue,
+                    inuse_milli_gpue: t.inuse_milli_gpue,
+                    target_milli_gpue: t.target_milli_gpue,
+                    entitlement_milli_gpue: t.entitlement_milli_gpue,
+                    drift_ppm: t.drift_ppm,
+                    fairness_score: t.fairness_score,
+                    decayed_usage_milli_gpue_ms: t.decayed_usage,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One tenant's numbers in one cluster (its newest lease, its last report).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterTenantView {
+    /// Tenant.
+    pub tenant: String,
+    /// In use there (last report).
+    pub inuse_milli_gpue: u64,
+    /// Waiting there (last report).
+    pub pending_milli_gpue: u64,
+    /// Budget in the newest lease.
+    pub budget_milli_gpue: u64,
+    /// Safe budget in the newest lease (after expiry).
+    pub fallback_milli_gpue: u64,
+    /// What the cluster may enforce now, over every open lease.
+    pub enforceable_milli_gpue: u64,
+}
+
+/// One member cluster in `kvota clusters -o json` and `/api/v1/clusters`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterView {
+    /// Name.
+    pub cluster: String,
+    /// Capacity in GPU-equivalents (thousandths) under the policy's weights.
+    pub capacity_milli_gpue: u64,
+    /// Capacity per resource name (thousandths).
+    pub capacity: BTreeMap<String, u64>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Last applied report's sequence number.
+    pub last_seq: u64,
+    /// When it was applied (the replicated clock; 0: never).
+    pub last_report_ms: u64,
+    /// Newest lease epoch issued.
+    pub last_epoch: u64,
+    /// Newest epoch the agent acknowledged.
+    pub acked_epoch: u64,
+    /// Every lease has run out: the cluster enforces its safe budgets.
+    pub unreachable: bool,
+    /// Per tenant.
+    pub tenants: Vec<ClusterTenantView>,
+}
+
+impl From<&v1::ClusterInfo> for ClusterView {
+    fn from(c: &v1::ClusterInfo) -> ClusterView {
+        ClusterView {
+            cluster: c.cluster.clone(),
+            capacity_milli_gpue: c.capacity_milli_gpue,
+            capacity: c.capacity.iter().map(|r| (r.name.clone(), r.quantity_milli)).collect(),
+            labels: c.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            last_seq: c.last_seq,
+            last_report_ms: c.last_report_ms,
+            last_epoch: c.last_epoch,
+            acked_epoch: c.acked_epoch,
+            unreachable: c.unreachable,
+            tenants: c
+                .tenants
+                .iter()
+                .map(|t| ClusterTenantView {
+                    tenant: t.tenant.clone(),
+                    inuse_milli_gpue: t.inuse_milli_gpue,
+                    pending_milli_gpue: t.pending_milli_gpue,
+                    budget_milli_gpue: t.budget_milli_gpue,
+                    fallback_milli_gpue: t.fallback_milli_gpue,
+                    enforceable_milli_gpue: t.enforceable_milli_gpue,
                 })
                 .collect(),
         }

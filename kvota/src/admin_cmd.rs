@@ -67,9 +67,10 @@ pub enum MembersCmd {
     /// List the control plane's members: id, voter or learner, which one leads, and
     /// their gRPC, Raft and HTTP addresses, as the answering node knows them.
     List {
-        /// Print JSON: an array of {id, voter, leader, rpc, raft, http}.
-        #[arg(long)]
-        json: bool,
+        /// JSON and YAML: an array of {id, voter, leader, rpc, raft, http}, the
+        /// `members` of `/api/v1/status`.
+        #[command(flatten)]
+        out: OutputArg,
     },
     /// Initialize a new group from a node that started without --init. Give every
     /// initial member, including that node. With TLS, each other member must answer at
@@ -114,9 +115,8 @@ pub enum ExplainCmd {
     Tenant {
         /// Tenant name.
         name: String,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: OutputArg,
     },
     /// Why a pod was admitted, queued or denied. Agents send their decisions about GPU
     /// pods to the control plane with their usage reports, so any node answers (the
@@ -141,12 +141,68 @@ pub enum ExplainCmd {
         /// Name to verify the agent's certificate for (default: the host in --agent).
         #[arg(long, value_name = "NAME", requires = "agent")]
         agent_tls_name: Option<String>,
-        /// Print JSON: the agent's answer with --agent; else the reported decisions,
+        /// JSON and YAML: the agent's answer with --agent; else the reported decisions,
         /// `{kept, decisions: [{cluster, pod, tenant, verdict, gpus, at_ms, text}]}`, as
         /// the HTTP API's `/api/v1/decisions` answers.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: OutputArg,
     },
+}
+
+/// How a read command prints its answer (`-o`): `json` and `yaml` are the HTTP API's
+/// schema (`kvota_control_plane::view`), the same whoever asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// For people: aligned columns or sentences.
+    Table,
+    /// One JSON document, as the HTTP API answers.
+    Json,
+    /// The same as YAML.
+    Yaml,
+}
+
+/// `-o table|json|yaml` (and the older `--json`).
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct OutputArg {
+    /// Output: table (for people), json or yaml (the HTTP API's schema).
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    output: Output,
+    /// The same as `-o json`.
+    #[arg(long, hide = true)]
+    json: bool,
+}
+
+impl OutputArg {
+    /// The format asked for.
+    pub fn format(&self) -> Output {
+        if self.json {
+            Output::Json
+        } else {
+            self.output
+        }
+    }
+
+    /// Prints `v` as JSON or YAML and says so (`true`); `false`: print a table.
+    fn print<T: serde::Serialize>(&self, v: &T) -> Result<bool> {
+        match self.format() {
+            Output::Table => Ok(false),
+            Output::Json => {
+                out!("{}", serde_json::to_string_pretty(v).context("encode JSON")?);
+                Ok(true)
+            }
+            Output::Yaml => {
+                outp!("{}", yaml(v)?);
+                Ok(true)
+            }
+        }
+    }
+}
+
+/// `v` as YAML with the JSON document's shape: through a JSON value, so an enum is a
+/// map as in the JSON (not a YAML tag) and both outputs read the same.
+fn yaml<T: serde::Serialize>(v: &T) -> Result<String> {
+    let doc = serde_json::to_value(v).context("encode")?;
+    serde_yaml_ng::to_string(&doc).context("encode YAML")
 }
 
 fn client(cp: &Cp) -> Result<Client> {
@@ -195,25 +251,15 @@ fn pct_bp(bp: u32) -> String {
 }
 
 /// `kvota status`
-pub fn status(cp: &Cp, json: bool) -> Result<()> {
+pub fn status(cp: &Cp, o: OutputArg) -> Result<()> {
     let c = client(cp)?;
     let s = rt()?
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }))
         .map_err(|e| status_err(cp, e))?;
-    if json {
-        out!(
-            "{}",
-            serde_json::json!({
-                "node_id": s.node_id, "role": s.role, "term": s.term, "leader_id": s.leader_id,
-                "leader_rpc_addr": s.leader_rpc_addr, "last_log_index": s.last_log_index,
-                "last_applied_index": s.last_applied_index, "policy": s.policy, "clusters": s.clusters,
-                "feature_level": s.feature_level, "feature_level_max": s.feature_level_max,
-                "members": s.members.iter().map(|m| member_json(m, s.leader_id)).collect::<Vec<_>>(),
-            })
-        );
+    if o.print(&kvota_control_plane::view::StatusView::from(&s))? {
         return Ok(());
     }
-    out!("node {} is {} (term {})", s.node_id, s.role, s.term);
+    out!("node {} is {} (term {}){}", s.node_id, s.role, s.term, if s.ready { "" } else { ", not ready" });
     if s.leader_id == 0 {
         out!("leader: none known (election in progress or no quorum)");
     } else {
@@ -408,20 +454,12 @@ pub fn policy_diff(cp: &Cp, new: &Policy, json: bool) -> Result<()> {
 }
 
 /// `kvota tenants`
-pub fn tenants(cp: &Cp, json: bool) -> Result<()> {
+pub fn tenants(cp: &Cp, o: OutputArg) -> Result<()> {
     let c = client(cp)?;
     let r = rt()?
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).list_tenants(v1::Empty {}).await?.into_inner()) }))
         .map_err(|e| status_err(cp, e))?;
-    if json {
-        let list: Vec<_> = r.tenants.iter().map(|t| serde_json::json!({
-            "tenant": t.tenant, "weight_milli": t.weight_milli, "min_share_bp": t.min_share_bp,
-            "max_share_bp": t.max_share_bp, "preemptible": t.preemptible, "demand_milli_gpue": t.demand_milli_gpue,
-            "inuse_milli_gpue": t.inuse_milli_gpue, "target_milli_gpue": t.target_milli_gpue,
-            "entitlement_milli_gpue": t.entitlement_milli_gpue, "drift_ppm": t.drift_ppm, "fairness_score": t.fairness_score,
-            "decayed_usage_milli_gpue_ms": t.decayed_usage,
-        })).collect();
-        out!("{}", serde_json::json!({"capacity_milli_gpue": r.capacity_milli_gpue, "tenants": list}));
+    if o.print(&kvota_control_plane::view::TenantsView::from(&r))? {
         return Ok(());
     }
     if r.tenants.is_empty() {
@@ -452,7 +490,7 @@ pub fn tenants(cp: &Cp, json: bool) -> Result<()> {
 }
 
 /// `kvota clusters`
-pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
+pub fn clusters(cp: &Cp, o: OutputArg) -> Result<()> {
     let c = client(cp)?;
     let (r, st) = rt()?
         .block_on(async {
@@ -465,16 +503,8 @@ pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
             Ok::<_, tonic::Status>((r, st))
         })
         .map_err(|e| status_err(cp, e))?;
-    if json {
-        let list: Vec<_> = r.clusters.iter().map(|c| serde_json::json!({
-            "cluster": c.cluster, "capacity_milli_gpue": c.capacity_milli_gpue, "last_seq": c.last_seq,
-            "last_report_ms": c.last_report_ms, "last_epoch": c.last_epoch, "acked_epoch": c.acked_epoch,
-            "unreachable": c.unreachable,
-            "tenants": c.tenants.iter().map(|t| serde_json::json!({"tenant": t.tenant, "inuse_milli_gpue": t.inuse_milli_gpue,
-                "pending_milli_gpue": t.pending_milli_gpue, "budget_milli_gpue": t.budget_milli_gpue,
-                "fallback_milli_gpue": t.fallback_milli_gpue, "enforceable_milli_gpue": t.enforceable_milli_gpue})).collect::<Vec<_>>(),
-        })).collect();
-        out!("{}", serde_json::Value::Array(list));
+    let list: Vec<kvota_control_plane::view::ClusterView> = r.clusters.iter().map(Into::into).collect();
+    if o.print(&list)? {
         return Ok(());
     }
     if r.clusters.is_empty() {
@@ -512,10 +542,10 @@ pub fn clusters(cp: &Cp, json: bool) -> Result<()> {
 
 /// `kvota explain tenant NAME`
 pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
-    let (name, json) = match cmd {
-        ExplainCmd::Tenant { name, json } => (name, json),
-        ExplainCmd::Pod { pod, cluster, agent, agent_ca, agent_tls_name, json } => {
-            return explain_pod(cp, pod, cluster.as_deref(), agent.as_deref(), agent_ca.as_deref(), agent_tls_name.clone(), *json)
+    let (name, o) = match cmd {
+        ExplainCmd::Tenant { name, out } => (name, out),
+        ExplainCmd::Pod { pod, cluster, agent, agent_ca, agent_tls_name, out } => {
+            return explain_pod(cp, pod, cluster.as_deref(), agent.as_deref(), agent_ca.as_deref(), agent_tls_name.clone(), *out)
         }
     };
     let c = client(cp)?;
@@ -526,8 +556,8 @@ pub fn explain(cp: &Cp, cmd: &ExplainCmd) -> Result<()> {
             async move { Ok(Client::admin(ch).explain_tenant(v1::ExplainTenantRequest { tenant }).await?.into_inner()) }
         }))
         .map_err(|e| status_err(cp, e))?;
-    if *json {
-        out!("{}", explanation_json(r)?);
+    if o.format() != Output::Table {
+        o.print(&explanation(r)?)?;
     } else {
         out!("{}", r.text);
     }
@@ -543,7 +573,7 @@ fn explain_pod(
     agent: Option<&str>,
     agent_ca: Option<&std::path::Path>,
     tls_name: Option<String>,
-    json: bool,
+    o: OutputArg,
 ) -> Result<()> {
     let (namespace, name) = pod
         .split_once('/')
@@ -566,9 +596,7 @@ fn explain_pod(
         if status != 200 {
             bail!("{}", v["error"].as_str().unwrap_or("the agent could not explain this pod"));
         }
-        if json {
-            out!("{}", serde_json::to_string_pretty(&v)?);
-        } else {
+        if !o.print(&v)? {
             let e: kvota_member_agent::state::PodExplanation = serde_json::from_value(v).context("decode the agent's answer")?;
             out!("{}", e.text);
             out!("  decided {} ago; now: {}", kvota_fairness::units::format_duration_ms(e.decided_ago_ms), e.now);
@@ -586,8 +614,7 @@ fn explain_pod(
         }))
         .map_err(|e| status_err(cp, e))?;
     let view = kvota_control_plane::view::DecisionsView::from(&reported);
-    if json {
-        out!("{}", serde_json::to_string_pretty(&view).context("encode the decisions")?);
+    if o.print(&view)? {
         return Ok(());
     }
     if !view.decisions.is_empty() {
@@ -641,18 +668,53 @@ fn percent_encode(s: &str) -> String {
 }
 
 /// `kvota audit`
-pub fn audit(cp: &Cp, limit: u32) -> Result<()> {
+pub fn audit(cp: &Cp, limit: u32, o: OutputArg) -> Result<()> {
     let c = client(cp)?;
     let r = rt()?
         .block_on(c.call(|ch| async move {
             Ok(Client::admin(ch).audit_log(v1::AuditLogRequest { limit }).await?.into_inner())
         }))
         .map_err(|e| status_err(cp, e))?;
-    for (i, rec) in r.entries.into_iter().enumerate() {
-        let rec = kvota_fairness::federation::AuditRecord::try_from(rec).with_context(|| format!("audit record {i} from the control plane"))?;
-        out!("{}", serde_json::to_string(&rec).context("encode an audit record")?);
+    let records = r
+        .entries
+        .into_iter()
+        .enumerate()
+        .map(|(i, rec)| kvota_fairness::federation::AuditRecord::try_from(rec).with_context(|| format!("audit record {i} from the control plane")))
+        .collect::<Result<Vec<_>>>()?;
+    if o.print(&records)? {
+        return Ok(());
+    }
+    if records.is_empty() {
+        out!("the audit log is empty");
+    }
+    for rec in &records {
+        out!("{}  #{:<6} {}", rfc3339(rec.at_ms), rec.seq, audit_sentence(&rec.event));
     }
     Ok(())
+}
+
+/// One audit event in words (the dashboard's timeline says the same).
+fn audit_sentence(e: &kvota_fairness::federation::AuditEvent) -> String {
+    use kvota_fairness::federation::AuditEvent as E;
+    match e {
+        E::PolicyApplied { name, tenants } => format!("policy {name} came into force ({tenants} tenants)"),
+        E::ClusterRegistered { cluster, capacity_gpue } => format!("cluster {cluster} registered with {} GPUe", format_gpue(*capacity_gpue)),
+        E::ClusterRemoved { cluster } => format!("cluster {cluster} was removed"),
+        E::Eviction { cluster, note } => format!(
+            "in {cluster}, reclaim {} {} of {} ({} GPUe) for {}'s {}: {}",
+            if note.outcome == kvota_fairness::federation::EvictionOutcome::Blocked { "could not evict (a PodDisruptionBudget refused)" } else { "evicted" },
+            note.victim,
+            note.victim_tenant,
+            format_gpue(note.milli_gpue),
+            note.for_tenant,
+            note.for_pod,
+            note.why
+        ),
+        E::BudgetsChanged { cluster, epoch, changes } => {
+            let parts: Vec<String> = changes.iter().map(|c| format!("{} {} -> {} ({})", c.tenant, format_gpue(c.from), format_gpue(c.to), c.why)).collect();
+            format!("cluster {cluster} got lease epoch {epoch}: {}", if parts.is_empty() { "budgets renewed".to_string() } else { parts.join("; ") })
+        }
+    }
 }
 
 /// `kvota usage`'s arguments.
@@ -669,7 +731,8 @@ pub struct UsageArgs {
     /// Group rows by `tenant`, `cluster` or `tenant,cluster`; `none` for one total.
     #[arg(long, default_value = "tenant", value_parser = parse_by)]
     pub by: (bool, bool),
-    /// Output: `table` for people, `csv` for a spreadsheet, `json` (the HTTP API's schema).
+    /// Output: `table` for people, `csv` for a spreadsheet, `json` or `yaml` (the HTTP
+    /// API's schema).
     #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
     pub output: UsageFormat,
 }
@@ -681,8 +744,10 @@ pub enum UsageFormat {
     Table,
     /// `tenant,cluster,gpu_hours,since,until` with a header.
     Csv,
-    /// One JSON object.
+    /// One JSON object (the HTTP API's `/api/v1/usage`).
     Json,
+    /// The same as YAML.
+    Yaml,
 }
 
 /// A point in time on the command line.
@@ -766,9 +831,16 @@ pub fn usage(cp: &Cp, a: &UsageArgs) -> Result<()> {
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).usage(req).await?.into_inner()) }))
         .map_err(|e| status_err(cp, e))?;
     let view = kvota_control_plane::view::UsageView::from(&r);
-    if a.output == UsageFormat::Json {
-        out!("{}", serde_json::to_string_pretty(&view).context("encode the usage")?);
-        return Ok(());
+    match a.output {
+        UsageFormat::Json => {
+            out!("{}", serde_json::to_string_pretty(&view).context("encode the usage")?);
+            return Ok(());
+        }
+        UsageFormat::Yaml => {
+            outp!("{}", yaml(&view)?);
+            return Ok(());
+        }
+        UsageFormat::Table | UsageFormat::Csv => {}
     }
     if !view.kept {
         bail!("the control plane keeps no showback yet: it runs below feature level 2 (every node must run a kvota that supports it; see `kvota status`)");
@@ -803,11 +875,11 @@ pub fn usage(cp: &Cp, a: &UsageArgs) -> Result<()> {
     Ok(())
 }
 
-/// A tenant's explanation as JSON (the core's form, as the HTTP API serves it).
-fn explanation_json(r: v1::ExplainTenantReply) -> Result<String> {
+/// A tenant's explanation in the core's form (as the HTTP API's
+/// `/api/v1/explain/tenant` serves it).
+fn explanation(r: v1::ExplainTenantReply) -> Result<kvota_fairness::explain::TenantExplanation> {
     let e = r.explanation.context("the control plane answered without the explanation's numbers (an older kvota?)")?;
-    let e = kvota_fairness::explain::TenantExplanation::try_from(e).context("the explanation from the control plane")?;
-    serde_json::to_string(&e).context("encode the explanation")
+    kvota_fairness::explain::TenantExplanation::try_from(e).context("the explanation from the control plane")
 }
 
 fn member(spec: &str) -> Result<v1::NodeInfo> {
@@ -815,20 +887,13 @@ fn member(spec: &str) -> Result<v1::NodeInfo> {
     Ok(v1::NodeInfo { id, rpc_addr: n.rpc_addr, http_addr: n.http_addr, raft_addr: n.raft_addr, voter: true })
 }
 
-/// One member as `status --json` and `members list --json` print it.
-fn member_json(m: &v1::NodeInfo, leader_id: u64) -> serde_json::Value {
-    serde_json::json!({"id": m.id, "voter": m.voter, "leader": m.id == leader_id, "rpc": m.rpc_addr, "raft": m.raft_addr, "http": m.http_addr})
-}
-
 /// `kvota members list`
-fn members_list(cp: &Cp, json: bool) -> Result<()> {
+fn members_list(cp: &Cp, o: OutputArg) -> Result<()> {
     let c = client(cp)?;
     let s = rt()?
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }))
         .map_err(|e| status_err(cp, e))?;
-    if json {
-        let list: Vec<serde_json::Value> = s.members.iter().map(|m| member_json(m, s.leader_id)).collect();
-        out!("{}", serde_json::to_string_pretty(&list).context("encode the members")?);
+    if o.print(&kvota_control_plane::view::StatusView::from(&s).members)? {
         return Ok(());
     }
     out!("{:>4}  {:<8}  {:<6}  {:<22}  {:<22}  HTTP", "ID", "ROLE", "LEADS", "GRPC", "RAFT");
@@ -854,7 +919,7 @@ pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
     let c = client(cp)?;
     let rt = rt()?;
     let reply = match cmd {
-        MembersCmd::List { json } => return members_list(cp, *json),
+        MembersCmd::List { out } => return members_list(cp, *out),
         MembersCmd::Init { members } => {
             let members = members.iter().map(|m| member(m)).collect::<Result<Vec<_>>>()?;
             rt.block_on(c.call(|ch| {

@@ -48,33 +48,33 @@ enum Cmd {
     Agent(crate::agent_cmd::AgentArgs),
     /// Show the control-plane node's Raft role, leader, log and members.
     Status {
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: crate::admin_cmd::OutputArg,
     },
     /// Work with FairnessPolicy files and the policy in force.
     #[command(subcommand)]
     Policy(PolicyCmd),
     /// List tenants: demand, in use, target and committed entitlement, drift, score.
     Tenants {
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: crate::admin_cmd::OutputArg,
     },
     /// List member clusters: capacity, last report, lease epochs, budgets per tenant.
     Clusters {
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: crate::admin_cmd::OutputArg,
     },
     /// Explain the numbers behind a decision.
     #[command(subcommand)]
     Explain(crate::admin_cmd::ExplainCmd),
-    /// Print the audit log (why budgets changed), one JSON record per line.
+    /// Print the audit log (why budgets changed, policies, registrations, evictions),
+    /// oldest first.
     Audit {
         /// Most recent records to show (0: all kept).
         #[arg(long, default_value_t = 50)]
         limit: u32,
+        #[command(flatten)]
+        out: crate::admin_cmd::OutputArg,
     },
     /// Showback: GPU-hours each tenant used in each cluster over a period, undecayed,
     /// from the hourly buckets the control plane keeps (whole hours; retention is the
@@ -191,13 +191,13 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Cmd::Server(args) => crate::server_cmd::run(args).map(|()| ExitCode::SUCCESS),
         Cmd::Agent(args) => crate::agent_cmd::run(args, &cp).map(|()| ExitCode::SUCCESS),
-        Cmd::Status { json } => crate::admin_cmd::status(&cp, json).map(|()| ExitCode::SUCCESS),
+        Cmd::Status { out } => crate::admin_cmd::status(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Policy(PolicyCmd::Apply { file }) => crate::admin_cmd::policy_apply(&cp, &file),
         Cmd::Policy(PolicyCmd::Get) => crate::admin_cmd::policy_get(&cp).map(|()| ExitCode::SUCCESS),
-        Cmd::Tenants { json } => crate::admin_cmd::tenants(&cp, json).map(|()| ExitCode::SUCCESS),
-        Cmd::Clusters { json } => crate::admin_cmd::clusters(&cp, json).map(|()| ExitCode::SUCCESS),
+        Cmd::Tenants { out } => crate::admin_cmd::tenants(&cp, out).map(|()| ExitCode::SUCCESS),
+        Cmd::Clusters { out } => crate::admin_cmd::clusters(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),
-        Cmd::Audit { limit } => crate::admin_cmd::audit(&cp, limit).map(|()| ExitCode::SUCCESS),
+        Cmd::Audit { limit, out } => crate::admin_cmd::audit(&cp, limit, out).map(|()| ExitCode::SUCCESS),
         Cmd::Usage(args) => crate::admin_cmd::usage(&cp, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Members(m) => crate::admin_cmd::members(&cp, &m).map(|()| ExitCode::SUCCESS),
         Cmd::Certs(c) => crate::certs_cmd::run(c).map(|()| ExitCode::SUCCESS),

@@ -696,9 +696,9 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
     assert_eq!(e["tenant"], "training", "{e}");
     assert!(e["clusters"].as_array().is_some_and(|c| c.iter().any(|p| p["cluster"] == "east")), "{e}");
     assert!(e["fairness_score"].as_f64().is_some(), "{e}");
-    let out = kvota().args(["audit", "--cp", &rpc]).output().expect("audit");
+    let out = kvota().args(["audit", "-o", "json", "--cp", &rpc]).output().expect("audit");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let records: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON record per line")).collect();
+    let records: Vec<Value> = serde_json::from_slice(&out.stdout).expect("a JSON array of records");
     assert!(records.iter().any(|r| r["event"]["PolicyApplied"]["name"] == "agent-test"), "{records:?}");
     assert!(records.iter().any(|r| r["event"]["ClusterRegistered"]["cluster"] == "east"), "{records:?}");
     assert!(records.windows(2).all(|w| w[0]["seq"].as_u64() < w[1]["seq"].as_u64()), "oldest first: {records:?}");

@@ -535,3 +535,105 @@ async fn usage_shows_what_the_clusters_reported_in_every_form() {
     assert!(code != 0 && err.contains("must be before"), "{err}");
     cl.shutdown().await;
 }
+
+/// One schema: every read command's `-o json` is what the HTTP API answers for the same
+/// object (status, tenants, clusters, audit, a tenant's explanation, members), and `-o
+/// yaml` is the same document; against a real 3-node control plane (nodes in this
+/// process) with two registered clusters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_commands_print_the_http_apis_json_and_yaml() {
+    use kvota_client::client::Client;
+    use kvota_proto::v1;
+    use serde_json::Value;
+    use std::time::Duration;
+
+    let cl = kvota_testkit::Cluster::start(3).await;
+    let leader = cl.leader(Duration::from_secs(20)).await;
+    let cp = cl.members[&leader].rpc_addr.clone();
+    let http = cl.members[&leader].http_addr.clone();
+    let c = Client::new(&cl.endpoints()).expect("client");
+    let (code, _, err) = tokio::task::spawn_blocking({
+        let cp = cp.clone();
+        move || kvota(&["policy", "apply", &repo("deploy/policies/article.yaml"), "--cp", &cp])
+    })
+    .await
+    .expect("join");
+    assert_eq!(code, 0, "{err}");
+    for (name, gpus) in [("east", 16_000), ("west", 8_000)] {
+        let reg = v1::RegisterRequest { cluster: name.into(), capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: gpus }], labels: [("zone".to_string(), name.to_string())].into() };
+        c.call(|ch| {
+            let reg = reg.clone();
+            async move { Ok(Client::member(ch).register(reg).await?.into_inner()) }
+        })
+        .await
+        .expect("register");
+    }
+    let run = |args: Vec<&'static str>| {
+        let cp = cp.clone();
+        async move {
+            let (code, out, err) = tokio::task::spawn_blocking(move || {
+                let mut all = args.clone();
+                all.extend(["--cp", &cp]);
+                kvota(&all)
+            })
+            .await
+            .expect("join");
+            assert_eq!(code, 0, "{err}");
+            out
+        }
+    };
+    let connector = kvota_tls::connect::Connector::new(None);
+    let api = |path: &'static str| {
+        let (http, connector) = (http.clone(), connector.clone());
+        async move {
+            let (code, body) = kvota_testkit::http_get(&connector, &http, path).await.expect("http");
+            assert_eq!(code, 200, "{path}: {body}");
+            serde_json::from_str::<Value>(&body).unwrap_or_else(|e| panic!("{path}: {e}"))
+        }
+    };
+    // Nothing reports usage, so these stay put between the two reads.
+    for (args, path) in [
+        (vec!["tenants"], "/api/v1/tenants"),
+        (vec!["clusters"], "/api/v1/clusters"),
+        (vec!["audit", "--limit", "0"], "/api/v1/audit"),
+        (vec!["explain", "tenant", "training"], "/api/v1/explain/tenant?tenant=training"),
+    ] {
+        let mut json_args = args.clone();
+        json_args.extend(["-o", "json"]);
+        let cli: Value = serde_json::from_str(&run(json_args).await).expect("CLI JSON");
+        assert_eq!(cli, api(path).await, "kvota {} -o json differs from {path}", args.join(" "));
+        let mut yaml_args = args.clone();
+        yaml_args.extend(["-o", "yaml"]);
+        let yaml: Value = serde_yaml_ng::from_str(&run(yaml_args).await).expect("CLI YAML");
+        assert_eq!(yaml, cli, "kvota {} -o yaml is not the JSON document", args.join(" "));
+    }
+    let tenants: Value = serde_json::from_str(&run(vec!["tenants", "-o", "json"]).await).expect("json");
+    assert_eq!(tenants["tenants"].as_array().map(Vec::len), Some(3), "{tenants}");
+    let clusters: Value = serde_json::from_str(&run(vec!["clusters", "--json"]).await).expect("--json still works");
+    assert_eq!(clusters[0]["labels"]["zone"], "east", "{clusters}");
+
+    // Status: the same node, the same document (its log moves with every tick, so only
+    // what stands still is compared whole).
+    let st: Value = serde_json::from_str(&run(vec!["status", "-o", "json"]).await).expect("status");
+    let sa = api("/api/v1/status").await;
+    let keys = |v: &Value| v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>());
+    assert_eq!(keys(&st), keys(&sa), "status: the same fields");
+    for f in ["node_id", "role", "leader_id", "leader_rpc_addr", "leader_http_addr", "policy", "clusters", "feature_level", "members"] {
+        assert_eq!(st[f], sa[f], "status.{f}");
+    }
+    assert_eq!(st["members"].as_array().map(Vec::len), Some(3));
+    let members: Value = serde_json::from_str(&run(vec!["members", "list", "-o", "json"]).await).expect("members");
+    assert_eq!(members, sa["members"], "members list is status's members");
+
+    // The tables are for people: words, not JSON.
+    let audit = run(vec!["audit"]).await;
+    assert!(audit.contains("policy myfair-cluster came into force (3 tenants)") && audit.contains("cluster west registered with 8 GPUe"), "{audit}");
+    let (code, _, err) = tokio::task::spawn_blocking({
+        let cp = cp.clone();
+        move || kvota(&["tenants", "-o", "xml", "--cp", &cp])
+    })
+    .await
+    .expect("join");
+    assert!(code == 2 && err.contains("table") && err.contains("yaml"), "{err}");
+    cl.shutdown().await;
+}

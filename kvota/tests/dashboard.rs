@@ -264,18 +264,18 @@ async fn the_dashboard_shows_the_apis_numbers_in_a_real_browser() {
 
     // Tenants: every row shows the API's numbers.
     let table = section(&dom, "tenants", "</table>");
-    let tenants = api_tenants.as_array().expect("tenants");
+    let tenants = api_tenants["tenants"].as_array().expect("tenants");
     assert_eq!(tenants.len(), 3);
     let mut total_inuse = 0u64;
     for t in tenants {
         let name = t["tenant"].as_str().expect("name");
         let r = row(table, &format!("data-tenant=\"{name}\"")).unwrap_or_else(|| panic!("no row for {name}:\n{table}"));
-        let inuse = t["inuse"].as_u64().expect("inuse");
+        let inuse = t["inuse_milli_gpue"].as_u64().expect("inuse");
         total_inuse += inuse;
         let (v, text) = cell(r, "data-field=\"inuse_gpus\"").expect("in use cell");
         assert_eq!(text, shown(inuse), "{name} in use: {r}");
         assert!(close(v.parse().expect("number"), inuse as f64 / 1000.0), "{name}: {v}");
-        for (field, api) in [("entitlement_gpus", "committed"), ("target_gpus", "target")] {
+        for (field, api) in [("entitlement_gpus", "entitlement_milli_gpue"), ("target_gpus", "target_milli_gpue")] {
             let (v, text) = cell(r, &format!("data-field=\"{field}\"")).unwrap_or_else(|| panic!("{name}: no {field}"));
             let want = t[api].as_u64().expect(api) as f64 / 1000.0;
             let got: f64 = v.parse().expect("number");
@@ -291,12 +291,14 @@ async fn the_dashboard_shows_the_apis_numbers_in_a_real_browser() {
     let matrix = section(&dom, "matrix", "</table>");
     assert!(matrix.contains("north (safe budgets)"), "north stands out as on safe budgets:\n{matrix}");
     let mut cells = 0;
-    for (cluster, rec) in api_clusters.as_object().expect("clusters") {
-        let newest = rec["leases"]["open"].as_array().and_then(|a| a.last()).expect("a lease");
+    let api_cluster = |name: &str| api_clusters.as_array().and_then(|a| a.iter().find(|c| c["cluster"] == name)).cloned().unwrap_or_else(|| panic!("no cluster {name}"));
+    for rec in api_clusters.as_array().expect("clusters") {
+        let cluster = rec["cluster"].as_str().expect("name");
         for t in tenants {
             let name = t["tenant"].as_str().expect("name");
             let r = row(matrix, &format!("data-tenant=\"{name}\"")).unwrap_or_else(|| panic!("no matrix row for {name}"));
-            let want = newest["budgets"][name]["budget"].as_u64().unwrap_or(0) as f64 / 1000.0;
+            let budget = rec["tenants"].as_array().and_then(|a| a.iter().find(|x| x["tenant"] == name)).map_or(0, |x| x["budget_milli_gpue"].as_u64().expect("budget"));
+            let want = budget as f64 / 1000.0;
             let (v, text) = cell(r, &format!("data-cluster=\"{cluster}\"")).unwrap_or_else(|| panic!("no cell {name} x {cluster}"));
             assert!(close(v.parse().expect("budget"), want), "{name} in {cluster}: page {v}, API {want}");
             assert!(close(text.parse().expect("shown"), want), "{name} in {cluster}: shows {text}");
@@ -312,7 +314,7 @@ async fn the_dashboard_shows_the_apis_numbers_in_a_real_browser() {
         let (v, _) = cell(r, "data-field=\"lease\"").expect("lease");
         assert_eq!(v, state, "{c}: {r}");
         let (cap, _) = cell(r, "data-field=\"capacity_gpus\"").expect("capacity");
-        let want = api_clusters[c]["capacity_gpue"].as_u64().expect("capacity") as f64 / 1000.0;
+        let want = api_cluster(c)["capacity_milli_gpue"].as_u64().expect("capacity") as f64 / 1000.0;
         assert!(close(cap.parse().expect("capacity"), want), "{c} capacity {cap} vs {want}");
     }
     assert!(section(&dom, "ov-fallback", "</div>").contains("on safe budgets: north"), "the overview names north");
