@@ -277,7 +277,7 @@ async fn membership_changes_and_admin_http() {
         let (code, json) = http_get(&m.http_addr, "/api/v1/tenants").await;
         assert_eq!(code, 200);
         let v: serde_json::Value = serde_json::from_str(&json).expect("tenants json");
-        assert_eq!(v.as_array().map(Vec::len), Some(3));
+        assert_eq!(v["tenants"].as_array().map(Vec::len), Some(3), "{v}");
     }
 
     // A fourth node joins as a learner, is promoted, then node 1 is removed.
