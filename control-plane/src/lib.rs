@@ -9,10 +9,11 @@
 //! [`service`] (Member and Admin gRPC), [`metrics`], [`view`] (the federation in base
 //! units, shared by the metrics and the dashboard), [`http`] (health, readiness,
 //! metrics, JSON, the dashboard), [`server`] (configuration and startup), [`auth`] (who may call what), [`clock`] (the federation's time: the
-//! median of the voters' clocks). The client and its TLS set-up live in `kvota-client`,
+//! median of the voters' clocks), [`backup`] (`kvota snapshot save` and `restore`). The client and its TLS set-up live in `kvota-client`,
 //! which the agent and the CLI use without this crate.
 
 pub mod auth;
+pub mod backup;
 pub mod clock;
 pub mod http;
 pub mod metrics;

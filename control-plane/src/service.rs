@@ -539,6 +539,17 @@ impl v1::admin_server::Admin for AdminSvc {
         explain_pod_reply(&state.federation, &req).map(Response::new)
     }
 
+    async fn save_snapshot(&self, request: Request<v1::Empty>) -> Result<Response<v1::SnapshotReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "SaveSnapshot", OPERATE)?;
+        let read = self.ctx.read_barrier().await;
+        let backup = {
+            let state = self.ctx.state.read().await;
+            crate::backup::encode(&state, self.ctx.id, self.ctx.clock.wall_ms()).map_err(Status::internal)?
+        };
+        tracing::info!(bytes = backup.len(), follows_leader = read.follows_leader, "backup taken");
+        Ok(Response::new(v1::SnapshotReply { backup, follows_leader: read.follows_leader, note: read.note.unwrap_or_default() }))
+    }
+
     async fn usage(&self, request: Request<v1::UsageRequest>) -> Result<Response<v1::UsageReply>, Status> {
         self.ctx.authz.check(&request, "admin", "Usage", READ)?;
         let req = request.into_inner();

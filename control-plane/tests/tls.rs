@@ -112,6 +112,12 @@ async fn each_role_gets_what_it_may_and_a_cluster_acts_only_for_itself() {
         .await;
     denied(rm, Code::PermissionDenied, "RemoveCluster");
     denied(register(&viewer, "viewer-cluster").await, Code::PermissionDenied, "Register");
+    // A backup holds the whole state: operators only.
+    let save = |c: Client| async move { c.call(|ch| async move { Ok(Client::admin(ch).save_snapshot(v1::Empty {}).await?.into_inner()) }).await };
+    denied(save(viewer.clone()).await, Code::PermissionDenied, "may not call admin.SaveSnapshot");
+    denied(save(east.clone()).await, Code::PermissionDenied, "may not call admin.SaveSnapshot");
+    let backup = save(operator.clone()).await.expect("an operator saves a backup");
+    assert!(backup.follows_leader && !backup.backup.is_empty(), "{}", backup.note);
     // An operator reports no usage (only clusters do).
     denied(report(&operator, "east", 2, 0).await, Code::PermissionDenied, "member.Report");
     // A node certificate may make writes only as forwarded calls.

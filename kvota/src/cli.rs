@@ -81,6 +81,10 @@ enum Cmd {
     /// policy's `spec.showback.retention`, 100 days by default). The same JSON as the
     /// HTTP API's `/api/v1/usage`.
     Usage(crate::admin_cmd::UsageArgs),
+    /// Back up the federation's replicated state, or restore a backup into a new data
+    /// directory.
+    #[command(subcommand)]
+    Snapshot(crate::admin_cmd::SnapshotCmd),
     /// Make the federation's CA and the certificates of its nodes, clusters, operators,
     /// viewers and webhooks (mutual TLS by identity; see docs/security.md).
     #[command(subcommand)]
@@ -199,6 +203,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),
         Cmd::Audit { limit, out } => crate::admin_cmd::audit(&cp, limit, out).map(|()| ExitCode::SUCCESS),
         Cmd::Usage(args) => crate::admin_cmd::usage(&cp, &args).map(|()| ExitCode::SUCCESS),
+        Cmd::Snapshot(s) => crate::admin_cmd::snapshot(&cp, &s).map(|()| ExitCode::SUCCESS),
         Cmd::Members(m) => crate::admin_cmd::members(&cp, &m).map(|()| ExitCode::SUCCESS),
         Cmd::Certs(c) => crate::certs_cmd::run(c).map(|()| ExitCode::SUCCESS),
         Cmd::Cluster(ClusterCmd::Remove { name }) => {
