@@ -1216,3 +1216,44 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
         assert!(status == 200 || status == 503, "server probe {path} answered {status}");
     }
 }
+
+/// The image's Dockerfile (checked as text: building it needs a static release build,
+/// which `deploy/build-image` makes): FROM scratch, the binary on PATH so `kubectl exec
+/// POD -- kvota status` finds it, a numeric non-root USER (what the manifests'
+/// runAsNonRoot checks), the OCI version and revision labels filled from build
+/// arguments that `build-image` passes, and the entrypoint the manifests' args follow.
+#[test]
+fn the_image_puts_kvota_on_path_runs_as_non_root_and_carries_its_version() {
+    let text = std::fs::read_to_string(repo().join("deploy/Dockerfile")).expect("Dockerfile");
+    // Instructions, with continuation lines joined and comments dropped.
+    let joined = text.lines().filter(|l| !l.trim_start().starts_with('#')).collect::<Vec<_>>().join("\n").replace("\\\n", " ");
+    let instr: Vec<(String, String)> = joined
+        .lines()
+        .filter_map(|l| l.trim().split_once(' ').map(|(k, v)| (k.to_ascii_uppercase(), v.trim().to_string())))
+        .collect();
+    let all = |k: &str| instr.iter().filter(|(i, _)| i == k).map(|(_, v)| v.clone()).collect::<Vec<_>>();
+    assert_eq!(all("FROM"), ["scratch"]);
+    assert_eq!(all("COPY"), ["kvota /usr/local/bin/kvota"]);
+    assert!(all("ENV").iter().any(|e| e.starts_with("PATH=") && e["PATH=".len()..].split(':').any(|d| d == "/usr/local/bin")), "{:?}", all("ENV"));
+    assert_eq!(all("ENTRYPOINT"), [r#"["/usr/local/bin/kvota"]"#]);
+    let user = all("USER");
+    let uid: u32 = user.last().and_then(|u| u.split(':').next()).and_then(|u| u.parse().ok()).expect("a numeric USER");
+    assert!(uid != 0, "runs as root");
+    let labels = all("LABEL").join(" ");
+    for key in ["org.opencontainers.image.version=\"${VERSION}\"", "org.opencontainers.image.revision=\"${REVISION}\"", "org.opencontainers.image.title="] {
+        assert!(labels.contains(key), "label {key} missing: {labels}");
+    }
+    let args = all("ARG");
+    assert!(args.iter().any(|a| a.starts_with("VERSION")) && args.iter().any(|a| a.starts_with("REVISION")), "{args:?}");
+    let build = std::fs::read_to_string(repo().join("deploy/build-image")).expect("build-image");
+    assert!(build.contains("--build-arg \"VERSION=") && build.contains("--build-arg \"REVISION="), "build-image passes the version and revision");
+    // The manifests run the uid the image declares.
+    for doc in manifests() {
+        if let Some(spec) = doc.value.pointer("/spec/template/spec") {
+            for c in spec["containers"].as_array().into_iter().flatten().filter(|c| c["image"].as_str().is_some_and(|i| i.starts_with("kvota:"))) {
+                let run_as = c.pointer("/securityContext/runAsUser").or_else(|| spec.pointer("/securityContext/runAsUser")).and_then(Value::as_u64);
+                assert_eq!(run_as, Some(u64::from(uid)), "{} runs as the image's uid", doc.name());
+            }
+        }
+    }
+}
