@@ -240,11 +240,11 @@ async fn decisions(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<DecisionsQue
     }
 }
 
-/// Query of `/api/v1/history` and `/api/v1/audit`.
+/// Query of `/api/v1/history`.
 #[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Filter {
     tenant: Option<String>,
-    limit: Option<usize>,
 }
 
 async fn history(State(ctx): State<Arc<NodeCtx>>, Query(f): Query<Filter>) -> Response {
@@ -269,9 +269,27 @@ async fn clusters(State(ctx): State<Arc<NodeCtx>>) -> Response {
 }
 
 /// The audit log, oldest first; `?limit=N` keeps the newest N.
-async fn audit(State(ctx): State<Arc<NodeCtx>>, Query(f): Query<Filter>) -> Response {
+/// Query of `/api/v1/audit`: `limit` (the newest N), `tenant`, `actor` (e.g.
+/// `operator/alice`), `since_ms` (control-plane clock); each optional.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuditQuery {
+    limit: Option<u32>,
+    tenant: Option<String>,
+    actor: Option<String>,
+    since_ms: Option<u64>,
+}
+
+async fn audit(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<AuditQuery>) -> Response {
+    let req = kvota_proto::v1::AuditLogRequest {
+        limit: q.limit.unwrap_or(0),
+        tenant: q.tenant.unwrap_or_default(),
+        actor: q.actor.unwrap_or_default(),
+        since_ms: q.since_ms.unwrap_or(0),
+    };
     let state = ctx.state.read().await;
-    let skip = f.limit.map_or(0, |n| state.federation.audit().count().saturating_sub(n));
-    let list: Vec<_> = state.federation.audit().skip(skip).collect();
-    Json(list).into_response()
+    match crate::service::audit_records(&state.federation, &req) {
+        Ok(list) => Json(list).into_response(),
+        Err(s) => (StatusCode::BAD_REQUEST, format!("{}\n", s.message())).into_response(),
+    }
 }

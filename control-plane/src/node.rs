@@ -1,7 +1,7 @@
 //! One control-plane node: its Raft handle, its view of the replicated state, and the
 //! write path that any gRPC handler uses (propose here if leader, else forward).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,8 @@ pub const BATCH_WEIGHT: usize = 20_000;
 /// One write waiting to be batched.
 struct Pending {
     command: Command,
+    /// Who asked (for the audit log), when known.
+    actor: Option<String>,
     reply: oneshot::Sender<Result<Proposed, tonic::Status>>,
     /// The proposer's span (a gRPC call's), which the batch's span follows from.
     span: tracing::Span,
@@ -206,9 +208,15 @@ impl NodeCtx {
     /// Proposes `command` if this node leads; otherwise says where the leader is.
     /// Commands queued together are committed as one log entry (group commit).
     pub async fn propose(&self, command: Command) -> Result<Proposed, tonic::Status> {
+        self.propose_as(command, None).await
+    }
+
+    /// [`NodeCtx::propose`] on behalf of `actor` (`role/name`), whom the audit records
+    /// the command makes will name (from feature level 2).
+    pub async fn propose_as(&self, command: Command, actor: Option<String>) -> Result<Proposed, tonic::Status> {
         let started = Instant::now();
         let (reply, answer) = oneshot::channel();
-        self.writes.try_send(Pending { command, reply, span: tracing::Span::current() }).map_err(|e| match e {
+        self.writes.try_send(Pending { command, actor, reply, span: tracing::Span::current() }).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => tonic::Status::resource_exhausted(
                 "the control plane has too many writes queued; retry with backoff",
             ),
@@ -403,7 +411,16 @@ async fn batcher(
             span.follows_from(&p.span);
         }
         tokio::spawn(async move {
-            let (commands, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.command, p.reply)).unzip();
+            let mut actors = BTreeMap::new();
+            let mut commands = Vec::with_capacity(batch.len());
+            let mut replies = Vec::with_capacity(batch.len());
+            for (i, p) in batch.into_iter().enumerate() {
+                if let (Some(a), Ok(i)) = (p.actor, u32::try_from(i)) {
+                    actors.insert(i, a);
+                }
+                commands.push(p.command);
+                replies.push(p.reply);
+            }
             let n = commands.len();
             let voters: BTreeSet<NodeId> = raft.metrics().borrow().membership_config.membership().voter_ids().collect();
             let Some(now_ms) = stamp(&clock, &voters, &state, CLOCK_WAIT).await else {
@@ -417,6 +434,10 @@ async fn batcher(
             let level = state.read().await.feature_level;
             let mut req = Request::new(now_ms, commands);
             req.format = crate::types::entry_format_for(level);
+            // Below the records level an older member may read this entry: no actors.
+            if level >= crate::types::RECORDS_LEVEL {
+                req.actors = actors;
+            }
             // Every member (voters and learners) supports a newer feature level than the
             // group runs at: this entry raises it (entries in flight may carry the same
             // raise; applying it again changes nothing).

@@ -70,6 +70,25 @@ fn forwarded<T>(msg: T) -> Request<T> {
     r
 }
 
+/// Names the party a forwarded write is from (the leader's audit log records it).
+const ACTOR_HEADER: &str = "kvota-actor";
+
+/// Who the audit log names for a write: `role/name` of the caller's certificate; for a
+/// call a follower forwarded (nodes forward only what they authorized), the party it
+/// names; none without TLS.
+fn actor_of<T>(caller: &crate::auth::Caller, req: &Request<T>) -> Option<String> {
+    let crate::auth::Caller::Party(id) = caller else { return None };
+    if id.role() == kvota_tls::Role::Node {
+        return req
+            .metadata()
+            .get(ACTOR_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|a| a.len() <= kvota_fairness::federation::MAX_ACTOR_LEN)
+            .map(str::to_string);
+    }
+    Some(format!("{}/{}", id.role().as_str(), id.name()))
+}
+
 fn unexpected(what: &str, got: &Applied) -> Status {
     Status::internal(format!("state machine answered {what} with {got:?}"))
 }
@@ -79,17 +98,22 @@ impl NodeCtx {
     async fn write_or_forward<M: Clone>(
         self: &Arc<Self>,
         command: Command,
+        actor: Option<String>,
         already_forwarded: bool,
         msg: M,
         via: impl AsyncFnOnce(tonic::transport::Channel, Request<M>) -> Result<Response<Applied>, Status>,
     ) -> Result<Applied, Status> {
-        match self.propose(command).await? {
+        match self.propose_as(command, actor.clone()).await? {
             Proposed::Done(Ok(a)) => Ok(a),
             Proposed::Done(Err(e)) => Err(refusal(e)),
             Proposed::Forward(addr) if already_forwarded => Err(not_leader(&addr)),
             Proposed::Forward(addr) => {
                 let ch = self.channel(&addr).await?;
-                match via(ch, forwarded(msg)).await {
+                let mut req = forwarded(msg);
+                if let Some(v) = actor.and_then(|a| a.parse().ok()) {
+                    req.metadata_mut().insert(ACTOR_HEADER, v);
+                }
+                match via(ch, req).await {
                     Ok(r) => Ok(r.into_inner()),
                     Err(s) => {
                         if s.code() == tonic::Code::Unavailable {
@@ -118,7 +142,7 @@ impl v1::member_server::Member for MemberSvc {
         };
         let applied = self
             .ctx
-            .write_or_forward(cmd, fwd, msg, async |ch, req| {
+            .write_or_forward(cmd, None, fwd, msg, async |ch, req| {
                 let lease = MemberClient::new(ch).register(req).await?.into_inner().lease;
                 let lease = lease.ok_or_else(|| Status::internal("leader answered without a lease"))?;
                 let lease = kvota_fairness::lease::Lease::try_from(lease).map_err(invalid)?;
@@ -148,7 +172,7 @@ impl v1::member_server::Member for MemberSvc {
         let span = tracing::info_span!("report", cluster = %report.cluster, seq = report.seq, tenants = report.tenants.len(), forwarded = fwd);
         let result = self
             .ctx
-            .write_or_forward(Command::Report(report), fwd, msg, async |ch, req| {
+            .write_or_forward(Command::Report(report), None, fwd, msg, async |ch, req| {
                 let r = MemberClient::new(ch).report(req).await?.into_inner();
                 let lease = r.lease.ok_or_else(|| Status::internal("leader answered without a lease"))?;
                 let lease = kvota_fairness::lease::Lease::try_from(lease).map_err(invalid)?;
@@ -331,6 +355,26 @@ pub fn clusters_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListC
     v1::ListClustersReply { clusters: fed.clusters().keys().filter_map(|id| cluster_info(fed, id)).collect() }
 }
 
+/// The audit records `req` asks for, oldest first: those about its tenant, by its
+/// actor, from its time on (each only when given), the newest `limit` of them (0: all
+/// kept). The gRPC `AuditLog` call and the HTTP `/api/v1/audit` both answer with it.
+pub fn audit_records<'a>(
+    fed: &'a kvota_fairness::federation::Federation,
+    req: &'a v1::AuditLogRequest,
+) -> Result<Vec<&'a kvota_fairness::federation::AuditRecord>, Status> {
+    let shown = |s: &str| s.chars().take(64).collect::<String>();
+    if !req.tenant.is_empty() && !kvota_fairness::names::is_dns_label(&req.tenant) {
+        return Err(Status::invalid_argument(format!("tenant: `{}` is not a tenant name", shown(&req.tenant))));
+    }
+    if req.actor.len() > kvota_fairness::federation::MAX_ACTOR_LEN {
+        return Err(Status::invalid_argument("actor: too long"));
+    }
+    let text = |s: &'a str| (!s.is_empty()).then_some(s);
+    let all: Vec<_> = fed.audit_filtered(text(&req.tenant), text(&req.actor), (req.since_ms > 0).then_some(req.since_ms)).collect();
+    let skip = if req.limit == 0 { 0 } else { all.len().saturating_sub(req.limit as usize) };
+    Ok(all.into_iter().skip(skip).collect())
+}
+
 /// Showback over `req`'s period (see [`kvota_fairness::showback`]); the gRPC `Usage`
 /// call and the HTTP `/api/v1/usage` both answer with it.
 pub fn usage_reply(fed: &kvota_fairness::federation::Federation, req: &v1::UsageRequest) -> Result<v1::UsageReply, Status> {
@@ -457,7 +501,8 @@ impl AdminSvc {
 #[tonic::async_trait]
 impl v1::admin_server::Admin for AdminSvc {
     async fn apply_policy(&self, request: Request<v1::PolicyRequest>) -> Result<Response<v1::PolicyReply>, Status> {
-        self.ctx.authz.check(&request, "admin", "ApplyPolicy", OPERATE)?;
+        let caller = self.ctx.authz.check(&request, "admin", "ApplyPolicy", OPERATE)?;
+        let actor = actor_of(&caller, &request);
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let policy = Policy::from_yaml(&msg.yaml).map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -472,7 +517,7 @@ impl v1::admin_server::Admin for AdminSvc {
         let reply = policy_reply(&policy);
         let applied = self
             .ctx
-            .write_or_forward(Command::ApplyPolicy(policy), fwd, msg, async |ch, req| {
+            .write_or_forward(Command::ApplyPolicy(policy), actor, fwd, msg, async |ch, req| {
                 AdminClient::new(ch).apply_policy(req).await?;
                 Ok(Response::new(Applied::PolicyApplied))
             })
@@ -559,20 +604,20 @@ impl v1::admin_server::Admin for AdminSvc {
 
     async fn audit_log(&self, request: Request<v1::AuditLogRequest>) -> Result<Response<v1::AuditLogReply>, Status> {
         self.ctx.authz.check(&request, "admin", "AuditLog", READ)?;
-        let limit = request.into_inner().limit as usize;
+        let req = request.into_inner();
         let state = self.ctx.state.read().await;
-        let all: Vec<v1::AuditRecord> = state.federation.audit().map(v1::AuditRecord::from).collect();
-        let skip = if limit == 0 { 0 } else { all.len().saturating_sub(limit) };
-        Ok(Response::new(v1::AuditLogReply { entries: all.into_iter().skip(skip).collect() }))
+        let entries = audit_records(&state.federation, &req)?.into_iter().map(v1::AuditRecord::from).collect();
+        Ok(Response::new(v1::AuditLogReply { entries }))
     }
 
     async fn remove_cluster(&self, request: Request<v1::DescribeClusterRequest>) -> Result<Response<v1::Empty>, Status> {
-        self.ctx.authz.check(&request, "admin", "RemoveCluster", OPERATE)?;
+        let caller = self.ctx.authz.check(&request, "admin", "RemoveCluster", OPERATE)?;
+        let actor = actor_of(&caller, &request);
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let id = convert::cluster_id("cluster", &msg.cluster).map_err(invalid)?;
         self.ctx
-            .write_or_forward(Command::RemoveCluster { cluster: id }, fwd, msg, async |ch, req| {
+            .write_or_forward(Command::RemoveCluster { cluster: id }, actor, fwd, msg, async |ch, req| {
                 AdminClient::new(ch).remove_cluster(req).await?;
                 Ok(Response::new(Applied::Removed))
             })

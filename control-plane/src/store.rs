@@ -889,7 +889,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 data.last_applied = Some(entry.log_id);
                 let reply = match entry.payload {
                     EntryPayload::Blank => Response(None),
-                    EntryPayload::Normal(Request { now_ms, commands, raise_feature_level, .. }) => {
+                    EntryPayload::Normal(Request { now_ms, commands, raise_feature_level, actors, .. }) => {
                         // Checked before anything of the entry is applied: a node that
                         // cannot run at the new level stops here, its state untouched
                         // by this entry (openraft applies it again after an upgrade).
@@ -904,13 +904,20 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                                 .into());
                             }
                         }
-                        let answers = commands.into_iter().map(|c| data.federation.apply(now_ms, c)).collect();
+                        let answers = commands
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, c)| {
+                                let actor = u32::try_from(i).ok().and_then(|i| actors.get(&i)).cloned();
+                                data.federation.apply_as(now_ms, c, actor)
+                            })
+                            .collect();
                         if let Some(level) = raise_feature_level {
                             if level > data.feature_level {
                                 tracing::info!(from = data.feature_level, to = level, "feature level raised");
                                 data.feature_level = level;
                             }
-                            if data.feature_level >= crate::types::SHOWBACK_LEVEL {
+                            if data.feature_level >= crate::types::RECORDS_LEVEL {
                                 data.federation.enable_records();
                             }
                         }

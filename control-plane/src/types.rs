@@ -1,5 +1,6 @@
 //! The Raft type configuration: what a log entry carries and what applying it returns.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io::Cursor;
 
@@ -45,8 +46,12 @@ pub const LOG_FORMAT: u32 = 1;
 /// level; a policy may set `spec.showback` only from then.
 pub const FEATURE_LEVEL: u32 = 2;
 
-/// The feature level from which the replicated state keeps showback.
-pub const SHOWBACK_LEVEL: u32 = 2;
+/// The feature level from which the replicated state keeps records: showback, the
+/// agents' reported decisions, and the actors of audit records (log entries name who
+/// asked for each command).
+pub const RECORDS_LEVEL: u32 = 2;
+/// The feature level from which a policy may set `spec.showback` (see [`RECORDS_LEVEL`]).
+pub const SHOWBACK_LEVEL: u32 = RECORDS_LEVEL;
 
 /// A log entry's payload: state-machine commands stamped by the leader that proposed
 /// them, applied in order. Time enters the state machine only through this stamp, so
@@ -71,12 +76,17 @@ pub struct Request {
     /// stops when it applies the entry, with an error that says to upgrade it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raise_feature_level: Option<u32>,
+    /// Who asked for each command, by its index in `commands` (`role/name` of the
+    /// caller's certificate), for the audit log. Written from feature level 2 only
+    /// ([`RECORDS_LEVEL`]): an older node refuses an entry with this field.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub actors: BTreeMap<u32, String>,
 }
 
 impl Request {
     /// An entry of the current format carrying `commands` stamped `now_ms`.
     pub fn new(now_ms: u64, commands: Vec<Command>) -> Request {
-        Request { format: LOG_FORMAT, now_ms, commands, raise_feature_level: None }
+        Request { format: LOG_FORMAT, now_ms, commands, raise_feature_level: None, actors: BTreeMap::new() }
     }
 }
 
@@ -109,6 +119,7 @@ impl<'de> Deserialize<'de> for Request {
             NowMs,
             Commands,
             Raise,
+            Actors,
             Other(String),
         }
         impl<'de> Deserialize<'de> for Field {
@@ -125,6 +136,7 @@ impl<'de> Deserialize<'de> for Request {
                             "now_ms" => Field::NowMs,
                             "commands" => Field::Commands,
                             "raise_feature_level" => Field::Raise,
+                            "actors" => Field::Actors,
                             other => Field::Other(other.to_owned()),
                         })
                     }
@@ -146,6 +158,7 @@ impl<'de> Deserialize<'de> for Request {
                 let mut now_ms: Option<u64> = None;
                 let mut commands: Option<Vec<Command>> = None;
                 let mut raise: Option<Option<u32>> = None;
+                let mut actors: Option<BTreeMap<u32, String>> = None;
                 while let Some(key) = map.next_key::<Field>()? {
                     match key {
                         Field::Format => {
@@ -165,6 +178,8 @@ impl<'de> Deserialize<'de> for Request {
                         Field::NowMs if now_ms.is_none() => now_ms = Some(map.next_value()?),
                         Field::Commands if commands.is_none() => commands = Some(map.next_value()?),
                         Field::Raise if raise.is_none() => raise = Some(map.next_value()?),
+                        Field::Actors if actors.is_none() => actors = Some(map.next_value()?),
+                        Field::Actors => return Err(A::Error::duplicate_field("actors")),
                         Field::NowMs => return Err(A::Error::duplicate_field("now_ms")),
                         Field::Commands => return Err(A::Error::duplicate_field("commands")),
                         Field::Raise => return Err(A::Error::duplicate_field("raise_feature_level")),
@@ -182,6 +197,7 @@ impl<'de> Deserialize<'de> for Request {
                     now_ms: now_ms.ok_or_else(|| A::Error::missing_field("now_ms"))?,
                     commands: commands.ok_or_else(|| A::Error::missing_field("commands"))?,
                     raise_feature_level: raise.flatten(),
+                    actors: actors.unwrap_or_default(),
                 })
             }
         }

@@ -291,7 +291,13 @@ pub fn snapshot_reply_from(r: pb::InstallSnapshotReply) -> Result<Result<Install
 
 /// One log entry's commands in wire form.
 pub fn batch_to(r: &Request) -> pb::LogBatch {
-    pb::LogBatch { format: r.format, now_ms: r.now_ms, commands: r.commands.iter().map(command_to).collect(), raise_feature_level: r.raise_feature_level }
+    pb::LogBatch {
+        format: r.format,
+        now_ms: r.now_ms,
+        commands: r.commands.iter().map(command_to).collect(),
+        raise_feature_level: r.raise_feature_level,
+        actors: r.actors.clone(),
+    }
 }
 
 /// One log entry's commands from wire form: of a format this build reads (1 to
@@ -309,7 +315,7 @@ pub fn batch_from(b: pb::LogBatch, field: &str) -> Result<Request, WireError> {
         .enumerate()
         .map(|(i, c)| command_from(c, &format!("{field}.commands[{i}]")))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Request { format: b.format, now_ms: b.now_ms, commands, raise_feature_level: b.raise_feature_level })
+    Ok(Request { format: b.format, now_ms: b.now_ms, commands, raise_feature_level: b.raise_feature_level, actors: b.actors })
 }
 
 fn command_to(c: &Command) -> pb::LogCommand {

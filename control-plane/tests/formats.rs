@@ -333,7 +333,7 @@ async fn a_node_sent_newer_entries_by_its_leader_stops_saying_why() {
         prev_log_id: None,
         entries: vec![rv1::RaftEntry {
             log_id: Some(rv1::RaftLogId { term, node_id: node, index: 100 }),
-            payload: Some(rv1::raft_entry::Payload::Normal(rv1::LogBatch { format: 2, now_ms: 1, commands: vec![rv1::LogCommand::default()], raise_feature_level: None })),
+            payload: Some(rv1::raft_entry::Payload::Normal(rv1::LogBatch { format: 2, now_ms: 1, commands: vec![rv1::LogCommand::default()], raise_feature_level: None, actors: Default::default() })),
         }],
         leader_commit: None,
     };

@@ -146,6 +146,80 @@ async fn each_role_gets_what_it_may_and_a_cluster_acts_only_for_itself() {
     cl.shutdown().await;
 }
 
+/// The audit log names who did what, from the certificate: an operator's policy applied
+/// through a follower (forwarded as a node, the operator named to the leader) is
+/// `operator/alice` on every node; a cluster's registration `cluster/east`; the budgets
+/// the control plane then changes `kvota`; and the log filters by actor and tenant. A
+/// node cannot be named as the actor by a caller that is not a node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_audit_log_names_its_actors_from_their_certificates() {
+    let pki = Pki::new("gpu.example");
+    let cl = Cluster::start_with(3, Some(&pki), |_| {}).await;
+    let leader = cl.leader(Duration::from_secs(15)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while cl.node(leader).ctx.state.read().await.feature_level < 2 {
+        assert!(std::time::Instant::now() < deadline, "feature level 2 never came");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let follower = if leader == 1 { 2 } else { 1 };
+    let follower_ep = vec![cl.members[&follower].rpc_addr.clone()];
+    let operator = client(&follower_ep, pki.party(Role::Operator, "alice"));
+    apply_policy(&operator).await.expect("alice applies the policy through a follower");
+    let east = client(&follower_ep, pki.party(Role::Cluster, "east"));
+    register(&east, "east").await.expect("east registers");
+    let feds = cl.converged(Duration::from_secs(10)).await;
+    for fed in &feds {
+        let actors: Vec<(&str, Option<&str>)> = fed
+            .audit()
+            .map(|r| match &r.event {
+                kvota_fairness::federation::AuditEvent::PolicyApplied { .. } => ("policy", r.actor.as_deref()),
+                kvota_fairness::federation::AuditEvent::ClusterRegistered { .. } => ("register", r.actor.as_deref()),
+                kvota_fairness::federation::AuditEvent::BudgetsChanged { .. } => ("budgets", r.actor.as_deref()),
+                _ => ("other", r.actor.as_deref()),
+            })
+            .collect();
+        assert!(actors.contains(&("policy", Some("operator/alice"))), "{actors:?}");
+        assert!(actors.contains(&("register", Some("cluster/east"))), "{actors:?}");
+        assert!(actors.iter().filter(|(k, _)| *k == "budgets").all(|(_, a)| *a == Some("kvota")), "{actors:?}");
+    }
+    // Filtered over gRPC, as `kvota audit --actor` asks.
+    let viewer = client(&cl.endpoints(), pki.party(Role::Viewer, "grafana"));
+    let by = |actor: &'static str, tenant: &'static str| {
+        let viewer = viewer.clone();
+        async move {
+            viewer
+                .call(|ch| async move {
+                    Ok(Client::admin(ch)
+                        .audit_log(v1::AuditLogRequest { limit: 0, tenant: tenant.into(), actor: actor.into(), since_ms: 0 })
+                        .await?
+                        .into_inner())
+                })
+                .await
+                .expect("audit")
+                .entries
+        }
+    };
+    // Bob names alice in the header a forwarding node uses: only nodes are believed.
+    let bob = client(&cl.endpoints(), pki.party(Role::Operator, "bob"));
+    bob.call(|ch| async move {
+        let mut req = tonic::Request::new(v1::PolicyRequest { yaml: kvota_fairness::policy::Policy::article_example_yaml().to_string() });
+        req.metadata_mut().insert("kvota-actor", "operator/alice".parse().expect("ascii"));
+        Ok(Client::admin(ch).apply_policy(req).await?.into_inner())
+    })
+    .await
+    .expect("bob applies");
+    assert_eq!(by("operator/bob", "").await.len(), 1, "bob's policy is bob's");
+    let alice = by("operator/alice", "").await;
+    assert_eq!(alice.len(), 1, "{alice:?}");
+    assert!(by("operator/mallory", "").await.is_empty());
+    assert!(by("", "training").await.iter().all(|r| r.actor != "cluster/east"), "a registration is about no tenant");
+    let bad = viewer
+        .call(|ch| async move { Ok(Client::admin(ch).audit_log(v1::AuditLogRequest { tenant: "Not A Name".into(), ..Default::default() }).await?.into_inner()) })
+        .await;
+    denied(bad, Code::InvalidArgument, "not a tenant name");
+    cl.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_raft_port_serves_nodes_only_and_each_only_as_itself() {
     let pki = Pki::new("kvota");

@@ -244,6 +244,22 @@ fn a_showback_retention_crosses_the_wire_and_its_default_costs_nothing() {
     assert!(size(&set) > size(&base), "the retention is written when set");
 }
 
+/// Who asked for each command crosses the Raft wire and the log store's JSON unchanged;
+/// an entry naming nobody carries no such field (what a level-1 member reads).
+#[test]
+fn actors_cross_the_wire_and_the_log_and_are_absent_when_none() {
+    let mut r = Request::new(5, vec![Command::Tick, Command::RemoveCluster { cluster: "east".into() }]);
+    let plain = serde_json::to_string(&r).unwrap();
+    assert!(!plain.contains("actors"), "{plain}");
+    r.actors = BTreeMap::from([(1, "operator/alice".to_string())]);
+    let e = entry(2, 3, EntryPayload::Normal(r.clone()));
+    assert_eq!(through_the_wire(&e), e);
+    let json = serde_json::to_string(&r).unwrap();
+    assert_eq!(serde_json::from_str::<Request>(&json).unwrap(), r);
+    let twice = json.replacen("\"actors\":", "\"actors\":{},\"actors\":", 1);
+    assert!(serde_json::from_str::<Request>(&twice).is_err(), "a duplicate field is refused");
+}
+
 mod hostile_bytes {
     use super::*;
     use proptest::prelude::*;

@@ -453,6 +453,28 @@ pub struct AuditRecord {
     pub at_ms: Millis,
     /// What happened.
     pub event: AuditEvent,
+    /// Who made it happen: `operator/NAME` (a policy, a removal), `cluster/NAME` (a
+    /// registration, an eviction), `kvota` (budgets the control plane changed); none
+    /// for records from before feature level 2 or a control plane without TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub actor: Option<String>,
+}
+
+/// The actor of records the control plane makes on its own (new lease budgets).
+pub const CONTROL_PLANE_ACTOR: &str = "kvota";
+/// Longest actor name kept.
+pub const MAX_ACTOR_LEN: usize = 256;
+
+impl AuditEvent {
+    /// Whether the event is about `tenant` (a policy concerns every tenant).
+    pub fn concerns(&self, tenant: &str) -> bool {
+        match self {
+            AuditEvent::PolicyApplied { .. } => true,
+            AuditEvent::ClusterRegistered { .. } | AuditEvent::ClusterRemoved { .. } => false,
+            AuditEvent::Eviction { note, .. } => note.victim_tenant == tenant || note.for_tenant == tenant,
+            AuditEvent::BudgetsChanged { changes, .. } => changes.iter().any(|c| c.tenant == tenant),
+        }
+    }
 }
 
 /// Kinds of audit records.
@@ -549,6 +571,10 @@ pub struct Federation {
     /// showback, from [`Federation::enable_records`] on).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     decisions: BTreeMap<String, VecDeque<PodDecision>>,
+    /// Who the command being applied is from (see [`Federation::apply_as`]); set only
+    /// during one apply, never part of the state.
+    #[serde(skip)]
+    actor: Option<String>,
 }
 
 impl Federation {
@@ -896,11 +922,43 @@ impl Federation {
         if self.audit.len() >= AUDIT_CAPACITY {
             self.audit.pop_front();
         }
+        // Who: the caller the control plane names (an operator's certificate), else
+        // the party the event implies. Kept with the records (feature level 2) only, so
+        // a group below it writes the records every member writes.
+        let actor = if self.keeps_records() {
+            self.actor.clone().or_else(|| match &event {
+                AuditEvent::ClusterRegistered { cluster, .. } | AuditEvent::Eviction { cluster, .. } => Some(format!("cluster/{cluster}")),
+                AuditEvent::BudgetsChanged { .. } => Some(CONTROL_PLANE_ACTOR.to_string()),
+                AuditEvent::PolicyApplied { .. } | AuditEvent::ClusterRemoved { .. } => None,
+            })
+        } else {
+            None
+        };
         self.audit.push_back(AuditRecord {
             seq: self.audit_seq,
             at_ms: self.now_ms,
             event,
+            actor,
         });
+    }
+
+    /// Applies `cmd` on behalf of `actor` (`role/name` of the caller's certificate, as
+    /// the control plane authenticated it), which the audit records it makes carry.
+    pub fn apply_as(&mut self, now_ms: Millis, cmd: Command, actor: Option<String>) -> Result<Applied, CommandError> {
+        self.actor = actor.filter(|a| a.len() <= MAX_ACTOR_LEN);
+        let result = self.apply(now_ms, cmd);
+        self.actor = None;
+        result
+    }
+
+    /// The audit records (oldest first) that concern `tenant`, were made by `actor` and
+    /// are not older than `since_ms`; each filter only when given.
+    pub fn audit_filtered<'a>(&'a self, tenant: Option<&'a str>, actor: Option<&'a str>, since_ms: Option<Millis>) -> impl Iterator<Item = &'a AuditRecord> + 'a {
+        self.audit.iter().filter(move |r| {
+            since_ms.is_none_or(|s| r.at_ms >= s)
+                && actor.is_none_or(|a| r.actor.as_deref() == Some(a))
+                && tenant.is_none_or(|t| r.event.concerns(t))
+        })
     }
 
     /// Whether every lease of `rec` has expired now (see [`Self::is_unreachable`]): the

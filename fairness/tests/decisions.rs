@@ -87,3 +87,32 @@ fn a_cluster_keeps_a_bounded_number_and_forgets_them_when_removed() {
     assert!(matches!(fed.apply(later, Command::RemoveCluster { cluster: "east".into() }), Ok(Applied::Removed)));
     assert!(fed.pod_decisions(&format!("ml/p{}", DECISIONS_PER_CLUSTER + 39), None).is_empty());
 }
+
+#[test]
+fn audit_records_name_their_actor_once_records_are_on_and_filter() {
+    use kvota_fairness::federation::{AuditEvent, CONTROL_PLANE_ACTOR};
+    use kvota_fairness::policy::Policy;
+    let policy = || Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy"));
+    let (mut fed, _) = east_federation();
+    fed.apply_as(1, policy(), Some("operator/alice".into())).expect("applied");
+    assert!(fed.audit().all(|r| r.actor.is_none()), "no actors before records are on");
+    fed.enable_records();
+    fed.apply_as(2, policy(), Some("operator/alice".into())).expect("applied");
+    let capacity = [("nvidia.com/gpu".to_string(), 8_000)].into();
+    fed.apply_as(3, Command::RegisterCluster { cluster: "west".into(), capacity, labels: Default::default() }, None).expect("registered");
+    let last_policy = fed.audit().rev().find(|r| matches!(r.event, AuditEvent::PolicyApplied { .. })).expect("policy record");
+    assert_eq!(last_policy.actor.as_deref(), Some("operator/alice"));
+    let reg = fed.audit().rev().find(|r| matches!(&r.event, AuditEvent::ClusterRegistered { cluster, .. } if cluster == "west")).expect("registration");
+    assert_eq!(reg.actor.as_deref(), Some("cluster/west"), "implied by the event");
+    assert!(fed.audit().filter(|r| matches!(r.event, AuditEvent::BudgetsChanged { .. }) && r.seq > last_policy.seq).all(|r| r.actor.as_deref() == Some(CONTROL_PLANE_ACTOR)));
+    // Filters: by actor, by time, by tenant (a policy concerns every tenant).
+    let by_alice: Vec<u64> = fed.audit_filtered(None, Some("operator/alice"), None).map(|r| r.seq).collect();
+    assert_eq!(by_alice, vec![last_policy.seq]);
+    assert!(fed.audit_filtered(None, None, Some(3)).all(|r| r.at_ms >= 3));
+    assert!(fed.audit_filtered(None, None, Some(3)).count() < fed.audit().count());
+    assert!(fed.audit_filtered(Some("training"), None, None).all(|r| r.event.concerns("training")));
+    assert!(fed.audit_filtered(Some("nobody"), None, None).all(|r| matches!(r.event, AuditEvent::PolicyApplied { .. })));
+    // An absurd actor is not kept.
+    fed.apply_as(4, policy(), Some("x".repeat(1_000))).expect("applied");
+    assert_eq!(fed.audit().next_back().map(|r| r.actor.clone()), Some(None));
+}

@@ -667,12 +667,34 @@ fn percent_encode(s: &str) -> String {
         .collect()
 }
 
+/// `kvota audit`'s filters.
+#[derive(Debug)]
+pub struct AuditFilter {
+    /// The newest this many (0: all kept).
+    pub limit: u32,
+    /// About this tenant.
+    pub tenant: Option<String>,
+    /// By this actor.
+    pub actor: Option<String>,
+    /// From this time on.
+    pub since: Option<When>,
+}
+
 /// `kvota audit`
-pub fn audit(cp: &Cp, limit: u32, o: OutputArg) -> Result<()> {
+pub fn audit(cp: &Cp, f: &AuditFilter, o: OutputArg) -> Result<()> {
+    let wall = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())).unwrap_or(u64::MAX);
+    let since_ms = match f.since {
+        None => 0,
+        Some(When::Now) => wall,
+        Some(When::At(t)) => t,
+        Some(When::Ago(d)) => wall.saturating_sub(d),
+    };
+    let req = v1::AuditLogRequest { limit: f.limit, tenant: f.tenant.clone().unwrap_or_default(), actor: f.actor.clone().unwrap_or_default(), since_ms };
     let c = client(cp)?;
     let r = rt()?
-        .block_on(c.call(|ch| async move {
-            Ok(Client::admin(ch).audit_log(v1::AuditLogRequest { limit }).await?.into_inner())
+        .block_on(c.call(|ch| {
+            let req = req.clone();
+            async move { Ok(Client::admin(ch).audit_log(req).await?.into_inner()) }
         }))
         .map_err(|e| status_err(cp, e))?;
     let records = r
@@ -685,10 +707,10 @@ pub fn audit(cp: &Cp, limit: u32, o: OutputArg) -> Result<()> {
         return Ok(());
     }
     if records.is_empty() {
-        out!("the audit log is empty");
+        out!("no audit records{}", if req.tenant.is_empty() && req.actor.is_empty() && since_ms == 0 { "" } else { " match" });
     }
     for rec in &records {
-        out!("{}  #{:<6} {}", rfc3339(rec.at_ms), rec.seq, audit_sentence(&rec.event));
+        out!("{}  #{:<6} {:<20} {}", rfc3339(rec.at_ms), rec.seq, rec.actor.as_deref().unwrap_or("-"), audit_sentence(&rec.event));
     }
     Ok(())
 }

@@ -73,6 +73,17 @@ enum Cmd {
         /// Most recent records to show (0: all kept).
         #[arg(long, default_value_t = 50)]
         limit: u32,
+        /// Only records about this tenant (its budgets, its evictions, policies).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only records by this actor: operator/NAME, cluster/NAME or kvota (the control
+        /// plane itself).
+        #[arg(long)]
+        actor: Option<String>,
+        /// Only records from this time on: an RFC 3339 time, a date, or a duration
+        /// before now (24h).
+        #[arg(long, value_parser = crate::admin_cmd::parse_when)]
+        since: Option<crate::admin_cmd::When>,
         #[command(flatten)]
         out: crate::admin_cmd::OutputArg,
     },
@@ -201,7 +212,10 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Tenants { out } => crate::admin_cmd::tenants(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Clusters { out } => crate::admin_cmd::clusters(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),
-        Cmd::Audit { limit, out } => crate::admin_cmd::audit(&cp, limit, out).map(|()| ExitCode::SUCCESS),
+        Cmd::Audit { limit, tenant, actor, since, out } => {
+            let filter = crate::admin_cmd::AuditFilter { limit, tenant, actor, since };
+            crate::admin_cmd::audit(&cp, &filter, out).map(|()| ExitCode::SUCCESS)
+        }
         Cmd::Usage(args) => crate::admin_cmd::usage(&cp, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Snapshot(s) => crate::admin_cmd::snapshot(&cp, &s).map(|()| ExitCode::SUCCESS),
         Cmd::Members(m) => crate::admin_cmd::members(&cp, &m).map(|()| ExitCode::SUCCESS),

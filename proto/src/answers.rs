@@ -166,7 +166,7 @@ impl From<&AuditRecord> for v1::AuditRecord {
                     .collect(),
             }),
         };
-        v1::AuditRecord { seq: r.seq, at_ms: r.at_ms, event: Some(event) }
+        v1::AuditRecord { seq: r.seq, at_ms: r.at_ms, event: Some(event), actor: r.actor.clone().unwrap_or_default() }
     }
 }
 
@@ -193,7 +193,7 @@ impl TryFrom<v1::AuditRecord> for AuditRecord {
                     .collect(),
             },
         };
-        Ok(AuditRecord { seq: r.seq, at_ms: r.at_ms, event })
+        Ok(AuditRecord { seq: r.seq, at_ms: r.at_ms, event, actor: (!r.actor.is_empty()).then_some(r.actor) })
     }
 }
 
@@ -285,7 +285,7 @@ mod tests {
         /// An audit record reads back as it was written, through the bytes on the wire.
         #[test]
         fn audit_records_round_trip(seq in any::<u64>(), at_ms in any::<u64>(), event in event()) {
-            let r = AuditRecord { seq, at_ms, event };
+            let r = AuditRecord { seq, at_ms, event, actor: None };
             let bytes = v1::AuditRecord::from(&r).encode_to_vec();
             let back = AuditRecord::try_from(v1::AuditRecord::decode(bytes.as_slice()).expect("decode")).expect("valid");
             prop_assert_eq!(back, r);

@@ -191,6 +191,8 @@ function renderAudit(records) {
         { "data-seq": r.seq },
         el("time", {}, new Date(r.at_ms).toISOString().replace("T", " ").slice(0, 19)),
         " ",
+        el("span", { class: "actor" }, r.actor || "–"),
+        " ",
         el("span", {}, sentence(r.event)),
       ),
     );
