@@ -285,7 +285,7 @@ mod tests {
         /// An audit record reads back as it was written, through the bytes on the wire.
         #[test]
         fn audit_records_round_trip(seq in any::<u64>(), at_ms in any::<u64>(), event in event()) {
-            let r = AuditRecord { seq, at_ms, event, actor: None };
+            let r = AuditRecord { seq, at_ms, event, actor: (seq % 2 == 0).then(|| format!("operator/n{at_ms}")) };
             let bytes = v1::AuditRecord::from(&r).encode_to_vec();
             let back = AuditRecord::try_from(v1::AuditRecord::decode(bytes.as_slice()).expect("decode")).expect("valid");
             prop_assert_eq!(back, r);
@@ -314,7 +314,7 @@ mod tests {
 
     #[test]
     fn a_record_without_its_event_or_a_score_that_is_no_number_is_refused() {
-        let e = AuditRecord::try_from(v1::AuditRecord { seq: 1, at_ms: 2, event: None }).expect_err("no event");
+        let e = AuditRecord::try_from(v1::AuditRecord { seq: 1, at_ms: 2, event: None, actor: String::new() }).expect_err("no event");
         assert_eq!(e.field, "event");
         let mut x = v1::TenantExplanation::default();
         x.fairness_score = f64::NAN;
