@@ -17,6 +17,8 @@ use prometheus_client::registry::Registry;
 
 /// A gauge of a float (GPU-equivalents, seconds, ratios).
 type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+/// A counter of a float (seconds).
+type FCounter = Counter<f64, std::sync::atomic::AtomicU64>;
 
 use crate::types::{Node, NodeId};
 
@@ -107,6 +109,8 @@ pub struct Metrics {
     drift: Family<TenantLabel, FGauge>,
     score: Family<TenantLabel, FGauge>,
     federation_score: FGauge,
+    violation: Family<TenantLabel, FCounter>,
+    starved: Family<TenantLabel, FCounter>,
     capacity: FGauge,
     clusters: Gauge,
     cluster_capacity: Family<ClusterLabel, FGauge>,
@@ -184,6 +188,17 @@ impl Metrics {
         r.register("tenant_drift_ratio", "In-use share minus entitled share per tenant, as a fraction of capacity (-1 to 1)", drift.clone());
         r.register("tenant_fairness_score", "Fairness score per tenant: 1 while its in-use share is near its entitled share, falling to 0", score.clone());
         r.register("fairness_score", "The lowest tenant fairness score (1 with no tenants)", federation_score.clone());
+        let (violation, starved) = (Family::<TenantLabel, FCounter>::default(), Family::<TenantLabel, FCounter>::default());
+        r.register(
+            "tenant_share_violation_seconds",
+            "Federation time a tenant held more than its entitlement (in use above entitled), seconds",
+            violation.clone(),
+        );
+        r.register(
+            "tenant_starved_seconds",
+            "Federation time a tenant held less than its guarantee while it asked for more (in use below min(min share, in use + waiting)), seconds",
+            starved.clone(),
+        );
         r.register("federation_capacity_gpus", "Federation capacity, GPU-equivalents", capacity.clone());
         r.register("clusters", "Registered member clusters", clusters.clone());
         r.register("cluster_capacity_gpus", "Capacity per member cluster, GPU-equivalents", cluster_capacity.clone());
@@ -233,6 +248,8 @@ impl Metrics {
             drift,
             score,
             federation_score,
+            violation,
+            starved,
             capacity,
             clusters,
             cluster_capacity,
@@ -246,6 +263,14 @@ impl Metrics {
             disk_low,
             fatal,
         }
+    }
+
+    /// Adds federation time a tenant spent above its entitlement and below its guarantee
+    /// (see [`crate::view::ShareTimes`]).
+    pub fn add_share_time(&self, tenant: &str, violation_seconds: f64, starved_seconds: f64) {
+        let l = TenantLabel { tenant: tenant.to_string() };
+        self.violation.get_or_create(&l).inc_by(violation_seconds);
+        self.starved.get_or_create(&l).inc_by(starved_seconds);
     }
 
     /// Counts a refused call.

@@ -484,10 +484,12 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
 }
 
 /// Samples this node's applied state into its history every
-/// [`crate::view::HISTORY_INTERVAL`], the first at once.
+/// [`crate::view::HISTORY_INTERVAL`], the first at once, and counts each tenant's time
+/// above its entitlement and below its guarantee (`kvota_tenant_*_seconds_total`).
 async fn sample_history(ctx: Arc<NodeCtx>, mut stop: watch::Receiver<bool>) {
     let mut every = tokio::time::interval(crate::view::HISTORY_INTERVAL);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut share = crate::view::ShareTimes::default();
     loop {
         tokio::select! {
             _ = every.tick() => {}
@@ -495,6 +497,9 @@ async fn sample_history(ctx: Arc<NodeCtx>, mut stop: watch::Receiver<bool>) {
         }
         let view = crate::view::FederationView::of(&ctx.state.read().await.federation);
         ctx.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample(&view);
+        if view.state_time_ms > 0 {
+            share.observe(&view, |t, v, s| ctx.metrics.add_share_time(t, v, s));
+        }
     }
 }
 

@@ -202,6 +202,36 @@ impl FederationView {
     }
 }
 
+/// Per tenant, time above its entitlement and below its guarantee, measured on the
+/// replicated clock between samples of the view ([`kvota_fairness::measures::ShareClock`]):
+/// the state at one sample holds until the next; a clock standing still (no quorum)
+/// adds nothing.
+#[derive(Debug, Default)]
+pub struct ShareTimes {
+    clocks: BTreeMap<String, kvota_fairness::measures::ShareClock>,
+}
+
+impl ShareTimes {
+    /// Observes `view`; calls `add(tenant, violation_seconds, starved_seconds)` with the
+    /// time each tenant spent in each state since the previous observation.
+    pub fn observe(&mut self, view: &FederationView, mut add: impl FnMut(&str, f64, f64)) {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let milli = |g: f64| (g * 1000.0).round().max(0.0) as u64;
+        self.clocks.retain(|t, _| view.tenants.iter().any(|r| &r.tenant == t));
+        for t in &view.tenants {
+            let clock = self.clocks.entry(t.tenant.clone()).or_default();
+            let (v0, s0) = (clock.violation_ms, clock.starved_ms);
+            // Starved: in use below min(demand, guarantee), where the view's guarantee
+            // is already min(min share, in use + waiting).
+            clock.observe(view.state_time_ms, milli(t.inuse_gpus), milli(t.entitlement_gpus), u64::MAX, milli(t.guarantee_gpus));
+            let (dv, ds) = (clock.violation_ms - v0, clock.starved_ms - s0);
+            if dv > 0 || ds > 0 || clock.observed_ms == 0 {
+                add(&t.tenant, dv as f64 / 1000.0, ds as f64 / 1000.0);
+            }
+        }
+    }
+}
+
 /// How often a node samples the view for the charts.
 pub const HISTORY_INTERVAL: Duration = Duration::from_secs(5);
 /// Samples kept: one hour at [`HISTORY_INTERVAL`].
@@ -695,6 +725,31 @@ mod tests {
                 .collect(),
             clusters: vec![],
         }
+    }
+
+    #[test]
+    fn share_times_add_what_each_state_lasted() {
+        let mut st = ShareTimes::default();
+        let mut seen: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+        let mut add = |v: &FederationView| {
+            st.observe(v, |t, a, b| {
+                let e = seen.entry(t.to_string()).or_default();
+                e.0 += a;
+                e.1 += b;
+            })
+        };
+        // t0: over its entitlement (in use 0.5 > 0); t0+10 s: starved (0.5 < 2); t0+30 s.
+        let mut v = view(10_000, 1);
+        add(&v);
+        v.state_time_ms = 20_000;
+        v.tenants[0].guarantee_gpus = 2.0;
+        v.tenants[0].entitlement_gpus = 3.0;
+        add(&v);
+        v.state_time_ms = 40_000;
+        add(&v);
+        v.state_time_ms = 40_000;
+        add(&v);
+        assert_eq!(seen["t0"], (10.0, 20.0), "10 s over, then 20 s starved; a clock that stands adds nothing");
     }
 
     #[test]
