@@ -112,6 +112,8 @@ pub struct AgentState {
     /// Decisions about GPU pods not yet carried by a report, oldest first, at most
     /// [`MAX_DECISION_OUTBOX`] (older ones are shed, counted as `decisions`).
     outbox: VecDeque<kvota_fairness::federation::PodDecision>,
+    /// Queued pods already announced with a `Queued` Event (pruned to the queue).
+    announced: std::collections::BTreeSet<String>,
     shed: BTreeMap<&'static str, u64>,
 }
 
@@ -213,6 +215,7 @@ impl AgentState {
             standby: false,
             decisions: DecisionBook::default(),
             outbox: VecDeque::new(),
+            announced: std::collections::BTreeSet::new(),
             shed: BTreeMap::new(),
         }
     }
@@ -678,6 +681,33 @@ impl AgentState {
     /// Eviction attempts by (victim tenant, outcome).
     pub fn eviction_counts(&self) -> &BTreeMap<(String, EvictionOutcome), u64> {
         &self.reclaim.counts
+    }
+
+    /// Queued pods not announced yet, each once per queueing: `(pod key, message)` for
+    /// a `Queued` Event on the pod, the message its admission gave when this agent
+    /// judged it, else (re-queued from a listing) why it waits now.
+    pub fn queue_notices(&mut self) -> Vec<(String, String)> {
+        let queue = &self.queue;
+        self.announced.retain(|k| queue.contains_key(k));
+        let mut out = Vec::new();
+        for (key, q) in &self.queue {
+            if self.announced.contains(key) {
+                continue;
+            }
+            let message = match self.decisions.by_key.get(key) {
+                Some((_, n)) if n.decision.verdict == kvota_fairness::admission::Verdict::Queue => n.decision.message.clone(),
+                _ => format!(
+                    "queued behind the {} gate: tenant `{}` has {} GPUe in use of its budget of {} GPUe in this cluster; released when budget frees (kvota explain pod {key})",
+                    kvota_fairness::admission::SCHEDULING_GATE,
+                    q.tenant,
+                    kvota_fairness::units::format_gpue(self.inuse(&q.tenant)),
+                    kvota_fairness::units::format_gpue(self.lease.budget(&q.tenant, self.now_ms))
+                ),
+            };
+            out.push((key.clone(), clip(message, 1024)));
+        }
+        self.announced.extend(out.iter().map(|(k, _)| k.clone()));
+        out
     }
 
     /// Gated pods that fit their tenant's budget now, in release order (priority, then

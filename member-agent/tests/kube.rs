@@ -261,6 +261,25 @@ async fn the_gate_controller_releases_by_priority_then_age_and_keeps_other_gates
     assert!(gates(&s, "serve/old").is_empty());
     let patches = s.api.requests().iter().filter(|r| r.starts_with("PATCH")).count();
     assert_eq!(patches, 2, "one patch per released pod");
+
+    // Events on the pods: `Queued` once for the pod that waited (not again each round),
+    // `Released` for each pod whose gate kvota lifted.
+    let events: Vec<(String, String, String)> = s
+        .api
+        .all(Kind::Event)
+        .iter()
+        .map(|e| {
+            let pod = format!("{}/{}", e["involvedObject"]["namespace"].as_str().unwrap_or(""), e["involvedObject"]["name"].as_str().unwrap_or(""));
+            (pod, e["reason"].as_str().unwrap_or("").to_string(), e["message"].as_str().unwrap_or("").to_string())
+        })
+        .collect();
+    let of = |pod: &str, reason: &str| events.iter().filter(|(p, r, _)| p == pod && r == reason).collect::<Vec<_>>();
+    assert_eq!(of("serve/old", "Queued").len(), 1, "announced once: {events:?}");
+    assert!(of("serve/old", "Queued")[0].2.contains("kvota explain pod serve/old") && of("serve/old", "Queued")[0].2.contains("inference"), "{events:?}");
+    assert_eq!(of("serve/urgent", "Released").len(), 1, "{events:?}");
+    assert_eq!(of("serve/old", "Released").len(), 1, "{events:?}");
+    assert!(of("serve/old", "Released")[0].2.contains("budget in this cluster has room"), "{events:?}");
+    assert!(s.api.all(Kind::Event).iter().all(|e| e["type"] == "Normal" && e["involvedObject"]["kind"] == "Pod"));
 }
 
 /// 8 GPUs full of training pods started 1-8 minutes ago; inference waits for 2.

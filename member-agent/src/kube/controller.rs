@@ -74,8 +74,21 @@ impl Controller {
         let mut out = Released::default();
         for crate::state::ReleasedPod { key, tenant, queued_at_ms } in released {
             match self.actions.ungate(&key).await {
-                Ok(_) => {
-                    agent.state().note_wait(&tenant, queued_at_ms);
+                Ok(lifted) => {
+                    let waited_ms = {
+                        let mut st = agent.state();
+                        st.note_wait(&tenant, queued_at_ms);
+                        st.now_ms().saturating_sub(queued_at_ms)
+                    };
+                    let message = format!(
+                        "kvota removed its scheduling gate: tenant `{tenant}`'s budget in this cluster has room for it now (queued {})",
+                        kvota_fairness::units::format_duration_ms(waited_ms)
+                    );
+                    if lifted {
+                        if let Err(e) = self.actions.event(&key, "Released", &message).await {
+                            tracing::debug!(pod = %key, error = %e, "could not record the Released Event");
+                        }
+                    }
                     out.ungated.push(key);
                 }
                 Err(e) => {
@@ -84,6 +97,14 @@ impl Controller {
                     self.known.remove(&key);
                     out.failed.push(key);
                 }
+            }
+        }
+        // Pods still waiting behind the gate, announced once each: `kubectl describe pod`
+        // says why it is not scheduled.
+        let notices = agent.state().queue_notices();
+        for (key, message) in notices {
+            if let Err(e) = self.actions.event(&key, "Queued", &message).await {
+                tracing::debug!(pod = %key, error = %e, "could not record the Queued Event");
             }
         }
         out
