@@ -114,6 +114,9 @@ pub struct AgentState {
     outbox: VecDeque<kvota_fairness::federation::PodDecision>,
     /// Queued pods already announced with a `Queued` Event (pruned to the queue).
     announced: std::collections::BTreeSet<String>,
+    /// Denied pods already announced with an `AdmissionDenied` Event (pruned to the
+    /// recent denials).
+    announced_denials: std::collections::BTreeSet<String>,
     shed: BTreeMap<&'static str, u64>,
 }
 
@@ -216,6 +219,7 @@ impl AgentState {
             decisions: DecisionBook::default(),
             outbox: VecDeque::new(),
             announced: std::collections::BTreeSet::new(),
+            announced_denials: std::collections::BTreeSet::new(),
             shed: BTreeMap::new(),
         }
     }
@@ -707,6 +711,27 @@ impl AgentState {
             out.push((key.clone(), clip(message, 1024)));
         }
         self.announced.extend(out.iter().map(|(k, _)| k.clone()));
+        out
+    }
+
+    /// Recently denied pods not announced yet, each once while its denial counts as
+    /// demand: `(pod key, message)`, the message its admission gave. A denied pod was
+    /// never created, so the Event goes on its namespace.
+    pub fn denial_notices(&mut self) -> Vec<(String, String)> {
+        let denied = &self.denied;
+        self.announced_denials.retain(|k| denied.contains_key(k));
+        let mut out = Vec::new();
+        for (key, d) in &self.denied {
+            if self.announced_denials.contains(key) {
+                continue;
+            }
+            let message = match self.decisions.by_key.get(key) {
+                Some((_, n)) if n.decision.verdict == kvota_fairness::admission::Verdict::Deny => n.decision.message.clone(),
+                _ => format!("denied: tenant `{}` has no room for {} GPUe in this cluster (kvota explain pod {key})", d.tenant, kvota_fairness::units::format_gpue(d.gpue)),
+            };
+            out.push((key.clone(), clip(format!("pod {key}: {message}"), 1024)));
+        }
+        self.announced_denials.extend(out.iter().map(|(k, _)| k.clone()));
         out
     }
 

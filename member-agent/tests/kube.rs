@@ -324,6 +324,36 @@ async fn reclaim_evicts_the_youngest_training_pods_through_the_eviction_api_with
     assert!(matches!(s.controller.reclaim(&s.agent).await, Decision::Idle(_)));
 }
 
+/// A denied pod was never created: the controller puts one `AdmissionDenied` Warning
+/// Event on its namespace (not again while the denial is remembered), with the message
+/// the denial gave.
+#[tokio::test]
+async fn a_denial_is_announced_once_on_the_pods_namespace() {
+    let api = FakeApi::start().await;
+    api.put(Kind::Namespace, namespace("ml", Some("training")));
+    api.put(Kind::Node, node("n1", 8, false));
+    let mut s = setup(api, &[("training", 1)]).await;
+    eventually(&mut s, "listed", |s| s.inventory.synced()).await;
+    let body = serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": "d1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"}, "namespace": "ml", "operation": "CREATE",
+            "object": {"metadata": {"name": "big", "namespace": "ml"},
+                "spec": {"containers": [{"name": "m", "resources": {"limits": {"nvidia.com/gpu": "4"}}}]}}}}))
+    .expect("json");
+    let r = review(&body, Endpoint::Validate, &mut *s.agent.state());
+    assert_eq!(r.outcome, Outcome::Denied, "{}", String::from_utf8_lossy(&r.body));
+    for _ in 0..2 {
+        s.controller.release_gates(&s.agent).await;
+    }
+    let events = s.api.all(Kind::Event);
+    assert_eq!(events.len(), 1, "once: {events:?}");
+    let e = &events[0];
+    assert_eq!((e["reason"].as_str(), e["type"].as_str()), (Some("AdmissionDenied"), Some("Warning")));
+    assert_eq!((e["involvedObject"]["kind"].as_str(), e["involvedObject"]["name"].as_str()), (Some("Namespace"), Some("ml")));
+    let msg = e["message"].as_str().expect("message");
+    assert!(msg.starts_with("pod ml/big: ") && msg.contains("training") && msg.contains("kvota explain pod ml/big"), "{msg}");
+}
+
 /// A pod created with generateName is judged by the mutating webhook before it has a
 /// name; when it shows up under its generated name it takes over that reservation (and
 /// the queue place of a second one) instead of being counted twice.

@@ -84,13 +84,23 @@ impl KubeActions {
     /// `namespace/name`.
     pub async fn event(&self, key: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
         let Some((ns, name)) = key.split_once('/') else { return Ok(()) };
+        self.post_event(ns, json!({ "apiVersion": "v1", "kind": "Pod", "namespace": ns, "name": name }), name, reason, message).await
+    }
+
+    /// Records a `Warning` Event on namespace `ns` (for a pod that was never created:
+    /// denied at admission).
+    pub async fn namespace_event(&self, ns: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
+        self.post_event(ns, json!({ "apiVersion": "v1", "kind": "Namespace", "name": ns }), ns, reason, message).await
+    }
+
+    async fn post_event(&self, ns: &str, involved: Value, name: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
         let now = format_time(wall_now_s());
-        let kind = if reason == "Evicted" || reason == "EvictionBlocked" { "Warning" } else { "Normal" };
+        let kind = if matches!(reason, "Evicted" | "EvictionBlocked" | "AdmissionDenied") { "Warning" } else { "Normal" };
         let ev = json!({
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": { "generateName": format!("{name}.kvota-"), "namespace": ns },
-            "involvedObject": { "apiVersion": "v1", "kind": "Pod", "namespace": ns, "name": name },
+            "involvedObject": involved,
             "reason": reason,
             "message": message,
             "type": kind,

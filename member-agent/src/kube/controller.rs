@@ -107,6 +107,15 @@ impl Controller {
                 tracing::debug!(pod = %key, error = %e, "could not record the Queued Event");
             }
         }
+        // Denied pods were never created: the Event goes on their namespace, so
+        // `kubectl get events -n NS` shows why.
+        let denials = agent.state().denial_notices();
+        for (key, message) in denials {
+            let ns = key.split_once('/').map_or(key.as_str(), |(ns, _)| ns);
+            if let Err(e) = self.actions.namespace_event(ns, "AdmissionDenied", &message).await {
+                tracing::debug!(pod = %key, error = %e, "could not record the AdmissionDenied Event");
+            }
+        }
         out
     }
 
