@@ -11,7 +11,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvota_client::client::Client;
-use kvota_proto::v1;
 use kvota_testkit::procs::{self, Procs};
 use serde_json::Value;
 
@@ -69,35 +68,9 @@ async fn a_saved_federation_restores_into_a_working_node_that_grows() {
     let policy = format!("{}/../deploy/policies/article.yaml", env!("CARGO_MANIFEST_DIR"));
     let (code, _, err) = kvota_async(args(&["policy", "apply", &policy, "--cp", &cp])).await;
     assert_eq!(code, 0, "{err}");
-    let reg = v1::RegisterRequest { cluster: "east".into(), capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 16_000 }], labels: Default::default() };
-    let epoch = c
-        .call(|ch| {
-            let reg = reg.clone();
-            async move { Ok(Client::member(ch).register(reg).await?.into_inner()) }
-        })
-        .await
-        .expect("register")
-        .lease
-        .expect("lease")
-        .epoch;
+    let epoch = kvota_testkit::register_gpus(&c, "east", 16_000).await;
     let now = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis()).expect("ms");
-    let report = v1::ReportRequest {
-        cluster: "east".into(),
-        seq: 1,
-        held_epoch: epoch,
-        tenants: vec![v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: 7_200_000_000, inuse_milli_gpue: 4_000, pending_milli_gpue: 0 }],
-        capacity: vec![],
-        evictions: vec![],
-        decisions: vec![],
-        window_start_ms: now - 3_600_000,
-        window_end_ms: now - 60_000,
-    };
-    c.call(|ch| {
-        let r = report.clone();
-        async move { Ok(Client::member(ch).report(r).await?.into_inner()) }
-    })
-    .await
-    .expect("report");
+    kvota_testkit::report_usage(&c, "east", 1, epoch, &[("training", 7_200_000_000, 4_000, 0)], (now - 3_600_000, now - 60_000)).await;
 
     // Save.
     let tmp = tempfile::tempdir().expect("tmp");

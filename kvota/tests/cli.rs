@@ -389,7 +389,6 @@ async fn policy_diff_predicts_what_applying_the_file_gives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_shows_what_the_clusters_reported_in_every_form() {
     use kvota_client::client::Client;
-    use kvota_proto::v1;
     use std::time::{Duration, Instant};
 
     let cl = kvota_testkit::Cluster::start(3).await;
@@ -421,56 +420,14 @@ async fn usage_shows_what_the_clusters_reported_in_every_form() {
 
     let now = u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis()).expect("ms");
     const GPU_HOUR: u64 = 3_600_000_000;
-    let usage = |t: &str, used: u64| v1::TenantUsage { tenant: t.into(), used_milli_gpue_ms: used, inuse_milli_gpue: 0, pending_milli_gpue: 0 };
     // (cluster, [(tenant, used)], window): east reports 1 GPU-hour of training and a
     // quarter of inference over the last 90 to 30 minutes; west 2 GPU-hours of training
     // in two reports.
-    let reports = [
-        ("east", vec![usage("training", GPU_HOUR), usage("inference", GPU_HOUR / 4)], (now - 90 * 60_000, now - 30 * 60_000)),
-        ("west", vec![usage("training", GPU_HOUR)], (now - 100 * 60_000, now - 40 * 60_000)),
-        ("west", vec![usage("training", GPU_HOUR)], (now - 40 * 60_000, now - 10 * 60_000)),
-    ];
-    let mut seqs = std::collections::BTreeMap::new();
-    for (cluster, tenants, (start, end)) in reports {
-        let epoch = match seqs.get(cluster) {
-            Some(&(_, epoch)) => epoch,
-            None => {
-                let reg = v1::RegisterRequest {
-                    cluster: cluster.into(),
-                    capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 8_000 }],
-                    labels: Default::default(),
-                };
-                c.call(|ch| {
-                    let reg = reg.clone();
-                    async move { Ok(Client::member(ch).register(reg).await?.into_inner()) }
-                })
-                .await
-                .expect("register")
-                .lease
-                .expect("lease")
-                .epoch
-            }
-        };
-        let seq = seqs.get(cluster).map_or(1, |(s, _)| s + 1);
-        seqs.insert(cluster, (seq, epoch));
-        let report = v1::ReportRequest {
-            cluster: cluster.into(),
-            seq,
-            held_epoch: epoch,
-            tenants,
-            capacity: vec![],
-            evictions: vec![],
-            decisions: vec![],
-            window_start_ms: start,
-            window_end_ms: end,
-        };
-        c.call(|ch| {
-            let r = report.clone();
-            async move { Ok(Client::member(ch).report(r).await?.into_inner()) }
-        })
-        .await
-        .expect("report");
-    }
+    let east = kvota_testkit::register_gpus(&c, "east", 8_000).await;
+    let west = kvota_testkit::register_gpus(&c, "west", 8_000).await;
+    kvota_testkit::report_usage(&c, "east", 1, east, &[("training", GPU_HOUR, 0, 0), ("inference", GPU_HOUR / 4, 0, 0)], (now - 90 * 60_000, now - 30 * 60_000)).await;
+    kvota_testkit::report_usage(&c, "west", 1, west, &[("training", GPU_HOUR, 0, 0)], (now - 100 * 60_000, now - 40 * 60_000)).await;
+    kvota_testkit::report_usage(&c, "west", 2, west, &[("training", GPU_HOUR, 0, 0)], (now - 40 * 60_000, now - 10 * 60_000)).await;
 
     let run = |args: Vec<String>| {
         let cp = cp.clone();
@@ -543,7 +500,6 @@ async fn usage_shows_what_the_clusters_reported_in_every_form() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_commands_print_the_http_apis_json_and_yaml() {
     use kvota_client::client::Client;
-    use kvota_proto::v1;
     use serde_json::Value;
     use std::time::Duration;
 
@@ -560,13 +516,7 @@ async fn read_commands_print_the_http_apis_json_and_yaml() {
     .expect("join");
     assert_eq!(code, 0, "{err}");
     for (name, gpus) in [("east", 16_000), ("west", 8_000)] {
-        let reg = v1::RegisterRequest { cluster: name.into(), capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: gpus }], labels: [("zone".to_string(), name.to_string())].into() };
-        c.call(|ch| {
-            let reg = reg.clone();
-            async move { Ok(Client::member(ch).register(reg).await?.into_inner()) }
-        })
-        .await
-        .expect("register");
+        kvota_testkit::register_gpus(&c, name, gpus).await;
     }
     let run = |args: Vec<&'static str>| {
         let cp = cp.clone();

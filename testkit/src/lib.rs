@@ -280,6 +280,53 @@ impl Cluster {
     }
 }
 
+/// Registers member cluster `cluster` with `gpus_milli` thousandths of `nvidia.com/gpu`
+/// through `c` (as that cluster would); the epoch of the lease it is answered with.
+pub async fn register_gpus(c: &kvota_client::client::Client, cluster: &str, gpus_milli: u64) -> u64 {
+    use kvota_proto::v1;
+    let reg = v1::RegisterRequest {
+        cluster: cluster.into(),
+        capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: gpus_milli }],
+        labels: [("zone".to_string(), cluster.to_string())].into(),
+    };
+    c.call(|ch| {
+        let reg = reg.clone();
+        async move { Ok(kvota_client::client::Client::member(ch).register(reg).await?.into_inner()) }
+    })
+    .await
+    .expect("register")
+    .lease
+    .expect("a lease")
+    .epoch
+}
+
+/// One usage report of `cluster` through `c`: `(tenant, used milli-GPUe x ms, in use
+/// milli-GPUe, waiting milli-GPUe)` per tenant, metered over `window` (Unix ms; `(0, 0)`:
+/// none), acknowledging lease `epoch`.
+pub async fn report_usage(c: &kvota_client::client::Client, cluster: &str, seq: u64, epoch: u64, tenants: &[(&str, u64, u64, u64)], window: (u64, u64)) {
+    use kvota_proto::v1;
+    let report = v1::ReportRequest {
+        cluster: cluster.into(),
+        seq,
+        held_epoch: epoch,
+        tenants: tenants
+            .iter()
+            .map(|&(tenant, used, inuse, pending)| v1::TenantUsage { tenant: tenant.into(), used_milli_gpue_ms: used, inuse_milli_gpue: inuse, pending_milli_gpue: pending })
+            .collect(),
+        capacity: vec![],
+        evictions: vec![],
+        decisions: vec![],
+        window_start_ms: window.0,
+        window_end_ms: window.1,
+    };
+    c.call(|ch| {
+        let r = report.clone();
+        async move { Ok(kvota_client::client::Client::member(ch).report(r).await?.into_inner()) }
+    })
+    .await
+    .expect("report");
+}
+
 /// A connector that verifies servers as `party` does (its CA, node identities) but
 /// presents no certificate: what a kubelet probe or a stranger with the CA looks like.
 pub fn anonymous(party: &GrpcTls) -> kvota_tls::connect::Connector {
