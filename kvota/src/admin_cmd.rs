@@ -307,7 +307,7 @@ pub fn policy_apply(cp: &Cp, file: &PathBuf) -> Result<std::process::ExitCode> {
 }
 
 /// `kvota policy get`
-pub fn policy_get(cp: &Cp) -> Result<()> {
+pub fn policy_get(cp: &Cp, o: OutputArg) -> Result<()> {
     let c = client(cp)?;
     let r = rt()?
         .block_on(c.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }))
@@ -317,7 +317,13 @@ pub fn policy_get(cp: &Cp) -> Result<()> {
     }
     // Checked before it is printed: what `policy apply` would make of it.
     kvota_fairness::policy::Policy::from_yaml(&r.yaml).map_err(|e| anyhow::anyhow!("the policy from the control plane does not load: {e}"))?;
-    outp!("{}", r.yaml);
+    if o.format() == Output::Json {
+        // The same document as JSON (a YAML reader, `policy apply` among them, reads it).
+        let doc: serde_json::Value = serde_yaml_ng::from_str(&r.yaml).context("the policy document")?;
+        out!("{}", serde_json::to_string_pretty(&doc).context("encode JSON")?);
+    } else {
+        outp!("{}", r.yaml);
+    }
     Ok(())
 }
 

@@ -145,8 +145,12 @@ enum PolicyCmd {
         file: PathBuf,
     },
     /// Print the policy in force as a FairnessPolicy document, every field written out
-    /// (defaults included): `kvota policy apply` takes it back unchanged.
-    Get,
+    /// (defaults included): `kvota policy apply` takes it back unchanged, in either form
+    /// (`-o yaml`, the default and `table`; `-o json`, the same document as JSON).
+    Get {
+        #[command(flatten)]
+        out: crate::admin_cmd::OutputArg,
+    },
     /// Show what applying a policy file would change, before applying it: the fields that
     /// differ from the policy in force, and every tenant's target entitlement now and
     /// after, computed by the fairness core for the federation as it is now (capacity,
@@ -208,7 +212,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Agent(args) => crate::agent_cmd::run(args, &cp).map(|()| ExitCode::SUCCESS),
         Cmd::Status { out } => crate::admin_cmd::status(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Policy(PolicyCmd::Apply { file }) => crate::admin_cmd::policy_apply(&cp, &file),
-        Cmd::Policy(PolicyCmd::Get) => crate::admin_cmd::policy_get(&cp).map(|()| ExitCode::SUCCESS),
+        Cmd::Policy(PolicyCmd::Get { out }) => crate::admin_cmd::policy_get(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Tenants { out } => crate::admin_cmd::tenants(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Clusters { out } => crate::admin_cmd::clusters(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),

@@ -575,6 +575,24 @@ async fn read_commands_print_the_http_apis_json_and_yaml() {
     let members: Value = serde_json::from_str(&run(vec!["members", "list", "-o", "json"]).await).expect("members");
     assert_eq!(members, sa["members"], "members list is status's members");
 
+    // The policy in force round-trips through `policy apply`, as YAML and as JSON, and
+    // the control plane holds the same policy after each.
+    let before = run(vec!["policy", "get", "-o", "yaml"]).await;
+    for form in ["yaml", "json"] {
+        let text = run(vec!["policy", "get", "-o", form]).await;
+        let file = std::env::temp_dir().join(format!("kvota-roundtrip-{}.{form}", std::process::id()));
+        std::fs::write(&file, &text).expect("write");
+        let (code, _, err) = tokio::task::spawn_blocking({
+            let (cp, file) = (cp.clone(), file.display().to_string());
+            move || kvota(&["policy", "apply", &file, "--cp", &cp])
+        })
+        .await
+        .expect("join");
+        let _ = std::fs::remove_file(&file);
+        assert_eq!(code, 0, "policy get -o {form} | policy apply: {err}");
+        assert_eq!(run(vec!["policy", "get"]).await, before, "the policy after applying its {form} form");
+    }
+
     // The tables are for people: words, not JSON.
     let audit = run(vec!["audit"]).await;
     assert!(audit.contains("policy myfair-cluster came into force (3 tenants)") && audit.contains("cluster west registered with 8 GPUe"), "{audit}");
