@@ -1,6 +1,8 @@
 //! The HTTP admin port: `/healthz`, `/readyz`, `/metrics`, a small JSON API
 //! (`/api/v1/status`, `/api/v1/tenants`, `/api/v1/clusters`, `/api/v1/audit`,
-//! `/api/v1/overview`, `/api/v1/history`) and the dashboard (`/ui/`, its assets embedded
+//! `/api/v1/explain/tenant`, `/api/v1/decisions`, `/api/v1/usage`, `/api/v1/overview`,
+//! `/api/v1/history`; the answers are the types of [`crate::view`], the same JSON the
+//! CLI prints with `-o json`) and the dashboard (`/ui/`, its assets embedded
 //! in the binary: no CDN, no build step, works offline; see [`crate::view`]).
 //!
 //! The dashboard's reads follow the leader: `/api/v1/overview` passes

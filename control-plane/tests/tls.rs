@@ -116,6 +116,15 @@ async fn each_role_gets_what_it_may_and_a_cluster_acts_only_for_itself() {
     let save = |c: Client| async move { c.call(|ch| async move { Ok(Client::admin(ch).save_snapshot(v1::Empty {}).await?.into_inner()) }).await };
     denied(save(viewer.clone()).await, Code::PermissionDenied, "may not call admin.SaveSnapshot");
     denied(save(east.clone()).await, Code::PermissionDenied, "may not call admin.SaveSnapshot");
+    // A cluster reads neither other clusters' decisions nor the showback.
+    let usage = east.call(|ch| async move { Ok(Client::admin(ch).usage(v1::UsageRequest { since_ms: 0, until_ms: 0, by_tenant: true, by_cluster: true }).await?.into_inner()) }).await;
+    denied(usage, Code::PermissionDenied, "may not call admin.Usage");
+    let explain = east.call(|ch| async move { Ok(Client::admin(ch).explain_pod(v1::ExplainPodRequest { pod: "ml/a".into(), cluster: String::new() }).await?.into_inner()) }).await;
+    denied(explain, Code::PermissionDenied, "may not call admin.ExplainPod");
+    viewer
+        .call(|ch| async move { Ok(Client::admin(ch).usage(v1::UsageRequest { since_ms: 0, until_ms: 0, by_tenant: true, by_cluster: false }).await?.into_inner()) })
+        .await
+        .expect("a viewer reads the showback");
     let backup = save(operator.clone()).await.expect("an operator saves a backup");
     assert!(backup.follows_leader && !backup.backup.is_empty(), "{}", backup.note);
     // An operator reports no usage (only clusters do).
@@ -156,11 +165,7 @@ async fn the_audit_log_names_its_actors_from_their_certificates() {
     let pki = Pki::new("gpu.example");
     let cl = Cluster::start_with(3, Some(&pki), |_| {}).await;
     let leader = cl.leader(Duration::from_secs(15)).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while cl.node(leader).ctx.state.read().await.feature_level < 2 {
-        assert!(std::time::Instant::now() < deadline, "feature level 2 never came");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    cl.feature_level(2, Duration::from_secs(20)).await;
     let follower = if leader == 1 { 2 } else { 1 };
     let follower_ep = vec![cl.members[&follower].rpc_addr.clone()];
     let operator = client(&follower_ep, pki.party(Role::Operator, "alice"));
@@ -271,7 +276,21 @@ async fn http_probes_are_open_and_everything_else_needs_a_readers_certificate() 
     assert_eq!(http_get(&probe, &http, "/healthz").await.expect("healthz").0, 200);
     let (code, _) = http_get(&probe, &http, "/readyz").await.expect("readyz");
     assert!(code == 200 || code == 503, "{code}");
-    for path in ["/metrics", "/api/v1/tenants", "/api/v1/status", "/api/v1/overview", "/api/v1/history", "/", "/ui/", "/ui/app.js", "/nothing-here"] {
+    for path in [
+        "/metrics",
+        "/api/v1/tenants",
+        "/api/v1/status",
+        "/api/v1/overview",
+        "/api/v1/history",
+        "/api/v1/usage",
+        "/api/v1/decisions?pod=a/b",
+        "/api/v1/explain/tenant?tenant=training",
+        "/api/v1/audit",
+        "/",
+        "/ui/",
+        "/ui/app.js",
+        "/nothing-here",
+    ] {
         let (code, body) = http_get(&probe, &http, path).await.expect("answer");
         assert_eq!(code, 401, "{path} without a certificate: {body}");
     }
@@ -295,8 +314,10 @@ async fn http_probes_are_open_and_everything_else_needs_a_readers_certificate() 
     assert_eq!(code, 200, "{body}");
     assert!(body.contains("kvota_auth_denied_total"), "{body}");
     let east = pki.party(Role::Cluster, "east");
-    let (code, body) = http_get(&east.connector(kvota_tls::Expect::AnyNode), &http, "/api/v1/tenants").await.expect("answer");
-    assert_eq!(code, 403, "{body}");
+    for path in ["/api/v1/tenants", "/api/v1/usage", "/api/v1/decisions?pod=a/b", "/ui/"] {
+        let (code, body) = http_get(&east.connector(kvota_tls::Expect::AnyNode), &http, path).await.expect("answer");
+        assert_eq!(code, 403, "a cluster reads no federation-wide data: {path}: {body}");
+    }
     // Plain HTTP to a TLS port gets nowhere.
     let plain = kvota_tls::connect::Connector::new(None);
     assert!(!matches!(http_get(&plain, &http, "/metrics").await, Ok((200, _))));

@@ -60,11 +60,7 @@ async fn a_saved_federation_restores_into_a_working_node_that_grows() {
     let cp = cl.members[&leader].rpc_addr.clone();
     let c = Client::new(&cl.endpoints()).expect("client");
     // Feature level 2 (showback) first, then a policy, a cluster and usage.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while cl.node(leader).ctx.state.read().await.feature_level < 2 {
-        assert!(Instant::now() < deadline, "feature level never rose");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    cl.feature_level(2, Duration::from_secs(20)).await;
     let policy = format!("{}/../deploy/policies/article.yaml", env!("CARGO_MANIFEST_DIR"));
     let (code, _, err) = kvota_async(args(&["policy", "apply", &policy, "--cp", &cp])).await;
     assert_eq!(code, 0, "{err}");

@@ -272,6 +272,23 @@ impl Cluster {
         }
     }
 
+    /// Waits until every running node's replicated state is at feature level `level` or
+    /// above (the leader raises it once every member said it supports it).
+    pub async fn feature_level(&self, level: u32, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut levels = Vec::new();
+            for n in self.nodes.iter().flatten() {
+                levels.push(n.ctx.state.read().await.feature_level);
+            }
+            if levels.iter().all(|l| *l >= level) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "feature level {level} not reached within {within:?}: {levels:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Stops every node.
     pub async fn shutdown(mut self) {
         for id in 1..=self.nodes.len() as u64 {
