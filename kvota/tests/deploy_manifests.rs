@@ -1,26 +1,43 @@
-//! The Kubernetes manifests in `deploy/kubernetes/` against the code they deploy, so they
-//! cannot rot unnoticed. No API server or kubectl runs here; what can be checked without
-//! one is:
+//! The Kubernetes install in `deploy/kubernetes/` against the code it deploys, so it
+//! cannot rot unnoticed. The install is kustomize overlays (`overlays/control-plane`,
+//! `bootstrap`, `agent`, `observability`, `dev`); every check runs on what `kubectl
+//! kustomize` renders from them, i.e. what `kubectl apply -k` would create: once on the
+//! production overlays together (with the webhook configurations as
+//! `make-webhook-cert` renders them), once on `overlays/dev` (certificates from its
+//! `make-dev-certs`). No API server runs here; kubectl renders offline. Checked:
 //!
-//! - every YAML document parses into its typed k8s-openapi object (chosen by `kind`) and
-//!   serializes back to the same document, so a misspelt or misplaced field, which a
-//!   typed parse alone would drop silently, fails too;
+//! - every rendered object validates strictly (unknown fields fail) against the
+//!   Kubernetes schemas of [`KUBERNETES_VERSIONS`] (`kubernetes-validate`); custom
+//!   resources, which have no schema there, are in one allow-list
+//!   ([`CUSTOM_RESOURCES`]) and checked against the schema stated in this file;
+//! - every object parses into its typed k8s-openapi object (chosen by `kind`) and
+//!   serializes back to the same document, so a misspelt or misplaced field fails too;
 //! - every argument of every kvota container is accepted by the real binary's parser,
 //!   every required option is given, and every environment variable is one the binary
-//!   reads or one its arguments expand;
+//!   reads or one its arguments expand; the image is named once (`components/image`);
 //! - RBAC grants exactly the API calls the agent makes ([`AGENT_CALLS`], each with the
 //!   code that makes it): each call is allowed, nothing else is;
 //! - the webhook configurations call the agent's Service, on the port it listens on,
 //!   for pod CREATE only, and select neither kube-system nor the agent's namespace;
 //! - the control plane's node ids, peer names and bootstrap members agree;
+//! - every pod meets the `restricted` Pod Security Standard (non-root, read-only root,
+//!   no capabilities, no privilege escalation, RuntimeDefault seccomp); every port a
+//!   container listens on is declared and covered by a NetworkPolicy; the agent and the
+//!   control plane have PodDisruptionBudgets; the PrometheusRule holds
+//!   `deploy/prometheus/alerts.yaml` and the dashboard ConfigMap the Grafana JSON;
 //! - `make-webhook-cert` makes a Secret the agent mounts and a CA bundle that verifies
 //!   the certificate the real agent serves, under the name the API server calls; the
-//!   webhook and probe paths of the manifests answer on the real agent and server.
+//!   webhook and probe paths of the manifests answer on the real agent and server;
+//!   renewing the certificate and rotating its CA never leave a moment where the served
+//!   certificate fails the caBundle the API server holds.
+//!
+//! Needs `kubectl` (kustomize 5) and `kubernetes-validate` (scripts/test installs the
+//! latter with pip); without them the tests fail saying what to install.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use http_body_util::{BodyExt, Full};
@@ -35,7 +52,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secre
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, Subject};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::api::core::v1::SecretKeySelector;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
@@ -52,9 +71,38 @@ const CA_PLACEHOLDER: &str = "@CA_BUNDLE-FILLED-IN-BY-make-webhook-cert@";
 const ENFORCE_LABEL: &str = "kvota.dev/enforce";
 /// What the test puts in its place before parsing: base64, as the script writes.
 const CA_SAMPLE_BASE64: &str = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg==";
-/// The API server's addresses in `agent/networkpolicy/`, filled in by the operator.
+/// The API server's addresses (`overlays/agent/values.yaml`), set by the operator.
 const APISERVER_CIDR_PLACEHOLDER: &str = "@APISERVER_CIDR@";
 const APISERVER_CIDR_SAMPLE: &str = "10.0.0.10/32";
+
+/// The overlays under `deploy/kubernetes/overlays`, each what `kubectl apply -k` creates.
+const OVERLAYS: &[&str] = &["control-plane", "bootstrap", "agent", "observability", "dev"];
+/// The webhook configurations' template, a kustomization of its own: `make-webhook-cert`
+/// renders it with caBundle filled in, `overlays/dev` includes it.
+const WEBHOOK_TEMPLATE: &str = "base/agent/webhooks";
+
+/// The Kubernetes versions whose schemas every rendered object must meet, strictly
+/// (deploy/README.md: 1.30 or later; kubectl here is 1.32).
+const KUBERNETES_VERSIONS: &[&str] = &["1.30.0", "1.32.0"];
+/// What scripts/test installs; it ships the schemas of 1.25 to 1.37 (offline).
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
+
+/// Custom resources, which `kubernetes-validate` has no schema for: (apiVersion, kind,
+/// how it is checked instead). Every other object must validate against the Kubernetes
+/// schemas; an object of a kind neither knows fails. A new custom resource (e.g. a
+/// FairnessPolicy) needs a line here and an arm in [`check_typed`] with its schema.
+const CUSTOM_RESOURCES: &[(&str, &str, &str)] = &[
+    (
+        "monitoring.coreos.com/v1",
+        "ServiceMonitor",
+        "check_typed: struct ServiceMonitor (the Prometheus Operator CRD's fields kvota uses; any other refused)",
+    ),
+    (
+        "monitoring.coreos.com/v1",
+        "PrometheusRule",
+        "check_typed: struct PrometheusRule, and its groups equal deploy/prometheus/alerts.yaml",
+    ),
+];
 
 /// Where the agent's API calls apply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,7 +119,7 @@ enum Scope {
 
 /// Every Kubernetes API call `kvota agent` makes: (API group, resource, verb, scope,
 /// the code that makes it). RBAC must allow each and nothing more; a new call in the
-/// code belongs here and in `deploy/kubernetes/agent/10-rbac.yaml`.
+/// code belongs here and in `deploy/kubernetes/base/agent/10-rbac.yaml`.
 const AGENT_CALLS: &[(&str, &str, &str, Scope, &str)] = &[
     ("", "pods", "list", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)"),
     ("", "pods", "watch", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)"),
@@ -108,15 +156,31 @@ const EXPECTED: &[(&str, &str)] = &[
     ("Service", "kvota-server"),
     ("StatefulSet", "kvota-server"),
     ("PodDisruptionBudget", "kvota-server"),
+    ("PodDisruptionBudget", "kvota-agent"),
     ("Job", "kvota-bootstrap"),
-    ("NetworkPolicy", "kvota-server"),
+    ("NetworkPolicy", "kvota-server-raft"),
+    ("NetworkPolicy", "kvota-server-grpc"),
+    ("NetworkPolicy", "kvota-server-http"),
     ("NetworkPolicy", "kvota-agent-webhook"),
+    ("NetworkPolicy", "kvota-server-metrics"),
+    ("NetworkPolicy", "kvota-agent-metrics"),
+    ("Service", "kvota-agent-metrics"),
+    ("ServiceMonitor", "kvota-server"),
+    ("ServiceMonitor", "kvota-agent"),
+    ("PrometheusRule", "kvota"),
+    ("ConfigMap", "kvota-grafana-dashboard"),
 ];
 
 /// Kinds without a namespace; every other object must name its namespace, or it lands
 /// in whatever namespace kubectl's context has.
-const CLUSTER_SCOPED: &[&str] =
-    &["Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"];
+const CLUSTER_SCOPED: &[&str] = &[
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "MutatingWebhookConfiguration",
+    "ValidatingWebhookConfiguration",
+    "CustomResourceDefinition",
+];
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -171,8 +235,45 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// Every document of every YAML file under `dir`, the caBundle placeholder replaced as
-/// `make-webhook-cert` replaces it.
+/// The documents of one YAML text, the placeholders replaced as `make-webhook-cert`
+/// and the operator (`overlays/agent/values.yaml`) replace them.
+fn parse_docs(file: &str, text: &str) -> Vec<Doc> {
+    let text = text.replace(CA_PLACEHOLDER, CA_SAMPLE_BASE64).replace(APISERVER_CIDR_PLACEHOLDER, APISERVER_CIDR_SAMPLE);
+    let mut docs = Vec::new();
+    for d in serde_yaml_ng::Deserializer::from_str(&text) {
+        let mut value = Value::deserialize(d).unwrap_or_else(|e| panic!("{file}: not YAML: {e}"));
+        if !value.is_null() {
+            unwrap_base64(&mut value);
+            docs.push(Doc { file: file.to_string(), value });
+        }
+    }
+    docs
+}
+
+/// kustomize writes generated base64 (a Secret's data, what replacements copy from it)
+/// in lines of 76; the API server's decoder skips the line breaks, k8s-openapi's does
+/// not: join them as the API server reads them.
+fn unwrap_base64(value: &mut Value) {
+    let join = |v: &mut Value| {
+        if let Some(text) = v.as_str() {
+            *v = Value::String(text.split_whitespace().collect());
+        }
+    };
+    if value["kind"] == "Secret" {
+        if let Some(data) = value.get_mut("data").and_then(Value::as_object_mut) {
+            data.values_mut().for_each(join);
+        }
+    }
+    if let Some(hooks) = value.get_mut("webhooks").and_then(Value::as_array_mut) {
+        for h in hooks {
+            if let Some(ca) = h.pointer_mut("/clientConfig/caBundle") {
+                join(ca);
+            }
+        }
+    }
+}
+
+/// Every document of every YAML file under `dir` (what `make-webhook-cert` writes).
 fn documents_under(dir: &Path) -> Vec<Doc> {
     let mut files = Vec::new();
     yaml_files(dir, &mut files);
@@ -180,25 +281,82 @@ fn documents_under(dir: &Path) -> Vec<Doc> {
     for path in files {
         let file = path.strip_prefix(repo()).unwrap_or(&path).display().to_string();
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {file}: {e}"));
-        let text = text.replace(CA_PLACEHOLDER, CA_SAMPLE_BASE64).replace(APISERVER_CIDR_PLACEHOLDER, APISERVER_CIDR_SAMPLE);
-        for d in serde_yaml_ng::Deserializer::from_str(&text) {
-            let value = Value::deserialize(d).unwrap_or_else(|e| panic!("{file}: not YAML: {e}"));
-            if !value.is_null() {
-                docs.push(Doc { file: file.clone(), value });
-            }
-        }
+        docs.extend(parse_docs(&file, &text));
     }
     docs
 }
 
+const NEED_KUBECTL: &str = "the deploy tests render deploy/kubernetes/overlays with `kubectl kustomize`: \
+     install kubectl 1.27 or later (kustomize 5), e.g. from the Kubernetes apt repository; CI has it";
+
+/// `kubectl kustomize DIR`: what `kubectl apply -k DIR` would create.
+fn kustomize(dir: &Path) -> String {
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("run kubectl: {e}; {NEED_KUBECTL}"));
+    assert!(out.status.success(), "kubectl kustomize {} failed: {}", dir.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("kustomize writes UTF-8")
+}
+
+/// Every overlay (and the webhook template) rendered, once per test binary: its path
+/// under deploy/kubernetes and its YAML. `overlays/dev` is rendered from a copy of
+/// deploy/ with the certificates its `make-dev-certs` makes (with the real kvota and
+/// make-webhook-cert).
+fn rendered() -> &'static BTreeMap<String, String> {
+    static RENDERED: OnceLock<BTreeMap<String, String>> = OnceLock::new();
+    RENDERED.get_or_init(|| {
+        let mut out = BTreeMap::new();
+        for o in OVERLAYS.iter().filter(|o| **o != "dev") {
+            out.insert(format!("overlays/{o}"), kustomize(&deploy_dir().join("overlays").join(o)));
+        }
+        out.insert(WEBHOOK_TEMPLATE.to_string(), kustomize(&deploy_dir().join(WEBHOOK_TEMPLATE)));
+        let tmp = tempfile::tempdir().expect("tmp");
+        let copy = tmp.path().join("deploy");
+        let cp = Command::new("cp").arg("-r").arg(repo().join("deploy")).arg(&copy).status().expect("run cp");
+        assert!(cp.success(), "copy deploy/");
+        let dev = copy.join("kubernetes/overlays/dev");
+        let certs = Command::new("bash")
+            .arg(dev.join("make-dev-certs"))
+            .arg("--force")
+            .env("KVOTA", env!("CARGO_BIN_EXE_kvota"))
+            .output()
+            .expect("run make-dev-certs");
+        assert!(certs.status.success(), "overlays/dev/make-dev-certs failed: {}", String::from_utf8_lossy(&certs.stderr));
+        out.insert("overlays/dev".to_string(), kustomize(&dev));
+        out
+    })
+}
+
+/// The installs the checks run on: (what, its objects).
+fn installs() -> Vec<(String, Vec<Doc>)> {
+    let r = rendered();
+    // The production overlays, as applied to clusters; the namespace comes from two.
+    let mut production: Vec<Doc> = Vec::new();
+    for name in ["overlays/control-plane", "overlays/bootstrap", "overlays/agent", "overlays/observability", WEBHOOK_TEMPLATE] {
+        for d in parse_docs(name, &r[name]) {
+            match production.iter().find(|p| p.kind() == d.kind() && p.name() == d.name() && p.namespace() == d.namespace()) {
+                Some(p) => assert_eq!(p.value, d.value, "{} and {} render {} {} differently", p.file, d.file, d.kind(), d.name()),
+                None => production.push(d),
+            }
+        }
+    }
+    vec![
+        ("the production overlays with make-webhook-cert's webhooks".to_string(), production),
+        ("overlays/dev".to_string(), parse_docs("overlays/dev", &r["overlays/dev"])),
+    ]
+}
+
+/// The production install (every overlay but dev, and the webhooks).
 fn manifests() -> Vec<Doc> {
-    documents_under(&deploy_dir())
+    installs().swap_remove(0).1
 }
 
 fn find<'a>(docs: &'a [Doc], kind: &str, name: &str) -> &'a Doc {
     docs.iter()
         .find(|d| d.kind() == kind && d.name() == name)
-        .unwrap_or_else(|| panic!("no {kind} {name} under deploy/kubernetes"))
+        .unwrap_or_else(|| panic!("no {kind} {name} in the rendered overlays"))
 }
 
 fn all_of<'a, T: DeserializeOwned>(docs: &'a [Doc], kind: &str) -> Vec<(T, &'a Doc)> {
@@ -256,13 +414,147 @@ fn check_typed(doc: &Doc) -> Result<(), String> {
         "NetworkPolicy" => round_trip::<NetworkPolicy>(doc),
         "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc),
         "ValidatingWebhookConfiguration" => round_trip::<ValidatingWebhookConfiguration>(doc),
+        "CustomResourceDefinition" => round_trip::<CustomResourceDefinition>(doc),
+        "ServiceMonitor" => custom::<ServiceMonitor>(doc),
+        "PrometheusRule" => custom::<PrometheusRule>(doc),
         other => Err(format!("kind `{other}` is not one this test knows: add it to check_typed")),
     }
 }
 
+/// A custom resource: its apiVersion is the allow-listed one, and it parses into the
+/// schema stated below (unknown fields refused) and back.
+fn custom<T: DeserializeOwned + Serialize>(doc: &Doc) -> Result<(), String> {
+    let api_version = doc.str_at("/apiVersion");
+    if !CUSTOM_RESOURCES.iter().any(|(v, k, _)| *v == api_version && *k == doc.kind()) {
+        return Err(format!("{api_version} {} is not in CUSTOM_RESOURCES", doc.kind()));
+    }
+    round_trip::<T>(doc)
+}
+
+// The schemas of the custom resources in CUSTOM_RESOURCES: the fields of the Prometheus
+// Operator's CRDs (monitoring.coreos.com/v1) that kvota's manifests use, spelled as
+// there; any other field fails (deny_unknown_fields, and the round trip below them).
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitor {
+    api_version: String,
+    kind: String,
+    metadata: ObjectMeta,
+    spec: ServiceMonitorSpec,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitorSpec {
+    selector: LabelSelector,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    namespace_selector: Option<MonitorNamespaceSelector>,
+    endpoints: Vec<MonitorEndpoint>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MonitorNamespaceSelector {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    any: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    match_names: Option<Vec<String>>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MonitorEndpoint {
+    /// The name of a Service port.
+    port: String,
+    scheme: MonitorScheme,
+    path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    interval: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    scrape_timeout: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tls_config: Option<MonitorTls>,
+}
+
+#[derive(Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+enum MonitorScheme {
+    Http,
+    Https,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MonitorTls {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    server_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ca: Option<MonitorSecretOrConfigMap>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cert: Option<MonitorSecretOrConfigMap>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    key_secret: Option<SecretKeySelector>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    insecure_skip_verify: Option<bool>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MonitorSecretOrConfigMap {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    secret: Option<SecretKeySelector>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PrometheusRule {
+    api_version: String,
+    kind: String,
+    metadata: ObjectMeta,
+    spec: PrometheusRuleSpec,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrometheusRuleSpec {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleGroup {
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    interval: Option<String>,
+    rules: Vec<PromRule>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PromRule {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    alert: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    record: Option<String>,
+    expr: String,
+    #[serde(default, rename = "for", skip_serializing_if = "Option::is_none")]
+    for_: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    annotations: Option<BTreeMap<String, String>>,
+}
+
 #[test]
 fn every_manifest_is_a_well_typed_kubernetes_object() {
-    let docs = manifests();
+    for (install, docs) in installs() {
+        eprintln!("checking {install}");
+        every_manifest_is_a_well_typed_kubernetes_object_in(docs);
+    }
+}
+
+fn every_manifest_is_a_well_typed_kubernetes_object_in(docs: Vec<Doc>) {
     let mut problems = Vec::new();
     for d in &docs {
         if let Err(e) = check_typed(d) {
@@ -287,7 +579,7 @@ fn every_manifest_is_a_well_typed_kubernetes_object() {
     }
     for (kind, name) in EXPECTED {
         if !docs.iter().any(|d| d.kind() == *kind && d.name() == *name) {
-            problems.push(format!("no {kind} {name} under deploy/kubernetes"));
+            problems.push(format!("no {kind} {name} in the rendered overlays"));
         }
     }
     assert!(problems.is_empty(), "{} problems in deploy/kubernetes:\n  {}", problems.len(), problems.join("\n  "));
@@ -510,7 +802,13 @@ fn container_arguments_and_environment_are_what_kvota_accepts() {
     assert!(!ok(&["agent", "--report-interval-ms=soon"]), "a bad value before --help must fail");
     assert!(!ok(&["server", "--id=x"]), "a bad value before --help must fail");
 
-    let docs = manifests();
+    for (install, docs) in installs() {
+        eprintln!("checking {install}");
+        container_arguments_and_environment_are_what_kvota_accepts_in(docs);
+    }
+}
+
+fn container_arguments_and_environment_are_what_kvota_accepts_in(docs: Vec<Doc>) {
     let pods = pods(&docs);
     let containers = kvota_containers(&docs, &pods);
     let mut problems = Vec::new();
@@ -629,7 +927,13 @@ fn allows(g: &Grant, group: &str, resource: &str, verb: &str, ns: Option<&str>, 
 
 #[test]
 fn rbac_grants_exactly_the_calls_the_agent_makes() {
-    let docs = manifests();
+    for (install, docs) in installs() {
+        eprintln!("checking {install}");
+        rbac_grants_exactly_the_calls_the_agent_makes_in(docs);
+    }
+}
+
+fn rbac_grants_exactly_the_calls_the_agent_makes_in(docs: Vec<Doc>) {
     let pods = pods(&docs);
     let containers = kvota_containers(&docs, &pods);
     let agent = agent(&containers);
@@ -804,7 +1108,13 @@ fn hooks(docs: &[Doc]) -> Vec<Hook> {
 
 #[test]
 fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces() {
-    let docs = manifests();
+    for (install, docs) in installs() {
+        eprintln!("checking {install}");
+        webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces_in(docs);
+    }
+}
+
+fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces_in(docs: Vec<Doc>) {
     let pods = pods(&docs);
     let containers = kvota_containers(&docs, &pods);
     let agent = agent(&containers);
@@ -886,8 +1196,8 @@ fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces() {
         problems.push("the webhooks' matchConditions differ: a pod would be judged by one and not the other".to_string());
     }
     // Real CA bundles are made at install time, never committed.
-    let template = deploy_dir().join("agent/webhooks/webhooks.yaml");
-    let text = std::fs::read_to_string(&template).expect("agent/webhooks/webhooks.yaml");
+    let template = deploy_dir().join(WEBHOOK_TEMPLATE).join("webhooks.yaml");
+    let text = std::fs::read_to_string(&template).expect("base/agent/webhooks/webhooks.yaml");
     let placeholders = text.matches(&format!("caBundle: \"{CA_PLACEHOLDER}\"")).count();
     if placeholders != hooks.len() {
         problems.push(format!("{}: {placeholders} caBundle placeholders for {} webhooks", template.display(), hooks.len()));
@@ -913,7 +1223,13 @@ fn mount_of<'a>(c: &'a Container, volume: &str) -> Option<&'a str> {
 
 #[test]
 fn pods_run_unprivileged_with_their_data_on_a_volume() {
-    let docs = manifests();
+    for (install, docs) in installs() {
+        eprintln!("checking {install}");
+        pods_run_unprivileged_with_their_data_on_a_volume_in(docs);
+    }
+}
+
+fn pods_run_unprivileged_with_their_data_on_a_volume_in(docs: Vec<Doc>) {
     let pods = pods(&docs);
     let containers = kvota_containers(&docs, &pods);
     let mut problems = Vec::new();
@@ -929,6 +1245,14 @@ fn pods_run_unprivileged_with_their_data_on_a_volume() {
         }
         if sc.allow_privilege_escalation != Some(false) {
             problems.push(format!("{what}: allowPrivilegeEscalation is not false"));
+        }
+        let caps = sc.capabilities.clone().unwrap_or_default();
+        if !list(&caps.drop).iter().any(|c| c == "ALL") || !list(&caps.add).is_empty() {
+            problems.push(format!("{what}: capabilities are not `drop: [ALL]` with none added"));
+        }
+        let seccomp = sc.seccomp_profile.as_ref().or(psc.seccomp_profile.as_ref()).map(|p| p.type_.as_str());
+        if !matches!(seccomp, Some("RuntimeDefault" | "Localhost")) {
+            problems.push(format!("{what}: seccompProfile is {seccomp:?}, not RuntimeDefault"));
         }
         if k.container.resources.as_ref().and_then(|r| r.requests.as_ref()).is_none() {
             problems.push(format!("{what}: no resource requests"));
@@ -973,7 +1297,13 @@ fn pods_run_unprivileged_with_their_data_on_a_volume() {
 
 #[test]
 fn control_plane_ids_peers_and_bootstrap_agree() {
-    let docs = manifests();
+    for (install, docs) in installs() {
+        eprintln!("checking {install}");
+        control_plane_ids_peers_and_bootstrap_agree_in(docs);
+    }
+}
+
+fn control_plane_ids_peers_and_bootstrap_agree_in(docs: Vec<Doc>) {
     let pods = pods(&docs);
     let containers = kvota_containers(&docs, &pods);
     let server = server(&containers);
@@ -1065,15 +1395,7 @@ async fn request(port: u16, tls: Option<(&Path, &str)>, method: &str, path: &str
         .map_err(|e| e.to_string())?;
     let resp = match tls {
         Some((ca, name)) => {
-            let mut roots = rustls::RootCertStore::empty();
-            roots.add(CertificateDer::from_pem_file(ca).map_err(|e| format!("{}: {e}", ca.display()))?).map_err(|e| e.to_string())?;
-            let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .map_err(|e| e.to_string())?
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-            let server_name = ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
-            let stream = tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(server_name, tcp).await.map_err(|e| e.to_string())?;
+            let stream = tls_connect(tcp, ca, name).await?;
             let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
             tokio::spawn(conn);
             send.send_request(req).await.map_err(|e| e.to_string())?
@@ -1087,6 +1409,26 @@ async fn request(port: u16, tls: Option<(&Path, &str)>, method: &str, path: &str
     let status = resp.status().as_u16();
     let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes().to_vec();
     Ok((status, body))
+}
+
+/// A TLS connection as the API server makes it to a webhook: trusting every CA in the
+/// bundle `ca` (caBundle) and nothing else, for DNS name `name`.
+async fn tls_connect(
+    tcp: tokio::net::TcpStream,
+    ca: &Path,
+    name: &str,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).map_err(|e| format!("{}: {e}", ca.display()))? {
+        roots.add(cert.map_err(|e| format!("{}: {e}", ca.display()))?).map_err(|e| e.to_string())?;
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let server_name = ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
+    tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(server_name, tcp).await.map_err(|e| e.to_string())
 }
 
 async fn until_answers(what: &str, port: u16, tls: Option<(&Path, &str)>, path: &str, log: &Path) {
@@ -1248,12 +1590,528 @@ fn the_image_puts_kvota_on_path_runs_as_non_root_and_carries_its_version() {
     let build = std::fs::read_to_string(repo().join("deploy/build-image")).expect("build-image");
     assert!(build.contains("--build-arg \"VERSION=") && build.contains("--build-arg \"REVISION="), "build-image passes the version and revision");
     // The manifests run the uid the image declares.
-    for doc in manifests() {
+    let mut checked = 0;
+    for doc in installs().into_iter().flat_map(|(_, docs)| docs) {
         if let Some(spec) = doc.value.pointer("/spec/template/spec") {
-            for c in spec["containers"].as_array().into_iter().flatten().filter(|c| c["image"].as_str().is_some_and(|i| i.starts_with("kvota:"))) {
+            let ours = |c: &&Value| serde_json::from_value::<Container>((*c).clone()).is_ok_and(|c| is_kvota(&c));
+            for c in spec["containers"].as_array().into_iter().flatten().filter(ours) {
+                checked += 1;
                 let run_as = c.pointer("/securityContext/runAsUser").or_else(|| spec.pointer("/securityContext/runAsUser")).and_then(Value::as_u64);
                 assert_eq!(run_as, Some(u64::from(uid)), "{} runs as the image's uid", doc.name());
             }
         }
     }
+    assert!(checked >= 6, "the agent, the server and the bootstrap Job, in both installs");
+}
+
+// ---- Strict schemas, pod security, network policies, disruption budgets, monitoring.
+
+const NEED_VALIDATE: &str = "the deploy tests validate the rendered overlays with kubernetes-validate: \
+     pip install kubernetes-validate==1.37.0 (scripts/test installs it; CI has it)";
+
+/// `kubernetes-validate --strict --quiet -k VERSION FILES`: (success, what it printed).
+fn kubernetes_validate(version: &str, files: &[PathBuf]) -> (bool, String) {
+    let out = Command::new("kubernetes-validate")
+        .args(["--strict", "--quiet", "-k", version])
+        .args(files)
+        .output()
+        .unwrap_or_else(|e| panic!("run kubernetes-validate: {e}; {NEED_VALIDATE}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+#[test]
+fn every_rendered_object_validates_strictly_against_the_kubernetes_schemas() {
+    let version = Command::new("kubernetes-validate").arg("--version").output();
+    let version = version.unwrap_or_else(|e| panic!("run kubernetes-validate: {e}; {NEED_VALIDATE}"));
+    let have = String::from_utf8_lossy(&version.stdout).trim().to_string();
+    let want = KUBERNETES_VALIDATE.rsplit('=').next().unwrap_or("");
+    assert!(have.contains(want), "kubernetes-validate --version says `{have}`, this test is pinned to {want}: {NEED_VALIDATE}");
+    let tmp = tempfile::tempdir().expect("tmp");
+
+    // The validator itself: strict, so a misspelt field fails (as does an unknown kind).
+    let bad = tmp.path().join("misspelt.yaml");
+    std::fs::write(&bad, "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec:\n  ports:\n  - port: 443\n    tragetPort: x\n").expect("write");
+    for v in KUBERNETES_VERSIONS {
+        let (ok, text) = kubernetes_validate(v, std::slice::from_ref(&bad));
+        assert!(!ok && text.contains("tragetPort"), "kubernetes-validate {v} let a misspelt field through: {text}");
+    }
+
+    // Every rendered object: custom resources against their stated schema, everything
+    // else against Kubernetes'.
+    let mut problems = Vec::new();
+    let mut files = Vec::new();
+    let mut custom_seen = BTreeSet::new();
+    for (name, text) in rendered() {
+        let mut kept = Vec::new();
+        for d in parse_docs(name, text) {
+            let api_version = d.str_at("/apiVersion").to_string();
+            if CUSTOM_RESOURCES.iter().any(|(v, k, _)| *v == api_version && *k == d.kind()) {
+                custom_seen.insert(d.kind().to_string());
+                if let Err(e) = check_typed(&d) {
+                    problems.push(format!("{name}: {} {}: {e}", d.kind(), d.name()));
+                }
+                continue;
+            }
+            kept.push(serde_yaml_ng::to_string(&d.value).expect("yaml"));
+        }
+        let file = tmp.path().join(format!("{}.yaml", name.replace('/', "_")));
+        std::fs::write(&file, kept.join("---\n")).expect("write");
+        files.push(file);
+    }
+    for v in KUBERNETES_VERSIONS {
+        let (ok, text) = kubernetes_validate(v, &files);
+        // --quiet prints only failures and warnings; a kind without a schema is a
+        // warning there, and a failure here (CUSTOM_RESOURCES lists the known ones).
+        if !ok || !text.trim().is_empty() {
+            problems.push(format!("Kubernetes {v}:\n{}", text.trim()));
+        }
+    }
+    for (_, kind, _) in CUSTOM_RESOURCES {
+        if !custom_seen.contains(*kind) {
+            problems.push(format!("CUSTOM_RESOURCES lists {kind}, which no overlay renders: drop it"));
+        }
+    }
+    assert!(problems.is_empty(), "{} problems (temporary files named after the overlays):\n  {}", problems.len(), problems.join("\n  "));
+}
+
+/// Every container of every pod template (init containers too) with its pod.
+fn all_containers<'a>(pods: &'a [Pod<'a>]) -> Vec<(&'a Pod<'a>, &'a Container)> {
+    pods.iter().flat_map(|p| p.spec.containers.iter().chain(p.spec.init_containers.iter().flatten()).map(move |c| (p, c))).collect()
+}
+
+#[test]
+fn every_pod_meets_the_restricted_pod_security_standard() {
+    for (install, docs) in installs() {
+        let pods = pods(&docs);
+        let mut problems = Vec::new();
+        for (pod, c) in all_containers(&pods) {
+            let what = format!("{install}: {} {} container {}", pod.doc.kind(), pod.doc.name(), c.name);
+            let psc = pod.spec.security_context.clone().unwrap_or_default();
+            let sc = c.security_context.clone().unwrap_or_default();
+            if sc.run_as_non_root.or(psc.run_as_non_root) != Some(true) {
+                problems.push(format!("{what}: runAsNonRoot is not true"));
+            }
+            if sc.run_as_user.or(psc.run_as_user) == Some(0) {
+                problems.push(format!("{what}: runs as uid 0"));
+            }
+            if sc.read_only_root_filesystem != Some(true) {
+                problems.push(format!("{what}: readOnlyRootFilesystem is not true"));
+            }
+            if sc.allow_privilege_escalation != Some(false) {
+                problems.push(format!("{what}: allowPrivilegeEscalation is not false"));
+            }
+            if sc.privileged == Some(true) {
+                problems.push(format!("{what}: privileged"));
+            }
+            let caps = sc.capabilities.clone().unwrap_or_default();
+            if list(&caps.drop) != ["ALL"] || !list(&caps.add).is_empty() {
+                problems.push(format!("{what}: capabilities are not `drop: [ALL]` with none added"));
+            }
+            let seccomp = sc.seccomp_profile.as_ref().or(psc.seccomp_profile.as_ref()).map(|p| p.type_.clone());
+            if seccomp.as_deref() != Some("RuntimeDefault") {
+                problems.push(format!("{what}: seccompProfile {seccomp:?}, not RuntimeDefault"));
+            }
+        }
+        for pod in &pods {
+            let what = format!("{install}: {} {}", pod.doc.kind(), pod.doc.name());
+            let s = &pod.spec;
+            if s.host_network == Some(true) || s.host_pid == Some(true) || s.host_ipc == Some(true) {
+                problems.push(format!("{what}: shares a host namespace"));
+            }
+            for v in s.volumes.iter().flatten() {
+                let allowed = v.secret.is_some()
+                    || v.empty_dir.is_some()
+                    || v.config_map.is_some()
+                    || v.persistent_volume_claim.is_some()
+                    || v.projected.is_some()
+                    || v.downward_api.is_some();
+                if !allowed {
+                    problems.push(format!("{what}: volume {} is of a kind the restricted standard refuses", v.name));
+                }
+            }
+            // Admission enforces it too: the namespace says `restricted`.
+            let ns: Namespace = find(&docs, "Namespace", pod.doc.namespace()).typed();
+            let labels = ns.metadata.labels.unwrap_or_default();
+            if labels.get("pod-security.kubernetes.io/enforce").map(String::as_str) != Some("restricted") {
+                problems.push(format!("{what}: namespace {} does not enforce the restricted Pod Security Standard", pod.doc.namespace()));
+            }
+        }
+        assert!(pods.len() >= 3, "{install}: the agent, the server and the bootstrap Job");
+        assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+    }
+}
+
+/// Whether the NetworkPolicy rule port `p` names container port `cp`.
+fn names_port(p: &k8s_openapi::api::networking::v1::NetworkPolicyPort, cp: &k8s_openapi::api::core::v1::ContainerPort) -> bool {
+    let protocol_ok = p.protocol.as_deref().unwrap_or("TCP") == cp.protocol.as_deref().unwrap_or("TCP");
+    let port_ok = match &p.port {
+        None => true,
+        Some(IntOrString::Int(n)) => *n == cp.container_port || p.end_port.is_some_and(|e| (*n..=e).contains(&cp.container_port)),
+        Some(IntOrString::String(name)) => cp.name.as_deref() == Some(name.as_str()),
+    };
+    protocol_ok && port_ok
+}
+
+#[test]
+fn every_port_a_container_listens_on_is_covered_by_a_network_policy() {
+    for (install, docs) in installs() {
+        let pods = pods(&docs);
+        let containers = kvota_containers(&docs, &pods);
+        let policies: Vec<(NetworkPolicy, &Doc)> = all_of(&docs, "NetworkPolicy");
+        let mut problems = Vec::new();
+        // What kvota listens on is declared: a port no containerPort names is one no
+        // NetworkPolicy can name either.
+        for k in &containers {
+            let flags: &[(&str, &str)] = match k.subcommand().first().map(String::as_str) {
+                Some("server") => &[("--listen", "127.0.0.1:7401"), ("--raft-listen", "127.0.0.1:7601"), ("--http", "127.0.0.1:7501")],
+                Some("agent") => &[("--webhook-listen", "0.0.0.0:8443")],
+                _ => &[],
+            };
+            for (flag, default) in flags {
+                let port = listen_port(k, flag, default);
+                if !k.container.ports.iter().flatten().any(|p| p.container_port == port) {
+                    problems.push(format!("{install}: {} listens on {port} ({flag}), which no containerPort declares", k.pod.doc.name()));
+                }
+            }
+        }
+        for (pod, c) in all_containers(&pods) {
+            for cp in c.ports.iter().flatten() {
+                let covered = policies.iter().any(|(np, d)| {
+                    let spec = np.spec.clone().unwrap_or_default();
+                    let ingress_policy = spec.policy_types.as_ref().map_or(spec.ingress.is_some(), |t| t.iter().any(|t| t == "Ingress"));
+                    d.namespace() == pod.doc.namespace()
+                        && ingress_policy
+                        && selects(&spec.pod_selector.clone().unwrap_or_default(), &pod.labels)
+                        && spec.ingress.iter().flatten().any(|rule| rule.ports.as_ref().is_none_or(|ps| ps.is_empty() || ps.iter().any(|p| names_port(p, cp))))
+                });
+                if !covered {
+                    problems.push(format!(
+                        "{install}: {} {} port {} ({:?}) is reached by anyone: no NetworkPolicy names it",
+                        pod.doc.kind(),
+                        pod.doc.name(),
+                        cp.container_port,
+                        cp.name
+                    ));
+                }
+            }
+        }
+        // Raft only from the control-plane pods; the webhook from the API server's CIDR.
+        let server = server(&containers);
+        let raft = listen_port(server, "--raft-listen", "127.0.0.1:7601");
+        let raft_port = server.container.ports.iter().flatten().find(|p| p.container_port == raft).cloned().expect("raft port");
+        for (np, d) in &policies {
+            let spec = np.spec.clone().unwrap_or_default();
+            if d.namespace() != server.pod.doc.namespace() || !selects(&spec.pod_selector.clone().unwrap_or_default(), &server.pod.labels) {
+                continue;
+            }
+            for rule in spec.ingress.iter().flatten() {
+                if rule.ports.as_ref().is_none_or(|ps| ps.is_empty() || ps.iter().any(|p| names_port(p, &raft_port))) {
+                    let only_peers = rule.from.as_ref().is_some_and(|from| {
+                        !from.is_empty()
+                            && from.iter().all(|peer| {
+                                peer.namespace_selector.is_none()
+                                    && peer.ip_block.is_none()
+                                    && peer.pod_selector.as_ref().is_some_and(|s| selects(s, &server.pod.labels))
+                            })
+                    });
+                    if !only_peers {
+                        problems.push(format!("{install}: NetworkPolicy {} lets more than the control-plane pods reach Raft", d.name()));
+                    }
+                }
+            }
+        }
+        let agent = agent(&containers);
+        let hook: NetworkPolicy = find(&docs, "NetworkPolicy", "kvota-agent-webhook").typed();
+        let cidrs: Vec<String> = hook
+            .spec
+            .unwrap_or_default()
+            .ingress
+            .iter()
+            .flatten()
+            .flat_map(|r| r.from.iter().flatten().filter_map(|p| p.ip_block.as_ref().map(|b| b.cidr.clone())))
+            .collect();
+        if cidrs.is_empty() {
+            problems.push(format!("{install}: the agent's webhook port is not limited to the API server's addresses"));
+        }
+        assert!(!agent.container.ports.clone().unwrap_or_default().is_empty());
+        assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+    }
+}
+
+#[test]
+fn the_agent_and_the_control_plane_have_disruption_budgets() {
+    for (install, docs) in installs() {
+        let pods = pods(&docs);
+        let containers = kvota_containers(&docs, &pods);
+        let budgets: Vec<(PodDisruptionBudget, &Doc)> = all_of(&docs, "PodDisruptionBudget");
+        for k in [agent(&containers), server(&containers)] {
+            let replicas = k.pod.doc.value.pointer("/spec/replicas").and_then(Value::as_i64).unwrap_or(1);
+            let what = format!("{install}: {} {} ({replicas} replicas)", k.pod.doc.kind(), k.pod.doc.name());
+            assert!(replicas >= 2, "{what}: one replica cannot have a disruption budget that lets a drain through");
+            let mine: Vec<_> = budgets
+                .iter()
+                .filter(|(b, d)| {
+                    d.namespace() == k.pod.doc.namespace()
+                        && b.spec.as_ref().and_then(|s| s.selector.as_ref()).is_some_and(|s| selects(s, &k.pod.labels))
+                })
+                .collect();
+            assert_eq!(mine.len(), 1, "{what}: exactly one PodDisruptionBudget selects its pods");
+            let spec = mine[0].0.spec.clone().expect("spec");
+            // At most one pod evicted at a time, and one may be: a quorum of three stays,
+            // one agent replica keeps answering, and drains are never blocked.
+            let allowed_down = match (&spec.max_unavailable, &spec.min_available) {
+                (Some(IntOrString::Int(n)), None) => i64::from(*n),
+                (None, Some(IntOrString::Int(n))) => replicas - i64::from(*n),
+                other => panic!("{what}: give maxUnavailable or minAvailable as a number, not {other:?}"),
+            };
+            assert_eq!(allowed_down, 1, "{what}: its budget must allow exactly one pod down");
+            assert_eq!(spec.unhealthy_pod_eviction_policy.as_deref(), Some("AlwaysAllow"), "{what}: a pod that is not ready must never block a drain");
+        }
+    }
+}
+
+#[test]
+fn the_image_is_named_once_and_monitoring_holds_the_alerts_and_the_dashboard() {
+    // The image: `kvota` in base/, name and tag only in components/image.
+    let mut files = Vec::new();
+    yaml_files(&deploy_dir().join("base"), &mut files);
+    for f in &files {
+        let text = std::fs::read_to_string(f).expect("read");
+        for line in text.lines().filter(|l| l.trim_start().starts_with("image:")) {
+            assert_eq!(line.trim(), "image: kvota", "{}: the image's name and tag are set in components/image only", f.display());
+        }
+    }
+    let mut images = BTreeSet::new();
+    for (_, docs) in installs() {
+        let pods = pods(&docs);
+        for (_, c) in all_containers(&pods) {
+            images.insert(c.image.clone().unwrap_or_default());
+        }
+    }
+    assert_eq!(images.len(), 1, "every pod runs the one kvota image: {images:?}");
+    let component: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(deploy_dir().join("components/image/kustomization.yaml")).expect("components/image"))
+        .expect("yaml");
+    let image = &component["images"][0];
+    let expected = format!("{}:{}", image["newName"].as_str().unwrap_or(""), image["newTag"].as_str().unwrap_or(""));
+    assert!(images.contains(&expected), "{images:?} is not components/image's {expected}");
+
+    // The PrometheusRule is deploy/prometheus/alerts.yaml (overlays/observability/sync-alerts).
+    let alerts: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(repo().join("deploy/prometheus/alerts.yaml")).expect("alerts.yaml")).expect("alerts.yaml");
+    let docs = parse_docs("overlays/observability", &rendered()["overlays/observability"]);
+    let rule = find(&docs, "PrometheusRule", "kvota");
+    assert_eq!(
+        rule.value["spec"], alerts,
+        "PrometheusRule kvota differs from deploy/prometheus/alerts.yaml: run deploy/kubernetes/overlays/observability/sync-alerts"
+    );
+    // The dashboard ConfigMap is deploy/grafana/kvota-dashboard.json, for Grafana's sidecar.
+    let dashboard: ConfigMap = find(&docs, "ConfigMap", "kvota-grafana-dashboard").typed();
+    let json = std::fs::read_to_string(repo().join("deploy/grafana/kvota-dashboard.json")).expect("dashboard");
+    assert_eq!(dashboard.data.unwrap_or_default().get("kvota-dashboard.json"), Some(&json));
+    assert_eq!(dashboard.metadata.labels.unwrap_or_default().get("grafana_dashboard").map(String::as_str), Some("1"));
+
+    // The ServiceMonitors scrape every node and agent replica on the port that serves
+    // /metrics, with a client certificate (/metrics answers viewers only).
+    for (_, docs) in installs() {
+        let pods = pods(&docs);
+        let containers = kvota_containers(&docs, &pods);
+        for (monitor, k, listen) in [
+            ("kvota-server", server(&containers), listen_port(server(&containers), "--http", "127.0.0.1:7501")),
+            ("kvota-agent", agent(&containers), listen_port(agent(&containers), "--webhook-listen", "0.0.0.0:8443")),
+        ] {
+            let sm: ServiceMonitor = find(&docs, "ServiceMonitor", monitor).typed();
+            let ns = find(&docs, "ServiceMonitor", monitor).namespace().to_string();
+            let services: Vec<(Service, &Doc)> = all_of(&docs, "Service");
+            let picked: Vec<&(Service, &Doc)> = services
+                .iter()
+                .filter(|(_, d)| d.namespace() == ns && selects(&sm.spec.selector, &d.value["metadata"]["labels"].as_object().map(|m| m.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string())).collect()).unwrap_or_default()))
+                .collect();
+            assert_eq!(picked.len(), 1, "ServiceMonitor {monitor} selects one Service, not {}", picked.len());
+            let (svc, svc_doc) = picked[0];
+            let spec = svc.spec.clone().expect("spec");
+            assert_eq!(spec.publish_not_ready_addresses, Some(true), "Service {}: nodes and replicas that are not ready are scraped too", svc_doc.name());
+            assert_eq!(sm.spec.endpoints.len(), 1);
+            let e = &sm.spec.endpoints[0];
+            assert!(e.scheme == MonitorScheme::Https && e.path == "/metrics", "ServiceMonitor {monitor}: https /metrics");
+            let sp = spec.ports.iter().flatten().find(|p| p.name.as_deref() == Some(e.port.as_str())).expect("the endpoint's port is a port of the Service");
+            let target = sp.target_port.clone().unwrap_or(IntOrString::Int(sp.port));
+            let selector = LabelSelector { match_labels: spec.selector.clone(), match_expressions: None };
+            assert!(selects(&selector, &k.pod.labels), "Service {}: selects every pod of {}", svc_doc.name(), k.pod.doc.name());
+            assert_eq!(container_port(&k.container, &target), Some(listen), "ServiceMonitor {monitor}: {target:?} is where /metrics is served");
+            let tls = e.tls_config.as_ref().expect("tlsConfig");
+            assert!(tls.cert.is_some() && tls.key_secret.is_some() && tls.ca.is_some() && tls.insecure_skip_verify.is_none(), "ServiceMonitor {monitor}: mutual TLS, verified");
+        }
+    }
+}
+
+// ---- Renewing the webhook certificate and rotating its CA, with the real agent.
+
+/// The certificate (DER) the agent on `port` serves, if it verifies against the bundle
+/// `ca` for `name`, as the API server holding that caBundle would verify it.
+async fn served_certificate(port: u16, ca: &Path, name: &str) -> Result<Vec<u8>, String> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+    let stream = tls_connect(tcp, ca, name).await?;
+    let (_, conn) = stream.get_ref();
+    conn.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec()).ok_or_else(|| "no certificate".to_string())
+}
+
+fn certificate_of(pem: &Path) -> Vec<u8> {
+    CertificateDer::from_pem_file(pem).unwrap_or_else(|e| panic!("{}: {e}", pem.display())).to_vec()
+}
+
+/// Waits until the agent serves the certificate in `expected` (it rereads its files
+/// every 2 s), checking on every connection meanwhile, old certificate or new, that
+/// what it serves verifies against each of `bundles`: each caBundle the API server may
+/// hold at that moment.
+async fn until_serves(port: u16, expected: &Path, bundles: &[&Path], name: &str, log: &Path) {
+    let want = certificate_of(expected);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut connections = 0;
+    loop {
+        let mut served = Vec::new();
+        for b in bundles {
+            served = served_certificate(port, b, name).await.unwrap_or_else(|e| {
+                panic!(
+                    "after {connections} good connections, the agent's certificate fails caBundle {}: {e}\nagent log:\n{}",
+                    b.display(),
+                    std::fs::read_to_string(log).unwrap_or_default()
+                )
+            });
+            connections += 1;
+        }
+        if served == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the agent did not load {} within 30 s", expected.display());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn make_webhook_cert(args: &[&str], ca_dir: &Path, out: &Path) -> std::process::Output {
+    Command::new("bash")
+        .arg(deploy_dir().join("make-webhook-cert"))
+        .args(args)
+        .arg("--ca-dir")
+        .arg(ca_dir)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .expect("run make-webhook-cert")
+}
+
+fn certificates_in(pem: &Path) -> usize {
+    CertificateDer::pem_file_iter(pem).map(|i| i.count()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewing_the_webhook_certificate_and_rotating_its_ca_never_break_the_api_servers_trust() {
+    use std::os::unix::fs::PermissionsExt;
+    if Command::new("openssl").arg("version").output().is_err() {
+        panic!("openssl is needed by deploy/kubernetes/make-webhook-cert and this test: apt-get install openssl");
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (ca_dir, out) = (tmp.path().join("webhook-ca"), tmp.path().join("cert"));
+    let run = |args: &[&str]| {
+        let r = make_webhook_cert(args, &ca_dir, &out);
+        assert!(r.status.success(), "make-webhook-cert {args:?} failed: {}", String::from_utf8_lossy(&r.stderr));
+    };
+    // A copy of each caBundle the API server is given, step by step.
+    let keep = |name: &str| {
+        let p = tmp.path().join(name);
+        std::fs::copy(out.join("ca.crt"), &p).expect("copy the bundle");
+        p
+    };
+    // webhooks.yaml always carries the bundle of ca.crt.
+    let check_rendered = |step: &str| {
+        let bundle = std::fs::read(out.join("ca.crt")).expect("ca.crt");
+        for h in hooks(&documents_under(&out)) {
+            assert_eq!(h.client.ca_bundle.as_ref().map(|b| b.0.clone()), Some(bundle.clone()), "{step}: {} caBundle", h.name);
+        }
+    };
+
+    run(&["--days", "2"]);
+    // The CA key stays where the operator said, private; never beside the outputs.
+    assert_eq!(std::fs::metadata(&ca_dir).expect("ca dir").permissions().mode() & 0o777, 0o700);
+    assert_eq!(std::fs::metadata(ca_dir.join("ca.key")).expect("ca.key").permissions().mode() & 0o777, 0o600);
+    assert!(!out.join("ca.key").exists() && !out.join("ca").exists(), "no CA key in --out");
+    let b0 = keep("bundle-0.crt");
+    assert_eq!(certificates_in(&b0), 1);
+    check_rendered("first run");
+
+    let dns = "kvota-agent.kvota-system.svc";
+    let port = free_ports(1)[0];
+    let log = tmp.path().join("agent.log");
+    let agent_proc = kvota()
+        .args(["agent", "--cluster", "east", "--simulate", "1x8", "--cp", "127.0.0.1:1"])
+        .arg(format!("--webhook-listen=127.0.0.1:{port}"))
+        .arg("--tls-cert")
+        .arg(out.join("tls.crt"))
+        .arg("--tls-key")
+        .arg(out.join("tls.key"))
+        .arg("--data-dir")
+        .arg(tmp.path().join("agent"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log).expect("log")))
+        .spawn()
+        .expect("spawn agent");
+    let _procs = Procs::of([agent_proc]);
+    until_answers("the agent", port, Some((b0.as_path(), dns)), "/healthz", &log).await;
+    until_serves(port, &out.join("tls.crt"), &[&b0], dns, &log).await;
+
+    // Renewal: a new certificate from the same CA; caBundle does not change, so the API
+    // server trusts the old certificate and the new one alike.
+    let before = certificate_of(&out.join("tls.crt"));
+    run(&["--days", "2", "--force"]);
+    assert_ne!(certificate_of(&out.join("tls.crt")), before, "--force issues a new certificate");
+    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b0).expect("b0"), "renewal keeps caBundle");
+    check_rendered("renewal");
+    until_serves(port, &out.join("tls.crt"), &[&b0], dns, &log).await;
+
+    // Dropping an old CA is refused while no rotation is under way.
+    assert!(!make_webhook_cert(&["--drop-old-ca"], &ca_dir, &out).status.success());
+
+    // CA rotation, step 1: a new CA; caBundle holds old and new; the served certificate
+    // is untouched, so it verifies against the caBundle before and after the change.
+    let served = certificate_of(&out.join("tls.crt"));
+    run(&["--rotate-ca"]);
+    let b1 = keep("bundle-1.crt");
+    assert_eq!(certificates_in(&b1), 2, "the bundle holds the old and the new CA");
+    assert!(std::fs::read_to_string(&b1).expect("b1").starts_with(&std::fs::read_to_string(&b0).expect("b0")), "the old CA stays in the bundle");
+    assert_eq!(certificate_of(&out.join("tls.crt")), served, "--rotate-ca leaves the served certificate alone");
+    check_rendered("rotation step 1");
+    until_serves(port, &out.join("tls.crt"), &[&b0, &b1], dns, &log).await;
+    // A second rotation, or dropping the old CA before the certificate is the new CA's,
+    // is refused (the latter would leave the agent with a certificate caBundle refuses).
+    assert!(!make_webhook_cert(&["--rotate-ca"], &ca_dir, &out).status.success(), "one rotation at a time");
+    let early = make_webhook_cert(&["--drop-old-ca"], &ca_dir, &out);
+    assert!(!early.status.success(), "--drop-old-ca before a certificate of the new CA must fail");
+    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b1).expect("b1"), "a refused step changes nothing");
+
+    // Step 2: the certificate from the new CA, caBundle unchanged (both CAs).
+    run(&["--days", "2", "--force"]);
+    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b1).expect("b1"), "step 2 keeps caBundle");
+    check_rendered("rotation step 2");
+    until_serves(port, &out.join("tls.crt"), &[&b1], dns, &log).await;
+    // (Why step 2 waits until the API server has the bundle of step 1: the old one
+    // refuses the new certificate.)
+    assert!(served_certificate(port, &b0, dns).await.is_err(), "a certificate of the new CA fails the old caBundle");
+
+    // Step 3: the old CA leaves the bundle; the served certificate verifies against the
+    // bundle of step 1 and of step 3.
+    run(&["--drop-old-ca"]);
+    let b2 = keep("bundle-2.crt");
+    assert_eq!(certificates_in(&b2), 1);
+    assert_eq!(std::fs::read(&b2).expect("b2"), std::fs::read(ca_dir.join("ca.crt")).expect("new CA"), "the bundle is the new CA");
+    check_rendered("rotation step 3");
+    until_serves(port, &out.join("tls.crt"), &[&b1, &b2], dns, &log).await;
+
+    // And the next renewal comes from the new CA under the same caBundle.
+    run(&["--days", "2", "--force"]);
+    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b2).expect("b2"));
+    until_serves(port, &out.join("tls.crt"), &[&b2], dns, &log).await;
+    let secret: Secret = find(&documents_under(&out), "Secret", "kvota-agent-tls").typed();
+    let data = secret.data.expect("data");
+    assert_eq!(data.get("tls.crt").map(|b| b.0.clone()), Some(std::fs::read(out.join("tls.crt")).expect("tls.crt")));
+    assert_eq!(data.get("ca.crt").map(|b| b.0.clone()), Some(std::fs::read(&b2).expect("b2")));
 }

@@ -13,7 +13,7 @@ use super::api_status;
 /// that lost the leader Lease and wakes up late gets 409 instead of overwriting what
 /// the new leader wrote, and from then on writes nothing until it wins the Lease again
 /// ([`ConfigMapStore::rearm`]). Its namespace, name and size limit are in the RBAC of
-/// `deploy/kubernetes/agent/10-rbac.yaml` (get, create, update on this one name).
+/// `deploy/kubernetes/base/agent/10-rbac.yaml` (get, create, update on this one name).
 #[derive(Debug)]
 pub struct ConfigMapStore {
     api: Api<k8s_openapi::api::core::v1::ConfigMap>,
