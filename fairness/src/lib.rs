@@ -28,6 +28,7 @@
 
 pub mod admission;
 pub mod decay;
+pub mod document;
 pub mod entitlement;
 pub mod explain;
 pub mod federation;

@@ -1,17 +1,21 @@
 //! The `FairnessPolicy`: loading, validation and lookups.
 //!
 //! The seed article's policy loads unchanged (its `apiVersion: kvitej.io/v1alpha1` is an
-//! alias of `kvota.dev/v1alpha1`). Loading walks the YAML tree by hand instead of
-//! deriving `Deserialize`, so that *every* problem is reported at once with its field
-//! path, unknown fields included (a misspelt `minshare` must not silently default).
-//! A policy with any problem is rejected whole: [`Policy::from_yaml`] returns either a
+//! alias of `kvota.dev/v1alpha1`). serde parses the document into the types of
+//! [`crate::document`] (the same types the CustomResourceDefinition's schema is generated
+//! from), then this module checks what it means, reporting *every* problem at once with
+//! its field path, unknown fields included (a misspelt `minshare` must not silently
+//! default). A policy with any problem is rejected whole: [`Policy::from_yaml`] returns either a
 //! complete, valid [`Policy`] or a [`PolicyError`] listing all [`PolicyIssue`]s.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-use serde_yaml_ng::Value;
+use crate::document::{
+    known_fields, Count, Duration, Flag, LeaseSpec, Metadata, Number, PolicyDocument, PolicySpec, Quantity, ReclaimSpec,
+    Scalar, SelectorSpec, ShowbackSpec, TenantSpec, Text, Unknown,
+};
 
 use crate::resources::ResourceWeights;
 use crate::units::{parse_duration_ms, parse_quantity_milli};
@@ -260,20 +264,27 @@ impl Policy {
                 )],
             });
         }
-        let doc: Value = match serde_yaml_ng::from_str(text) {
-            Ok(v) => v,
-            Err(e) => {
-                let at = e
-                    .location()
-                    .map(|l| format!("line {} column {}", l.line(), l.column()))
-                    .unwrap_or_else(|| "(document)".to_string());
-                return Err(PolicyError {
-                    issues: vec![issue(at, format!("not valid YAML: {e}"))],
-                });
-            }
+        // Syntax first (serde would meet a shape mistake before a syntax error later on
+        // the same line), then the shape, with paths.
+        if let Err(e) = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text) {
+            let at = e
+                .location()
+                .map(|l| format!("line {} column {}", l.line(), l.column()))
+                .unwrap_or_else(|| "(document)".to_string());
+            return Err(PolicyError { issues: vec![issue(at, format!("not valid YAML: {e}"))] });
+        }
+        let doc: PolicyDocument = match serde_yaml_ng::from_str(text) {
+            Ok(d) => d,
+            Err(e) => return Err(PolicyError { issues: vec![parse_issue(&e)] }),
         };
+        Policy::from_document(&doc)
+    }
+
+    /// Check a parsed document (a file, or a `FairnessPolicy` resource as the sync
+    /// controller reads it): the whole policy, or every problem with its path.
+    pub fn from_document(doc: &PolicyDocument) -> Result<Policy, PolicyError> {
         let mut cx = Checker::default();
-        let policy = cx.policy(&doc);
+        let policy = cx.policy(doc);
         match policy {
             Some(p) if cx.issues.is_empty() => Ok(p),
             _ => {
@@ -440,7 +451,7 @@ fn issue(path: impl Into<String>, message: impl Into<String>) -> PolicyIssue {
     }
 }
 
-/// Walks the YAML tree, collecting every problem instead of stopping at the first.
+/// Checks a parsed document, collecting every problem instead of stopping at the first.
 #[derive(Default)]
 struct Checker {
     issues: Vec<PolicyIssue>,
@@ -454,69 +465,98 @@ struct SpecDefaults {
     burst_factor_milli: u32,
 }
 
+/// The first problem serde met (only the shape of a mapping or a list stops it: see
+/// [`crate::document`]), with the path serde_yaml_ng puts in front of its message.
+fn parse_issue(e: &serde_yaml_ng::Error) -> PolicyIssue {
+    let text = e.to_string();
+    let at = e.location().map(|l| format!("line {} column {}", l.line(), l.column()));
+    let body = match &at {
+        Some(a) => text.strip_suffix(&format!(" at {a}")).unwrap_or(&text).to_string(),
+        None => text.clone(),
+    };
+    let is_path = |p: &str| !p.is_empty() && p.bytes().all(|c| c.is_ascii_alphanumeric() || b"._[]-/".contains(&c));
+    if let Some((path, what)) = body.split_once(": ").filter(|(p, _)| is_path(p)) {
+        let what = plain_types(what);
+        return issue(path, at.map_or(what.clone(), |a| format!("{what} ({a})")));
+    }
+    if body.starts_with("invalid type") {
+        let body = plain_types(&body);
+        let found = body.rsplit(", found ").next().unwrap_or(&body);
+        return issue("(document)", format!("expected a FairnessPolicy mapping, found {found}"));
+    }
+    issue(at.unwrap_or_else(|| "(document)".to_string()), format!("not valid YAML: {body}"))
+}
+
+/// serde's type names in the words of a policy's author.
+fn plain_types(what: &str) -> String {
+    let mut out = what.replace("sequence", "a list").replace("a a list", "a list").replace("map,", "a mapping,");
+    // "expected struct TenantSpec" -> "expected a mapping"
+    while let Some(i) = out.find("struct ") {
+        let end = out[i + 7..].find(|c: char| !c.is_ascii_alphanumeric()).map_or(out.len(), |e| i + 7 + e);
+        out.replace_range(i..end, "a mapping");
+    }
+    // "invalid type: X, expected Y" -> "expected Y, found X"
+    if let Some((found, expected)) = out.strip_prefix("invalid type: ").and_then(|r| r.split_once(", expected ")) {
+        out = format!("expected {expected}, found {found}");
+    }
+    out
+}
+
 impl Checker {
     fn push(&mut self, path: &str, message: String) {
         self.issues.push(issue(path, message));
     }
 
-    /// Reports keys that are not in `known`, suggesting a near match.
-    fn unknown_keys(&mut self, path: &str, map: &serde_yaml_ng::Mapping, known: &[&str]) {
-        for key in map.keys() {
-            match key.as_str() {
-                Some(k) if known.contains(&k) => {}
-                Some(k) => {
-                    let hint = known
-                        .iter()
-                        .find(|c| c.eq_ignore_ascii_case(k) || edit_distance(c, k) <= 2)
-                        .map(|c| format!("; did you mean `{c}`?"))
-                        .unwrap_or_else(|| format!("; known fields: {}", known.join(", ")));
-                    self.push(&join(path, k), format!("unknown field `{k}`{hint}"));
-                }
-                None => self.push(path, format!("field names must be strings, found {key:?}")),
-            }
+    /// Reports every key the format does not have at `path` (whose field list is
+    /// [`known_fields`]`(pattern)`), suggesting a near match.
+    fn unknown_keys(&mut self, path: &str, pattern: &str, unknown: &Unknown) {
+        let known = known_fields(pattern);
+        for k in unknown.keys() {
+            let hint = known
+                .iter()
+                .find(|c| c.eq_ignore_ascii_case(k) || edit_distance(c, k) <= 2)
+                .map(|c| format!("; did you mean `{c}`?"))
+                .unwrap_or_else(|| format!("; known fields: {}", known.join(", ")));
+            self.push(&join(path, k), format!("unknown field `{k}`{hint}"));
         }
     }
 
-    fn mapping<'a>(&mut self, path: &str, v: &'a Value) -> Option<&'a serde_yaml_ng::Mapping> {
-        match v {
-            Value::Mapping(m) => Some(m),
+    fn string(&mut self, path: &str, v: &Text) -> Option<String> {
+        match &v.0 {
+            Scalar::Str(s) => Some(s.clone()),
             other => {
-                self.push(path, format!("expected a mapping, found {}", kind_of(other)));
+                self.push(path, format!("expected a string, found {}", other.kind()));
                 None
             }
         }
     }
 
-    fn string(&mut self, path: &str, v: &Value) -> Option<String> {
-        match v {
-            Value::String(s) => Some(s.clone()),
+    fn boolean(&mut self, path: &str, v: &Flag) -> Option<bool> {
+        match &v.0 {
+            Scalar::Bool(b) => Some(*b),
             other => {
-                self.push(path, format!("expected a string, found {}", kind_of(other)));
+                self.push(path, format!("expected true or false, found {}", other.kind()));
                 None
             }
         }
     }
 
-    fn boolean(&mut self, path: &str, v: &Value) -> Option<bool> {
-        match v {
-            Value::Bool(b) => Some(*b),
-            other => {
-                self.push(path, format!("expected true or false, found {}", kind_of(other)));
-                None
-            }
-        }
-    }
-
-    /// A number given as a YAML number or a numeric string, scaled to an integer with
-    /// `decimals` digits after the point (exactly: more digits are an error).
-    fn decimal(&mut self, path: &str, v: &Value, decimals: u32) -> Option<i128> {
+    /// An unquoted YAML number, scaled to an integer with `decimals` digits after the
+    /// point (exactly: more digits are an error). A quoted one is refused, as the
+    /// resource's schema refuses it (`type: number`).
+    fn decimal(&mut self, path: &str, v: &Scalar, decimals: u32) -> Option<i128> {
         let text = match v {
-            Value::Number(n) => n.to_string(),
-            Value::String(s) => s.trim().to_string(),
-            other => {
-                self.push(path, format!("expected a number, found {}", kind_of(other)));
+            Scalar::Str(s) => {
+                self.push(path, format!("expected a number, found a string (\"{s}\"); write the number without quotes"));
                 return None;
             }
+            other => match other.number_text() {
+                Some(t) => t,
+                None => {
+                    self.push(path, format!("expected a number, found {}", other.kind()));
+                    return None;
+                }
+            },
         };
         match parse_scaled_decimal(&text, decimals) {
             Ok(x) => Some(x),
@@ -527,22 +567,20 @@ impl Checker {
         }
     }
 
-    fn duration(&mut self, path: &str, v: &Value) -> Option<Millis> {
-        let s = match v {
-            Value::String(s) => s.clone(),
-            Value::Number(n) => {
-                self.push(
-                    path,
-                    format!("`{n}` has no unit; write a duration such as \"24h\", \"90m\" or \"30s\""),
-                );
+    fn duration(&mut self, path: &str, v: &Duration) -> Option<Millis> {
+        let s = match &v.0 {
+            Scalar::Str(s) => s,
+            n @ (Scalar::Int(_) | Scalar::Float(_)) => {
+                let n = n.number_text().unwrap_or_default();
+                self.push(path, format!("`{n}` has no unit; write a duration such as \"24h\", \"90m\" or \"30s\""));
                 return None;
             }
             other => {
-                self.push(path, format!("expected a duration such as \"24h\", found {}", kind_of(other)));
+                self.push(path, format!("expected a duration such as \"24h\", found {}", other.kind()));
                 return None;
             }
         };
-        match parse_duration_ms(&s) {
+        match parse_duration_ms(s) {
             Ok(ms) => Some(ms),
             Err(e) => {
                 self.push(path, e.to_string());
@@ -551,24 +589,60 @@ impl Checker {
         }
     }
 
-    fn share(&mut self, path: &str, v: Option<&Value>, default_bp: u32) -> Option<u32> {
+    fn share(&mut self, path: &str, v: Option<&Number>, default_bp: u32) -> Option<u32> {
         let Some(v) = v else { return Some(default_bp) };
-        let bp = self.decimal(path, v, 2)?;
+        let bp = self.decimal(path, &v.0, 2)?;
         if !(0..=i128::from(FULL_SHARE_BP)).contains(&bp) {
-            self.push(
-                path,
-                format!("must be a percentage between 0 and 100, found {}", fmt_scaled(bp, 2)),
-            );
+            self.push(path, format!("must be a percentage between 0 and 100, found {}", fmt_scaled(bp, 2)));
             return None;
         }
         u32::try_from(bp).ok()
     }
 
-    fn policy(&mut self, doc: &Value) -> Option<Policy> {
-        let root = self.mapping("(document)", doc)?;
-        self.unknown_keys("", root, &["apiVersion", "kind", "metadata", "spec"]);
+    fn positive_duration(&mut self, path: &str, v: &Duration) -> Option<Millis> {
+        let ms = self.duration(path, v)?;
+        if ms == 0 {
+            self.push(path, "must be longer than zero".to_string());
+            return None;
+        }
+        Some(ms)
+    }
 
-        let api_version = match root.get("apiVersion") {
+    fn admission_mode(&mut self, path: &str, v: &Text) -> Option<AdmissionMode> {
+        match self.string(path, v)?.as_str() {
+            "reject" => Some(AdmissionMode::Reject),
+            "queue" => Some(AdmissionMode::Queue),
+            other => {
+                self.push(path, format!("`{other}` is not a mode; use `reject` or `queue`"));
+                None
+            }
+        }
+    }
+
+    /// A whole number from 0 to `max`; `what` says what 0 means, if anything.
+    fn count(&mut self, path: &str, v: &Count, max: u32, zero: &str) -> Option<u32> {
+        let n = self.decimal(path, &v.0, 0)?;
+        match u32::try_from(n) {
+            Ok(n) if n <= max => Some(n),
+            _ => {
+                self.push(path, format!("must be a whole number from 0{zero} to {max}, found {n}"));
+                None
+            }
+        }
+    }
+
+    fn burst_factor(&mut self, path: &str, v: &Number) -> Option<u32> {
+        let milli = self.decimal(path, &v.0, 3)?;
+        if !(1_000..=10_000).contains(&milli) {
+            self.push(path, format!("must be between 1.0 (no headroom) and 10.0, found {}", fmt_scaled(milli, 3)));
+            return None;
+        }
+        u32::try_from(milli).ok()
+    }
+
+    fn policy(&mut self, doc: &PolicyDocument) -> Option<Policy> {
+        self.unknown_keys("", "", &doc.unknown);
+        let api_version = match &doc.api_version {
             None => {
                 self.push("apiVersion", format!("missing; use `{API_VERSION}`"));
                 None
@@ -585,7 +659,7 @@ impl Checker {
                 }
             }),
         };
-        match root.get("kind") {
+        match &doc.kind {
             None => self.push("kind", format!("missing; use `{KIND}`")),
             Some(v) => {
                 if let Some(k) = self.string("kind", v) {
@@ -595,14 +669,8 @@ impl Checker {
                 }
             }
         }
-        let name = match root.get("metadata") {
-            None => {
-                self.push("metadata.name", "missing; every policy needs a name".to_string());
-                None
-            }
-            Some(m) => self.metadata(m),
-        };
-        let spec = match root.get("spec") {
+        let name = self.metadata(doc.metadata.as_ref());
+        let spec = match &doc.spec {
             None => {
                 self.push("spec", "missing; a policy needs `spec.tenants`".to_string());
                 None
@@ -622,76 +690,55 @@ impl Checker {
         })
     }
 
-    fn metadata(&mut self, v: &Value) -> Option<String> {
-        let m = self.mapping("metadata", v)?;
-        // Kubernetes metadata carries much more (labels, annotations...): allow it.
-        match m.get("name") {
-            None => {
-                self.push("metadata.name", "missing; every policy needs a name".to_string());
-                None
-            }
-            Some(n) => {
-                let s = self.string("metadata.name", n)?;
-                if s.is_empty() || s.len() > 253 {
-                    self.push("metadata.name", "must be 1 to 253 characters".to_string());
-                    return None;
-                }
-                Some(s)
-            }
+    fn metadata(&mut self, m: Option<&Metadata>) -> Option<String> {
+        // Kubernetes metadata carries much more (labels, annotations...): allowed.
+        let Some(n) = m.and_then(|m| m.name.as_ref()) else {
+            self.push("metadata.name", "missing; every policy needs a name".to_string());
+            return None;
+        };
+        let s = self.string("metadata.name", n)?;
+        if s.is_empty() || s.len() > 253 {
+            self.push("metadata.name", "must be 1 to 253 characters".to_string());
+            return None;
         }
+        Some(s)
     }
 
     #[allow(clippy::type_complexity)]
     fn spec(
         &mut self,
-        v: &Value,
+        s: &PolicySpec,
     ) -> Option<(Option<String>, LeaseConfig, ReclaimConfig, ShowbackConfig, ResourceWeights, Vec<TenantPolicy>)> {
-        let m = self.mapping("spec", v)?;
-        self.unknown_keys(
-            "spec",
-            m,
-            &[
-                "decayHalfLife",
-                "tenants",
-                "defaultTenant",
-                "admission",
-                "maxQueued",
-                "burstFactor",
-                "resourceWeights",
-                "lease",
-                "reclaim",
-                "showback",
-            ],
-        );
-        let half_life_ms = match m.get("decayHalfLife") {
+        self.unknown_keys("spec", "spec", &s.unknown);
+        let half_life_ms = match &s.decay_half_life {
             None => Some(defaults::DECAY_HALF_LIFE_MS),
             Some(v) => self.positive_duration("spec.decayHalfLife", v),
         };
-        let admission = match m.get("admission") {
+        let admission = match &s.admission {
             None => Some(AdmissionMode::default()),
             Some(v) => self.admission_mode("spec.admission", v),
         };
-        let max_queued = match m.get("maxQueued") {
+        let max_queued = match &s.max_queued {
             None => Some(defaults::MAX_QUEUED),
-            Some(v) => self.max_queued("spec.maxQueued", v),
+            Some(v) => self.count("spec.maxQueued", v, 100_000, ""),
         };
-        let burst = match m.get("burstFactor") {
+        let burst = match &s.burst_factor {
             None => Some(defaults::BURST_FACTOR_MILLI),
             Some(v) => self.burst_factor("spec.burstFactor", v),
         };
-        let lease = match m.get("lease") {
+        let lease = match &s.lease {
             None => Some(LeaseConfig::default()),
             Some(v) => self.lease(v),
         };
-        let reclaim = match m.get("reclaim") {
+        let reclaim = match &s.reclaim {
             None => Some(ReclaimConfig::default()),
             Some(v) => self.reclaim(v),
         };
-        let showback = match m.get("showback") {
+        let showback = match &s.showback {
             None => Some(ShowbackConfig::default()),
             Some(v) => self.showback(v),
         };
-        let weights = match m.get("resourceWeights") {
+        let weights = match &s.resource_weights {
             None => Some(ResourceWeights::new()),
             Some(v) => self.resource_weights(v),
         };
@@ -701,23 +748,20 @@ impl Checker {
             max_queued: max_queued.unwrap_or(defaults::MAX_QUEUED),
             burst_factor_milli: burst.unwrap_or(defaults::BURST_FACTOR_MILLI),
         };
-        let tenants = match m.get("tenants") {
+        let tenants = match &s.tenants {
             None => {
                 self.push("spec.tenants", "missing; list at least one tenant".to_string());
                 None
             }
             Some(v) => self.tenants(v, &defaults),
         };
-        let default_tenant = match m.get("defaultTenant") {
+        let default_tenant = match &s.default_tenant {
             None => Some(None),
             Some(v) => {
                 let name = self.string("spec.defaultTenant", v);
                 match (&name, &tenants) {
                     (Some(n), Some(ts)) if !ts.iter().any(|t| &t.name == n) => {
-                        self.push(
-                            "spec.defaultTenant",
-                            format!("`{n}` is not one of the tenants in spec.tenants"),
-                        );
+                        self.push("spec.defaultTenant", format!("`{n}` is not one of the tenants in spec.tenants"));
                         None
                     }
                     _ => name.map(Some),
@@ -732,57 +776,13 @@ impl Checker {
         Some((default_tenant?, lease?, reclaim?, showback?, weights?, tenants?))
     }
 
-    fn positive_duration(&mut self, path: &str, v: &Value) -> Option<Millis> {
-        let ms = self.duration(path, v)?;
-        if ms == 0 {
-            self.push(path, "must be longer than zero".to_string());
-            return None;
-        }
-        Some(ms)
-    }
-
-    fn admission_mode(&mut self, path: &str, v: &Value) -> Option<AdmissionMode> {
-        match self.string(path, v)?.as_str() {
-            "reject" => Some(AdmissionMode::Reject),
-            "queue" => Some(AdmissionMode::Queue),
-            other => {
-                self.push(path, format!("`{other}` is not a mode; use `reject` or `queue`"));
-                None
-            }
-        }
-    }
-
-    fn max_queued(&mut self, path: &str, v: &Value) -> Option<u32> {
-        let n = self.decimal(path, v, 0)?;
-        match u32::try_from(n) {
-            Ok(n) if n <= 100_000 => Some(n),
-            _ => {
-                self.push(path, format!("must be a whole number from 0 to 100000, found {n}"));
-                None
-            }
-        }
-    }
-
-    fn burst_factor(&mut self, path: &str, v: &Value) -> Option<u32> {
-        let milli = self.decimal(path, v, 3)?;
-        if !(1_000..=10_000).contains(&milli) {
-            self.push(
-                path,
-                format!("must be between 1.0 (no headroom) and 10.0, found {}", fmt_scaled(milli, 3)),
-            );
-            return None;
-        }
-        u32::try_from(milli).ok()
-    }
-
-    fn lease(&mut self, v: &Value) -> Option<LeaseConfig> {
-        let m = self.mapping("spec.lease", v)?;
-        self.unknown_keys("spec.lease", m, &["duration", "clockSkewMargin"]);
-        let duration = match m.get("duration") {
+    fn lease(&mut self, l: &LeaseSpec) -> Option<LeaseConfig> {
+        self.unknown_keys("spec.lease", "spec.lease", &l.unknown);
+        let duration = match &l.duration {
             None => Some(defaults::LEASE_DURATION_MS),
             Some(v) => self.positive_duration("spec.lease.duration", v),
         };
-        let margin = match m.get("clockSkewMargin") {
+        let margin = match &l.clock_skew_margin {
             None => duration.map(|d| d / 10),
             Some(v) => self.duration("spec.lease.clockSkewMargin", v),
         };
@@ -802,16 +802,12 @@ impl Checker {
             );
             return None;
         }
-        Some(LeaseConfig {
-            duration_ms: d,
-            clock_skew_margin_ms: mg,
-        })
+        Some(LeaseConfig { duration_ms: d, clock_skew_margin_ms: mg })
     }
 
-    fn showback(&mut self, v: &Value) -> Option<ShowbackConfig> {
-        let m = self.mapping("spec.showback", v)?;
-        self.unknown_keys("spec.showback", m, &["retention"]);
-        let Some(v) = m.get("retention") else { return Some(ShowbackConfig::default()) };
+    fn showback(&mut self, s: &ShowbackSpec) -> Option<ShowbackConfig> {
+        self.unknown_keys("spec.showback", "spec.showback", &s.unknown);
+        let Some(v) = &s.retention else { return Some(ShowbackConfig::default()) };
         let ms = self.duration("spec.showback.retention", v)?;
         let (lo, hi) = SHOWBACK_RETENTION_RANGE_MS;
         if !(lo..=hi).contains(&ms) {
@@ -829,31 +825,18 @@ impl Checker {
         Some(ShowbackConfig { retention_ms: ms })
     }
 
-    fn reclaim(&mut self, v: &Value) -> Option<ReclaimConfig> {
-        let m = self.mapping("spec.reclaim", v)?;
-        self.unknown_keys(
-            "spec.reclaim",
-            m,
-            &["enabled", "starvedFor", "maxEvictionsPerMinute", "maxEvictionsPerMinutePerTenant", "minRuntime"],
-        );
+    fn reclaim(&mut self, r: &ReclaimSpec) -> Option<ReclaimConfig> {
+        self.unknown_keys("spec.reclaim", "spec.reclaim", &r.unknown);
         let d = ReclaimConfig::default();
-        let enabled = m.get("enabled").map_or(Some(d.enabled), |v| self.boolean("spec.reclaim.enabled", v));
-        let starved = m.get("starvedFor").map_or(Some(d.starved_for_ms), |v| self.duration("spec.reclaim.starvedFor", v));
-        let min_runtime = m.get("minRuntime").map_or(Some(d.min_runtime_ms), |v| self.duration("spec.reclaim.minRuntime", v));
-        let mut rate = |key: &str, default: u32| -> Option<u32> {
-            let path = format!("spec.reclaim.{key}");
-            let Some(v) = m.get(key) else { return Some(default) };
-            let n = self.decimal(&path, v, 0)?;
-            match u32::try_from(n) {
-                Ok(n) if n <= 1_000 => Some(n),
-                _ => {
-                    self.push(&path, format!("must be a whole number from 0 (never evict) to 1000, found {n}"));
-                    None
-                }
-            }
-        };
-        let per_minute = rate("maxEvictionsPerMinute", d.max_evictions_per_minute);
-        let per_tenant = rate("maxEvictionsPerMinutePerTenant", d.max_evictions_per_minute_per_tenant);
+        let enabled = r.enabled.as_ref().map_or(Some(d.enabled), |v| self.boolean("spec.reclaim.enabled", v));
+        let starved = r.starved_for.as_ref().map_or(Some(d.starved_for_ms), |v| self.duration("spec.reclaim.starvedFor", v));
+        let per_minute = r.max_evictions_per_minute.as_ref().map_or(Some(d.max_evictions_per_minute), |v| {
+            self.count("spec.reclaim.maxEvictionsPerMinute", v, 1_000, " (never evict)")
+        });
+        let per_tenant = r.max_evictions_per_minute_per_tenant.as_ref().map_or(Some(d.max_evictions_per_minute_per_tenant), |v| {
+            self.count("spec.reclaim.maxEvictionsPerMinutePerTenant", v, 1_000, " (never evict)")
+        });
+        let min_runtime = r.min_runtime.as_ref().map_or(Some(d.min_runtime_ms), |v| self.duration("spec.reclaim.minRuntime", v));
         Some(ReclaimConfig {
             enabled: enabled?,
             starved_for_ms: starved?,
@@ -863,16 +846,10 @@ impl Checker {
         })
     }
 
-    fn resource_weights(&mut self, v: &Value) -> Option<ResourceWeights> {
-        let m = self.mapping("spec.resourceWeights", v)?;
+    fn resource_weights(&mut self, m: &BTreeMap<String, Quantity>) -> Option<ResourceWeights> {
         let mut w = ResourceWeights::new();
         let mut ok = true;
-        for (k, val) in m {
-            let Some(name) = k.as_str() else {
-                self.push("spec.resourceWeights", format!("resource names must be strings, found {k:?}"));
-                ok = false;
-                continue;
-            };
+        for (name, val) in m {
             let path = format!("spec.resourceWeights[{name}]");
             if !valid_resource_name(name) {
                 self.push(
@@ -882,12 +859,20 @@ impl Checker {
                 ok = false;
                 continue;
             }
-            // A weight is GPUe per unit, written like a quantity ("0.143", "1", "500m").
-            let text = match val {
-                Value::Number(n) => n.to_string(),
-                Value::String(s) => s.clone(),
+            // GPUe per unit, written as a Kubernetes quantity: a whole number, or a
+            // string ("0.143", "500m"); an unquoted fraction is refused, as the
+            // resource's schema (integer or string) refuses it.
+            let text = match &val.0 {
+                Scalar::Str(s) => s.clone(),
+                Scalar::Int(i) => i.to_string(),
+                Scalar::Float(f) if f.fract() == 0.0 && f.is_finite() => format!("{f}"),
+                Scalar::Float(f) => {
+                    self.push(&path, format!("write a fractional weight as a quantity string, e.g. \"{f}\" (an unquoted fraction is not a Kubernetes quantity)"));
+                    ok = false;
+                    continue;
+                }
                 other => {
-                    self.push(&path, format!("expected a number of GPUe per unit, found {}", kind_of(other)));
+                    self.push(&path, format!("expected a number of GPUe per unit, found {}", other.kind()));
                     ok = false;
                     continue;
                 }
@@ -907,20 +892,13 @@ impl Checker {
         ok.then_some(w)
     }
 
-    fn tenants(&mut self, v: &Value, defaults: &SpecDefaults) -> Option<Vec<TenantPolicy>> {
-        let Value::Sequence(seq) = v else {
-            self.push("spec.tenants", format!("expected a list of tenants, found {}", kind_of(v)));
-            return None;
-        };
+    fn tenants(&mut self, seq: &[TenantSpec], defaults: &SpecDefaults) -> Option<Vec<TenantPolicy>> {
         if seq.is_empty() {
             self.push("spec.tenants", "is empty; list at least one tenant".to_string());
             return None;
         }
         if seq.len() > MAX_TENANTS {
-            self.push(
-                "spec.tenants",
-                format!("{} tenants; at most {MAX_TENANTS} are supported", seq.len()),
-            );
+            self.push("spec.tenants", format!("{} tenants; at most {MAX_TENANTS} are supported", seq.len()));
             return None;
         }
         let mut out = Vec::with_capacity(seq.len());
@@ -932,14 +910,11 @@ impl Checker {
             let path = format!("spec.tenants[{i}]");
             // Duplicates are found from the raw names, so a tenant with other problems
             // still counts as the first holder of its name.
-            if let Some(name) = tv.get("name").and_then(Value::as_str) {
-                if let Some(first) = seen.insert(name.to_string(), i) {
-                    self.push(
-                        &format!("{path}.name"),
-                        format!("duplicate tenant `{name}` (first at spec.tenants[{first}])"),
-                    );
+            if let Some(Text(Scalar::Str(name))) = &tv.name {
+                if let Some(first) = seen.insert(name.clone(), i) {
+                    self.push(&format!("{path}.name"), format!("duplicate tenant `{name}` (first at spec.tenants[{first}])"));
                     all_ok = false;
-                    seen.insert(name.to_string(), first);
+                    seen.insert(name.clone(), first);
                 }
             }
             match self.tenant(&path, tv, defaults) {
@@ -978,26 +953,9 @@ impl Checker {
         Some(out)
     }
 
-    fn tenant(&mut self, path: &str, v: &Value, d: &SpecDefaults) -> Option<TenantPolicy> {
-        let m = self.mapping(path, v)?;
-        self.unknown_keys(
-            path,
-            m,
-            &[
-                "name",
-                "weight",
-                "minShare",
-                "maxShare",
-                "preemptible",
-                "decayHalfLife",
-                "namespaces",
-                "namespaceSelector",
-                "admission",
-                "maxQueued",
-                "burstFactor",
-            ],
-        );
-        let name = match m.get("name") {
+    fn tenant(&mut self, path: &str, t: &TenantSpec, d: &SpecDefaults) -> Option<TenantPolicy> {
+        self.unknown_keys(path, "spec.tenants[]", &t.unknown);
+        let name = match &t.name {
             None => {
                 self.push(&join(path, "name"), "missing".to_string());
                 None
@@ -1006,22 +964,16 @@ impl Checker {
                 if crate::names::is_dns_label(&n) {
                     Some(n)
                 } else {
-                    self.push(
-                        &join(path, "name"),
-                        format!("`{n}` is not a valid tenant name ({})", crate::names::DNS_LABEL_RULE),
-                    );
+                    self.push(&join(path, "name"), format!("`{n}` is not a valid tenant name ({})", crate::names::DNS_LABEL_RULE));
                     None
                 }
             }),
         };
-        let weight = match m.get("weight") {
+        let weight = match &t.weight {
             None => Some(defaults::WEIGHT_MILLI),
-            Some(v) => self.decimal(&join(path, "weight"), v, 3).and_then(|w| {
+            Some(v) => self.decimal(&join(path, "weight"), &v.0, 3).and_then(|w| {
                 if w <= 0 {
-                    self.push(
-                        &join(path, "weight"),
-                        format!("must be greater than 0, found {}", fmt_scaled(w, 3)),
-                    );
+                    self.push(&join(path, "weight"), format!("must be greater than 0, found {}", fmt_scaled(w, 3)));
                     None
                 } else if w > 1_000_000_000 {
                     self.push(&join(path, "weight"), "must be at most 1000000".to_string());
@@ -1031,8 +983,8 @@ impl Checker {
                 }
             }),
         };
-        let min = self.share(&join(path, "minShare"), m.get("minShare"), 0);
-        let max = self.share(&join(path, "maxShare"), m.get("maxShare"), FULL_SHARE_BP);
+        let min = self.share(&join(path, "minShare"), t.min_share.as_ref(), 0);
+        let max = self.share(&join(path, "maxShare"), t.max_share.as_ref(), FULL_SHARE_BP);
         if let (Some(lo), Some(hi)) = (min, max) {
             if lo > hi {
                 self.push(
@@ -1046,31 +998,31 @@ impl Checker {
                 return None;
             }
         }
-        let preemptible = match m.get("preemptible") {
+        let preemptible = match &t.preemptible {
             None => Some(false),
             Some(v) => self.boolean(&join(path, "preemptible"), v),
         };
-        let half_life = match m.get("decayHalfLife") {
+        let half_life = match &t.decay_half_life {
             None => Some(d.half_life_ms),
             Some(v) => self.positive_duration(&join(path, "decayHalfLife"), v),
         };
-        let namespaces = match m.get("namespaces") {
+        let namespaces = match &t.namespaces {
             None => Some(Vec::new()),
             Some(v) => self.namespaces(&join(path, "namespaces"), v),
         };
-        let selector = match m.get("namespaceSelector") {
+        let selector = match &t.namespace_selector {
             None => Some(BTreeMap::new()),
             Some(v) => self.selector(&join(path, "namespaceSelector"), v),
         };
-        let admission = match m.get("admission") {
+        let admission = match &t.admission {
             None => Some(d.admission),
             Some(v) => self.admission_mode(&join(path, "admission"), v),
         };
-        let max_queued = match m.get("maxQueued") {
+        let max_queued = match &t.max_queued {
             None => Some(d.max_queued),
-            Some(v) => self.max_queued(&join(path, "maxQueued"), v),
+            Some(v) => self.count(&join(path, "maxQueued"), v, 100_000, ""),
         };
-        let burst = match m.get("burstFactor") {
+        let burst = match &t.burst_factor {
             None => Some(d.burst_factor_milli),
             Some(v) => self.burst_factor(&join(path, "burstFactor"), v),
         };
@@ -1089,11 +1041,7 @@ impl Checker {
         })
     }
 
-    fn namespaces(&mut self, path: &str, v: &Value) -> Option<Vec<String>> {
-        let Value::Sequence(seq) = v else {
-            self.push(path, format!("expected a list of namespace names, found {}", kind_of(v)));
-            return None;
-        };
+    fn namespaces(&mut self, path: &str, seq: &[Text]) -> Option<Vec<String>> {
         let mut out = Vec::new();
         let mut ok = true;
         for (i, item) in seq.iter().enumerate() {
@@ -1110,30 +1058,21 @@ impl Checker {
         ok.then_some(out)
     }
 
-    fn selector(&mut self, path: &str, v: &Value) -> Option<BTreeMap<String, String>> {
-        let m = self.mapping(path, v)?;
-        self.unknown_keys(path, m, &["matchLabels"]);
-        let Some(labels) = m.get("matchLabels") else {
+    fn selector(&mut self, path: &str, s: &SelectorSpec) -> Option<BTreeMap<String, String>> {
+        self.unknown_keys(path, "spec.tenants[].namespaceSelector", &s.unknown);
+        let Some(labels) = &s.match_labels else {
             self.push(&join(path, "matchLabels"), "missing".to_string());
             return None;
         };
-        let lm = self.mapping(&join(path, "matchLabels"), labels)?;
         let mut out = BTreeMap::new();
         let mut ok = true;
-        for (k, val) in lm {
-            match (k.as_str(), val) {
-                (Some(k), Value::String(s)) => {
-                    out.insert(k.to_string(), s.clone());
+        for (k, val) in labels {
+            match &val.0 {
+                Scalar::Str(s) => {
+                    out.insert(k.clone(), s.clone());
                 }
-                (Some(k), other) => {
-                    self.push(
-                        &format!("{path}.matchLabels[{k}]"),
-                        format!("label values must be strings, found {}", kind_of(other)),
-                    );
-                    ok = false;
-                }
-                (None, _) => {
-                    self.push(&join(path, "matchLabels"), "label keys must be strings".to_string());
+                other => {
+                    self.push(&format!("{path}.matchLabels[{k}]"), format!("label values must be strings, found {}", other.kind()));
                     ok = false;
                 }
             }
@@ -1151,18 +1090,6 @@ fn join(path: &str, key: &str) -> String {
         key.to_string()
     } else {
         format!("{path}.{key}")
-    }
-}
-
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "nothing (null)",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Sequence(_) => "a list",
-        Value::Mapping(_) => "a mapping",
-        Value::Tagged(_) => "a tagged value",
     }
 }
 

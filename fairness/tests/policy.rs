@@ -178,3 +178,54 @@ proptest! {
         prop_assert_eq!(back, p);
     }
 }
+
+/// The file format and the `FairnessPolicy` resource's schema are one: numbers are
+/// unquoted (`type: number`), resource weights are Kubernetes quantities (an integer or
+/// a string), and what a resource carries besides (labels, a status written by the sync
+/// controller) is allowed.
+#[test]
+fn types_follow_the_resource_schema() {
+    let head = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n";
+    for (spec, path, needle) in [
+        ("  tenants: [{name: a, weight: \"40\"}]\n", "spec.tenants[0].weight", "without quotes"),
+        ("  tenants: [{name: a, minShare: \"20\"}]\n", "spec.tenants[0].minShare", "without quotes"),
+        ("  burstFactor: \"2\"\n  tenants: [{name: a}]\n", "spec.burstFactor", "without quotes"),
+        ("  resourceWeights: {example.com/mig: 0.15}\n  tenants: [{name: a}]\n", "spec.resourceWeights[example.com/mig]", "quantity string"),
+        ("  maxQueued: 1.5\n  tenants: [{name: a}]\n", "spec.maxQueued", "whole number"),
+        ("  tenants: [{name: a, namespaces: [ok, 7]}]\n", "spec.tenants[0].namespaces[1]", "expected a string"),
+        ("  tenants: [{name: a, namespaceSelector: {matchLabels: {team: x}, matchExpressions: []}}]\n", "spec.tenants[0].namespaceSelector.matchExpressions", "unknown field"),
+        ("  tenants: [{name: a}]\n  lease: {duraton: 30s}\n", "spec.lease.duraton", "did you mean `duration`"),
+    ] {
+        let err = Policy::from_yaml(&format!("{head}{spec}")).expect_err(spec);
+        assert!(
+            err.issues.iter().any(|i| i.path == path && i.message.contains(needle)),
+            "{spec:?}: expected `{needle}` at {path}, got {err}"
+        );
+    }
+    // Quantities as strings or whole numbers; integral floats are whole numbers.
+    let p = Policy::from_yaml(&format!(
+        "{head}  burstFactor: 2.0\n  resourceWeights: {{example.com/a: \"0.15\", example.com/b: 2, example.com/c: 150m}}\n  tenants: [{{name: a, weight: 0.5}}]\n"
+    ))
+    .expect("valid");
+    assert_eq!(p.tenants[0].weight_milli, 500);
+    assert_eq!(p.tenants[0].burst_factor_milli, 2_000);
+    // What `kubectl get fairnesspolicy -o yaml` prints loads as the policy it holds.
+    let from_cluster = format!(
+        "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: r\n  generation: 3\n  labels: {{team: platform}}\n  resourceVersion: \"812\"\nspec:\n  tenants: [{{name: a}}]\nstatus:\n  observedGeneration: 3\n  conditions: [{{type: Accepted, status: \"True\"}}]\n"
+    );
+    let q = Policy::from_yaml(&from_cluster).expect("a resource as the cluster returns it");
+    assert_eq!(q, Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\n")).expect("valid"));
+    // Still refused: anything else at the top.
+    let err = Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\nstats: {{}}\n")).expect_err("unknown");
+    assert!(err.issues.iter().any(|i| i.path == "stats" && i.message.contains("did you mean `status`")), "{err}");
+}
+
+/// A shape mistake (a mapping where a list belongs) is reported with its path and line.
+#[test]
+fn shape_mistakes_name_their_path() {
+    let err = Policy::from_yaml("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: {name: a}\n")
+        .expect_err("shape");
+    assert_eq!(err.issues.len(), 1, "{err}");
+    assert_eq!(err.issues[0].path, "spec.tenants");
+    assert!(err.issues[0].message.contains("expected a list, found a mapping") && err.issues[0].message.contains("line 5"), "{err}");
+}
