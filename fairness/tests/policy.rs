@@ -210,10 +210,8 @@ fn types_follow_the_resource_schema() {
     assert_eq!(p.tenants[0].weight_milli, 500);
     assert_eq!(p.tenants[0].burst_factor_milli, 2_000);
     // What `kubectl get fairnesspolicy -o yaml` prints loads as the policy it holds.
-    let from_cluster = format!(
-        "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: r\n  generation: 3\n  labels: {{team: platform}}\n  resourceVersion: \"812\"\nspec:\n  tenants: [{{name: a}}]\nstatus:\n  observedGeneration: 3\n  conditions: [{{type: Accepted, status: \"True\"}}]\n"
-    );
-    let q = Policy::from_yaml(&from_cluster).expect("a resource as the cluster returns it");
+    let from_cluster = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: r\n  generation: 3\n  labels: {team: platform}\n  resourceVersion: \"812\"\nspec:\n  tenants: [{name: a}]\nstatus:\n  observedGeneration: 3\n  conditions: [{type: Accepted, status: \"True\"}]\n";
+    let q = Policy::from_yaml(from_cluster).expect("a resource as the cluster returns it");
     assert_eq!(q, Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\n")).expect("valid"));
     // Still refused: anything else at the top.
     let err = Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\nstats: {{}}\n")).expect_err("unknown");

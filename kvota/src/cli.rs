@@ -173,6 +173,16 @@ enum PolicyCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Print the CustomResourceDefinitions of the FairnessPolicy resource (in the
+    /// `kvota.dev` group and the seed article's `kvitej.io`), generated from the same
+    /// types the policy parser uses: `kvota policy crd | kubectl apply -f -`.
+    Crd,
+    /// Run the FairnessPolicy sync controller: follow a FairnessPolicy resource in a
+    /// Kubernetes cluster and make it the federation's policy (GitOps: `git push`, then
+    /// `kubectl apply`). Its verdict is written to the resource's status (`kubectl get
+    /// fairnesspolicies`). Needs an operator certificate (--cp-ca/--cp-cert/--cp-key)
+    /// unless the control plane is on loopback.
+    Sync(crate::policy_sync::SyncArgs),
 }
 
 #[derive(Debug, Args)]
@@ -228,6 +238,11 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             crate::admin_cmd::cluster_remove(&cp, &name).map(|()| ExitCode::SUCCESS)
         }
         Cmd::Policy(PolicyCmd::Validate { file, json }) => policy_validate(&file, json),
+        Cmd::Policy(PolicyCmd::Crd) => {
+            out!("{}", crate::crd::crds_yaml()?.trim_end());
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Policy(PolicyCmd::Sync(args)) => crate::policy_sync::run(args, &cp),
         Cmd::Policy(PolicyCmd::Diff { file, json }) => match read_policy(&file)? {
             Ok(p) => crate::admin_cmd::policy_diff(&cp, &p, json).map(|()| ExitCode::SUCCESS),
             Err(e) => {

@@ -26,8 +26,10 @@ mod admin_cmd;
 mod agent_cmd;
 mod certs_cmd;
 mod cli;
+mod crd;
 mod demo;
 mod journal_v0;
+mod policy_sync;
 mod server_cmd;
 mod sim_cmd;
 

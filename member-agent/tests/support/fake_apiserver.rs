@@ -9,7 +9,10 @@
 //!   (409 Conflict when stale);
 //! - the Eviction subresource: 429 while a namespace's "PodDisruptionBudget" forbids it,
 //!   otherwise the pod is deleted;
-//! - Event creation; Lease and ConfigMap get/create/replace with optimistic concurrency.
+//! - Event creation; Lease and ConfigMap get/create/replace with optimistic concurrency;
+//! - cluster-scoped `FairnessPolicy` resources in both API groups (`kvota.dev` and the
+//!   article's `kvitej.io`): list, get, and merge-PATCH of the `status` subresource
+//!   (which, as in Kubernetes, changes status only, never spec or generation).
 //!
 //! Tests change the cluster through [`FakeApi`]'s methods, compact history, and cut
 //! every open watch to force reconnects.
@@ -38,12 +41,18 @@ pub enum Kind {
     Event,
     Lease,
     ConfigMap,
+    /// `fairnesspolicies.kvota.dev`
+    FairnessPolicy,
+    /// `fairnesspolicies.kvitej.io`
+    ArticlePolicy,
 }
 
 impl Kind {
     fn api_version(self) -> &'static str {
         match self {
             Kind::Lease => "coordination.k8s.io/v1",
+            Kind::FairnessPolicy => "kvota.dev/v1alpha1",
+            Kind::ArticlePolicy => "kvitej.io/v1alpha1",
             _ => "v1",
         }
     }
@@ -55,6 +64,7 @@ impl Kind {
             Kind::Event => "Event",
             Kind::Lease => "Lease",
             Kind::ConfigMap => "ConfigMap",
+            Kind::FairnessPolicy | Kind::ArticlePolicy => "FairnessPolicy",
         }
     }
 }
@@ -71,6 +81,7 @@ struct Store {
     generated: u64,
     hold_watches: bool,
     gone_served: u64,
+    status_patches: u64,
 }
 
 #[derive(Clone)]
@@ -110,6 +121,12 @@ fn merge_patch(target: &mut Value, patch: &Value) {
                     merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
                 }
             }
+        }
+        // RFC 7386: a mapping merged over anything else starts from an empty one (so
+        // its nulls are dropped, not stored).
+        (_, Some(_)) => {
+            *target = json!({});
+            merge_patch(target, patch);
         }
         _ => *target = patch.clone(),
     }
@@ -240,6 +257,11 @@ impl FakeApi {
         }
     }
 
+    /// Status-subresource patches served so far.
+    pub fn status_patches(&self) -> u64 {
+        self.lock().status_patches
+    }
+
     /// Requests served so far, as `METHOD path?query`.
     pub fn requests(&self) -> Vec<String> {
         self.lock().requests.clone()
@@ -251,6 +273,7 @@ enum Target {
     Collection(Kind, Option<String>),
     Object(Kind, String),
     Eviction(String),
+    Status(Kind, String),
 }
 
 fn route(path: &str) -> Option<Target> {
@@ -284,6 +307,15 @@ fn route(path: &str) -> Option<Target> {
         }
         ["apis", "coordination.k8s.io", "v1", "namespaces", ns, "leases", n] => {
             Some(Target::Object(Kind::Lease, format!("{ns}/{n}")))
+        }
+        ["apis", group @ ("kvota.dev" | "kvitej.io"), "v1alpha1", "fairnesspolicies", rest @ ..] => {
+            let kind = if *group == "kvota.dev" { Kind::FairnessPolicy } else { Kind::ArticlePolicy };
+            match rest {
+                [] => Some(Target::Collection(kind, None)),
+                [n] => Some(Target::Object(kind, (*n).to_string())),
+                [n, "status"] => Some(Target::Status(kind, (*n).to_string())),
+                _ => None,
+            }
         }
         _ => None,
     }
@@ -413,6 +445,23 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
                 return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
             }
             api.put(kind, obj);
+            axum::Json(api.get(kind, &key)).into_response()
+        }
+        (Method::PATCH, Target::Status(kind, key)) => {
+            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
+                return status(400, "BadRequest", "patch not JSON");
+            };
+            let Some(mut obj) = api.get(kind, &key) else {
+                return status(404, "NotFound", &format!("{} \"{key}\" not found", kind.name()));
+            };
+            // The status subresource takes status only.
+            let mut only = json!({});
+            if let Some(st) = patch.get("status") {
+                only["status"] = st.clone();
+            }
+            merge_patch(&mut obj, &only);
+            api.put(kind, obj);
+            api.lock().status_patches += 1;
             axum::Json(api.get(kind, &key)).into_response()
         }
         (m, _) => status(

@@ -1,0 +1,285 @@
+//! The FairnessPolicy sync controller (`kvota policy sync`) as a real process, against a
+//! real one-node control plane over mutual TLS (an operator certificate) and a fake
+//! Kubernetes API server (`member-agent/tests/support/fake_apiserver.rs`: no real API
+//! server can run on this machine; the fake serves the FairnessPolicy list, get and
+//! status-subresource patch, and the Lease used for leader election, with Kubernetes'
+//! semantics for resource versions and the status subresource).
+//!
+//! What a platform team does, step by step: a resource is created (applied to the
+//! federation, `Accepted=True`), broken (`Accepted=False, Invalid`, every problem with
+//! its path, the federation keeps its policy), fixed; the federation's policy changed by
+//! hand is put back; a second resource without `--name` is ambiguous and nothing is
+//! applied; of two leader-elected replicas only the leader acts, and the standby takes
+//! over when the leader is killed.
+
+#[path = "../../member-agent/tests/support/fake_apiserver.rs"]
+mod fake_apiserver;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fake_apiserver::{FakeApi, Kind};
+use kvota_client::client::Client;
+use kvota_fairness::policy::Policy;
+use kvota_proto::v1;
+use kvota_testkit::{Cluster, Files, Pki};
+use kvota_tls::Role;
+use serde_json::{json, Value};
+
+fn repo(path: &str) -> String {
+    format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A policy file as the resource `kubectl apply -f` would create (generation `gen`).
+fn resource(file: &str, gen: i64) -> Value {
+    let text = std::fs::read_to_string(repo(file)).expect("read policy");
+    let mut v: Value = serde_yaml_ng::from_str(&text).expect("policy file is YAML");
+    v["metadata"]["generation"] = json!(gen);
+    v
+}
+
+fn kubeconfig(dir: &Path, api: &FakeApi) -> String {
+    let path = dir.join("kubeconfig");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\nusers:\n- name: u\n  user: {{token: t}}\ncontexts:\n- name: c\n  context: {{cluster: fake, user: u}}\ncurrent-context: c\n",
+            api.url
+        ),
+    )
+    .expect("write kubeconfig");
+    path.to_string_lossy().into_owned()
+}
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sync(cp: &str, op: &Files, kubeconfig: &str, extra: &[&str], log: &Path) -> Proc {
+    let log = std::fs::File::create(log).expect("log file");
+    let child = Command::new(env!("CARGO_BIN_EXE_kvota"))
+        .args(["policy", "sync", "--kubeconfig", kubeconfig, "--interval", "1s", "--cp", cp])
+        .args(["--cp-ca", &op.ca.to_string_lossy(), "--cp-cert", &op.cert.to_string_lossy(), "--cp-key", &op.key.to_string_lossy()])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start kvota policy sync");
+    Proc(child)
+}
+
+fn accepted(obj: &Value) -> Option<(String, String)> {
+    obj["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == "Accepted").map(|c| {
+        (c["status"].as_str().unwrap_or("").to_string(), c["reason"].as_str().unwrap_or("").to_string())
+    })
+}
+
+/// Waits until the resource's Accepted condition is `(status, reason)` for generation `gen`.
+async fn until_condition(api: &FakeApi, kind: Kind, name: &str, gen: i64, want: (&str, &str), log: &Path) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(obj) = api.get(kind, name) {
+            let c = accepted(&obj);
+            if c.as_ref().is_some_and(|(s, r)| s == want.0 && r == want.1) && obj["status"]["observedGeneration"] == json!(gen) {
+                return obj;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "{name}: condition {c:?}, wanted {want:?} at generation {gen}: {obj:#}\nlog:\n{}",
+                    std::fs::read_to_string(log).unwrap_or_default()
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn in_force(c: &Client) -> Option<Policy> {
+    let r = c.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }).await.expect("get policy");
+    Policy::from_yaml(&r.yaml).ok()
+}
+
+async fn until_in_force(c: &Client, want: &Policy, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while in_force(c).await.as_ref() != Some(want) {
+        assert!(
+            Instant::now() < deadline,
+            "policy `{}` not in force within 30 s\nlog:\n{}",
+            want.name,
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn apply_by_hand(c: &Client, file: &str) {
+    let yaml = std::fs::read_to_string(repo(file)).expect("read");
+    c.call(|ch| {
+        let yaml = yaml.clone();
+        async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+    })
+    .await
+    .expect("apply by hand");
+}
+
+fn policy(file: &str) -> Policy {
+    Policy::from_yaml(&std::fs::read_to_string(repo(file)).expect("read")).expect("valid")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fairness_policy_resource_becomes_the_federations_policy() {
+    let pki = Pki::new("sync.test");
+    let cluster = Cluster::start_with(1, Some(&pki), |_| {}).await;
+    cluster.leader(Duration::from_secs(20)).await;
+    // extended.yaml sets showback, which needs feature level 2.
+    cluster.feature_level(2, Duration::from_secs(20)).await;
+    let cp = cluster.endpoints()[0].clone();
+    let admin = Client::with_tls(&cluster.endpoints(), Some(pki.party(Role::Operator, "tester"))).expect("client");
+    let op = pki.files(Role::Operator, "policy-sync");
+    let api = FakeApi::start().await;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let kc = kubeconfig(tmp.path(), &api);
+    let log = tmp.path().join("sync.log");
+
+    // Created: applied, Accepted=True (Applied), observed generation 1.
+    api.put(Kind::FairnessPolicy, resource("deploy/policies/extended.yaml", 1));
+    let proc = sync(&cp, &op, &kc, &[], &log);
+    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 1, ("True", "Applied"), &log).await;
+    let extended = policy("deploy/policies/extended.yaml");
+    assert_eq!(in_force(&admin).await.as_ref(), Some(&extended));
+    // The audit log names the controller's identity.
+    let fed = cluster.federation(1).await;
+    assert!(
+        fed.audit_filtered(None, Some("operator/policy-sync"), None).count() >= 1,
+        "no audit record by operator/policy-sync: {:?}",
+        fed.audit().map(|r| r.actor.clone()).collect::<Vec<_>>()
+    );
+    // Nothing changes: status is not rewritten every round.
+    let patches = api.status_patches();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        api.status_patches(),
+        patches,
+        "status rewritten although nothing changed: {:#}\n{}",
+        api.get(Kind::FairnessPolicy, "platform-gpus").unwrap_or_default(),
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+
+    // Broken: minShare above maxShare and a misspelt field. Invalid, every problem with
+    // its path; the federation keeps the policy it has.
+    let mut broken = resource("deploy/policies/extended.yaml", 2);
+    broken["spec"]["tenants"][0]["minShare"] = json!(90);
+    broken["spec"]["tenants"][1]["maxQeued"] = json!(5);
+    api.put(Kind::FairnessPolicy, broken);
+    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 2, ("False", "Invalid"), &log).await;
+    let paths: Vec<&str> = obj["status"]["problems"].as_array().expect("problems").iter().filter_map(|p| p["path"].as_str()).collect();
+    assert!(paths.contains(&"spec.tenants[0].minShare"), "{paths:?}");
+    assert!(paths.contains(&"spec.tenants[1].maxQeued"), "{paths:?}");
+    assert!(obj["status"]["problems"].to_string().contains("did you mean `maxQueued`"), "{obj:#}");
+    assert_eq!(in_force(&admin).await.as_ref(), Some(&extended), "an invalid resource changed the federation");
+
+    // Fixed (now the article's policy, the article's document unchanged as a resource):
+    // applied, the problems are gone.
+    let mut fixed = resource("deploy/policies/article.yaml", 3);
+    fixed["metadata"]["name"] = json!("platform-gpus");
+    fixed["apiVersion"] = json!("kvota.dev/v1alpha1");
+    api.put(Kind::FairnessPolicy, fixed);
+    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("True", "Applied"), &log).await;
+    assert!(obj["status"].get("problems").is_none_or(Value::is_null), "problems left behind: {obj:#}");
+    let mut article = policy("deploy/policies/article.yaml");
+    article.name = "platform-gpus".to_string();
+    article.api_version = "kvota.dev/v1alpha1".to_string();
+    until_in_force(&admin, &article, &log).await;
+
+    // Changed by hand: the resource is the source of truth, and is put back.
+    apply_by_hand(&admin, "deploy/policies/philly-vc.yaml").await;
+    until_in_force(&admin, &article, &log).await;
+
+    // A second resource (the article's group) and no --name: ambiguous, nothing applied.
+    api.put(Kind::ArticlePolicy, resource("deploy/policies/article.yaml", 1));
+    let obj = until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("False", "Ambiguous"), &log).await;
+    assert!(obj["status"]["conditions"][0]["message"].as_str().unwrap_or("").contains("--name"), "{obj:#}");
+    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("False", "Ambiguous"), &log).await;
+    drop(proc);
+
+    // With --name, the named one is followed (the article's group: its own document,
+    // untouched) and the other says so.
+    let proc = sync(&cp, &op, &kc, &["--name", "myfair-cluster"], &log);
+    until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("True", "Applied"), &log).await;
+    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("False", "NotSelected"), &log).await;
+    until_in_force(&admin, &policy("deploy/policies/article.yaml"), &log).await;
+    drop(proc);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
+    let pki = Pki::new("sync.test");
+    let cluster = Cluster::start_with(1, Some(&pki), |_| {}).await;
+    cluster.leader(Duration::from_secs(20)).await;
+    let cp = cluster.endpoints()[0].clone();
+    let admin = Client::with_tls(&cluster.endpoints(), Some(pki.party(Role::Operator, "tester"))).expect("client");
+    let op = pki.files(Role::Operator, "policy-sync");
+    let api = FakeApi::start().await;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let kc = kubeconfig(tmp.path(), &api);
+    let logs = [tmp.path().join("a.log"), tmp.path().join("b.log")];
+    api.put(Kind::ArticlePolicy, resource("deploy/policies/article.yaml", 1));
+    let lease = ["--leader-lease", "kvota-policy-sync", "--namespace", "kvota-system"];
+    let mut procs: Vec<Option<Proc>> = ["a", "b"]
+        .iter()
+        .zip(&logs)
+        .map(|(id, log)| Some(sync(&cp, &op, &kc, &[&lease[..], &["--identity", id]].concat(), log)))
+        .collect();
+    until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("True", "Applied"), &logs[0]).await;
+    let holder = api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"]
+        .as_str()
+        .expect("holder")
+        .to_string();
+    let (leader, standby) = if holder == "a" { (0, 1) } else { (1, 0) };
+    // Only the leader talked to the control plane.
+    let standby_log = std::fs::read_to_string(&logs[standby]).unwrap_or_default();
+    assert!(!standby_log.contains("applied to the federation"), "the standby applied:\n{standby_log}");
+
+    // The leader dies without giving the Lease up; the standby takes over after the
+    // Lease runs out and follows the next change.
+    procs[leader] = None;
+    api.put(Kind::ArticlePolicy, {
+        let mut r = resource("deploy/policies/article.yaml", 2);
+        r["spec"]["tenants"][2]["weight"] = json!(20);
+        r
+    });
+    let obj = until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 2, ("True", "Applied"), &logs[standby]).await;
+    assert_eq!(accepted(&obj).map(|c| c.1), Some("Applied".to_string()));
+    let holder = api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"].clone();
+    assert_eq!(holder, json!(["a", "b"][standby]));
+    let p = in_force(&admin).await.expect("a policy");
+    assert_eq!(p.tenant("research").map(|t| t.weight_milli), Some(20_000));
+    drop(procs);
+    cluster.shutdown().await;
+}
+
+/// Refusals a user meets first: no operator certificate for a remote control plane, no
+/// Kubernetes to talk to, a bad interval.
+#[test]
+fn refuses_to_start_without_what_it_needs() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvota")).args(args).env_remove("KUBECONFIG").env("HOME", "/nonexistent").output().expect("run");
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = run(&["policy", "sync", "--cp", "10.1.2.3:7401", "--once"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("operator certificate"), "{err}");
+    let (code, err) = run(&["policy", "sync", "--cp", "127.0.0.1:1", "--once"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--kubeconfig"), "{err}");
+    let (code, err) = run(&["policy", "sync", "--interval", "0s"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("1s to 1h"), "{err}");
+}
