@@ -13,7 +13,10 @@
 //!   with its field path, so one mistyped field does not hide the next;
 //! - every mapping keeps the keys it does not know in `unknown` (not part of the
 //!   schema); validation reports each of them as an unknown field with a "did you mean"
-//!   hint, so a misspelt `minshare` is refused, never silently defaulted.
+//!   hint, so a misspelt `minshare` is refused, never silently defaulted. (As a
+//!   Kubernetes resource the schema is closed: with strict field validation, kubectl's
+//!   default, the API server refuses such a field; without it the server drops it, so
+//!   docs/operations.md asks for strict validation.)
 //!
 //! Only a mapping where a list belongs (or the like) stops the parse at the first such
 //! mistake, with its path.

@@ -267,11 +267,7 @@ impl Policy {
         // Syntax first (serde would meet a shape mistake before a syntax error later on
         // the same line), then the shape, with paths.
         if let Err(e) = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text) {
-            let at = e
-                .location()
-                .map(|l| format!("line {} column {}", l.line(), l.column()))
-                .unwrap_or_else(|| "(document)".to_string());
-            return Err(PolicyError { issues: vec![issue(at, format!("not valid YAML: {e}"))] });
+            return Err(PolicyError { issues: vec![parse_issue(&e)] });
         }
         let doc: PolicyDocument = match serde_yaml_ng::from_str(text) {
             Ok(d) => d,
@@ -476,7 +472,12 @@ fn parse_issue(e: &serde_yaml_ng::Error) -> PolicyIssue {
     };
     let is_path = |p: &str| !p.is_empty() && p.bytes().all(|c| c.is_ascii_alphanumeric() || b"._[]-/".contains(&c));
     if let Some((path, what)) = body.split_once(": ").filter(|(p, _)| is_path(p)) {
-        let what = plain_types(what);
+        // An integer beyond 64 bits (serde buffers flattened mappings without u128).
+        let what = if what.contains("u128") || what.contains("i128") {
+            "number out of range".to_string()
+        } else {
+            plain_types(what)
+        };
         return issue(path, at.map_or(what.clone(), |a| format!("{what} ({a})")));
     }
     if body.starts_with("invalid type") {
@@ -547,7 +548,12 @@ impl Checker {
     fn decimal(&mut self, path: &str, v: &Scalar, decimals: u32) -> Option<i128> {
         let text = match v {
             Scalar::Str(s) => {
-                self.push(path, format!("expected a number, found a string (\"{s}\"); write the number without quotes"));
+                let why = if s.trim().parse::<f64>().is_ok_and(f64::is_infinite) {
+                    "too large for a number".to_string()
+                } else {
+                    "write the number without quotes".to_string()
+                };
+                self.push(path, format!("expected a number, found a string (\"{s}\"): {why}"));
                 return None;
             }
             other => match other.number_text() {
@@ -985,8 +991,9 @@ impl Checker {
         };
         let min = self.share(&join(path, "minShare"), t.min_share.as_ref(), 0);
         let max = self.share(&join(path, "maxShare"), t.max_share.as_ref(), FULL_SHARE_BP);
-        if let (Some(lo), Some(hi)) = (min, max) {
-            if lo > hi {
+        // Reported, and the tenant's other fields are still checked.
+        let shares_ordered = match (min, max) {
+            (Some(lo), Some(hi)) if lo > hi => {
                 self.push(
                     &join(path, "minShare"),
                     format!(
@@ -995,9 +1002,10 @@ impl Checker {
                         fmt_scaled(i128::from(hi), 2)
                     ),
                 );
-                return None;
+                None
             }
-        }
+            _ => Some(()),
+        };
         let preemptible = match &t.preemptible {
             None => Some(false),
             Some(v) => self.boolean(&join(path, "preemptible"), v),
@@ -1026,6 +1034,7 @@ impl Checker {
             None => Some(d.burst_factor_milli),
             Some(v) => self.burst_factor(&join(path, "burstFactor"), v),
         };
+        shares_ordered?;
         Some(TenantPolicy {
             name: name?,
             weight_milli: weight?,

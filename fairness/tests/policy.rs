@@ -195,6 +195,8 @@ fn types_follow_the_resource_schema() {
         ("  tenants: [{name: a, namespaces: [ok, 7]}]\n", "spec.tenants[0].namespaces[1]", "expected a string"),
         ("  tenants: [{name: a, namespaceSelector: {matchLabels: {team: x}, matchExpressions: []}}]\n", "spec.tenants[0].namespaceSelector.matchExpressions", "unknown field"),
         ("  tenants: [{name: a}]\n  lease: {duraton: 30s}\n", "spec.lease.duraton", "did you mean `duration`"),
+        ("  tenants: [{name: a, weight: 99999999999999999999999}]\n", "spec.tenants[0].weight", "number out of range"),
+        ("  tenants: [{name: a, weight: 1e400}]\n", "spec.tenants[0].weight", "too large"),
     ] {
         let err = Policy::from_yaml(&format!("{head}{spec}")).expect_err(spec);
         assert!(
@@ -216,6 +218,15 @@ fn types_follow_the_resource_schema() {
     // Still refused: anything else at the top.
     let err = Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\nstats: {{}}\n")).expect_err("unknown");
     assert!(err.issues.iter().any(|i| i.path == "stats" && i.message.contains("did you mean `status`")), "{err}");
+}
+
+/// minShare above maxShare does not hide the tenant's other problems.
+#[test]
+fn a_share_conflict_does_not_hide_the_rest_of_the_tenant() {
+    let err = Policy::from_yaml("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: [{name: a, minShare: 50, maxShare: 10, preemptible: maybe, maxQueued: -1}]\n")
+        .expect_err("invalid");
+    let paths: Vec<&str> = err.issues.iter().map(|i| i.path.as_str()).collect();
+    assert_eq!(paths, ["spec.tenants[0].minShare", "spec.tenants[0].preemptible", "spec.tenants[0].maxQueued"], "{err}");
 }
 
 /// A shape mistake (a mapping where a list belongs) is reported with its path and line.

@@ -32,7 +32,8 @@ use clap::Args;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::GroupVersionKind;
 use kvota_client::client::Client;
-use kvota_fairness::policy::Policy;
+use kvota_fairness::document::PolicyDocument;
+use kvota_fairness::policy::{Policy, PolicyError, PolicyIssue};
 use kvota_proto::v1;
 use serde_json::{json, Value};
 
@@ -45,10 +46,12 @@ pub struct SyncArgs {
     /// service account, then $KUBECONFIG, then ~/.kube/config).
     #[arg(long, env = "KVOTA_KUBECONFIG", value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
-    /// The FairnessPolicy (cluster-scoped) to follow. Without it, the only one in the
-    /// cluster is followed, and several are an error reported in each one's status.
-    #[arg(long, env = "KVOTA_POLICY_NAME", value_name = "NAME")]
-    pub name: Option<String>,
+    /// The FairnessPolicy (cluster-scoped) to follow, as NAME or GROUP/NAME
+    /// (`kvota.dev/platform`, `kvitej.io/myfair-cluster`) where both groups hold one of that
+    /// name. Without it, the only one in the cluster is followed, and several are an
+    /// error reported in each one's status.
+    #[arg(long, env = "KVOTA_POLICY_NAME", value_name = "[GROUP/]NAME", value_parser = parse_name)]
+    pub name: Option<Selector>,
     /// How often to compare the resource with the federation, e.g. 10s.
     #[arg(long, default_value = "10s", value_parser = parse_interval, value_name = "DURATION")]
     pub interval: Duration,
@@ -68,6 +71,47 @@ pub struct SyncArgs {
     #[arg(long)]
     pub once: bool,
 }
+
+/// Which FairnessPolicy `--name` picks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selector {
+    group: Option<&'static str>,
+    name: String,
+}
+
+impl Selector {
+    fn picks(&self, r: &Resource) -> bool {
+        r.name == self.name && self.group.is_none_or(|g| g == r.group)
+    }
+}
+
+impl std::fmt::Display for Selector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.group {
+            Some(g) => write!(f, "{g}/{}", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
+}
+
+fn parse_name(s: &str) -> Result<Selector, String> {
+    let (group, name) = match s.split_once('/') {
+        Some((g, n)) => (Some(GROUPS.iter().copied().find(|x| *x == g).ok_or_else(|| format!("`{g}` is not a FairnessPolicy group; use {}", GROUPS.join(" or ")))?), n),
+        None => (None, s),
+    };
+    // A cluster-scoped object's name: a DNS subdomain (labels joined by dots, <= 253).
+    if name.len() > 253 || !name.split('.').all(kvota_fairness::names::is_dns_label) {
+        return Err(format!("`{name}` is not a Kubernetes object name"));
+    }
+    Ok(Selector { group, name: name.to_string() })
+}
+
+/// The API groups FairnessPolicy is served in: kvota's, and the seed article's.
+const GROUPS: [&str; 2] = ["kvota.dev", "kvitej.io"];
+
+/// Most problems written to a resource's status (the rest are counted): a status must
+/// stay far below the API server's request limit whatever the spec holds.
+const MAX_PROBLEMS: usize = 100;
 
 fn parse_interval(s: &str) -> Result<Duration, String> {
     let ms = kvota_fairness::units::parse_duration_ms(s).map_err(|e| e.to_string())?;
@@ -95,6 +139,7 @@ struct Resource {
     group: &'static str,
     name: String,
     generation: Option<i64>,
+    resource_version: Option<String>,
     object: Value,
     status: FairnessPolicyStatus,
 }
@@ -123,7 +168,7 @@ pub fn run(args: SyncArgs, cp: &crate::admin_cmd::Cp) -> Result<std::process::Ex
                 .context("find the Kubernetes API server (no in-cluster service account, $KUBECONFIG or ~/.kube/config); pass --kubeconfig")?,
         };
         let kube = kube::Client::try_from(config).context("build the Kubernetes client")?;
-        let mut sync = Sync { kube: kube.clone(), cp: client, name: args.name.clone() };
+        let mut sync = Sync { kube: kube.clone(), cp: client, name: args.name.clone(), acting_until: None };
         if args.once {
             return Ok(sync.round().await);
         }
@@ -137,15 +182,24 @@ pub fn run(args: SyncArgs, cp: &crate::admin_cmd::Cp) -> Result<std::process::Ex
             .as_ref()
             .map(|lease| kvota_member_agent::kube::Election::new(kube.clone(), &args.namespace, lease, &identity, Duration::from_secs(15)));
         tracing::info!(
-            name = args.name.as_deref().unwrap_or("(the only one)"),
+            name = args.name.as_ref().map_or("(the only one)".to_string(), ToString::to_string),
             interval_s = args.interval.as_secs(),
             leader_lease = args.leader_lease.as_deref().unwrap_or("(none: always acting)"),
             identity,
             "policy sync started"
         );
+        // One listener for the whole run, so a signal during a round is not lost.
+        let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = terminate() => {}
+            }
+            let _ = stop_tx.send(true);
+        });
         let mut leading = election.is_none();
         let mut next_round = tokio::time::Instant::now();
-        loop {
+        while !*stop.borrow() {
             if let Some(e) = election.as_mut() {
                 match e.step().await {
                     Ok(now) => {
@@ -161,18 +215,37 @@ pub fn run(args: SyncArgs, cp: &crate::admin_cmd::Cp) -> Result<std::process::Ex
                 }
             }
             if leading && tokio::time::Instant::now() >= next_round {
-                sync.round().await;
+                // A round ends before this replica's leadership could: writes after that
+                // could race the next leader's.
+                sync.acting_until = election.as_ref().and_then(|e| e.leading_until());
+                let left = sync.acting_until.map(|t| t.saturating_duration_since(std::time::Instant::now()));
+                let round = sync.round();
+                match left {
+                    Some(left) => tokio::select! {
+                        r = tokio::time::timeout(left, round) => {
+                            if r.is_err() {
+                                tracing::warn!("policy sync: round cut off where this replica's leadership would run out; the next round goes on");
+                            }
+                        }
+                        _ = stop.changed() => break,
+                    },
+                    None => tokio::select! {
+                        _ = round => {}
+                        _ = stop.changed() => break,
+                    },
+                }
                 next_round = tokio::time::Instant::now() + args.interval;
             }
             let wait = election.as_ref().map_or(args.interval, |e| e.period().min(args.interval));
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = tokio::signal::ctrl_c() => break,
-                _ = terminate() => break,
+                _ = stop.changed() => break,
             }
         }
         if let Some(e) = election.as_mut() {
-            let _ = e.release().await;
+            if let Err(err) = e.release().await {
+                tracing::warn!(error = %err, "policy sync: could not give the Lease up; a standby takes over when it runs out");
+            }
         }
         tracing::info!("policy sync stopped");
         Ok(std::process::ExitCode::SUCCESS)
@@ -196,28 +269,35 @@ fn is_loopback(addr: &str) -> bool {
 struct Sync {
     kube: kube::Client,
     cp: Client,
-    name: Option<String>,
+    name: Option<Selector>,
+    /// While leader-elected: this replica acts only until then (no write after it).
+    acting_until: Option<std::time::Instant>,
 }
 
 impl Sync {
+    /// Whether this replica may still write (it leads, or runs alone).
+    fn acting(&self) -> bool {
+        self.acting_until.is_none_or(|t| std::time::Instant::now() < t)
+    }
+
     /// One round; the exit code `--once` reports.
     async fn round(&mut self) -> std::process::ExitCode {
         let resources = match self.list().await {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(error = %e, "policy sync: cannot list FairnessPolicy resources; retrying next round");
+                tracing::warn!("policy sync: cannot list FairnessPolicy resources ({e:#}); retrying next round");
                 return std::process::ExitCode::from(1);
             }
         };
         let chosen: Vec<usize> = match &self.name {
-            Some(n) => resources.iter().enumerate().filter(|(_, r)| &r.name == n).map(|(i, _)| i).collect(),
+            Some(n) => resources.iter().enumerate().filter(|(_, r)| n.picks(r)).map(|(i, _)| i).collect(),
             None => (0..resources.len()).collect(),
         };
         let mut verdicts: BTreeMap<usize, Verdict> = BTreeMap::new();
         let mut code = std::process::ExitCode::from(2);
         match chosen.as_slice() {
             [] => match &self.name {
-                Some(n) => tracing::warn!(name = n, "policy sync: no FairnessPolicy `{n}` in the cluster; the federation keeps its policy"),
+                Some(n) => tracing::warn!("policy sync: no FairnessPolicy `{n}` in the cluster; the federation keeps its policy"),
                 None => tracing::info!("policy sync: no FairnessPolicy in the cluster; the federation keeps its policy"),
             },
             [one] => {
@@ -231,11 +311,18 @@ impl Sync {
             }
             several => {
                 let names: Vec<String> = several.iter().map(|i| format!("{} ({})", resources[*i].name, resources[*i].group)).collect();
-                let message = format!(
-                    "{} FairnessPolicy resources ({}) and the sync controller was given no --name: none is applied; delete all but one, or name one with --name",
-                    several.len(),
-                    names.join(", ")
-                );
+                let message = match &self.name {
+                    None => format!(
+                        "{} FairnessPolicy resources ({}) and the sync controller was given no --name: none is applied; delete all but one, or name one with --name",
+                        several.len(),
+                        names.join(", ")
+                    ),
+                    Some(n) => format!(
+                        "--name {n} matches {} FairnessPolicy resources ({}): none is applied; name one with --name GROUP/NAME",
+                        several.len(),
+                        names.join(", ")
+                    ),
+                };
                 tracing::warn!("policy sync: {message}");
                 for i in several {
                     verdicts.insert(*i, Verdict::Rejected { reason: "Ambiguous", message: message.clone(), problems: Vec::new() });
@@ -256,14 +343,18 @@ impl Sync {
             for i in 0..resources.len() {
                 verdicts.entry(i).or_insert_with(|| Verdict::Rejected {
                     reason: "NotSelected",
-                    message: format!("the sync controller follows FairnessPolicy `{}` only", self.name.as_deref().unwrap_or("")),
+                    message: format!("the sync controller follows FairnessPolicy `{}` only", self.name.as_ref().map_or(String::new(), ToString::to_string)),
                     problems: Vec::new(),
                 });
             }
         }
         for (i, v) in verdicts {
+            if !self.acting() {
+                tracing::warn!("policy sync: leadership ran out during the round; status left to the next leader");
+                break;
+            }
             if let Err(e) = write_status(&resources[i], &v).await {
-                tracing::warn!(policy = resources[i].name, error = %e, "policy sync: cannot write status; retrying next round");
+                tracing::warn!(policy = resources[i].name, "policy sync: cannot write status ({e:#}); retrying next round");
             }
         }
         code
@@ -271,13 +362,17 @@ impl Sync {
 
     async fn list(&self) -> Result<Vec<Resource>> {
         let mut out = Vec::new();
-        for (group, optional) in [("kvota.dev", false), ("kvitej.io", true)] {
+        let mut missing = Vec::new();
+        for group in GROUPS {
             let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, "v1alpha1", "FairnessPolicy"), "fairnesspolicies");
             let api: Api<DynamicObject> = Api::all_with(self.kube.clone(), &ar);
             let list = match api.list(&ListParams::default()).await {
                 Ok(l) => l,
-                // The article's group is optional: its CRD may not be installed.
-                Err(kube::Error::Api(s)) if optional && s.code == 404 => continue,
+                // That group's CRD is not installed (the article's is optional).
+                Err(kube::Error::Api(s)) if s.code == 404 => {
+                    missing.push(group);
+                    continue;
+                }
                 Err(e) => return Err(e).with_context(|| format!("list fairnesspolicies.{group}")),
             };
             for o in list.items {
@@ -291,9 +386,25 @@ impl Sync {
                     group,
                     name: o.metadata.name.clone().unwrap_or_default(),
                     generation: o.metadata.generation,
+                    resource_version: o.metadata.resource_version.clone(),
                     object,
                     status,
                 });
+            }
+        }
+        match missing.as_slice() {
+            [] => {}
+            ["kvitej.io"] => tracing::debug!("CRD fairnesspolicies.kvitej.io (the article's group) is not installed"),
+            _ => {
+                let names: Vec<String> = missing.iter().map(|g| format!("fairnesspolicies.{g}")).collect();
+                let msg = format!(
+                    "the CRD {} is not installed in this cluster: install deploy/kubernetes/base/crd (`kvota policy crd | kubectl apply -f -`)",
+                    names.join(" and ")
+                );
+                if missing.len() == GROUPS.len() {
+                    anyhow::bail!(msg);
+                }
+                tracing::warn!("policy sync: {msg}");
             }
         }
         Ok(out)
@@ -301,16 +412,34 @@ impl Sync {
 
     /// Checks the followed resource and brings the federation to it.
     async fn follow(&self, r: &Resource) -> Verdict {
-        // The resource as it is, through the same parser as a policy file (JSON is YAML).
-        let text = r.object.to_string();
-        let policy = match Policy::from_yaml(&text) {
+        // The parts of the resource that are the policy document (not its status, nor
+        // metadata beyond the name), checked as a policy file is.
+        let doc = json!({
+            "apiVersion": r.object.get("apiVersion"),
+            "kind": r.object.get("kind"),
+            "metadata": { "name": r.name },
+            "spec": r.object.get("spec"),
+        });
+        let checked = match serde_json::from_value::<PolicyDocument>(doc) {
+            Ok(d) => Policy::from_document(&d),
+            Err(e) => Err(PolicyError { issues: vec![PolicyIssue { path: "spec".to_string(), message: e.to_string() }] }),
+        };
+        let policy = match checked {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(policy = r.name, generation = r.generation, "policy sync: {e}");
+                let n = e.issues.len();
+                let mut problems: Vec<Problem> = e.issues.into_iter().take(MAX_PROBLEMS).map(|i| Problem { path: i.path, message: i.message }).collect();
+                if n > MAX_PROBLEMS {
+                    problems.push(Problem {
+                        path: "(more)".to_string(),
+                        message: format!("and {} more problems; `kvota policy validate` on the document lists them all", n - MAX_PROBLEMS),
+                    });
+                }
                 return Verdict::Rejected {
                     reason: "Invalid",
-                    message: format!("the policy is invalid ({} problem{}); the federation keeps its policy", e.issues.len(), if e.issues.len() == 1 { "" } else { "s" }),
-                    problems: e.issues.into_iter().map(|i| Problem { path: i.path, message: i.message }).collect(),
+                    message: format!("the policy is invalid ({n} problem{}); the federation keeps its policy", if n == 1 { "" } else { "s" }),
+                    problems,
                 };
             }
         };
@@ -330,6 +459,13 @@ impl Sync {
         }
         if in_force.is_some() {
             tracing::info!(policy = r.name, generation = r.generation, "policy sync: the federation's policy differs from the resource; applying the resource");
+        }
+        if !self.acting() {
+            return Verdict::Rejected {
+                reason: "Unreachable",
+                message: "leadership ran out before the policy could be applied; the next leader applies it".to_string(),
+                problems: Vec::new(),
+            };
         }
         let yaml = policy.to_yaml();
         let applied = self
@@ -408,9 +544,15 @@ async fn write_status(r: &Resource, v: &Verdict) -> Result<()> {
     if next.problems.is_empty() {
         body["problems"] = Value::Null;
     }
-    r.api
-        .patch_status(&r.name, &PatchParams { field_manager: Some(MANAGER.to_string()), ..PatchParams::default() }, &Patch::Merge(json!({ "status": body })))
-        .await
-        .with_context(|| format!("patch the status of FairnessPolicy {}", r.name))?;
-    Ok(())
+    // Only onto the version this verdict is about: if the resource changed meanwhile,
+    // the API server answers 409 and the next round judges the new one.
+    let patch = json!({ "metadata": { "resourceVersion": r.resource_version }, "status": body });
+    match r.api.patch_status(&r.name, &PatchParams { field_manager: Some(MANAGER.to_string()), ..PatchParams::default() }, &Patch::Merge(patch)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            tracing::info!(policy = r.name, "policy sync: the resource changed during the round; judged again next round");
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("patch the status of FairnessPolicy {}", r.name)),
+    }
 }

@@ -184,13 +184,24 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
     assert!(obj["status"]["problems"].to_string().contains("did you mean `maxQueued`"), "{obj:#}");
     assert_eq!(in_force(&admin).await.as_ref(), Some(&extended), "an invalid resource changed the federation");
 
+    // Very broken: 150 tenants with shares over 100 %. Status stays small: the first
+    // 100 problems and a count of the rest.
+    let mut huge = resource("deploy/policies/extended.yaml", 3);
+    huge["spec"]["tenants"] = json!((0..150).map(|i| json!({"name": format!("t{i}"), "minShare": 101})).collect::<Vec<_>>());
+    api.put(Kind::FairnessPolicy, huge);
+    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("False", "Invalid"), &log).await;
+    let problems = obj["status"]["problems"].as_array().expect("problems");
+    assert_eq!(problems.len(), 101, "{}", problems.len());
+    assert_eq!(problems[100]["path"], "(more)");
+    assert!(problems[100]["message"].as_str().unwrap_or("").contains("more problems"), "{:#}", problems[100]);
+
     // Fixed (now the article's policy, the article's document unchanged as a resource):
     // applied, the problems are gone.
-    let mut fixed = resource("deploy/policies/article.yaml", 3);
+    let mut fixed = resource("deploy/policies/article.yaml", 4);
     fixed["metadata"]["name"] = json!("platform-gpus");
     fixed["apiVersion"] = json!("kvota.dev/v1alpha1");
     api.put(Kind::FairnessPolicy, fixed);
-    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("True", "Applied"), &log).await;
+    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 4, ("True", "Applied"), &log).await;
     assert!(obj["status"].get("problems").is_none_or(Value::is_null), "problems left behind: {obj:#}");
     let mut article = policy("deploy/policies/article.yaml");
     article.name = "platform-gpus".to_string();
@@ -205,15 +216,32 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
     api.put(Kind::ArticlePolicy, resource("deploy/policies/article.yaml", 1));
     let obj = until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("False", "Ambiguous"), &log).await;
     assert!(obj["status"]["conditions"][0]["message"].as_str().unwrap_or("").contains("--name"), "{obj:#}");
-    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("False", "Ambiguous"), &log).await;
+    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 4, ("False", "Ambiguous"), &log).await;
     drop(proc);
 
     // With --name, the named one is followed (the article's group: its own document,
     // untouched) and the other says so.
     let proc = sync(&cp, &op, &kc, &["--name", "myfair-cluster"], &log);
     until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("True", "Applied"), &log).await;
-    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("False", "NotSelected"), &log).await;
+    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 4, ("False", "NotSelected"), &log).await;
     until_in_force(&admin, &policy("deploy/policies/article.yaml"), &log).await;
+    drop(proc);
+
+    // The same name in both groups: --name NAME is ambiguous and says how to pick one;
+    // --name GROUP/NAME picks.
+    let mut twin = resource("deploy/policies/philly-vc.yaml", 1);
+    twin["metadata"]["name"] = json!("myfair-cluster");
+    api.put(Kind::FairnessPolicy, twin);
+    let proc = sync(&cp, &op, &kc, &["--name", "myfair-cluster"], &log);
+    let obj = until_condition(&api, Kind::FairnessPolicy, "myfair-cluster", 1, ("False", "Ambiguous"), &log).await;
+    assert!(obj.to_string().contains("--name GROUP/NAME"), "{obj:#}");
+    drop(proc);
+    let proc = sync(&cp, &op, &kc, &["--name", "kvota.dev/myfair-cluster"], &log);
+    until_condition(&api, Kind::FairnessPolicy, "myfair-cluster", 1, ("True", "Applied"), &log).await;
+    until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("False", "NotSelected"), &log).await;
+    let mut philly = policy("deploy/policies/philly-vc.yaml");
+    philly.name = "myfair-cluster".to_string();
+    until_in_force(&admin, &philly, &log).await;
     drop(proc);
     cluster.shutdown().await;
 }
@@ -261,6 +289,22 @@ async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
     assert_eq!(holder, json!(["a", "b"][standby]));
     let p = in_force(&admin).await.expect("a policy");
     assert_eq!(p.tenant("research").map(|t| t.weight_milli), Some(20_000));
+
+    // SIGTERM: the leader stops at once and gives the Lease up for the next replica.
+    let pid = procs[standby].as_ref().expect("running").0.id();
+    let killed = Command::new("kill").args(["-TERM", &pid.to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(code) = procs[standby].as_mut().expect("running").0.try_wait().expect("wait") {
+            break code;
+        }
+        assert!(Instant::now() < deadline, "still running 10 s after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(code.success(), "{code:?}");
+    let holder = api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"].clone();
+    assert_eq!(holder, json!(""), "the Lease was not given up");
     drop(procs);
     cluster.shutdown().await;
 }
@@ -282,4 +326,26 @@ fn refuses_to_start_without_what_it_needs() {
     let (code, err) = run(&["policy", "sync", "--interval", "0s"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("1s to 1h"), "{err}");
+    let (code, err) = run(&["policy", "sync", "--name", "example.com/x"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not a FairnessPolicy group"), "{err}");
+}
+
+/// Without the CRDs, `--once` says so (exit 1), not "unreachable" in general.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_without_the_crds_is_told_to_install_them() {
+    let api = FakeApi::start().await;
+    api.set_served(Kind::FairnessPolicy, false);
+    api.set_served(Kind::ArticlePolicy, false);
+    let tmp = tempfile::tempdir().expect("tmp");
+    let kc = kubeconfig(tmp.path(), &api);
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_kvota")).args(["policy", "sync", "--once", "--cp", "127.0.0.1:1", "--kubeconfig", &kc]).output().expect("run")
+    })
+    .await
+    .expect("join");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("fairnesspolicies.kvota.dev and fairnesspolicies.kvitej.io is not installed"), "{err}");
+    assert!(err.contains("kvota policy crd"), "{err}");
 }

@@ -56,6 +56,12 @@ impl Election {
         self.leading_until.is_some_and(|t| Instant::now() < t)
     }
 
+    /// Until when this replica may act as the leader without renewing (`None`: it does
+    /// not lead). Work that must not outlive leadership ends by then.
+    pub fn leading_until(&self) -> Option<Instant> {
+        self.leading_until.filter(|t| Instant::now() < *t)
+    }
+
     /// The holder last seen (this replica's identity when it leads).
     pub fn holder(&self) -> Option<&str> {
         self.holder.as_deref()

@@ -82,6 +82,7 @@ struct Store {
     hold_watches: bool,
     gone_served: u64,
     status_patches: u64,
+    unserved: BTreeSet<Kind>,
 }
 
 #[derive(Clone)]
@@ -257,6 +258,16 @@ impl FakeApi {
         }
     }
 
+    /// Stops (or resumes) serving a kind, as when its CRD is not installed: 404.
+    pub fn set_served(&self, kind: Kind, served: bool) {
+        let mut s = self.lock();
+        if served {
+            s.unserved.remove(&kind);
+        } else {
+            s.unserved.insert(kind);
+        }
+    }
+
     /// Status-subresource patches served so far.
     pub fn status_patches(&self) -> u64 {
         self.lock().status_patches
@@ -343,6 +354,13 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
     let Some(target) = route(&path) else {
         return status(404, "NotFound", &format!("no route {path}"));
     };
+    let kind_of_target = match &target {
+        Target::Collection(k, _) | Target::Object(k, _) | Target::Status(k, _) => Some(*k),
+        Target::Eviction(_) => None,
+    };
+    if kind_of_target.is_some_and(|k| api.lock().unserved.contains(&k)) {
+        return status(404, "NotFound", "the server could not find the requested resource");
+    }
     match (method, target) {
         (Method::GET, Target::Collection(kind, ns)) => {
             if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
@@ -454,6 +472,12 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
             let Some(mut obj) = api.get(kind, &key) else {
                 return status(404, "NotFound", &format!("{} \"{key}\" not found", kind.name()));
             };
+            // A resourceVersion in the patch is a precondition, as in Kubernetes.
+            if let Some(want) = patch["metadata"]["resourceVersion"].as_str() {
+                if obj["metadata"]["resourceVersion"].as_str() != Some(want) {
+                    return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
+                }
+            }
             // The status subresource takes status only.
             let mut only = json!({});
             if let Some(st) = patch.get("status") {
