@@ -136,6 +136,11 @@ impl Client {
                 }
                 Ok(Err(s)) => return Err(s),
                 Err(_) => {
+                    // No answer in time: the connection may be dead without knowing it (a
+                    // silent cut). Dial afresh next time instead of queueing behind it.
+                    if let Some(slot) = self.channels.lock().await.get_mut(i) {
+                        *slot = None;
+                    }
                     self.preferred.store((i + 1) % n.max(1), Ordering::Relaxed);
                     last = Status::deadline_exceeded(format!("{addr} did not answer within {deadline:?}"));
                 }

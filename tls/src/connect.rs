@@ -138,14 +138,26 @@ impl tower::Service<Uri> for Connector {
     }
 }
 
+/// How often an idle or busy client connection is pinged (HTTP/2 PING), and how long a
+/// ping may go unanswered before the connection counts as dead and the next call dials
+/// anew. Without it a connection cut silently (a partition that drops packets) looks
+/// alive until each call's own timeout, call after call.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// See [`KEEPALIVE_INTERVAL`].
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A lazily connecting gRPC channel to `addr` (`host:port`) through `connector`, with
-/// the given connect timeout and per-request timeout.
+/// the given connect timeout and per-request timeout, pinging its connection (see
+/// [`KEEPALIVE_INTERVAL`]).
 pub fn channel(addr: &str, connector: &Connector, connect_timeout: Duration, request_timeout: Duration) -> Result<Channel, String> {
     let ep = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| format!("bad address {addr}: {e}"))?;
     Ok(ep
         .connect_timeout(connect_timeout)
         .timeout(request_timeout)
         .tcp_nodelay(true)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
         .connect_with_connector_lazy(connector.clone()))
 }
 
