@@ -101,7 +101,7 @@ pub struct FederationView {
     pub utilization: f64,
     /// The lowest tenant fairness score (1 without tenants).
     pub fairness_score: f64,
-    /// Tenants: the policy's in policy order, then any that left it but hold leases.
+    /// Tenants: the policy's, by name (the order the policy keeps them in), then any that left it but hold leases.
     pub tenants: Vec<TenantRow>,
     /// Clusters in name order.
     pub clusters: Vec<ClusterRow>,
@@ -127,7 +127,7 @@ impl FederationView {
             let committed = fed.committed().get(name).copied().unwrap_or(0);
             let inuse = plan.inuse.get(i).copied().unwrap_or(0);
             let waiting = pending.get(name.as_str()).copied().unwrap_or(0);
-            // The plan lists the policy's tenants first, in policy order.
+            // The plan lists the policy's tenants first, by name (the policy sorts them).
             let spec = policy.and_then(|p| p.tenants.get(i)).filter(|t| &t.name == name);
             let min_share = spec.map_or(0, |t| {
                 u64::try_from(u128::from(plan.capacity) * u128::from(t.min_share_bp) / 10_000).unwrap_or(u64::MAX)
@@ -236,7 +236,7 @@ impl ShareTimes {
 pub const HISTORY_INTERVAL: Duration = Duration::from_secs(5);
 /// Samples kept: one hour at [`HISTORY_INTERVAL`].
 pub const HISTORY_POINTS: usize = 720;
-/// Tenants whose series are kept per sample: the first this many in policy order. A
+/// Tenants whose series are kept per sample: the first this many by name. A
 /// sample keeps 12 bytes per tenant (the names are shared between samples while the
 /// policy stays), so the ring stays under 9 MB.
 pub const HISTORY_TENANTS: usize = 1_000;
@@ -492,7 +492,7 @@ pub struct TenantView {
 pub struct TenantsView {
     /// Federation capacity, thousandths of a GPU-equivalent.
     pub capacity_milli_gpue: u64,
-    /// The policy's tenants in policy order (empty without a policy).
+    /// The policy's tenants by name (empty without a policy).
     pub tenants: Vec<TenantView>,
 }
 
