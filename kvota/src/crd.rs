@@ -17,52 +17,51 @@ use kvota_fairness::document::PolicySpec;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// The spec of a `kvota.dev/v1alpha1` FairnessPolicy: the policy document's `spec`.
-#[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
-#[kube(
-    group = "kvota.dev",
-    version = "v1alpha1",
-    kind = "FairnessPolicy",
-    plural = "fairnesspolicies",
-    shortname = "fairpol",
-    category = "kvota",
-    status = "FairnessPolicyStatus",
-    doc = "The federation's fairness policy (kvota). The policy sync controller (`kvota policy sync`) applies it to the control plane and reports the outcome in status.",
-    printcolumn(name = "Accepted", type_ = "string", json_path = ".status.conditions[?(@.type==\"Accepted\")].status"),
-    printcolumn(name = "Reason", type_ = "string", json_path = ".status.conditions[?(@.type==\"Accepted\")].reason"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
-)]
-#[serde(transparent)]
-#[schemars(transparent)]
-pub struct FairnessPolicySpec {
-    /// The policy.
-    pub policy: PolicySpec,
+/// Declares the FairnessPolicy resource of one API group: kube's derive over a spec
+/// that is the policy document's own type, the same printer columns and status in
+/// every group; `$extra` adds kube attributes (a short name).
+macro_rules! fairness_policy_resource {
+    ($(#[$meta:meta])* group = $group:literal, doc = $crd_doc:literal $(, $extra:ident = $val:literal)*) => {
+        $(#[$meta])*
+        #[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+        #[kube(
+            group = $group,
+            version = "v1alpha1",
+            kind = "FairnessPolicy",
+            plural = "fairnesspolicies",
+            $($extra = $val,)*
+            category = "kvota",
+            status = "FairnessPolicyStatus",
+            doc = $crd_doc,
+            printcolumn(name = "Accepted", type_ = "string", json_path = ".status.conditions[?(@.type==\"Accepted\")].status"),
+            printcolumn(name = "Reason", type_ = "string", json_path = ".status.conditions[?(@.type==\"Accepted\")].reason"),
+            printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+        )]
+        #[serde(transparent)]
+        #[schemars(transparent)]
+        pub struct FairnessPolicySpec {
+            /// The policy.
+            pub policy: PolicySpec,
+        }
+    };
 }
+
+fairness_policy_resource!(
+    /// The spec of a `kvota.dev/v1alpha1` FairnessPolicy: the policy document's `spec`.
+    group = "kvota.dev",
+    doc = "The federation's fairness policy (kvota). The policy sync controller (`kvota policy sync`) applies it to the control plane and reports the outcome in status.",
+    shortname = "fairpol"
+);
 
 /// The same resource in the seed article's API group, `kvitej.io/v1alpha1`.
 pub mod article {
     use super::*;
 
-    /// The spec of a `kvitej.io/v1alpha1` FairnessPolicy (the article's group).
-    #[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
-    #[kube(
+    fairness_policy_resource!(
+        /// The spec of a `kvitej.io/v1alpha1` FairnessPolicy (the article's group).
         group = "kvitej.io",
-        version = "v1alpha1",
-        kind = "FairnessPolicy",
-        plural = "fairnesspolicies",
-        category = "kvota",
-        status = "FairnessPolicyStatus",
-        doc = "The federation's fairness policy in the seed article's API group (an alias of fairnesspolicies.kvota.dev; kvota's sync controller reads both).",
-        printcolumn(name = "Accepted", type_ = "string", json_path = ".status.conditions[?(@.type==\"Accepted\")].status"),
-        printcolumn(name = "Reason", type_ = "string", json_path = ".status.conditions[?(@.type==\"Accepted\")].reason"),
-        printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
-    )]
-    #[serde(transparent)]
-    #[schemars(transparent)]
-    pub struct FairnessPolicySpec {
-        /// The policy.
-        pub policy: PolicySpec,
-    }
+        doc = "The federation's fairness policy in the seed article's API group (an alias of fairnesspolicies.kvota.dev; kvota's sync controller reads both)."
+    );
 }
 
 /// What the sync controller last made of a FairnessPolicy.

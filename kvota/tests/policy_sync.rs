@@ -132,19 +132,39 @@ fn policy(file: &str) -> Policy {
     Policy::from_yaml(&std::fs::read_to_string(repo(file)).expect("read")).expect("valid")
 }
 
+/// A one-node control plane over mTLS, an operator certificate for the controller, a
+/// fake API server and a kubeconfig for it.
+struct World {
+    pki: Pki,
+    cluster: Cluster,
+    cp: String,
+    admin: Client,
+    op: Files,
+    api: FakeApi,
+    tmp: tempfile::TempDir,
+    kc: String,
+}
+
+impl World {
+    async fn start() -> World {
+        let pki = Pki::new("sync.test");
+        let cluster = Cluster::start_with(1, Some(&pki), |_| {}).await;
+        cluster.leader(Duration::from_secs(20)).await;
+        let cp = cluster.endpoints()[0].clone();
+        let admin = Client::with_tls(&cluster.endpoints(), Some(pki.party(Role::Operator, "tester"))).expect("client");
+        let op = pki.files(Role::Operator, "policy-sync");
+        let api = FakeApi::start().await;
+        let tmp = tempfile::tempdir().expect("tmp");
+        let kc = kubeconfig(tmp.path(), &api);
+        World { pki, cluster, cp, admin, op, api, tmp, kc }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fairness_policy_resource_becomes_the_federations_policy() {
-    let pki = Pki::new("sync.test");
-    let cluster = Cluster::start_with(1, Some(&pki), |_| {}).await;
-    cluster.leader(Duration::from_secs(20)).await;
+    let World { pki: _pki, cluster, cp, admin, op, api, tmp, kc } = World::start().await;
     // extended.yaml sets showback, which needs feature level 2.
     cluster.feature_level(2, Duration::from_secs(20)).await;
-    let cp = cluster.endpoints()[0].clone();
-    let admin = Client::with_tls(&cluster.endpoints(), Some(pki.party(Role::Operator, "tester"))).expect("client");
-    let op = pki.files(Role::Operator, "policy-sync");
-    let api = FakeApi::start().await;
-    let tmp = tempfile::tempdir().expect("tmp");
-    let kc = kubeconfig(tmp.path(), &api);
     let log = tmp.path().join("sync.log");
 
     // Created: applied, Accepted=True (Applied), observed generation 1.
@@ -248,15 +268,7 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
-    let pki = Pki::new("sync.test");
-    let cluster = Cluster::start_with(1, Some(&pki), |_| {}).await;
-    cluster.leader(Duration::from_secs(20)).await;
-    let cp = cluster.endpoints()[0].clone();
-    let admin = Client::with_tls(&cluster.endpoints(), Some(pki.party(Role::Operator, "tester"))).expect("client");
-    let op = pki.files(Role::Operator, "policy-sync");
-    let api = FakeApi::start().await;
-    let tmp = tempfile::tempdir().expect("tmp");
-    let kc = kubeconfig(tmp.path(), &api);
+    let World { pki: _pki, cluster, cp, admin, op, api, tmp, kc } = World::start().await;
     let logs = [tmp.path().join("a.log"), tmp.path().join("b.log")];
     api.put(Kind::ArticlePolicy, resource("deploy/policies/article.yaml", 1));
     let lease = ["--leader-lease", "kvota-policy-sync", "--namespace", "kvota-system"];
