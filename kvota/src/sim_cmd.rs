@@ -15,12 +15,18 @@ use kvota_sim::{report, sched, Partition, SimConfig, Trace};
 pub struct SimArgs {
     /// The trace: `philly:DIR[:GPU]` (the Philly per-VC files and throughputs.json;
     /// GPU type for durations, default v100), `alibaba:FILE` (openb_pod_list_*.csv),
-    /// `csv:FILE` (header `tenant,submit_s,gpus,duration_s[,kind]`), or a bare path.
+    /// `csv:FILE` (header `tenant,submit_s,gpus,duration_s[,kind]`), a bare path, or a
+    /// synthetic trace generated from a seed, `synth:KIND[:seed=N][:days=D]`:
+    /// `synth:many-tenants` (150 small tenants: 120 services of long-lived one-GPU
+    /// inference replicas with a diurnal extra, 30 batch teams of 1-8 GPU training jobs;
+    /// 14 days, sized for 3,072 GPUs; brings its own policy) or `synth:mixed-sizes` (the
+    /// article's three tenants with pods of 0.25 to 32 GPUs; 30 days, sized for 384 GPUs).
     #[arg(long, value_name = "SPEC")]
     trace: String,
     /// FairnessPolicy YAML; its tenants must include every tenant of the trace.
-    /// Default: the seed article's policy (training / inference / research), which
-    /// fits the Alibaba trace. For Philly use deploy/policies/philly-vc.yaml.
+    /// Default: the trace's own policy if it brings one (synth:many-tenants), else the
+    /// seed article's policy (training / inference / research), which fits the Alibaba
+    /// trace and synth:mixed-sizes. For Philly use deploy/policies/philly-vc.yaml.
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
     /// Clusters and their GPUs: `64` (one cluster), `3x64`, or `east=64,west=64,edge=32`.
@@ -115,8 +121,11 @@ fn parse_partition(spec: &str, clusters: &[(String, u64)]) -> Result<Partition> 
     Ok(Partition { cluster, from_ms, to_ms })
 }
 
-fn load_policy(path: Option<&Path>) -> Result<Policy> {
+fn load_policy(path: Option<&Path>, trace: &Trace) -> Result<Policy> {
     let Some(path) = path else {
+        if let Some(yaml) = &trace.policy_yaml {
+            return Policy::from_yaml(yaml).map_err(|e| anyhow::anyhow!("the policy of {}: {e}", trace.source));
+        }
         return Policy::from_yaml(Policy::article_example_yaml()).map_err(|e| anyhow::anyhow!("built-in policy: {e}"));
     };
     let text = std::fs::read_to_string(path).with_context(|| format!("read --policy {}", path.display()))?;
@@ -143,8 +152,6 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
     if schedulers.is_empty() {
         bail!("--scheduler: name at least one of {}", sched::ALL.join(", "));
     }
-    let policy = load_policy(args.policy.as_deref())?;
-
     let t0 = Instant::now();
     let mut trace = Trace::load(&args.trace).with_context(|| format!("load --trace {}", args.trace))?;
     if let Some(n) = args.max_jobs {
@@ -157,6 +164,7 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
         bail!("the trace {} has no jobs to replay", args.trace);
     }
     let load_s = t0.elapsed().as_secs_f64();
+    let policy = load_policy(args.policy.as_deref(), &trace)?;
     let cfg = SimConfig {
         clusters: clusters.clone(),
         node_gpue: u64::from(args.node_gpus) * 1000,

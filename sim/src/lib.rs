@@ -35,6 +35,7 @@
 pub mod engine;
 pub mod report;
 pub mod sched;
+pub mod synth;
 pub mod trace;
 
 use std::time::{Duration, Instant};
