@@ -2,7 +2,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::io::{IsTerminal as _, Write as _};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
@@ -133,6 +134,76 @@ fn load_policy(path: Option<&Path>, trace: &Trace) -> Result<Policy> {
         .map_err(|e| anyhow::anyhow!("{} is not a valid FairnessPolicy (`kvota policy validate {}` lists every problem): {e}", path.display(), path.display()))
 }
 
+/// Progress of a comparison on stderr, per scheduler: trace time reached and an
+/// estimate of the wall time left. On a terminal one line is redrawn in place a few
+/// times a second; otherwise (a log, CI) a plain line every few seconds, so the record
+/// stays readable and short.
+struct ProgressLine<'a> {
+    names: &'a [String],
+    tty: bool,
+    current: Option<usize>,
+    run_started: Instant,
+    last_shown: Option<Instant>,
+}
+
+impl<'a> ProgressLine<'a> {
+    /// Redraw period on a terminal: fast enough to look alive, slow enough to cost nothing.
+    const TTY_EVERY: Duration = Duration::from_millis(250);
+    /// Line period otherwise: a 10-minute run writes about 120 lines.
+    const PLAIN_EVERY: Duration = Duration::from_secs(5);
+
+    fn new(names: &'a [String], tty: bool) -> Self {
+        ProgressLine { names, tty, current: None, run_started: Instant::now(), last_shown: None }
+    }
+
+    fn update(&mut self, i: usize, p: kvota_sim::Progress) {
+        let now = Instant::now();
+        if self.current != Some(i) {
+            self.current = Some(i);
+            self.run_started = now;
+        }
+        let every = if self.tty { Self::TTY_EVERY } else { Self::PLAIN_EVERY };
+        if self.last_shown.is_some_and(|t| now.duration_since(t) < every) {
+            return;
+        }
+        // Nothing for the first second of each run: short runs stay quiet.
+        let elapsed = now.duration_since(self.run_started);
+        if self.last_shown.is_none() && elapsed < Duration::from_secs(1) {
+            return;
+        }
+        self.last_shown = Some(now);
+        let name = self.names.get(i).map_or("?", String::as_str);
+        let pct = if p.end_ms == 0 { 100.0 } else { 100.0 * p.reached_ms as f64 / p.end_ms as f64 };
+        let left = if p.reached_ms == 0 {
+            "time left unknown".to_string()
+        } else {
+            let secs = elapsed.as_secs_f64() * (p.end_ms - p.reached_ms) as f64 / p.reached_ms as f64;
+            format!("about {} left", report::human_ms((secs * 1000.0) as u64))
+        };
+        let line = format!(
+            "sim [{}/{}] {name}: trace time {} of {} ({pct:.0} %), {} elapsed, {left}",
+            i + 1,
+            self.names.len(),
+            report::human_ms(p.reached_ms),
+            report::human_ms(p.end_ms),
+            report::human_ms(elapsed.as_millis().try_into().unwrap_or(u64::MAX)),
+        );
+        let mut err = std::io::stderr().lock();
+        // Progress is a courtesy: a closed stderr must not stop the run.
+        let _ = if self.tty { write!(err, "\r\x1b[K{line}") } else { writeln!(err, "{line}") };
+        let _ = err.flush();
+    }
+
+    /// Removes the redrawn line (the results follow on stdout).
+    fn clear(&self) {
+        if self.tty && self.last_shown.is_some() {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[K");
+            let _ = err.flush();
+        }
+    }
+}
+
 /// Runs `kvota sim`.
 pub fn run(args: SimArgs) -> Result<ExitCode> {
     let clusters = parse_clusters(&args.clusters)?;
@@ -175,7 +246,10 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
         ..SimConfig::default()
     };
     let t1 = Instant::now();
-    let runs = kvota_sim::compare(&trace, &policy, &cfg, &schedulers).map_err(|e| {
+    let mut shown = ProgressLine::new(&schedulers, std::io::stderr().is_terminal());
+    let runs = kvota_sim::compare_with_progress(&trace, &policy, &cfg, &schedulers, &mut |i, p| shown.update(i, p));
+    shown.clear();
+    let runs = runs.map_err(|e| {
         let hint = if args.policy.is_none() && trace.source.starts_with("philly:") {
             " (for the Philly trace: --policy deploy/policies/philly-vc.yaml)"
         } else {
