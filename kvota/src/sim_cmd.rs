@@ -177,8 +177,10 @@ impl<'a> ProgressLine<'a> {
         let left = if p.reached_ms == 0 {
             "time left unknown".to_string()
         } else {
+            // Trace time still to go at the wall-clock rate so far (capped at a year).
             let secs = elapsed.as_secs_f64() * (p.end_ms - p.reached_ms) as f64 / p.reached_ms as f64;
-            format!("about {} left", report::human_ms((secs * 1000.0) as u64))
+            let left = Duration::from_secs_f64(secs.clamp(0.0, 365.0 * 86_400.0));
+            format!("about {} left", report::human_ms(left.as_millis().try_into().unwrap_or(u64::MAX)))
         };
         let line = format!(
             "sim [{}/{}] {name}: trace time {} of {} ({pct:.0} %), {} elapsed, {left}",
