@@ -8,15 +8,16 @@
 //!   in the afternoon, each service's day shifted by up to three hours); each extra
 //!   replica lives 2 to 6 hours. 30 batch teams (`batch-00`..`batch-29`) submit about
 //!   one training job an hour each, of 1, 2, 4 or 8 GPUs, running 1 to 12 hours.
-//!   Offered load is about 2,300 GPUs on average and 3,400 at the daily peak, sized for
-//!   3,072 GPUs (one cluster, or three of 1,024). The trace carries its policy
+//!   Offered load (seed 7) is about 2,700 GPUs on average and up to 3,800 at the daily
+//!   peak, sized for 3,072 GPUs (one cluster, or three of 1,024). The trace carries its policy
 //!   ([`Trace::policy_yaml`]): weight 1 per service and 3 per batch team, guarantees of
 //!   half the weight share, services non-preemptible.
 //! - **`mixed-sizes`**: the seed article's three tenants (its policy is `kvota sim`'s
 //!   default) with pod sizes from a quarter of a GPU to 32 GPUs: `inference` replicas of
 //!   0.25, 0.5, 1 or 2 GPUs living hours to days, `training` jobs of 1 to 32 GPUs (powers
 //!   of two) running 1 to 48 hours, `research` jobs of 0.5 to 8 GPUs running 10 minutes
-//!   to 6 hours. Offered load is about 330 GPUs, sized for 384 (three clusters of 128).
+//!   to 6 hours. Offered load (seed 7) is about 315 GPUs on average and up to 500, sized
+//!   for 384 (three clusters of 128).
 //!
 //! Default: 14 days (`many-tenants`) or 30 days (`mixed-sizes`), seed 1. A trace is a
 //! pure function of (kind, seed, days): the generator draws only from
