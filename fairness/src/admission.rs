@@ -113,38 +113,62 @@ pub struct Decision {
     pub after: MilliGpue,
 }
 
+/// The verdict of [`decide`] and its reason, without the message: what a caller that
+/// only acts on the outcome (the simulator, pod after pod) needs, at none of the cost of
+/// writing sentences. `decide` renders its message from exactly this.
+pub fn judge(pod: &PodRequest, view: &LocalView) -> (Verdict, Reason) {
+    if pod.gpue == 0 {
+        return (Verdict::Allow, Reason::NoGpu);
+    }
+    if view.tenant.is_none() {
+        return (Verdict::Allow, Reason::Ungoverned);
+    }
+    if view.inuse.saturating_add(pod.gpue) <= view.budget {
+        return (Verdict::Allow, Reason::WithinBudget);
+    }
+    if view.ceiling.is_some_and(|ceiling| pod.gpue > ceiling) {
+        return (Verdict::Deny, Reason::NeverFits);
+    }
+    match view.mode {
+        AdmissionMode::Reject => (Verdict::Deny, Reason::OverBudget),
+        AdmissionMode::Queue if view.queued >= view.max_queued => (Verdict::Deny, Reason::QueueFull),
+        AdmissionMode::Queue => (Verdict::Queue, Reason::OverBudget),
+    }
+}
+
 /// Decides one pod. Pure and total: any input gives a decision.
 ///
 /// Holds: a pod with GPUe is allowed only if `inuse + gpue <= budget`; pods without
 /// GPUe and pods of ungoverned namespaces are always allowed; in `queue` mode the
 /// queue never grows past `max_queued`.
 pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
+    let (verdict, reason) = judge(pod, view);
     let after = view.inuse.saturating_add(pod.gpue);
     let target = pod_ref(pod);
-    if pod.gpue == 0 {
-        return Decision {
-            verdict: Verdict::Allow,
-            reason: Reason::NoGpu,
-            message: "kvota: pod requests no GPUs; not judged".to_string(),
-            after: view.inuse,
-        };
-    }
-    let Some(tenant) = &view.tenant else {
-        return Decision {
-            verdict: Verdict::Allow,
-            reason: Reason::Ungoverned,
-            message: format!(
+    let tenant = view.tenant.as_deref().unwrap_or_default();
+    let numbers = || {
+        format!(
+            "tenant `{tenant}` would hold {} GPUe in cluster `{}` (in use {} + this pod {}), above its budget of {} GPUe here (federation-wide entitlement {} GPUe; lease {})",
+            g(after),
+            view.cluster,
+            g(view.inuse),
+            g(pod.gpue),
+            g(view.budget),
+            g(view.entitlement),
+            view.lease
+        )
+    };
+    let (message, after) = match (reason, verdict) {
+        (Reason::NoGpu, _) => ("kvota: pod requests no GPUs; not judged".to_string(), view.inuse),
+        (Reason::Ungoverned, _) => (
+            format!(
                 "kvota: namespace `{}` belongs to no tenant and the policy has no defaultTenant; not judged",
                 pod.namespace
             ),
             after,
-        };
-    };
-    if after <= view.budget {
-        return Decision {
-            verdict: Verdict::Allow,
-            reason: Reason::WithinBudget,
-            message: format!(
+        ),
+        (Reason::WithinBudget, _) => (
+            format!(
                 "kvota: admitted: tenant `{tenant}` holds {} + {} = {} of its {} GPUe budget in cluster `{}`",
                 g(view.inuse),
                 g(pod.gpue),
@@ -153,61 +177,42 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
                 view.cluster
             ),
             after,
-        };
-    }
-    let numbers = format!(
-        "tenant `{tenant}` would hold {} GPUe in cluster `{}` (in use {} + this pod {}), above its budget of {} GPUe here (federation-wide entitlement {} GPUe; lease {})",
-        g(after),
-        view.cluster,
-        g(view.inuse),
-        g(pod.gpue),
-        g(view.budget),
-        g(view.entitlement),
-        view.lease
-    );
-    if let Some(ceiling) = view.ceiling {
-        if pod.gpue > ceiling {
-            return Decision {
-                verdict: Verdict::Deny,
-                reason: Reason::NeverFits,
-                message: format!(
-                    "kvota: denied: the pod requests {} GPUe but tenant `{tenant}` can never hold more than {} GPUe in cluster `{}`. Request fewer GPUs or use a larger cluster. Details: kvota explain pod {target}",
-                    g(pod.gpue),
-                    g(ceiling),
-                    view.cluster
-                ),
-                after,
-            };
-        }
-    }
-    match view.mode {
-        AdmissionMode::Reject => Decision {
-            verdict: Verdict::Deny,
-            reason: Reason::OverBudget,
-            message: format!(
-                "kvota: denied: {numbers}. Retry when the tenant's running pods finish, or ask the platform team for a larger share. Details: kvota explain pod {target}"
+        ),
+        (Reason::NeverFits, _) => (
+            format!(
+                "kvota: denied: the pod requests {} GPUe but tenant `{tenant}` can never hold more than {} GPUe in cluster `{}`. Request fewer GPUs or use a larger cluster. Details: kvota explain pod {target}",
+                g(pod.gpue),
+                g(view.ceiling.unwrap_or_default()),
+                view.cluster
             ),
             after,
-        },
-        AdmissionMode::Queue if view.queued >= view.max_queued => Decision {
-            verdict: Verdict::Deny,
-            reason: Reason::QueueFull,
-            message: format!(
-                "kvota: denied: {numbers}, and {} of its pods already wait for budget here (maxQueued {}). Retry later. Details: kvota explain pod {target}",
-                view.queued, view.max_queued
-            ),
-            after,
-        },
-        AdmissionMode::Queue => Decision {
-            verdict: Verdict::Queue,
-            reason: Reason::OverBudget,
-            message: format!(
-                "kvota: queued behind scheduling gate {SCHEDULING_GATE}: {numbers}. It starts when budget frees (position {} in the tenant's queue). Details: kvota explain pod {target}",
+        ),
+        (Reason::OverBudget, Verdict::Queue) => (
+            format!(
+                "kvota: queued behind scheduling gate {SCHEDULING_GATE}: {}. It starts when budget frees (position {} in the tenant's queue). Details: kvota explain pod {target}",
+                numbers(),
                 view.queued + 1
             ),
             after,
-        },
-    }
+        ),
+        (Reason::QueueFull, _) => (
+            format!(
+                "kvota: denied: {}, and {} of its pods already wait for budget here (maxQueued {}). Retry later. Details: kvota explain pod {target}",
+                numbers(),
+                view.queued,
+                view.max_queued
+            ),
+            after,
+        ),
+        (Reason::OverBudget, _) => (
+            format!(
+                "kvota: denied: {}. Retry when the tenant's running pods finish, or ask the platform team for a larger share. Details: kvota explain pod {target}",
+                numbers()
+            ),
+            after,
+        ),
+    };
+    Decision { verdict, reason, message, after }
 }
 
 fn pod_ref(pod: &PodRequest) -> String {
@@ -260,6 +265,30 @@ pub fn release_order(queue: &[QueuedPod], budget: MilliGpue, inuse: MilliGpue, s
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn judge_is_decide_without_the_words() {
+        for mode in [AdmissionMode::Reject, AdmissionMode::Queue] {
+            for (budget, inuse, queued, gpue, ceiling, tenant) in [
+                (4000, 1000, 0, 0, None, true),
+                (4000, 1000, 0, 1000, None, false),
+                (4000, 1000, 0, 3000, None, true),
+                (4000, 1000, 0, 3001, Some(8000), true),
+                (4000, 1000, 0, 9000, Some(8000), true),
+                (4000, 1000, 2, 3001, None, true),
+                (4000, 1000, 1, 3001, None, true),
+            ] {
+                let mut v = view(mode, budget, inuse, queued);
+                v.ceiling = ceiling;
+                if !tenant {
+                    v.tenant = None;
+                }
+                let pod = PodRequest { namespace: "ns".into(), name: "p".into(), gpue };
+                let d = decide(&pod, &v);
+                assert_eq!(judge(&pod, &v), (d.verdict, d.reason), "{v:?} {gpue}: {}", d.message);
+            }
+        }
+    }
 
     fn view(mode: AdmissionMode, budget: u64, inuse: u64, queued: u32) -> LocalView {
         LocalView {

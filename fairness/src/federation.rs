@@ -1206,13 +1206,11 @@ impl Federation {
         let desired = pos.map(|p| self.desired_budgets_with(p, grid)).unwrap_or_default();
         let rows: BTreeMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
         let mut budgets = BTreeMap::new();
-        let mut changes = Vec::new();
-        let prev = self
-            .clusters
-            .get(cluster)
-            .and_then(|r| r.leases.latest())
-            .map(|l| l.budgets.clone())
-            .unwrap_or_default();
+        // Changes as numbers; their explanations are written only if the audit log takes
+        // them (budgets drift a little at every report, and formatting a sentence per
+        // tenant per report was a large part of a report's cost with many tenants).
+        let mut changes: Vec<(&String, u64, u64, u64, u64, u64, u64)> = Vec::new();
+        let prev = self.clusters.get(cluster).and_then(|r| r.leases.latest()).map(|l| &l.budgets);
         for (tenant, want) in &desired {
             let committed = self.committed.get(tenant).copied().unwrap_or(0);
             let mut inuse_sum = 0u64;
@@ -1243,14 +1241,9 @@ impl Federation {
                 fallback,
                 entitlement: committed,
             };
-            let old = prev.get(tenant).map_or(0, |p| p.budget);
+            let old = prev.and_then(|p| p.get(tenant)).map_or(0, |p| p.budget);
             if old != budget {
-                changes.push(BudgetChange {
-                    tenant: tenant.clone(),
-                    from: old,
-                    to: budget,
-                    why: explain_change(old, budget, *want, bound, own_inuse, committed),
-                });
+                changes.push((tenant, old, budget, *want, bound, own_inuse, committed));
             }
             budgets.insert(tenant.clone(), b);
         }
@@ -1273,8 +1266,17 @@ impl Federation {
         // only changes a person would care about go into the audit log.
         let notable = changes
             .iter()
-            .any(|c| c.from.abs_diff(c.to) >= AUDIT_MIN_CHANGE || c.from == 0 || c.to == 0);
+            .any(|&(_, from, to, ..)| from.abs_diff(to) >= AUDIT_MIN_CHANGE || from == 0 || to == 0);
         if lease.epoch > before && notable {
+            let changes = changes
+                .into_iter()
+                .map(|(tenant, from, to, want, bound, inuse, committed)| BudgetChange {
+                    tenant: tenant.clone(),
+                    from,
+                    to,
+                    why: explain_change(from, to, want, bound, inuse, committed),
+                })
+                .collect();
             self.record(AuditEvent::BudgetsChanged {
                 cluster: cluster.to_string(),
                 epoch: lease.epoch,

@@ -2,7 +2,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::io::{IsTerminal as _, Write as _};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
@@ -15,12 +16,18 @@ use kvota_sim::{report, sched, Partition, SimConfig, Trace};
 pub struct SimArgs {
     /// The trace: `philly:DIR[:GPU]` (the Philly per-VC files and throughputs.json;
     /// GPU type for durations, default v100), `alibaba:FILE` (openb_pod_list_*.csv),
-    /// `csv:FILE` (header `tenant,submit_s,gpus,duration_s[,kind]`), or a bare path.
+    /// `csv:FILE` (header `tenant,submit_s,gpus,duration_s[,kind]`), a bare path, or a
+    /// synthetic trace generated from a seed, `synth:KIND[:seed=N][:days=D]`:
+    /// `synth:many-tenants` (150 small tenants: 120 services of long-lived one-GPU
+    /// inference replicas with a diurnal extra, 30 batch teams of 1-8 GPU training jobs;
+    /// 14 days, sized for 3,072 GPUs; brings its own policy) or `synth:mixed-sizes` (the
+    /// article's three tenants with pods of 0.25 to 32 GPUs; 30 days, sized for 384 GPUs).
     #[arg(long, value_name = "SPEC")]
     trace: String,
     /// FairnessPolicy YAML; its tenants must include every tenant of the trace.
-    /// Default: the seed article's policy (training / inference / research), which
-    /// fits the Alibaba trace. For Philly use deploy/policies/philly-vc.yaml.
+    /// Default: the trace's own policy if it brings one (synth:many-tenants), else the
+    /// seed article's policy (training / inference / research), which fits the Alibaba
+    /// trace and synth:mixed-sizes. For Philly use deploy/policies/philly-vc.yaml.
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
     /// Clusters and their GPUs: `64` (one cluster), `3x64`, or `east=64,west=64,edge=32`.
@@ -115,13 +122,88 @@ fn parse_partition(spec: &str, clusters: &[(String, u64)]) -> Result<Partition> 
     Ok(Partition { cluster, from_ms, to_ms })
 }
 
-fn load_policy(path: Option<&Path>) -> Result<Policy> {
+fn load_policy(path: Option<&Path>, trace: &Trace) -> Result<Policy> {
     let Some(path) = path else {
+        if let Some(yaml) = &trace.policy_yaml {
+            return Policy::from_yaml(yaml).map_err(|e| anyhow::anyhow!("the policy of {}: {e}", trace.source));
+        }
         return Policy::from_yaml(Policy::article_example_yaml()).map_err(|e| anyhow::anyhow!("built-in policy: {e}"));
     };
     let text = std::fs::read_to_string(path).with_context(|| format!("read --policy {}", path.display()))?;
     Policy::from_yaml(&text)
         .map_err(|e| anyhow::anyhow!("{} is not a valid FairnessPolicy (`kvota policy validate {}` lists every problem): {e}", path.display(), path.display()))
+}
+
+/// Progress of a comparison on stderr, per scheduler: trace time reached and an
+/// estimate of the wall time left. On a terminal one line is redrawn in place a few
+/// times a second; otherwise (a log, CI) a plain line every few seconds, so the record
+/// stays readable and short.
+struct ProgressLine<'a> {
+    names: &'a [String],
+    tty: bool,
+    current: Option<usize>,
+    run_started: Instant,
+    last_shown: Option<Instant>,
+}
+
+impl<'a> ProgressLine<'a> {
+    /// Redraw period on a terminal: fast enough to look alive, slow enough to cost nothing.
+    const TTY_EVERY: Duration = Duration::from_millis(250);
+    /// Line period otherwise: a 10-minute run writes about 120 lines.
+    const PLAIN_EVERY: Duration = Duration::from_secs(5);
+
+    fn new(names: &'a [String], tty: bool) -> Self {
+        ProgressLine { names, tty, current: None, run_started: Instant::now(), last_shown: None }
+    }
+
+    fn update(&mut self, i: usize, p: kvota_sim::Progress) {
+        let now = Instant::now();
+        if self.current != Some(i) {
+            self.current = Some(i);
+            self.run_started = now;
+        }
+        let every = if self.tty { Self::TTY_EVERY } else { Self::PLAIN_EVERY };
+        if self.last_shown.is_some_and(|t| now.duration_since(t) < every) {
+            return;
+        }
+        // Nothing for the first second of each run: short runs stay quiet.
+        let elapsed = now.duration_since(self.run_started);
+        if self.last_shown.is_none() && elapsed < Duration::from_secs(1) {
+            return;
+        }
+        self.last_shown = Some(now);
+        let name = self.names.get(i).map_or("?", String::as_str);
+        let pct = if p.end_ms == 0 { 100.0 } else { 100.0 * p.reached_ms as f64 / p.end_ms as f64 };
+        let left = if p.reached_ms == 0 {
+            "time left unknown".to_string()
+        } else {
+            // Trace time still to go at the wall-clock rate so far (capped at a year).
+            let secs = elapsed.as_secs_f64() * (p.end_ms - p.reached_ms) as f64 / p.reached_ms as f64;
+            let left = Duration::from_secs_f64(secs.clamp(0.0, 365.0 * 86_400.0));
+            format!("about {} left", report::human_ms(left.as_millis().try_into().unwrap_or(u64::MAX)))
+        };
+        let line = format!(
+            "sim [{}/{}] {name}: trace time {} of {} ({pct:.0} %), {} elapsed, {left}",
+            i + 1,
+            self.names.len(),
+            report::human_ms(p.reached_ms),
+            report::human_ms(p.end_ms),
+            report::human_ms(elapsed.as_millis().try_into().unwrap_or(u64::MAX)),
+        );
+        let mut err = std::io::stderr().lock();
+        // Progress is a courtesy: a closed stderr must not stop the run.
+        let _ = if self.tty { write!(err, "\r\x1b[K{line}") } else { writeln!(err, "{line}") };
+        let _ = err.flush();
+    }
+
+    /// Removes the redrawn line (the results follow on stdout).
+    fn clear(&self) {
+        if self.tty && self.last_shown.is_some() {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[K");
+            let _ = err.flush();
+        }
+    }
 }
 
 /// Runs `kvota sim`.
@@ -143,8 +225,6 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
     if schedulers.is_empty() {
         bail!("--scheduler: name at least one of {}", sched::ALL.join(", "));
     }
-    let policy = load_policy(args.policy.as_deref())?;
-
     let t0 = Instant::now();
     let mut trace = Trace::load(&args.trace).with_context(|| format!("load --trace {}", args.trace))?;
     if let Some(n) = args.max_jobs {
@@ -157,6 +237,7 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
         bail!("the trace {} has no jobs to replay", args.trace);
     }
     let load_s = t0.elapsed().as_secs_f64();
+    let policy = load_policy(args.policy.as_deref(), &trace)?;
     let cfg = SimConfig {
         clusters: clusters.clone(),
         node_gpue: u64::from(args.node_gpus) * 1000,
@@ -167,7 +248,10 @@ pub fn run(args: SimArgs) -> Result<ExitCode> {
         ..SimConfig::default()
     };
     let t1 = Instant::now();
-    let runs = kvota_sim::compare(&trace, &policy, &cfg, &schedulers).map_err(|e| {
+    let mut shown = ProgressLine::new(&schedulers, std::io::stderr().is_terminal());
+    let runs = kvota_sim::compare_with_progress(&trace, &policy, &cfg, &schedulers, &mut |i, p| shown.update(i, p));
+    shown.clear();
+    let runs = runs.map_err(|e| {
         let hint = if args.policy.is_none() && trace.source.starts_with("philly:") {
             " (for the Philly trace: --policy deploy/policies/philly-vc.yaml)"
         } else {

@@ -97,3 +97,25 @@ fn sim_mistakes_get_one_clear_line() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+#[test]
+fn sim_generates_synthetic_traces_from_a_seed_and_many_tenants_brings_its_policy() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let out = tmp.path().join("out");
+    let o = out.to_str().expect("utf8");
+    // No --policy: many-tenants names 150 tenants the article's policy lacks, so this
+    // runs only if the trace's own policy is used.
+    let (code, stdout, err) =
+        kvota(&["sim", "--trace", "synth:many-tenants:seed=3:days=1", "--clusters", "3x1024", "--scheduler", "drf-elastic", "--out", o]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("x 1 schedulers"), "{stdout}");
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md");
+    assert!(report.contains("policy: `synth-many-tenants` (150 tenants)"), "{report}");
+    // mixed-sizes fits the default (article) policy.
+    let (code, _, err) =
+        kvota(&["sim", "--trace", "synth:mixed-sizes:seed=3:days=2", "--clusters", "3x128", "--scheduler", "wfq-decay", "--out", o]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = kvota(&["sim", "--trace", "synth:few-tenants", "--out", o]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unknown kind `few-tenants`") && err.contains("many-tenants, mixed-sizes"), "{err}");
+}

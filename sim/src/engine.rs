@@ -550,8 +550,31 @@ pub enum SimError {
 /// The seeded generator: the only source of randomness of a run.
 pub use kvota_fairness::rng::Rng;
 
+/// Where a run has got to, for a progress display (trace time, relative to the first
+/// submission).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Trace time reached, ms.
+    pub reached_ms: u64,
+    /// Expected end, ms: when the last job would finish had nothing waited (a lower
+    /// bound; a run ends later when jobs wait), never below `reached_ms`.
+    pub end_ms: u64,
+}
+
 /// Runs one scheduler over the trace.
 pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Scheduler) -> Result<RunResult, SimError> {
+    run_with_progress(trace, policy, cfg, sched, &mut |_| {})
+}
+
+/// [`run`], calling `progress` at every tick (the caller decides what to show and how
+/// often; the engine reads no clock).
+pub fn run_with_progress(
+    trace: &Trace,
+    policy: &Policy,
+    cfg: &SimConfig,
+    sched: &mut dyn Scheduler,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<RunResult, SimError> {
     if cfg.clusters.is_empty() || cfg.clusters.iter().any(|c| c.1 == 0) {
         return Err(SimError::Config("every cluster needs a capacity above 0".into()));
     }
@@ -636,6 +659,7 @@ pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Sche
     sched.init(&mut w);
 
     let mut m = Meter::new(&w, cfg, last_arrival.saturating_sub(start_ms));
+    let planned_end_ms = w.jobs.iter().map(|j| j.submit_ms.saturating_add(j.remaining_ms)).max().unwrap_or(start_ms);
     let mut events = 0u64;
     let mut arrived = 0usize;
     let mut stuck = 0u32;
@@ -673,6 +697,8 @@ pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Sche
         if tick {
             m.sample(&w);
             sched.tick(&mut w);
+            let reached_ms = at - start_ms;
+            progress(Progress { reached_ms, end_ms: planned_end_ms.saturating_sub(start_ms).max(reached_ms) });
         }
         sched.schedule(&mut w);
         if tick {

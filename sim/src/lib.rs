@@ -35,13 +35,14 @@
 pub mod engine;
 pub mod report;
 pub mod sched;
+pub mod synth;
 pub mod trace;
 
 use std::time::{Duration, Instant};
 
 use kvota_fairness::policy::Policy;
 
-pub use engine::{run, Partition, RunResult, SimConfig, SimError};
+pub use engine::{run, run_with_progress, Partition, Progress, RunResult, SimConfig, SimError};
 pub use trace::{Job, Kind, Trace, TraceError};
 
 /// One scheduler's result and how long it took to compute.
@@ -55,13 +56,25 @@ pub struct Timed {
 
 /// Runs every named scheduler over the same trace and configuration.
 pub fn compare(trace: &Trace, policy: &Policy, cfg: &SimConfig, schedulers: &[String]) -> Result<Vec<Timed>, SimError> {
+    compare_with_progress(trace, policy, cfg, schedulers, &mut |_, _| {})
+}
+
+/// [`compare`], calling `progress` with the index of the scheduler running and where
+/// its run has got to, at every tick of trace time.
+pub fn compare_with_progress(
+    trace: &Trace,
+    policy: &Policy,
+    cfg: &SimConfig,
+    schedulers: &[String],
+    progress: &mut dyn FnMut(usize, Progress),
+) -> Result<Vec<Timed>, SimError> {
     let mut out = Vec::new();
-    for name in schedulers {
+    for (i, name) in schedulers.iter().enumerate() {
         let Some(mut s) = sched::by_name(name, policy, cfg.tick_ms, cfg.partition.clone()) else {
             return Err(SimError::Config(format!("unknown scheduler `{name}`; known: {}", sched::ALL.join(", "))));
         };
         let t0 = Instant::now();
-        let result = run(trace, policy, cfg, s.as_mut())?;
+        let result = run_with_progress(trace, policy, cfg, s.as_mut(), &mut |p| progress(i, p))?;
         out.push(Timed { result, wall: t0.elapsed() });
     }
     Ok(out)

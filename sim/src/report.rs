@@ -229,20 +229,39 @@ pub fn fairness_chart(title: &str, results: &[RunResult]) -> String {
     line_chart(title, label, "mean fairness score", 1.0, &lines)
 }
 
-/// Share of capacity per tenant over time for one scheduler.
+/// Most tenants a share chart draws one line each for; the rest are summed into one
+/// "others" line (150 legend entries in 12 colours cannot be read).
+pub const SHARE_CHART_TENANTS: usize = 12;
+
+/// Share of capacity per tenant over time for one scheduler. With more than
+/// [`SHARE_CHART_TENANTS`] tenants (with jobs), the largest by mean share get a line
+/// each, the others one summed line, and the title says so.
 pub fn share_chart(title: &str, r: &RunResult) -> String {
     let (unit, label) = time_unit(std::slice::from_ref(r));
-    let lines: Vec<Line<'_>> = r
-        .tenants
+    let mut shown: Vec<usize> = (0..r.tenants.len()).filter(|&i| r.tenants[i].jobs > 0).collect();
+    let with_jobs = shown.len();
+    let mut rest = Vec::new();
+    if with_jobs > SHARE_CHART_TENANTS {
+        // Largest first; ties by policy order, so a chart is the same on every run.
+        shown.sort_by(|&a, &b| r.tenants[b].mean_share.total_cmp(&r.tenants[a].mean_share).then(a.cmp(&b)));
+        rest = shown.split_off(SHARE_CHART_TENANTS);
+        shown.sort_unstable();
+    }
+    let share_of = |idx: &[usize], p: &crate::engine::Sample| idx.iter().map(|&i| p.shares.get(i).copied().unwrap_or(0.0)).sum::<f64>();
+    let mut lines: Vec<Line<'_>> = shown
         .iter()
-        .enumerate()
-        .filter(|(_, t)| t.jobs > 0)
-        .map(|(i, t)| Line {
-            name: &t.tenant,
-            points: r.series.iter().map(|p| (p.t_ms as f64 / unit, p.shares.get(i).copied().unwrap_or(0.0))).collect(),
+        .map(|&i| Line {
+            name: &r.tenants[i].tenant,
+            points: r.series.iter().map(|p| (p.t_ms as f64 / unit, share_of(&[i], p))).collect(),
         })
         .collect();
-    line_chart(title, label, "share of GPUs held", 1.0, &lines)
+    let others_name = format!("others ({} tenants)", rest.len());
+    let mut title = title.to_string();
+    if !rest.is_empty() {
+        lines.push(Line { name: &others_name, points: r.series.iter().map(|p| (p.t_ms as f64 / unit, share_of(&rest, p))).collect() });
+        title = format!("{title} ({SHARE_CHART_TENANTS} largest of {with_jobs} tenants; others summed)");
+    }
+    line_chart(&title, label, "share of GPUs held", 1.0, &lines)
 }
 
 #[cfg(test)]
@@ -264,5 +283,25 @@ mod tests {
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("a &lt;b&gt;") && svg.contains("p&amp;q"));
         assert_eq!(svg.matches("<polyline").count(), 1);
+    }
+
+    #[test]
+    fn share_charts_of_many_tenants_draw_the_largest_and_sum_the_others() {
+        use crate::engine::{Sample, TenantResult};
+        let n = 150;
+        let tenants = (0..n).map(|i| TenantResult { tenant: format!("t{i:03}"), jobs: 1, mean_share: i as f64, ..Default::default() }).collect();
+        let series = vec![Sample { t_ms: 0, score: 1.0, shares: vec![0.001; n] }, Sample { t_ms: 3_600_000, score: 1.0, shares: vec![0.002; n] }];
+        let r = RunResult { scheduler: "x".into(), tenants, series, ..Default::default() };
+        let svg = share_chart("x: shares", &r);
+        assert_eq!(svg.matches("<polyline").count(), SHARE_CHART_TENANTS + 1);
+        assert!(svg.contains("12 largest of 150 tenants; others summed"), "{svg}");
+        assert!(svg.contains(">t149<") && svg.contains(">t138<") && !svg.contains(">t137<"));
+        assert!(svg.contains("others (138 tenants)"));
+        // Few tenants: one line each, no note.
+        let mut small = r;
+        small.tenants.truncate(3);
+        let svg = share_chart("x: shares", &small);
+        assert_eq!(svg.matches("<polyline").count(), 3);
+        assert!(!svg.contains("others"));
     }
 }

@@ -3,7 +3,8 @@
 //! - [`WfqDecay`] is kvota itself: the real [`Federation`] state machine (entitlements
 //!   from weights, min/max shares and decayed usage, split into per-cluster budgets and
 //!   handed out as leases), each cluster's [`AgentLease`], and the real admission
-//!   [`decide`]. Tenants under their budget are served first. At every tick it runs
+//!   decision ([`judge`], which is `decide` without its message). Tenants under their
+//!   budget are served first. At every tick it runs
 //!   the agent's reclaim (`reclaim::plan`, with the policy's damping):
 //!   pods of preemptible tenants above their budget are evicted, just enough, for a
 //!   tenant below its guarantee whose admitted pod has no room.
@@ -28,7 +29,7 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::admission::{decide, LocalView, PodRequest, Verdict};
+use kvota_fairness::admission::{judge, LocalView, PodRequest, Verdict};
 use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::AgentLease;
@@ -86,6 +87,10 @@ fn start_fitting(w: &mut World, c: usize, t: usize, mut room: MilliGpue, max: us
 /// Since when each tenant is starved, and the evictions of the last minute.
 type ReclaimMemory = (BTreeMap<String, u64>, Vec<(u64, String)>);
 
+/// Lease epoch held (if any) and whether it has expired (fallbacks apply), with the
+/// budgets read under it.
+type BudgetKey = ((Option<u64>, bool), Vec<MilliGpue>);
+
 /// kvota: the federation's leases and the admission decision.
 #[derive(Debug)]
 pub struct WfqDecay {
@@ -105,6 +110,11 @@ pub struct WfqDecay {
     /// Pods evicted by reclaim.
     pub reclaimed: u64,
     reclaim_due: bool,
+    /// Per cluster: each tenant's enforced budget (policy order) under the lease epoch
+    /// and standing (in force, or expired: fallbacks) it was read for. A lease's
+    /// budgets never change within an epoch, so the scheduling pass after every event
+    /// reads the lease once per renewal instead of once per tenant per pass.
+    budget_cache: Vec<Option<BudgetKey>>,
 }
 
 impl WfqDecay {
@@ -125,6 +135,7 @@ impl WfqDecay {
             reclaim: Vec::new(),
             reclaimed: 0,
             reclaim_due: false,
+            budget_cache: Vec::new(),
         }
     }
 
@@ -135,6 +146,23 @@ impl WfqDecay {
     /// The federation (for tests).
     pub fn federation(&self) -> &Federation {
         &self.fed
+    }
+
+    /// Every tenant's budget in cluster `c` now (policy order): exactly
+    /// `agent.budget(tenant, now)`, read again only when the lease or its standing
+    /// changed.
+    fn budgets(&mut self, c: usize, w: &World, now: u64) -> Vec<MilliGpue> {
+        let agent = &self.agents[c];
+        let key = (agent.lease().map(|l| l.epoch), agent.status(now) == kvota_fairness::lease::LeaseStatus::Safe);
+        self.budget_cache.resize_with(self.agents.len(), || None);
+        match &self.budget_cache[c] {
+            Some((k, b)) if *k == key => b.clone(),
+            _ => {
+                let b: Vec<MilliGpue> = w.tenants.iter().map(|t| agent.budget(&t.name, now)).collect();
+                self.budget_cache[c] = Some((key, b.clone()));
+                b
+            }
+        }
     }
 }
 
@@ -292,16 +320,19 @@ impl Scheduler for WfqDecay {
                 continue; // the agent cannot reach the control plane; usage accumulates
             }
             let cl = &mut w.clusters[c];
+            // What each tenant's report says it used, in tenant order, as it is built
+            // (looking each name up again in the report cost a search per tenant).
+            let mut sent: Vec<u64> = Vec::with_capacity(w.tenants.len());
             let tenants: BTreeMap<String, TenantReport> = w
                 .tenants
                 .iter()
                 .enumerate()
                 .map(|(t, tr)| {
                     let used = u64::try_from(std::mem::take(&mut cl.used_since[t])).unwrap_or(u64::MAX);
+                    sent.push(used);
                     (tr.name.clone(), TenantReport { used_milli_gpue_ms: used, inuse: cl.inuse[t], pending: cl.pending[t] })
                 })
                 .collect();
-            let sent: Vec<u64> = w.tenants.iter().map(|t| tenants_used(&tenants, &t.name)).collect();
             let report = UsageReport {
                 cluster: cl.name.clone(),
                 seq: self.seq[c] + 1,
@@ -334,16 +365,21 @@ impl Scheduler for WfqDecay {
             if w.clusters[c].free == 0 {
                 continue;
             }
-            let agent = &self.agents[c];
-            let budgets: Vec<MilliGpue> = w.tenants.iter().map(|t| agent.budget(&t.name, now)).collect();
+            let status = self.agents[c].status(now);
+            let budgets = self.budgets(c, w, now);
             // Tenants furthest under their budget first (the drift bias).
             let mut order: Vec<usize> = (0..w.tenants.len()).collect();
             order.sort_by_key(|&t| (i128::from(w.clusters[c].inuse[t]) - i128::from(budgets[t]), t));
-            let status = agent.status(now);
             for t in order {
+                if w.clusters[c].free == 0 {
+                    break; // nothing more can start here (each tenant's loop would stop at once)
+                }
                 let tp = &self.policy.tenants[t];
                 let cands: Vec<usize> = w.candidates(c, t).collect();
                 let mut denied_at = MilliGpue::MAX;
+                // One view per tenant, its in-use kept current as pods start (building it
+                // per pod cloned three strings per candidate).
+                let mut view: Option<LocalView> = None;
                 for j in cands {
                     let g = w.jobs[j].gpue;
                     if w.clusters[c].free == 0 {
@@ -352,20 +388,22 @@ impl Scheduler for WfqDecay {
                     if g >= denied_at || !w.clusters[c].fits(g) {
                         continue;
                     }
-                    let view = LocalView {
+                    let view = view.get_or_insert_with(|| LocalView {
                         cluster: w.clusters[c].name.clone(),
                         tenant: Some(tp.name.clone()),
                         mode: tp.admission,
                         max_queued: tp.max_queued,
                         budget: budgets[t],
-                        inuse: w.clusters[c].inuse[t],
+                        inuse: 0,
                         queued: 0,
                         entitlement: self.fed.committed().get(&tp.name).copied().unwrap_or(0),
                         ceiling: Some(w.clusters[c].capacity),
                         lease: status,
-                    };
+                    });
+                    view.inuse = w.clusters[c].inuse[t];
                     let pod = PodRequest { namespace: tp.name.clone(), name: String::new(), gpue: g };
-                    if decide(&pod, &view).verdict == Verdict::Allow {
+                    // `judge` is `decide` without the message, which nothing here reads.
+                    if judge(&pod, view).0 == Verdict::Allow {
                         w.start(j);
                     } else {
                         denied_at = g; // larger pods of this tenant would be refused too
@@ -379,10 +417,6 @@ impl Scheduler for WfqDecay {
             self.reclaim_step(w);
         }
     }
-}
-
-fn tenants_used(r: &BTreeMap<String, TenantReport>, name: &str) -> u64 {
-    r.get(name).map_or(0, |t| t.used_milli_gpue_ms)
 }
 
 /// Round robin with priority classes, no quotas, no preemption.

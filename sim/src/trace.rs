@@ -16,6 +16,9 @@
 //!   `tenant,submit_s,gpus,duration_s[,kind]`, `gpus` may be fractional (0.5),
 //!   `kind` is `training` (default) or `inference`.
 //!
+//! - **Synthetic** (`synth:many-tenants`, `synth:mixed-sizes`, with `:seed=N` and
+//!   `:days=D`): generated from a seed, see [`crate::synth`].
+//!
 //! Every loader reports problems with the file and line and never panics on input.
 
 use std::collections::BTreeMap;
@@ -68,6 +71,9 @@ pub struct Trace {
     pub jobs: Vec<Job>,
     /// Assumptions and skipped rows, in words.
     pub notes: Vec<String>,
+    /// A FairnessPolicy (YAML) naming the trace's tenants, for traces that come with
+    /// one (the synthetic `many-tenants`); `kvota sim` uses it when given no `--policy`.
+    pub policy_yaml: Option<String>,
 }
 
 /// Why a trace could not be loaded.
@@ -105,10 +111,13 @@ fn perr(path: &str, line: usize, why: impl Into<String>) -> TraceError {
 }
 
 impl Trace {
-    /// Loads a trace from a spec: `philly:DIR[:GPU]`, `alibaba:FILE`, `csv:FILE`, or a
-    /// bare path (a directory with `throughputs.json` is Philly, a CSV is recognised by
-    /// its header).
+    /// Loads a trace from a spec: `philly:DIR[:GPU]`, `alibaba:FILE`, `csv:FILE`,
+    /// `synth:KIND[:seed=N][:days=D]` (generated, see [`crate::synth`]), or a bare path
+    /// (a directory with `throughputs.json` is Philly, a CSV is recognised by its header).
     pub fn load(spec: &str) -> Result<Trace, TraceError> {
+        if let Some(rest) = spec.strip_prefix("synth:") {
+            return crate::synth::load(rest);
+        }
         if let Some(rest) = spec.strip_prefix("philly:") {
             let (dir, gpu) = match rest.rsplit_once(':') {
                 Some((d, g)) if !g.contains('/') && !g.is_empty() => (d, g),
@@ -169,8 +178,13 @@ impl Trace {
     }
 
     fn finish(mut self) -> Trace {
-        self.jobs.sort_by_key(|j| j.submit_ms);
+        self.sort();
         self
+    }
+
+    /// Sorts jobs by submission time (stable: ties keep their order).
+    pub(crate) fn sort(&mut self) {
+        self.jobs.sort_by_key(|j| j.submit_ms);
     }
 }
 
