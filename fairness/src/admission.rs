@@ -54,6 +54,10 @@ pub struct LocalView {
     pub ceiling: Option<MilliGpue>,
     /// Lease standing (for the message).
     pub lease: LeaseStatus,
+    /// GPUe the tenant may add here beyond its budget now as borrowed capacity (see
+    /// [`borrow_room`]); 0: no borrowing. Absent from older encodings: 0.
+    #[serde(default)]
+    pub borrow: MilliGpue,
 }
 
 /// The outcome.
@@ -98,6 +102,9 @@ pub enum Reason {
     QueueFull,
     /// Larger than the tenant could ever hold here.
     NeverFits,
+    /// Over budget, admitted into idle GPUs lent to the tenant (evicted first when a
+    /// tenant within its budget needs the room).
+    Borrowed,
 }
 
 /// A decision with the numbers behind it.
@@ -128,6 +135,9 @@ pub fn judge(pod: &PodRequest, view: &LocalView) -> (Verdict, Reason) {
     }
     if view.ceiling.is_some_and(|ceiling| pod.gpue > ceiling) {
         return (Verdict::Deny, Reason::NeverFits);
+    }
+    if pod.gpue <= view.borrow {
+        return (Verdict::Allow, Reason::Borrowed);
     }
     match view.mode {
         AdmissionMode::Reject => (Verdict::Deny, Reason::OverBudget),
@@ -178,9 +188,21 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
             ),
             after,
         ),
+        (Reason::Borrowed, _) => (
+            format!(
+                "kvota: admitted on borrowed GPUs: tenant `{tenant}` holds {} + {} = {} GPUe in cluster `{}`, above its budget of {} GPUe, on GPUs no budget here needs now (borrowable {} GPUe); a tenant within its budget may take them back by evicting this pod",
+                g(view.inuse),
+                g(pod.gpue),
+                g(after),
+                view.cluster,
+                g(view.budget),
+                g(view.borrow)
+            ),
+            after,
+        ),
         (Reason::NeverFits, _) => (
             format!(
-                "kvota: denied: the pod requests {} GPUe but tenant `{tenant}` can never hold more than {} GPUe in cluster `{}`. Request fewer GPUs or use a larger cluster. Details: kvota explain pod {target}",
+                "kvota: denied: the pod requests {} GPUe but tenant `{tenant}` can never hold more than {} GPUe in cluster `{}` (the cluster's capacity or the tenant's maxShare of the federation, whichever is less). Request fewer GPUs, use a larger cluster, or ask for a larger maxShare. Details: kvota explain pod {target}",
                 g(pod.gpue),
                 g(view.ceiling.unwrap_or_default()),
                 view.cluster
@@ -213,6 +235,39 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
         ),
     };
     Decision { verdict, reason, message, after }
+}
+
+/// GPUe of a cluster that no budget needs now, so they may be lent: capacity minus, for
+/// every tenant, what it holds plus the part of its waiting demand its budget covers
+/// (`inuse + min(pending, budget - inuse)`). A tenant's unused budget is lendable while
+/// nothing of it waits; the room a waiting pod within its budget needs is not, even when
+/// it is smaller than any of its pods (lending such slivers too was measured: it lent
+/// more and lost utilization on the Philly trace, docs/policy-comparison.md). Each item
+/// of `tenants` is `(inuse, pending, budget)` of one tenant in this cluster.
+pub fn lendable(capacity: MilliGpue, tenants: impl IntoIterator<Item = (MilliGpue, MilliGpue, MilliGpue)>) -> MilliGpue {
+    let claimed = tenants.into_iter().fold(0u64, |sum, (inuse, pending, budget)| {
+        sum.saturating_add(inuse.saturating_add(pending.min(budget.saturating_sub(inuse))))
+    });
+    capacity.saturating_sub(claimed)
+}
+
+/// What a tenant may add beyond its budget now as borrowed capacity: at most the
+/// cluster's `lendable` GPUe, and never past `budget + limit` (the lease's borrow
+/// limit, [`crate::lease::TenantBudget::borrow`]), which keeps budgets plus borrowing
+/// within the tenant's maxShare of the federation. 0 when `limit` is 0.
+///
+/// What borrowing may and may not do, also during a partition: it admits only into GPUs
+/// no budget of this cluster needs now; the admitted pods count as the tenant's in-use
+/// (reported, charged to its decayed usage, throttling its budgets like any usage above
+/// entitlement); they are the first victims of reclaim when a tenant with a pod within
+/// its budget finds no room. It never admits a non-preemptible tenant's pod (its limit is
+/// 0), never takes anyone's budget or guarantee, and a cut-off cluster lends only its
+/// own idle GPUs under the limits of the last lease it holds.
+pub fn borrow_room(limit: MilliGpue, budget: MilliGpue, inuse: MilliGpue, lendable: MilliGpue) -> MilliGpue {
+    if limit == 0 {
+        return 0;
+    }
+    lendable.min(budget.saturating_add(limit).saturating_sub(inuse))
 }
 
 fn pod_ref(pod: &PodRequest) -> String {
@@ -302,6 +357,7 @@ mod tests {
             entitlement: 40_000,
             ceiling: Some(32_000),
             lease: LeaseStatus::Fresh { remaining_ms: 21_000 },
+            borrow: 0,
         }
     }
 

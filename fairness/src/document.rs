@@ -337,6 +337,10 @@ pub struct ReclaimSpec {
     /// Younger pods are evicted only if nothing else frees enough (default 5m).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_runtime: Option<Duration>,
+    /// Lend idle GPUs to preemptible tenants' pods over their budgets, evicted first when
+    /// a pod within its budget needs the room (default on; needs reclaim on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lend_idle: Option<Flag>,
     /// Keys the format does not have.
     #[serde(flatten)]
     #[cfg_attr(feature = "schema", schemars(skip))]
@@ -421,7 +425,7 @@ pub fn known_fields(at: &str) -> &'static [&'static str] {
         ],
         "spec.lease" => &["duration", "clockSkewMargin"],
         "spec.showback" => &["retention"],
-        "spec.reclaim" => &["enabled", "starvedFor", "maxEvictionsPerMinute", "maxEvictionsPerMinutePerTenant", "minRuntime"],
+        "spec.reclaim" => &["enabled", "starvedFor", "maxEvictionsPerMinute", "maxEvictionsPerMinutePerTenant", "minRuntime", "lendIdle"],
         "spec.tenants[]" => &[
             "name",
             "weight",

@@ -571,6 +571,12 @@ pub struct Federation {
     /// showback, from [`Federation::enable_records`] on).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     decisions: BTreeMap<String, VecDeque<PodDecision>>,
+    /// Whether leases lend: carry borrow limits ([`TenantBudget::borrow`]) so that
+    /// agents may admit preemptible tenants' pods into idle GPUs beyond their budgets.
+    /// Turned on at one point of the log ([`Federation::enable_lending`], the control
+    /// plane's feature level 3), absent (off) before, so replicas stay identical.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    lending: bool,
     /// Who the command being applied is from (see [`Federation::apply_as`]); set only
     /// during one apply, never part of the state.
     #[serde(skip)]
@@ -592,6 +598,19 @@ impl Federation {
         if self.showback.is_none() {
             self.showback = Some(crate::showback::Showback::new());
         }
+    }
+
+    /// Starts lending: from the next lease on, every preemptible tenant's budget comes
+    /// with a borrow limit, its cluster's part of `maxShare x G - entitlement` (in
+    /// proportion to the cluster's capacity). Every replica must turn it on at the same
+    /// point of the log (the control plane does so when its feature level reaches 3).
+    pub fn enable_lending(&mut self) {
+        self.lending = true;
+    }
+
+    /// Whether leases lend (see [`Self::enable_lending`]).
+    pub fn lends(&self) -> bool {
+        self.lending
     }
 
     /// Whether records are kept (see [`Self::enable_records`]).
@@ -1184,6 +1203,29 @@ impl Federation {
         }
     }
 
+    /// A preemptible tenant's borrow limit in `cluster`:
+    /// `floor((maxShare x G - committed) x G_c / G)`. Summed over the clusters it is at
+    /// most `maxShare x G - committed`, so budgets (at most `committed` together) and
+    /// borrowed capacity never take the tenant past its maxShare under the leases of one
+    /// plan. 0 for a non-preemptible tenant: borrowed pods must be evictable.
+    pub fn borrow_limit(&self, tenant: &str, cluster: &str, committed: MilliGpue) -> MilliGpue {
+        let (Some(p), Some(rec)) = (&self.policy, self.clusters.get(cluster)) else { return 0 };
+        if !(p.reclaim.enabled && p.reclaim.lend_idle) {
+            return 0; // lent GPUs could never be taken back
+        }
+        let Some(t) = p.tenant(tenant).filter(|t| t.preemptible) else { return 0 };
+        let total = self.capacity();
+        let room = entitlement::share_of(total, t.max_share_bp).saturating_sub(committed);
+        let part = (u128::from(room) * u128::from(rec.capacity_gpue)).checked_div(u128::from(total)).unwrap_or(0);
+        u64::try_from(part).unwrap_or(0)
+    }
+
+    /// `maxShare x G` of `tenant`: more than it may ever hold anywhere (0 without a policy).
+    pub fn ceiling(&self, tenant: &str) -> MilliGpue {
+        let Some(t) = self.policy.as_ref().and_then(|p| p.tenant(tenant)) else { return 0 };
+        entitlement::share_of(self.capacity(), t.max_share_bp)
+    }
+
     /// Cuts and records the lease for `cluster` (which must exist).
     fn grant(&mut self, cluster: &str) -> Lease {
         let names = self.plan_names();
@@ -1236,11 +1278,8 @@ impl Federation {
             let bound = committed.min(target).saturating_sub(rest);
             let budget = (*want).min(bound);
             let fallback = self.safe_budget(tenant, cluster).min(budget);
-            let b = TenantBudget {
-                budget,
-                fallback,
-                entitlement: committed,
-            };
+            let (borrow, ceiling) = if self.lending { (self.borrow_limit(tenant, cluster, committed), self.ceiling(tenant)) } else { (0, 0) };
+            let b = TenantBudget { budget, fallback, entitlement: committed, borrow, ceiling };
             let old = prev.and_then(|p| p.get(tenant)).map_or(0, |p| p.budget);
             if old != budget {
                 changes.push((tenant, old, budget, *want, bound, own_inuse, committed));

@@ -42,6 +42,24 @@ pub struct TenantBudget {
     /// The tenant's federation-wide committed entitlement when the lease was issued
     /// (informational: for messages and explanations, not for enforcement).
     pub entitlement: MilliGpue,
+    /// GPUe the tenant may hold here *beyond* its budget as borrowed capacity: idle GPUs
+    /// lent to a preemptible tenant, evicted first when a tenant within its budget needs
+    /// the room (see [`crate::admission::borrow_room`]). The control plane sets it to
+    /// this cluster's part of the room between the tenant's entitlement and its maxShare
+    /// of the federation, so a tenant's budgets and borrow limits together never pass its
+    /// maxShare; 0 for a non-preemptible tenant, and from a control plane below the
+    /// feature level that lends. Absent from the encoding when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub borrow: MilliGpue,
+    /// The most the tenant may ever hold in one cluster: `maxShare x G` (federation
+    /// capacity), so a pod larger than it is refused at once as one that can never fit.
+    /// 0: unknown (a control plane below the feature level that lends).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ceiling: MilliGpue,
+}
+
+fn is_zero(v: &MilliGpue) -> bool {
+    *v == 0
 }
 
 /// A lease as the agent receives it.
@@ -69,6 +87,14 @@ impl Lease {
     /// Fallback of `tenant` after expiry.
     pub fn fallback(&self, tenant: &str) -> MilliGpue {
         self.budgets.get(tenant).map_or(0, |b| b.fallback)
+    }
+    /// Ceiling of `tenant` ([`TenantBudget::ceiling`]; 0: unknown).
+    pub fn ceiling(&self, tenant: &str) -> MilliGpue {
+        self.budgets.get(tenant).map_or(0, |b| b.ceiling)
+    }
+    /// Borrow limit of `tenant` ([`TenantBudget::borrow`]).
+    pub fn borrow(&self, tenant: &str) -> MilliGpue {
+        self.budgets.get(tenant).map_or(0, |b| b.borrow)
     }
 }
 
@@ -389,7 +415,7 @@ mod tests {
     use super::*;
 
     fn budgets(b: u64, f: u64) -> BTreeMap<String, TenantBudget> {
-        [("t".to_string(), TenantBudget { budget: b, fallback: f, entitlement: b })].into()
+        [("t".to_string(), TenantBudget { budget: b, fallback: f, entitlement: b, borrow: 0, ceiling: 0 })].into()
     }
 
     fn lease(epoch: u64, b: u64, f: u64) -> Lease {

@@ -82,6 +82,15 @@ pub struct ReclaimConfig {
     pub max_evictions_per_minute_per_tenant: u32,
     /// Pods younger than this are spared unless nothing else frees enough.
     pub min_runtime_ms: Millis,
+    /// Lend idle GPUs: a preemptible tenant's pod over its budget is admitted into GPUs
+    /// no budget of the cluster needs now, and evicted first when a pod within its
+    /// budget needs them (see [`crate::admission::borrow_room`]). Needs reclaim on.
+    #[serde(default = "lend_idle_default")]
+    pub lend_idle: bool,
+}
+
+fn lend_idle_default() -> bool {
+    true
 }
 
 impl Default for ReclaimConfig {
@@ -92,6 +101,7 @@ impl Default for ReclaimConfig {
             max_evictions_per_minute: defaults::RECLAIM_PER_MINUTE,
             max_evictions_per_minute_per_tenant: defaults::RECLAIM_PER_MINUTE_PER_TENANT,
             min_runtime_ms: defaults::RECLAIM_MIN_RUNTIME_MS,
+            lend_idle: true,
         }
     }
 }
@@ -324,6 +334,9 @@ impl Policy {
             r.max_evictions_per_minute_per_tenant,
             q(&duration_text(r.min_runtime_ms))
         );
+        if !r.lend_idle {
+            let _ = writeln!(y, "    lendIdle: false");
+        }
         // Written only when set: a build that predates it reads the document unchanged.
         if self.showback != ShowbackConfig::default() {
             let _ = writeln!(y, "  showback:\n    retention: {}", q(&duration_text(self.showback.retention_ms)));
@@ -843,12 +856,14 @@ impl Checker {
             self.count("spec.reclaim.maxEvictionsPerMinutePerTenant", v, 1_000, " (never evict)")
         });
         let min_runtime = r.min_runtime.as_ref().map_or(Some(d.min_runtime_ms), |v| self.duration("spec.reclaim.minRuntime", v));
+        let lend_idle = r.lend_idle.as_ref().map_or(Some(d.lend_idle), |v| self.boolean("spec.reclaim.lendIdle", v));
         Some(ReclaimConfig {
             enabled: enabled?,
             starved_for_ms: starved?,
             max_evictions_per_minute: per_minute?,
             max_evictions_per_minute_per_tenant: per_tenant?,
             min_runtime_ms: min_runtime?,
+            lend_idle: lend_idle?,
         })
     }
 

@@ -15,6 +15,11 @@
 //!   run on some node of the cluster at all: large enough, and allowed there by its node
 //!   selector, required node affinity and tolerations (an unschedulable pod never evicts
 //!   anyone); room is made only on a node the pod may use.
+//! - **And for pods within a budget.** A tenant at or above its guarantee whose waiting
+//!   pod fits its budget here (`inuse + pod <= budget`) is owed that room too: GPUs the
+//!   agent lent to tenants over their budgets ([`crate::admission::borrow_room`]) come
+//!   back this way. Guarantees are served first; the same victims, limits and damping
+//!   apply.
 //! - **Only from preemptible tenants above their entitlement here** (their budget in
 //!   this cluster's lease). Non-preemptible tenants are never victims, whatever the
 //!   numbers, and an eviction never takes a victim tenant below its budget (a pod
@@ -81,6 +86,10 @@ pub struct RunningPod {
     pub resource: String,
     /// Devices.
     pub count: u64,
+    /// Admitted on borrowed GPUs (over its tenant's budget, into idle capacity; the
+    /// agent labels such pods `kvota.dev/borrowed`). Only these are taken for a pod
+    /// within its budget, and they go first for a guarantee too.
+    pub borrowed: bool,
 }
 
 /// A pod waiting for room (admitted, not yet bound).
@@ -171,8 +180,12 @@ pub struct Starved {
     pub tenant: String,
     /// GPUe held here.
     pub inuse: MilliGpue,
-    /// Its guarantee here.
+    /// What it is owed here: its guarantee, or what its budget covers of its demand if
+    /// that is more.
     pub guarantee: MilliGpue,
+    /// At or above its guarantee, claiming a pod its budget covers (GPUs lent to tenants
+    /// over their budgets come back); false: below its guarantee.
+    pub within_budget: bool,
     /// The waiting pod reclaim would seat (highest priority, then oldest).
     pub pod: WaitingPod,
     /// Some node has room for it now (then the next lease admits it; no eviction).
@@ -198,18 +211,25 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
             .collect();
         let demand = t.inuse.saturating_add(mine.iter().map(|w| w.gpue).sum());
         let guarantee = demand.min(share_of(view.capacity, t.min_share_bp));
-        if t.inuse >= guarantee {
+        let below_guarantee = t.inuse < guarantee;
+        // Owed: the guarantee, or what its budget here covers of its demand, whichever
+        // is more (a pod within the budget takes back GPUs lent to others).
+        let owed = guarantee.max(demand.min(t.budget));
+        if t.inuse >= owed {
             continue;
         }
-        // The pod to seat: highest priority, then oldest, then key.
+        // The pod to seat: highest priority, then oldest, then key; above its guarantee,
+        // only a pod its budget covers.
         let pod = mine
             .iter()
+            .filter(|w| below_guarantee || t.inuse.saturating_add(w.gpue) <= t.budget)
             .min_by(|a, b| b.priority.cmp(&a.priority).then(a.since_ms.cmp(&b.since_ms)).then(a.key.cmp(&b.key)));
         if let Some(pod) = pod {
             out.push(Starved {
                 tenant: t.name.clone(),
                 inuse: t.inuse,
-                guarantee,
+                guarantee: owed,
+                within_budget: !below_guarantee,
                 room: fits_some_node(view.node_free, pod),
                 pod: (*pod).clone(),
             });
@@ -240,11 +260,13 @@ fn cands_all<'v>(
     over: &'v BTreeMap<&str, MilliGpue>,
     spare_young: bool,
     cfg: &'v ReclaimConfig,
+    only_borrowed: bool,
 ) -> impl Iterator<Item = &'v RunningPod> + 'v {
     let now = view.now_ms;
     view.running.iter().filter(move |p| {
         p.node == n
             && p.resource == resource
+            && (p.borrowed || !only_borrowed)
             && over.contains_key(p.tenant.as_str())
             && (!spare_young || now.saturating_sub(p.started_ms) >= cfg.min_runtime_ms)
     })
@@ -270,18 +292,23 @@ pub fn plan(
         .filter(|s| !s.room)
         .map(|s| (s, starved_since.get(&s.tenant).copied().unwrap_or(view.now_ms)))
         .collect();
-    ready.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.tenant.cmp(&b.0.tenant)));
+    // Guarantees before budgets; latency-sensitive (non-preemptible) tenants first;
+    // then the longest starved.
+    let preemptible = |name: &str| view.tenants.iter().any(|t| t.name == name && t.preemptible);
+    ready.sort_by(|a, b| {
+        (a.0.within_budget, preemptible(&a.0.tenant), a.1, &a.0.tenant).cmp(&(b.0.within_budget, preemptible(&b.0.tenant), b.1, &b.0.tenant))
+    });
     let Some(&(s, since)) = ready.first() else {
         return Decision::Idle(if hungry.is_empty() {
-            "no tenant is below its guarantee with a pod waiting".into()
+            "no tenant is below its guarantee, or within its budget, with a pod waiting".into()
         } else {
-            "tenants below their guarantee have room for their waiting pods; the next lease admits them".into()
+            "tenants below what they are owed have room for their waiting pods; the next lease admits them".into()
         });
     };
     let starved_for = view.now_ms.saturating_sub(since);
     if starved_for < cfg.starved_for_ms {
         return Decision::Idle(format!(
-            "tenant `{}` is below its guarantee ({} of {} GPUe) for {} ms, less than starvedFor {} ms",
+            "tenant `{}` is below what it is owed here ({} of {} GPUe) for {} ms, less than starvedFor {} ms",
             s.tenant,
             g(s.inuse),
             g(s.guarantee),
@@ -306,7 +333,7 @@ pub fn plan(
         .collect();
     if over.is_empty() {
         return Decision::Idle(format!(
-            "tenant `{}` is below its guarantee but no preemptible tenant is above its entitlement here",
+            "tenant `{}` is below what it is owed here but no preemptible tenant is above its budget here",
             s.tenant
         ));
     }
@@ -318,10 +345,11 @@ pub fn plan(
                 continue;
             }
             let mut room = free.get(&s.pod.resource).copied().unwrap_or(0);
-            let mut cands: Vec<&RunningPod> = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg).collect();
+            let mut cands: Vec<&RunningPod> = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg, s.within_budget).collect();
             cands.sort_by(|a, b| {
-                over[b.tenant.as_str()]
-                    .cmp(&over[a.tenant.as_str()])
+                b.borrowed
+                    .cmp(&a.borrowed)
+                    .then(over[b.tenant.as_str()].cmp(&over[a.tenant.as_str()]))
                     .then(a.priority.cmp(&b.priority))
                     .then(b.started_ms.cmp(&a.started_ms))
                     .then(b.key.cmp(&a.key)) // same start: the later name first
@@ -356,7 +384,7 @@ pub fn plan(
                 // The greedy order ran into a limit: one pod that frees enough on its own
                 // (the smallest such) may still do.
                 room = free.get(&s.pod.resource).copied().unwrap_or(0);
-                let single = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg)
+                let single = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg, s.within_budget)
                     .filter(|p| room + p.count >= s.pod.count)
                     .filter(|p| over.get(p.tenant.as_str()).copied().unwrap_or(0) >= p.gpue)
                     .filter(|p| per_tenant.get(p.tenant.as_str()).copied().unwrap_or(0) < cfg.max_evictions_per_minute_per_tenant)
@@ -383,7 +411,8 @@ pub fn plan(
                     tenant: p.tenant.clone(),
                     gpue: p.gpue,
                     why: format!(
-                        "tenant `{}` holds {} GPUe above its budget of {} GPUe here; pod priority {}, running {} s{}",
+                        "{}tenant `{}` holds {} GPUe above its budget of {} GPUe here; pod priority {}, running {} s{}",
+                        if p.borrowed { "admitted on borrowed GPUs, lent while idle; " } else { "" },
                         p.tenant,
                         g(over[p.tenant.as_str()]),
                         g(budget_of(&p.tenant)),
@@ -398,11 +427,12 @@ pub fn plan(
                 })
                 .collect();
             let summary = format!(
-                "tenant `{}` starved for {} s: holds {} of its {} GPUe guarantee here and pod {} ({} GPUe) has no room; evicting {} pod(s) ({} GPUe) on node {}: {}",
+                "tenant `{}` starved for {} s: holds {} of the {} GPUe its {} here and pod {} ({} GPUe) has no room; evicting {} pod(s) ({} GPUe) on node {}: {}",
                 s.tenant,
                 starved_for / 1000,
                 g(s.inuse),
                 g(s.guarantee),
+                if s.within_budget { "budget covers" } else { "guarantee gives it" },
                 s.pod.key,
                 g(s.pod.gpue),
                 victims.len(),
@@ -437,6 +467,7 @@ mod tests {
             node,
             resource: "nvidia.com/gpu".into(),
             count: gpus,
+            borrowed: false,
         }
     }
 
@@ -483,7 +514,7 @@ mod tests {
         let view = ClusterView { now_ms: 100_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
         let since = BTreeMap::from([("training".to_string(), 0)]);
         match plan(&view, &ReclaimConfig::default(), &since, &[]) {
-            Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its entitlement"), "{why}"),
+            Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its budget"), "{why}"),
             d => panic!("evicted a non-preemptible tenant: {d:?}"),
         }
         let tenants = [tenant("inference", false, 40, 4, 0), tenant("training", true, 50, 0, 4)];
@@ -495,6 +526,45 @@ mod tests {
             Decision::Idle(why) => assert!(why.contains("less than starvedFor"), "{why}"),
             d => panic!("evicted before starvedFor: {d:?}"),
         }
+    }
+
+    #[test]
+    fn a_pod_within_its_budget_takes_back_lent_gpus_after_guarantees() {
+        // One 8-GPU node. Training (guarantee 20 % = 1.6, budget 6) holds 2 and waits for
+        // a 2-GPU pod its budget covers; research borrowed 6 (budget 0). Inference is
+        // below its guarantee with a pod waiting too: it goes first.
+        let free = [node(0)];
+        let total = [node(8)];
+        let tenants = [tenant("inference", false, 40, 2, 0), tenant("research", true, 0, 0, 6), tenant("training", true, 20, 6, 2)];
+        let lent = |p: RunningPod| RunningPod { borrowed: true, ..p };
+        let running = [
+            lent(run("r/a", "research", 2, 0, 0, 0)),
+            lent(run("r/b", "research", 2, 0, 1_000, 0)),
+            lent(run("r/c", "research", 2, 0, 2_000, 0)),
+            run("t/a", "training", 2, 0, 0, 0),
+        ];
+        let waiting = [wait("t/x", "training", 2), wait("i/x", "inference", 1)];
+        let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let hungry = starved(&view);
+        assert_eq!(hungry.iter().map(|s| (s.tenant.as_str(), s.within_budget, s.guarantee)).collect::<Vec<_>>(), [("inference", false, 1000), ("training", true, 4000)]);
+        let since = BTreeMap::from([("inference".to_string(), 0), ("training".to_string(), 0)]);
+        let Decision::Evict { for_tenant, victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected evictions") };
+        assert_eq!((for_tenant.as_str(), victims.len()), ("inference", 1));
+        // Without inference waiting, training's pod within its budget evicts research's
+        // youngest borrowed pod; a pod its budget does not cover claims nothing.
+        let waiting = [wait("t/x", "training", 2)];
+        let view = ClusterView { waiting: &waiting, ..view };
+        let Decision::Evict { for_tenant, victims, summary, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected evictions") };
+        assert_eq!((for_tenant.as_str(), victims[0].key.as_str()), ("training", "r/c"));
+        assert!(summary.contains("budget covers"), "{summary}");
+        // Pods over budget that were not borrowed (their tenant's entitlement fell) are
+        // left to finish: a pod within its budget takes back lent GPUs only.
+        let unmarked: Vec<RunningPod> = running.iter().map(|p| RunningPod { borrowed: false, ..p.clone() }).collect();
+        let view2 = ClusterView { running: &unmarked, ..view.clone() };
+        assert!(matches!(plan(&view2, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
+        let waiting = [wait("t/y", "training", 5)];
+        let view = ClusterView { waiting: &waiting, ..view };
+        assert!(starved(&view).is_empty());
     }
 
     #[test]

@@ -288,6 +288,7 @@ impl World {
                     entitlement: 0,
                     ceiling: None,
                     lease: a.lease.status(at),
+                    borrow: 0,
                 };
                 let pod = PodRequest { namespace: tenant.into(), name: String::new(), gpue };
                 if decide(&pod, &view).verdict == Verdict::Allow {

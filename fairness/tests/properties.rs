@@ -1,7 +1,7 @@
 //! Property tests for the fairness model: one test per property of the contract
 //! (`CONTRACT.md`, "Entitlement"), plus the budget split and the admission decision.
 
-use kvota_fairness::admission::{decide, LocalView, PodRequest, Verdict};
+use kvota_fairness::admission::{borrow_room, decide, lendable, LocalView, PodRequest, Reason, Verdict};
 use kvota_fairness::entitlement::{compute, share_of, water_fill, TenantInput};
 use kvota_fairness::lease::LeaseStatus;
 use kvota_fairness::policy::AdmissionMode;
@@ -142,8 +142,9 @@ proptest! {
 
     /// Property 7, admission side: no pod is admitted beyond the tenant's budget, and a
     /// queue never grows past its bound.
+    /// Borrowing admits a pod over budget only within the borrowable room.
     #[test]
-    fn p7_admission_never_exceeds_budget(budget in 0u64..100_000, inuse in 0u64..100_000, gpue in 0u64..20_000, queued in 0u32..10, max_queued in 0u32..10, queue in any::<bool>()) {
+    fn p7_admission_never_exceeds_budget(budget in 0u64..100_000, inuse in 0u64..100_000, gpue in 0u64..20_000, queued in 0u32..10, max_queued in 0u32..10, queue in any::<bool>(), borrow in prop_oneof![Just(0u64), 0u64..30_000]) {
         let view = LocalView {
             cluster: "c".into(),
             tenant: Some("t".into()),
@@ -155,12 +156,38 @@ proptest! {
             entitlement: budget,
             ceiling: None,
             lease: LeaseStatus::Safe,
+            borrow,
         };
         let d = decide(&PodRequest { namespace: "n".into(), name: "p".into(), gpue }, &view);
         match d.verdict {
+            Verdict::Allow if d.reason == Reason::Borrowed => prop_assert!(inuse + gpue > budget && gpue <= borrow),
             Verdict::Allow => prop_assert!(gpue == 0 || inuse + gpue <= budget),
             Verdict::Queue => prop_assert!(queue && queued < max_queued && inuse + gpue > budget),
             Verdict::Deny => prop_assert!(gpue > 0 && inuse + gpue > budget),
+        }
+    }
+
+    /// Lending never hands out GPUs a budget of the cluster needs now, and borrowing
+    /// never passes `budget + limit`.
+    #[test]
+    fn borrowing_stays_within_idle_capacity_and_the_limit(
+        capacity in 0u64..200_000,
+        tenants in prop::collection::vec((0u64..60_000, 0u64..60_000, 0u64..60_000), 0..8),
+        limit in 0u64..50_000,
+        pick in 0usize..8,
+    ) {
+        let lend = lendable(capacity, tenants.iter().copied());
+        // Every tenant's in-use and the room its budget keeps for its waiting pods are
+        // never lent.
+        let claimed: u64 = tenants.iter().map(|&(i, p, b)| i + p.min(b.saturating_sub(i))).sum();
+        prop_assert_eq!(lend, capacity.saturating_sub(claimed));
+        if let Some(&(inuse, _, budget)) = tenants.get(pick) {
+            let room = borrow_room(limit, budget, inuse, lend);
+            prop_assert!(room <= lend);
+            prop_assert!(inuse + room <= (budget + limit).max(inuse));
+            if limit == 0 {
+                prop_assert_eq!(room, 0);
+            }
         }
     }
 
