@@ -920,6 +920,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             if data.feature_level >= crate::types::RECORDS_LEVEL {
                                 data.federation.enable_records();
                             }
+                            if data.feature_level >= crate::types::LENDING_LEVEL {
+                                data.federation.enable_lending();
+                            }
                         }
                         Response(Some(answers))
                     }

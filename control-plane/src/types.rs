@@ -43,13 +43,18 @@ pub const LOG_FORMAT: u32 = 1;
 /// reads. Level 1: log entries of format 1, snapshots of format 1. Level 2: the same
 /// formats, and the state keeps records (showback: undecayed usage in hourly buckets;
 /// the agents' reported admission decisions), turned on by the entry that raises the
-/// level; a policy may set `spec.showback` only from then.
-pub const FEATURE_LEVEL: u32 = 2;
+/// level; a policy may set `spec.showback` only from then. Level 3: the same formats,
+/// and leases lend (each preemptible tenant's budget comes with a borrow limit, a new
+/// protobuf field older agents ignore), turned on by the entry that raises the level.
+pub const FEATURE_LEVEL: u32 = 3;
 
 /// The feature level from which the replicated state keeps records: showback, the
 /// agents' reported decisions, and the actors of audit records (log entries name who
 /// asked for each command).
 pub const RECORDS_LEVEL: u32 = 2;
+/// The feature level from which leases lend idle GPUs to preemptible tenants
+/// ([`kvota_fairness::federation::Federation::enable_lending`]).
+pub const LENDING_LEVEL: u32 = 3;
 /// The feature level from which a policy may set `spec.showback` (see [`RECORDS_LEVEL`]).
 pub const SHOWBACK_LEVEL: u32 = RECORDS_LEVEL;
 

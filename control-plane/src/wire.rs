@@ -357,6 +357,7 @@ fn policy_to(p: &Policy) -> pb::LogPolicy {
             max_evictions_per_minute: p.reclaim.max_evictions_per_minute,
             max_evictions_per_minute_per_tenant: p.reclaim.max_evictions_per_minute_per_tenant,
             min_runtime_ms: p.reclaim.min_runtime_ms,
+            no_lend_idle: !p.reclaim.lend_idle,
         }),
         resource_weights_milli: p.resource_weights.explicit().clone().into_iter().collect(),
         tenants: p.tenants.iter().map(tenant_to).collect(),
@@ -372,6 +373,7 @@ fn policy_from(p: pb::LogPolicy, field: &str) -> Result<Policy, WireError> {
         max_evictions_per_minute: r.max_evictions_per_minute,
         max_evictions_per_minute_per_tenant: r.max_evictions_per_minute_per_tenant,
         min_runtime_ms: r.min_runtime_ms,
+        lend_idle: !r.no_lend_idle,
     });
     let mut resource_weights = ResourceWeights::new();
     for (name, w) in p.resource_weights_milli {

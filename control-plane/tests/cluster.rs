@@ -462,3 +462,29 @@ async fn a_raft_core_that_stops_fails_health_and_the_node_says_it_is_broken() {
     apply_policy(&Client::new(&others).expect("client"), Policy::article_example_yaml()).await.expect("the others take writes");
     cl.shutdown().await;
 }
+
+/// At feature level 3 the group lends: leases carry each preemptible tenant's borrow
+/// limit and every tenant's ceiling (maxShare of the federation) over real gRPC, and
+/// every node computes the same ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_carry_borrow_limits_once_the_group_lends() {
+    let cl = Cluster::start(3).await;
+    cl.leader(Duration::from_secs(10)).await;
+    cl.feature_level(3, Duration::from_secs(20)).await;
+    let client = Client::new(&cl.endpoints()).expect("client");
+    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    let held = register(&client, "east", 32).await.epoch;
+    let lease = send(&client, &report("east", 1, held, 0)).await.expect("report").lease.expect("lease");
+    let by: BTreeMap<&str, &v1::TenantBudget> = lease.budgets.iter().map(|b| (b.tenant.as_str(), b)).collect();
+    // 32 GPUs: training's maxShare is 60 % (19.2), its demand 12; inference is not
+    // preemptible and never borrows.
+    let training = by["training"];
+    assert_eq!(training.ceiling_milli_gpue, 19_200);
+    assert_eq!(training.borrow_milli_gpue, 19_200 - training.entitlement_milli_gpue, "{training:?}");
+    assert!(training.borrow_milli_gpue > 0);
+    assert_eq!((by["inference"].borrow_milli_gpue, by["inference"].ceiling_milli_gpue), (0, 25_600));
+    for id in 1..=3 {
+        assert!(cl.federation(id).await.lends(), "node {id} lends");
+    }
+    cl.shutdown().await;
+}

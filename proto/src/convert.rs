@@ -267,6 +267,8 @@ impl From<&Lease> for v1::Lease {
                     budget_milli_gpue: b.budget,
                     fallback_milli_gpue: b.fallback,
                     entitlement_milli_gpue: b.entitlement,
+                    borrow_milli_gpue: b.borrow,
+                    ceiling_milli_gpue: b.ceiling,
                 })
                 .collect(),
         }
@@ -296,6 +298,8 @@ impl TryFrom<v1::Lease> for Lease {
                 budget: b.budget_milli_gpue,
                 fallback: b.fallback_milli_gpue,
                 entitlement: b.entitlement_milli_gpue,
+                borrow: b.borrow_milli_gpue,
+                ceiling: b.ceiling_milli_gpue,
             };
             if budgets.insert(name, v).is_some() {
                 return Err(invalid(format!("lease.budgets[{i}].tenant"), "appears twice"));
@@ -414,7 +418,7 @@ mod tests {
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 99,
-            budgets: [("training".to_string(), TenantBudget { budget: 5, fallback: 2, entitlement: 9 })].into(),
+            budgets: [("training".to_string(), TenantBudget { budget: 5, fallback: 2, entitlement: 9, borrow: 0, ceiling: 0 })].into(),
         };
         let wire = v1::Lease::from(&lease);
         assert_eq!(Lease::try_from(wire.clone()), Ok(lease));
