@@ -226,6 +226,7 @@ pub fn reclaim_view(inv: &dyn Inventory, state: &AgentState) -> ReclaimInputs {
                 let Some(tenant) = tenant else { continue };
                 let (resource, count) = p.main_device();
                 running.push(RunningPod {
+                    borrowed: state.is_borrowed(&p.key),
                     key: p.key,
                     tenant,
                     gpue: p.gpue,
@@ -304,7 +305,7 @@ pub fn eviction_record(
         EvictOutcome::Evicted => (
             "Evicted",
             EvictionOutcome::Evicted,
-            format!("kvota: evicted to restore tenant `{for_tenant}`'s guarantee. {summary}. This pod: {}", victim.why),
+            format!("kvota: evicted to give tenant `{for_tenant}` GPUs it is owed here. {summary}. This pod: {}", victim.why),
         ),
         EvictOutcome::Blocked => (
             "EvictionBlocked",

@@ -572,7 +572,7 @@ mod tests {
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 1,
-            budgets: [("training".to_string(), TenantBudget { budget: 8_000, fallback: 3_000, entitlement: 9_000 })]
+            budgets: [("training".to_string(), TenantBudget { budget: 8_000, fallback: 3_000, entitlement: 9_000, borrow: 0, ceiling: 0 })]
                 .into_iter()
                 .collect::<BTreeMap<_, _>>(),
         }

@@ -94,6 +94,10 @@ pub struct AgentState {
     /// cost one step per tenant, not per pod, on every admission review.
     bound_by_tenant: BTreeMap<String, (usize, MilliGpue)>,
     reserved: BTreeMap<String, (String, MilliGpue, Millis)>,
+    /// Pods this process admitted on borrowed GPUs (reason `Borrowed`), until they end:
+    /// reclaim takes only these for a pod within its budget. Kept in memory: after a
+    /// restart, pods borrowed before it are left to finish (never evicted for a budget).
+    borrowed: std::collections::BTreeSet<String>,
     queue: BTreeMap<String, Queued>,
     denied: BTreeMap<String, DeniedPod>,
     /// Pods admitted after a wait (denied or queued first): (tenant, ms waited), oldest
@@ -206,6 +210,7 @@ impl AgentState {
             bound: BTreeMap::new(),
             bound_by_tenant: BTreeMap::new(),
             reserved: BTreeMap::new(),
+            borrowed: std::collections::BTreeSet::new(),
             queue: BTreeMap::new(),
             denied: BTreeMap::new(),
             waits: VecDeque::new(),
@@ -257,6 +262,25 @@ impl AgentState {
         self.now_ms = now_ms;
         self.reserved.retain(|_, (_, _, until)| *until > now_ms);
         self.denied.retain(|_, d| d.until > now_ms);
+        let (bound, reserved) = (&self.bound, &self.reserved);
+        self.borrowed.retain(|k| bound.contains_key(k) || reserved.contains_key(k));
+    }
+
+    /// Whether pod `key` was admitted on borrowed GPUs (by this process).
+    pub fn is_borrowed(&self, key: &str) -> bool {
+        self.borrowed.contains(key)
+    }
+
+    /// GPUe `tenant`'s pods admitted on borrowed GPUs hold (bound or reserved).
+    pub fn borrowed_gpue(&self, tenant: &str) -> MilliGpue {
+        self.borrowed
+            .iter()
+            .filter_map(|k| match (self.bound.get(k), self.reserved.get(k)) {
+                (Some(p), _) if p.tenant.as_deref() == Some(tenant) => Some(p.gpue),
+                (None, Some((t, g, _))) if t == tenant => Some(*g),
+                _ => None,
+            })
+            .fold(0, MilliGpue::saturating_add)
     }
 
     /// How long a denial keeps counting as its tenant's demand: about as long as the
@@ -304,6 +328,7 @@ impl AgentState {
         }
         self.reserved.remove(pod);
         self.queue.remove(pod);
+        self.borrowed.remove(pod);
     }
 
     /// A queued pod is seen holding or bound: it left the queue (whoever lifted its gate;
@@ -409,6 +434,9 @@ impl AgentState {
             }
             k
         };
+        if self.borrowed.remove(&from) {
+            self.borrowed.insert(real.to_string());
+        }
         if let Some(note) = self.decisions.by_key.remove(&from) {
             self.decisions.order.push_back((note.0, real.to_string()));
             self.decisions.by_key.insert(real.to_string(), note);
@@ -541,6 +569,30 @@ impl AgentState {
             return Err("no lease yet: every budget is 0 until the control plane answers".into());
         }
         Ok(())
+    }
+
+    /// GPUs of this cluster no budget needs now
+    /// ([`kvota_fairness::admission::lendable`]): capacity minus, per policy tenant, its
+    /// in-use and the part of its pending demand its budget covers. One pass over the
+    /// agent's pods, not one per tenant.
+    pub fn lendable(&self) -> MilliGpue {
+        let Some(policy) = &self.policy else { return 0 };
+        // Per tenant: reserved, pending.
+        let mut per: BTreeMap<&str, (MilliGpue, MilliGpue)> = BTreeMap::new();
+        for (t, g, _) in self.reserved.values() {
+            let e = per.entry(t.as_str()).or_default();
+            e.0 = e.0.saturating_add(*g);
+        }
+        let waiting = self.queue.values().map(|q| (q.tenant.as_str(), q.pod.gpue)).chain(self.denied.values().map(|d| (d.tenant.as_str(), d.gpue)));
+        for (t, g) in waiting {
+            let e = per.entry(t).or_default();
+            e.1 = e.1.saturating_add(g);
+        }
+        let tenants = policy.tenants.iter().map(|t| {
+            let (reserved, pending) = per.get(t.name.as_str()).copied().unwrap_or_default();
+            (self.bound(&t.name).saturating_add(reserved), pending, self.lease.budget(&t.name, self.now_ms))
+        });
+        kvota_fairness::admission::lendable(self.capacity_gpue, tenants)
     }
 
     /// Queued plus recently denied GPUe of `tenant`: demand not yet admitted
@@ -765,6 +817,14 @@ impl AgentState {
 
 impl AdmissionState for AgentState {
     fn remember(&mut self, key: &str, pod: &PodRequest, view: &LocalView, decision: &kvota_fairness::admission::Decision) {
+        // At most one mark per pod the state holds (reservations are bounded).
+        if decision.reason == kvota_fairness::admission::Reason::Borrowed && decision.verdict == kvota_fairness::admission::Verdict::Allow {
+            if self.borrowed.len() < MAX_RESERVATIONS + self.bound.len() {
+                self.borrowed.insert(key.to_string());
+            }
+        } else {
+            self.borrowed.remove(key);
+        }
         let b = &mut self.decisions;
         b.next += 1;
         let note = DecisionNote { at_ms: self.now_ms, pod: pod.clone(), view: view.clone(), decision: decision.clone() };
@@ -809,17 +869,31 @@ impl AdmissionState for AgentState {
     fn view(&self, tenant: &str) -> LocalView {
         let tp = self.policy.as_ref().and_then(|p| p.tenant(tenant));
         let entitlement = self.lease.lease().and_then(|l| l.budgets.get(tenant)).map_or(0, |b| b.entitlement);
+        let budget = self.lease.budget(tenant, self.now_ms);
+        let inuse = self.inuse(tenant);
+        // Borrowing: under the limit of the lease held (also after it expired), into GPUs
+        // no budget here needs now.
+        let limit = if tp.is_some_and(|t| t.preemptible) { self.lease.lease().map_or(0, |l| l.borrow(tenant)) } else { 0 };
+        let borrow = if limit > 0 && inuse.saturating_add(1) > budget {
+            kvota_fairness::admission::borrow_room(limit, budget, inuse, self.lendable())
+        } else {
+            0
+        };
         LocalView {
             cluster: self.cluster.clone(),
             tenant: tp.map(|t| t.name.clone()),
             mode: tp.map(|t| t.admission).unwrap_or_default(),
             max_queued: tp.map_or(0, |t| t.max_queued),
-            budget: self.lease.budget(tenant, self.now_ms),
-            inuse: self.inuse(tenant),
+            budget,
+            inuse,
             queued: u32::try_from(self.queue.values().filter(|q| q.tenant == tenant).count()).unwrap_or(u32::MAX),
             entitlement,
-            ceiling: Some(self.capacity_gpue),
+            ceiling: Some(match self.lease.lease().map_or(0, |l| l.ceiling(tenant)) {
+                0 => self.capacity_gpue,
+                c => c.min(self.capacity_gpue),
+            }),
             lease: self.lease.status(self.now_ms),
+            borrow,
         }
     }
 
@@ -940,7 +1014,7 @@ mod tests {
             duration_ms: 3_600_000,
             margin_ms: 60_000,
             issued_at_ms: 0,
-            budgets: [("b".to_string(), kvota_fairness::lease::TenantBudget { budget: 4_000, fallback: 4_000, entitlement: 4_000 })].into(),
+            budgets: [("b".to_string(), kvota_fairness::lease::TenantBudget { budget: 4_000, fallback: 4_000, entitlement: 4_000, borrow: 0, ceiling: 0 })].into(),
         };
         st.lease.on_lease(lease, 12_000);
         st.record(Effect::Enqueue { tenant: "b".into(), pod: "ns/r".into(), gpue: 1_000, priority: 0 });

@@ -39,7 +39,7 @@ fn lease() -> Lease {
         duration_ms: 30_000,
         margin_ms: 3_000,
         issued_at_ms: 10,
-        budgets: [("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000 })].into_iter().collect(),
+        budgets: [("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000, borrow: 0, ceiling: 0 })].into_iter().collect(),
     }
 }
 

@@ -77,7 +77,7 @@ fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
         issued_at_ms: 0,
         budgets: budgets
             .iter()
-            .map(|&(t, g)| (t.to_string(), TenantBudget { budget: g * 1000, fallback: g * 1000, entitlement: g * 1000 }))
+            .map(|&(t, g)| (t.to_string(), TenantBudget { budget: g * 1000, fallback: g * 1000, entitlement: g * 1000, borrow: 0, ceiling: 0 }))
             .collect::<BTreeMap<_, _>>(),
     }
 }

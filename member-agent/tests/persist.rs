@@ -41,6 +41,8 @@ fn lease(epoch: u64, budget: u64, fallback: u64) -> Lease {
                 budget,
                 fallback,
                 entitlement: budget,
+                borrow: 0,
+                ceiling: 0,
             },
         )]
         .into(),

@@ -32,7 +32,7 @@ fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
         issued_at_ms: 0,
         budgets: budgets
             .iter()
-            .map(|&(t, gpus)| (t.to_string(), TenantBudget { budget: gpus * 1000, fallback: gpus * 1000, entitlement: gpus * 1000 }))
+            .map(|&(t, gpus)| (t.to_string(), TenantBudget { budget: gpus * 1000, fallback: gpus * 1000, entitlement: gpus * 1000, borrow: 0, ceiling: 0 }))
             .collect::<BTreeMap<_, _>>(),
     }
 }
@@ -113,7 +113,7 @@ fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evic
     // Explained: an Event on every victim and an audit record saying who was starved.
     for e in c.events() {
         assert_eq!(e.reason, "Evicted");
-        assert!(e.message.contains("restore tenant `inference`'s guarantee") && e.message.contains("above its budget"), "{}", e.message);
+        assert!(e.message.contains("give tenant `inference` GPUs it is owed") && e.message.contains("its guarantee gives it") && e.message.contains("above its budget"), "{}", e.message);
     }
     let audit: Vec<_> = st.reclaim_audit().collect();
     assert_eq!(audit.len(), 8);
@@ -154,7 +154,7 @@ fn a_non_preemptible_tenant_is_never_a_victim() {
     assert!(run.evictions.is_empty(), "{:?}", run.evictions);
     assert_eq!(c.running(), 16);
     match c.reclaim(&mut st, 700_000) {
-        Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its entitlement"), "{why}"),
+        Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its budget"), "{why}"),
         d => panic!("{d:?}"),
     }
 }
@@ -210,4 +210,55 @@ fn a_tenant_whose_budget_is_held_by_others_is_still_restored() {
     assert_eq!(run.evictions.len(), 2, "{:?}", run.evictions);
     assert_eq!(c.running(), 14);
     assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "again", 1, 1_000, 0)), Outcome::Denied, "over budget: no re-admission");
+}
+
+#[test]
+fn idle_gpus_are_lent_to_a_preemptible_tenant_and_taken_back_for_pods_within_budgets() {
+    // 16 GPUs. Training's budget is 4 with a borrow limit of 8; inference's budget is 8,
+    // and it has nothing running yet: its budget is idle, so lendable.
+    let mut c = SimCluster::new(&[4, 4, 4, 4]);
+    let mut st = AgentState::new("c", 16_000, AgentLease::new("c"));
+    st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    let mut l = lease(1, &[("training", 4), ("inference", 8)]);
+    if let Some(b) = l.budgets.get_mut("training") {
+        b.borrow = 8_000;
+    }
+    if let Some(b) = l.budgets.get_mut("inference") {
+        b.borrow = 0;
+    }
+    st.lease.on_lease(l, 0);
+    let mut now = 0;
+    let mut outcomes = Vec::new();
+    for i in 0..14 {
+        now += 1_000;
+        st.set_now(now);
+        outcomes.push(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0)));
+        c.bind(&mut st, now);
+    }
+    // 4 within the budget, 8 borrowed (the limit), then denied.
+    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::Allowed).count(), 12, "{outcomes:?}");
+    assert_eq!(st.inuse("training"), 12_000);
+    let borrowed: Vec<String> = (0..14).map(|i| format!("training/t{i:02}")).filter(|k| st.is_borrowed(k)).collect();
+    assert_eq!(borrowed, (4..12).map(|i| format!("training/t{i:02}")).collect::<Vec<_>>());
+    let d = st.explain_pod("training/t05").expect("judged");
+    assert!(d.text.contains("borrowed GPUs"), "{}", d.text);
+    // A non-preemptible tenant never borrows: inference's pods over its budget are denied
+    // even with GPUs idle.
+    let big = c.submit(&mut st, &SimPod::gpus("inference", "huge", 9, 86_400_000, 100));
+    assert_ne!(big, Outcome::Allowed);
+    // Inference comes back within its budget: 4 x 2 GPUs. 4 GPUs are free, the rest is
+    // taken back from borrowed pods only, the youngest first.
+    for i in 0..4 {
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
+    }
+    c.bind(&mut st, now);
+    let run = drive(&mut c, &mut st, now, 600, |_, _, _| {});
+    let gone: Vec<String> = run.evictions.iter().map(|e| e.1.clone()).collect();
+    assert!(!gone.is_empty(), "nothing taken back");
+    assert!(gone.iter().all(|k| borrowed.contains(k)), "only borrowed pods are evicted: {gone:?}");
+    assert_eq!(st.inuse("inference"), 8_000, "all of inference's pods within its budget run");
+    assert!(st.inuse("training") >= 4_000, "training keeps its budget");
+    for e in c.events() {
+        assert!(e.message.contains("borrowed GPUs"), "{}", e.message);
+    }
 }

@@ -54,6 +54,7 @@ impl AdmissionState for State {
             entitlement: 40_000,
             ceiling: Some(32_000),
             lease: LeaseStatus::Fresh { remaining_ms: 20_000 },
+            borrow: 0,
         }
     }
     fn record(&mut self, effect: Effect) {

@@ -56,8 +56,8 @@ async fn serve(dir: &Path) -> Served {
         let mut st = agent.state();
         st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
         let budgets: BTreeMap<String, TenantBudget> = [
-            ("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 9_000 }),
-            ("research".to_string(), TenantBudget { budget: 1_000, fallback: 0, entitlement: 1_000 }),
+            ("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 9_000, borrow: 0, ceiling: 0 }),
+            ("research".to_string(), TenantBudget { budget: 1_000, fallback: 0, entitlement: 1_000, borrow: 0, ceiling: 0 }),
         ]
         .into();
         let now = st.now_ms();

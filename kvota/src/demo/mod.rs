@@ -958,13 +958,16 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
-/// Federation-wide in-use (bound + reserved) per tenant, from the agents' state.
+/// Federation-wide in-use (bound + reserved) per tenant, from the agents' state, less
+/// what runs on borrowed GPUs: lent idle capacity is outside the entitlement by design
+/// (reclaimable, and bounded by the leases' borrow limits), so over-admission is judged
+/// on the rest.
 fn totals(fleet: &[Member]) -> BTreeMap<String, MilliGpue> {
     let mut m = BTreeMap::new();
     for member in fleet {
         let st = member.agent.state();
         for t in TENANTS {
-            *m.entry(t.to_string()).or_insert(0) += st.inuse(t);
+            *m.entry(t.to_string()).or_insert(0) += st.inuse(t).saturating_sub(st.borrowed_gpue(t));
         }
     }
     m

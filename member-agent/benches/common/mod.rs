@@ -54,7 +54,7 @@ pub fn agent(dir: &Path) -> Agent {
         let mut st = agent.state();
         st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
         let budgets: BTreeMap<String, TenantBudget> =
-            [("training".to_string(), TenantBudget { budget: 32_000, fallback: 8_000, entitlement: 40_000 })].into();
+            [("training".to_string(), TenantBudget { budget: 32_000, fallback: 8_000, entitlement: 40_000, borrow: 0, ceiling: 0 })].into();
         let now = st.now_ms();
         st.lease.on_lease(Lease { cluster: "east".into(), epoch: 1, duration_ms: 3_600_000, margin_ms: 1_000, issued_at_ms: 0, budgets }, now);
     }
