@@ -125,6 +125,8 @@ pub struct JobRt {
     pub done: bool,
     /// Nodes and GPUe it occupies while running.
     pub placement: Vec<(usize, MilliGpue)>,
+    /// Running on borrowed GPUs (kvota admitted it over its tenant's budget).
+    pub borrowed: bool,
 }
 
 /// One cluster at run time.
@@ -330,6 +332,7 @@ impl World {
         j.remaining_ms = j.remaining_ms.saturating_sub(ran - lost).max(1);
         j.preemptions += 1;
         j.generation = j.generation.wrapping_add(1);
+        j.borrowed = false;
         let (t, c, g) = (j.tenant, j.cluster, j.gpue);
         let placement = std::mem::take(&mut j.placement);
         self.preempted[t] += 1;
@@ -635,6 +638,7 @@ pub fn run_with_progress(
             preemptions: 0,
             done: false,
             placement: Vec::new(),
+            borrowed: false,
         });
     }
     let clusters = cfg.clusters.iter().map(|(name, cap)| ClusterRt::new(name, *cap, cfg.node_gpue, nt)).collect();

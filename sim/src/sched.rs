@@ -29,7 +29,7 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::admission::{judge, LocalView, PodRequest, Verdict};
+use kvota_fairness::admission::{borrow_room, judge, lendable, LocalView, PodRequest, Reason, Verdict};
 use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::AgentLease;
@@ -89,7 +89,11 @@ type ReclaimMemory = (BTreeMap<String, u64>, Vec<(u64, String)>);
 
 /// Lease epoch held (if any) and whether it has expired (fallbacks apply), with the
 /// budgets read under it.
-type BudgetKey = ((Option<u64>, bool), Vec<MilliGpue>);
+type BudgetKey = ((Option<u64>, bool), LeaseRead);
+
+/// What the scheduling pass reads from a cluster's lease, per tenant (policy order):
+/// budgets enforced now, borrow limits and ceilings.
+type LeaseRead = (Vec<MilliGpue>, Vec<MilliGpue>, Vec<MilliGpue>);
 
 /// kvota: the federation's leases and the admission decision.
 #[derive(Debug)]
@@ -151,7 +155,7 @@ impl WfqDecay {
     /// Every tenant's budget in cluster `c` now (policy order): exactly
     /// `agent.budget(tenant, now)`, read again only when the lease or its standing
     /// changed.
-    fn budgets(&mut self, c: usize, w: &World, now: u64) -> Vec<MilliGpue> {
+    fn budgets(&mut self, c: usize, w: &World, now: u64) -> LeaseRead {
         let agent = &self.agents[c];
         let key = (agent.lease().map(|l| l.epoch), agent.status(now) == kvota_fairness::lease::LeaseStatus::Safe);
         self.budget_cache.resize_with(self.agents.len(), || None);
@@ -159,8 +163,15 @@ impl WfqDecay {
             Some((k, b)) if *k == key => b.clone(),
             _ => {
                 let b: Vec<MilliGpue> = w.tenants.iter().map(|t| agent.budget(&t.name, now)).collect();
-                self.budget_cache[c] = Some((key, b.clone()));
-                b
+                // Borrow limits and ceilings of the lease held (also after it expired: a
+                // cut-off cluster lends its own idle GPUs under the last limits it had).
+                let (limits, ceilings) = match agent.lease() {
+                    Some(l) => w.tenants.iter().map(|t| (l.borrow(&t.name), l.ceiling(&t.name))).unzip(),
+                    None => (vec![0; w.tenants.len()], vec![0; w.tenants.len()]),
+                };
+                let read = (b, limits, ceilings);
+                self.budget_cache[c] = Some((key, read.clone()));
+                read
             }
         }
     }
@@ -175,9 +186,13 @@ impl WfqDecay {
         for c in 0..w.clusters.len() {
             // Cheap test first: is any tenant below its guarantee with something waiting?
             let cl = &w.clusters[c];
+            let agent = &self.agents[c];
             let below = self.policy.tenants.iter().enumerate().any(|(t, tp)| {
                 let demand = cl.inuse[t] + cl.pending[t];
-                cl.pending[t] > 0 && cl.inuse[t] < demand.min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp))
+                let owed = demand
+                    .min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp))
+                    .max(demand.min(agent.budget(&tp.name, now)));
+                cl.pending[t] > 0 && cl.inuse[t] < owed
             });
             if !below {
                 self.reclaim[c].0.clear();
@@ -206,7 +221,10 @@ impl WfqDecay {
                 let victim = |t: usize| tenants[t].preemptible && tenants[t].inuse > tenants[t].budget;
                 let hungry = |t: usize| {
                     let demand = cl.inuse[t] + cl.pending[t];
-                    cl.pending[t] > 0 && cl.inuse[t] < demand.min(kvota_fairness::entitlement::share_of(cl.capacity, tenants[t].min_share_bp))
+                    let owed = demand
+                        .min(kvota_fairness::entitlement::share_of(cl.capacity, tenants[t].min_share_bp))
+                        .max(demand.min(tenants[t].budget));
+                    cl.pending[t] > 0 && cl.inuse[t] < owed
                 };
                 let running: Vec<RunningPod> = (0..tenants.len())
                     .filter(|&t| victim(t))
@@ -220,6 +238,7 @@ impl WfqDecay {
                         node: node_of(j),
                         resource: "gpu".into(),
                         count: w.jobs[j].placement.iter().filter(|p| p.0 == node_of(j)).map(|p| p.1).sum::<u64>().max(1),
+                        borrowed: w.jobs[j].borrowed,
                     })
                     .collect();
                 let waiting: Vec<WaitingPod> = (0..tenants.len())
@@ -285,6 +304,8 @@ impl Scheduler for WfqDecay {
 
     fn init(&mut self, w: &mut World) {
         let now = w.now;
+        // As a control plane at its current feature level: leases lend.
+        self.fed.enable_lending();
         if self.fed.apply(now, Command::ApplyPolicy(self.policy.clone())).is_err() {
             self.refused += 1;
         }
@@ -366,10 +387,21 @@ impl Scheduler for WfqDecay {
                 continue;
             }
             let status = self.agents[c].status(now);
-            let budgets = self.budgets(c, w, now);
-            // Tenants furthest under their budget first (the drift bias).
+            let (budgets, limits, ceilings) = self.budgets(c, w, now);
+            // GPUs no budget needs now; unchanged by admissions within budgets, lowered by
+            // every borrowed admission.
+            let cl = &w.clusters[c];
+            let mut lend = lendable(cl.capacity, (0..w.tenants.len()).map(|t| (cl.inuse[t], cl.pending[t], budgets[t])));
+            // Latency-sensitive (non-preemptible) tenants below their guarantee here first,
+            // then the tenants furthest under their budget (the drift bias).
+            let cl = &w.clusters[c];
+            let urgent = |t: usize| {
+                let tp = &self.policy.tenants[t];
+                let guarantee = (cl.inuse[t] + cl.pending[t]).min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp));
+                !tp.preemptible && cl.inuse[t] < guarantee
+            };
             let mut order: Vec<usize> = (0..w.tenants.len()).collect();
-            order.sort_by_key(|&t| (i128::from(w.clusters[c].inuse[t]) - i128::from(budgets[t]), t));
+            order.sort_by_key(|&t| (!urgent(t), i128::from(cl.inuse[t]) - i128::from(budgets[t]), t));
             for t in order {
                 if w.clusters[c].free == 0 {
                     break; // nothing more can start here (each tenant's loop would stop at once)
@@ -397,14 +429,23 @@ impl Scheduler for WfqDecay {
                         inuse: 0,
                         queued: 0,
                         entitlement: self.fed.committed().get(&tp.name).copied().unwrap_or(0),
-                        ceiling: Some(w.clusters[c].capacity),
+                        ceiling: Some(match ceilings[t] {
+                            0 => w.clusters[c].capacity,
+                            x => x.min(w.clusters[c].capacity),
+                        }),
                         lease: status,
+                        borrow: 0,
                     });
                     view.inuse = w.clusters[c].inuse[t];
+                    view.borrow = borrow_room(limits[t], budgets[t], view.inuse, lend);
                     let pod = PodRequest { namespace: tp.name.clone(), name: String::new(), gpue: g };
                     // `judge` is `decide` without the message, which nothing here reads.
-                    if judge(&pod, view).0 == Verdict::Allow {
-                        w.start(j);
+                    let (verdict, reason) = judge(&pod, view);
+                    if verdict == Verdict::Allow {
+                        if w.start(j) && reason == Reason::Borrowed {
+                            lend = lend.saturating_sub(g);
+                            w.jobs[j].borrowed = true;
+                        }
                     } else {
                         denied_at = g; // larger pods of this tenant would be refused too
                     }

@@ -71,7 +71,9 @@ fn kvota_lends_idle_capacity_then_biases_toward_the_tenant_with_less_usage() {
     // weight share, so its effective weight halves and the 4 GPUs split 1 : 2, a 4/3
     // and b 8/3 GPUe. b starts 2 pods (a third would need 3 > 8/3), a starts 1 (a
     // second would need 2 > 4/3), and the fourth GPU stays idle until 200: budgets are
-    // not rounded to pod sizes (a cost this test pins down; see docs/policy-comparison.md).
+    // not rounded to pod sizes, and lending does not take it either, since what is left
+    // of a's budget (1/3) and of b's (2/3) is kept for their waiting pods (a cost this
+    // test pins down; see docs/policy-comparison.md).
     let r = sim("wfq-decay", &burst(), &policy(EQUAL), 4);
     let d = delays(&r);
     assert_eq!(d[..6], [0, 0, 0, 0, 100, 200], "{d:?}");
