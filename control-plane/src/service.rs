@@ -514,6 +514,13 @@ impl v1::admin_server::Admin for AdminSvc {
                 crate::types::SHOWBACK_LEVEL
             )));
         }
+        if !policy.reclaim.lend_idle && level < crate::types::LENDING_LEVEL {
+            return Err(Status::failed_precondition(format!(
+                "spec.reclaim.lendIdle needs feature level {} and the group runs at {level}: every node must run a kvota that \
+                 supports it first (see docs/operations.md, \"Upgrades\"); nothing was changed",
+                crate::types::LENDING_LEVEL
+            )));
+        }
         let reply = policy_reply(&policy);
         let applied = self
             .ctx

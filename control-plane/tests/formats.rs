@@ -270,6 +270,16 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
         .await
         .expect_err("needs level 2");
     assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains("feature level 2"), "{refused:?}");
+    // So does a policy that turns lending off, which needs level 3.
+    let no_lending = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendIdle: false}\n", 1);
+    let refused = client
+        .call(|ch| {
+            let yaml = no_lending.clone();
+            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+        })
+        .await
+        .expect_err("needs level 3");
+    assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains("lendIdle needs feature level 3"), "{refused:?}");
 
     // Node 3 upgraded: the next ticks raise the level everywhere.
     cl.set_tweak(supports_2);

@@ -136,7 +136,9 @@ pub fn judge(pod: &PodRequest, view: &LocalView) -> (Verdict, Reason) {
     if view.ceiling.is_some_and(|ceiling| pod.gpue > ceiling) {
         return (Verdict::Deny, Reason::NeverFits);
     }
-    if pod.gpue <= view.borrow {
+    // Never past the tenant's own pods waiting behind the gate (they are released
+    // within its budget, in order).
+    if pod.gpue <= view.borrow && view.queued == 0 {
         return (Verdict::Allow, Reason::Borrowed);
     }
     match view.mode {

@@ -187,7 +187,18 @@ impl AgentLease {
             Some(h) if lease.epoch < h.epoch => LeaseUpdate::Stale,
             Some(h) if lease.epoch == h.epoch => {
                 if lease.budgets != h.budgets {
-                    return LeaseUpdate::Rejected;
+                    // The same epoch read back from an older agent's save, which did not
+                    // keep the borrow limits and ceilings (fields it did not know): the
+                    // budgets are what counts; take the limits from the control plane.
+                    let same_budgets = lease.budgets.len() == h.budgets.len()
+                        && lease.budgets.iter().zip(&h.budgets).all(|((a, x), (b, y))| {
+                            a == b && (x.budget, x.fallback, x.entitlement) == (y.budget, y.fallback, y.entitlement)
+                        });
+                    let h_lacks_limits = h.budgets.values().all(|b| b.borrow == 0 && b.ceiling == 0);
+                    if !(same_budgets && h_lacks_limits) {
+                        return LeaseUpdate::Rejected;
+                    }
+                    self.held = Some(lease);
                 }
                 self.valid_until_ms = Some(self.valid_until_ms.map_or(until, |u| u.max(until)));
                 LeaseUpdate::Renewed
@@ -459,6 +470,29 @@ mod tests {
         let mut other = lease(3, 1, 1);
         other.cluster = "c2".into();
         assert_eq!(a.on_lease(other, 0), LeaseUpdate::Rejected);
+    }
+
+    #[test]
+    fn the_same_epoch_with_limits_an_older_save_lacked_is_a_renewal() {
+        let mut a = AgentLease::restored(lease(5, 8_000, 2_000));
+        let mut with = lease(5, 8_000, 2_000);
+        if let Some(b) = with.budgets.get_mut("t") {
+            b.borrow = 3_000;
+            b.ceiling = 20_000;
+        }
+        assert_eq!(a.on_lease(with.clone(), 0), LeaseUpdate::Renewed);
+        assert_eq!(a.lease().map(|l| l.borrow("t")), Some(3_000));
+        // Other differences under the same epoch are still refused.
+        let mut other = with.clone();
+        if let Some(b) = other.budgets.get_mut("t") {
+            b.budget = 9_000;
+        }
+        assert_eq!(a.on_lease(other, 0), LeaseUpdate::Rejected);
+        let mut changed = with;
+        if let Some(b) = changed.budgets.get_mut("t") {
+            b.borrow = 1_000;
+        }
+        assert_eq!(a.on_lease(changed, 0), LeaseUpdate::Rejected, "limits differ from limits held");
     }
 
     #[test]

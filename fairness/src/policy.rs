@@ -85,12 +85,18 @@ pub struct ReclaimConfig {
     /// Lend idle GPUs: a preemptible tenant's pod over its budget is admitted into GPUs
     /// no budget of the cluster needs now, and evicted first when a pod within its
     /// budget needs them (see [`crate::admission::borrow_room`]). Needs reclaim on.
-    #[serde(default = "lend_idle_default")]
+    #[serde(default = "lend_idle_default", skip_serializing_if = "is_true")]
     pub lend_idle: bool,
 }
 
 fn lend_idle_default() -> bool {
     true
+}
+
+/// Left out of the encoding when on (the default): a policy that does not turn lending
+/// off is the same bytes as before the field existed.
+fn is_true(v: &bool) -> bool {
+    *v
 }
 
 impl Default for ReclaimConfig {

@@ -87,8 +87,8 @@ pub struct RunningPod {
     /// Devices.
     pub count: u64,
     /// Admitted on borrowed GPUs (over its tenant's budget, into idle capacity; the
-    /// agent labels such pods `kvota.dev/borrowed`). Only these are taken for a pod
-    /// within its budget, and they go first for a guarantee too.
+    /// agent that admitted it remembers it). Only these are taken for a pod within its
+    /// budget, and they go first for a guarantee too.
     pub borrowed: bool,
 }
 
@@ -203,6 +203,7 @@ fn fits_some_node(nodes: &[BTreeMap<String, u64>], pod: &WaitingPod) -> bool {
 /// Tenants starved right now (see the module docs), in name order.
 pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
     let mut out = Vec::new();
+    let lent = view.running.iter().any(|p| p.borrowed);
     for t in view.tenants {
         let mine: Vec<&WaitingPod> = view
             .waiting
@@ -213,8 +214,9 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
         let guarantee = demand.min(share_of(view.capacity, t.min_share_bp));
         let below_guarantee = t.inuse < guarantee;
         // Owed: the guarantee, or what its budget here covers of its demand, whichever
-        // is more (a pod within the budget takes back GPUs lent to others).
-        let owed = guarantee.max(demand.min(t.budget));
+        // is more (a pod within the budget takes back GPUs lent to others, so only while
+        // some are lent).
+        let owed = if lent { guarantee.max(demand.min(t.budget)) } else { guarantee };
         if t.inuse >= owed {
             continue;
         }
@@ -292,11 +294,14 @@ pub fn plan(
         .filter(|s| !s.room)
         .map(|s| (s, starved_since.get(&s.tenant).copied().unwrap_or(view.now_ms)))
         .collect();
-    // Guarantees before budgets; latency-sensitive (non-preemptible) tenants first;
-    // then the longest starved.
+    // Claims starved for starvedFor first; among them guarantees before budgets, then
+    // latency-sensitive (non-preemptible) tenants, then the longest starved. Each is
+    // tried in turn, so one that cannot be served does not hold up the others.
     let preemptible = |name: &str| view.tenants.iter().any(|t| t.name == name && t.preemptible);
+    let waited = |since: Millis| view.now_ms.saturating_sub(since) >= cfg.starved_for_ms;
     ready.sort_by(|a, b| {
-        (a.0.within_budget, preemptible(&a.0.tenant), a.1, &a.0.tenant).cmp(&(b.0.within_budget, preemptible(&b.0.tenant), b.1, &b.0.tenant))
+        (!waited(a.1), a.0.within_budget, preemptible(&a.0.tenant), a.1, &a.0.tenant)
+            .cmp(&(!waited(b.1), b.0.within_budget, preemptible(&b.0.tenant), b.1, &b.0.tenant))
     });
     let Some(&(s, since)) = ready.first() else {
         return Decision::Idle(if hungry.is_empty() {
@@ -324,6 +329,29 @@ pub fn plan(
             cfg.max_evictions_per_minute, s.tenant
         ));
     }
+    let mut first_idle = None;
+    for &(s, since) in ready.iter().take_while(|(_, since)| waited(*since)) {
+        let starved_for = view.now_ms.saturating_sub(since);
+        match plan_for(view, cfg, s, starved_for, &per_tenant, cluster_left) {
+            d @ Decision::Evict { .. } => return d,
+            Decision::Idle(why) => {
+                first_idle.get_or_insert(why);
+            }
+        }
+    }
+    Decision::Idle(first_idle.unwrap_or_default())
+}
+
+/// One claim's plan (see [`plan`]): the victims that make room for `s`'s pod, or why
+/// there are none.
+fn plan_for(
+    view: &ClusterView<'_>,
+    cfg: &ReclaimConfig,
+    s: &Starved,
+    starved_for: Millis,
+    per_tenant: &BTreeMap<&str, u32>,
+    cluster_left: u32,
+) -> Decision {
     // Victim tenants: preemptible, not the starved one, above their budget here.
     let over: BTreeMap<&str, MilliGpue> = view
         .tenants
@@ -565,6 +593,40 @@ mod tests {
         let waiting = [wait("t/y", "training", 5)];
         let view = ClusterView { waiting: &waiting, ..view };
         assert!(starved(&view).is_empty());
+    }
+
+    #[test]
+    fn a_claim_that_cannot_be_served_or_has_not_waited_does_not_hold_up_the_others() {
+        // Two 4-GPU nodes. Inference (not preemptible, so its claim sorts first) waits
+        // for a 4-GPU pod allowed only on node 1, where training holds exactly its budget:
+        // nothing there can be evicted. Batch is below its guarantee with a 1-GPU pod;
+        // research borrowed node 0.
+        let free = [node(0), node(0)];
+        let total = [node(4), node(4)];
+        let tenants = [
+            tenant("batch", true, 25, 2, 0),
+            tenant("inference", false, 40, 8, 0),
+            tenant("research", true, 0, 0, 4),
+            tenant("training", true, 50, 4, 4),
+        ];
+        let running = [RunningPod { borrowed: true, ..run("r/a", "research", 4, 0, 0, 0) }, run("t/a", "training", 4, 0, 0, 1)];
+        let only_node_1 = WaitingPod { nodes: Some(vec![1]), ..wait("i/x", "inference", 4) };
+        let waiting = [only_node_1, wait("b/x", "batch", 1)];
+        let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let hungry: Vec<String> = starved(&view).into_iter().map(|s| s.tenant).collect();
+        assert_eq!(hungry, ["batch", "inference"]);
+        // Both waited long: inference's claim is tried first and cannot be served; batch's is.
+        let since = BTreeMap::from([("inference".to_string(), 0), ("batch".to_string(), 0)]);
+        let Decision::Evict { for_tenant, victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("batch's claim was held up") };
+        assert_eq!((for_tenant.as_str(), victims[0].key.as_str()), ("batch", "r/a"));
+        // Inference only just started waiting: batch, which waited long, is served.
+        let since = BTreeMap::from([("inference".to_string(), 999_000), ("batch".to_string(), 0)]);
+        let Decision::Evict { for_tenant, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("held up by a fresh claim") };
+        assert_eq!(for_tenant, "batch");
+        // Only inference waiting, and for less than starvedFor: nothing yet, and it says so.
+        let since = BTreeMap::from([("inference".to_string(), 999_000), ("batch".to_string(), 999_000)]);
+        let Decision::Idle(why) = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("evicted before starvedFor") };
+        assert!(why.contains("less than starvedFor"), "{why}");
     }
 
     #[test]

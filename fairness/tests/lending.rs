@@ -133,6 +133,11 @@ fn a_pod_over_budget_is_admitted_on_borrowed_gpus_only_within_the_room() {
     }
     let d = decide(&pod(3_000), &view(6_000, 6_000, room));
     assert_eq!((d.verdict, d.reason), (Verdict::Deny, Reason::OverBudget));
+    // A tenant with pods of its own behind the gate does not overtake them by borrowing.
+    let mut queued = view(6_000, 6_000, room);
+    (queued.mode, queued.max_queued, queued.queued) = (AdmissionMode::Queue, 5, 1);
+    let d = decide(&pod(2_000), &queued);
+    assert_eq!((d.verdict, d.reason), (Verdict::Queue, Reason::OverBudget));
     // The borrow limit bounds it too: budget 6 + limit 1 leaves room for 1.
     assert_eq!(borrow_room(1_000, 6_000, 6_000, lend), 1_000);
     assert_eq!(borrow_room(0, 6_000, 6_000, lend), 0, "no limit, no borrowing");

@@ -96,7 +96,8 @@ pub struct AgentState {
     reserved: BTreeMap<String, (String, MilliGpue, Millis)>,
     /// Pods this process admitted on borrowed GPUs (reason `Borrowed`), until they end:
     /// reclaim takes only these for a pod within its budget. Kept in memory: after a
-    /// restart, pods borrowed before it are left to finish (never evicted for a budget).
+    /// restart or a change of leader, pods borrowed before it are left to finish (never
+    /// evicted for a budget).
     borrowed: std::collections::BTreeSet<String>,
     queue: BTreeMap<String, Queued>,
     denied: BTreeMap<String, DeniedPod>,
@@ -262,8 +263,10 @@ impl AgentState {
         self.now_ms = now_ms;
         self.reserved.retain(|_, (_, _, until)| *until > now_ms);
         self.denied.retain(|_, d| d.until > now_ms);
-        let (bound, reserved) = (&self.bound, &self.reserved);
-        self.borrowed.retain(|k| bound.contains_key(k) || reserved.contains_key(k));
+        // A mark outlives an unconfirmed reservation that expired (the pod may still show
+        // up and be held again) while its decision is remembered.
+        let (bound, reserved, decided) = (&self.bound, &self.reserved, &self.decisions.by_key);
+        self.borrowed.retain(|k| bound.contains_key(k) || reserved.contains_key(k) || decided.contains_key(k));
     }
 
     /// Whether pod `key` was admitted on borrowed GPUs (by this process).
@@ -874,7 +877,7 @@ impl AdmissionState for AgentState {
         // Borrowing: under the limit of the lease held (also after it expired), into GPUs
         // no budget here needs now.
         let limit = if tp.is_some_and(|t| t.preemptible) { self.lease.lease().map_or(0, |l| l.borrow(tenant)) } else { 0 };
-        let borrow = if limit > 0 && inuse.saturating_add(1) > budget {
+        let borrow = if limit > 0 {
             kvota_fairness::admission::borrow_room(limit, budget, inuse, self.lendable())
         } else {
             0
