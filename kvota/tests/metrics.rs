@@ -29,6 +29,9 @@ kind: FairnessPolicy
 metadata: {name: metrics}
 spec:
   lease: {duration: 3s, clockSkewMargin: 300ms}
+  # No lending: the test needs a first pod that waits for its budget (a preemptible
+  # tenant's pod would otherwise start at once on idle GPUs).
+  reclaim: {lendIdle: false}
   tenants:
   - {name: training, weight: 40, minShare: 20, maxShare: 60, preemptible: true, namespaces: [ml]}
   - {name: inference, weight: 50, minShare: 40, maxShare: 80, namespaces: [serving]}
@@ -196,6 +199,7 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them() {
     let cl = kvota_testkit::Cluster::start(1).await;
     cl.leader(Duration::from_secs(15)).await;
+    cl.feature_level(3, Duration::from_secs(20)).await; // lendIdle needs it
     let endpoints = cl.endpoints();
     let admin = Client::new(&endpoints).expect("client");
     let y = POLICY.to_string();
