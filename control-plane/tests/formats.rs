@@ -238,6 +238,15 @@ fn node_3_supports_1(c: &mut kvota_control_plane::server::ServerConfig) {
     c.feature_level_max = if c.id == 3 { 1 } else { 2 };
 }
 
+/// Applies the policy `yaml` through the admin service.
+async fn apply_yaml(c: &Client, yaml: &str) -> Result<v1::PolicyReply, tonic::Status> {
+    c.call(|ch| {
+        let yaml = yaml.to_string();
+        async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+    })
+    .await
+}
+
 async fn levels(cl: &kvota_testkit::Cluster) -> Vec<u32> {
     let mut out = Vec::new();
     for n in cl.nodes.iter().flatten() {
@@ -262,23 +271,11 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
     // A policy that sets showback needs level 2: refused, nothing changed.
     let with_showback = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  showback: {retention: 30d}\n", 1);
     assert!(with_showback.contains("showback"));
-    let refused = client
-        .call(|ch| {
-            let yaml = with_showback.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
-        })
-        .await
-        .expect_err("needs level 2");
+    let refused = apply_yaml(&client, &with_showback).await.expect_err("needs level 2");
     assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains("feature level 2"), "{refused:?}");
     // So does a policy that turns lending off, which needs level 3.
     let no_lending = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendIdle: false}\n", 1);
-    let refused = client
-        .call(|ch| {
-            let yaml = no_lending.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
-        })
-        .await
-        .expect_err("needs level 3");
+    let refused = apply_yaml(&client, &no_lending).await.expect_err("needs level 3");
     assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains("lendIdle needs feature level 3"), "{refused:?}");
 
     // Node 3 upgraded: the next ticks raise the level everywhere.
@@ -295,13 +292,7 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
     for id in 1..=3 {
         assert!(cl.federation(id).await.showback().is_some(), "node {id} keeps showback at level 2");
     }
-    client
-        .call(|ch| {
-            let yaml = with_showback.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
-        })
-        .await
-        .expect("showback settings at level 2");
+    apply_yaml(&client, &with_showback).await.expect("showback settings at level 2");
 
     // Node 3 downgraded: it replays the raise and stops, saying why (as it starts, when
     // the Raft core replays its log then; or right after, if it learns of it later).
