@@ -98,6 +98,16 @@ pub struct Replica {
     last_tick_ms: u64,
 }
 
+/// The state every replica starts from: an empty federation with budgets sized to the
+/// tenants' waiting pods, as the control plane runs at its current feature level (its
+/// members report their largest waiting pods). Lending is not turned on here: borrowed
+/// pods stand outside the partition-safety inequality the checker holds every pod to.
+pub fn initial_state() -> Federation {
+    let mut f = Federation::new();
+    f.enable_sized_budgets();
+    f
+}
+
 impl Replica {
     fn new(n: usize, offset: i64, timeout_ms: u64) -> Replica {
         Replica {
@@ -109,8 +119,8 @@ impl Replica {
             pending_durable: VecDeque::new(),
             commit: 0,
             applied: 0,
-            state: Federation::new(),
-            snapshot: (0, Federation::new()),
+            state: initial_state(),
+            snapshot: (0, initial_state()),
             clock_offset_ms: offset,
             disk_delay_ms: 0,
             last_heard_ms: 0,
@@ -558,7 +568,7 @@ mod tests {
         net.heal_all();
         run_until(&mut cp, &mut net, &mut now, 9_000);
         assert!(!cp.replicas.first().expect("node 0").leader);
-        let mut fed = Federation::new();
+        let mut fed = initial_state();
         for e in &cp.committed {
             apply_entry(&mut fed, &e.req);
         }

@@ -394,7 +394,7 @@ impl World {
             last_epochs: vec![(0, 0); agents.len()],
             inuse_cache: vec![BTreeMap::new(); agents.len()],
             agents,
-            oracle: Oracle::default(),
+            oracle: Oracle { fed: crate::raft::initial_state(), ..Oracle::default() },
             policies,
             policy_history: Vec::new(),
             schedule,

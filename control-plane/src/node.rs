@@ -432,6 +432,16 @@ async fn batcher(
                 return;
             };
             let level = state.read().await.feature_level;
+            // Below the sized-budgets level no replica reads a report's largest waiting
+            // pod: the log does not carry it.
+            let mut commands = commands;
+            if level < crate::types::SIZED_LEVEL {
+                for c in &mut commands {
+                    if let Command::Report(r) = c {
+                        r.tenants.values_mut().for_each(|t| t.largest = 0);
+                    }
+                }
+            }
             let mut req = Request::new(now_ms, commands);
             req.format = crate::types::entry_format_for(level);
             // Below the records level an older member may read this entry: no actors.

@@ -923,6 +923,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             if data.feature_level >= crate::types::LENDING_LEVEL {
                                 data.federation.enable_lending();
                             }
+                            if data.feature_level >= crate::types::SIZED_LEVEL {
+                                data.federation.enable_sized_budgets();
+                            }
                         }
                         Response(Some(answers))
                     }

@@ -46,7 +46,10 @@ pub const LOG_FORMAT: u32 = 1;
 /// level; a policy may set `spec.showback` only from then. Level 3: the same formats,
 /// and leases lend (each preemptible tenant's budget comes with a borrow limit, a new
 /// protobuf field older agents ignore), turned on by the entry that raises the level.
-pub const FEATURE_LEVEL: u32 = 3;
+/// Level 4: the same formats, and budgets are sized to waiting pods (the state keeps
+/// each report's largest waiting pod per tenant, a protobuf field older nodes drop, and
+/// the split makes room for it), turned on by the entry that raises the level.
+pub const FEATURE_LEVEL: u32 = 4;
 
 /// The feature level from which the replicated state keeps records: showback, the
 /// agents' reported decisions, and the actors of audit records (log entries name who
@@ -55,6 +58,9 @@ pub const RECORDS_LEVEL: u32 = 2;
 /// The feature level from which leases lend idle GPUs to preemptible tenants
 /// ([`kvota_fairness::federation::Federation::enable_lending`]).
 pub const LENDING_LEVEL: u32 = 3;
+/// The feature level from which budgets are sized to the tenants' waiting pods
+/// ([`kvota_fairness::federation::Federation::enable_sized_budgets`]).
+pub const SIZED_LEVEL: u32 = 4;
 /// The feature level from which a policy may set `spec.showback` (see [`RECORDS_LEVEL`]).
 pub const SHOWBACK_LEVEL: u32 = RECORDS_LEVEL;
 

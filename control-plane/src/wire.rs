@@ -447,7 +447,7 @@ fn report_to(r: &UsageReport) -> pb::LogReport {
         tenants: r
             .tenants
             .iter()
-            .map(|(name, t)| (name.clone(), pb::LogTenantUsage { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse_milli_gpue: t.inuse, pending_milli_gpue: t.pending }))
+            .map(|(name, t)| (name.clone(), pb::LogTenantUsage { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse_milli_gpue: t.inuse, pending_milli_gpue: t.pending, largest_pending_milli_gpue: t.largest }))
             .collect(),
         evictions: r
             .evictions
@@ -487,7 +487,7 @@ fn report_from(r: pb::LogReport) -> UsageReport {
         tenants: r
             .tenants
             .into_iter()
-            .map(|(name, t)| (name, TenantReport { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue }))
+            .map(|(name, t)| (name, TenantReport { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: t.largest_pending_milli_gpue }))
             .collect(),
         evictions: r
             .evictions

@@ -47,8 +47,8 @@ fn report(cluster: &str, seq: u64, held: u64, used: u64) -> v1::ReportRequest {
         seq,
         held_epoch: held,
         tenants: vec![
-            v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: used, inuse_milli_gpue: 4000, pending_milli_gpue: 8000 },
-            v1::TenantUsage { tenant: "inference".into(), used_milli_gpue_ms: used / 2, inuse_milli_gpue: 2000, pending_milli_gpue: 0 },
+            v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: used, inuse_milli_gpue: 4000, pending_milli_gpue: 8000, largest_pending_milli_gpue: 0 },
+            v1::TenantUsage { tenant: "inference".into(), used_milli_gpue_ms: used / 2, inuse_milli_gpue: 2000, pending_milli_gpue: 0, largest_pending_milli_gpue: 0 },
         ],
         capacity: vec![],
         evictions: vec![],
@@ -486,5 +486,70 @@ async fn leases_carry_borrow_limits_once_the_group_lends() {
     for id in 1..=3 {
         assert!(cl.federation(id).await.lends(), "node {id} lends");
     }
+    cl.shutdown().await;
+}
+
+/// Two tenants on two clusters of 16 GPUs; `train` may hold at most 25 % (8 GPUs).
+const SIZED_POLICY: &str = "
+apiVersion: kvota.dev/v1alpha1
+kind: FairnessPolicy
+metadata: {name: sized}
+spec:
+  tenants:
+  - {name: train, weight: 1, minShare: 0, maxShare: 25, namespaces: [train]}
+  - {name: serve, weight: 1, minShare: 0, maxShare: 100, namespaces: [serve]}
+";
+
+fn supports_3(c: &mut kvota_control_plane::server::ServerConfig) {
+    c.feature_level_max = 3;
+}
+
+/// `train` waits with one 8-GPU job in `east` and 2-GPU pods in `west` (8 GPUs pending
+/// in each); after three rounds of reports, its budgets (east, west) and what every node
+/// keeps of east's largest waiting pod.
+async fn sized_round(cl: &Cluster) -> ((u64, u64), Vec<u64>) {
+    let client = Client::new(&cl.endpoints()).expect("client");
+    apply_policy(&client, SIZED_POLICY).await.expect("policy");
+    let mut held = [register(&client, "east", 16).await.epoch, register(&client, "west", 16).await.epoch];
+    let mut budgets = [0u64; 2];
+    for seq in 1..=3 {
+        for (i, (cluster, largest)) in [("east", 8_000), ("west", 2_000)].into_iter().enumerate() {
+            let usage = v1::TenantUsage { tenant: "train".into(), pending_milli_gpue: 8_000, largest_pending_milli_gpue: largest, ..Default::default() };
+            let r = v1::ReportRequest { cluster: cluster.into(), seq, held_epoch: held[i], tenants: vec![usage], ..Default::default() };
+            let lease = send(&client, &r).await.expect("report").lease.expect("lease");
+            held[i] = lease.epoch;
+            budgets[i] = lease.budgets.iter().find(|b| b.tenant == "train").map_or(0, |b| b.budget_milli_gpue);
+        }
+    }
+    let mut kept = Vec::new();
+    for id in 1..=3 {
+        kept.push(cl.federation(id).await.clusters()["east"].usage["train"].largest);
+    }
+    ((budgets[0], budgets[1]), kept)
+}
+
+/// At feature level 4 budgets are sized to waiting pods over real gRPC: the largest
+/// waiting pod travels in reports and in log entries, every node keeps it, and the split
+/// gives the 8-GPU job room in its cluster. A group held at level 3 (a voter of an older
+/// build) keeps none of it and splits as before, so old and new replicas agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn budgets_are_sized_to_the_largest_waiting_pod_once_the_group_runs_level_4() {
+    let cl = Cluster::start(3).await;
+    cl.leader(Duration::from_secs(10)).await;
+    cl.feature_level(4, Duration::from_secs(20)).await;
+    let (budgets, kept) = sized_round(&cl).await;
+    assert_eq!(budgets, (8_000, 0), "the job's cluster holds train's whole entitlement");
+    assert_eq!(kept, [8_000; 3], "every node keeps the largest waiting pod");
+    for id in 1..=3 {
+        assert!(cl.federation(id).await.sizes_budgets(), "node {id} sizes budgets");
+    }
+    cl.shutdown().await;
+
+    let cl = Cluster::start_with(3, None, supports_3).await;
+    cl.leader(Duration::from_secs(10)).await;
+    cl.feature_level(3, Duration::from_secs(20)).await;
+    let (budgets, kept) = sized_round(&cl).await;
+    assert_eq!(budgets, (4_000, 4_000), "level 3: in proportion to pending demand");
+    assert_eq!(kept, [0; 3], "level 3: not kept");
     cl.shutdown().await;
 }

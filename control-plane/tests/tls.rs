@@ -45,7 +45,7 @@ async fn report(c: &Client, cluster: &str, seq: u64, held: u64) -> Result<v1::Re
         cluster: cluster.to_string(),
         seq,
         held_epoch: held,
-        tenants: vec![v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: 1_000, inuse_milli_gpue: 1_000, pending_milli_gpue: 0 }],
+        tenants: vec![v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: 1_000, inuse_milli_gpue: 1_000, pending_milli_gpue: 0, largest_pending_milli_gpue: 0 }],
         ..Default::default()
     };
     c.call(|ch| {

@@ -313,7 +313,7 @@ mod hostile_bytes {
             r.seq = seq;
             r.held_epoch = held;
             r.capacity = capacity;
-            r.tenants = tenants.into_iter().map(|(k, (u, i, p))| (k, kvota_fairness::federation::TenantReport { used_milli_gpue_ms: u, inuse: i, pending: p })).collect();
+            r.tenants = tenants.into_iter().map(|(k, (u, i, p))| (k, kvota_fairness::federation::TenantReport { used_milli_gpue_ms: u, inuse: i, pending: p, largest: 0 })).collect();
             r.window = window.map(|(start_ms, end_ms)| kvota_fairness::federation::UsageWindow { start_ms, end_ms });
             use kvota_fairness::admission::Verdict;
             r.decisions = decisions

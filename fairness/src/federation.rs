@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use crate::entitlement::{self, effective_demand, Entitlement, TenantInput};
 use crate::lease::{ClusterLeases, Lease, TenantBudget, UnknownEpoch};
 use crate::policy::Policy;
-use crate::split::{split_tenant, Cell};
+use crate::split::{fit_largest, split_tenant, Cell};
 use crate::{MilliGpue, Millis};
 
 /// Audit records kept (oldest dropped first). Enough for a day of budget changes in a
@@ -111,6 +111,14 @@ pub struct TenantUsage {
     /// keep running after its lease expires, so expiry never lowers this; only a newer
     /// report does.
     pub bound: MilliGpue,
+    /// GPUe of the tenant's largest pod waiting here, as last reported (`<= pending`;
+    /// 0: none waits, or budgets are not sized, see [`Federation::enable_sized_budgets`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub largest: MilliGpue,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 impl TenantUsage {
@@ -130,6 +138,10 @@ pub struct TenantReport {
     pub inuse: MilliGpue,
     /// GPUe waiting now.
     pub pending: MilliGpue,
+    /// GPUe of the largest single pod waiting now (0: none; at most `pending`). Absent
+    /// from older reports: 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub largest: MilliGpue,
 }
 
 /// An eviction a member's reclaim loop attempted, carried by its next report into the
@@ -577,6 +589,12 @@ pub struct Federation {
     /// plane's feature level 3), absent (off) before, so replicas stay identical.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     lending: bool,
+    /// Whether budgets are sized to waiting pods: reports' largest waiting pod is kept
+    /// and the split makes room for it ([`crate::split::fit_largest`]). Turned on at one
+    /// point of the log ([`Federation::enable_sized_budgets`], the control plane's
+    /// feature level 4), absent (off) before, so replicas stay identical.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    sized: bool,
     /// Who the command being applied is from (see [`Federation::apply_as`]); set only
     /// during one apply, never part of the state.
     #[serde(skip)]
@@ -606,6 +624,20 @@ impl Federation {
     /// point of the log (the control plane does so when its feature level reaches 3).
     pub fn enable_lending(&mut self) {
         self.lending = true;
+    }
+
+    /// Starts sizing budgets: from the next report on, each tenant's largest waiting pod
+    /// per cluster is kept, and the split across clusters gives the largest one that
+    /// fits the tenant's entitlement room in its own cluster. Every replica must turn it
+    /// on at the same point of the log (the control plane does so when its feature level
+    /// reaches 4).
+    pub fn enable_sized_budgets(&mut self) {
+        self.sized = true;
+    }
+
+    /// Whether budgets are sized to waiting pods (see [`Self::enable_sized_budgets`]).
+    pub fn sizes_budgets(&self) -> bool {
+        self.sized
     }
 
     /// Whether leases lend (see [`Self::enable_lending`]).
@@ -895,6 +927,9 @@ impl Federation {
                             inuse: tr.inuse,
                             pending: tr.pending,
                             bound: tr.inuse,
+                            // Kept only once every replica sizes budgets (older ones drop
+                            // the field when they decode the entry).
+                            largest: if self.sized { tr.largest.min(tr.pending) } else { 0 },
                         },
                     );
                     let used = window.map_or(tr.used_milli_gpue_ms, |w| w.uncovered(tr.used_milli_gpue_ms, covered));
@@ -1170,14 +1205,21 @@ impl Federation {
         let Some(policy) = &self.policy else { return out };
         let mut cells = vec![Cell::default(); grid.clusters];
         let mut split = vec![0u64; grid.clusters];
+        let mut largest = vec![0u64; grid.clusters];
+        let capacities: Vec<MilliGpue> = self.clusters.values().map(|r| r.capacity_gpue).collect();
         for (i, t) in policy.tenants.iter().enumerate() {
-            for ((cell, g), &unreachable) in cells.iter_mut().zip(grid.row(i)).zip(&grid.unreachable) {
+            let mut waits_big = false;
+            for (j, ((cell, g), &unreachable)) in cells.iter_mut().zip(grid.row(i)).zip(&grid.unreachable).enumerate() {
                 let tu = g.usage;
                 *cell = if unreachable {
                     Cell::pinned(tu.hold(g.enforceable))
                 } else {
                     Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, t.burst_factor_milli))
                 };
+                // A pod larger than its cluster can never start there: no room for it.
+                let big = if unreachable || tu.largest > capacities.get(j).copied().unwrap_or(0) { 0 } else { tu.largest };
+                largest[j] = big;
+                waits_big |= big > 0;
             }
             // Cut from min(committed, target): a committed entitlement above target must
             // be able to fall, which it does only once budgets stop holding it up.
@@ -1188,6 +1230,9 @@ impl Federation {
                 .unwrap_or(0)
                 .min(self.targets.get(&t.name).copied().unwrap_or(0));
             split_tenant(amount, &cells, &mut split);
+            if waits_big {
+                fit_largest(amount, &cells, &largest, &mut split);
+            }
             out.insert(t.name.clone(), split[pos]);
         }
         out

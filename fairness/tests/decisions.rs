@@ -15,7 +15,7 @@ fn decision(pod: &str, verdict: Verdict, at_ms: u64) -> PodDecision {
 }
 
 fn report(seq: u64, epoch: u64, decisions: Vec<PodDecision>) -> Command {
-    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: 1_000, inuse: 0, pending: 0 })].into();
+    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: 1_000, inuse: 0, pending: 0, largest: 0 })].into();
     Command::Report(UsageReport {
         cluster: "east".into(),
         seq,

@@ -23,7 +23,7 @@ fn note(victim: &str) -> EvictionNote {
 }
 
 fn report(seq: u64, epoch: u64, evictions: Vec<EvictionNote>) -> Command {
-    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: 8_000, pending: 0 })].into();
+    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: 8_000, pending: 0, largest: 0 })].into();
     Command::Report(UsageReport { cluster: "east".into(), seq, held_epoch: epoch, capacity: None, tenants, evictions, decisions: Vec::new(), window: None })
 }
 

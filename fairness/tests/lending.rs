@@ -22,7 +22,7 @@ fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
 fn report(fed: &mut Federation, cluster: &str, seq: u64, epoch: u64, demand: &[(&str, u64, u64)]) -> Lease {
     let tenants = demand
         .iter()
-        .map(|&(t, inuse, pending)| (t.to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: inuse * 1000, pending: pending * 1000 }))
+        .map(|&(t, inuse, pending)| (t.to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: inuse * 1000, pending: pending * 1000, largest: 0 }))
         .collect();
     let r = UsageReport { cluster: cluster.into(), seq, held_epoch: epoch, capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
     match fed.apply(1_000 * seq, Command::Report(r)) {

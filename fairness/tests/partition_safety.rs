@@ -136,6 +136,8 @@ impl World {
         let policy = Policy::from_yaml(POLICY).expect("model policy");
         let mut fed = Federation::new();
         fed.apply(0, Command::ApplyPolicy(policy)).expect("policy");
+        // As the control plane runs today: budgets sized to the largest waiting pod.
+        fed.enable_sized_budgets();
         let mut agents = Vec::new();
         for (i, (id, gpus)) in [("east", 32u64), ("west", 32), ("edge", 16)].iter().enumerate() {
             let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();
@@ -197,7 +199,11 @@ impl World {
             a.produced_usage += used;
             tenants.insert(
                 t.to_string(),
-                TenantReport { used_milli_gpue_ms: used, inuse, pending: a.pending.get(t).copied().unwrap_or(0) },
+                {
+                    // What waits is one pod (`Op::Pending`): it is also the largest.
+                    let pending = a.pending.get(t).copied().unwrap_or(0);
+                    TenantReport { used_milli_gpue_ms: used, inuse, pending, largest: pending }
+                },
             );
         }
         let report = UsageReport {

@@ -248,7 +248,7 @@ fn article_worked_example_across_three_clusters() {
         for (c, rows) in &want {
             let tenants = rows
                 .iter()
-                .map(|&(t, inuse, pending)| (t.to_string(), TenantReport { used_milli_gpue_ms: 0, inuse, pending }))
+                .map(|&(t, inuse, pending)| (t.to_string(), TenantReport { used_milli_gpue_ms: 0, inuse, pending, largest: 0 }))
                 .collect();
             let r = UsageReport { cluster: c.to_string(), seq, held_epoch: epochs[c], capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
             match fed.apply(seq * 1000, Command::Report(r)) {

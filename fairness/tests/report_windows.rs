@@ -17,7 +17,7 @@ const RATE: u64 = 4_000;
 use common::east_federation as federation;
 
 fn report(seq: u64, epoch: u64, used: u64, window: Option<(u64, u64)>) -> Command {
-    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 4_000, pending: 0 })].into();
+    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 4_000, pending: 0, largest: 0 })].into();
     Command::Report(UsageReport {
         cluster: "east".into(),
         seq,

@@ -55,6 +55,7 @@ fn report(cluster: &str, seq: u64) -> v1::ReportRequest {
                 used_milli_gpue_ms: 123_456_789,
                 inuse_milli_gpue: 16_000,
                 pending_milli_gpue: 4_000,
+                largest_pending_milli_gpue: 2_000,
             })
             .collect(),
         capacity: vec![],

@@ -134,7 +134,7 @@ fn report(cluster: &str, c: usize, seq: u64, epoch: u64, t: usize, gpus_milli: u
             let jitter = mix(seq ^ ((c * 7_919 + i) as u64) << 20) % 200; // +-10%
             let inuse = (busy * weights[i] / total.max(1)) * (900 + jitter) / 1_000;
             let pending = inuse * (mix(seq.wrapping_add(i as u64)) % 60) / 100;
-            v1::TenantUsage { tenant: tenant(i, t), used_milli_gpue_ms: inuse * ms, inuse_milli_gpue: inuse, pending_milli_gpue: pending }
+            v1::TenantUsage { tenant: tenant(i, t), used_milli_gpue_ms: inuse * ms, inuse_milli_gpue: inuse, pending_milli_gpue: pending, largest_pending_milli_gpue: 0 }
         })
         .collect();
     v1::ReportRequest {

@@ -340,7 +340,7 @@ fn rebuilt(policy: &Policy, clusters: &[v1::ClusterInfo], tenants: &[v1::TenantI
         let mut report: BTreeMap<String, TenantReport> = c
             .tenants
             .iter()
-            .map(|t| (t.tenant.clone(), TenantReport { used_milli_gpue_ms: 0, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue }))
+            .map(|t| (t.tenant.clone(), TenantReport { used_milli_gpue_ms: 0, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: 0 }))
             .collect();
         // The ledger's decayed usage goes in with the first cluster's report.
         if i == 0 {

@@ -105,7 +105,7 @@ mod tests {
             seq,
             held_epoch: 1,
             capacity: None,
-            tenants: (0..3).map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0 })).collect(),
+            tenants: (0..3).map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 })).collect(),
             evictions: Vec::new(),
             decisions: Vec::new(),
             window: None,

@@ -300,7 +300,7 @@ async fn policy_diff_predicts_what_applying_the_file_gives() {
         .lease
         .expect("lease")
         .epoch;
-    let usage = |t: &str, inuse: u64, pending: u64, used: u64| v1::TenantUsage { tenant: t.into(), used_milli_gpue_ms: used, inuse_milli_gpue: inuse, pending_milli_gpue: pending };
+    let usage = |t: &str, inuse: u64, pending: u64, used: u64| v1::TenantUsage { tenant: t.into(), used_milli_gpue_ms: used, inuse_milli_gpue: inuse, pending_milli_gpue: pending, largest_pending_milli_gpue: 0 };
     let report = v1::ReportRequest {
         cluster: "east".into(),
         seq: 1,

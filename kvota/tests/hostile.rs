@@ -198,6 +198,7 @@ fn report_req(cluster: &str, seq: u64, held: u64, tenants: usize) -> v1::ReportR
                 used_milli_gpue_ms: 1_000,
                 inuse_milli_gpue: 2_000,
                 pending_milli_gpue: 1_000,
+                largest_pending_milli_gpue: 1_000,
             })
             .collect(),
         ..Default::default()

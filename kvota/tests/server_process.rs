@@ -77,6 +77,7 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
                 used_milli_gpue_ms: 1_000,
                 inuse_milli_gpue: 1_000,
                 pending_milli_gpue: 0,
+                largest_pending_milli_gpue: 0,
             }],
             capacity: vec![],
             evictions: vec![],

@@ -558,7 +558,7 @@ mod tests {
             seq,
             held_epoch: 3,
             capacity: None,
-            tenants: [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 1_000, pending: 0 })].into(),
+            tenants: [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 1_000, pending: 0, largest: 0 })].into(),
             evictions: Vec::new(),
             decisions: Vec::new(),
             window: None,
@@ -707,7 +707,7 @@ mod tests {
         let big = |seq| {
             let mut r = report(seq)(seq);
             for i in 0..400 {
-                r.tenants.insert(format!("tenant-{i:04}"), TenantReport { used_milli_gpue_ms: seq, inuse: 1, pending: 2 });
+                r.tenants.insert(format!("tenant-{i:04}"), TenantReport { used_milli_gpue_ms: seq, inuse: 1, pending: 2, largest: 0 });
             }
             r
         };

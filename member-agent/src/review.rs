@@ -19,7 +19,7 @@ use std::io::Write as _;
 use std::sync::LazyLock;
 
 use base64::Engine as _;
-use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Verdict, SCHEDULING_GATE};
+use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Reason, Verdict, SCHEDULING_GATE};
 use kvota_fairness::policy::{AdmissionMode, Policy};
 use kvota_fairness::resources::{effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError};
 use kvota_fairness::MilliGpue;
@@ -545,7 +545,9 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
             Answer::verdict(uid, true, 200, d.message, None, Some(tenant), Outcome::Allowed, gpue)
         }
         Verdict::Deny => {
-            if !dry_run {
+            // A pod that can never fit here is not demand: counting it would raise the
+            // tenant's entitlement and size its budgets for GPUs it can never use.
+            if !dry_run && d.reason != Reason::NeverFits {
                 state.record(Effect::Denied { tenant: tenant.clone(), pod: key, gpue });
             }
             Answer::verdict(uid, false, 403, d.message, None, Some(tenant), Outcome::Denied, gpue)

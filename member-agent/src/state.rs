@@ -601,9 +601,18 @@ impl AgentState {
     /// Queued plus recently denied GPUe of `tenant`: demand not yet admitted
     /// (saturating).
     pub fn pending(&self, tenant: &str) -> MilliGpue {
-        let q = self.queue.values().filter(|q| q.tenant == tenant).map(|q| q.pod.gpue).fold(0u64, u64::saturating_add);
-        let d = self.denied.values().filter(|d| d.tenant == tenant).map(|d| d.gpue).fold(0u64, u64::saturating_add);
-        q.saturating_add(d)
+        self.waiting(tenant).fold(0u64, u64::saturating_add)
+    }
+
+    /// GPUe of the largest single pod of `tenant` queued or recently denied (0: none).
+    pub fn largest_pending(&self, tenant: &str) -> MilliGpue {
+        self.waiting(tenant).max().unwrap_or(0)
+    }
+
+    /// GPUe of every pod of `tenant` queued or recently denied.
+    fn waiting<'a>(&'a self, tenant: &'a str) -> impl Iterator<Item = MilliGpue> + 'a {
+        let q = self.queue.values().filter(move |q| q.tenant == tenant).map(|q| q.pod.gpue);
+        q.chain(self.denied.values().filter(move |d| d.tenant == tenant).map(|d| d.gpue))
     }
 
     /// Per-tenant numbers for a report: usage since the last call (reset), in-use and
@@ -618,7 +627,12 @@ impl AgentState {
             let used = self.used.remove(&t).unwrap_or(0);
             out.insert(
                 t.clone(),
-                TenantReport { used_milli_gpue_ms: used, inuse: self.inuse(&t), pending: self.pending(&t) },
+                TenantReport {
+                    used_milli_gpue_ms: used,
+                    inuse: self.inuse(&t),
+                    pending: self.pending(&t),
+                    largest: self.largest_pending(&t),
+                },
             );
         }
         out
@@ -967,6 +981,27 @@ mod tests {
 
     fn state() -> AgentState {
         AgentState::new("east", 64_000, AgentLease::new("east"))
+    }
+
+    /// A report carries, per tenant, what waits in all and the largest single pod of it
+    /// (queued or recently denied), so the control plane can size its budgets.
+    #[test]
+    fn reports_carry_the_largest_waiting_pod() {
+        let mut st = state();
+        let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: a, namespaces: [a]}\n  - {name: b, namespaces: [b]}\n";
+        st.set_policy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy"));
+        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/small".into(), gpue: 1_000 });
+        st.record(Effect::Enqueue { tenant: "a".into(), pod: "ns/big".into(), gpue: 8_000, priority: 0 });
+        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/mid".into(), gpue: 4_000 });
+        st.record(Effect::Denied { tenant: "b".into(), pod: "ns/other".into(), gpue: 16_000 });
+        let usage = st.take_usage();
+        assert_eq!((usage["a"].pending, usage["a"].largest), (13_000, 8_000));
+        assert_eq!((usage["b"].pending, usage["b"].largest), (16_000, 16_000));
+        // The big pod admitted: the next largest is what is left.
+        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/big".into(), gpue: 8_000 });
+        st.queue.remove("ns/big");
+        let usage = st.take_usage();
+        assert_eq!((usage["a"].pending, usage["a"].largest), (5_000, 4_000));
     }
 
     #[test]

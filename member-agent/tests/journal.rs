@@ -20,7 +20,7 @@ fn report(seq: u64) -> UsageReport {
         held_epoch: 1,
         capacity: None,
         tenants: (0..tenants)
-            .map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0 }))
+            .map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 }))
             .collect(),
         evictions: Vec::new(),
         decisions: Vec::new(),

@@ -116,6 +116,20 @@ fn gpu_pod_over_budget_is_denied_with_an_actionable_message() {
     assert_eq!(st.effects, [Effect::Denied { tenant: "training".into(), pod: "default/nginx".into(), gpue: 2_000 }]);
 }
 
+/// A pod above the most the tenant may ever hold here (ceiling 32 GPUe) is denied at
+/// once and not counted as demand: it would raise the tenant's entitlement, and size its
+/// budgets, for GPUs it can never use.
+#[test]
+fn a_pod_that_never_fits_is_denied_and_not_counted_as_demand() {
+    let mut st = state(4_000, 0);
+    let (resp, outcome) = run(&gpu_review("nvidia.com/gpu", "33"), Endpoint::Validate, &mut st);
+    assert_eq!(resp["allowed"], false);
+    assert_eq!(outcome, Outcome::Denied);
+    let msg = resp["status"]["message"].as_str().expect("message");
+    assert!(msg.contains("can never hold more than 32 GPUe"), "{msg}");
+    assert!(st.effects.is_empty(), "{:?}", st.effects);
+}
+
 #[test]
 fn mig_slices_count_by_weight() {
     let mut st = state(4_000, 0);

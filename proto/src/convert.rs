@@ -137,10 +137,20 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
         let mut tenants = BTreeMap::new();
         for (i, t) in r.tenants.iter().enumerate() {
             let name = tenant_name(&format!("tenants[{i}].tenant"), &t.tenant)?;
+            if t.largest_pending_milli_gpue > t.pending_milli_gpue {
+                return Err(invalid(
+                    format!("tenants[{i}].largest_pending_milli_gpue"),
+                    format!(
+                        "{} is more than the {} pending in all (the largest waiting pod is part of what waits)",
+                        t.largest_pending_milli_gpue, t.pending_milli_gpue
+                    ),
+                ));
+            }
             let row = TenantReport {
                 used_milli_gpue_ms: t.used_milli_gpue_ms,
                 inuse: t.inuse_milli_gpue,
                 pending: t.pending_milli_gpue,
+                largest: t.largest_pending_milli_gpue,
             };
             if tenants.insert(name, row).is_some() {
                 return Err(invalid(
@@ -207,6 +217,7 @@ impl From<&UsageReport> for v1::ReportRequest {
                     used_milli_gpue_ms: u.used_milli_gpue_ms,
                     inuse_milli_gpue: u.inuse,
                     pending_milli_gpue: u.pending,
+                    largest_pending_milli_gpue: u.largest,
                 })
                 .collect(),
             capacity: r.capacity.as_ref().map(resources).unwrap_or_default(),
@@ -330,6 +341,7 @@ mod tests {
                 used_milli_gpue_ms: 10,
                 inuse_milli_gpue: 2000,
                 pending_milli_gpue: 1000,
+                largest_pending_milli_gpue: 1000,
             }],
             capacity: vec![],
             evictions: vec![v1::Eviction {
@@ -354,7 +366,17 @@ mod tests {
         assert_eq!(core.capacity, None);
         assert_eq!(core.evictions.len(), 1);
         assert_eq!(core.evictions[0].victim, "train/job-7");
+        assert_eq!(core.tenants["training"].largest, 1000);
         assert_eq!(v1::ReportRequest::from(&core), report());
+    }
+
+    #[test]
+    fn a_largest_waiting_pod_above_all_that_waits_is_refused() {
+        let mut r = report();
+        r.tenants[0].largest_pending_milli_gpue = 1001;
+        let e = UsageReport::try_from(r).expect_err("largest > pending");
+        assert_eq!(e.field, "tenants[0].largest_pending_milli_gpue");
+        assert!(e.why.contains("more than the 1000 pending"), "{}", e.why);
     }
 
     #[test]
@@ -454,7 +476,7 @@ mod tests {
                 cluster in name(),
                 seq in number(),
                 held in number(),
-                tenants in proptest::collection::vec((name(), number(), number(), number()), 0..6),
+                tenants in proptest::collection::vec((name(), number(), number(), number(), number()), 0..6),
                 capacity in proptest::collection::vec((name(), number()), 0..3),
                 window in (number(), number()),
                 decisions in proptest::collection::vec((prop_oneof![Just("ml/a".to_string()), name()], name(), prop_oneof![Just("deny".to_string()), name()], number(), ".{0,40}"), 0..3),
@@ -463,7 +485,7 @@ mod tests {
                     cluster,
                     seq,
                     held_epoch: held,
-                    tenants: tenants.into_iter().map(|(tenant, u, i, p)| v1::TenantUsage { tenant, used_milli_gpue_ms: u, inuse_milli_gpue: i, pending_milli_gpue: p }).collect(),
+                    tenants: tenants.into_iter().map(|(tenant, u, i, p, l)| v1::TenantUsage { tenant, used_milli_gpue_ms: u, inuse_milli_gpue: i, pending_milli_gpue: p, largest_pending_milli_gpue: l }).collect(),
                     capacity: capacity.into_iter().map(|(name, q)| v1::Resource { name, quantity_milli: q }).collect(),
                     evictions: vec![],
                     decisions: decisions.into_iter().map(|(pod, tenant, verdict, n, text)| v1::PodDecision { pod, tenant, verdict, milli_gpue: n, at_ms: n, text }).collect(),

@@ -119,6 +119,9 @@ pub struct WfqDecay {
     /// budgets never change within an epoch, so the scheduling pass after every event
     /// reads the lease once per renewal instead of once per tenant per pass.
     budget_cache: Vec<Option<BudgetKey>>,
+    /// Whether budgets are sized to waiting pods, as the control plane does from its
+    /// feature level 4 (default). Off gives the split of level 3, for comparisons.
+    pub sized_budgets: bool,
 }
 
 impl WfqDecay {
@@ -140,6 +143,7 @@ impl WfqDecay {
             reclaimed: 0,
             reclaim_due: false,
             budget_cache: Vec::new(),
+            sized_budgets: true,
         }
     }
 
@@ -304,8 +308,11 @@ impl Scheduler for WfqDecay {
 
     fn init(&mut self, w: &mut World) {
         let now = w.now;
-        // As a control plane at its current feature level: leases lend.
+        // As a control plane at its current feature level: leases lend, budgets are sized.
         self.fed.enable_lending();
+        if self.sized_budgets {
+            self.fed.enable_sized_budgets();
+        }
         if self.fed.apply(now, Command::ApplyPolicy(self.policy.clone())).is_err() {
             self.refused += 1;
         }
@@ -340,6 +347,10 @@ impl Scheduler for WfqDecay {
             if self.cut(c, now) {
                 continue; // the agent cannot reach the control plane; usage accumulates
             }
+            // The largest waiting pod of each tenant among those a pass considers (as an
+            // agent sees its queued and denied pods).
+            let largest: Vec<MilliGpue> =
+                (0..w.tenants.len()).map(|t| w.candidates(c, t).map(|j| w.jobs[j].gpue).max().unwrap_or(0)).collect();
             let cl = &mut w.clusters[c];
             // What each tenant's report says it used, in tenant order, as it is built
             // (looking each name up again in the report cost a search per tenant).
@@ -351,7 +362,8 @@ impl Scheduler for WfqDecay {
                 .map(|(t, tr)| {
                     let used = u64::try_from(std::mem::take(&mut cl.used_since[t])).unwrap_or(u64::MAX);
                     sent.push(used);
-                    (tr.name.clone(), TenantReport { used_milli_gpue_ms: used, inuse: cl.inuse[t], pending: cl.pending[t] })
+                    let (inuse, pending) = (cl.inuse[t], cl.pending[t]);
+                    (tr.name.clone(), TenantReport { used_milli_gpue_ms: used, inuse, pending, largest: largest[t].min(pending) })
                 })
                 .collect();
             let report = UsageReport {

@@ -227,3 +227,41 @@ fn kvota_reclaims_just_enough_for_a_starved_guarantee_after_starved_for() {
     let r0 = run(&burst(), &p0, &cfg, &mut s0).expect("run");
     assert_eq!((s0.reclaimed, r0.preemptions), (0, 0));
 }
+
+#[test]
+fn sized_budgets_start_a_large_job_that_a_proportional_split_strands() {
+    // Three clusters of 8 GPUs; a may hold 8 (a third), b the rest and keeps part of it
+    // busy. Neither is preemptible, so nothing is lent. At 0, a submits one 8-GPU job
+    // and twelve 1-GPU jobs, placed at random over the clusters. Split in proportion to
+    // pending demand, no cluster's budget for a reaches 8 while small jobs wait
+    // elsewhere: the big job waits behind them, or forever (the run ends with it
+    // waiting). Sized to the largest waiting pod, its cluster gets a's whole room: it
+    // always starts, and never later than without sizing.
+    let p = policy(
+        "  - {name: a, weight: 1, minShare: 0, maxShare: 33.34, preemptible: false}\n  - {name: b, weight: 1, minShare: 0, maxShare: 66.66, preemptible: false}\n",
+    );
+    let t = trace(&("a,0,8,300,training\n".to_string() + &"a,0,1,300,training\n".repeat(12) + &"b,0,1,3000,training\n".repeat(16)));
+    let mut stranded = 0;
+    for seed in 1..=8 {
+        let cfg = SimConfig {
+            clusters: vec![("c1".into(), 8000), ("c2".into(), 8000), ("c3".into(), 8000)],
+            tick_ms: 10_000,
+            seed,
+            ..SimConfig::default()
+        };
+        let big_delay = |sized: bool| {
+            let mut s = kvota_sim::sched::WfqDecay::new(&p, cfg.tick_ms, None);
+            s.sized_budgets = sized;
+            let r = run(&t, &p, &cfg, &mut s).expect("run");
+            assert_eq!(s.refused, 0);
+            r.job_delays[0]
+        };
+        let (plain, sized) = (big_delay(false), big_delay(true));
+        let sized = sized.unwrap_or_else(|| panic!("seed {seed}: sized, the big job never started"));
+        match plain {
+            None => stranded += 1,
+            Some(plain) => assert!(sized <= plain, "seed {seed}: sized {sized} ms, plain {plain} ms"),
+        }
+    }
+    assert!(stranded >= 1, "no placement stranded the big job without sizing: the test shows nothing");
+}

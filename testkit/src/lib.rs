@@ -328,7 +328,7 @@ pub async fn report_usage(c: &kvota_client::client::Client, cluster: &str, seq: 
         held_epoch: epoch,
         tenants: tenants
             .iter()
-            .map(|&(tenant, used, inuse, pending)| v1::TenantUsage { tenant: tenant.into(), used_milli_gpue_ms: used, inuse_milli_gpue: inuse, pending_milli_gpue: pending })
+            .map(|&(tenant, used, inuse, pending)| v1::TenantUsage { tenant: tenant.into(), used_milli_gpue_ms: used, inuse_milli_gpue: inuse, pending_milli_gpue: pending, largest_pending_milli_gpue: 0 })
             .collect(),
         capacity: vec![],
         evictions: vec![],

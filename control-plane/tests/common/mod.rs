@@ -41,6 +41,7 @@ pub fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
                 used_milli_gpue_ms: inuse * 30_000,
                 inuse,
                 pending: 2_000,
+                largest: 0,
             },
         )]
         .into(),
