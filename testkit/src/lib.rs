@@ -445,12 +445,43 @@ pub mod procs {
         }
     }
 
-    /// `n` distinct free loopback ports: all are held bound until every one is chosen, so
-    /// the OS cannot hand the same port out twice.
+    /// `n` distinct free loopback ports for servers a test starts as processes.
+    ///
+    /// A port is free only until something else binds it, and the process that will
+    /// listen on it starts a while later. Ports the kernel hands out (`bind(:0)`, and the
+    /// source port of every outgoing connection other tests open meanwhile) come from
+    /// the ephemeral range, so a port picked there can be taken in between: that was an
+    /// occasional "Address already in use" in these tests. So ports are taken below the
+    /// ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), where only tests pick
+    /// ports explicitly; each process starts at its own offset and walks on, skipping any
+    /// port it cannot bind now, and all `n` are held bound until every one is chosen.
     pub fn free_ports(n: usize) -> Vec<u16> {
-        let held: Vec<std::net::TcpListener> = (0..n)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0"))
-            .collect();
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+        let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| s.split_whitespace().next().and_then(|w| w.parse::<u32>().ok()))
+            .unwrap_or(32_768);
+        const FLOOR: u32 = 10_000;
+        if low < FLOOR + 2_000 {
+            // No room below the ephemeral range: let the kernel choose.
+            let held: Vec<std::net::TcpListener> =
+                (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
+            return held.iter().map(|l| l.local_addr().expect("addr").port()).collect();
+        }
+        let span = low - FLOOR;
+        let _ = NEXT.compare_exchange(u32::MAX, (std::process::id().wrapping_mul(7_919)) % span, Ordering::SeqCst, Ordering::SeqCst);
+        let mut held = Vec::with_capacity(n);
+        let mut tries = 0u32;
+        while held.len() < n {
+            assert!(tries < span, "no free loopback port below {low}");
+            tries += 1;
+            let port = FLOOR + NEXT.fetch_add(1, Ordering::SeqCst) % span;
+            let Ok(port) = u16::try_from(port) else { continue };
+            if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+                held.push(l);
+            }
+        }
         held.iter().map(|l| l.local_addr().expect("addr").port()).collect()
     }
 
