@@ -45,6 +45,14 @@ pub struct AgentArgs {
     /// Keep it well under the policy's lease duration (default 30 s).
     #[arg(long, env = "KVOTA_REPORT_INTERVAL_MS", default_value_t = 5_000)]
     pub(crate) report_interval_ms: u64,
+    /// How long the webhook may hold a pod's first denial for lack of budget,
+    /// milliseconds: the denial makes the agent report at once, and if the lease that
+    /// comes back gives the tenant room here, the pod is admitted instead of denied (a
+    /// tenant's first pod in a cluster gets budget about one control-plane round trip
+    /// later). 0 answers at once. At most 4000: keep it well under the webhook's
+    /// `timeoutSeconds` (5 in the shipped manifests).
+    #[arg(long, env = "KVOTA_ADMISSION_HOLD_MS", default_value_t = 2_000)]
+    pub(crate) admission_hold_ms: u64,
     /// Run against a simulated cluster instead of Kubernetes: node groups COUNTxGPUS,
     /// comma separated, e.g. `4x8,2x4`.
     #[arg(long, value_name = "NODES")]
@@ -105,6 +113,13 @@ pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
     if args.report_interval_ms < 100 {
         bail!("--report-interval-ms {}: at least 100", args.report_interval_ms);
     }
+    let max_hold = kvota_member_agent::webhook::MAX_ADMISSION_HOLD.as_millis();
+    if u128::from(args.admission_hold_ms) > max_hold {
+        bail!(
+            "--admission-hold-ms {}: at most {max_hold} (the API server stops waiting for the webhook after its timeoutSeconds, 5 in the shipped manifests); 0 turns holding off",
+            args.admission_hold_ms
+        );
+    }
     let nodes = args.simulate.as_deref().map(parse_nodes).transpose()?;
     // Certificate problems are reported before anything starts.
     let federation = cp.tls()?;
@@ -139,6 +154,7 @@ pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
         webhook_listen: args.webhook_listen,
         webhook_max_connections_per_peer: args.webhook_max_connections_per_peer,
         report_interval_ms: args.report_interval_ms,
+        admission_hold_ms: args.admission_hold_ms,
         kubeconfig: args.kubeconfig,
         leader_lease: args.leader_lease,
         leader_lease_namespace: args.leader_lease_namespace,

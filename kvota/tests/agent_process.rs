@@ -143,9 +143,14 @@ fn cli_json(cp: &str, args: &[&str]) -> Option<Value> {
 /// 300 ms, its webhook on `hook` with the test's certificate, its data in `dir/agent`,
 /// stderr to `dir/<log>`; the caller adds the environment and spawns it.
 fn sim_agent(dir: &std::path::Path, rpc: &str, hook: u16, log: &str) -> Command {
+    sim_agent_every(dir, rpc, hook, log, 300)
+}
+
+/// [`sim_agent`] reporting every `interval_ms`.
+fn sim_agent_every(dir: &std::path::Path, rpc: &str, hook: u16, log: &str, interval_ms: u64) -> Command {
     let mut c = kvota();
     c.args(["agent", "--cluster", "east", "--cp", rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
-        .args(["--report-interval-ms", "300", "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
+        .args(["--report-interval-ms", &interval_ms.to_string(), "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
         .arg("--tls-cert")
         .arg(dir.join("tls.crt"))
         .arg("--tls-key")
@@ -299,6 +304,58 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     }
 }
 
+/// A tenant new to a cluster has no budget there until its demand is reported. Its first
+/// pod's denial makes the agent report at once, and the webhook holds that answer for
+/// the report round: the lease that comes back has budget, so the pod is admitted about
+/// one round trip later instead of being denied and retried. With
+/// `--admission-hold-ms 0` the same first pod is denied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
+    let Env { tmp, rpc, http, hook, ca } = env();
+    let server = one_node_server(tmp.path(), &rpc, &http);
+    let mut procs = Procs::of([server]);
+    std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
+    wait_for("the policy applied", Duration::from_secs(20), || async {
+        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+    })
+    .await;
+    let ready = || async { matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _))) };
+    let first = |uid: &'static str, ns: &'static str| {
+        let ca = ca.clone();
+        async move {
+            let started = Instant::now();
+            let (status, body) = https(hook, &ca, "POST", "/validate", review(uid, ns, 1)).await.expect("review");
+            assert_eq!(status, 200);
+            let r: Value = serde_json::from_slice(&body).expect("json");
+            (r["response"]["allowed"] == true, r["response"]["status"]["message"].as_str().unwrap_or_default().to_string(), started.elapsed())
+        }
+    };
+
+    // Holding off: inference's first pod is denied, for want of a budget here.
+    let mut agent = sim_agent_every(tmp.path(), &rpc, hook, "agent-nohold.log", 2_000);
+    agent.args(["--admission-hold-ms", "0"]);
+    procs.push(agent.spawn().expect("spawn agent"));
+    wait_for("agent ready", Duration::from_secs(20), ready).await;
+    let (allowed, message, _) = first("inference-1", "serving").await;
+    assert!(!allowed && message.contains("budget of 0 GPUe"), "{message}");
+    let pid = procs.get(1).expect("agent").id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let _ = procs.get(1).expect("agent").wait();
+
+    // The default hold: training's first pod is admitted after one report round (the
+    // early report comes at most a fifth of the 2 s interval after the denial).
+    let mut agent = sim_agent_every(tmp.path(), &rpc, hook, "agent.log", 2_000);
+    procs.push(agent.spawn().expect("spawn agent"));
+    wait_for("agent ready again", Duration::from_secs(20), ready).await;
+    let (allowed, message, took) = first("training-1", "ml").await;
+    assert!(allowed, "{message}");
+    assert!(message.contains("admitted: tenant `training`"), "{message}");
+    assert!(took < Duration::from_millis(1_900), "held {took:?}: longer than the round it waits for");
+    let (_, m) = https(hook, &ca, "GET", "/metrics", vec![]).await.expect("metrics");
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains(r#"kvota_agent_admission_holds_total{reason="admitted"} 1"#), "{m}");
+}
+
 #[test]
 fn agent_flags_are_checked_before_anything_starts() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -312,6 +369,8 @@ fn agent_flags_are_checked_before_anything_starts() {
     assert!(run(&["--cluster", "East!", "--simulate", "1x8"]).contains("--cluster"));
     assert!(run(&["--cluster", "east", "--simulate", "8"]).contains("COUNTxGPUS"));
     assert!(run(&["--cluster", "east", "--simulate", "1x8"]).contains("/nonexistent.crt"));
+    let e = run(&["--cluster", "east", "--simulate", "1x8", "--admission-hold-ms", "5000"]);
+    assert!(e.contains("--admission-hold-ms 5000: at most 4000") && e.contains("timeoutSeconds"), "{e}");
     let _ = tmp;
 }
 
@@ -466,7 +525,9 @@ spec:
     let agent = |dir: &str, logfile: &str| {
         kvota()
             .args(["agent", "--cluster", "east", "--cp", proxy.addr(), "--webhook-listen", &format!("127.0.0.1:{hook}")])
-            .args(["--report-interval-ms", "300", "--identity", dir])
+            // Denials are answered at once: the test raises training's demand with
+            // refused requests, which a held review could turn into admissions.
+            .args(["--report-interval-ms", "300", "--identity", dir, "--admission-hold-ms", "0"])
             .arg("--kubeconfig")
             .arg(tmp.path().join("kubeconfig"))
             .arg("--tls-cert")

@@ -107,6 +107,12 @@ pub struct Agent {
     /// Wall-clock instant from which this process's meter counts (its first listing of
     /// the cluster's pods).
     meter_start: std::sync::atomic::AtomicU64,
+    /// Report rounds that have read the admission state (numbered from 1; read and
+    /// bumped under the state's lock).
+    rounds_taken: std::sync::atomic::AtomicU64,
+    /// The number of the latest report round that completed (its reports acknowledged
+    /// and their lease adopted).
+    rounds_done: tokio::sync::watch::Sender<u64>,
 }
 
 
@@ -166,7 +172,29 @@ impl Agent {
             kept_epoch: std::sync::atomic::AtomicU64::new(u64::MAX),
             save_failures: std::sync::atomic::AtomicU64::new(0),
             meter_known: std::sync::atomic::AtomicBool::new(true),
+            rounds_taken: std::sync::atomic::AtomicU64::new(0),
+            rounds_done: tokio::sync::watch::Sender::new(0),
         })
+    }
+
+    /// The number of report rounds that have read the admission state so far. Read it
+    /// with the state's lock held (see [`Agent::state`]) right after a decision, and
+    /// every round after the mark carries what that decision recorded.
+    pub fn rounds_taken(&self) -> u64 {
+        self.rounds_taken.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The number of the latest report round that completed (see [`Agent::round_after`]).
+    pub fn rounds_done(&self) -> u64 {
+        *self.rounds_done.borrow()
+    }
+
+    /// Waits, at most `max`, until a report round numbered above `mark` completes (its
+    /// lease adopted); returns whether one did.
+    pub async fn round_after(&self, mark: u64, max: std::time::Duration) -> bool {
+        let mut done = self.rounds_done.subscribe();
+        let waited = tokio::time::timeout(max, done.wait_for(|&n| n > mark)).await;
+        matches!(waited, Ok(Ok(_)))
     }
 
     /// Keeps the enforcement state in `store` (see [`crate::persist`]); `identity` names
@@ -595,13 +623,15 @@ impl Agent {
                 "the first report waits for the agent's first listing of the cluster's pods and for the policy",
             ));
         }
-        let (held, tenants, evictions, decisions, window) = {
+        let (round, held, tenants, evictions, decisions, window) = {
             let mut s = self.state();
+            let round = self.rounds_taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
             let end = unix_ms();
             let mut start = self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let window = UsageWindow { start_ms: *start, end_ms: end };
             *start = end;
             (
+                round,
                 self.acknowledged_epoch(s.lease.held_epoch()),
                 s.take_usage(),
                 s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS),
@@ -685,6 +715,11 @@ impl Agent {
                 Err(s) => return Err(s),
             }
         }
+        self.rounds_done.send_if_modified(|done| {
+            let newer = round > *done;
+            *done = (*done).max(round);
+            newer
+        });
         Ok(())
     }
 }

@@ -102,6 +102,7 @@ pub struct AgentMetrics {
     denied_calls: Family<ReasonLabel, Counter>,
     refused_connections: Family<ReasonLabel, Counter>,
     shed: Family<ReasonLabel, Counter>,
+    holds: Family<ReasonLabel, Counter>,
 }
 
 impl Default for AgentMetrics {
@@ -136,6 +137,7 @@ impl AgentMetrics {
             denied_calls: Family::default(),
             refused_connections: Family::default(),
             shed: Family::default(),
+            holds: Family::default(),
         };
         r.register("admissions", "Admission reviews answered, by tenant and outcome", m.admissions.clone());
         r.register("admission_duration_seconds", "Time to judge one review (parse, decide, record)", m.latency.clone());
@@ -175,6 +177,11 @@ impl AgentMetrics {
         r.register("calls_refused", "Webhook calls refused for the caller's certificate, by reason", m.denied_calls.clone());
         r.register("connections_refused", "Webhook connections closed before a request, by reason (limits, timeouts, handshakes)", m.refused_connections.clone());
         r.register("shed", "Admission entries dropped or refused because a bounded map was full, by map", m.shed.clone());
+        r.register(
+            "admission_holds",
+            "First denials for lack of budget held for the report they triggered, by result (admitted, denied, timeout, full)",
+            m.holds.clone(),
+        );
         let build = Family::<BuildLabel, Gauge>::default();
         build.get_or_create(&BuildLabel { version: env!("CARGO_PKG_VERSION").to_string() }).set(1);
         r.register("build_info", "1, labelled with this build's version", build);
@@ -213,6 +220,13 @@ impl AgentMetrics {
     /// Counts a webhook call refused for its caller.
     pub fn denied(&self, reason: &str) {
         self.denied_calls.get_or_create(&ReasonLabel { reason: reason.to_string() }).inc();
+    }
+
+    /// Counts a held review by its result: `admitted` (judged again after the report round
+    /// and allowed), `denied` (judged again, still over budget), `timeout` (no report
+    /// round completed in time), `full` (too many reviews held already; not held).
+    pub fn admission_hold(&self, result: &str) {
+        self.holds.get_or_create(&ReasonLabel { reason: result.to_string() }).inc();
     }
 
     /// Counts a webhook connection refused.

@@ -20,6 +20,7 @@ use std::sync::LazyLock;
 
 use base64::Engine as _;
 use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Reason, Verdict, SCHEDULING_GATE};
+use kvota_fairness::lease::LeaseStatus;
 use kvota_fairness::policy::{AdmissionMode, Policy};
 use kvota_fairness::resources::{effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError};
 use kvota_fairness::MilliGpue;
@@ -106,6 +107,10 @@ pub trait AdmissionState {
     fn at_limit(&mut self, _key: &str) -> Option<String> {
         None
     }
+    /// Whether pod `key` was denied here recently (its denial still counts as demand).
+    fn denied_recently(&self, _key: &str) -> bool {
+        false
+    }
 }
 
 /// What a review decided, for logs and metrics (label values: [`Outcome::as_str`]).
@@ -163,6 +168,10 @@ pub struct Reviewed {
     pub outcome: Outcome,
     /// GPUe the pod requests (0 if not computed).
     pub gpue: MilliGpue,
+    /// A first denial for lack of budget while the control plane answers: the denial
+    /// has made the agent report early, and a server may hold the answer for that report
+    /// round and judge the pod once more (see [`Answer::may_wait`]).
+    pub may_wait: bool,
 }
 
 /// A problem with the request itself (answered as a 400 review).
@@ -243,6 +252,7 @@ pub fn error_reply(uid: &str, why: &str) -> Reviewed {
         tenant: None,
         outcome: Outcome::Error,
         gpue: 0,
+        may_wait: false,
     }
 }
 
@@ -252,6 +262,7 @@ fn pass(uid: &str, message: &str) -> Reviewed {
         tenant: None,
         outcome: Outcome::Passed,
         gpue: 0,
+        may_wait: false,
     }
 }
 
@@ -281,6 +292,7 @@ enum AnswerKind {
         tenant: Option<String>,
         outcome: Outcome,
         gpue: MilliGpue,
+        may_wait: bool,
     },
 }
 
@@ -296,7 +308,26 @@ impl Answer {
         outcome: Outcome,
         gpue: MilliGpue,
     ) -> Answer {
-        Answer(AnswerKind::Verdict { uid, allowed, code, message: message.into(), patch, tenant, outcome, gpue })
+        Answer(AnswerKind::Verdict { uid, allowed, code, message: message.into(), patch, tenant, outcome, gpue, may_wait: false })
+    }
+
+    /// Whether the answer is a pod's first denial for lack of budget, given while the
+    /// lease is fresh (the control plane answers). Such a denial makes the agent report
+    /// early, and the report's lease may well give the tenant budget here (a tenant new
+    /// to a cluster has none until its demand is seen). A server may then hold the
+    /// answer until a report round that started after the denial completes (about one
+    /// round trip to the control plane, bounded by its own limit), and judge the same
+    /// request once more: the pod is then admitted instead of denied and retried. The
+    /// second judgement is never waitable (the pod counts as denied by then).
+    pub fn may_wait(&self) -> bool {
+        matches!(self.0, AnswerKind::Verdict { may_wait: true, .. })
+    }
+
+    fn waitable(mut self, yes: bool) -> Answer {
+        if let AnswerKind::Verdict { may_wait, .. } = &mut self.0 {
+            *may_wait = yes;
+        }
+        self
     }
 
     /// Allowed without being judged here.
@@ -308,8 +339,8 @@ impl Answer {
     pub fn render(self) -> Reviewed {
         match self.0 {
             AnswerKind::Written(r) => r,
-            AnswerKind::Verdict { uid, allowed, code, message, patch, tenant, outcome, gpue } => {
-                Reviewed { body: response(&uid, allowed, code, &message, patch), tenant, outcome, gpue }
+            AnswerKind::Verdict { uid, allowed, code, message, patch, tenant, outcome, gpue, may_wait } => {
+                Reviewed { body: response(&uid, allowed, code, &message, patch), tenant, outcome, gpue, may_wait }
             }
         }
     }
@@ -545,12 +576,16 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
             Answer::verdict(uid, true, 200, d.message, None, Some(tenant), Outcome::Allowed, gpue)
         }
         Verdict::Deny => {
+            let waitable = !dry_run
+                && d.reason == Reason::OverBudget
+                && matches!(view.lease, LeaseStatus::Fresh { .. })
+                && !state.denied_recently(&key);
             // A pod that can never fit here is not demand: counting it would raise the
             // tenant's entitlement and size its budgets for GPUs it can never use.
             if !dry_run && d.reason != Reason::NeverFits {
                 state.record(Effect::Denied { tenant: tenant.clone(), pod: key, gpue });
             }
-            Answer::verdict(uid, false, 403, d.message, None, Some(tenant), Outcome::Denied, gpue)
+            Answer::verdict(uid, false, 403, d.message, None, Some(tenant), Outcome::Denied, gpue).waitable(waitable)
         }
         Verdict::Queue => {
             if !dry_run {

@@ -219,6 +219,13 @@ impl SimCluster {
     /// endpoint, queue-mode ones through the mutating one, as an API server would call
     /// both.
     pub fn submit(&mut self, state: &mut AgentState, pod: &SimPod) -> Outcome {
+        self.submit_reviewed(state, pod).0
+    }
+
+    /// [`SimCluster::submit`], also saying whether the answer is a first denial a
+    /// webhook would hold for the report round it triggers
+    /// ([`crate::review::Reviewed::may_wait`]).
+    pub fn submit_reviewed(&mut self, state: &mut AgentState, pod: &SimPod) -> (Outcome, bool) {
         self.uid += 1;
         let body = json!({
             "apiVersion": "admission.k8s.io/v1",
@@ -254,7 +261,7 @@ impl SimCluster {
             }
             _ => {}
         }
-        verdict.outcome
+        (verdict.outcome, verdict.may_wait)
     }
 
     /// Finishes the pods whose time is up (their devices free, the agent forgets them).

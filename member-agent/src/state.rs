@@ -957,6 +957,10 @@ impl AdmissionState for AgentState {
         None
     }
 
+    fn denied_recently(&self, key: &str) -> bool {
+        self.denied.contains_key(key)
+    }
+
     fn held(&self) -> Option<String> {
         self.held.clone()
     }

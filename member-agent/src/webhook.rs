@@ -40,6 +40,17 @@ use crate::review::{error_reply, judge, parse, Endpoint, Outcome, MAX_REVIEW_BYT
 pub const MAX_IN_FLIGHT: usize = 512;
 /// How long a review waits for a slot before it is answered "busy".
 pub const BUSY_WAIT: Duration = Duration::from_secs(2);
+/// How long a pod's first denial for lack of budget is held, by default, for the report
+/// round it triggers (see [`crate::review::Answer::may_wait`]): an early
+/// report and its lease take about one round trip to the control plane, after at most
+/// the early-report gap. Well below the webhook's `timeoutSeconds` (5 in the shipped
+/// configuration).
+pub const DEFAULT_ADMISSION_HOLD: Duration = Duration::from_secs(2);
+/// The longest hold `kvota agent --admission-hold-ms` accepts: the API server gives up
+/// on the webhook after its `timeoutSeconds` (at most 30; 5 in the shipped manifests).
+pub const MAX_ADMISSION_HOLD: Duration = Duration::from_secs(4);
+/// Reviews held at once; beyond that a first denial is answered at once.
+pub const MAX_HELD: usize = 128;
 /// Oversized bodies are read and discarded up to this many bytes before answering.
 pub const DRAIN_LIMIT: usize = 4 * MAX_REVIEW_BYTES;
 
@@ -116,13 +127,24 @@ pub struct WebhookCtx {
     permits: Semaphore,
     apiserver_only: bool,
     federation_only: bool,
+    /// How long a first denial may be held (milliseconds; 0: never).
+    hold_ms: std::sync::atomic::AtomicU64,
+    holds: Semaphore,
 }
 
 impl WebhookCtx {
     /// Handlers' shared state, answering anyone on every route (no client
     /// certificates checked: tests, benchmarks, a trusted network).
     pub fn new(agent: Arc<Agent>, metrics: AgentMetrics) -> Arc<WebhookCtx> {
-        Arc::new(WebhookCtx { agent, metrics, permits: Semaphore::new(MAX_IN_FLIGHT), apiserver_only: false, federation_only: false })
+        Arc::new(WebhookCtx {
+            agent,
+            metrics,
+            permits: Semaphore::new(MAX_IN_FLIGHT),
+            apiserver_only: false,
+            federation_only: false,
+            hold_ms: std::sync::atomic::AtomicU64::new(millis(DEFAULT_ADMISSION_HOLD)),
+            holds: Semaphore::new(MAX_HELD),
+        })
     }
 
     /// Handlers' shared state, authorizing callers as `tls` says (see [`WebhookTls`]).
@@ -133,8 +155,24 @@ impl WebhookCtx {
             permits: Semaphore::new(MAX_IN_FLIGHT),
             apiserver_only: tls.verifies_apiserver(),
             federation_only: tls.federation.is_some(),
+            hold_ms: std::sync::atomic::AtomicU64::new(millis(DEFAULT_ADMISSION_HOLD)),
+            holds: Semaphore::new(MAX_HELD),
         })
     }
+
+    /// Sets how long a pod's first denial for lack of budget is held for the report it
+    /// triggers (zero: answered at once; capped at [`MAX_ADMISSION_HOLD`]).
+    pub fn set_admission_hold(&self, hold: Duration) {
+        self.hold_ms.store(millis(hold.min(MAX_ADMISSION_HOLD)), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn admission_hold(&self) -> Duration {
+        Duration::from_millis(self.hold_ms.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Who may call which route (see [`WebhookTls`]).
@@ -208,14 +246,40 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
     // RUST_LOG=kvota_member_agent=debug, since this path answers thousands per second.
     let span = tracing::debug_span!("admission", endpoint = ?endpoint, tenant = tracing::field::Empty, outcome = tracing::field::Empty);
     let parsed = parse(&bytes);
-    drop(bytes);
-    let r = span.in_scope(|| {
-        let answer = {
-            let mut st = ctx.agent.state();
-            judge(parsed, endpoint, &mut *st)
-        };
-        answer.render()
+    let (mut answer, mark) = span.in_scope(|| {
+        let mut st = ctx.agent.state();
+        let answer = judge(parsed, endpoint, &mut *st);
+        // Read under the same lock: every report round after `mark` carries what the
+        // decision recorded.
+        (answer, ctx.agent.rounds_taken())
     });
+    let hold = ctx.admission_hold();
+    let mut rejudged = false;
+    if answer.may_wait() && !hold.is_zero() {
+        // A first denial for lack of budget made the agent report early; its lease may
+        // give the tenant budget here. Hold the answer for that round, then judge the
+        // same request once more (see `Answer::may_wait`).
+        match ctx.holds.try_acquire() {
+            Ok(_held) => {
+                if ctx.agent.round_after(mark, hold).await {
+                    let again = parse(&bytes);
+                    answer = span.in_scope(|| {
+                        let mut st = ctx.agent.state();
+                        judge(again, endpoint, &mut *st)
+                    });
+                    rejudged = true;
+                } else {
+                    ctx.metrics.admission_hold("timeout");
+                }
+            }
+            Err(_) => ctx.metrics.admission_hold("full"),
+        }
+    }
+    drop(bytes);
+    let r = answer.render();
+    if rejudged {
+        ctx.metrics.admission_hold(if r.outcome == Outcome::Denied { "denied" } else { "admitted" });
+    }
     ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().as_secs_f64());
     if !span.is_disabled() {
         span.record("tenant", r.tenant.as_deref().unwrap_or("-"));

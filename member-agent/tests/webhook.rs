@@ -48,6 +48,11 @@ struct Served {
 }
 
 async fn serve(dir: &Path) -> Served {
+    serve_holding(dir, webhook::DEFAULT_ADMISSION_HOLD).await
+}
+
+/// [`serve`] with first denials held at most `hold`.
+async fn serve_holding(dir: &Path, hold: Duration) -> Served {
     let agent = Arc::new(
         Agent::open("east", [("nvidia.com/gpu".to_string(), 32_000)].into(), &dir.join("journal"), &["127.0.0.1:9".to_string()])
             .expect("agent"),
@@ -71,7 +76,9 @@ async fn serve(dir: &Path) -> Served {
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr");
     let (stop, rx) = tokio::sync::watch::channel(false);
-    let app = webhook::router(WebhookCtx::new(agent.clone(), metrics.clone()));
+    let ctx = WebhookCtx::new(agent.clone(), metrics.clone());
+    ctx.set_admission_hold(hold);
+    let app = webhook::router(ctx);
     tokio::spawn(webhook::serve_tls(l, tls, app, metrics, webhook::default_limits(), rx));
     Served { addr, agent, _stop: stop }
 }
@@ -142,6 +149,49 @@ fn response(body: &[u8]) -> Value {
     assert_eq!(v["kind"], "AdmissionReview", "{v}");
     assert_eq!(v["apiVersion"], "admission.k8s.io/v1", "{v}");
     v["response"].clone()
+}
+
+/// A pod's first denial for lack of budget is held for the report round it triggers.
+/// Here no round ever completes (the control plane's address answers nothing): the
+/// answer comes when the hold runs out, denied, and is counted as a timeout; the same
+/// pod again is answered at once (a pod is held once); a denial that more budget cannot
+/// cure (a pod above the tenant's ceiling) is never held; with the hold off, nothing is.
+/// One review of a `gpus`-GPU pod in `ml`: whether it was allowed, and how long the
+/// answer took.
+async fn timed(c: &mut Conn, uid: &str, name: &str, gpus: u32) -> (bool, Duration) {
+    let started = std::time::Instant::now();
+    let (status, body) = c.call("POST", "/validate", pod_review(uid, "ml", name, gpus)).await;
+    assert_eq!(status, 200);
+    (response(&body)["allowed"] == true, started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_denial_is_held_at_most_the_hold_and_only_once() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ca = write_cert(tmp.path(), "one");
+    let s = serve_holding(tmp.path(), Duration::from_millis(600)).await;
+    let mut c = connect(s.addr, &ca).await.expect("connect");
+    // Budget 2 GPUs: a 3-GPU pod is over it.
+    let (allowed, took) = timed(&mut c, "h1", "big", 3).await;
+    assert!(!allowed);
+    assert!(took >= Duration::from_millis(600) && took < Duration::from_millis(1_500), "held {took:?}");
+    let (allowed, took) = timed(&mut c, "h2", "big", 3).await;
+    assert!(!allowed && took < Duration::from_millis(300), "a retry is not held again: {took:?}");
+    // Larger than the 32-GPU cluster: never fits, never held.
+    let (allowed, took) = timed(&mut c, "h3", "huge", 40).await;
+    assert!(!allowed && took < Duration::from_millis(300), "a pod that never fits is not held: {took:?}");
+    let (_, m) = c.call("GET", "/metrics", vec![]).await;
+    let m = String::from_utf8_lossy(&m).to_string();
+    assert!(m.contains(r#"kvota_agent_admission_holds_total{reason="timeout"} 1"#), "{m}");
+    assert!(!m.contains(r#"reason="admitted""#), "{m}");
+    drop(s);
+
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ca = write_cert(tmp.path(), "one");
+    let s = serve_holding(tmp.path(), Duration::ZERO).await;
+    let mut c = connect(s.addr, &ca).await.expect("connect");
+    let (allowed, took) = timed(&mut c, "n1", "big", 3).await;
+    assert!(!allowed && took < Duration::from_millis(300), "hold off: {took:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -583,6 +583,10 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
         .collect();
     let mut open: BTreeMap<String, Open> = BTreeMap::new();
     let mut retries: Vec<(u64, usize)> = Vec::new(); // (due, arrival)
+    // First denials a webhook holds for the report round they trigger (as `kvota agent`
+    // does, `--admission-hold-ms`): (arrival, round mark, give up at).
+    let mut held: Vec<(usize, u64, u64)> = Vec::new();
+    let hold_ms = u64::try_from(kvota_member_agent::webhook::DEFAULT_ADMISSION_HOLD.as_millis()).unwrap_or(u64::MAX);
     let mut requeued: Vec<(u64, usize, SimPod)> = Vec::new(); // evicted pods, recreated
     let mut evicted_n = 0u64;
     let mut next_arrival = 0usize;
@@ -697,11 +701,31 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
                 true
             }
         });
-        for idx in due {
+        // Held reviews whose report round completed (or that waited as long as a webhook
+        // holds one) are judged once more; the API server sees only that answer.
+        let mut judged_again: Vec<usize> = Vec::new();
+        held.retain(|&(idx, mark, give_up)| {
+            let cluster = script.arrivals.get(idx).map_or(0, |a| a.cluster);
+            if fleet.get(cluster).is_some_and(|m| m.agent.rounds_done() > mark) || now >= give_up {
+                judged_again.push(idx);
+                false
+            } else {
+                true
+            }
+        });
+        // Held reviews first: a webhook answers them the moment their round completes,
+        // before reviews that arrive later.
+        let again = judged_again.len();
+        judged_again.extend(due);
+        for (n, idx) in judged_again.into_iter().enumerate() {
             let Some(a) = script.arrivals.get(idx) else { continue };
             // Retries go to the same cluster (a job stays where it was submitted; moving it
             // would chase budgets that follow demand).
-            let outcome = submit(&mut fleet[a.cluster], a, speed, &weights, &mut open, now, &mut lease_e);
+            let (outcome, mark) = submit(&mut fleet[a.cluster], a, speed, &weights, &mut open, now, &mut lease_e);
+            if let (Outcome::Denied, Some(mark), true) = (outcome, mark, n >= again) {
+                held.push((idx, mark, now + hold_ms));
+                continue;
+            }
             if matches!(outcome, Outcome::Denied | Outcome::Error) {
                 retries.push((now + real_ms(scenario::RETRY_MS, speed), idx));
                 if let Some(t) = measures.tenants.get_mut(a.tenant) {
@@ -981,7 +1005,7 @@ fn submit(
     open: &mut BTreeMap<String, Open>,
     now: u64,
     lease_e: &mut BTreeMap<String, MilliGpue>,
-) -> Outcome {
+) -> (Outcome, Option<u64>) {
     let pod = SimPod {
         namespace: a.tenant.to_string(),
         name: a.name.clone(),
@@ -999,13 +1023,15 @@ fn submit(
         count: a.count,
     });
     let mut st = m.agent.state();
-    let outcome = m.sim.submit(&mut st, &pod);
+    let (outcome, may_wait) = m.sim.submit_reviewed(&mut st, &pod);
+    // Read under the state's lock, as the webhook does: rounds after it carry the denial.
+    let mark = may_wait.then(|| m.agent.rounds_taken());
     if outcome == Outcome::Allowed {
         let e = st.lease.lease().and_then(|l| l.budgets.get(a.tenant)).map_or(0, |b| b.entitlement);
         let slot = lease_e.entry(a.tenant.to_string()).or_insert(0);
         *slot = (*slot).max(e);
     }
-    outcome
+    (outcome, mark)
 }
 
 #[allow(clippy::too_many_arguments)]

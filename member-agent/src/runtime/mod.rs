@@ -38,6 +38,9 @@ pub struct Config {
     pub webhook_max_connections_per_peer: usize,
     /// How often usage is reported, milliseconds.
     pub report_interval_ms: u64,
+    /// How long a first denial for lack of budget may be held for the report it
+    /// triggers, milliseconds (0: never; see [`crate::webhook::DEFAULT_ADMISSION_HOLD`]).
+    pub admission_hold_ms: u64,
     /// Kubeconfig of the member cluster (Kubernetes mode; `None`: in-cluster or the
     /// usual places).
     pub kubeconfig: Option<PathBuf>,
@@ -121,7 +124,9 @@ pub async fn start_webhook(
         let m = metrics.clone();
         tokio::spawn(f.watch("federation certificate", move |ok| m.tls_reload(ok), stop.clone()));
     }
-    let app = webhook::router(WebhookCtx::with_tls(agent.clone(), metrics.clone(), &tls));
+    let ctx = WebhookCtx::with_tls(agent.clone(), metrics.clone(), &tls);
+    ctx.set_admission_hold(Duration::from_millis(args.admission_hold_ms));
+    let app = webhook::router(ctx);
     let limits = kvota_tls::Limits { max_connections_per_peer: args.webhook_max_connections_per_peer.max(1), ..webhook::default_limits() };
     let server = tokio::spawn(webhook::serve_tls(listener, tls, app, metrics, limits, stop.clone()));
     Ok((agent, stop_tx, stop, server))
