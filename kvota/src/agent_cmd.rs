@@ -120,6 +120,14 @@ pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
             args.admission_hold_ms
         );
     }
+    let gap = kvota_member_agent::runtime::early_gap(std::time::Duration::from_millis(args.report_interval_ms));
+    if args.admission_hold_ms > 0 && gap.as_millis() >= u128::from(args.admission_hold_ms) {
+        tracing::warn!(
+            admission_hold_ms = args.admission_hold_ms,
+            early_report_gap_ms = u64::try_from(gap.as_millis()).unwrap_or(u64::MAX),
+            "an early report comes no sooner than a fifth of --report-interval-ms after the last one, which is longer than --admission-hold-ms: held first denials will time out; lower the interval or raise the hold"
+        );
+    }
     let nodes = args.simulate.as_deref().map(parse_nodes).transpose()?;
     // Certificate problems are reported before anything starts.
     let federation = cp.tls()?;

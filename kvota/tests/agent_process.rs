@@ -308,13 +308,16 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
 /// pod's denial makes the agent report at once, and the webhook holds that answer for
 /// the report round: the lease that comes back has budget, so the pod is admitted about
 /// one round trip later instead of being denied and retried. With
-/// `--admission-hold-ms 0` the same first pod is denied.
+/// `--admission-hold-ms 0` the same first pod is denied. With the control plane gone, a
+/// held review gets its denial when the hold runs out, and once a round has failed,
+/// denials are not held at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
     let Env { tmp, rpc, http, hook, ca } = env();
     let server = one_node_server(tmp.path(), &rpc, &http);
     let mut procs = Procs::of([server]);
-    std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
+    // A lease long enough to stay fresh for a while after the control plane is gone.
+    std::fs::write(tmp.path().join("p.yaml"), POLICY.replace("duration: 3s, clockSkewMargin: 300ms", "duration: 30s, clockSkewMargin: 1s")).expect("w");
     wait_for("the policy applied", Duration::from_secs(20), || async {
         kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
     })
@@ -354,6 +357,32 @@ async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
     let (_, m) = https(hook, &ca, "GET", "/metrics", vec![]).await.expect("metrics");
     let m = String::from_utf8_lossy(&m);
     assert!(m.contains(r#"kvota_agent_admission_holds_total{reason="admitted"} 1"#), "{m}");
+
+    // The control plane stops. The next denial is held (the last round worked), its
+    // early round fails, and the answer is the denial when the 2 s hold runs out; after
+    // that failed round, a denial is answered at once.
+    procs.get(0).expect("server").kill().expect("kill server");
+    let _ = procs.get(0).expect("server").wait();
+    let (allowed, _, took) = first("training-2", "ml").await;
+    assert!(!allowed && took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_500), "held {took:?}");
+    // Once a report round has failed (the client tries for a while first), denials are
+    // answered at once.
+    let mut n = 2;
+    wait_for("denials answered at once while reports fail", Duration::from_secs(30), || {
+        n += 1;
+        let first = &first;
+        async move {
+            let uid: &'static str = Box::leak(format!("training-{n}").into_boxed_str());
+            let (allowed, _, took) = first(uid, "ml").await;
+            assert!(!allowed);
+            took < Duration::from_millis(500)
+        }
+    })
+    .await;
+    let (_, m) = https(hook, &ca, "GET", "/metrics", vec![]).await.expect("metrics");
+    let m = String::from_utf8_lossy(&m);
+    let timeouts = m.lines().find_map(|l| l.strip_prefix(r#"kvota_agent_admission_holds_total{reason="timeout"} "#)).and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(timeouts.is_some_and(|n| n >= 1), "{m}");
 }
 
 #[test]

@@ -113,6 +113,8 @@ pub struct Agent {
     /// The number of the latest report round that completed (its reports acknowledged
     /// and their lease adopted).
     rounds_done: tokio::sync::watch::Sender<u64>,
+    /// Whether the last report round completed (reports reach the control plane).
+    last_round_ok: std::sync::atomic::AtomicBool,
 }
 
 
@@ -174,6 +176,7 @@ impl Agent {
             meter_known: std::sync::atomic::AtomicBool::new(true),
             rounds_taken: std::sync::atomic::AtomicU64::new(0),
             rounds_done: tokio::sync::watch::Sender::new(0),
+            last_round_ok: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -182,6 +185,12 @@ impl Agent {
     /// every round after the mark carries what that decision recorded.
     pub fn rounds_taken(&self) -> u64 {
         self.rounds_taken.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether the last report round completed: reports reach the control plane, so a
+    /// round started now is expected to come back (false before the first round).
+    pub fn reports_flow(&self) -> bool {
+        self.last_round_ok.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The number of the latest report round that completed (see [`Agent::round_after`]).
@@ -614,7 +623,9 @@ impl Agent {
     pub async fn report_once(&self) -> Result<(), Status> {
         use tracing::Instrument as _;
         let span = tracing::info_span!("report", cluster = %self.cluster, seq = tracing::field::Empty);
-        self.report_round(&span).instrument(span.clone()).await
+        let result = self.report_round(&span).instrument(span.clone()).await;
+        self.last_round_ok.store(result.is_ok(), std::sync::atomic::Ordering::SeqCst);
+        result
     }
 
     async fn report_round(&self, span: &tracing::Span) -> Result<(), Status> {

@@ -51,6 +51,11 @@ pub const DEFAULT_ADMISSION_HOLD: Duration = Duration::from_secs(2);
 pub const MAX_ADMISSION_HOLD: Duration = Duration::from_secs(4);
 /// Reviews held at once; beyond that a first denial is answered at once.
 pub const MAX_HELD: usize = 128;
+/// A held review is answered at most this long after it arrived, whatever the hold
+/// (time spent waiting for a slot and for the body counts): the API server stops
+/// waiting after the webhook's `timeoutSeconds` (5 in the shipped manifests), and a
+/// review judged again after that could reserve budget for a pod it never created.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(4);
 /// Oversized bodies are read and discarded up to this many bytes before answering.
 pub const DRAIN_LIMIT: usize = 4 * MAX_REVIEW_BYTES;
 
@@ -253,15 +258,21 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
         // decision recorded.
         (answer, ctx.agent.rounds_taken())
     });
-    let hold = ctx.admission_hold();
+    // No longer than the API server waits, and not while reports fail (the round would
+    // not come).
+    let hold = ctx.admission_hold().min(ANSWER_WITHIN.saturating_sub(started.elapsed()));
     let mut rejudged = false;
-    if answer.may_wait() && !hold.is_zero() {
+    let mut held_for = Duration::ZERO;
+    if answer.may_wait() && !hold.is_zero() && ctx.agent.reports_flow() {
         // A first denial for lack of budget made the agent report early; its lease may
         // give the tenant budget here. Hold the answer for that round, then judge the
         // same request once more (see `Answer::may_wait`).
         match ctx.holds.try_acquire() {
             Ok(_held) => {
-                if ctx.agent.round_after(mark, hold).await {
+                let since = Instant::now();
+                let done = ctx.agent.round_after(mark, hold).await;
+                held_for = since.elapsed();
+                if done {
                     let again = parse(&bytes);
                     answer = span.in_scope(|| {
                         let mut st = ctx.agent.state();
@@ -278,9 +289,15 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
     drop(bytes);
     let r = answer.render();
     if rejudged {
-        ctx.metrics.admission_hold(if r.outcome == Outcome::Denied { "denied" } else { "admitted" });
+        ctx.metrics.admission_hold(match r.outcome {
+            Outcome::Allowed | Outcome::Queued => "admitted",
+            Outcome::Denied => "denied",
+            // Leadership lost meanwhile (held), the books full (busy): answered so.
+            _ => "other",
+        });
     }
-    ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().as_secs_f64());
+    // The time spent judging: a hold is counted by its own metric, not here.
+    ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().saturating_sub(held_for).as_secs_f64());
     if !span.is_disabled() {
         span.record("tenant", r.tenant.as_deref().unwrap_or("-"));
         span.record("outcome", r.outcome.as_str());

@@ -701,18 +701,30 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
                 true
             }
         });
-        // Held reviews whose report round completed (or that waited as long as a webhook
-        // holds one) are judged once more; the API server sees only that answer.
+        // Held reviews whose report round completed are judged once more; the API server
+        // sees only that answer. One that waited as long as a webhook holds is answered
+        // with its first denial, as the webhook does.
         let mut judged_again: Vec<usize> = Vec::new();
+        let mut timed_out: Vec<usize> = Vec::new();
         held.retain(|&(idx, mark, give_up)| {
             let cluster = script.arrivals.get(idx).map_or(0, |a| a.cluster);
-            if fleet.get(cluster).is_some_and(|m| m.agent.rounds_done() > mark) || now >= give_up {
+            if fleet.get(cluster).is_some_and(|m| m.agent.rounds_done() > mark) {
                 judged_again.push(idx);
+                false
+            } else if now >= give_up {
+                timed_out.push(idx);
                 false
             } else {
                 true
             }
         });
+        for idx in timed_out {
+            let Some(a) = script.arrivals.get(idx) else { continue };
+            retries.push((now + real_ms(scenario::RETRY_MS, speed), idx));
+            if let Some(t) = measures.tenants.get_mut(a.tenant) {
+                t.denials += 1;
+            }
+        }
         // Held reviews first: a webhook answers them the moment their round completes,
         // before reviews that arrive later.
         let again = judged_again.len();
@@ -1025,7 +1037,8 @@ fn submit(
     let mut st = m.agent.state();
     let (outcome, may_wait) = m.sim.submit_reviewed(&mut st, &pod);
     // Read under the state's lock, as the webhook does: rounds after it carry the denial.
-    let mark = may_wait.then(|| m.agent.rounds_taken());
+    // Not held while reports fail (the webhook does not hold then either).
+    let mark = (may_wait && m.agent.reports_flow()).then(|| m.agent.rounds_taken());
     if outcome == Outcome::Allowed {
         let e = st.lease.lease().and_then(|l| l.budgets.get(a.tenant)).map_or(0, |b| b.entitlement);
         let slot = lease_e.entry(a.tenant.to_string()).or_insert(0);
