@@ -490,15 +490,7 @@ async fn leases_carry_borrow_limits_once_the_group_lends() {
 }
 
 /// Two tenants on two clusters of 16 GPUs; `train` may hold at most 25 % (8 GPUs).
-const SIZED_POLICY: &str = "
-apiVersion: kvota.dev/v1alpha1
-kind: FairnessPolicy
-metadata: {name: sized}
-spec:
-  tenants:
-  - {name: train, weight: 1, minShare: 0, maxShare: 25, namespaces: [train]}
-  - {name: serve, weight: 1, minShare: 0, maxShare: 100, namespaces: [serve]}
-";
+const SIZED_POLICY: &str = include_str!("../../fairness/tests/fixtures/sized.yaml");
 
 fn supports_3(c: &mut kvota_control_plane::server::ServerConfig) {
     c.feature_level_max = 3;

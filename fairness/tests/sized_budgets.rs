@@ -12,15 +12,7 @@ use kvota_fairness::policy::Policy;
 
 /// Two tenants on two clusters of 16 GPUs: `train` may hold at most 25 % (8 GPUs),
 /// `serve` wants nothing now.
-const POLICY: &str = "
-apiVersion: kvota.dev/v1alpha1
-kind: FairnessPolicy
-metadata: {name: sized}
-spec:
-  tenants:
-  - {name: train, weight: 1, minShare: 0, maxShare: 25, namespaces: [train]}
-  - {name: serve, weight: 1, minShare: 0, maxShare: 100, namespaces: [serve]}
-";
+const POLICY: &str = include_str!("fixtures/sized.yaml");
 
 fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
     let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();

@@ -179,7 +179,7 @@ impl AgentMetrics {
         r.register("shed", "Admission entries dropped or refused because a bounded map was full, by map", m.shed.clone());
         r.register(
             "admission_holds",
-            "First denials for lack of budget held for the report they triggered, by result (admitted, denied, timeout, full)",
+            "First denials for lack of budget held for the report round they triggered, by how the hold ended (admitted, denied, timeout, full, other)",
             m.holds.clone(),
         );
         let build = Family::<BuildLabel, Gauge>::default();
@@ -224,7 +224,8 @@ impl AgentMetrics {
 
     /// Counts a held review by its result: `admitted` (judged again after the report round
     /// and allowed), `denied` (judged again, still over budget), `timeout` (no report
-    /// round completed in time), `full` (too many reviews held already; not held).
+    /// round completed in time), `full` (too many reviews held already; not held), `other`
+    /// (judged again into another answer: the agent stood down, or its books were full).
     pub fn admission_hold(&self, result: &str) {
         self.holds.get_or_create(&ReasonLabel { reason: result.to_string() }).inc();
     }
