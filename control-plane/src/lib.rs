@@ -1,10 +1,10 @@
-//! The kvota control plane (`kvota server`): a Raft group (openraft + sled) whose state
+//! The kvota control plane (`kvota server`): a Raft group (openraft on a log store of its own) whose state
 //! machine is [`kvota_fairness::federation::Federation`].
 //!
 //! The adapter stays thin: a log entry carries a leader-stamped
 //! [`kvota_fairness::federation::Command`]; applying it calls `Federation::apply`.
 //!
-//! Map: [`types`] (Raft type config), [`store`] (sled log and state machine),
+//! Map: [`types`] (Raft type config), [`store`] (the log segments, snapshots and state machine),
 //! [`network`] (Raft over gRPC), [`wire`] (the Raft port's protobuf to and from openraft's types), [`node`] (write path, forwarding, readiness),
 //! [`service`] (Member and Admin gRPC), [`metrics`], [`view`] (the federation in base
 //! units, shared by the metrics and the dashboard), [`http`] (health, readiness,

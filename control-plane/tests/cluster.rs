@@ -1,4 +1,4 @@
-//! A 3-node control plane in one test process over real loopback gRPC and real sled
+//! A 3-node control plane in one test process over real loopback gRPC and real data
 //! directories: election, policy, reports from several clusters, the same state on
 //! every node, a leader killed mid-stream, restart from disk, and bad input.
 

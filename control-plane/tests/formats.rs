@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvota_client::client::Client;
-use kvota_control_plane::store::{self, StateMachineData, StoreError};
+use kvota_control_plane::store::{self, segments, StateMachineData, StoreError};
+use prost::Message;
 use kvota_control_plane::types::{Request, TypeConfig, FEATURE_LEVEL, LOG_FORMAT};
 use kvota_fairness::policy::Policy;
 use kvota_proto::raft::v1 as rv1;
@@ -136,24 +137,100 @@ fn newer_formats_are_refused_with_an_error_that_says_so() {
 #[test]
 fn a_data_directory_of_a_newer_layout_is_refused() {
     let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("meta.json"), br#"{"format":3,"node_id":1}"#).unwrap();
+    let e = store::open(dir.path()).unwrap_err();
+    assert!(matches!(e, StoreError::Newer { found: 3, reads: 2, .. }), "{e}");
+    assert!(e.to_string().contains("newer than this kvota reads"), "{e}");
+    assert!(dir.path().join("meta.json").is_file(), "nothing removed");
+
+    // A sled directory (layout 1) that claims a later layout: refused, not migrated.
+    let dir = tempfile::tempdir().unwrap();
     {
         let db = sled::open(dir.path()).unwrap();
         db.open_tree("meta").unwrap().insert("format", &2u32.to_le_bytes()).unwrap();
         db.flush().unwrap();
     }
+    let e = open_retrying(dir.path()).map(|_| ()).unwrap_err();
+    assert!(matches!(e, StoreError::Newer { found: 2, .. }), "{e}");
+    assert!(dir.path().join("db").is_file() && !dir.path().join("meta.json").exists(), "left as it was");
+}
+
+/// A build from before layout 2 opens the data directory as a sled database: on a
+/// layout-2 directory that must fail, not start an empty node that could vote twice.
+#[tokio::test]
+async fn a_build_before_layout_2_cannot_open_a_layout_2_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (logs, _sm) = store::open(dir.path()).unwrap();
+        logs.claim_for_node(1).await.unwrap();
+    }
+    let e = sled::open(dir.path()).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("Is a directory"), "{e}");
+    assert!(std::fs::read_to_string(dir.path().join("db/README")).unwrap().contains("layout 2"));
+    // And the directory still opens as what it is.
+    let (logs, _sm) = store::open(dir.path()).unwrap();
+    assert!(matches!(logs.claim_for_node(2).await, Err(StoreError::OtherNode { stored: 1, requested: 2 })));
+}
+
+/// Opens a store, waiting for sled's lock on a layout-1 directory to be let go (sled
+/// releases it when its background threads notice the last handle gone).
+fn open_retrying(path: &std::path::Path) -> Result<(store::LogStore, store::StateMachineStore), StoreError> {
     let mut tries = 0;
-    let e = loop {
-        match store::open(dir.path()) {
+    loop {
+        match store::open(path) {
             Err(e) if tries < 100 && e.to_string().contains("lock") => {
                 tries += 1;
                 std::thread::sleep(Duration::from_millis(50));
             }
-            Err(e) => break e,
-            Ok(_) => panic!("a layout-2 directory opened"),
+            other => return other,
         }
-    };
-    assert!(matches!(e, StoreError::Newer { found: 2, reads: 1, .. }), "{e}");
-    assert!(e.to_string().contains("newer than this kvota reads"), "{e}");
+    }
+}
+
+/// A data directory of layout 1, as builds before layout 2 wrote it (one sled database:
+/// the log as JSON under big-endian indexes, the metadata and the snapshot as JSON), is
+/// migrated on open: the same log, vote, owner and state; sled's files moved aside; and
+/// the migrated directory reopens as layout 2.
+#[tokio::test]
+async fn a_layout_1_directory_is_migrated_whole() {
+    use openraft::storage::RaftLogStorage;
+    let dir = tempfile::tempdir().unwrap();
+    let log = golden_log();
+    let want = state_after(&log);
+    let snapshot = std::fs::read(golden("snapshot.format-1.json")).unwrap();
+    let snap_meta = SnapshotMeta { last_log_id: want.last_applied, last_membership: want.last_membership.clone(), snapshot_id: "1-9-7".into() };
+    let vote = openraft::Vote::new_committed(4, 2);
+    {
+        let db = sled::open(dir.path()).unwrap();
+        let logs = db.open_tree("logs").unwrap();
+        for (i, line) in std::fs::read_to_string(golden("log-entries.format-1.jsonl")).unwrap().lines().enumerate() {
+            logs.insert(log[i].log_id.index.to_be_bytes(), line.as_bytes()).unwrap();
+        }
+        let meta = db.open_tree("meta").unwrap();
+        meta.insert("format", &1u32.to_le_bytes()).unwrap();
+        meta.insert("node_id", serde_json::to_vec(&2u64).unwrap()).unwrap();
+        meta.insert("vote", serde_json::to_vec(&vote).unwrap()).unwrap();
+        meta.insert("committed", serde_json::to_vec(&Some(log[3].log_id)).unwrap()).unwrap();
+        let state = db.open_tree("state").unwrap();
+        state.insert("snapshot_meta", serde_json::to_vec(&snap_meta).unwrap()).unwrap();
+        state.insert("snapshot_data", snapshot.clone()).unwrap();
+        state.insert("sm", snapshot.clone()).unwrap();
+        db.flush().unwrap();
+    }
+    for round in 0..2 {
+        let (mut logs, mut sm) = open_retrying(dir.path()).unwrap();
+        assert_eq!(logs.try_get_log_entries(..).await.unwrap(), log, "round {round}");
+        assert_eq!(logs.read_vote().await.unwrap(), Some(vote));
+        assert!(matches!(logs.claim_for_node(1).await, Err(StoreError::OtherNode { stored: 2, requested: 1 })));
+        logs.claim_for_node(2).await.unwrap();
+        assert_eq!(*sm.shared().read().await, want);
+        let current = sm.get_current_snapshot().await.unwrap().expect("the snapshot");
+        assert_eq!(current.meta, snap_meta);
+        assert_eq!(current.snapshot.into_inner(), snapshot);
+        assert!(dir.path().join("meta.json").is_file() && dir.path().join("log").is_dir());
+        assert!(!dir.path().join("db").exists(), "sled's files moved aside");
+        assert!(dir.path().join("sled-layout-1.migrated").join("db").is_file(), "and kept");
+    }
 }
 
 async fn apply_policy(c: &Client) {
@@ -186,37 +263,33 @@ async fn a_node_that_meets_a_newer_log_entry_stops_with_a_clear_error() {
     let applied = cl.node(1).raft().metrics().borrow().last_applied.unwrap().index;
     cl.stop(1).await;
     // Mark the policy's entry (committed and applied, after no snapshot: it is replayed
-    // at the next start) as format 2.
-    let raft_dir = cl.dirs[0].join("raft");
-    let mut tries = 0;
-    let db = loop {
-        match sled::open(&raft_dir) {
-            Ok(db) => break db,
-            Err(e) if tries < 100 => {
-                tries += 1;
-                let _ = e;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => panic!("open {}: {e}", raft_dir.display()),
-        }
-    };
-    let logs = db.open_tree("logs").unwrap();
+    // at the next start) as format 2, in its segment, checksum and all.
+    let log_dir = cl.dirs[0].join("raft").join("log");
     let mut marked = None;
-    for kv in logs.iter() {
-        let (k, v) = kv.unwrap();
-        let text = String::from_utf8(v.to_vec()).unwrap();
-        if text.contains("ApplyPolicy") {
-            let newer = text.replacen("\"Normal\":{\"format\":1,", "\"Normal\":{\"format\":2,", 1);
-            assert_ne!(newer, text, "entries are written with their format first: {text}");
-            logs.insert(k.clone(), newer.as_bytes()).unwrap();
-            marked = Some(u64::from_be_bytes(k.as_ref().try_into().unwrap()));
+    for seg in std::fs::read_dir(&log_dir).unwrap() {
+        let path = seg.unwrap().path();
+        let mut bytes = std::fs::read(&path).unwrap();
+        let scanned = segments::scan(&bytes, true, &path).unwrap();
+        for (i, (offset, len)) in scanned.records.iter().enumerate() {
+            let index = scanned.first + i as u64;
+            let at = *offset as usize + segments::RECORD_HEAD;
+            let mut entry = rv1::RaftEntry::decode(&bytes[at..at + *len as usize]).unwrap();
+            let Some(rv1::raft_entry::Payload::Normal(batch)) = entry.payload.as_mut() else { continue };
+            let decoded = kvota_control_plane::wire::batch_from(batch.clone(), "batch").unwrap();
+            if !decoded.commands.iter().any(|c| matches!(c, kvota_fairness::federation::Command::ApplyPolicy(_))) {
+                continue;
+            }
+            assert_eq!(batch.format, 1);
+            batch.format = 2;
+            let framed = segments::frame(index, &entry.encode_to_vec()).unwrap();
+            assert_eq!(framed.len(), segments::RECORD_HEAD + *len as usize, "format 2 takes the bytes format 1 took");
+            bytes[*offset as usize..*offset as usize + framed.len()].copy_from_slice(&framed);
+            marked = Some(index);
         }
+        std::fs::write(&path, &bytes).unwrap();
     }
     let marked = marked.expect("the policy's entry");
     assert!(marked <= applied);
-    db.flush().unwrap();
-    drop(logs);
-    drop(db);
 
     // Met while the Raft core starts (it reads the log's last entry) the start fails;
     // met on replay, the core stops (`ServerHandle::broken`). Same words either way.

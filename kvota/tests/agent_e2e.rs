@@ -1,5 +1,5 @@
 //! End to end with the real control plane: 3 `kvota server` nodes in this process (real
-//! loopback gRPC, real sled), 2 agents with simulated clusters. A burst of 200 GPU pods
+//! loopback gRPC, real data directories), 2 agents with simulated clusters. A burst of 200 GPU pods
 //! never takes a tenant above its budget or its maxShare; an agent cut off from the
 //! control plane (its connections dropped by a real TCP proxy) keeps enforcing, falling
 //! back to its safe budget; after it reconnects, the control plane's ledger holds exactly

@@ -1,7 +1,7 @@
 //! Test-only helpers shared by kvota's suites (a dev-dependency, never in a release
 //! build): [`Pki`], a federation CA that writes certificates for any party, and
 //! [`Cluster`], a control plane of real nodes in the test's process (real sockets, real
-//! sled directories, TLS optional).
+//! data directories, TLS optional).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -206,7 +206,7 @@ impl Cluster {
         let m = self.members[&id].clone();
         // Rebind the same ports (the members' addresses are part of the replicated state)
         // and reopen the directory. In one process, the stopped instance's last blocking
-        // tasks may still hold sled's directory lock for a moment (a real restart is a new
+        // tasks may still hold the data directory's lock for a moment (a real restart is a new
         // process, whose exit released it), so retry for a few seconds.
         let mut tries = 0;
         let node = loop {

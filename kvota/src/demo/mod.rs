@@ -2,8 +2,8 @@
 //! control-plane failover, on one machine, with nothing else installed.
 //!
 //! What is real: three `kvota server` processes (this binary, spawned as children, each
-//! with its own sled data directory) forming one Raft group on loopback; three member
-//! agents with their sled journals, reporting over gRPC and enforcing leases; the
+//! with its own data directory) forming one Raft group on loopback; three member
+//! agents with their usage journals, reporting over gRPC and enforcing leases; the
 //! admission path (every pod is an AdmissionReview through the webhook code); the
 //! partition (a TCP proxy that drops the agent's connections); the leader's death
 //! (SIGKILL). What is simulated: the clusters themselves (nodes, a first-fit scheduler,
