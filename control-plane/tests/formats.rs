@@ -134,14 +134,26 @@ fn newer_formats_are_refused_with_an_error_that_says_so() {
     assert!(StateMachineData::decode(higher.as_bytes(), next).is_ok(), "a node that supports level {next} reads it");
 }
 
-#[test]
-fn a_data_directory_of_a_newer_layout_is_refused() {
+#[tokio::test]
+async fn a_data_directory_of_a_newer_layout_or_without_its_metadata_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("meta.json"), br#"{"format":3,"node_id":1}"#).unwrap();
     let e = store::open(dir.path()).unwrap_err();
     assert!(matches!(e, StoreError::Newer { found: 3, reads: 2, .. }), "{e}");
     assert!(e.to_string().contains("newer than this kvota reads"), "{e}");
     assert!(dir.path().join("meta.json").is_file(), "nothing removed");
+
+    // A directory whose metadata (the vote) is gone but which holds a log: refused, not
+    // started empty.
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut logs, _sm) = store::open(dir.path()).unwrap();
+        logs.blocking_append(golden_log()).await.unwrap();
+    }
+    std::fs::remove_file(dir.path().join("meta.json")).unwrap();
+    let e = store::open(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("meta.json is missing") && e.contains("vote"), "{e}");
+    assert!(dir.path().join("log").read_dir().unwrap().next().is_some(), "the log is left as it was");
 
     // A sled directory (layout 1) that claims a later layout: refused, not migrated.
     let dir = tempfile::tempdir().unwrap();
@@ -228,7 +240,7 @@ async fn a_layout_1_directory_is_migrated_whole() {
         assert_eq!(current.meta, snap_meta);
         assert_eq!(current.snapshot.into_inner(), snapshot);
         assert!(dir.path().join("meta.json").is_file() && dir.path().join("log").is_dir());
-        assert!(!dir.path().join("db").exists(), "sled's files moved aside");
+        assert!(dir.path().join("db").is_dir() && !dir.path().join("conf").exists(), "sled's files moved aside (db/ is the guard against older builds)");
         assert!(dir.path().join("sled-layout-1.migrated").join("db").is_file(), "and kept");
     }
 }

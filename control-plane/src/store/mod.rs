@@ -260,8 +260,20 @@ pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachine
         }
         None if sled_v1::is_layout_1(path) => migrate(path)?,
         None => {
-            // A new directory. Whatever a migration cut short left is not part of it.
-            clear_layout_2(path)?;
+            // A new directory, unless it holds a log or a snapshot: then its metadata
+            // (the vote among it) is lost, and starting empty could vote twice in a term.
+            let log = path.join(LOG_DIR);
+            let has_log = std::fs::read_dir(&log).is_ok_and(|mut d| d.next().is_some());
+            if has_log || path.join(SNAPSHOT_FILE).exists() {
+                return Err(StoreError::Corrupt {
+                    what: "data directory",
+                    why: format!(
+                        "{} is missing while the directory holds a Raft log or snapshot: the vote it kept is lost; \
+                         remove this node from the group and add it back with an empty directory, or restore a backup",
+                        META_FILE
+                    ),
+                });
+            }
             let meta = Meta { format: DIR_FORMAT, ..Meta::default() };
             write_meta(path, &meta)?;
             meta
