@@ -26,6 +26,7 @@
 //! that the inequality holds given what every *other* cluster may hold
 //! ([`Federation::check_safety`] verifies it).
 
+use crate::stamped::Stamped;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
@@ -452,10 +453,11 @@ pub struct ClusterRecord {
     pub last_seq: u64,
     /// When the last report was applied (control-plane clock).
     pub last_report_ms: Option<Millis>,
-    /// Last reported numbers per tenant.
-    pub usage: BTreeMap<String, TenantUsage>,
-    /// The lease book.
-    pub leases: ClusterLeases,
+    /// Last reported numbers per tenant (stamped: the plan's grid keeps a column of it
+    /// until it changes).
+    pub usage: Stamped<BTreeMap<String, TenantUsage>>,
+    /// The lease book (stamped, as `usage`).
+    pub leases: Stamped<ClusterLeases>,
     /// Latest end of an applied report's usage window (agent wall clock, Unix ms):
     /// usage up to here is counted. `None` until a report with a window is applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -618,6 +620,54 @@ pub struct Federation {
     /// during one apply, never part of the state.
     #[serde(skip)]
     actor: Option<String>,
+    /// The grid's columns as last read (derived, never part of the state).
+    #[serde(skip)]
+    grid_cache: GridCache,
+}
+
+/// One cluster's column of the grid, read from its usage and leases as they were at
+/// the stamps it records, rows in the order of `GridColumns::names`.
+#[derive(Clone, Debug, Default)]
+struct GridColumn {
+    usage_stamp: u64,
+    usage: Vec<TenantUsage>,
+    leases_stamp: u64,
+    /// Per open lease: when it expires, and per row what the cluster may enforce while
+    /// it is live and after.
+    leases: Vec<(Millis, Vec<(MilliGpue, MilliGpue)>)>,
+}
+
+#[derive(Debug, Default)]
+struct GridColumns {
+    names: Vec<String>,
+    columns: BTreeMap<String, GridColumn>,
+}
+
+/// The grid's columns kept between reports: a report changes its own cluster's usage
+/// and leases, so the other clusters' columns are reused as long as their stamps (see
+/// [`Stamped`]) and the plan's tenants are unchanged. Derived data: a copy of the
+/// federation starts without it, it never serializes, and it takes no part in equality.
+#[derive(Default)]
+struct GridCache(std::sync::Mutex<GridColumns>);
+
+impl Clone for GridCache {
+    fn clone(&self) -> Self {
+        GridCache::default()
+    }
+}
+
+impl PartialEq for GridCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for GridCache {}
+
+impl std::fmt::Debug for GridCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GridCache")
+    }
 }
 
 impl Federation {
@@ -814,8 +864,8 @@ impl Federation {
                 capacity_gpue: 0,
                 last_seq: 0,
                 last_report_ms: None,
-                usage: BTreeMap::new(),
-                leases: ClusterLeases::default(),
+                usage: Stamped::default(),
+                leases: Stamped::default(),
                 reported_through_ms: None,
             });
         let changed = rec.capacity != capacity || rec.labels != labels;
@@ -1067,34 +1117,67 @@ impl Federation {
     fn grid(&self, names: &[String]) -> Grid {
         let now = self.now_ms;
         let clusters = self.clusters.len();
-        let mut cells = vec![GridCell::default(); names.len() * clusters];
-        let mut unreachable = Vec::with_capacity(clusters);
-        // The maps are keyed by name in byte order; walking each alongside the names in
-        // that order reads every pair with one comparison per step, where a lookup per
-        // pair cost a dozen (at 1,000 tenants x 64 clusters the lookups were 3/4 of a
-        // report's cost). Same values as `usage.get(name)` and `leases.enforceable`.
-        let mut order: Vec<usize> = (0..names.len()).collect();
-        order.sort_unstable_by(|a, b| names[*a].cmp(&names[*b]));
-        // Filled a cluster (a column) at a time, each column contiguous, then laid out
-        // by tenant (row) as the plan reads it.
         let rows = names.len();
-        let mut columns = vec![GridCell::default(); rows * clusters];
-        for (j, rec) in self.clusters.values().enumerate() {
-            unreachable.push(Self::is_unreachable(rec, now));
-            let column = &mut columns[j * rows..(j + 1) * rows];
-            join_sorted(names, &order, &rec.usage, |i, u| column[i].usage = *u);
-            for lease in &rec.leases.open {
-                let live = now < lease.expires_at_ms;
-                join_sorted(names, &order, &lease.budgets, |i, b| {
-                    let v = if live { b.budget.max(b.fallback) } else { b.fallback };
-                    let e = &mut column[i].enforceable;
-                    *e = (*e).max(v);
-                });
-            }
+        let mut cells = vec![GridCell::default(); rows * clusters];
+        let mut unreachable = Vec::with_capacity(clusters);
+        let mut cache = self.grid_cache.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cache.names != names {
+            cache.names = names.to_vec();
+            cache.columns.clear();
         }
-        for (i, row) in cells.chunks_mut(clusters.max(1)).enumerate() {
-            for (j, cell) in row.iter_mut().enumerate() {
-                *cell = columns[j * rows + i];
+        if cache.columns.len() > clusters {
+            cache.columns.retain(|c, _| self.clusters.contains_key(c));
+        }
+        // The maps are keyed by name in byte order; a column is read by walking each map
+        // alongside the names in that order, one comparison per step (a lookup per pair
+        // cost a dozen), and only when its stamps moved: a report rereads its own
+        // cluster's column, not the others'.
+        let mut order: Option<Vec<usize>> = None;
+        for (j, (id, rec)) in self.clusters.iter().enumerate() {
+            unreachable.push(Self::is_unreachable(rec, now));
+            if !cache.columns.contains_key(id) {
+                cache.columns.insert(id.clone(), GridColumn::default());
+            }
+            let Some(col) = cache.columns.get_mut(id) else { continue };
+            let order = order.get_or_insert_with(|| {
+                let mut o: Vec<usize> = (0..rows).collect();
+                o.sort_unstable_by(|a, b| names[*a].cmp(&names[*b]));
+                o
+            });
+            if col.usage_stamp != rec.usage.stamp() || col.usage.len() != rows {
+                col.usage = vec![TenantUsage::default(); rows];
+                join_sorted(names, order, &rec.usage, |i, u| col.usage[i] = *u);
+                col.usage_stamp = rec.usage.stamp();
+            }
+            if col.leases_stamp != rec.leases.stamp() {
+                col.leases = rec
+                    .leases
+                    .open
+                    .iter()
+                    .map(|lease| {
+                        let mut by_row = vec![(0, 0); rows];
+                        join_sorted(names, order, &lease.budgets, |i, b| by_row[i] = (b.budget.max(b.fallback), b.fallback));
+                        (lease.expires_at_ms, by_row)
+                    })
+                    .collect();
+                col.leases_stamp = rec.leases.stamp();
+            }
+            for (i, u) in col.usage.iter().enumerate() {
+                // What `ClusterLeases::enforceable` gives: the most any open lease allows.
+                let enforceable = col
+                    .leases
+                    .iter()
+                    .map(|(expires, by_row)| {
+                        let (live, after) = by_row[i];
+                        if now < *expires {
+                            live
+                        } else {
+                            after
+                        }
+                    })
+                    .max()
+                    .unwrap_or(0);
+                cells[i * clusters + j] = GridCell { usage: *u, enforceable };
             }
         }
         Grid { cells, unreachable, clusters }
@@ -1512,8 +1595,9 @@ mod grid_tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// The grid read by walking sorted maps holds exactly what a lookup per pair reads,
-    /// whatever the reports, lease ages and tenants left over from an older policy.
+    /// The grid, read by walking sorted maps and kept between reports, holds exactly what
+    /// a lookup per pair reads, whatever the reports, lease ages, policy changes and
+    /// tenants left over from an older policy.
     fn naive(fed: &Federation, names: &[String]) -> Vec<(TenantUsage, MilliGpue)> {
         let mut out = Vec::new();
         for name in names {
@@ -1534,10 +1618,10 @@ mod grid_tests {
             let mut fed = Federation::default();
             fed.apply(0, Command::ApplyPolicy(crate::policy::Policy::from_yaml(yaml).expect("policy"))).expect("policy");
             let mut seqs = [(1u64, 0u64); 3];
-            for c in 0..3 {
+            for (c, seq) in seqs.iter_mut().enumerate() {
                 let capacity = [("nvidia.com/gpu".to_string(), 16_000)].into();
                 if let Ok(Applied::Registered(l)) = fed.apply(0, Command::RegisterCluster { cluster: format!("k{c}"), capacity, labels: BTreeMap::new() }) {
-                    seqs[c].1 = l.epoch;
+                    seq.1 = l.epoch;
                 }
             }
             let mut now = 0;
@@ -1557,10 +1641,19 @@ mod grid_tests {
                 if let Ok(Applied::Reported { lease, .. }) = fed.apply(now, Command::Report(r)) {
                     seqs[c] = (seqs[c].0 + 1, lease.epoch);
                 }
+                if dt % 5 == 0 {
+                    // Another policy now and then: the plan's tenants change (a tenant
+                    // leaving the policy stays while it has committed entitlement).
+                    let other = if dt % 2 == 0 { yaml.to_string() } else { yaml.replace("  - {name: b, weight: 1}\n", "  - {name: e, weight: 1}\n") };
+                    let _ = fed.apply(now, Command::ApplyPolicy(crate::policy::Policy::from_yaml(&other).expect("policy")));
+                }
                 let names = fed.plan_names();
                 let grid = fed.grid(&names);
                 let got: Vec<_> = grid.cells.iter().map(|g| (g.usage, g.enforceable)).collect();
-                prop_assert_eq!(got, naive(&fed, &names));
+                prop_assert_eq!(&got, &naive(&fed, &names));
+                // A copy starts with no columns kept: it reads the same.
+                let fresh: Vec<_> = fed.clone().grid(&names).cells.iter().map(|g| (g.usage, g.enforceable)).collect();
+                prop_assert_eq!(&fresh, &got);
             }
         }
     }

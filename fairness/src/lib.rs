@@ -41,6 +41,7 @@ pub mod resources;
 pub mod rng;
 pub mod showback;
 pub mod split;
+pub mod stamped;
 pub mod units;
 
 /// Milli-GPU-equivalents: the accounting unit on the wire and in state.
