@@ -15,6 +15,8 @@
 
 use std::time::Duration;
 
+use prost::Message as _;
+
 use kvota_proto::raft::v1 as pb;
 use kvota_proto::raft::v1::raft_client::RaftClient;
 use kvota_proto::raft::v1::raft_server::Raft as RaftService;
@@ -35,6 +37,13 @@ use crate::wire::{self, WireError};
 /// Largest Raft message accepted (snapshot chunks and entry batches): 64 MiB. A
 /// snapshot of a 10,000-tenant, 1,000-cluster federation is well below that.
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Log entries sent in one AppendEntries stop at this many encoded bytes (a single
+/// larger entry goes alone). openraft 0.9 gives an AppendEntries the heartbeat interval
+/// (50 ms by default) to be sent, appended, synced and answered, then sends the same
+/// range again: a follower behind on reports naming a thousand tenants (20-30 KiB an
+/// entry) was sent 6-9 MiB at a time, never made it, and never caught up.
+pub const MAX_APPEND_BYTES: usize = 128 << 10;
 
 /// Largest term or log index accepted from a peer: 2^48. A group that holds an
 /// election every second reaches it in nine million years; far below `u64::MAX`, so
@@ -146,9 +155,40 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, RaftError<NodeId>> {
-        let req = with_deadline(wire::append_to(&rpc), &option);
+        // openraft gives an AppendEntries one heartbeat interval to be answered (this
+        // conversion included) and sends the same range again after a timeout, so a
+        // message must be small enough for a follower to decode, append and sync in
+        // that time. Convert and send a prefix that fits MAX_APPEND_BYTES (at least one
+        // entry) and tell openraft how far it got; the commit index sent goes no further
+        // than the entries sent.
+        let mut entries = Vec::new();
+        let mut size = 0;
+        for e in &rpc.entries {
+            let pe = wire::entry_to(e);
+            size += pe.encoded_len();
+            if !entries.is_empty() && size > MAX_APPEND_BYTES {
+                break;
+            }
+            entries.push(pe);
+        }
+        let sent_to = (entries.len() < rpc.entries.len()).then(|| entries.len().checked_sub(1).map(|i| rpc.entries[i].log_id)).flatten();
+        let head = AppendEntriesRequest {
+            vote: rpc.vote,
+            prev_log_id: rpc.prev_log_id,
+            leader_commit: match sent_to {
+                Some(last) => std::cmp::min(rpc.leader_commit, Some(last)),
+                None => rpc.leader_commit,
+            },
+            entries: Vec::new(),
+        };
+        let mut msg = wire::append_to(&head);
+        msg.entries = entries;
+        let req = with_deadline(msg, &option);
         let reply = self.call(&option, |mut c| async move { c.append_entries(req).await }).await?;
-        wire::append_reply_from(reply).map_err(|e| undecodable(&e))
+        match wire::append_reply_from(reply).map_err(|e| undecodable(&e))? {
+            AppendEntriesResponse::Success if sent_to.is_some() => Ok(AppendEntriesResponse::PartialSuccess(sent_to)),
+            other => Ok(other),
+        }
     }
 
     async fn install_snapshot(

@@ -30,9 +30,12 @@ pub const WRITE_QUEUE: usize = 4_096;
 /// Batches proposed and not yet committed at once. More lets the leader pipeline
 /// appends; 4 keeps a burst from piling up behind a slow disk.
 pub const BATCHES_IN_FLIGHT: usize = 4;
-/// Weight budget of one batch (a command weighs 1 + the tenants it carries), so one log
-/// entry stays far below the 64 MiB Raft message limit even with 10,000-tenant reports.
-pub const BATCH_WEIGHT: usize = 20_000;
+/// Weight budget of one batch (a command weighs 1 + the tenants it carries): five
+/// 1,000-tenant reports, about 150 KiB as a log entry, so that
+/// [`crate::server::MAX_ENTRIES_PER_APPEND`] entries make an AppendEntries a follower can
+/// take within a heartbeat interval (a command heavier than the budget is a batch of its
+/// own). Small reports still batch by the thousand.
+pub const BATCH_WEIGHT: usize = 5_000;
 
 /// One write waiting to be batched.
 struct Pending {

@@ -177,11 +177,17 @@ impl ServerConfig {
             // Keep some log after a snapshot so a briefly lagging follower catches up
             // from the log instead of a whole snapshot.
             max_in_snapshot_log_to_keep: 1_000,
+            max_payload_entries: MAX_ENTRIES_PER_APPEND,
             ..Default::default()
         };
         c.validate().context("check Raft timing (heartbeat must be below the election timeout range)")
     }
 }
+
+/// Log entries openraft reads for one AppendEntries at most (its default is 300). The
+/// network sends a prefix of them of at most [`crate::network::MAX_APPEND_BYTES`]; reading
+/// many more than fit would be wasted work on every round.
+pub const MAX_ENTRIES_PER_APPEND: u64 = 32;
 
 /// A node's three bound listeners.
 #[derive(Debug)]

@@ -545,3 +545,59 @@ async fn budgets_are_sized_to_the_largest_waiting_pod_once_the_group_runs_level_
     assert_eq!(kept, [0; 3], "level 3: not kept");
     cl.shutdown().await;
 }
+
+/// A follower that was down while reports naming a thousand tenants piled up (each log
+/// entry 20-30 KiB) catches up once it is back, and the group keeps committing: the
+/// leader sends it a bounded number of entries per AppendEntries, which openraft gives
+/// only a heartbeat interval (50 ms) to be answered. With openraft's default of 300
+/// entries a message, such a follower was sent the same 6-9 MiB again and again and
+/// never caught up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_follower_behind_on_large_reports_catches_up() {
+    const TENANTS: usize = 1_000;
+    let mut cl = Cluster::start(3).await;
+    let leader = cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).expect("client");
+    let mut yaml = String::from("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: big}\nspec:\n  tenants:\n");
+    for i in 0..TENANTS {
+        yaml.push_str(&format!("  - {{name: team-{i:04}, weight: 1}}\n"));
+    }
+    apply_policy(&client, &yaml).await.expect("policy");
+    let mut held = register(&client, "east", 4_096).await.epoch;
+    let behind = if leader == 3 { 2 } else { 3 };
+    cl.stop(behind).await;
+    let big = |seq: u64, held: u64| v1::ReportRequest {
+        tenants: (0..TENANTS)
+            .map(|i| {
+                let u = 1_000 + ((i as u64 * 7 + seq * 13) % 2_000);
+                v1::TenantUsage { tenant: format!("team-{i:04}"), used_milli_gpue_ms: u * 5_000, inuse_milli_gpue: u, pending_milli_gpue: u / 2, largest_pending_milli_gpue: 0 }
+            })
+            .collect(),
+        ..report("east", seq, held, 0)
+    };
+    for seq in 1..=400 {
+        let reply = send(&client, &big(seq, held)).await.unwrap_or_else(|e| panic!("report {seq} with one follower down: {e}"));
+        held = reply.lease.map_or(held, |l| l.epoch);
+    }
+    let target = cl.node(leader).raft().metrics().borrow().last_applied.map_or(0, |l| l.index);
+    cl.restart(behind).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let applied = cl.node(behind).raft().metrics().borrow().last_applied.map_or(0, |l| l.index);
+        if applied >= target {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let m = cl.node(behind).raft().metrics().borrow().clone();
+            let l = cl.node(leader).raft().metrics().borrow().clone();
+            panic!("node {behind} applied {applied} of {target} log entries within 30 s (its last log {:?}; the leader's replication {:?})", m.last_log_index, l.replication);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // And the group commits with it: the other follower stopped, the caught-up one is
+    // the quorum.
+    let other = (1..=3).find(|n| *n != leader && *n != behind).expect("a third node");
+    cl.stop(other).await;
+    send(&client, &big(401, held)).await.expect("a report committed by the leader and the caught-up follower");
+    cl.shutdown().await;
+}

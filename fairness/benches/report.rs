@@ -106,7 +106,18 @@ fn bench(c: &mut Criterion) {
         let (mut fed, mut next, mut now) = federation(t, cl);
         let open: usize = fed.clusters().values().map(|r| r.leases.open.len()).sum();
         let entries: usize = fed.clusters().values().flat_map(|r| r.leases.open.iter()).map(|l| l.budgets.len()).sum();
-        eprintln!("{t}x{cl}: {open} open leases, {entries} budget entries");
+        // What a snapshot of this state costs: its size, and decoding it (most of
+        // installing one on a new node, besides the transfer and one file write).
+        let json = serde_json::to_vec(&fed).unwrap_or_default();
+        let t0 = Instant::now();
+        let back: Federation = serde_json::from_slice(&json).unwrap_or_else(|e| panic!("decode: {e}"));
+        let decode = t0.elapsed();
+        assert!(back == fed, "the state reads back as written");
+        eprintln!(
+            "{t}x{cl}: {open} open leases, {entries} budget entries; state as JSON {:.1} MiB, decoded in {:.0} ms",
+            json.len() as f64 / (1024.0 * 1024.0),
+            decode.as_secs_f64() * 1_000.0
+        );
         let mut i = 0;
         g.bench_function(BenchmarkId::from_parameter(format!("{t}x{cl}")), |b| {
             b.iter_custom(|iters| {
@@ -130,7 +141,25 @@ fn bench(c: &mut Criterion) {
         });
     }
     g.finish();
-    let _ = step;
+    // What the audit log holds after the benchmark's reports: every changed tenant of a
+    // lease with a notable change is recorded, drift included.
+    for (t, cl) in [(1_000, 64)] {
+        let (mut fed, mut next, mut now) = federation(t, cl);
+        for k in 0..(4 * cl) {
+            now += INTERVAL_MS / cl as u64;
+            step(&mut fed, &mut next, k % cl, t, now);
+        }
+        let (mut records, mut changes, mut notable, mut bytes) = (0, 0, 0, 0);
+        for r in fed.audit() {
+            if let kvota_fairness::federation::AuditEvent::BudgetsChanged { changes: c, .. } = &r.event {
+                records += 1;
+                changes += c.len();
+                notable += c.iter().filter(|x| x.from.abs_diff(x.to) >= kvota_fairness::federation::AUDIT_MIN_CHANGE || x.from == 0 || x.to == 0).count();
+                bytes += serde_json::to_vec(r).map_or(0, |v| v.len());
+            }
+        }
+        eprintln!("{t}x{cl} after {} reports: {records} budget records, {changes} changes ({notable} notable), {:.1} MiB as JSON", 6 * cl, bytes as f64 / (1024.0 * 1024.0));
+    }
 }
 
 criterion_group!(benches, bench);
