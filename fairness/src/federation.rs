@@ -1146,7 +1146,11 @@ impl Federation {
             });
             if col.usage_stamp != rec.usage.stamp() || col.usage.len() != rows {
                 col.usage = vec![TenantUsage::default(); rows];
-                join_sorted(names, order, &rec.usage, |i, u| col.usage[i] = *u);
+                join_sorted(names, order, &rec.usage, |i, u| {
+                    if let Some(c) = col.usage.get_mut(i) {
+                        *c = *u;
+                    }
+                });
                 col.usage_stamp = rec.usage.stamp();
             }
             if col.leases_stamp != rec.leases.stamp() {
@@ -1156,7 +1160,11 @@ impl Federation {
                     .iter()
                     .map(|lease| {
                         let mut by_row = vec![(0, 0); rows];
-                        join_sorted(names, order, &lease.budgets, |i, b| by_row[i] = (b.budget.max(b.fallback), b.fallback));
+                        join_sorted(names, order, &lease.budgets, |i, b| {
+                            if let Some(r) = by_row.get_mut(i) {
+                                *r = (b.budget.max(b.fallback), b.fallback);
+                            }
+                        });
                         (lease.expires_at_ms, by_row)
                     })
                     .collect();
@@ -1168,7 +1176,7 @@ impl Federation {
                     .leases
                     .iter()
                     .map(|(expires, by_row)| {
-                        let (live, after) = by_row[i];
+                        let (live, after) = by_row.get(i).copied().unwrap_or((0, 0));
                         if now < *expires {
                             live
                         } else {

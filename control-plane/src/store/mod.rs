@@ -294,6 +294,14 @@ pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachine
     let committed = read_committed(path);
 
     let snapshot_path = path.join(SNAPSHOT_FILE);
+    if let Ok(m) = std::fs::metadata(&snapshot_path) {
+        if m.len() > files::MAX_SNAPSHOT_BYTES {
+            return Err(StoreError::Corrupt {
+                what: "snapshot file",
+                why: format!("{} bytes, more than the {} a snapshot may hold", m.len(), files::MAX_SNAPSHOT_BYTES),
+            });
+        }
+    }
     let (data, current) = match std::fs::read(&snapshot_path) {
         Ok(bytes) => {
             let (meta, data) = files::snapshot_from_bytes(&bytes).map_err(|e| match e {

@@ -380,7 +380,7 @@ impl SegmentLog {
 
     /// The index the last segment takes next, `None` without segments.
     fn next_index(&self) -> Option<u64> {
-        self.segments.last_key_value().map(|(start, seg)| start + seg.count)
+        self.segments.last_key_value().map(|(start, seg)| start.saturating_add(seg.count))
     }
 
     /// Number of segment files.
@@ -519,7 +519,7 @@ impl SegmentLog {
         while let Some((&start, seg)) = self.segments.first_key_value() {
             // It goes when everything it holds is at or below `index`; an empty one
             // only when it does not start at `index + 1` (the next append's place).
-            let end = start + seg.count; // one past its last index
+            let end = start.saturating_add(seg.count); // one past its last index
             if end <= index.saturating_add(1) && !(seg.count == 0 && start == index.saturating_add(1)) {
                 self.remove_segment(start)?;
                 gone = true;
@@ -679,6 +679,20 @@ mod tests {
         std::fs::write(&seg2, &b[..b.len() - 1]).unwrap();
         let e = SegmentLog::open(dir.path()).unwrap_err().to_string();
         assert!(e.contains("sealed segment is never torn"), "{e}");
+    }
+
+    /// A segment whose header claims the last possible index: read, never an overflow.
+    #[test]
+    fn a_segment_at_the_end_of_the_index_space_does_not_overflow() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = header(u64::MAX, false).to_vec();
+        b.extend(frame(u64::MAX, b"last").unwrap());
+        std::fs::write(dir.path().join(segment_name(u64::MAX)), &b).unwrap();
+        let (mut log, _) = SegmentLog::open(dir.path()).unwrap();
+        assert_eq!(log.last_index(), Some(u64::MAX));
+        assert!(log.append(0, &[b"x".to_vec()]).is_err());
+        log.purge(u64::MAX).unwrap();
+        assert_eq!(log.first_index(), None);
     }
 
     #[test]
