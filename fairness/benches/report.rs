@@ -102,7 +102,7 @@ fn step(fed: &mut Federation, next: &mut [(u64, u64)], i: usize, t: usize, now: 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("apply_report");
     g.sample_size(10).measurement_time(Duration::from_secs(5));
-    for (t, cl) in [(100, 8), (1_000, 16), (1_000, 64)] {
+    for (t, cl) in [(100, 8), (1_000, 16), (1_000, 64), (1_000, 256)] {
         let (mut fed, mut next, mut now) = federation(t, cl);
         let open: usize = fed.clusters().values().map(|r| r.leases.open.len()).sum();
         let entries: usize = fed.clusters().values().flat_map(|r| r.leases.open.iter()).map(|l| l.budgets.len()).sum();

@@ -32,10 +32,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::entitlement::{self, effective_demand, Entitlement, TenantInput};
+use crate::entitlement::{self, Entitlement, TenantInput};
 use crate::lease::{ClusterLeases, Lease, TenantBudget, UnknownEpoch};
 use crate::policy::Policy;
-use crate::split::{fit_largest, split_tenant, Cell};
+use crate::split::{fit_largest, split_tenant};
 use crate::{MilliGpue, Millis};
 
 /// Audit records kept (oldest dropped first). Enough for a day of budget changes in a
@@ -78,21 +78,8 @@ pub fn valid_cluster_id(id: &str) -> bool {
     crate::names::is_dns_label(id)
 }
 
-/// Every (tenant, cluster) pair's usage and enforceable budget, read once per applied
-/// command; row `i` is tenant `i` of the plan's names, column `j` the `j`-th cluster in
-/// id order.
-#[derive(Debug)]
-struct Grid {
-    cells: Vec<GridCell>,
-    unreachable: Vec<bool>,
-    clusters: usize,
-}
-
-#[derive(Clone, Copy, Debug, Default)]
-struct GridCell {
-    usage: TenantUsage,
-    enforceable: MilliGpue,
-}
+mod grid;
+use grid::Grid;
 
 /// Calls `f(row, value)` for each entry of `map` whose key is `names[row]`, walking the
 /// map and the names in key order together (`order`: the rows sorted by name).
@@ -110,12 +97,6 @@ fn join_sorted<'a, V>(names: &[String], order: &[usize], map: &'a BTreeMap<Strin
                 k += 1;
             }
         }
-    }
-}
-
-impl Grid {
-    fn row(&self, tenant: usize) -> &[GridCell] {
-        self.cells.get(tenant * self.clusters..(tenant + 1) * self.clusters).unwrap_or(&[])
     }
 }
 
@@ -625,30 +606,12 @@ pub struct Federation {
     grid_cache: GridCache,
 }
 
-/// One cluster's column of the grid, read from its usage and leases as they were at
-/// the stamps it records, rows in the order of `GridColumns::names`.
-#[derive(Clone, Debug, Default)]
-struct GridColumn {
-    usage_stamp: u64,
-    usage: Vec<TenantUsage>,
-    leases_stamp: u64,
-    /// Per open lease: when it expires, and per row what the cluster may enforce while
-    /// it is live and after.
-    leases: Vec<(Millis, Vec<(MilliGpue, MilliGpue)>)>,
-}
-
-#[derive(Debug, Default)]
-struct GridColumns {
-    names: Vec<String>,
-    columns: BTreeMap<String, GridColumn>,
-}
-
 /// The grid's columns kept between reports: a report changes its own cluster's usage
 /// and leases, so the other clusters' columns are reused as long as their stamps (see
 /// [`Stamped`]) and the plan's tenants are unchanged. Derived data: a copy of the
 /// federation starts without it, it never serializes, and it takes no part in equality.
 #[derive(Default)]
-struct GridCache(std::sync::Mutex<GridColumns>);
+struct GridCache(std::sync::Mutex<Grid>);
 
 impl Clone for GridCache {
     fn clone(&self) -> Self {
@@ -1022,12 +985,10 @@ impl Federation {
             }
             self.keep_decisions(&r.cluster, r.decisions);
         }
-        let names = self.plan_names();
-        let grid = self.grid(&names);
-        // The plan is committed before the grant, which then reads the same grid (the
-        // plan's tenants may change, its rows do not).
-        self.commit_plan_with(names.clone(), &grid);
-        let lease = self.grant_with(&r.cluster, &names, &grid);
+        // The plan is committed before the grant (a committed plan changes neither
+        // usage nor leases, so the grant reads the same grid).
+        self.commit_plan();
+        let lease = self.grant(&r.cluster);
         Ok(Applied::Reported { applied, lease })
     }
 
@@ -1096,110 +1057,46 @@ impl Federation {
         rec.leases.last_epoch > 0 && rec.leases.all_expired(now)
     }
 
-    /// The plan's tenants: the policy's, in policy order, then any tenant no longer in
-    /// the policy that still has committed entitlement.
-    fn plan_names(&self) -> Vec<String> {
-        let Some(policy) = &self.policy else { return Vec::new() };
-        let mut names: Vec<String> = policy.tenants.iter().map(|t| t.name.clone()).collect();
-        names.extend(
-            self.committed
-                .iter()
-                .filter(|(n, &v)| v > 0 && policy.tenant(n).is_none())
-                .map(|(n, _)| n.clone()),
-        );
-        names
-    }
-
-    /// Reads every (tenant, cluster) pair once: the tenant's usage there and what the
-    /// cluster's open leases let it enforce, at the state's clock. The plan, the desired
-    /// budgets and a grant all walk this grid, so applying a report reads each pair once
-    /// instead of three times (string-keyed map lookups were most of the cost).
-    fn grid(&self, names: &[String]) -> Grid {
-        let now = self.now_ms;
-        let clusters = self.clusters.len();
-        let rows = names.len();
-        let mut cells = vec![GridCell::default(); rows * clusters];
-        let mut unreachable = Vec::with_capacity(clusters);
-        let mut cache = self.grid_cache.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if cache.names != names {
-            cache.names = names.to_vec();
-            cache.columns.clear();
-        }
-        if cache.columns.len() > clusters {
-            cache.columns.retain(|c, _| self.clusters.contains_key(c));
-        }
-        // The maps are keyed by name in byte order; a column is read by walking each map
-        // alongside the names in that order, one comparison per step (a lookup per pair
-        // cost a dozen), and only when its stamps moved: a report rereads its own
-        // cluster's column, not the others'.
-        let mut order: Option<Vec<usize>> = None;
-        for (j, (id, rec)) in self.clusters.iter().enumerate() {
-            unreachable.push(Self::is_unreachable(rec, now));
-            if !cache.columns.contains_key(id) {
-                cache.columns.insert(id.clone(), GridColumn::default());
-            }
-            let Some(col) = cache.columns.get_mut(id) else { continue };
-            let order = order.get_or_insert_with(|| {
-                let mut o: Vec<usize> = (0..rows).collect();
-                o.sort_unstable_by(|a, b| names[*a].cmp(&names[*b]));
-                o
-            });
-            if col.usage_stamp != rec.usage.stamp() || col.usage.len() != rows {
-                col.usage = vec![TenantUsage::default(); rows];
-                join_sorted(names, order, &rec.usage, |i, u| {
-                    if let Some(c) = col.usage.get_mut(i) {
-                        *c = *u;
-                    }
-                });
-                col.usage_stamp = rec.usage.stamp();
-            }
-            if col.leases_stamp != rec.leases.stamp() {
-                col.leases = rec
-                    .leases
-                    .open
+    /// Brings the grid (see [`grid`]) up to date with the state and calls `f` with it.
+    /// Its rows are the plan's tenants: the policy's, in policy order, then any tenant no
+    /// longer in the policy that still has committed entitlement.
+    ///
+    /// The kept grid is used when it is free; a caller that finds it in use (another
+    /// thread reading the same state) reads a grid of its own rather than wait.
+    fn with_grid<R>(&self, f: impl FnOnce(&Grid) -> R) -> R {
+        let mut own = None;
+        let mut kept = match self.grid_cache.0.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let grid: &mut Grid = match kept.as_deref_mut() {
+            Some(g) => g,
+            None => own.insert(Grid::default()),
+        };
+        let policy = self.policy.as_ref();
+        let rows = policy
+            .into_iter()
+            .flat_map(|p| p.tenants.iter().map(|t| (t.name.as_str(), t.burst_factor_milli)))
+            .chain(
+                self.committed
                     .iter()
-                    .map(|lease| {
-                        let mut by_row = vec![(0, 0); rows];
-                        join_sorted(names, order, &lease.budgets, |i, b| {
-                            if let Some(r) = by_row.get_mut(i) {
-                                *r = (b.budget.max(b.fallback), b.fallback);
-                            }
-                        });
-                        (lease.expires_at_ms, by_row)
-                    })
-                    .collect();
-                col.leases_stamp = rec.leases.stamp();
-            }
-            for (i, u) in col.usage.iter().enumerate() {
-                // What `ClusterLeases::enforceable` gives: the most any open lease allows.
-                let enforceable = col
-                    .leases
-                    .iter()
-                    .map(|(expires, by_row)| {
-                        let (live, after) = by_row.get(i).copied().unwrap_or((0, 0));
-                        if now < *expires {
-                            live
-                        } else {
-                            after
-                        }
-                    })
-                    .max()
-                    .unwrap_or(0);
-                cells[i * clusters + j] = GridCell { usage: *u, enforceable };
-            }
-        }
-        Grid { cells, unreachable, clusters }
+                    .filter(move |(n, &v)| v > 0 && policy.is_some_and(|p| p.tenant(n).is_none()))
+                    .map(|(n, _)| (n.as_str(), 1_000)),
+            );
+        grid.refresh(rows, &self.clusters, self.now_ms);
+        f(grid)
     }
 
     /// Computes the plan at the state's clock without changing anything.
     pub fn plan(&self) -> Plan {
-        let names = self.plan_names();
-        let grid = self.grid(&names);
-        self.plan_with(names, &grid)
+        self.with_grid(|grid| self.plan_with(grid))
     }
 
-    /// [`Federation::plan`] over a grid read for `names` at the state's clock.
-    fn plan_with(&self, names: Vec<String>, grid: &Grid) -> Plan {
+    /// [`Federation::plan`] over the grid, up to date. `O(T)` plus the entitlement
+    /// model: the grid keeps each tenant's sums over the clusters.
+    fn plan_with(&self, grid: &Grid) -> Plan {
+        let names = grid.names().to_vec();
         let now = self.now_ms;
         let capacity = self.capacity();
         let Some(policy) = &self.policy else {
@@ -1221,18 +1118,7 @@ impl Federation {
         let mut held = Vec::with_capacity(names.len());
         for (i, name) in names.iter().enumerate() {
             let tp = policy.tenants.get(i);
-            let burst = tp.map_or(1_000, |t| t.burst_factor_milli);
-            let (mut d, mut u, mut h) = (0u64, 0u64, 0u64);
-            for (cell, &unreachable) in grid.row(i).iter().zip(&grid.unreachable) {
-                let (tu, enf) = (cell.usage, cell.enforceable);
-                let mut cd = effective_demand(tu.inuse, tu.pending, burst);
-                if unreachable {
-                    cd = cd.max(tu.hold(enf));
-                }
-                d = d.saturating_add(cd);
-                u = u.saturating_add(tu.inuse);
-                h = h.saturating_add(tu.hold(enf));
-            }
+            let (d, u, h) = grid.sums(i);
             let used = tp.map_or(0, |t| self.ledger.usage_at(name, now, t.decay_half_life_ms));
             if let Some(t) = tp {
                 inputs.push(TenantInput {
@@ -1293,78 +1179,77 @@ impl Federation {
     }
 
     fn commit_plan(&mut self) {
-        let names = self.plan_names();
-        let grid = self.grid(&names);
-        self.commit_plan_with(names, &grid);
-    }
-
-    fn commit_plan_with(&mut self, names: Vec<String>, grid: &Grid) {
-        let plan = self.plan_with(names, grid);
-        self.targets = plan
-            .tenants
-            .iter()
-            .zip(&plan.entitlements)
-            .map(|(n, e)| (n.clone(), e.total))
-            .collect();
-        self.committed = plan
-            .tenants
-            .iter()
-            .zip(&plan.committed)
-            .filter(|(_, &c)| c > 0)
-            .map(|(n, &c)| (n.clone(), c))
-            .collect();
+        let plan = self.with_grid(|grid| self.plan_with(grid));
+        // In place: the tenants rarely change, so most keys are there already.
+        for (n, e) in plan.tenants.iter().zip(&plan.entitlements) {
+            match self.targets.get_mut(n) {
+                Some(v) => *v = e.total,
+                None => {
+                    self.targets.insert(n.clone(), e.total);
+                }
+            }
+        }
+        if self.targets.len() != plan.tenants.len() {
+            let keep: BTreeSet<&str> = plan.tenants.iter().map(String::as_str).collect();
+            self.targets.retain(|n, _| keep.contains(n.as_str()));
+        }
+        // Every tenant with committed entitlement is one of the plan's.
+        for (n, &c) in plan.tenants.iter().zip(&plan.committed) {
+            if c == 0 {
+                self.committed.remove(n);
+            } else if let Some(v) = self.committed.get_mut(n) {
+                *v = c;
+            } else {
+                self.committed.insert(n.clone(), c);
+            }
+        }
     }
 
     /// Budgets the split would give `cluster` now, before the safety clip, per tenant
     /// (policy tenants only): each tenant's `min(committed, target)` split by
     /// [`split_tenant`].
     pub fn desired_budgets(&self, cluster: &str) -> BTreeMap<String, MilliGpue> {
-        let Some(pos) = self.clusters.keys().position(|c| c == cluster) else {
+        let (Some(pos), Some(policy)) = (self.clusters.keys().position(|c| c == cluster), &self.policy) else {
             return BTreeMap::new();
         };
-        let names = self.plan_names();
-        let grid = self.grid(&names);
-        self.desired_budgets_with(pos, &grid)
+        let want = self.with_grid(|grid| self.desired_budgets_with(pos, grid));
+        policy.tenants.iter().map(|t| t.name.clone()).zip(want).collect()
     }
 
-    /// [`Federation::desired_budgets`] for the cluster at `pos` (in cluster id order)
-    /// over a grid whose first rows are the policy's tenants.
-    fn desired_budgets_with(&self, pos: usize, grid: &Grid) -> BTreeMap<String, MilliGpue> {
-        let mut out = BTreeMap::new();
-        let Some(policy) = &self.policy else { return out };
-        let mut cells = vec![Cell::default(); grid.clusters];
-        let mut split = vec![0u64; grid.clusters];
-        let mut largest = vec![0u64; grid.clusters];
-        let capacities: Vec<MilliGpue> = self.clusters.values().map(|r| r.capacity_gpue).collect();
-        for (i, t) in policy.tenants.iter().enumerate() {
-            let mut waits_big = false;
-            for (j, ((cell, g), &unreachable)) in cells.iter_mut().zip(grid.row(i)).zip(&grid.unreachable).enumerate() {
-                let tu = g.usage;
-                *cell = if unreachable {
-                    Cell::pinned(tu.hold(g.enforceable))
-                } else {
-                    Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, t.burst_factor_milli))
-                };
-                // A pod larger than its cluster can never start there: no room for it.
-                let big = if unreachable || tu.largest > capacities.get(j).copied().unwrap_or(0) { 0 } else { tu.largest };
-                largest[j] = big;
-                waits_big |= big > 0;
-            }
-            // Cut from min(committed, target): a committed entitlement above target must
-            // be able to fall, which it does only once budgets stop holding it up.
-            let amount = self
-                .committed
-                .get(&t.name)
-                .copied()
-                .unwrap_or(0)
-                .min(self.targets.get(&t.name).copied().unwrap_or(0));
-            split_tenant(amount, &cells, &mut split);
-            if waits_big {
-                fit_largest(amount, &cells, &largest, &mut split);
-            }
-            out.insert(t.name.clone(), split[pos]);
-        }
-        out
+    /// [`Federation::desired_budgets`] for the cluster at `pos` (in cluster id order),
+    /// one per policy tenant in policy order (the grid's first rows).
+    ///
+    /// The one part of a report's cost that grows with `T x C`: placing a tenant's
+    /// largest waiting pod ([`fit_largest`]) needs every cluster's headroom, so each
+    /// tenant's row is split whole. The grid keeps the rows as the split reads them
+    /// (16 bytes a cell, contiguous), so this streams through memory without copying.
+    fn desired_budgets_with(&self, pos: usize, grid: &Grid) -> Vec<MilliGpue> {
+        let Some(policy) = &self.policy else { return Vec::new() };
+        let mut split = vec![0u64; grid.clusters()];
+        policy
+            .tenants
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let (cells, largest) = grid.split_row(i);
+                if cells.len() != split.len() {
+                    return 0; // every policy tenant has a whole row
+                }
+                // Cut from min(committed, target): a committed entitlement above target
+                // must be able to fall, which it does only once budgets stop holding it up.
+                let amount = self
+                    .committed
+                    .get(&t.name)
+                    .copied()
+                    .unwrap_or(0)
+                    .min(self.targets.get(&t.name).copied().unwrap_or(0));
+                split_tenant(amount, cells, &mut split);
+                if largest.iter().any(|&b| b > 0) {
+                    fit_largest(amount, cells, largest, &mut split);
+                }
+                split.get(pos).copied().unwrap_or(0)
+            })
+            .collect()
     }
 
     /// The safe budget `S_tc = floor(minShare_t * G_c)`: `sum_c S_tc <= minShare_t * G`.
@@ -1384,14 +1269,7 @@ impl Federation {
     /// plan. 0 for a non-preemptible tenant: borrowed pods must be evictable.
     pub fn borrow_limit(&self, tenant: &str, cluster: &str, committed: MilliGpue) -> MilliGpue {
         let (Some(p), Some(rec)) = (&self.policy, self.clusters.get(cluster)) else { return 0 };
-        if !(p.reclaim.enabled && p.reclaim.lend_idle) {
-            return 0; // lent GPUs could never be taken back
-        }
-        let Some(t) = p.tenant(tenant).filter(|t| t.preemptible) else { return 0 };
-        let total = self.capacity();
-        let room = entitlement::share_of(total, t.max_share_bp).saturating_sub(committed);
-        let part = (u128::from(room) * u128::from(rec.capacity_gpue)).checked_div(u128::from(total)).unwrap_or(0);
-        u64::try_from(part).unwrap_or(0)
+        p.tenant(tenant).map_or(0, |t| borrow_of(p, t, rec.capacity_gpue, self.capacity(), committed))
     }
 
     /// `maxShare x G` of `tenant`: more than it may ever hold anywhere (0 without a policy).
@@ -1400,17 +1278,10 @@ impl Federation {
         entitlement::share_of(self.capacity(), t.max_share_bp)
     }
 
-    /// Cuts and records the lease for `cluster` (which must exist).
+    /// Cuts and records the lease for `cluster` (which must exist), after the last plan
+    /// was committed. `O(T)` besides the split ([`Federation::desired_budgets_with`]):
+    /// what the tenant's other clusters may hold comes from the grid's row sums.
     fn grant(&mut self, cluster: &str) -> Lease {
-        let names = self.plan_names();
-        let grid = self.grid(&names);
-        self.grant_with(cluster, &names, &grid)
-    }
-
-    /// [`Federation::grant`] over a grid read for `names` after the last plan was
-    /// committed (a committed plan changes neither usage nor leases, so a grid read
-    /// before it is still exact).
-    fn grant_with(&mut self, cluster: &str, names: &[String], grid: &Grid) -> Lease {
         let now = self.now_ms;
         let (duration_ms, margin_ms) = self
             .policy
@@ -1418,31 +1289,30 @@ impl Federation {
             .map_or((crate::policy::defaults::LEASE_DURATION_MS, crate::policy::defaults::CLOCK_SKEW_MARGIN_MS), |p| {
                 (p.lease.duration_ms, p.lease.clock_skew_margin_ms)
             });
-        let pos = self.clusters.keys().position(|c| c == cluster);
-        let desired = pos.map(|p| self.desired_budgets_with(p, grid)).unwrap_or_default();
-        let rows: BTreeMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+        // Per policy tenant: (desired budget, what its other clusters may hold, its
+        // in-use here).
+        let rows: Vec<(MilliGpue, MilliGpue, MilliGpue)> = match self.clusters.keys().position(|c| c == cluster) {
+            Some(pos) => self.with_grid(|grid| {
+                let want = self.desired_budgets_with(pos, grid);
+                want.into_iter()
+                    .enumerate()
+                    .map(|(i, w)| (w, grid.hold_except(i, pos), grid.cell(i, pos).usage.inuse))
+                    .collect()
+            }),
+            None => Vec::new(),
+        };
+        let total = self.capacity();
+        let capacity_here = self.clusters.get(cluster).map_or(0, |r| r.capacity_gpue);
         let mut budgets = BTreeMap::new();
         // Changes as numbers; their explanations are written only if the audit log takes
         // them (budgets drift a little at every report, and formatting a sentence per
         // tenant per report was a large part of a report's cost with many tenants).
         let mut changes: Vec<(&String, u64, u64, u64, u64, u64, u64)> = Vec::new();
         let prev = self.clusters.get(cluster).and_then(|r| r.leases.latest()).map(|l| &l.budgets);
-        for (tenant, want) in &desired {
+        let tenants = self.policy.as_ref().map_or(&[][..], |p| &p.tenants[..]);
+        for (t, &(want, rest, own_inuse)) in tenants.iter().zip(&rows) {
+            let tenant = &t.name;
             let committed = self.committed.get(tenant).copied().unwrap_or(0);
-            let mut inuse_sum = 0u64;
-            let mut rest = 0u64;
-            let mut own_inuse = 0u64;
-            // Every desired tenant is a policy tenant, so it has a row.
-            let row = rows.get(tenant.as_str()).map_or(&[][..], |&i| grid.row(i));
-            for (j, g) in row.iter().enumerate() {
-                let tu = g.usage;
-                inuse_sum = inuse_sum.saturating_add(tu.inuse);
-                if Some(j) == pos {
-                    own_inuse = tu.inuse;
-                } else {
-                    rest = rest.saturating_add(tu.hold(g.enforceable));
-                }
-            }
             // A new budget never lets the tenant's clusters together reach past
             // min(committed, target). Not `max(committed, inuse_sum)`: the reported
             // in-use is stale (pods finished since), and a tenant already above its
@@ -1450,13 +1320,17 @@ impl Federation {
             // up to what it last reported, above its entitlement and cap.
             let target = self.targets.get(tenant).copied().unwrap_or(0);
             let bound = committed.min(target).saturating_sub(rest);
-            let budget = (*want).min(bound);
-            let fallback = self.safe_budget(tenant, cluster).min(budget);
-            let (borrow, ceiling) = if self.lending { (self.borrow_limit(tenant, cluster, committed), self.ceiling(tenant)) } else { (0, 0) };
+            let budget = want.min(bound);
+            // The safe budget (see `safe_budget`).
+            let fallback = entitlement::share_of(capacity_here, t.min_share_bp).min(budget);
+            let (borrow, ceiling) = match (&self.policy, self.lending) {
+                (Some(p), true) => (borrow_of(p, t, capacity_here, total, committed), entitlement::share_of(total, t.max_share_bp)),
+                _ => (0, 0),
+            };
             let b = TenantBudget { budget, fallback, entitlement: committed, borrow, ceiling };
             let old = prev.and_then(|p| p.get(tenant)).map_or(0, |p| p.budget);
             if old != budget {
-                changes.push((tenant, old, budget, *want, bound, own_inuse, committed));
+                changes.push((tenant, old, budget, want, bound, own_inuse, committed));
             }
             budgets.insert(tenant.clone(), b);
         }
@@ -1538,6 +1412,17 @@ impl Federation {
     }
 }
 
+/// A preemptible tenant's borrow limit in a cluster of `capacity` out of `total` (see
+/// [`Federation::borrow_limit`]).
+fn borrow_of(p: &Policy, t: &crate::policy::TenantPolicy, capacity: MilliGpue, total: MilliGpue, committed: MilliGpue) -> MilliGpue {
+    if !(p.reclaim.enabled && p.reclaim.lend_idle && t.preemptible) {
+        return 0; // lent GPUs could never be taken back; borrowed pods must be evictable
+    }
+    let room = entitlement::share_of(total, t.max_share_bp).saturating_sub(committed);
+    let part = (u128::from(room) * u128::from(capacity)).checked_div(u128::from(total)).unwrap_or(0);
+    u64::try_from(part).unwrap_or(0)
+}
+
 /// Raises every tenant's in-use bound in `rec` to the budgets of its open leases.
 fn raise_bounds(rec: &mut ClusterRecord) {
     for l in &rec.leases.open {
@@ -1601,29 +1486,54 @@ fn explain_change(old: u64, new: u64, want: u64, bound: u64, inuse: u64, committ
 #[cfg(test)]
 mod grid_tests {
     use super::*;
+    use crate::entitlement::effective_demand;
+    use crate::split::Cell;
     use proptest::prelude::*;
 
-    /// The grid, read by walking sorted maps and kept between reports, holds exactly what
-    /// a lookup per pair reads, whatever the reports, lease ages, policy changes and
-    /// tenants left over from an older policy.
-    fn naive(fed: &Federation, names: &[String]) -> Vec<(TenantUsage, MilliGpue)> {
-        let mut out = Vec::new();
+    /// Per row of `names`, per cluster: what a lookup per pair reads (usage and what
+    /// the cluster may enforce), and the row's sums (demand, in-use, hold) and split
+    /// cells computed from those lookups.
+    #[allow(clippy::type_complexity)]
+    fn naive(fed: &Federation, names: &[String]) -> (Vec<(TenantUsage, MilliGpue)>, Vec<(u64, u64, u64)>, Vec<(Cell, MilliGpue)>) {
+        let now = fed.now_ms;
+        let (mut cells, mut sums, mut split) = (Vec::new(), Vec::new(), Vec::new());
         for name in names {
+            let burst = fed.policy.as_ref().and_then(|p| p.tenant(name)).map_or(1_000, |t| t.burst_factor_milli);
+            let (mut d, mut u, mut h) = (0u64, 0u64, 0u64);
             for rec in fed.clusters.values() {
-                out.push((rec.usage.get(name).copied().unwrap_or_default(), rec.leases.enforceable(name, fed.now_ms)));
+                let tu = rec.usage.get(name).copied().unwrap_or_default();
+                let enf = rec.leases.enforceable(name, now);
+                let unreachable = Federation::is_unreachable(rec, now);
+                cells.push((tu, enf));
+                let mut cd = effective_demand(tu.inuse, tu.pending, burst);
+                if unreachable {
+                    cd = cd.max(tu.hold(enf));
+                }
+                d = d.saturating_add(cd);
+                u = u.saturating_add(tu.inuse);
+                h = h.saturating_add(tu.hold(enf));
+                let cell = if unreachable { Cell::pinned(tu.hold(enf)) } else { Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, burst)) };
+                let big = if unreachable || tu.largest > rec.capacity_gpue { 0 } else { tu.largest };
+                split.push((cell, big));
             }
+            sums.push((d, u, h));
         }
-        out
+        (cells, sums, split)
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(64))]
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// The grid, kept between commands and updated a column at a time, holds exactly
+        /// what reading every pair afresh gives, whatever the reports, lease expiries,
+        /// policy changes and tenants left over from an older policy; and a copy of the
+        /// state, which starts with no grid, plans and splits the same.
         #[test]
-        fn the_grid_equals_a_lookup_per_pair(
+        fn the_kept_grid_equals_a_fresh_read(
             reports in prop::collection::vec((0usize..3, prop::collection::vec((0usize..6, 0u64..8_000, 0u64..8_000), 0..6), 0u64..200_000), 1..12),
         ) {
-            let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: b, weight: 1}\n  - {name: a, weight: 2, minShare: 0.2}\n  - {name: d-1, weight: 1}\n  - {name: c, weight: 3}\n";
+            let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: b, weight: 1}\n  - {name: a, weight: 2, minShare: 0.2}\n  - {name: d-1, weight: 1, burstFactor: 1.5}\n  - {name: c, weight: 3}\n";
             let mut fed = Federation::default();
+            fed.enable_sized_budgets();
             fed.apply(0, Command::ApplyPolicy(crate::policy::Policy::from_yaml(yaml).expect("policy"))).expect("policy");
             let mut seqs = [(1u64, 0u64); 3];
             for (c, seq) in seqs.iter_mut().enumerate() {
@@ -1640,8 +1550,8 @@ mod grid_tests {
                     cluster: format!("k{c}"),
                     seq: seqs[c].0,
                     held_epoch: seqs[c].1,
-                    capacity: None,
-                    tenants: usage.iter().map(|(t, inuse, pending)| (tenants[*t].to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: *inuse, pending: *pending, largest: 0 })).collect(),
+                    capacity: if dt % 7 == 0 { Some([("nvidia.com/gpu".to_string(), 8_000 + dt % 16_000)].into()) } else { None },
+                    tenants: usage.iter().map(|(t, inuse, pending)| (tenants[*t].to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: *inuse, pending: *pending, largest: (*pending).min(1_000 + inuse % 16_000) })).collect(),
                     evictions: Vec::new(),
                     decisions: Vec::new(),
                     window: None,
@@ -1652,16 +1562,47 @@ mod grid_tests {
                 if dt % 5 == 0 {
                     // Another policy now and then: the plan's tenants change (a tenant
                     // leaving the policy stays while it has committed entitlement).
-                    let other = if dt % 2 == 0 { yaml.to_string() } else { yaml.replace("  - {name: b, weight: 1}\n", "  - {name: e, weight: 1}\n") };
+                    // Weighting the GPU differently changes every cluster's capacity.
+                    let other = match dt % 3 {
+                        0 => yaml.to_string(),
+                        1 => yaml.replace("  - {name: b, weight: 1}\n", "  - {name: e, weight: 1}\n"),
+                        _ => yaml.replace("spec:\n", "spec:\n  resourceWeights: {nvidia.com/gpu: \"0.1\"}\n"),
+                    };
                     let _ = fed.apply(now, Command::ApplyPolicy(crate::policy::Policy::from_yaml(&other).expect("policy")));
                 }
-                let names = fed.plan_names();
-                let grid = fed.grid(&names);
-                let got: Vec<_> = grid.cells.iter().map(|g| (g.usage, g.enforceable)).collect();
-                prop_assert_eq!(&got, &naive(&fed, &names));
-                // A copy starts with no columns kept: it reads the same.
-                let fresh: Vec<_> = fed.clone().grid(&names).cells.iter().map(|g| (g.usage, g.enforceable)).collect();
-                prop_assert_eq!(&fresh, &got);
+                if dt % 11 == 0 {
+                    // A cluster registers again with another capacity: its usage and
+                    // leases stay, the pods that fit it change.
+                    let capacity = [("nvidia.com/gpu".to_string(), 4_000 + dt % 20_000)].into();
+                    let _ = fed.apply(now, Command::RegisterCluster { cluster: format!("k{c}"), capacity, labels: BTreeMap::new() });
+                }
+                if dt % 3 == 0 {
+                    // Time passes with no report: leases expire between commands.
+                    now += dt;
+                    let _ = fed.apply(now, Command::Tick);
+                }
+                let cells = fed.with_grid(|g| {
+                    let rows = g.names().len();
+                    let cells: Vec<_> = (0..rows).flat_map(|i| g.row(i).iter().map(|c| (c.usage, c.enforceable)).collect::<Vec<_>>()).collect();
+                    let sums: Vec<_> = (0..rows).map(|i| g.sums(i)).collect();
+                    let split: Vec<_> = (0..rows).flat_map(|i| { let (c, b) = g.split_row(i); c.iter().copied().zip(b.iter().copied()).collect::<Vec<_>>() }).collect();
+                    // Planning while the kept grid is in use reads a grid of its own.
+                    let reentrant = fed.plan();
+                    (g.names().to_vec(), cells, sums, split, reentrant)
+                });
+                prop_assert_eq!(&cells.4, &fed.plan());
+                let (names, cells, sums, split) = (cells.0, cells.1, cells.2, cells.3);
+                prop_assert_eq!(&names, &fed.plan().tenants);
+                let (want_cells, want_sums, want_split) = naive(&fed, &names);
+                prop_assert_eq!(&cells, &want_cells);
+                prop_assert_eq!(&sums, &want_sums);
+                prop_assert_eq!(&split, &want_split);
+                // A copy starts with no grid: it reads, plans and splits the same.
+                let fresh = fed.clone();
+                prop_assert_eq!(fresh.plan(), fed.plan());
+                for id in fed.clusters.keys() {
+                    prop_assert_eq!(fresh.desired_budgets(id), fed.desired_budgets(id));
+                }
             }
         }
     }
