@@ -78,7 +78,11 @@ impl Showback {
         if amount == 0 {
             return;
         }
-        let per_tenant = self.hours.entry(hour).or_default().entry(tenant.to_string()).or_default();
+        let tenants = self.hours.entry(hour).or_default();
+        let per_tenant = match tenants.get_mut(tenant) {
+            Some(p) => p,
+            None => tenants.entry(tenant.to_string()).or_default(),
+        };
         match per_tenant.get_mut(cluster) {
             Some(v) => *v = v.saturating_add(amount),
             None => {
