@@ -330,7 +330,7 @@ impl Metrics {
         self.last_applied_index.set(g(raft.last_applied.map_or(0, |l| l.index)));
         self.leader_id.set(g(raft.current_leader.unwrap_or(0)));
         self.has_leader.set(i64::from(raft.current_leader.is_some()));
-        let view = crate::view::FederationView::of(fed);
+        let view = crate::view::FederationView::summary(fed);
         self.capacity.set(view.capacity_gpus);
         self.clusters.set(g(fed.clusters().len() as u64));
         for family in [&self.entitlement, &self.target, &self.inuse, &self.pending, &self.guarantee, &self.decayed, &self.drift, &self.score] {

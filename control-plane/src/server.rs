@@ -501,7 +501,7 @@ async fn sample_history(ctx: Arc<NodeCtx>, mut stop: watch::Receiver<bool>) {
             _ = every.tick() => {}
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
         }
-        let view = crate::view::FederationView::of(&ctx.state.read().await.federation);
+        let view = crate::view::FederationView::summary(&ctx.state.read().await.federation);
         ctx.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample(&view);
         if view.state_time_ms > 0 {
             share.observe(&view, |t, v, s| ctx.metrics.add_share_time(t, v, s));

@@ -110,23 +110,47 @@ pub struct FederationView {
 impl FederationView {
     /// Reads `fed` once.
     pub fn of(fed: &Federation) -> FederationView {
+        Self::read(fed, true)
+    }
+
+    /// [`FederationView::of`] without each tenant's budgets per cluster (`budgets` left
+    /// empty): what the metrics and the history read, every few seconds under the
+    /// state's read lock, so it must not cost `tenants x clusters` map entries.
+    pub fn summary(fed: &Federation) -> FederationView {
+        Self::read(fed, false)
+    }
+
+    fn read(fed: &Federation, with_budgets: bool) -> FederationView {
         let plan = fed.plan();
         let now = fed.now_ms();
         let policy = fed.policy();
+        let row: std::collections::HashMap<&str, usize> = plan.tenants.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
         // Reported waiting demand per tenant, over every cluster.
-        let mut pending: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut pending = vec![0u64; plan.tenants.len()];
         for rec in fed.clusters().values() {
             for (t, u) in &rec.usage {
-                let p = pending.entry(t.as_str()).or_default();
-                *p = p.saturating_add(u.pending);
+                if let Some(p) = row.get(t.as_str()).and_then(|&i| pending.get_mut(i)) {
+                    *p = p.saturating_add(u.pending);
+                }
             }
         }
+        // Each tenant's budget in the newest lease of every cluster that has one.
+        let mut budgets: Vec<BTreeMap<String, f64>> = vec![BTreeMap::new(); if with_budgets { plan.tenants.len() } else { 0 }];
+        if with_budgets {
+            for (c, rec) in fed.clusters() {
+                let Some(l) = rec.leases.latest() else { continue };
+                for (i, name) in plan.tenants.iter().enumerate() {
+                    budgets[i].insert(c.clone(), gpus(l.budgets.get(name).map_or(0, |b| b.budget)));
+                }
+            }
+        }
+        let mut budgets = budgets.into_iter();
         let mut lowest = 1.0f64;
         let mut tenants = Vec::with_capacity(plan.tenants.len());
         for (i, name) in plan.tenants.iter().enumerate() {
             let committed = fed.committed().get(name).copied().unwrap_or(0);
             let inuse = plan.inuse.get(i).copied().unwrap_or(0);
-            let waiting = pending.get(name.as_str()).copied().unwrap_or(0);
+            let waiting = pending.get(i).copied().unwrap_or(0);
             // The plan lists the policy's tenants first, by name (the policy sorts them).
             let spec = policy.and_then(|p| p.tenants.get(i)).filter(|t| &t.name == name);
             let min_share = spec.map_or(0, |t| {
@@ -134,14 +158,7 @@ impl FederationView {
             });
             let score = kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity);
             lowest = lowest.min(score);
-            let budgets = fed
-                .clusters()
-                .iter()
-                .filter_map(|(c, rec)| {
-                    let l = rec.leases.latest()?;
-                    Some((c.clone(), gpus(l.budgets.get(name).map_or(0, |b| b.budget))))
-                })
-                .collect();
+            let budgets = budgets.next().unwrap_or_default();
             tenants.push(TenantRow {
                 tenant: name.clone(),
                 weight: spec.map_or(0.0, |t| t.weight_milli as f64 / 1000.0),
@@ -217,7 +234,8 @@ impl ShareTimes {
     pub fn observe(&mut self, view: &FederationView, mut add: impl FnMut(&str, f64, f64)) {
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let milli = |g: f64| (g * 1000.0).round().max(0.0) as u64;
-        self.clocks.retain(|t, _| view.tenants.iter().any(|r| &r.tenant == t));
+        let listed: std::collections::BTreeSet<&str> = view.tenants.iter().map(|r| r.tenant.as_str()).collect();
+        self.clocks.retain(|t, _| listed.contains(t.as_str()));
         for t in &view.tenants {
             let clock = self.clocks.entry(t.tenant.clone()).or_default();
             let (v0, s0) = (clock.violation_ms, clock.starved_ms);
@@ -699,6 +717,42 @@ impl From<&kvota_proto::v1::ExplainPodReply> for DecisionsView {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The view reads every tenant's budget from each cluster's newest lease and its
+    /// waiting demand summed over the clusters; the summary is the same without budgets.
+    #[test]
+    fn the_view_reads_budgets_and_demand_and_the_summary_leaves_out_budgets() {
+        use kvota_fairness::federation::{Applied, Command, TenantReport, UsageReport};
+        let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: p}\nspec:\n  tenants:\n  - {name: b, weight: 1}\n  - {name: a, weight: 2}\n";
+        let mut fed = Federation::default();
+        fed.apply(1, Command::ApplyPolicy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy"))).expect("policy");
+        let mut epochs = BTreeMap::new();
+        for c in ["x", "y"] {
+            let capacity = [("nvidia.com/gpu".to_string(), 8_000)].into();
+            if let Ok(Applied::Registered(l)) = fed.apply(1, Command::RegisterCluster { cluster: c.into(), capacity, labels: BTreeMap::new() }) {
+                epochs.insert(c, l.epoch);
+            }
+        }
+        let mut leases = BTreeMap::new();
+        for (c, pending) in [("x", 3_000), ("y", 1_000)] {
+            let tenants = [("a".to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: 1_000, pending, largest: 0 }), ("zz".to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: 0, pending: 5_000, largest: 0 })].into();
+            let r = UsageReport { cluster: c.into(), seq: 1, held_epoch: epochs[c], capacity: None, tenants, evictions: vec![], decisions: vec![], window: None };
+            match fed.apply(2, Command::Report(r)) {
+                Ok(Applied::Reported { lease, .. }) => leases.insert(c, lease),
+                other => panic!("report: {other:?}"),
+            };
+        }
+        let full = FederationView::of(&fed);
+        let a = full.tenants.iter().find(|t| t.tenant == "a").expect("tenant a");
+        assert_eq!(a.pending_gpus, 4.0, "3 + 1 waiting; an unknown tenant's are not counted");
+        for (c, lease) in &leases {
+            assert_eq!(a.budgets.get(*c).copied(), Some(gpus(lease.budgets["a"].budget)), "cluster {c}");
+        }
+        assert!(a.budgets.values().any(|&b| b > 0.0), "{:?}", a.budgets);
+        let mut without = full.clone();
+        without.tenants.iter_mut().for_each(|t| t.budgets.clear());
+        assert_eq!(serde_json::to_value(FederationView::summary(&fed)).ok(), serde_json::to_value(without).ok());
+    }
 
     fn view(at: u64, tenants: usize) -> FederationView {
         FederationView {
