@@ -97,6 +97,8 @@ pub struct ServerConfig {
     pub election_timeout_max_ms: u64,
     /// Take a snapshot (and compact the log) after this many entries.
     pub snapshot_every: u64,
+    /// Entries kept in the log behind a snapshot for followers that lag a little.
+    pub snapshot_catchup_entries: u64,
     /// The leader recomputes entitlements on this interval even without reports; every
     /// node reads the voters' clocks on it.
     pub tick_ms: u64,
@@ -147,6 +149,7 @@ impl ServerConfig {
             election_timeout_min_ms: 150,
             election_timeout_max_ms: 300,
             snapshot_every: 10_000,
+            snapshot_catchup_entries: 1_000,
             tick_ms: 1_000,
             initial_members: None,
             tls: None,
@@ -176,7 +179,7 @@ impl ServerConfig {
             snapshot_policy: SnapshotPolicy::LogsSinceLast(self.snapshot_every),
             // Keep some log after a snapshot so a briefly lagging follower catches up
             // from the log instead of a whole snapshot.
-            max_in_snapshot_log_to_keep: 1_000,
+            max_in_snapshot_log_to_keep: self.snapshot_catchup_entries,
             max_payload_entries: MAX_ENTRIES_PER_APPEND,
             ..Default::default()
         };

@@ -66,6 +66,11 @@ pub struct ServerArgs {
     /// Take a snapshot and compact the log after this many entries.
     #[arg(long, env = "KVOTA_SNAPSHOT_EVERY", default_value_t = 10_000)]
     snapshot_every: u64,
+    /// Entries kept in the log behind a snapshot, so that a follower that fell a little
+    /// behind catches up from the log instead of receiving the whole snapshot (a new
+    /// node, or one further behind, receives the snapshot).
+    #[arg(long, env = "KVOTA_SNAPSHOT_CATCHUP_ENTRIES", default_value_t = 1_000)]
+    snapshot_catchup_entries: u64,
     /// How often the leader recomputes entitlements without new reports, milliseconds.
     #[arg(long, env = "KVOTA_TICK_MS", default_value_t = 1_000)]
     tick_ms: u64,
@@ -169,6 +174,7 @@ async fn serve(args: ServerArgs) -> Result<()> {
     cfg.election_timeout_min_ms = args.election_timeout_min_ms;
     cfg.election_timeout_max_ms = args.election_timeout_max_ms;
     cfg.snapshot_every = args.snapshot_every;
+    cfg.snapshot_catchup_entries = args.snapshot_catchup_entries;
     cfg.tick_ms = args.tick_ms;
     cfg.tls = tls;
     if args.init {
