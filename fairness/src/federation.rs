@@ -1107,7 +1107,13 @@ impl Federation {
         let mut own = None;
         let mut kept = match self.grid_cache.0.try_lock() {
             Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                // A panic left it half updated: start it afresh.
+                let mut g = p.into_inner();
+                *g = Grid::default();
+                self.grid_cache.0.clear_poison();
+                Some(g)
+            }
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
         let grid: &mut Grid = match kept.as_deref_mut() {

@@ -865,21 +865,18 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         // openraft calls this on the state-machine task, between applies: the state read
         // here is exactly "everything up to last_applied", consistent with its header.
-        let (bytes, last_applied, last_membership) = {
-            let data = self.data.read().await;
-            // Stamped with the format this level writes, whatever format the state was
-            // read from.
-            let mut data = data.clone();
-            data.format = snapshot_format_for(data.feature_level);
-            (serde_json::to_vec(&data).map_err(|e| e.to_string()), data.last_applied, data.last_membership.clone())
-        };
+        // Only a copy is taken here; serializing it (seconds of CPU for a large
+        // federation) happens in `build_snapshot`, which openraft runs as a task of its
+        // own while applies go on.
+        let mut data = self.data.read().await.clone();
+        // Stamped with the format this level writes, whatever format the state was read
+        // from.
+        data.format = snapshot_format_for(data.feature_level);
         SnapshotBuilder {
             dir: Arc::clone(&self.dir),
             current: Arc::clone(&self.current),
             unique: self.next_id.fetch_add(1, Ordering::Relaxed),
-            bytes,
-            last_applied,
-            last_membership,
+            data: Some(data),
         }
     }
 
@@ -938,30 +935,36 @@ pub struct SnapshotBuilder {
     dir: Arc<Dir>,
     current: Arc<Mutex<Option<SnapshotMeta<NodeId, Node>>>>,
     unique: u64,
-    /// The state machine, serialized when the builder was made.
-    bytes: Result<Vec<u8>, String>,
-    last_applied: Option<LogId<NodeId>>,
-    last_membership: StoredMembership<NodeId, Node>,
+    /// A copy of the state machine as it was when the builder was made (taken by the
+    /// build).
+    data: Option<StateMachineData>,
 }
 
 impl fmt::Debug for SnapshotBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SnapshotBuilder").field("last_applied", &self.last_applied).finish_non_exhaustive()
+        f.debug_struct("SnapshotBuilder").field("last_applied", &self.data.as_ref().map(|d| d.last_applied)).finish_non_exhaustive()
     }
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
-        let bytes = std::mem::replace(&mut self.bytes, Err("snapshot already built".to_string()))
-            .map_err(|e| StorageIOError::read_state_machine(openraft::AnyError::error(e)))?;
+        let err = |e: String| -> StorageError<NodeId> { StorageIOError::read_state_machine(openraft::AnyError::error(e)).into() };
+        let data = self.data.take().ok_or_else(|| err("snapshot already built".to_string()))?;
+        let (last_applied, last_membership) = (data.last_applied, data.last_membership.clone());
+        // Off the async workers: encoding a large state would hold one of them for a
+        // second, and with it heartbeats (a leader lost its leadership that way).
+        let bytes = blocking(move || serde_json::to_vec(&data))
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .map_err(|e| err(e.to_string()))?;
         // The clock at open plus a counter: two builds at the same log id, even across
         // restarts, get distinct snapshot ids.
         let unique = self.unique;
-        let snapshot_id = match self.last_applied {
+        let snapshot_id = match last_applied {
             Some(id) => format!("{}-{}-{unique}", id.leader_id.term, id.index),
             None => format!("none-{unique}"),
         };
-        let meta = SnapshotMeta { last_log_id: self.last_applied, last_membership: self.last_membership.clone(), snapshot_id };
+        let meta = SnapshotMeta { last_log_id: last_applied, last_membership, snapshot_id };
         {
             let mut current = self.current.lock().await;
             persist_snapshot(&self.dir, &mut current, &meta, &bytes, true).await?;
