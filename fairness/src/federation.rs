@@ -613,7 +613,10 @@ pub struct Federation {
     /// Target entitlements of the last plan (derived, kept so grants need no replan).
     targets: BTreeMap<String, MilliGpue>,
     now_ms: Millis,
-    audit: VecDeque<AuditRecord>,
+    /// Shared, never changed once written: a copy of the state (a snapshot takes one
+    /// under the state-machine task) copies pointers, not a thousand records. Serializes
+    /// as the records themselves.
+    audit: VecDeque<std::sync::Arc<AuditRecord>>,
     audit_seq: u64,
     /// Undecayed usage in hourly buckets; kept from the moment the control plane turns
     /// records on ([`Federation::enable_records`], at its feature level 2), absent before.
@@ -783,7 +786,7 @@ impl Federation {
     }
     /// Audit records, oldest first.
     pub fn audit(&self) -> impl DoubleEndedIterator<Item = &AuditRecord> {
-        self.audit.iter()
+        self.audit.iter().map(|r| &**r)
     }
     /// Federation capacity in GPUe.
     pub fn capacity(&self) -> MilliGpue {
@@ -1058,12 +1061,12 @@ impl Federation {
         } else {
             None
         };
-        self.audit.push_back(AuditRecord {
+        self.audit.push_back(std::sync::Arc::new(AuditRecord {
             seq: self.audit_seq,
             at_ms: self.now_ms,
             event,
             actor,
-        });
+        }));
     }
 
     /// Applies `cmd` on behalf of `actor` (`role/name` of the caller's certificate, as
@@ -1078,7 +1081,7 @@ impl Federation {
     /// The audit records (oldest first) that concern `tenant`, were made by `actor` and
     /// are not older than `since_ms`; each filter only when given.
     pub fn audit_filtered<'a>(&'a self, tenant: Option<&'a str>, actor: Option<&'a str>, since_ms: Option<Millis>) -> impl Iterator<Item = &'a AuditRecord> + 'a {
-        self.audit.iter().filter(move |r| {
+        self.audit.iter().map(|r| &**r).filter(move |r| {
             since_ms.is_none_or(|s| r.at_ms >= s)
                 && actor.is_none_or(|a| r.actor.as_deref() == Some(a))
                 && tenant.is_none_or(|t| r.event.concerns(t))
