@@ -22,9 +22,20 @@
 //! Run: `cargo bench -p kvota --bench sizing` (full grid), or
 //! `cargo bench -p kvota --bench sizing -- --quick` (one small row, short windows; also
 //! what `cargo test --benches` runs, since it passes no `--bench`).
+//! Last, a new node joins: it is started empty and added as a learner (`AddLearner`,
+//! which answers once the learner has caught up with the leader's log), and the time
+//! that takes is reported, with whether it was sent a snapshot (its data directory
+//! holds one) or only the log. The group snapshots every 10,000 entries by default, so
+//! a short run catches up from the log; `BENCH_SNAPSHOT_EVERY=500
+//! BENCH_SNAPSHOT_CATCHUP=0` makes the servers snapshot and purge their log during the
+//! run, so the new node is sent a snapshot of the whole state (the window's numbers
+//! then include taking those snapshots).
+//!
 //! Knobs: BENCH_GRID (default `10x3,100x8,1000x16,1000x64`, TxC), BENCH_NODES (3 or 1),
 //! BENCH_WINDOW_SECS (60), BENCH_IDLE_SECS (15), BENCH_INTERVAL_MS (5000),
-//! BENCH_CLUSTER_GPUS (GPUs per member cluster, default 256).
+//! BENCH_CLUSTER_GPUS (GPUs per member cluster, default 256), BENCH_SNAPSHOT_EVERY and
+//! BENCH_SNAPSHOT_CATCHUP (the servers' `--snapshot-every` and
+//! `--snapshot-catchup-entries`; their defaults when unset).
 
 use std::path::Path;
 use std::process::{Child, Stdio};
@@ -151,7 +162,13 @@ fn report(cluster: &str, c: usize, seq: u64, epoch: u64, t: usize, gpus_milli: u
 }
 
 fn spawn_kvota(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
-    let mut cmd = server_command(Path::new(env!("CARGO_BIN_EXE_kvota")), s, all, init, &[]);
+    let mut extra = Vec::new();
+    for (var, flag) in [("BENCH_SNAPSHOT_EVERY", "--snapshot-every"), ("BENCH_SNAPSHOT_CATCHUP", "--snapshot-catchup-entries")] {
+        if let Ok(v) = std::env::var(var) {
+            extra.extend([flag.to_string(), v]);
+        }
+    }
+    let mut cmd = server_command(Path::new(env!("CARGO_BIN_EXE_kvota")), s, all, init, &extra);
     cmd.env("RUST_LOG", "error").stderr(Stdio::null());
     cmd.spawn().expect("spawn kvota server")
 }
@@ -191,6 +208,10 @@ struct Row {
     load_before: String,
     load_after: String,
     leader_changed: bool,
+    /// Seconds until a new node had caught up, and whether it was sent a snapshot.
+    catchup: Option<(f64, bool)>,
+    /// The new node's RSS once caught up (MiB).
+    catchup_rss_mib: f64,
 }
 
 fn mib(kib: u64) -> f64 {
@@ -214,9 +235,11 @@ struct Cfg {
 async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
     let load_before = loadavg();
     let dir = tmp.join(format!("t{t}-c{c}"));
-    let specs = specs(cfg.nodes, &dir);
+    // One more than the group: the node that joins at the end.
+    let mut specs = specs(cfg.nodes + 1, &dir);
+    let joiner = specs.pop().expect("one more spec");
     let rpcs: Vec<String> = specs.iter().map(|s| s.rpc.clone()).collect();
-    let procs = Procs((0..cfg.nodes).map(|i| Some(spawn_kvota(&specs[i], &specs, i == 0))).collect());
+    let mut procs = Procs((0..cfg.nodes).map(|i| Some(spawn_kvota(&specs[i], &specs, i == 0))).collect());
     let leader = kvota_testkit::procs::leader(&rpcs, Duration::from_millis(500), Duration::from_secs(30)).await;
     let pids: Vec<u32> = procs.0.iter().map(|p| p.as_ref().map_or(0, Child::id)).collect();
     let leader_pid = pids[leader];
@@ -342,6 +365,27 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
     let st = kvota_testkit::procs::status(&rpcs[leader], Duration::from_secs(2)).await;
     let leader_changed = st.is_none_or(|s| s.role != "leader");
     let disk = dir_bytes(&specs[leader].dir);
+
+    // A new node joins and catches up.
+    procs.0.push(Some(spawn_kvota(&joiner, &specs, false)));
+    let joiner_pid = procs.0.last().and_then(|p| p.as_ref().map(Child::id)).unwrap_or(0);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let node = v1::NodeInfo { id: joiner.id, rpc_addr: joiner.rpc.clone(), http_addr: joiner.http.clone(), raft_addr: joiner.raft.clone(), voter: false };
+    let t0 = Instant::now();
+    let added = admin
+        .call(|ch| {
+            let node = node.clone();
+            async move { Ok(Client::admin(ch).add_learner(v1::AddLearnerRequest { node: Some(node) }).await?.into_inner()) }
+        })
+        .await;
+    let catchup = match added {
+        Ok(_) => Some((t0.elapsed().as_secs_f64(), joiner.dir.join("raft").join("snapshot.kvs").exists())),
+        Err(e) => {
+            eprintln!("adding node {} as a learner: {e}", joiner.id);
+            None
+        }
+    };
+    let catchup_rss_mib = mib(sample(joiner_pid).map_or(0, |s| s.0));
     drop(procs); // SIGKILLs every node
     let load_after = loadavg();
 
@@ -379,6 +423,8 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
         load_before,
         load_after,
         leader_changed,
+        catchup,
+        catchup_rss_mib,
     }
 }
 
@@ -394,12 +440,12 @@ fn print_table(rows: &[Row], cfg: &Cfg) {
         cfg.gpus_milli / 1_000
     );
     println!(
-        "{:>5} {:>4} | {:>7} {:>7} {:>7} {:>7} {:>7} | {:>6} {:>6} {:>6} | {:>7} {:>7} | {:>9} {:>7} {:>7} {:>7} | {:>7} {:>7} {:>6} | load before -> after",
-        "T", "C", "RSS0", "RSSwarm", "RSSend", "RSSmax", "fol.max", "CPU%", "idle%", "fol%", "ms/rep", "marg.ms", "reports", "p50ms", "p99ms", "maxms", "reqKiB", "repKiB", "diskMiB"
+        "{:>5} {:>4} | {:>7} {:>7} {:>7} {:>7} {:>7} | {:>6} {:>6} {:>6} | {:>7} {:>7} | {:>9} {:>7} {:>7} {:>7} | {:>7} {:>7} {:>6} | {:>14} {:>6} | load before -> after",
+        "T", "C", "RSS0", "RSSwarm", "RSSend", "RSSmax", "fol.max", "CPU%", "idle%", "fol%", "ms/rep", "marg.ms", "reports", "p50ms", "p99ms", "maxms", "reqKiB", "repKiB", "diskMiB", "join s (how)", "joinMiB"
     );
     for r in rows {
         println!(
-            "{:>5} {:>4} | {:>7.1} {:>7.1} {:>7.1} {:>7.1} {:>7.1} | {:>6.1} {:>6.1} {:>6.1} | {:>7.2} {:>7.2} | {:>4}/{:<4} {:>7.1} {:>7.1} {:>7.1} | {:>7.1} {:>7.1} {:>6.1} | {} -> {}{}{}",
+            "{:>5} {:>4} | {:>7.1} {:>7.1} {:>7.1} {:>7.1} {:>7.1} | {:>6.1} {:>6.1} {:>6.1} | {:>7.2} {:>7.2} | {:>4}/{:<4} {:>7.1} {:>7.1} {:>7.1} | {:>7.1} {:>7.1} {:>6.1} | {:>14} {:>6.1} | {} -> {}{}{}",
             r.t,
             r.c,
             r.idle_rss_mib,
@@ -420,6 +466,12 @@ fn print_table(rows: &[Row], cfg: &Cfg) {
             r.req_kib,
             r.reply_kib,
             r.disk_mib,
+            match r.catchup {
+                Some((secs, true)) => format!("{secs:.2} (snapshot)"),
+                Some((secs, false)) => format!("{secs:.2} (log)"),
+                None => "failed".to_string(),
+            },
+            r.catchup_rss_mib,
             r.load_before,
             r.load_after,
             if r.errors > 0 { format!("  ERRORS {}", r.errors) } else { String::new() },
@@ -430,6 +482,7 @@ fn print_table(rows: &[Row], cfg: &Cfg) {
     println!("CPU%: leader CPU time / wall time over the window, % of one core; idle%: same with reports stopped (leader ticks only); fol%: mean follower.");
     println!("ms/rep: leader CPU per report (window CPU / reports); marg.ms: the same minus the idle rate (the cost a report adds).");
     println!("reports: answered in the window / expected at the cadence; latency: agent-side call time (includes fsync and replication).");
+    println!("join s: a new, empty node added as a learner at the end, until it had caught up (sent a snapshot, or the log only); joinMiB: its RSS then.");
 }
 
 fn main() {
@@ -467,4 +520,10 @@ fn main() {
         }
     });
     print_table(&rows, &cfg);
+    // Every row's new node must have caught up: a join that fails is a finding, not a
+    // blank in the table.
+    if let Some(r) = rows.iter().find(|r| r.catchup.is_none()) {
+        eprintln!("row T={} C={}: the new node did not catch up", r.t, r.c);
+        std::process::exit(1);
+    }
 }
