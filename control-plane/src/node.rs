@@ -437,7 +437,6 @@ async fn batcher(
             let level = state.read().await.feature_level;
             // Below the sized-budgets level no replica reads a report's largest waiting
             // pod: the log does not carry it.
-            let mut commands = commands;
             if level < crate::types::SIZED_LEVEL {
                 for c in &mut commands {
                     if let Command::Report(r) = c {

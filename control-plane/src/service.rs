@@ -673,24 +673,15 @@ impl v1::admin_server::Admin for AdminSvc {
         if self.ctx.raft.metrics().borrow().state == openraft::ServerState::Leader {
             self.verify_member(node.id, &addr.raft_addr).await?;
         }
-        // Answer once the learner holds every entry the leader had when the learner was
-        // added. openraft's `blocking` alone answers as soon as the learner is within
-        // its `replication_lag_threshold` (5,000 entries) of the leader, which for a
-        // new node is at once.
-        let id = node.id;
-        let raft = self.ctx.raft.clone();
-        let result = tokio::time::timeout(std::time::Duration::from_secs(60), async move {
-            let added = raft.add_learner(id, addr, true).await;
-            if added.is_ok() {
-                let upto = raft.metrics().borrow().last_log_index;
-                let has_all = move |m: &openraft::RaftMetrics<crate::types::NodeId, NodeAddr>| {
-                    // No replication metrics: this node no longer leads; stop waiting.
-                    m.replication.as_ref().is_none_or(|r| r.get(&id).and_then(|l| l.map(|l| l.index)) >= upto)
-                };
-                let _ = raft.wait(None).metrics(has_all, "the new learner holds the leader's log").await;
-            }
-            added
-        })
+        // `blocking = true`: openraft answers once the learner is within its
+        // `replication_lag_threshold` (5,000 entries) of the leader, which for a new
+        // node is at once; `kvota members add-learner` then waits for the node itself to
+        // say it has caught up (its status' `ready`), on a deadline of its own, since
+        // one call may not outlast the client's.
+        let result = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            self.ctx.raft.add_learner(node.id, addr, true),
+        )
         .await
         .map_err(|_| Status::deadline_exceeded("the learner did not catch up within 60 s; is it running and reachable?"))?;
         self.leader_only(fwd, result, async |mut c| c.add_learner(forwarded(msg)).await).await

@@ -22,9 +22,9 @@
 //! Run: `cargo bench -p kvota --bench sizing` (full grid), or
 //! `cargo bench -p kvota --bench sizing -- --quick` (one small row, short windows; also
 //! what `cargo test --benches` runs, since it passes no `--bench`).
-//! Last, a new node joins: it is started empty and added as a learner (`AddLearner`,
-//! which answers once the learner has caught up with the leader's log), and the time
-//! that takes is reported, with whether it was sent a snapshot (its data directory
+//! Last, a new node joins: it is started empty and added as a learner, and the time
+//! until it says it is ready (it has applied what the leader had, as `kvota members
+//! add-learner` waits for) is reported, with whether it was sent a snapshot (its data directory
 //! holds one) or only the log. The group snapshots every 10,000 entries by default, so
 //! a short run catches up from the log; `BENCH_SNAPSHOT_EVERY=500
 //! BENCH_SNAPSHOT_CATCHUP=0` makes the servers snapshot and purge their log during the
@@ -378,8 +378,17 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
             async move { Ok(Client::admin(ch).add_learner(v1::AddLearnerRequest { node: Some(node) }).await?.into_inner()) }
         })
         .await;
-    let catchup = match added {
-        Ok(_) => Some((t0.elapsed().as_secs_f64(), joiner.dir.join("raft").join("snapshot.kvs").exists())),
+    // Caught up: the node says it is ready (it has applied what the leader had), as
+    // `kvota members add-learner` waits for it.
+    let mut caught_up = added.as_ref().map(|_| ()).map_err(|e| e.to_string());
+    while caught_up.is_ok() && !kvota_testkit::procs::status(&joiner.rpc, Duration::from_secs(2)).await.is_some_and(|s| s.ready) {
+        if t0.elapsed() > Duration::from_secs(300) {
+            caught_up = Err("not ready within 300 s".to_string());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let catchup = match caught_up {
+        Ok(()) => Some((t0.elapsed().as_secs_f64(), joiner.dir.join("raft").join("snapshot.kvs").exists())),
         Err(e) => {
             eprintln!("adding node {} as a learner: {e}", joiner.id);
             None

@@ -80,9 +80,10 @@ pub enum MembersCmd {
         #[arg(long = "member", value_name = "ID=GRPC,HTTP,RAFT", required = true)]
         members: Vec<String>,
     },
-    /// Add a node as a learner (it receives the log but does not vote). Waits until it
-    /// has caught up. With TLS, the leader first checks that the Raft address answers
-    /// with the certificate of node --id.
+    /// Add a node as a learner (it receives the log but does not vote). Then waits, up
+    /// to --wait, until the node says it has caught up (it has applied what the leader
+    /// had: its /readyz), printing its progress. With TLS, the leader first checks that
+    /// the Raft address answers with the certificate of node --id.
     AddLearner {
         /// The new node's id.
         #[arg(long)]
@@ -96,6 +97,10 @@ pub enum MembersCmd {
         /// Its HTTP address.
         #[arg(long, default_value = "")]
         http: String,
+        /// How long to wait for the node to catch up, in seconds (0: do not wait). A
+        /// new node of a large federation is sent a snapshot of the whole state first.
+        #[arg(long, value_name = "SECONDS", default_value_t = 600)]
+        wait: u64,
     },
     /// Set the voters (promote learners, demote or remove voters).
     SetVoters {
@@ -1083,12 +1088,18 @@ pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
                 async move { Ok(Client::admin(ch).initialize(v1::InitializeRequest { members }).await?.into_inner()) }
             }))
         }
-        MembersCmd::AddLearner { id, rpc, http, raft } => {
+        MembersCmd::AddLearner { id, rpc, http, raft, wait } => {
             let node = v1::NodeInfo { id: *id, rpc_addr: rpc.clone(), http_addr: http.clone(), raft_addr: raft.clone(), voter: false };
-            rt.block_on(c.call(|ch| {
-                let node = node.clone();
-                async move { Ok(Client::admin(ch).add_learner(v1::AddLearnerRequest { node: Some(node) }).await?.into_inner()) }
-            }))
+            let reply = rt
+                .block_on(c.call(|ch| {
+                    let node = node.clone();
+                    async move { Ok(Client::admin(ch).add_learner(v1::AddLearnerRequest { node: Some(node) }).await?.into_inner()) }
+                }))
+                .map_err(|e| status_err(cp, e))?;
+            if *wait > 0 {
+                rt.block_on(wait_caught_up(cp, &c, *id, rpc, std::time::Duration::from_secs(*wait)))?;
+            }
+            Ok(reply)
         }
         MembersCmd::SetVoters { voters, keep_as_learners } => rt.block_on(c.call(|ch| {
             let req = v1::ChangeMembershipRequest { voters: voters.clone(), retain: *keep_as_learners };
@@ -1101,6 +1112,44 @@ pub fn members(cp: &Cp, cmd: &MembersCmd) -> Result<()> {
         out!("  {:>3}  {:<8} grpc {}  raft {}", m.id, if m.voter { "voter" } else { "learner" }, m.rpc_addr, m.raft_addr);
     }
     Ok(())
+}
+
+/// Waits until node `id` (gRPC at `rpc`) says it is ready, having applied what the
+/// leader had; prints its progress every few seconds. Asks the node itself: the
+/// leader's view of a learner is not in the status it serves.
+async fn wait_caught_up(cp: &Cp, group: &Client, id: u64, rpc: &str, within: std::time::Duration) -> Result<()> {
+    let start = std::time::Instant::now();
+    let node = Client::with_tls(&[rpc.to_string()], cp.tls()?).map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    let status = |c: &Client| {
+        let c = c.clone();
+        async move { c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }).await }
+    };
+    let mut said = std::time::Instant::now();
+    loop {
+        let mine = status(&node).await;
+        if let Ok(st) = &mine {
+            if st.ready {
+                out!("node {id} has caught up (applied {}) after {:.1} s", st.last_applied_index, start.elapsed().as_secs_f64());
+                return Ok(());
+            }
+        }
+        let leader = status(group).await.map(|s| s.last_applied_index).unwrap_or(0);
+        let at = match &mine {
+            Ok(st) => format!("applied {} of the leader's {leader}", st.last_applied_index),
+            Err(e) => format!("not answering at {rpc}: {}", e.message()),
+        };
+        if start.elapsed() >= within {
+            anyhow::bail!(
+                "node {id} was added as a learner but has not caught up within {} s ({at}); it goes on catching up: see its log, `kvota members list`, and its /readyz",
+                within.as_secs()
+            );
+        }
+        if said.elapsed() >= std::time::Duration::from_secs(5) {
+            eprintln!("node {id} catching up: {at}");
+            said = std::time::Instant::now();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
 }
 
 /// `kvota cluster remove NAME`
