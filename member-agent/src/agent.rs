@@ -115,6 +115,14 @@ pub struct Agent {
     rounds_done: tokio::sync::watch::Sender<u64>,
     /// Whether the last report round completed (reports reach the control plane).
     last_round_ok: std::sync::atomic::AtomicBool,
+    /// Held while a lease is taken and written to the journal, so that two adoptions
+    /// cannot leave the journal behind the lease held. Never taken by the admission
+    /// path: the journal's fdatasync happens outside the state's lock.
+    adopting: Mutex<()>,
+    /// The lease epoch the journal holds: reports acknowledge no newer epoch than this
+    /// (a process restarted from this journal must never find an older lease than the
+    /// one the control plane was told it holds).
+    journaled_epoch: std::sync::atomic::AtomicU64,
 }
 
 
@@ -151,6 +159,7 @@ impl Agent {
             Some(l) if l.cluster == cluster => AgentLease::restored(l),
             _ => AgentLease::new(cluster),
         };
+        let journaled_epoch = lease.held_epoch();
         let weights = kvota_fairness::resources::ResourceWeights::new();
         let state = AgentState::new(cluster, weights.capacity_gpue_milli(&capacity), lease);
         Ok(Agent {
@@ -177,6 +186,8 @@ impl Agent {
             rounds_taken: std::sync::atomic::AtomicU64::new(0),
             rounds_done: tokio::sync::watch::Sender::new(0),
             last_round_ok: std::sync::atomic::AtomicBool::new(false),
+            adopting: Mutex::new(()),
+            journaled_epoch: std::sync::atomic::AtomicU64::new(journaled_epoch),
         })
     }
 
@@ -287,9 +298,16 @@ impl Agent {
     }
 
     /// The epoch a report acknowledges: the lease held, but no newer one than the state
-    /// store holds (see [`Agent::persist`]).
+    /// store holds (see [`Agent::persist`]) or the journal holds (see [`Agent::adopt`]).
     fn acknowledged_epoch(&self, held: u64) -> u64 {
         held.min(self.kept_epoch.load(std::sync::atomic::Ordering::SeqCst))
+            .min(self.journaled_epoch.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    /// The epoch the next report acknowledges, as [`Agent::acknowledged_epoch`] gives it.
+    pub fn acknowledges(&self) -> u64 {
+        let held = self.state().lease.held_epoch();
+        self.acknowledged_epoch(held)
     }
 
     /// Reads the enforcement state another process of this agent kept and takes what is
@@ -307,26 +325,34 @@ impl Agent {
         let unix_now = unix_ms();
         {
             let mut st = self.state();
-            let now = st.now_ms();
             if crate::review::AdmissionState::policy(&*st).is_none() {
                 if let Some(p) = &kept.policy {
                     st.set_policy(p.clone());
                 }
             }
-            if let Some(lease) = &kept.lease {
-                self.kept_epoch.fetch_max(lease.epoch, std::sync::atomic::Ordering::SeqCst);
-                // The other process's wall clock may run ahead of ours: take the margin
-                // off again, so this one never enforces the lease longer than it could.
-                // And never longer than any process could from a request sent now
-                // (a clock far ahead, or an edited state, says nothing more).
-                let left = kept
-                    .lease_usable_until_unix_ms
-                    .saturating_sub(unix_now)
-                    .saturating_sub(lease.margin_ms)
-                    .min(lease.duration_ms.saturating_sub(lease.margin_ms.saturating_mul(2)));
-                let until = (left > 0).then(|| now.saturating_add(left));
-                let r = st.lease.restore_anchored(lease.clone(), until);
+        }
+        if let Some(lease) = &kept.lease {
+            self.kept_epoch.fetch_max(lease.epoch, std::sync::atomic::Ordering::SeqCst);
+            // The other process's wall clock may run ahead of ours: take the margin
+            // off again, so this one never enforces the lease longer than it could.
+            // And never longer than any process could from a request sent now
+            // (a clock far ahead, or an edited state, says nothing more).
+            let left = kept
+                .lease_usable_until_unix_ms
+                .saturating_sub(unix_now)
+                .saturating_sub(lease.margin_ms)
+                .min(lease.duration_ms.saturating_sub(lease.margin_ms.saturating_mul(2)));
+            let now = self.now_ms();
+            let until = (left > 0).then(|| now.saturating_add(left));
+            let taken = self.take_lease(|held| {
+                let r = held.restore_anchored(lease.clone(), until);
                 tracing::info!(epoch = lease.epoch, enforceable_ms = left, outcome = ?r, writer = %kept.writer, "restored the lease kept in the cluster");
+                r
+            });
+            if let Err(e) = taken {
+                // Enforced all the same; reports go on acknowledging the epoch the
+                // journal holds until a lease is written there.
+                tracing::warn!(epoch = lease.epoch, error = %e.message(), "the restored lease could not be written to the journal");
             }
         }
         let mut acked = self.acked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -576,10 +602,26 @@ impl Agent {
         // try the next one while a renewal can still arrive in time. (Half was too short
         // for a 3 s lease over links with 200 ms of delay: slow answers timed out.)
         self.client.set_call_timeout(std::time::Duration::from_millis(lease.duration_ms.saturating_sub(lease.margin_ms) * 2 / 3));
-        let mut s = self.state();
-        s.lease.on_lease(lease.clone(), sent_ms);
-        if s.lease.held_epoch() == lease.epoch {
-            self.journal.save_lease(&lease).map_err(journal_err)?;
+        self.take_lease(|l| l.on_lease(lease, sent_ms))
+    }
+
+    /// Changes the lease held with `update` and, if it took the lease, writes what is now
+    /// held to the journal (fdatasync) after letting go of the admission state: reviews
+    /// go on being judged, under the lease just taken, while the disk syncs. The journal's
+    /// epoch is acknowledged only once it is written.
+    fn take_lease(&self, update: impl FnOnce(&mut AgentLease) -> kvota_fairness::lease::LeaseUpdate) -> Result<(), Status> {
+        use kvota_fairness::lease::LeaseUpdate;
+        let _one_at_a_time = self.adopting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let held = {
+            let mut s = self.state();
+            match update(&mut s.lease) {
+                LeaseUpdate::Adopted | LeaseUpdate::Renewed => s.lease.lease().cloned(),
+                LeaseUpdate::Stale | LeaseUpdate::Rejected => None,
+            }
+        };
+        if let Some(held) = held {
+            self.journal.save_lease(&held).map_err(journal_err)?;
+            self.journaled_epoch.store(held.epoch, std::sync::atomic::Ordering::SeqCst);
         }
         Ok(())
     }
@@ -764,5 +806,58 @@ mod tests {
         // Older reports without a window: by number.
         assert!(already_counted(&report(9, None), 9, 20));
         assert!(!already_counted(&report(10, None), 9, 20));
+    }
+
+    fn lease(epoch: u64, budget: u64) -> v1::Lease {
+        let budgets = [("training".to_string(), kvota_fairness::lease::TenantBudget { budget, fallback: 1_000, entitlement: budget, borrow: 0, ceiling: 0 })];
+        v1::Lease::from(&Lease { cluster: "east".into(), epoch, duration_ms: 60_000, margin_ms: 1_000, issued_at_ms: 0, budgets: budgets.into_iter().collect() })
+    }
+
+    /// Taking a lease writes it to the journal (an fdatasync) without holding the
+    /// admission state: reviews are judged, under the new lease, while the disk syncs;
+    /// and the new epoch is acknowledged only once the journal holds it.
+    #[test]
+    fn a_lease_is_journaled_outside_the_admission_state_and_acknowledged_after() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Arc::new(Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open"));
+        agent.adopt(Some(lease(1, 2_000)), agent.now_ms()).expect("first lease");
+        assert_eq!(agent.acknowledges(), 1);
+
+        let slow_disk = agent.journal.hold();
+        let taking = std::thread::spawn({
+            let agent = Arc::clone(&agent);
+            move || agent.adopt(Some(lease(2, 5_000)), agent.now_ms())
+        });
+        // The new lease is enforced while its write waits on the disk ...
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let budget = agent.state.try_lock().ok().map(|s| s.lease.budget("training", agent.now_ms()));
+            if budget == Some(5_000) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the admission state stayed locked or kept the old lease while the journal was held");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // ... but not acknowledged: a restart from this journal would find epoch 1.
+        assert_eq!(agent.acknowledges(), 1);
+        assert!(!taking.is_finished());
+        drop(slow_disk);
+        taking.join().expect("no panic").expect("second lease");
+        assert_eq!(agent.acknowledges(), 2);
+        drop(agent);
+        let again = Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
+        assert_eq!(again.state().lease.held_epoch(), 2, "the journal holds the lease taken");
+    }
+
+    /// A lease refused (the same epoch with other budgets) is neither held nor written.
+    #[test]
+    fn a_refused_lease_is_not_journaled() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open");
+        agent.adopt(Some(lease(3, 2_000)), agent.now_ms()).expect("lease");
+        agent.adopt(Some(lease(3, 9_000)), agent.now_ms()).expect("refused, no error");
+        drop(agent);
+        let again = Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
+        assert_eq!(again.journal.load_lease().expect("load").map(|l| l.budgets["training"].budget), Some(2_000));
     }
 }

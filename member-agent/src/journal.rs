@@ -450,6 +450,13 @@ impl Journal {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Holds the journal as a write that takes long (a slow fdatasync) would, until the
+    /// guard drops: for tests of what must not wait on the disk.
+    #[cfg(test)]
+    pub(crate) fn hold(&self) -> impl Drop + '_ {
+        self.lock()
+    }
+
     /// What opening found (a torn tail cut).
     pub fn opened(&self) -> &Opened {
         &self.opened

@@ -68,7 +68,10 @@ fn agent_on(dir: &std::path::Path, store: &Arc<dyn StateStore>, replica: &str) -
 }
 
 /// An agent that holds the policy and `l`, received just now.
+/// An agent holding `l`, written to its journal first as adopting a lease does (a
+/// report acknowledges no epoch its journal lacks).
 fn holding(dir: &std::path::Path, l: Lease) -> Agent {
+    kvota_member_agent::journal::Journal::open(dir).expect("journal").save_lease(&l).expect("journal the lease");
     let a = agent(dir);
     let mut st = a.state();
     st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
