@@ -35,6 +35,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kvota_fairness::federation::{Command, UsageReport, UsageWindow};
 use kvota_fairness::lease::{AgentLease, Lease};
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::{Policy, TENANT_LABEL};
 use kvota_fairness::{MilliGpue, Millis};
 use kvota_member_agent::review::{AdmissionState, Effect};
@@ -81,7 +82,7 @@ pub struct AgentBugs {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Admitted {
     /// Tenant.
-    pub tenant: String,
+    pub tenant: TenantName,
     /// Pod key.
     pub pod: String,
     /// GPUe.
@@ -129,7 +130,7 @@ pub struct SimAgent {
     /// Index on the network.
     pub index: usize,
     /// Cluster id.
-    pub id: String,
+    pub id: ClusterName,
     /// Agent process running.
     pub up: bool,
     /// The agent's state (replaced on restart).
@@ -158,14 +159,14 @@ pub struct SimAgent {
     /// Journal fsync latency.
     pub disk_delay_ms: Millis,
     /// Ground truth: GPUe-ms produced by running pods, per tenant.
-    pub produced: BTreeMap<String, u64>,
+    pub produced: BTreeMap<TenantName, u64>,
     /// Produced but never metered into a durable report (agent down, crash).
-    pub unmetered: BTreeMap<String, u64>,
+    pub unmetered: BTreeMap<TenantName, u64>,
     /// Metered into durable reports.
-    pub metered: BTreeMap<String, u64>,
+    pub metered: BTreeMap<TenantName, u64>,
     last_host_ms: Millis,
     /// Arrivals per tenant.
-    pub load: BTreeMap<String, Load>,
+    pub load: BTreeMap<TenantName, Load>,
     retry: Vec<(Millis, SimPod)>,
     pods: u64,
     rng: Rng,
@@ -199,12 +200,12 @@ impl SimAgent {
     /// A cluster with `node_gpus` whole-GPU nodes, clock `rate_ppm`, talking to
     /// `cp_nodes` control-plane nodes.
     pub fn new(index: usize, node_gpus: &[u32], rate_ppm: i64, offset_ms: u64, cp_nodes: usize, rng: Rng) -> SimAgent {
-        let id = format!("c{index}");
+        let id = ClusterName::parse(format!("c{index}")).expect("c0, c1, ... are cluster names");
         let sim = SimCluster::new(node_gpus);
         let capacity_gpue: MilliGpue = node_gpus.iter().map(|&g| u64::from(g) * 1_000).sum();
         SimAgent {
             index,
-            state: AgentState::new(&id, capacity_gpue, AgentLease::new(id.clone())),
+            state: AgentState::new(id.clone(), capacity_gpue, AgentLease::new(id.clone())),
             id,
             up: true,
             sim,
@@ -300,7 +301,7 @@ impl SimAgent {
             return;
         }
         for t in &p.tenants {
-            self.state.set_namespace(&t.name, [(TENANT_LABEL.to_string(), t.name.clone())].into());
+            self.state.set_namespace(&t.name, [(TENANT_LABEL.to_string(), t.name.to_string())].into());
         }
         self.state.set_policy(p.clone());
         self.policy = Some(p);
@@ -314,7 +315,7 @@ impl SimAgent {
         let mut admitted = Vec::new();
         if !self.up {
             // Kubernetes goes on without the agent: pods finish, admitted pods bind.
-            let mut scratch = AgentState::new(&self.id, self.capacity_gpue, AgentLease::new(self.id.clone()));
+            let mut scratch = AgentState::new(self.id.clone(), self.capacity_gpue, AgentLease::new(self.id.clone()));
             self.sim.finish(&mut scratch, h);
             self.sim.bind(&mut scratch, h);
             if arrivals {
@@ -330,7 +331,8 @@ impl SimAgent {
         }
         self.sim.finish(&mut self.state, h);
         for key in self.sim.release(&mut self.state) {
-            let tenant = key.split('/').next().unwrap_or_default().to_string();
+            // Each tenant's pods run in the namespace of its name.
+            let tenant = TenantName::parse(key.split('/').next().unwrap_or_default()).expect("a tenant's namespace");
             let gpue = self.state.reservations().iter().find(|r| r.0 == key).map_or(0, |r| r.2);
             admitted.push(self.admitted(&tenant, &key, gpue, h));
         }
@@ -368,9 +370,9 @@ impl SimAgent {
         }
     }
 
-    fn admitted(&self, tenant: &str, pod: &str, gpue: MilliGpue, h: Millis) -> Admitted {
+    fn admitted(&self, tenant: &TenantName, pod: &str, gpue: MilliGpue, h: Millis) -> Admitted {
         Admitted {
-            tenant: tenant.to_string(),
+            tenant: tenant.clone(),
             pod: pod.to_string(),
             gpue,
             inuse_after: self.state.inuse(tenant),
@@ -387,7 +389,7 @@ impl SimAgent {
             now.into_iter().map(|(_, p)| p).collect()
         };
         todo.extend(due);
-        let loads: Vec<(String, Load)> = self.load.iter().map(|(t, l)| (t.clone(), *l)).collect();
+        let loads: Vec<(TenantName, Load)> = self.load.iter().map(|(t, l)| (t.clone(), *l)).collect();
         for (t, l) in loads {
             if self.rng.chance_per_mille(l.per_mille) {
                 self.pods += 1;
@@ -410,7 +412,8 @@ impl SimAgent {
             match self.sim.submit(&mut self.state, &pod) {
                 kvota_member_agent::review::Outcome::Allowed => {
                     let gpue = u64::from(pod.count) * 1_000;
-                    adm.push(self.admitted(&pod.namespace, &pod.key(), gpue, h));
+                    let tenant = TenantName::parse(pod.namespace.as_str()).expect("a tenant's namespace");
+                    adm.push(self.admitted(&tenant, &pod.key(), gpue, h));
                 }
                 kvota_member_agent::review::Outcome::Denied if self.retry.len() < MAX_RETRIES && self.rng.chance(70) => {
                     let at = h + self.rng.range(2_000, 6_000);
@@ -612,7 +615,7 @@ impl SimAgent {
             Some(l) => AgentLease::restored(l.clone()),
             None => AgentLease::new(self.id.clone()),
         };
-        self.state = AgentState::new(&self.id, self.capacity_gpue, lease);
+        self.state = AgentState::new(self.id.clone(), self.capacity_gpue, lease);
         // The clock first: nothing is bound yet, so nothing is metered for the downtime.
         self.state.set_now(h);
         if let Some(p) = self.policy.take() {

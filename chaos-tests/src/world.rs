@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kvota_fairness::decay::Ledger;
 use kvota_fairness::federation::{Applied, Command, Federation};
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::Policy;
 
 use crate::invariants::{self, Violation};
@@ -212,12 +213,12 @@ pub struct Oracle {
     /// The state machine at the global commit index.
     pub fed: Federation,
     /// Reports counted: `(cluster, seq)`.
-    pub applied_reports: BTreeSet<(String, u64)>,
+    pub applied_reports: BTreeSet<(ClusterName, u64)>,
     /// The usage window's start of each counted report, by `(cluster, seq)`: which of
     /// two reports with one number (an old process's, a standby's) was counted.
-    pub applied_windows: BTreeMap<(String, u64), u64>,
+    pub applied_windows: BTreeMap<(ClusterName, u64), u64>,
     /// Usage counted per `(cluster, tenant)` (undecayed).
-    pub counted: BTreeMap<(String, String), u64>,
+    pub counted: BTreeMap<(ClusterName, TenantName), u64>,
     /// The ledger rebuilt from the counted reports.
     pub shadow: Ledger,
 }
@@ -310,7 +311,7 @@ pub struct World {
     demand_shift_ms: u64,
     shifted: bool,
     last_epochs: Vec<(u64, u64)>,
-    inuse_cache: Vec<BTreeMap<String, u64>>,
+    inuse_cache: Vec<BTreeMap<TenantName, u64>>,
     bugs: Bugs,
     admissions: u64,
     fault_kinds: BTreeMap<&'static str, u64>,
@@ -346,7 +347,7 @@ impl World {
             a.bugs.ack_on_send = bugs.ack_on_send;
             a.bugs.ack_unkept = bugs.ack_unkept;
             for t in tenants {
-                a.load.insert(t.to_string(), random_load(&mut rng, t));
+                a.load.insert(TenantName::from_static(t), random_load(&mut rng, t));
             }
             agents.push(a);
         }
@@ -412,8 +413,8 @@ impl World {
     }
 
     /// Policy tenant names (plus retiring ones), in order.
-    pub fn tenant_names(&self) -> Vec<String> {
-        let mut names: BTreeSet<String> = self.oracle.fed.committed().keys().cloned().collect();
+    pub fn tenant_names(&self) -> Vec<TenantName> {
+        let mut names: BTreeSet<TenantName> = self.oracle.fed.committed().keys().cloned().collect();
         if let Some(p) = self.oracle.fed.policy() {
             names.extend(p.tenants.iter().map(|t| t.name.clone()));
         }
@@ -645,7 +646,7 @@ impl World {
 
     fn agents_step(&mut self, arrivals: bool) -> Result<(), Violation> {
         for i in 0..self.agents.len() {
-            let before: BTreeMap<String, u64> = {
+            let before: BTreeMap<TenantName, u64> = {
                 let mut m = BTreeMap::new();
                 for c in &self.inuse_cache {
                     for (t, g) in c {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use kvota_fairness::federation::{Applied, Command, UsageReport};
 use kvota_fairness::policy::Policy;
+use kvota_fairness::names::TenantName;
 use kvota_proto::convert::{self, Registration};
 use kvota_proto::v1::{self, admin_client::AdminClient, member_client::MemberClient};
 use openraft::error::{ClientWriteError, RaftError};
@@ -220,7 +221,7 @@ pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> O
     let rec = fed.clusters().get(id)?;
     let now = fed.now_ms();
     let newest = rec.leases.latest();
-    let mut names: BTreeSet<&String> = rec.usage.keys().collect();
+    let mut names: BTreeSet<&TenantName> = rec.usage.keys().collect();
     if let Some(l) = newest {
         names.extend(l.budgets.keys());
     }
@@ -230,7 +231,7 @@ pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> O
             let u = rec.usage.get(t).copied().unwrap_or_default();
             let b = newest.and_then(|l| l.budgets.get(t)).copied().unwrap_or_default();
             v1::ClusterTenant {
-                tenant: t.clone(),
+                tenant: t.to_string(),
                 inuse_milli_gpue: u.inuse,
                 pending_milli_gpue: u.pending,
                 budget_milli_gpue: b.budget,
@@ -327,7 +328,7 @@ pub fn tenants_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListTe
             let committed = fed.committed().get(&t.name).copied().unwrap_or(0);
             let inuse = plan.inuse.get(i).copied().unwrap_or(0);
             v1::TenantInfo {
-                tenant: t.name.clone(),
+                tenant: t.name.to_string(),
                 weight_milli: t.weight_milli,
                 min_share_bp: t.min_share_bp,
                 max_share_bp: t.max_share_bp,

@@ -140,7 +140,7 @@ impl FederationView {
             for (c, rec) in fed.clusters() {
                 let Some(l) = rec.leases.latest() else { continue };
                 for (i, name) in plan.tenants.iter().enumerate() {
-                    budgets[i].insert(c.clone(), gpus(l.budgets.get(name).map_or(0, |b| b.budget)));
+                    budgets[i].insert(c.to_string(), gpus(l.budgets.get(name).map_or(0, |b| b.budget)));
                 }
             }
         }
@@ -160,7 +160,7 @@ impl FederationView {
             lowest = lowest.min(score);
             let budgets = budgets.next().unwrap_or_default();
             tenants.push(TenantRow {
-                tenant: name.clone(),
+                tenant: name.to_string(),
                 weight: spec.map_or(0.0, |t| t.weight_milli as f64 / 1000.0),
                 entitlement_gpus: gpus(committed),
                 target_gpus: gpus(plan.entitlements.get(i).map_or(0, |e| e.total)),
@@ -196,7 +196,7 @@ impl FederationView {
                     }
                 };
                 ClusterRow {
-                    cluster: name.clone(),
+                    cluster: name.to_string(),
                     capacity_gpus: gpus(rec.capacity_gpue),
                     inuse_gpus: gpus(inuse),
                     report_age_seconds: rec.last_report_ms.map(|at| now.saturating_sub(at) as f64 / 1000.0),
@@ -717,6 +717,7 @@ impl From<&kvota_proto::v1::ExplainPodReply> for DecisionsView {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvota_fairness::names::{ClusterName, TenantName};
 
     /// The view reads every tenant's budget from each cluster's newest lease and its
     /// waiting demand summed over the clusters; the summary is the same without budgets.
@@ -729,14 +730,14 @@ mod tests {
         let mut epochs = BTreeMap::new();
         for c in ["x", "y"] {
             let capacity = [("nvidia.com/gpu".to_string(), 8_000)].into();
-            if let Ok(Applied::Registered(l)) = fed.apply(1, Command::RegisterCluster { cluster: c.into(), capacity, labels: BTreeMap::new() }) {
+            if let Ok(Applied::Registered(l)) = fed.apply(1, Command::RegisterCluster { cluster: ClusterName::parse(c).expect("name"), capacity, labels: BTreeMap::new() }) {
                 epochs.insert(c, l.epoch);
             }
         }
         let mut leases = BTreeMap::new();
         for (c, pending) in [("x", 3_000), ("y", 1_000)] {
-            let tenants = [("a".to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: 1_000, pending, largest: 0 }), ("zz".to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: 0, pending: 5_000, largest: 0 })].into();
-            let r = UsageReport { cluster: c.into(), seq: 1, held_epoch: epochs[c], capacity: None, tenants, evictions: vec![], decisions: vec![], window: None };
+            let tenants = [(TenantName::from_static("a"), TenantReport { used_milli_gpue_ms: 0, inuse: 1_000, pending, largest: 0 }), (TenantName::from_static("zz"), TenantReport { used_milli_gpue_ms: 0, inuse: 0, pending: 5_000, largest: 0 })].into();
+            let r = UsageReport { cluster: ClusterName::parse(c).expect("name"), seq: 1, held_epoch: epochs[c], capacity: None, tenants, evictions: vec![], decisions: vec![], window: None };
             match fed.apply(2, Command::Report(r)) {
                 Ok(Applied::Reported { lease, .. }) => leases.insert(c, lease),
                 other => panic!("report: {other:?}"),

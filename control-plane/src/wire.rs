@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use kvota_fairness::admission::Verdict;
 use kvota_fairness::federation::{Command, EvictionNote, EvictionOutcome, PodDecision, TenantReport, UsageReport, UsageWindow};
 use kvota_fairness::policy::{AdmissionMode, LeaseConfig, Policy, ReclaimConfig, ShowbackConfig, TenantPolicy};
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_proto::raft::v1 as pb;
 use openraft::error::{InstallSnapshotError, SnapshotMismatch};
@@ -62,6 +63,17 @@ fn missing(field: impl Into<String>) -> WireError {
 
 fn invalid(field: impl Into<String>, why: impl Into<String>) -> WireError {
     WireError::Invalid { field: field.into(), why: why.into() }
+}
+
+/// A cluster's name in a log entry: every writer parsed it before proposing, so
+/// another is a damaged or foreign entry.
+fn cluster_name(name: String, field: &str) -> Result<ClusterName, WireError> {
+    ClusterName::parse(name).map_err(|e| invalid(field, e.to_string()))
+}
+
+/// A tenant's name in a log entry (see [`cluster_name`]).
+fn tenant_name(name: String, field: &str) -> Result<TenantName, WireError> {
+    TenantName::parse(name).map_err(|e| invalid(field, e.to_string()))
 }
 
 fn need<T>(v: Option<T>, field: impl Into<String>) -> Result<T, WireError> {
@@ -323,9 +335,9 @@ fn command_to(c: &Command) -> pb::LogCommand {
     let command = match c {
         Command::ApplyPolicy(p) => C::ApplyPolicy(policy_to(p)),
         Command::RegisterCluster { cluster, capacity, labels } => {
-            C::RegisterCluster(pb::LogRegister { cluster: cluster.clone(), capacity_milli: capacity.clone().into_iter().collect(), labels: labels.clone().into_iter().collect() })
+            C::RegisterCluster(pb::LogRegister { cluster: cluster.to_string(), capacity_milli: capacity.clone().into_iter().collect(), labels: labels.clone().into_iter().collect() })
         }
-        Command::RemoveCluster { cluster } => C::RemoveCluster(pb::LogRemove { cluster: cluster.clone() }),
+        Command::RemoveCluster { cluster } => C::RemoveCluster(pb::LogRemove { cluster: cluster.to_string() }),
         Command::Report(r) => C::Report(report_to(r)),
         Command::Tick => C::Tick(pb::Empty {}),
     };
@@ -337,9 +349,9 @@ fn command_from(c: pb::LogCommand, field: &str) -> Result<Command, WireError> {
     Ok(match c.command {
         None => return Err(invalid(field, "absent, or a command this build does not know")),
         Some(C::ApplyPolicy(p)) => Command::ApplyPolicy(policy_from(p, &format!("{field}.apply_policy"))?),
-        Some(C::RegisterCluster(r)) => Command::RegisterCluster { cluster: r.cluster, capacity: r.capacity_milli.into_iter().collect(), labels: r.labels.into_iter().collect() },
-        Some(C::RemoveCluster(r)) => Command::RemoveCluster { cluster: r.cluster },
-        Some(C::Report(r)) => Command::Report(report_from(r)),
+        Some(C::RegisterCluster(r)) => Command::RegisterCluster { cluster: cluster_name(r.cluster, &format!("{field}.register_cluster.cluster"))?, capacity: r.capacity_milli.into_iter().collect(), labels: r.labels.into_iter().collect() },
+        Some(C::RemoveCluster(r)) => Command::RemoveCluster { cluster: cluster_name(r.cluster, &format!("{field}.remove_cluster.cluster"))? },
+        Some(C::Report(r)) => Command::Report(report_from(r, &format!("{field}.report"))?),
         Some(C::Tick(_)) => Command::Tick,
     })
 }
@@ -348,7 +360,7 @@ fn policy_to(p: &Policy) -> pb::LogPolicy {
     pb::LogPolicy {
         name: p.name.clone(),
         api_version: p.api_version.clone(),
-        default_tenant: p.default_tenant.clone(),
+        default_tenant: p.default_tenant.as_ref().map(ToString::to_string),
         lease_duration_ms: p.lease.duration_ms,
         lease_clock_skew_margin_ms: p.lease.clock_skew_margin_ms,
         reclaim: Some(pb::LogReclaim {
@@ -388,7 +400,7 @@ fn policy_from(p: pb::LogPolicy, field: &str) -> Result<Policy, WireError> {
     Ok(Policy {
         name: p.name,
         api_version: p.api_version,
-        default_tenant: p.default_tenant,
+        default_tenant: p.default_tenant.map(|t| tenant_name(t, &format!("{field}.default_tenant"))).transpose()?,
         lease: LeaseConfig { duration_ms: p.lease_duration_ms, clock_skew_margin_ms: p.lease_clock_skew_margin_ms },
         reclaim,
         showback: p.showback_retention_ms.map_or_else(ShowbackConfig::default, |retention_ms| ShowbackConfig { retention_ms }),
@@ -399,7 +411,7 @@ fn policy_from(p: pb::LogPolicy, field: &str) -> Result<Policy, WireError> {
 
 fn tenant_to(t: &TenantPolicy) -> pb::LogTenant {
     pb::LogTenant {
-        name: t.name.clone(),
+        name: t.name.to_string(),
         weight_milli: t.weight_milli,
         min_share_bp: t.min_share_bp,
         max_share_bp: t.max_share_bp,
@@ -424,7 +436,7 @@ fn tenant_from(t: pb::LogTenant, field: &str) -> Result<TenantPolicy, WireError>
         Err(_) => return Err(invalid(format!("{field}.admission"), format!("admission mode {} is not one this build knows", t.admission))),
     };
     Ok(TenantPolicy {
-        name: t.name,
+        name: tenant_name(t.name, &format!("{field}.name"))?,
         weight_milli: t.weight_milli,
         min_share_bp: t.min_share_bp,
         max_share_bp: t.max_share_bp,
@@ -440,14 +452,14 @@ fn tenant_from(t: pb::LogTenant, field: &str) -> Result<TenantPolicy, WireError>
 
 fn report_to(r: &UsageReport) -> pb::LogReport {
     pb::LogReport {
-        cluster: r.cluster.clone(),
+        cluster: r.cluster.to_string(),
         seq: r.seq,
         held_epoch: r.held_epoch,
         capacity: r.capacity.as_ref().map(|c| pb::LogCapacity { milli: c.clone().into_iter().collect() }),
         tenants: r
             .tenants
             .iter()
-            .map(|(name, t)| (name.clone(), pb::LogTenantUsage { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse_milli_gpue: t.inuse, pending_milli_gpue: t.pending, largest_pending_milli_gpue: t.largest }))
+            .map(|(name, t)| (name.to_string(), pb::LogTenantUsage { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse_milli_gpue: t.inuse, pending_milli_gpue: t.pending, largest_pending_milli_gpue: t.largest }))
             .collect(),
         evictions: r
             .evictions
@@ -478,17 +490,20 @@ fn report_to(r: &UsageReport) -> pb::LogReport {
     }
 }
 
-fn report_from(r: pb::LogReport) -> UsageReport {
-    UsageReport {
-        cluster: r.cluster,
+fn report_from(r: pb::LogReport, field: &str) -> Result<UsageReport, WireError> {
+    Ok(UsageReport {
+        cluster: cluster_name(r.cluster, &format!("{field}.cluster"))?,
         seq: r.seq,
         held_epoch: r.held_epoch,
         capacity: r.capacity.map(|c| c.milli.into_iter().collect()),
         tenants: r
             .tenants
             .into_iter()
-            .map(|(name, t)| (name, TenantReport { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: t.largest_pending_milli_gpue }))
-            .collect(),
+            .map(|(name, t)| {
+                let name = tenant_name(name, &format!("{field}.tenants"))?;
+                Ok((name, TenantReport { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: t.largest_pending_milli_gpue }))
+            })
+            .collect::<Result<_, WireError>>()?,
         evictions: r
             .evictions
             .into_iter()
@@ -519,5 +534,5 @@ fn report_from(r: pb::LogReport) -> UsageReport {
                 })
             })
             .collect(),
-    }
+    })
 }

@@ -8,6 +8,7 @@
 
 mod common;
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -210,6 +211,55 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
         m.entries[2].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
     assert!(e.to_string().starts_with("entries[2].normal.commands[0].apply_policy.tenants[1].admission: admission mode 7"), "{e}");
+    // Names: every writer parsed them before proposing, so a name that is not a DNS
+    // label is a damaged or foreign entry, refused where it stands.
+    let e = err(&|m| {
+        let mut b = normal(m, 2);
+        if let Some(pb::log_command::Command::ApplyPolicy(p)) = &mut b.commands[0].command {
+            p.tenants[1].name = "Not_A_Label".into();
+        }
+        m.entries[2].payload = Some(pb::raft_entry::Payload::Normal(b));
+    });
+    assert!(e.to_string().starts_with("entries[2].normal.commands[0].apply_policy.tenants[1].name: tenant name \"Not_A_Label\" is not valid: 1-63 lowercase"), "{e}");
+    let find = |m: &pb::AppendEntriesRequest, want: &dyn Fn(&pb::log_command::Command) -> bool| -> usize {
+        m.entries
+            .iter()
+            .position(|e| matches!(&e.payload, Some(pb::raft_entry::Payload::Normal(b)) if b.commands.iter().any(|c| c.command.as_ref().is_some_and(want))))
+            .expect("the full log has one")
+    };
+    let at = find(&good, &|c| matches!(c, pb::log_command::Command::Report(_)));
+    let e = err(&|m| {
+        let mut b = normal(m, at);
+        for c in &mut b.commands {
+            if let Some(pb::log_command::Command::Report(r)) = &mut c.command {
+                r.cluster = "east.example".into();
+            }
+        }
+        m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
+    });
+    assert!(e.to_string().starts_with(&format!("entries[{at}].normal.commands[0].report.cluster: cluster name \"east.example\" is not valid")), "{e}");
+    let e = err(&|m| {
+        let mut b = normal(m, at);
+        for c in &mut b.commands {
+            if let Some(pb::log_command::Command::Report(r)) = &mut c.command {
+                let usage = r.tenants.values().next().cloned().unwrap_or_default();
+                r.tenants.insert("-training".into(), usage);
+            }
+        }
+        m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
+    });
+    assert!(e.to_string().starts_with(&format!("entries[{at}].normal.commands[0].report.tenants: tenant name \"-training\" is not valid")), "{e}");
+    let at = find(&good, &|c| matches!(c, pb::log_command::Command::RemoveCluster(_)));
+    let e = err(&|m| {
+        let mut b = normal(m, at);
+        for c in &mut b.commands {
+            if let Some(pb::log_command::Command::RemoveCluster(r)) = &mut c.command {
+                r.cluster = String::new();
+            }
+        }
+        m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
+    });
+    assert!(e.to_string().contains(".remove_cluster.cluster: cluster name \"\" is not valid"), "{e}");
     // Memberships that openraft could not work with.
     let membership = |f: &dyn Fn(&mut pb::RaftMembership)| {
         err(&|m| {
@@ -248,7 +298,7 @@ fn a_showback_retention_crosses_the_wire_and_its_default_costs_nothing() {
 /// an entry naming nobody carries no such field (what a level-1 member reads).
 #[test]
 fn actors_cross_the_wire_and_the_log_and_are_absent_when_none() {
-    let mut r = Request::new(5, vec![Command::Tick, Command::RemoveCluster { cluster: "east".into() }]);
+    let mut r = Request::new(5, vec![Command::Tick, Command::RemoveCluster { cluster: ClusterName::from_static("east") }]);
     let plain = serde_json::to_string(&r).unwrap();
     assert!(!plain.contains("actors"), "{plain}");
     r.actors = BTreeMap::from([(1, "operator/alice".to_string())]);
@@ -299,7 +349,7 @@ mod hostile_bytes {
         /// capacity stay apart; every field survives).
         #[test]
         fn any_report_crosses_the_wire_unchanged(
-            cluster in "[a-z0-9-]{0,20}",
+            cluster in "[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?",
             seq in any::<u64>(),
             held in any::<u64>(),
             capacity in proptest::option::of(prop::collection::btree_map("[a-z./-]{1,12}", any::<u64>(), 0..4)),
@@ -309,11 +359,11 @@ mod hostile_bytes {
             decisions in prop::collection::vec(("[a-z]{1,6}/[a-z0-9.-]{1,12}", "[a-z]{1,8}", 0usize..3, any::<u64>(), any::<u64>(), ".{0,60}"), 0..4),
         ) {
             let Command::Report(mut r) = report("x", 1, 0) else { unreachable!() };
-            r.cluster = cluster;
+            r.cluster = ClusterName::parse(cluster).expect("the pattern makes labels");
             r.seq = seq;
             r.held_epoch = held;
             r.capacity = capacity;
-            r.tenants = tenants.into_iter().map(|(k, (u, i, p))| (k, kvota_fairness::federation::TenantReport { used_milli_gpue_ms: u, inuse: i, pending: p, largest: 0 })).collect();
+            r.tenants = tenants.into_iter().map(|(k, (u, i, p))| (TenantName::parse(k).expect("the pattern makes labels"), kvota_fairness::federation::TenantReport { used_milli_gpue_ms: u, inuse: i, pending: p, largest: 0 })).collect();
             r.window = window.map(|(start_ms, end_ms)| kvota_fairness::federation::UsageWindow { start_ms, end_ms });
             use kvota_fairness::admission::Verdict;
             r.decisions = decisions

@@ -6,6 +6,7 @@
 //! Run: `cargo bench -p kvota-fairness --bench report`. The goal: the cost per
 //! report must not grow with T x C; compare the rows.
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -21,8 +22,8 @@ fn mix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn tenant(i: usize) -> String {
-    format!("team-{i:05}")
+fn tenant(i: usize) -> TenantName {
+    TenantName::parse(format!("team-{i:05}")).expect("a label")
 }
 
 fn policy(t: usize) -> Policy {
@@ -44,7 +45,7 @@ fn report(c: usize, seq: u64, epoch: u64, t: usize, now: u64) -> Command {
     let busy = GPUS_PER_CLUSTER * 1000 * 9 / 10;
     let weights: Vec<u64> = (0..t).map(|i| 1 + mix((c * 100_003 + i) as u64) % 16).collect();
     let total: u64 = weights.iter().sum();
-    let tenants: BTreeMap<String, TenantReport> = (0..t)
+    let tenants: BTreeMap<TenantName, TenantReport> = (0..t)
         .map(|i| {
             let jitter = mix(seq ^ (((c * 7_919 + i) as u64) << 20)) % 200;
             let inuse = (busy * weights[i] / total.max(1)) * (900 + jitter) / 1_000;
@@ -53,7 +54,7 @@ fn report(c: usize, seq: u64, epoch: u64, t: usize, now: u64) -> Command {
         })
         .collect();
     Command::Report(UsageReport {
-        cluster: format!("c{c:03}"),
+        cluster: ClusterName::parse(format!("c{c:03}")).expect("name"),
         seq,
         held_epoch: epoch,
         capacity: None,
@@ -76,7 +77,7 @@ fn federation(t: usize, c: usize) -> (Federation, Vec<(u64, u64)>, u64) {
     let mut next = Vec::new();
     for i in 0..c {
         let capacity = [("nvidia.com/gpu".to_string(), GPUS_PER_CLUSTER * 1000)].into();
-        let epoch = match fed.apply(now, Command::RegisterCluster { cluster: format!("c{i:03}"), capacity, labels: BTreeMap::new() }) {
+        let epoch = match fed.apply(now, Command::RegisterCluster { cluster: ClusterName::parse(format!("c{i:03}")).expect("name"), capacity, labels: BTreeMap::new() }) {
             Ok(Applied::Registered(lease)) => lease.epoch,
             other => panic!("register: {other:?}"),
         };

@@ -10,6 +10,7 @@ use crate::lease::LeaseStatus;
 use crate::policy::AdmissionMode;
 use crate::units::Gpue;
 use crate::MilliGpue;
+use crate::names::{ClusterName, TenantName};
 
 /// GPUe as messages write them ([`format_gpue`](crate::units::format_gpue)'s text).
 fn g(milli: MilliGpue) -> Gpue {
@@ -34,9 +35,9 @@ pub struct PodRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LocalView {
     /// This cluster's id.
-    pub cluster: String,
+    pub cluster: ClusterName,
     /// The tenant owning the namespace; `None`: kvota does not govern it.
-    pub tenant: Option<String>,
+    pub tenant: Option<TenantName>,
     /// What the tenant's pods over budget get.
     pub mode: AdmissionMode,
     /// Queue bound (per tenant, this cluster).
@@ -349,8 +350,8 @@ mod tests {
 
     fn view(mode: AdmissionMode, budget: u64, inuse: u64, queued: u32) -> LocalView {
         LocalView {
-            cluster: "east".into(),
-            tenant: Some("training".into()),
+            cluster: ClusterName::from_static("east"),
+            tenant: Some(TenantName::from_static("training")),
             mode,
             max_queued: 2,
             budget,

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::Millis;
+use crate::names::TenantName;
 
 /// Fixed-point scale of decay factors: `ONE` represents 1.0.
 pub const FACTOR_BITS: u32 = 62;
@@ -112,7 +113,7 @@ impl DecayedUsage {
 /// sequence of `(now, tenant, amount)` it was given, on every node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Ledger {
-    tenants: BTreeMap<String, DecayedUsage>,
+    tenants: BTreeMap<TenantName, DecayedUsage>,
 }
 
 impl Ledger {
@@ -122,22 +123,22 @@ impl Ledger {
     }
 
     /// Adds `used_milli_gpue_ms` to `tenant` at `now_ms`, decaying what was there first.
-    pub fn add(&mut self, tenant: &str, used_milli_gpue_ms: u64, now_ms: Millis, half_life_ms: Millis) {
+    pub fn add(&mut self, tenant: &TenantName, used_milli_gpue_ms: u64, now_ms: Millis, half_life_ms: Millis) {
         match self.tenants.get_mut(tenant) {
             Some(entry) => entry.add(used_milli_gpue_ms, now_ms, half_life_ms),
-            None => self.tenants.entry(tenant.to_string()).or_default().add(used_milli_gpue_ms, now_ms, half_life_ms),
+            None => self.tenants.entry(tenant.clone()).or_default().add(used_milli_gpue_ms, now_ms, half_life_ms),
         }
     }
 
     /// [`Ledger::add`] for many tenants at once: `(tenant, (used, half-life))` with the
     /// tenants in ascending name order, applied in one walk of the ledger instead of a
     /// lookup each. The result is the same as adding them one by one.
-    pub fn add_ascending<'a>(&mut self, items: impl Iterator<Item = (&'a str, (u64, Millis))>, now_ms: Millis) {
+    pub fn add_ascending<'a>(&mut self, items: impl Iterator<Item = (&'a TenantName, (u64, Millis))>, now_ms: Millis) {
         let mut missing = Vec::new();
         let mut entries = self.tenants.iter_mut().peekable();
         for (tenant, (used, half_life_ms)) in items {
-            while entries.next_if(|(k, _)| k.as_str() < tenant).is_some() {}
-            match entries.next_if(|(k, _)| k.as_str() == tenant) {
+            while entries.next_if(|(k, _)| *k < tenant).is_some() {}
+            match entries.next_if(|(k, _)| *k == tenant) {
                 Some((_, entry)) => entry.add(used, now_ms, half_life_ms),
                 None => missing.push((tenant, used, half_life_ms)),
             }
@@ -155,7 +156,7 @@ impl Ledger {
     }
 
     /// The raw entries, by tenant name.
-    pub fn entries(&self) -> &BTreeMap<String, DecayedUsage> {
+    pub fn entries(&self) -> &BTreeMap<TenantName, DecayedUsage> {
         &self.tenants
     }
 
@@ -198,13 +199,13 @@ mod tests {
     fn ledger_adds_and_decays() {
         let mut l = Ledger::new();
         let h = 1000;
-        l.add("a", 800, 0, h);
-        l.add("a", 100, 1000, h); // 800 halves to 400, plus 100
+        l.add(&TenantName::from_static("a"), 800, 0, h);
+        l.add(&TenantName::from_static("a"), 100, 1000, h); // 800 halves to 400, plus 100
         assert_eq!(l.usage_at("a", 1000, h), 500);
         assert_eq!(l.usage_at("a", 2000, h), 250);
         assert_eq!(l.usage_at("missing", 2000, h), 0);
         // A command stamped earlier than the entry does not rewind time.
-        l.add("a", 10, 500, h);
+        l.add(&TenantName::from_static("a"), 10, 500, h);
         assert_eq!(l.entries()["a"].as_of_ms, 1000);
         assert_eq!(l.usage_at("a", 1000, h), 510);
     }
@@ -231,15 +232,17 @@ mod tests {
             adds in prop::collection::btree_map("[a-f]{1,2}", (0u64..1_000_000, 1u64..100_000), 0..12),
             now in 0u64..10_000,
         ) {
+            let name = |t: &String| TenantName::parse(t.as_str()).expect("a label");
             let mut one = Ledger::default();
             for (t, (v, at)) in &before {
-                one.add(t, *v, *at, 1_000);
+                one.add(&name(t), *v, *at, 1_000);
             }
             let mut walk = one.clone();
             for (t, (used, half)) in &adds {
-                one.add(t, *used, now, *half);
+                one.add(&name(t), *used, now, *half);
             }
-            walk.add_ascending(adds.iter().map(|(t, x)| (t.as_str(), *x)), now);
+            let adds: Vec<(TenantName, (u64, u64))> = adds.iter().map(|(t, x)| (name(t), *x)).collect();
+            walk.add_ascending(adds.iter().map(|(t, x)| (t, *x)), now);
             prop_assert_eq!(walk, one);
         }
 

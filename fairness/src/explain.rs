@@ -10,13 +10,14 @@ use crate::admission::{Decision, LocalView, PodRequest};
 use crate::federation::{AuditEvent, EvictionOutcome, Federation};
 use crate::measures::{drift_ppm, tenant_score};
 use crate::units::{format_duration_ms, format_gpue as g};
+use crate::names::{ClusterName, TenantName};
 use crate::{MilliGpue, Millis};
 
 /// One cluster's part of a tenant's explanation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterPart {
     /// Cluster id.
-    pub cluster: String,
+    pub cluster: ClusterName,
     /// Last reported in-use.
     pub inuse: MilliGpue,
     /// Last reported pending demand.
@@ -37,7 +38,7 @@ pub struct ClusterPart {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TenantExplanation {
     /// Tenant.
-    pub tenant: String,
+    pub tenant: TenantName,
     /// Policy numbers: weight (milli), min and max share (basis points), half-life.
     pub weight_milli: u64,
     /// Guaranteed share, basis points.
@@ -150,7 +151,7 @@ impl Federation {
             .collect();
         evictions.reverse();
         Some(TenantExplanation {
-            tenant: tenant.to_string(),
+            tenant: tp.name.clone(),
             weight_milli: tp.weight_milli,
             min_share_bp: tp.min_share_bp,
             max_share_bp: tp.max_share_bp,

@@ -37,6 +37,7 @@ use crate::lease::{ClusterLeases, Lease, TenantBudget, UnknownEpoch};
 use crate::policy::Policy;
 use crate::split::{fit_largest, split_tenant};
 use crate::{MilliGpue, Millis};
+use crate::names::{ClusterName, TenantName};
 
 /// Audit records kept (oldest dropped first). Enough for a day of budget changes in a
 /// small federation; the audit log is for explaining recent decisions, not archival.
@@ -84,14 +85,14 @@ use grid::Grid;
 /// Looks keys up in a name-keyed map in ascending order, walking the map once: `n`
 /// lookups cost `O(n + len)` comparisons instead of `O(n log len)` (with a thousand
 /// tenants, string comparisons in map lookups were most of a report's cost).
-struct Ascending<'a, V> {
-    entries: std::iter::Peekable<std::collections::btree_map::Iter<'a, String, V>>,
+struct Ascending<'a, K, V> {
+    entries: std::iter::Peekable<std::collections::btree_map::Iter<'a, K, V>>,
     #[cfg(debug_assertions)]
     last: Option<&'a str>,
 }
 
-impl<'a, V> Ascending<'a, V> {
-    fn new(map: &'a BTreeMap<String, V>) -> Self {
+impl<'a, K: AsRef<str>, V> Ascending<'a, K, V> {
+    fn new(map: &'a BTreeMap<K, V>) -> Self {
         Ascending {
             entries: map.iter().peekable(),
             #[cfg(debug_assertions)]
@@ -107,7 +108,7 @@ impl<'a, V> Ascending<'a, V> {
             self.last = Some(key);
         }
         while let Some((k, v)) = self.entries.peek() {
-            match k.as_str().cmp(key) {
+            match k.as_ref().cmp(key) {
                 std::cmp::Ordering::Less => {
                     self.entries.next();
                 }
@@ -121,12 +122,12 @@ impl<'a, V> Ascending<'a, V> {
 
 /// Calls `f(row, value)` for each entry of `map` whose key is `names[row]`, walking the
 /// map and the names in key order together (`order`: the rows sorted by name).
-fn join_sorted<'a, V>(names: &[String], order: &[usize], map: &'a BTreeMap<String, V>, mut f: impl FnMut(usize, &'a V)) {
+fn join_sorted<'a, K: AsRef<str>, V>(names: &[K], order: &[usize], map: &'a BTreeMap<K, V>, mut f: impl FnMut(usize, &'a V)) {
     let mut entries = map.iter();
     let mut entry = entries.next();
     let mut k = 0;
     while let (Some((key, v)), Some(&row)) = (entry, order.get(k)) {
-        match key.as_str().cmp(names[row].as_str()) {
+        match key.as_ref().cmp(names[row].as_ref()) {
             std::cmp::Ordering::Less => entry = entries.next(),
             std::cmp::Ordering::Greater => k += 1,
             std::cmp::Ordering::Equal => {
@@ -313,7 +314,7 @@ impl PodDecision {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UsageReport {
     /// Reporting cluster.
-    pub cluster: String,
+    pub cluster: ClusterName,
     /// Per-cluster sequence number: the first is 1, each next one is exactly one more.
     pub seq: u64,
     /// Lease epoch the agent holds (its acknowledgement; 0 = none).
@@ -321,7 +322,7 @@ pub struct UsageReport {
     /// New capacity per resource (quantity milli), if it changed.
     pub capacity: Option<BTreeMap<String, u64>>,
     /// Per-tenant numbers; tenants the policy does not know are ignored.
-    pub tenants: BTreeMap<String, TenantReport>,
+    pub tenants: BTreeMap<TenantName, TenantReport>,
     /// Evictions since the previous report (at most [`MAX_REPORT_EVICTIONS`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub evictions: Vec<EvictionNote>,
@@ -377,7 +378,7 @@ pub enum Command {
     /// Add a cluster or update its capacity and labels; answered with a lease.
     RegisterCluster {
         /// Cluster id.
-        cluster: String,
+        cluster: ClusterName,
         /// Capacity per resource name, quantity in thousandths.
         capacity: BTreeMap<String, u64>,
         /// Free-form labels.
@@ -386,7 +387,7 @@ pub enum Command {
     /// Forget a cluster (its leases must have expired).
     RemoveCluster {
         /// Cluster id.
-        cluster: String,
+        cluster: ClusterName,
     },
     /// A usage report; answered with a lease.
     Report(UsageReport),
@@ -474,7 +475,7 @@ pub struct ClusterRecord {
     pub last_report_ms: Option<Millis>,
     /// Last reported numbers per tenant (stamped: the plan's grid keeps a column of it
     /// until it changes).
-    pub usage: Stamped<BTreeMap<String, TenantUsage>>,
+    pub usage: Stamped<BTreeMap<TenantName, TenantUsage>>,
     /// The lease book (stamped, as `usage`).
     pub leases: Stamped<ClusterLeases>,
     /// Latest end of an applied report's usage window (agent wall clock, Unix ms):
@@ -577,7 +578,7 @@ pub struct Plan {
     pub capacity: MilliGpue,
     /// Tenants in name order: policy tenants, then retiring ones (no longer in the
     /// policy but still holding leases).
-    pub tenants: Vec<String>,
+    pub tenants: Vec<TenantName>,
     /// Model outputs per policy tenant (retiring ones get the default).
     pub entitlements: Vec<Entitlement>,
     /// Demand used per tenant (effective, with burst headroom and unreachable clusters).
@@ -607,11 +608,11 @@ pub struct SafetyViolation {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Federation {
     policy: Option<Policy>,
-    clusters: BTreeMap<String, ClusterRecord>,
+    clusters: BTreeMap<ClusterName, ClusterRecord>,
     ledger: crate::decay::Ledger,
-    committed: BTreeMap<String, MilliGpue>,
+    committed: BTreeMap<TenantName, MilliGpue>,
     /// Target entitlements of the last plan (derived, kept so grants need no replan).
-    targets: BTreeMap<String, MilliGpue>,
+    targets: BTreeMap<TenantName, MilliGpue>,
     now_ms: Millis,
     /// Shared, never changed once written: a copy of the state (a snapshot takes one
     /// under the state-machine task) copies pointers, not a thousand records. Serializes
@@ -625,7 +626,7 @@ pub struct Federation {
     /// The last admission decisions each cluster reported, oldest first (kept with the
     /// showback, from [`Federation::enable_records`] on).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    decisions: BTreeMap<String, VecDeque<PodDecision>>,
+    decisions: BTreeMap<ClusterName, VecDeque<PodDecision>>,
     /// Whether leases lend: carry borrow limits ([`TenantBudget::borrow`]) so that
     /// agents may admit preemptible tenants' pods into idle GPUs beyond their budgets.
     /// Turned on at one point of the log ([`Federation::enable_lending`], the control
@@ -738,11 +739,11 @@ impl Federation {
 
     /// Keeps `cluster`'s reported decisions (valid ones; a pod judged again replaces its
     /// earlier decision), at most [`DECISIONS_PER_CLUSTER`].
-    fn keep_decisions(&mut self, cluster: &str, decisions: Vec<PodDecision>) {
+    fn keep_decisions(&mut self, cluster: &ClusterName, decisions: Vec<PodDecision>) {
         if !self.keeps_records() || decisions.is_empty() {
             return;
         }
-        let book = self.decisions.entry(cluster.to_string()).or_default();
+        let book = self.decisions.entry(cluster.clone()).or_default();
         for d in decisions.into_iter().filter(PodDecision::is_valid) {
             book.retain(|k| k.pod != d.pod);
             book.push_back(d);
@@ -769,7 +770,7 @@ impl Federation {
         self.policy.as_ref()
     }
     /// Registered clusters by id.
-    pub fn clusters(&self) -> &BTreeMap<String, ClusterRecord> {
+    pub fn clusters(&self) -> &BTreeMap<ClusterName, ClusterRecord> {
         &self.clusters
     }
     /// The decayed usage ledger.
@@ -777,7 +778,7 @@ impl Federation {
         &self.ledger
     }
     /// Committed entitlements by tenant.
-    pub fn committed(&self) -> &BTreeMap<String, MilliGpue> {
+    pub fn committed(&self) -> &BTreeMap<TenantName, MilliGpue> {
         &self.committed
     }
     /// The state's clock (largest command time applied).
@@ -827,7 +828,7 @@ impl Federation {
         for c in self.clusters.values_mut() {
             c.capacity_gpue = weights.capacity_gpue_milli(&c.capacity);
         }
-        let tenants: BTreeSet<String> = p.tenants.iter().map(|t| t.name.clone()).collect();
+        let tenants: BTreeSet<&str> = p.tenants.iter().map(|t| t.name.as_str()).collect();
         self.ledger.retain(|t| tenants.contains(t));
         self.record(AuditEvent::PolicyApplied {
             name: p.name.clone(),
@@ -840,18 +841,12 @@ impl Federation {
     fn register(
         &mut self,
         now: Millis,
-        cluster: String,
+        cluster: ClusterName,
         capacity: BTreeMap<String, u64>,
         labels: BTreeMap<String, String>,
     ) -> Result<Applied, CommandError> {
-        if !valid_cluster_id(&cluster) {
-            return Err(CommandError::Invalid {
-                what: "cluster id".to_string(),
-                why: format!("`{cluster}`: use {}", crate::names::DNS_LABEL_RULE),
-            });
-        }
         validate_capacity(&capacity)?;
-        if !self.clusters.contains_key(&cluster) && self.clusters.len() >= MAX_CLUSTERS {
+        if !self.clusters.contains_key(cluster.as_str()) && self.clusters.len() >= MAX_CLUSTERS {
             return Err(CommandError::Invalid {
                 what: "registration".to_string(),
                 why: format!("the federation already has {MAX_CLUSTERS} clusters"),
@@ -878,7 +873,7 @@ impl Federation {
         rec.capacity_gpue = capacity_gpue;
         if changed {
             self.record(AuditEvent::ClusterRegistered {
-                cluster: cluster.clone(),
+                cluster: cluster.to_string(),
                 capacity_gpue,
             });
         }
@@ -919,7 +914,7 @@ impl Federation {
         let rec = self
             .clusters
             .get(&r.cluster)
-            .ok_or_else(|| CommandError::UnknownCluster(r.cluster.clone()))?;
+            .ok_or_else(|| CommandError::UnknownCluster(r.cluster.to_string()))?;
         if r.seq == 0 {
             return Err(CommandError::Invalid {
                 what: "report".to_string(),
@@ -953,7 +948,7 @@ impl Federation {
         let expected = rec.last_seq + 1;
         if r.seq > expected {
             return Err(CommandError::SequenceGap {
-                cluster: r.cluster.clone(),
+                cluster: r.cluster.to_string(),
                 expected,
                 got: r.seq,
             });
@@ -961,7 +956,7 @@ impl Federation {
         rec.leases
             .check_ack(r.held_epoch)
             .map_err(|source| CommandError::UnknownEpoch {
-                cluster: r.cluster.clone(),
+                cluster: r.cluster.to_string(),
                 source,
             })?;
         // Validated: from here on nothing fails.
@@ -971,7 +966,7 @@ impl Federation {
         let rec = self
             .clusters
             .get_mut(&r.cluster)
-            .ok_or_else(|| CommandError::UnknownCluster(r.cluster.clone()))?;
+            .ok_or_else(|| CommandError::UnknownCluster(r.cluster.to_string()))?;
         // An acknowledgement is a fact about the agent whatever the sequence number.
         let _ = rec.leases.ack(r.held_epoch);
         if applied {
@@ -1015,14 +1010,14 @@ impl Federation {
                     },
                 ));
             }
-            self.ledger.add_ascending(usage.iter().map(|(t, _)| t.as_str()).zip(ledger), now);
+            self.ledger.add_ascending(usage.iter().map(|(t, _)| t).zip(ledger), now);
             *rec.usage = usage.into_iter().collect();
             // The snapshot is from when the report was written; since then the agent may
             // have admitted up to any lease it may hold (epoch >= its acknowledgement).
             raise_bounds(rec);
             for note in r.evictions {
                 self.record(AuditEvent::Eviction {
-                    cluster: r.cluster.clone(),
+                    cluster: r.cluster.to_string(),
                     note,
                 });
             }
@@ -1126,7 +1121,7 @@ impl Federation {
         let tenants = self.policy.as_ref().map_or(&[][..], |p| &p.tenants[..]);
         // Committed tenants not in the policy, found by walking both in name order.
         let mut in_policy = tenants.iter().peekable();
-        let retiring: Vec<&str> = match self.policy {
+        let retiring: Vec<&TenantName> = match self.policy {
             None => Vec::new(),
             Some(_) => self
                 .committed
@@ -1135,12 +1130,12 @@ impl Federation {
                     while in_policy.next_if(|t| t.name < **n).is_some() {}
                     v > 0 && in_policy.peek().is_none_or(|t| t.name != **n)
                 })
-                .map(|(n, _)| n.as_str())
+                .map(|(n, _)| n)
                 .collect(),
         };
         let rows = tenants
             .iter()
-            .map(|t| (t.name.as_str(), t.burst_factor_milli))
+            .map(|t| (&t.name, t.burst_factor_milli))
             .chain(retiring.iter().map(|n| (*n, 1_000)));
         grid.refresh(rows, &self.clusters, self.now_ms);
         f(grid)
@@ -1255,7 +1250,7 @@ impl Federation {
             }
         }
         if self.targets.len() != plan.tenants.len() {
-            let keep: BTreeSet<&str> = plan.tenants.iter().map(String::as_str).collect();
+            let keep: BTreeSet<&str> = plan.tenants.iter().map(TenantName::as_str).collect();
             self.targets.retain(|n, _| keep.contains(n.as_str()));
         }
         // Every tenant with committed entitlement is one of the plan's.
@@ -1273,7 +1268,7 @@ impl Federation {
     /// Budgets the split would give `cluster` now, before the safety clip, per tenant
     /// (policy tenants only): each tenant's `min(committed, target)` split by
     /// [`split_tenant`].
-    pub fn desired_budgets(&self, cluster: &str) -> BTreeMap<String, MilliGpue> {
+    pub fn desired_budgets(&self, cluster: &str) -> BTreeMap<TenantName, MilliGpue> {
         let (Some(pos), Some(policy)) = (self.clusters.keys().position(|c| c == cluster), &self.policy) else {
             return BTreeMap::new();
         };
@@ -1342,7 +1337,7 @@ impl Federation {
     /// Cuts and records the lease for `cluster` (which must exist), after the last plan
     /// was committed. `O(T)` besides the split ([`Federation::desired_budgets_with`]):
     /// what the tenant's other clusters may hold comes from the grid's row sums.
-    fn grant(&mut self, cluster: &str) -> Lease {
+    fn grant(&mut self, cluster: &ClusterName) -> Lease {
         let now = self.now_ms;
         let (duration_ms, margin_ms) = self
             .policy
@@ -1368,7 +1363,7 @@ impl Federation {
         // Changes as numbers; their explanations are written only if the audit log takes
         // them (budgets drift a little at every report, and formatting a sentence per
         // tenant per report was a large part of a report's cost with many tenants).
-        let mut changes: Vec<(&String, u64, u64, u64, u64, u64, u64)> = Vec::new();
+        let mut changes: Vec<(&TenantName, u64, u64, u64, u64, u64, u64)> = Vec::new();
         let prev = self.clusters.get(cluster).and_then(|r| r.leases.latest()).map(|l| &l.budgets);
         let tenants = self.policy.as_ref().map_or(&[][..], |p| &p.tenants[..]);
         // The policy's tenants are in name order, as are these maps.
@@ -1401,7 +1396,7 @@ impl Federation {
         let Some(rec) = self.clusters.get_mut(cluster) else {
             // Callers pass registered clusters only; an empty lease admits nothing.
             return Lease {
-                cluster: cluster.to_string(),
+                cluster: cluster.clone(),
                 epoch: 0,
                 duration_ms,
                 margin_ms,
@@ -1422,7 +1417,7 @@ impl Federation {
             let changes = changes
                 .into_iter()
                 .map(|(tenant, from, to, want, bound, inuse, committed)| BudgetChange {
-                    tenant: tenant.clone(),
+                    tenant: tenant.to_string(),
                     from,
                     to,
                     why: explain_change(from, to, want, bound, inuse, committed),
@@ -1441,10 +1436,10 @@ impl Federation {
     pub fn check_safety(&self) -> Vec<SafetyViolation> {
         let now = self.now_ms;
         let mut out = Vec::new();
-        let mut names: BTreeSet<&str> = self.committed.keys().map(String::as_str).collect();
+        let mut names: BTreeSet<&str> = self.committed.keys().map(TenantName::as_str).collect();
         for rec in self.clusters.values() {
             for l in &rec.leases.open {
-                names.extend(l.budgets.keys().map(String::as_str));
+                names.extend(l.budgets.keys().map(TenantName::as_str));
             }
         }
         for name in names {
@@ -1489,7 +1484,7 @@ fn borrow_of(p: &Policy, t: &crate::policy::TenantPolicy, capacity: MilliGpue, t
 
 /// Raises every tenant's in-use bound in `rec` to the budgets of its open leases.
 fn raise_bounds(rec: &mut ClusterRecord) {
-    let usage: &mut BTreeMap<String, TenantUsage> = &mut rec.usage;
+    let usage: &mut BTreeMap<TenantName, TenantUsage> = &mut rec.usage;
     for l in &rec.leases.open {
         // Both maps are in name order: walk them together, add the missing after.
         let mut missing = Vec::new();
@@ -1567,14 +1562,14 @@ mod grid_tests {
     /// the cluster may enforce), and the row's sums (demand, in-use, hold) and split
     /// cells computed from those lookups.
     #[allow(clippy::type_complexity)]
-    fn naive(fed: &Federation, names: &[String]) -> (Vec<(TenantUsage, MilliGpue)>, Vec<(u64, u64, u64)>, Vec<(Cell, MilliGpue)>) {
+    fn naive(fed: &Federation, names: &[TenantName]) -> (Vec<(TenantUsage, MilliGpue)>, Vec<(u64, u64, u64)>, Vec<(Cell, MilliGpue)>) {
         let now = fed.now_ms;
         let (mut cells, mut sums, mut split) = (Vec::new(), Vec::new(), Vec::new());
         for name in names {
             let burst = fed.policy.as_ref().and_then(|p| p.tenant(name)).map_or(1_000, |t| t.burst_factor_milli);
             let (mut d, mut u, mut h) = (0u64, 0u64, 0u64);
             for rec in fed.clusters.values() {
-                let tu = rec.usage.get(name).copied().unwrap_or_default();
+                let tu = rec.usage.get(name.as_str()).copied().unwrap_or_default();
                 let enf = rec.leases.enforceable(name, now);
                 let unreachable = Federation::is_unreachable(rec, now);
                 cells.push((tu, enf));
@@ -1611,7 +1606,7 @@ mod grid_tests {
             let mut seqs = [(1u64, 0u64); 3];
             for (c, seq) in seqs.iter_mut().enumerate() {
                 let capacity = [("nvidia.com/gpu".to_string(), 16_000)].into();
-                if let Ok(Applied::Registered(l)) = fed.apply(0, Command::RegisterCluster { cluster: format!("k{c}"), capacity, labels: BTreeMap::new() }) {
+                if let Ok(Applied::Registered(l)) = fed.apply(0, Command::RegisterCluster { cluster: ClusterName::parse(format!("k{c}")).expect("name"), capacity, labels: BTreeMap::new() }) {
                     seq.1 = l.epoch;
                 }
             }
@@ -1620,11 +1615,11 @@ mod grid_tests {
             for (c, usage, dt) in reports {
                 now += dt;
                 let r = UsageReport {
-                    cluster: format!("k{c}"),
+                    cluster: ClusterName::parse(format!("k{c}")).expect("name"),
                     seq: seqs[c].0,
                     held_epoch: seqs[c].1,
                     capacity: if dt % 7 == 0 { Some([("nvidia.com/gpu".to_string(), 8_000 + dt % 16_000)].into()) } else { None },
-                    tenants: usage.iter().map(|(t, inuse, pending)| (tenants[*t].to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: *inuse, pending: *pending, largest: (*pending).min(1_000 + inuse % 16_000) })).collect(),
+                    tenants: usage.iter().map(|(t, inuse, pending)| (TenantName::from_static(tenants[*t]), TenantReport { used_milli_gpue_ms: 0, inuse: *inuse, pending: *pending, largest: (*pending).min(1_000 + inuse % 16_000) })).collect(),
                     evictions: Vec::new(),
                     decisions: Vec::new(),
                     window: None,
@@ -1647,7 +1642,7 @@ mod grid_tests {
                     // A cluster registers again with another capacity: its usage and
                     // leases stay, the pods that fit it change.
                     let capacity = [("nvidia.com/gpu".to_string(), 4_000 + dt % 20_000)].into();
-                    let _ = fed.apply(now, Command::RegisterCluster { cluster: format!("k{c}"), capacity, labels: BTreeMap::new() });
+                    let _ = fed.apply(now, Command::RegisterCluster { cluster: ClusterName::parse(format!("k{c}")).expect("name"), capacity, labels: BTreeMap::new() });
                 }
                 if dt % 3 == 0 {
                     // Time passes with no report: leases expire between commands.

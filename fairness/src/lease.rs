@@ -26,6 +26,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::{MilliGpue, Millis};
+use crate::names::{ClusterName, TenantName};
 
 /// Most leases the control plane keeps open (issued, not yet superseded by an
 /// acknowledgement) per cluster. Past it, the newest lease is renewed instead of a new
@@ -66,7 +67,7 @@ fn is_zero(v: &MilliGpue) -> bool {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     /// The cluster it was issued to.
-    pub cluster: String,
+    pub cluster: ClusterName,
     /// Per-cluster epoch, starting at 1; a larger epoch supersedes a smaller one.
     pub epoch: u64,
     /// Lease duration (policy).
@@ -76,7 +77,7 @@ pub struct Lease {
     /// Control-plane time the lease was issued or last renewed (informational).
     pub issued_at_ms: Millis,
     /// Per-tenant budgets; tenants missing here have budget and fallback 0.
-    pub budgets: BTreeMap<String, TenantBudget>,
+    pub budgets: BTreeMap<TenantName, TenantBudget>,
 }
 
 impl Lease {
@@ -148,7 +149,7 @@ pub enum LeaseUpdate {
 /// The agent's side of the lease rule. Pure: the caller passes its monotonic clock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentLease {
-    cluster: String,
+    cluster: ClusterName,
     held: Option<Lease>,
     /// Agent-monotonic time until which the held lease's budgets apply; `None` once
     /// the lease came from disk (the monotonic clock does not survive a restart).
@@ -157,9 +158,9 @@ pub struct AgentLease {
 
 impl AgentLease {
     /// An agent for `cluster` that holds no lease yet.
-    pub fn new(cluster: impl Into<String>) -> Self {
+    pub fn new(cluster: ClusterName) -> Self {
         AgentLease {
-            cluster: cluster.into(),
+            cluster,
             held: None,
             valid_until_ms: None,
         }
@@ -290,7 +291,7 @@ pub struct IssuedLease {
     /// Its epoch.
     pub epoch: u64,
     /// Its budgets.
-    pub budgets: BTreeMap<String, TenantBudget>,
+    pub budgets: BTreeMap<TenantName, TenantBudget>,
     /// Control-plane time it was issued or last renewed.
     pub issued_at_ms: Millis,
     /// Control-plane time after which no agent can still be enforcing its budget:
@@ -378,8 +379,8 @@ impl ClusterLeases {
     /// (or too many leases are open), else opens a new epoch. Returns the lease to send.
     pub fn issue(
         &mut self,
-        cluster: &str,
-        budgets: BTreeMap<String, TenantBudget>,
+        cluster: &ClusterName,
+        budgets: BTreeMap<TenantName, TenantBudget>,
         now_ms: Millis,
         duration_ms: Millis,
         margin_ms: Millis,
@@ -394,7 +395,7 @@ impl ClusterLeases {
                 l.issued_at_ms = now_ms;
                 l.expires_at_ms = l.expires_at_ms.max(expires_at_ms);
                 return Lease {
-                    cluster: cluster.to_string(),
+                    cluster: cluster.clone(),
                     epoch: l.epoch,
                     duration_ms,
                     margin_ms,
@@ -411,7 +412,7 @@ impl ClusterLeases {
             expires_at_ms,
         });
         Lease {
-            cluster: cluster.to_string(),
+            cluster: cluster.clone(),
             epoch: self.last_epoch,
             duration_ms,
             margin_ms,
@@ -425,13 +426,13 @@ impl ClusterLeases {
 mod tests {
     use super::*;
 
-    fn budgets(b: u64, f: u64) -> BTreeMap<String, TenantBudget> {
-        [("t".to_string(), TenantBudget { budget: b, fallback: f, entitlement: b, borrow: 0, ceiling: 0 })].into()
+    fn budgets(b: u64, f: u64) -> BTreeMap<TenantName, TenantBudget> {
+        [(TenantName::from_static("t"), TenantBudget { budget: b, fallback: f, entitlement: b, borrow: 0, ceiling: 0 })].into()
     }
 
     fn lease(epoch: u64, b: u64, f: u64) -> Lease {
         Lease {
-            cluster: "c1".into(),
+            cluster: ClusterName::from_static("c1"),
             epoch,
             duration_ms: 30_000,
             margin_ms: 3_000,
@@ -442,7 +443,7 @@ mod tests {
 
     #[test]
     fn agent_expires_at_request_plus_duration_minus_margin() {
-        let mut a = AgentLease::new("c1");
+        let mut a = AgentLease::new(ClusterName::from_static("c1"));
         assert_eq!(a.budget("t", 0), 0);
         assert_eq!(a.status(0), LeaseStatus::None);
         assert_eq!(a.on_lease(lease(1, 10, 4), 1_000), LeaseUpdate::Adopted);
@@ -455,7 +456,7 @@ mod tests {
 
     #[test]
     fn late_lease_expires_early_and_old_epochs_are_ignored() {
-        let mut a = AgentLease::new("c1");
+        let mut a = AgentLease::new(ClusterName::from_static("c1"));
         // Answer to a request sent at t=0 arrives at t=40s: already expired.
         a.on_lease(lease(2, 10, 4), 0);
         assert_eq!(a.budget("t", 40_000), 4);
@@ -468,7 +469,7 @@ mod tests {
         assert_eq!(a.on_lease(lease(2, 50, 4), 39_500), LeaseUpdate::Rejected);
         assert_eq!(a.budget("t", 40_000), 10);
         let mut other = lease(3, 1, 1);
-        other.cluster = "c2".into();
+        other.cluster = ClusterName::from_static("c2");
         assert_eq!(a.on_lease(other, 0), LeaseUpdate::Rejected);
     }
 
@@ -519,20 +520,20 @@ mod tests {
         assert_eq!(a.status(0), LeaseStatus::Safe, "validity unknown: fallback at once");
         assert_eq!(a.budget("t", 0), 5);
         let mut other = lease(7, 1, 1);
-        other.cluster = "c2".into();
+        other.cluster = ClusterName::from_static("c2");
         assert_eq!(a.restore_anchored(other, Some(1)), LeaseUpdate::Rejected);
     }
 
     #[test]
     fn control_plane_counts_every_lease_that_may_be_held() {
         let mut b = ClusterLeases::default();
-        let l1 = b.issue("c1", budgets(10, 4), 0, 30_000, 3_000);
+        let l1 = b.issue(&ClusterName::from_static("c1"), budgets(10, 4), 0, 30_000, 3_000);
         assert_eq!(l1.epoch, 1);
         // Same budgets: a renewal, not a new epoch.
-        assert_eq!(b.issue("c1", budgets(10, 4), 5_000, 30_000, 3_000).epoch, 1);
+        assert_eq!(b.issue(&ClusterName::from_static("c1"), budgets(10, 4), 5_000, 30_000, 3_000).epoch, 1);
         assert_eq!(b.open[0].expires_at_ms, 35_000);
         // A decrease: both epochs may be held until the agent acknowledges 2.
-        let l2 = b.issue("c1", budgets(6, 4), 6_000, 30_000, 3_000);
+        let l2 = b.issue(&ClusterName::from_static("c1"), budgets(6, 4), 6_000, 30_000, 3_000);
         assert_eq!(l2.epoch, 2);
         assert_eq!(b.enforceable("t", 7_000), 10);
         b.ack(2).expect("issued");

@@ -20,6 +20,7 @@ use crate::document::{
 use crate::resources::ResourceWeights;
 use crate::units::{parse_duration_ms, parse_quantity_milli};
 use crate::Millis;
+use crate::names::TenantName;
 
 /// The API version kvota writes.
 pub const API_VERSION: &str = "kvota.dev/v1alpha1";
@@ -176,8 +177,8 @@ impl Default for LeaseConfig {
 /// One tenant (team) of the federation, validated.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TenantPolicy {
-    /// DNS-label style name, unique in the policy.
-    pub name: String,
+    /// DNS-label name, unique in the policy.
+    pub name: TenantName,
     /// Weight in thousandths (the article's `weight: 40` is 40,000). Always > 0.
     pub weight_milli: u64,
     /// Guaranteed share of federation capacity, basis points. `min <= max`.
@@ -210,7 +211,7 @@ pub struct Policy {
     /// The `apiVersion` as written (either [`API_VERSION`] or its alias).
     pub api_version: String,
     /// Tenant that owns pods in namespaces no tenant claims; `None`: such pods are ignored.
-    pub default_tenant: Option<String>,
+    pub default_tenant: Option<TenantName>,
     /// Lease timing.
     pub lease: LeaseConfig,
     /// Reclaim damping (absent from policies replicated before it existed: defaults).
@@ -733,7 +734,7 @@ impl Checker {
     fn spec(
         &mut self,
         s: &PolicySpec,
-    ) -> Option<(Option<String>, LeaseConfig, ReclaimConfig, ShowbackConfig, ResourceWeights, Vec<TenantPolicy>)> {
+    ) -> Option<(Option<TenantName>, LeaseConfig, ReclaimConfig, ShowbackConfig, ResourceWeights, Vec<TenantPolicy>)> {
         self.unknown_keys("spec", "spec", &s.unknown);
         let half_life_ms = match &s.decay_half_life {
             None => Some(defaults::DECAY_HALF_LIFE_MS),
@@ -783,13 +784,18 @@ impl Checker {
         let default_tenant = match &s.default_tenant {
             None => Some(None),
             Some(v) => {
+                // Only a tenant's own name is taken: it was parsed with the tenant.
                 let name = self.string("spec.defaultTenant", v);
                 match (&name, &tenants) {
-                    (Some(n), Some(ts)) if !ts.iter().any(|t| &t.name == n) => {
-                        self.push("spec.defaultTenant", format!("`{n}` is not one of the tenants in spec.tenants"));
-                        None
-                    }
-                    _ => name.map(Some),
+                    (Some(n), Some(ts)) => match ts.iter().find(|t| t.name == *n) {
+                        Some(t) => Some(Some(t.name.clone())),
+                        None => {
+                            self.push("spec.defaultTenant", format!("`{n}` is not one of the tenants in spec.tenants"));
+                            None
+                        }
+                    },
+                    // Reported where the name or the tenants failed.
+                    _ => None,
                 }
             }
         };
@@ -931,7 +937,7 @@ impl Checker {
         let mut out = Vec::with_capacity(seq.len());
         let mut all_ok = true;
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
-        let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+        let mut claimed: BTreeMap<String, TenantName> = BTreeMap::new();
         let mut min_sum_bp: u64 = 0;
         for (i, tv) in seq.iter().enumerate() {
             let path = format!("spec.tenants[{i}]");
@@ -987,10 +993,9 @@ impl Checker {
                 self.push(&join(path, "name"), "missing".to_string());
                 None
             }
-            Some(v) => self.string(&join(path, "name"), v).and_then(|n| {
-                if crate::names::is_dns_label(&n) {
-                    Some(n)
-                } else {
+            Some(v) => self.string(&join(path, "name"), v).and_then(|n| match TenantName::parse(n.as_str()) {
+                Ok(name) => Some(name),
+                Err(_) => {
                     self.push(&join(path, "name"), format!("`{n}` is not a valid tenant name ({})", crate::names::DNS_LABEL_RULE));
                     None
                 }

@@ -44,6 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::entitlement::share_of;
 use crate::policy::ReclaimConfig;
+use crate::names::TenantName;
 use crate::units::format_gpue as g;
 use crate::{MilliGpue, Millis};
 
@@ -54,7 +55,7 @@ pub const WINDOW_MS: Millis = 60_000;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TenantHere {
     /// Name.
-    pub name: String,
+    pub name: TenantName,
     /// May its pods be evicted?
     pub preemptible: bool,
     /// Guaranteed share, basis points (of this cluster's capacity, here).
@@ -73,7 +74,7 @@ pub struct RunningPod {
     /// `namespace/name`.
     pub key: String,
     /// Tenant.
-    pub tenant: String,
+    pub tenant: TenantName,
     /// GPUe it holds.
     pub gpue: MilliGpue,
     /// Pod priority.
@@ -98,7 +99,7 @@ pub struct WaitingPod {
     /// `namespace/name`.
     pub key: String,
     /// Tenant.
-    pub tenant: String,
+    pub tenant: TenantName,
     /// GPUe it asks for.
     pub gpue: MilliGpue,
     /// Pod priority.
@@ -146,7 +147,7 @@ pub struct Victim {
     /// `namespace/name`.
     pub key: String,
     /// Its tenant.
-    pub tenant: String,
+    pub tenant: TenantName,
     /// GPUe it frees.
     pub gpue: MilliGpue,
     /// Why this pod, in words.
@@ -159,7 +160,7 @@ pub enum Decision {
     /// Evict these pods so that `for_pod` of `for_tenant` can run.
     Evict {
         /// The starved tenant.
-        for_tenant: String,
+        for_tenant: TenantName,
         /// Its pod that will get the room.
         for_pod: String,
         /// The node the room is made on.
@@ -177,7 +178,7 @@ pub enum Decision {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Starved {
     /// Tenant.
-    pub tenant: String,
+    pub tenant: TenantName,
     /// GPUe held here.
     pub inuse: MilliGpue,
     /// What it is owed here: its guarantee, or what its budget covers of its demand if
@@ -241,7 +242,7 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
 }
 
 /// Evictions in the rate window: per cluster and per victim tenant.
-fn recent_counts(recent: &[(Millis, String)], now_ms: Millis) -> (u32, BTreeMap<&str, u32>) {
+fn recent_counts(recent: &[(Millis, TenantName)], now_ms: Millis) -> (u32, BTreeMap<&str, u32>) {
     let mut all = 0u32;
     let mut per = BTreeMap::new();
     for (at, tenant) in recent {
@@ -281,8 +282,8 @@ fn cands_all<'v>(
 pub fn plan(
     view: &ClusterView<'_>,
     cfg: &ReclaimConfig,
-    starved_since: &BTreeMap<String, Millis>,
-    recent: &[(Millis, String)],
+    starved_since: &BTreeMap<TenantName, Millis>,
+    recent: &[(Millis, TenantName)],
 ) -> Decision {
     if !cfg.enabled {
         return Decision::Idle("reclaim is disabled by the policy (spec.reclaim.enabled: false)".into());
@@ -481,7 +482,7 @@ mod tests {
     fn run(key: &str, tenant: &str, gpus: u64, priority: i32, started_ms: Millis, node: usize) -> RunningPod {
         RunningPod {
             key: key.into(),
-            tenant: tenant.into(),
+            tenant: TenantName::parse(tenant).expect("name"),
             gpue: gpus * 1000,
             priority,
             started_ms,
@@ -493,11 +494,11 @@ mod tests {
     }
 
     fn wait(key: &str, tenant: &str, gpus: u64) -> WaitingPod {
-        WaitingPod { key: key.into(), tenant: tenant.into(), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus, nodes: None }
+        WaitingPod { key: key.into(), tenant: TenantName::parse(tenant).expect("name"), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus, nodes: None }
     }
 
     fn tenant(name: &str, preemptible: bool, min_pct: u32, budget: u64, inuse: u64) -> TenantHere {
-        TenantHere { name: name.into(), preemptible, min_share_bp: min_pct * 100, budget: budget * 1000, inuse: inuse * 1000 }
+        TenantHere { name: TenantName::parse(name).expect("name"), preemptible, min_share_bp: min_pct * 100, budget: budget * 1000, inuse: inuse * 1000 }
     }
 
     #[test]
@@ -516,7 +517,7 @@ mod tests {
         let waiting = [wait("i/x", "inference", 2)];
         let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
         let cfg = ReclaimConfig::default();
-        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
         let Decision::Evict { victims, node, for_pod, .. } = plan(&view, &cfg, &since, &[]) else { panic!("expected evictions") };
         // Node 0 needs 2 GPUe of victims (the two youngest 1-GPU pods), node 1 needs 4.
         assert_eq!(node, 0);
@@ -533,7 +534,7 @@ mod tests {
         let running = [run("i/a", "inference", 4, 0, 0, 0)];
         let waiting = [wait("t/x", "training", 1)];
         let view = ClusterView { now_ms: 100_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
-        let since = BTreeMap::from([("training".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("training"), 0)]);
         match plan(&view, &ReclaimConfig::default(), &since, &[]) {
             Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its budget"), "{why}"),
             d => panic!("evicted a non-preemptible tenant: {d:?}"),
@@ -542,7 +543,7 @@ mod tests {
         let running = [run("t/a", "training", 4, 0, 0, 0)];
         let waiting = [wait("i/x", "inference", 1)];
         let view = ClusterView { tenants: &tenants, running: &running, waiting: &waiting, ..view };
-        let since = BTreeMap::from([("inference".to_string(), 90_000)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 90_000)]);
         match plan(&view, &ReclaimConfig::default(), &since, &[]) {
             Decision::Idle(why) => assert!(why.contains("less than starvedFor"), "{why}"),
             d => panic!("evicted before starvedFor: {d:?}"),
@@ -568,7 +569,7 @@ mod tests {
         let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
         let hungry = starved(&view);
         assert_eq!(hungry.iter().map(|s| (s.tenant.as_str(), s.within_budget, s.guarantee)).collect::<Vec<_>>(), [("inference", false, 1000), ("training", true, 4000)]);
-        let since = BTreeMap::from([("inference".to_string(), 0), ("training".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 0), (TenantName::from_static("training"), 0)]);
         let Decision::Evict { for_tenant, victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected evictions") };
         assert_eq!((for_tenant.as_str(), victims.len()), ("inference", 1));
         // Without inference waiting, training's pod within its budget evicts research's
@@ -606,19 +607,19 @@ mod tests {
         let only_node_1 = WaitingPod { nodes: Some(vec![1]), ..wait("i/x", "inference", 4) };
         let waiting = [only_node_1, wait("b/x", "batch", 1)];
         let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
-        let hungry: Vec<String> = starved(&view).into_iter().map(|s| s.tenant).collect();
+        let hungry: Vec<TenantName> = starved(&view).into_iter().map(|s| s.tenant).collect();
         assert_eq!(hungry, ["batch", "inference"]);
         // Inference only just started waiting: batch, which waited long, is served.
-        let since = BTreeMap::from([("inference".to_string(), 999_000), ("batch".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 999_000), (TenantName::from_static("batch"), 0)]);
         let Decision::Evict { for_tenant, victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("held up by a fresh claim") };
         assert_eq!((for_tenant.as_str(), victims[0].key.as_str()), ("batch", "r/a"));
         // Both waited long: inference's claim comes first and cannot be served; one claim
         // per step, so batch waits (a limitation the comparison page states).
-        let since = BTreeMap::from([("inference".to_string(), 0), ("batch".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 0), (TenantName::from_static("batch"), 0)]);
         let Decision::Idle(why) = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("more than one claim per step") };
         assert!(why.contains("`inference`"), "{why}");
         // Only inference waiting, and for less than starvedFor: nothing yet, and it says so.
-        let since = BTreeMap::from([("inference".to_string(), 999_000), ("batch".to_string(), 999_000)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 999_000), (TenantName::from_static("batch"), 999_000)]);
         let Decision::Idle(why) = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("evicted before starvedFor") };
         assert!(why.contains("less than starvedFor"), "{why}");
     }
@@ -631,13 +632,13 @@ mod tests {
         let running = [run("t/a", "training", 1, 0, 0, 0), run("t/b", "training", 1, 0, 0, 0), run("t/c", "training", 2, 0, 0, 0)];
         let waiting = [wait("i/x", "inference", 2)];
         let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
-        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
         let cfg = ReclaimConfig { max_evictions_per_minute_per_tenant: 1, ..ReclaimConfig::default() };
         // One eviction allowed: only the 2-GPU pod alone makes room.
         let Decision::Evict { victims, .. } = plan(&view, &cfg, &since, &[]) else { panic!("expected an eviction") };
         assert_eq!(victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(), ["t/c"]);
         // That one spent: nothing more this minute.
-        let recent = [(990_000, "training".to_string())];
+        let recent = [(990_000, TenantName::from_static("training"))];
         assert!(matches!(plan(&view, &cfg, &since, &recent), Decision::Idle(_)));
         // A pod larger than any node never evicts anyone.
         let waiting = [wait("i/huge", "inference", 8)];
@@ -660,7 +661,7 @@ mod tests {
         w.nodes = Some(vec![1]);
         let waiting = [w.clone()];
         let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
-        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
         let Decision::Evict { victims, node: at, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected an eviction") };
         assert_eq!((at, victims[0].key.as_str()), (1, "t/n1"));
         // Room already free on a node it may not use does not count as room.
@@ -684,7 +685,7 @@ mod tests {
         let running = [run("t/old", "training", 1, 0, 0, 0), run("t/new", "training", 1, 0, 990_000, 0)];
         let waiting = [wait("i/x", "inference", 1)];
         let view = ClusterView { now_ms: 1_000_000, capacity: 2000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
-        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
         let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!() };
         assert_eq!(victims[0].key, "t/old", "the young pod is spared while an older one frees enough");
         let running = [run("t/new", "training", 2, 0, 990_000, 0)];
@@ -703,7 +704,7 @@ mod tests {
         let running = [run("t/big", "training", 4, 0, 0, 0)];
         let waiting = [wait("i/x", "inference", 1)];
         let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
-        let since = BTreeMap::from([("inference".to_string(), 0)]);
+        let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
         assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
     }
 }

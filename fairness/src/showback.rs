@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::Millis;
+use crate::names::{ClusterName, TenantName};
 
 /// One hour in milliseconds.
 pub const HOUR_MS: Millis = 3_600_000;
@@ -33,7 +34,7 @@ pub const MAX_SPREAD_HOURS: u64 = 24 * 7;
 /// milli-GPUe x ms.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Showback {
-    hours: BTreeMap<u64, BTreeMap<String, BTreeMap<String, u64>>>,
+    hours: BTreeMap<u64, BTreeMap<TenantName, BTreeMap<ClusterName, u64>>>,
     cells: usize,
 }
 
@@ -74,19 +75,19 @@ impl Showback {
         self.hours.keys().next().map(|h| h.saturating_mul(HOUR_MS))
     }
 
-    fn add(&mut self, hour: u64, tenant: &str, cluster: &str, amount: u64) {
+    fn add(&mut self, hour: u64, tenant: &TenantName, cluster: &ClusterName, amount: u64) {
         if amount == 0 {
             return;
         }
         let tenants = self.hours.entry(hour).or_default();
         let per_tenant = match tenants.get_mut(tenant) {
             Some(p) => p,
-            None => tenants.entry(tenant.to_string()).or_default(),
+            None => tenants.entry(tenant.clone()).or_default(),
         };
         match per_tenant.get_mut(cluster) {
             Some(v) => *v = v.saturating_add(amount),
             None => {
-                per_tenant.insert(cluster.to_string(), amount);
+                per_tenant.insert(cluster.clone(), amount);
                 self.cells += 1;
             }
         }
@@ -94,7 +95,7 @@ impl Showback {
 
     /// Records `used` (milli-GPUe x ms) of `tenant` in `cluster`, spread over
     /// `[start_ms, end_ms)`; an empty or backwards span counts in the hour of `end_ms`.
-    pub fn record(&mut self, tenant: &str, cluster: &str, used: u64, start_ms: Millis, end_ms: Millis) {
+    pub fn record(&mut self, tenant: &TenantName, cluster: &ClusterName, used: u64, start_ms: Millis, end_ms: Millis) {
         if used == 0 {
             return;
         }
@@ -170,7 +171,7 @@ mod tests {
         let mut s = Showback::new();
         // 30 minutes before 10:00 and 90 after: a quarter, a half, a quarter.
         let ten = 10 * HOUR_MS;
-        s.record("a", "east", 1_000_001, ten - HOUR_MS / 2, ten + HOUR_MS + HOUR_MS / 2);
+        s.record(&TenantName::from_static("a"), &ClusterName::from_static("east"), 1_000_001, ten - HOUR_MS / 2, ten + HOUR_MS + HOUR_MS / 2);
         let hours: Vec<u128> = (9..12)
             .map(|h| s.query(h * HOUR_MS, (h + 1) * HOUR_MS, GroupBy::default()).first().map_or(0, |r| r.milli_gpue_ms))
             .collect();
@@ -182,10 +183,10 @@ mod tests {
     #[test]
     fn a_report_without_a_span_counts_in_its_hour_and_queries_group() {
         let mut s = Showback::new();
-        s.record("a", "east", 10, 5 * HOUR_MS + 7, 5 * HOUR_MS + 7);
-        s.record("a", "west", 20, 5 * HOUR_MS + 9, 5 * HOUR_MS + 1);
-        s.record("b", "east", 30, 6 * HOUR_MS, 6 * HOUR_MS + 10);
-        s.record("b", "east", 0, 0, 6 * HOUR_MS);
+        s.record(&TenantName::from_static("a"), &ClusterName::from_static("east"), 10, 5 * HOUR_MS + 7, 5 * HOUR_MS + 7);
+        s.record(&TenantName::from_static("a"), &ClusterName::from_static("west"), 20, 5 * HOUR_MS + 9, 5 * HOUR_MS + 1);
+        s.record(&TenantName::from_static("b"), &ClusterName::from_static("east"), 30, 6 * HOUR_MS, 6 * HOUR_MS + 10);
+        s.record(&TenantName::from_static("b"), &ClusterName::from_static("east"), 0, 0, 6 * HOUR_MS);
         let by_tenant = s.query(0, 7 * HOUR_MS, GroupBy { tenant: true, cluster: false });
         assert_eq!(by_tenant.iter().map(|r| (r.tenant.clone(), r.milli_gpue_ms)).collect::<Vec<_>>(), vec![(Some("a".into()), 30), (Some("b".into()), 30)]);
         let both = s.query(0, 7 * HOUR_MS, GroupBy { tenant: true, cluster: true });
@@ -198,7 +199,7 @@ mod tests {
     fn retention_and_the_cell_cap_drop_the_oldest_hours() {
         let mut s = Showback::new();
         for h in 0..10 {
-            s.record("a", "east", 5, h * HOUR_MS, h * HOUR_MS + 1);
+            s.record(&TenantName::from_static("a"), &ClusterName::from_static("east"), 5, h * HOUR_MS, h * HOUR_MS + 1);
         }
         s.prune(10 * HOUR_MS, 3 * HOUR_MS);
         assert_eq!(s.oldest_ms(), Some(7 * HOUR_MS));
@@ -206,7 +207,7 @@ mod tests {
         assert_eq!(total(&s), 15);
         let mut big = Showback::new();
         for i in 0..(MAX_CELLS as u64 + 2) {
-            big.record(&format!("t{}", i % 1000), &format!("c{}", i / 1000 % 1000), 1, (i / 1_000_000) * HOUR_MS, (i / 1_000_000) * HOUR_MS);
+            big.record(&TenantName::parse(format!("t{}", i % 1000)).expect("name"), &ClusterName::parse(format!("c{}", i / 1000 % 1000)).expect("name"), 1, (i / 1_000_000) * HOUR_MS, (i / 1_000_000) * HOUR_MS);
         }
         big.prune(HOUR_MS, 365 * 24 * HOUR_MS);
         assert!(big.cells() <= MAX_CELLS, "{} cells", big.cells());
@@ -222,7 +223,7 @@ mod tests {
             fn the_parts_always_add_up(used in 0u64..u64::MAX / 2, start in 0u64..1u64 << 45, len in 0u64..(30 * HOUR_MS), back in any::<bool>()) {
                 let mut s = Showback::new();
                 let (a, b) = if back { (start + len, start) } else { (start, start + len) };
-                s.record("t", "c", used, a, b);
+                s.record(&TenantName::from_static("t"), &ClusterName::from_static("c"), used, a, b);
                 prop_assert_eq!(total(&s), u128::from(used));
                 prop_assert!(s.cells() as u64 <= MAX_SPREAD_HOURS + 1);
             }

@@ -4,6 +4,7 @@
 
 mod common;
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use common::east_federation;
 use kvota_fairness::admission::Verdict;
 use kvota_fairness::federation::{
@@ -15,9 +16,9 @@ fn decision(pod: &str, verdict: Verdict, at_ms: u64) -> PodDecision {
 }
 
 fn report(seq: u64, epoch: u64, decisions: Vec<PodDecision>) -> Command {
-    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: 1_000, inuse: 0, pending: 0, largest: 0 })].into();
+    let tenants = [(TenantName::from_static("training"), TenantReport { used_milli_gpue_ms: 1_000, inuse: 0, pending: 0, largest: 0 })].into();
     Command::Report(UsageReport {
-        cluster: "east".into(),
+        cluster: ClusterName::from_static("east"),
         seq,
         held_epoch: epoch,
         capacity: None,
@@ -84,7 +85,7 @@ fn a_cluster_keeps_a_bounded_number_and_forgets_them_when_removed() {
     assert_eq!(kept, DECISIONS_PER_CLUSTER);
     // Removing the cluster (once its leases ran out) forgets its decisions.
     let later = 10 * 24 * 3_600_000;
-    assert!(matches!(fed.apply(later, Command::RemoveCluster { cluster: "east".into() }), Ok(Applied::Removed)));
+    assert!(matches!(fed.apply(later, Command::RemoveCluster { cluster: ClusterName::from_static("east") }), Ok(Applied::Removed)));
     assert!(fed.pod_decisions(&format!("ml/p{}", DECISIONS_PER_CLUSTER + 39), None).is_empty());
 }
 
@@ -99,7 +100,7 @@ fn audit_records_name_their_actor_once_records_are_on_and_filter() {
     fed.enable_records();
     fed.apply_as(2, policy(), Some("operator/alice".into())).expect("applied");
     let capacity = [("nvidia.com/gpu".to_string(), 8_000)].into();
-    fed.apply_as(3, Command::RegisterCluster { cluster: "west".into(), capacity, labels: Default::default() }, None).expect("registered");
+    fed.apply_as(3, Command::RegisterCluster { cluster: ClusterName::from_static("west"), capacity, labels: Default::default() }, None).expect("registered");
     let last_policy = fed.audit().rev().find(|r| matches!(r.event, AuditEvent::PolicyApplied { .. })).expect("policy record");
     assert_eq!(last_policy.actor.as_deref(), Some("operator/alice"));
     let reg = fed.audit().rev().find(|r| matches!(&r.event, AuditEvent::ClusterRegistered { cluster, .. } if cluster == "west")).expect("registration");

@@ -3,6 +3,8 @@
 
 mod common;
 
+use kvota_fairness::names::TenantName;
+use kvota_fairness::names::ClusterName;
 use kvota_fairness::federation::{EvictionOutcome, 
     Applied, AuditEvent, Command, CommandError, EvictionNote, Federation, TenantReport, UsageReport,
     MAX_EVICTION_TEXT, MAX_REPORT_EVICTIONS,
@@ -23,8 +25,8 @@ fn note(victim: &str) -> EvictionNote {
 }
 
 fn report(seq: u64, epoch: u64, evictions: Vec<EvictionNote>) -> Command {
-    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: 8_000, pending: 0, largest: 0 })].into();
-    Command::Report(UsageReport { cluster: "east".into(), seq, held_epoch: epoch, capacity: None, tenants, evictions, decisions: Vec::new(), window: None })
+    let tenants = [(TenantName::from_static("training"), TenantReport { used_milli_gpue_ms: 0, inuse: 8_000, pending: 0, largest: 0 })].into();
+    Command::Report(UsageReport { cluster: ClusterName::from_static("east"), seq, held_epoch: epoch, capacity: None, tenants, evictions, decisions: Vec::new(), window: None })
 }
 
 fn evictions(fed: &Federation) -> Vec<(String, String)> {

@@ -9,11 +9,12 @@ use kvota_fairness::admission::{borrow_room, decide, lendable, LocalView, PodReq
 use kvota_fairness::entitlement::share_of;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::{Lease, LeaseStatus};
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::{AdmissionMode, Policy};
 
 fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
     let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();
-    match fed.apply(0, Command::RegisterCluster { cluster: cluster.into(), capacity, labels: BTreeMap::new() }) {
+    match fed.apply(0, Command::RegisterCluster { cluster: ClusterName::parse(cluster).expect("name"), capacity, labels: BTreeMap::new() }) {
         Ok(Applied::Registered(l)) => l,
         other => panic!("{other:?}"),
     }
@@ -22,9 +23,9 @@ fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
 fn report(fed: &mut Federation, cluster: &str, seq: u64, epoch: u64, demand: &[(&str, u64, u64)]) -> Lease {
     let tenants = demand
         .iter()
-        .map(|&(t, inuse, pending)| (t.to_string(), TenantReport { used_milli_gpue_ms: 0, inuse: inuse * 1000, pending: pending * 1000, largest: 0 }))
+        .map(|&(t, inuse, pending)| (TenantName::parse(t).expect("name"), TenantReport { used_milli_gpue_ms: 0, inuse: inuse * 1000, pending: pending * 1000, largest: 0 }))
         .collect();
-    let r = UsageReport { cluster: cluster.into(), seq, held_epoch: epoch, capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
+    let r = UsageReport { cluster: ClusterName::parse(cluster).expect("name"), seq, held_epoch: epoch, capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
     match fed.apply(1_000 * seq, Command::Report(r)) {
         Ok(Applied::Reported { lease, .. }) => lease,
         other => panic!("{other:?}"),
@@ -99,8 +100,8 @@ fn the_switch_survives_the_policy_text_and_refuses_nonsense() {
 
 fn view(budget: u64, inuse: u64, borrow: u64) -> LocalView {
     LocalView {
-        cluster: "east".into(),
-        tenant: Some("training".into()),
+        cluster: ClusterName::from_static("east"),
+        tenant: Some(TenantName::from_static("training")),
         mode: AdmissionMode::Reject,
         max_queued: 0,
         budget,

@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, VecDeque};
 use kvota_fairness::admission::{decide, LocalView, PodRequest, Verdict};
 use kvota_fairness::federation::{Applied, Command, CommandError, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::{AgentLease, Lease};
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::{AdmissionMode, Policy};
 use proptest::prelude::*;
 
@@ -59,7 +60,7 @@ impl Rng {
 }
 
 struct Agent {
-    id: String,
+    id: ClusterName,
     lease: AgentLease,
     /// Clock rate error in parts per million (negative: slow).
     rate_ppm: i64,
@@ -98,7 +99,7 @@ struct World {
     rng: Rng,
     loss_pct: u64,
     max_delay_ms: u64,
-    applied_usage: BTreeMap<String, u64>,
+    applied_usage: BTreeMap<ClusterName, u64>,
     last_epoch: Vec<u64>,
 }
 
@@ -141,15 +142,16 @@ impl World {
         let mut agents = Vec::new();
         for (i, (id, gpus)) in [("east", 32u64), ("west", 32), ("edge", 16)].iter().enumerate() {
             let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();
-            let mut lease = AgentLease::new(*id);
+            let id = ClusterName::from_static(id);
+            let mut lease = AgentLease::new(id.clone());
             if let Ok(Applied::Registered(l)) = fed.apply(
                 0,
-                Command::RegisterCluster { cluster: id.to_string(), capacity, labels: BTreeMap::new() },
+                Command::RegisterCluster { cluster: id.clone(), capacity, labels: BTreeMap::new() },
             ) {
                 lease.on_lease(l, 0);
             }
             agents.push(Agent {
-                id: id.to_string(),
+                id,
                 lease,
                 rate_ppm: rates_ppm[i],
                 offset_ms: 1_000 * i as u64,
@@ -198,7 +200,7 @@ impl World {
             let used = inuse * dt;
             a.produced_usage += used;
             tenants.insert(
-                t.to_string(),
+                TenantName::from_static(t),
                 {
                     // What waits is one pod (`Op::Pending`): it is also the largest.
                     let pending = a.pending.get(t).copied().unwrap_or(0);
@@ -285,7 +287,7 @@ impl World {
                 let at = a.clock(self.now);
                 let view = LocalView {
                     cluster: a.id.clone(),
-                    tenant: Some(tenant.to_string()),
+                    tenant: Some(TenantName::parse(tenant).expect("name")),
                     mode: AdmissionMode::Reject,
                     max_queued: 0,
                     budget: a.lease.budget(tenant, at),

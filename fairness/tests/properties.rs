@@ -1,6 +1,8 @@
 //! Property tests for the fairness model: one test per property of the contract
 //! (`CONTRACT.md`, "Entitlement"), plus the budget split and the admission decision.
 
+use kvota_fairness::names::TenantName;
+use kvota_fairness::names::ClusterName;
 use kvota_fairness::admission::{borrow_room, decide, lendable, LocalView, PodRequest, Reason, Verdict};
 use kvota_fairness::entitlement::{compute, share_of, water_fill, TenantInput};
 use kvota_fairness::lease::LeaseStatus;
@@ -146,8 +148,8 @@ proptest! {
     #[test]
     fn p7_admission_never_exceeds_budget(budget in 0u64..100_000, inuse in 0u64..100_000, gpue in 0u64..20_000, queued in 0u32..10, max_queued in 0u32..10, queue in any::<bool>(), borrow in prop_oneof![Just(0u64), 0u64..30_000]) {
         let view = LocalView {
-            cluster: "c".into(),
-            tenant: Some("t".into()),
+            cluster: ClusterName::from_static("c"),
+            tenant: Some(TenantName::from_static("t")),
             mode: if queue { AdmissionMode::Queue } else { AdmissionMode::Reject },
             max_queued,
             budget,
@@ -231,7 +233,7 @@ fn article_worked_example_across_three_clusters() {
     let mut epochs = BTreeMap::new();
     for c in ["c1", "c2", "c3"] {
         let capacity = [("nvidia.com/gpu".to_string(), 32_000)].into();
-        match fed.apply(0, Command::RegisterCluster { cluster: c.into(), capacity, labels: BTreeMap::new() }) {
+        match fed.apply(0, Command::RegisterCluster { cluster: ClusterName::parse(c).expect("name"), capacity, labels: BTreeMap::new() }) {
             Ok(Applied::Registered(l)) => epochs.insert(c, l.epoch),
             other => panic!("{other:?}"),
         };
@@ -248,9 +250,9 @@ fn article_worked_example_across_three_clusters() {
         for (c, rows) in &want {
             let tenants = rows
                 .iter()
-                .map(|&(t, inuse, pending)| (t.to_string(), TenantReport { used_milli_gpue_ms: 0, inuse, pending, largest: 0 }))
+                .map(|&(t, inuse, pending)| (TenantName::from_static(t), TenantReport { used_milli_gpue_ms: 0, inuse, pending, largest: 0 }))
                 .collect();
-            let r = UsageReport { cluster: c.to_string(), seq, held_epoch: epochs[c], capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
+            let r = UsageReport { cluster: ClusterName::from_static(c), seq, held_epoch: epochs[c], capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
             match fed.apply(seq * 1000, Command::Report(r)) {
                 Ok(Applied::Reported { lease, applied: true }) => {
                     epochs.insert(c, lease.epoch);

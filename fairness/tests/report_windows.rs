@@ -5,6 +5,7 @@
 
 mod common;
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::federation::{
     Applied, Command, Federation, TenantReport, UsageReport, UsageWindow, MAX_WINDOW_AHEAD_MS,
 };
@@ -17,9 +18,9 @@ const RATE: u64 = 4_000;
 use common::east_federation as federation;
 
 fn report(seq: u64, epoch: u64, used: u64, window: Option<(u64, u64)>) -> Command {
-    let tenants = [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 4_000, pending: 0, largest: 0 })].into();
+    let tenants = [(TenantName::from_static("training"), TenantReport { used_milli_gpue_ms: used, inuse: 4_000, pending: 0, largest: 0 })].into();
     Command::Report(UsageReport {
-        cluster: "east".into(),
+        cluster: ClusterName::from_static("east"),
         seq,
         held_epoch: epoch,
         capacity: None,

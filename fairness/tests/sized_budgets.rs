@@ -4,6 +4,8 @@
 //! ([`Federation::enable_sized_budgets`]), the largest waiting pod that fits the tenant's
 //! room gets it in its own cluster.
 
+use kvota_fairness::names::ClusterName;
+use kvota_fairness::names::TenantName;
 use std::collections::BTreeMap;
 
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
@@ -16,7 +18,7 @@ const POLICY: &str = include_str!("fixtures/sized.yaml");
 
 fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
     let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();
-    match fed.apply(0, Command::RegisterCluster { cluster: cluster.into(), capacity, labels: BTreeMap::new() }) {
+    match fed.apply(0, Command::RegisterCluster { cluster: ClusterName::parse(cluster).expect("name"), capacity, labels: BTreeMap::new() }) {
         Ok(Applied::Registered(l)) => l,
         other => panic!("{other:?}"),
     }
@@ -25,8 +27,8 @@ fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
 /// One report of `train`'s numbers in GPUs: (in use, pending, largest waiting pod).
 fn report(fed: &mut Federation, cluster: &str, seq: u64, epoch: u64, (inuse, pending, largest): (u64, u64, u64)) -> Lease {
     let row = TenantReport { used_milli_gpue_ms: 0, inuse: inuse * 1000, pending: pending * 1000, largest: largest * 1000 };
-    let tenants = [("train".to_string(), row)].into();
-    let r = UsageReport { cluster: cluster.into(), seq, held_epoch: epoch, capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
+    let tenants = [(TenantName::from_static("train"), row)].into();
+    let r = UsageReport { cluster: ClusterName::parse(cluster).expect("name"), seq, held_epoch: epoch, capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
     match fed.apply(1_000 * seq, Command::Report(r)) {
         Ok(Applied::Reported { lease, .. }) => lease,
         other => panic!("{other:?}"),

@@ -10,6 +10,7 @@ use kvota_client::client::Client;
 use kvota_fairness::units::{format_duration_ms, format_gpue};
 use kvota_fairness::federation::{Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::policy::Policy;
+use kvota_fairness::names::TenantName;
 use kvota_proto::v1;
 
 /// Where the control plane is.
@@ -339,28 +340,34 @@ fn rebuilt(policy: &Policy, clusters: &[v1::ClusterInfo], tenants: &[v1::TenantI
     let mut fed = Federation::new();
     fed.apply(now_ms, Command::ApplyPolicy(policy.clone())).map_err(|e| anyhow::anyhow!("apply the policy offline: {e}"))?;
     for (i, c) in clusters.iter().enumerate() {
+        use kvota_proto::convert::{cluster_id, tenant_name};
         let capacity = kvota_proto::convert::capacity("capacity", &c.capacity).map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
-        fed.apply(now_ms, Command::RegisterCluster { cluster: c.cluster.clone(), capacity, labels: BTreeMap::new() })
+        let cluster = cluster_id("cluster", &c.cluster).map_err(|e| anyhow::anyhow!("the control plane's answer: {e}"))?;
+        fed.apply(now_ms, Command::RegisterCluster { cluster: cluster.clone(), capacity, labels: BTreeMap::new() })
             .map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
-        let mut report: BTreeMap<String, TenantReport> = c
+        let mut report: BTreeMap<TenantName, TenantReport> = c
             .tenants
             .iter()
-            .map(|t| (t.tenant.clone(), TenantReport { used_milli_gpue_ms: 0, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: 0 }))
-            .collect();
+            .map(|t| {
+                let name = tenant_name("tenant", &t.tenant).map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
+                Ok((name, TenantReport { used_milli_gpue_ms: 0, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: 0 }))
+            })
+            .collect::<Result<_>>()?;
         // The ledger's decayed usage goes in with the first cluster's report.
         if i == 0 {
             for t in tenants {
-                report.entry(t.tenant.clone()).or_default().used_milli_gpue_ms = t.decayed_usage;
+                let name = tenant_name("tenant", &t.tenant).map_err(|e| anyhow::anyhow!("the control plane's answer: {e}"))?;
+                report.entry(name).or_default().used_milli_gpue_ms = t.decayed_usage;
             }
         }
-        let r = UsageReport { cluster: c.cluster.clone(), seq: 1, held_epoch: 0, capacity: None, tenants: report, evictions: Vec::new(), decisions: Vec::new(), window: None };
+        let r = UsageReport { cluster, seq: 1, held_epoch: 0, capacity: None, tenants: report, evictions: Vec::new(), decisions: Vec::new(), window: None };
         fed.apply(now_ms, Command::Report(r)).map_err(|e| anyhow::anyhow!("cluster {}: {e}", c.cluster))?;
     }
     Ok(fed)
 }
 
 /// Target entitlement per tenant under the plan of `fed`.
-fn targets(fed: &Federation) -> BTreeMap<String, u64> {
+fn targets(fed: &Federation) -> BTreeMap<TenantName, u64> {
     let plan = fed.plan();
     plan.tenants.iter().cloned().zip(plan.entitlements.iter().map(|e| e.total)).collect()
 }
@@ -381,7 +388,7 @@ fn policy_changes(old: &Policy, new: &Policy) -> Result<Vec<String>> {
             _ => {}
         }
     }
-    let by_name = |p: &Policy| -> Result<BTreeMap<String, serde_json::Value>> {
+    let by_name = |p: &Policy| -> Result<BTreeMap<TenantName, serde_json::Value>> {
         p.tenants.iter().map(|t| Ok((t.name.clone(), serde_json::to_value(t)?))).collect()
     };
     let (mut a, mut b) = (serde_json::to_value(old)?, serde_json::to_value(new)?);
@@ -433,7 +440,7 @@ pub fn policy_diff(cp: &Cp, new: &Policy, json: bool) -> Result<()> {
         Some(p) => policy_changes(p, new)?,
         None => vec![format!("no policy in force: `{}` would be the first", new.name)],
     };
-    let names: std::collections::BTreeSet<&String> = before.keys().chain(after.keys()).collect();
+    let names: std::collections::BTreeSet<&TenantName> = before.keys().chain(after.keys()).collect();
     if json {
         let rows: Vec<serde_json::Value> = names
             .iter()
@@ -648,7 +655,7 @@ fn explain_pod(
         bail!("no policy is in force, so kvota governs no pod; apply one with `kvota policy apply FILE`");
     }
     let policy = kvota_fairness::policy::Policy::from_yaml(&r.yaml).map_err(|e| anyhow::anyhow!("the policy from the control plane does not load: {e}"))?;
-    let tenant = policy.tenant_for_namespace(namespace, &std::collections::BTreeMap::new()).map(|t| t.name.clone());
+    let tenant = policy.tenant_for_namespace(namespace, &std::collections::BTreeMap::new()).map(|t| t.name.to_string());
     let hint = format!(
         "the decision about {namespace}/{name} was made by the agent of its cluster; to read it:\n  kvota explain pod {pod} --agent https://AGENT:PORT --agent-ca CA.crt"
     );

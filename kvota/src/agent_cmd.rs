@@ -107,9 +107,9 @@ fn parse_nodes(spec: &str) -> Result<Vec<u64>> {
 
 /// Runs the agent until Ctrl-C or SIGTERM.
 pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
-    if !kvota_fairness::federation::valid_cluster_id(&args.cluster) {
+    let Ok(cluster) = kvota_fairness::names::ClusterName::parse(args.cluster.as_str()) else {
         bail!("--cluster `{}`: use {}", args.cluster, kvota_fairness::names::DNS_LABEL_RULE);
-    }
+    };
     if args.report_interval_ms < 100 {
         bail!("--report-interval-ms {}: at least 100", args.report_interval_ms);
     }
@@ -156,7 +156,7 @@ pub fn run(args: AgentArgs, cp: &crate::admin_cmd::Cp) -> Result<()> {
     crate::journal_v0::migrate(&args.data_dir)
         .map_err(|e| anyhow::anyhow!("migrate the usage journal in {}: {e}", args.data_dir.display()))?;
     let config = Config {
-        cluster: args.cluster,
+        cluster,
         cp_addrs: cp.addrs.clone(),
         data_dir: args.data_dir,
         webhook_listen: args.webhook_listen,

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::Policy;
 use kvota_fairness::units::{format_gpue, parse_quantity_milli};
 
@@ -367,31 +368,32 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
                 .with_context(|| format!("--cluster {spec}: expected RESOURCE=COUNT after ','"))?;
             capacity.insert(res.to_string(), gpus(q, &format!("--cluster {spec}"))?);
         }
-        if names.iter().any(|x| x == name) {
+        let name = ClusterName::parse(name.trim()).map_err(|e| anyhow::anyhow!("--cluster {spec}: {e}"))?;
+        if names.contains(&name) {
             bail!("--cluster {name} is given twice");
         }
         fed.apply(
             now,
             Command::RegisterCluster {
-                cluster: name.to_string(),
+                cluster: name.clone(),
                 capacity,
                 labels: BTreeMap::new(),
             },
         )
         .map_err(|e| anyhow::anyhow!("--cluster {spec}: {e}"))?;
-        names.push(name.to_string());
+        names.push(name);
     }
 
-    let mut reports: BTreeMap<String, BTreeMap<String, TenantReport>> = BTreeMap::new();
+    let mut reports: BTreeMap<ClusterName, BTreeMap<TenantName, TenantReport>> = BTreeMap::new();
     for (flag, list) in [("pending", &args.pending), ("inuse", &args.inuse)] {
         for spec in list {
             let (tenant, cluster, n) = placed(spec, flag)?;
-            if policy.tenant(&tenant).is_none() {
+            let Some(tenant) = policy.tenant(&tenant).map(|t| t.name.clone()) else {
                 bail!("--{flag} {spec}: the policy has no tenant `{tenant}`");
-            }
-            if !names.contains(&cluster) {
+            };
+            let Some(cluster) = names.iter().find(|c| **c == cluster).cloned() else {
                 bail!("--{flag} {spec}: no --cluster named `{cluster}`");
-            }
+            };
             let r = reports.entry(cluster).or_default().entry(tenant).or_default();
             if flag == "pending" {
                 r.pending = r.pending.saturating_add(n);
@@ -404,18 +406,18 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
         let (tenant, hours) = spec
             .split_once('=')
             .with_context(|| format!("--usage {spec}: expected TENANT=GPU_HOURS"))?;
-        if policy.tenant(tenant).is_none() {
+        let Some(tenant) = policy.tenant(tenant).map(|t| t.name.clone()) else {
             bail!("--usage {spec}: the policy has no tenant `{tenant}`");
-        }
+        };
         let milli_gpu_hours = gpus(hours, &format!("--usage {spec}"))?;
         let first = names.first().context("no clusters")?;
-        let r = reports.entry(first.clone()).or_default().entry(tenant.to_string()).or_default();
+        let r = reports.entry(first.clone()).or_default().entry(tenant).or_default();
         r.used_milli_gpue_ms = milli_gpu_hours.saturating_mul(3_600_000);
     }
 
     // Every agent reports in rounds; budgets settle once decreases are acknowledged
     // (break before make), which takes a few rounds.
-    let mut held: BTreeMap<String, u64> = BTreeMap::new();
+    let mut held: BTreeMap<ClusterName, u64> = BTreeMap::new();
     for round in 1..=6u64 {
         now += 1_000;
         for name in &names {
@@ -456,7 +458,7 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
         .filter_map(|t| fed.explain_tenant(&t.name))
         .collect();
     if args.json {
-        let budgets: BTreeMap<&String, _> = fed
+        let budgets: BTreeMap<&ClusterName, _> = fed
             .clusters()
             .iter()
             .map(|(id, rec)| (id, rec.leases.latest().map(|l| l.budgets.clone()).unwrap_or_default()))

@@ -94,6 +94,7 @@ mod tests {
     use std::time::Duration;
 
     use kvota_fairness::federation::{TenantReport, UsageReport};
+    use kvota_fairness::names::{ClusterName, TenantName};
     use kvota_fairness::lease::{Lease, TenantBudget};
     use kvota_member_agent::journal::Journal;
 
@@ -101,11 +102,11 @@ mod tests {
 
     fn report(seq: u64) -> UsageReport {
         UsageReport {
-            cluster: "east".into(),
+            cluster: ClusterName::from_static("east"),
             seq,
             held_epoch: 1,
             capacity: None,
-            tenants: (0..3).map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 })).collect(),
+            tenants: (0..3).map(|i| (TenantName::parse(format!("tenant-{i:05}")).expect("name"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 })).collect(),
             evictions: Vec::new(),
             decisions: Vec::new(),
             window: None,
@@ -121,12 +122,12 @@ mod tests {
     fn a_journal_of_the_previous_sled_format_is_migrated() {
         let dir = tempfile::tempdir().expect("tmp");
         let lease = Lease {
-            cluster: "east".into(),
+            cluster: ClusterName::from_static("east"),
             epoch: 4,
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 10,
-            budgets: [("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000, borrow: 0, ceiling: 0 })]
+            budgets: [(TenantName::from_static("training"), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000, borrow: 0, ceiling: 0 })]
                 .into_iter()
                 .collect::<BTreeMap<_, _>>(),
         };

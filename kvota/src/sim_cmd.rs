@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
+use kvota_fairness::names::ClusterName;
 use kvota_fairness::policy::Policy;
 use kvota_fairness::units::parse_duration_ms;
 use kvota_sim::{report, sched, Partition, SimConfig, Trace};
@@ -67,7 +68,7 @@ pub struct SimArgs {
     out: PathBuf,
 }
 
-fn parse_clusters(spec: &str) -> Result<Vec<(String, u64)>> {
+fn parse_clusters(spec: &str) -> Result<Vec<(ClusterName, u64)>> {
     let gpus = |s: &str| -> Result<u64> {
         let n: f64 = s.trim().parse().with_context(|| format!("`{s}` is not a GPU count (in --clusters {spec})"))?;
         if !(n > 0.0 && n <= 1_000_000.0) {
@@ -84,30 +85,32 @@ fn parse_clusters(spec: &str) -> Result<Vec<(String, u64)>> {
                 bail!("--clusters {spec}: between 1 and 64 clusters");
             }
             let g = gpus(size)?;
-            return Ok((1..=n).map(|i| (format!("c{i}"), g)).collect());
+            return (1..=n)
+                .map(|i| ClusterName::parse(format!("c{i}")).map(|c| (c, g)).map_err(anyhow::Error::from))
+                .collect();
         }
     }
     if !spec.contains('=') {
-        return Ok(vec![("cluster".into(), gpus(spec)?)]);
+        return Ok(vec![(ClusterName::from_static("cluster"), gpus(spec)?)]);
     }
-    let mut out: Vec<(String, u64)> = Vec::new();
+    let mut out: Vec<(ClusterName, u64)> = Vec::new();
     for part in spec.split(',') {
         let Some((name, size)) = part.split_once('=') else {
             bail!("--clusters {spec}: `{part}` is not NAME=GPUS");
         };
         let name = name.trim();
-        if !kvota_fairness::federation::valid_cluster_id(name) {
+        let Ok(name) = ClusterName::parse(name) else {
             bail!("--clusters {spec}: `{name}` is not a valid cluster name ({})", kvota_fairness::names::DNS_LABEL_RULE);
-        }
+        };
         if out.iter().any(|c| c.0 == name) {
             bail!("--clusters {spec}: cluster `{name}` appears twice");
         }
-        out.push((name.to_string(), gpus(size)?));
+        out.push((name, gpus(size)?));
     }
     Ok(out)
 }
 
-fn parse_partition(spec: &str, clusters: &[(String, u64)]) -> Result<Partition> {
+fn parse_partition(spec: &str, clusters: &[(ClusterName, u64)]) -> Result<Partition> {
     let err = || format!("--partition {spec}: expected CLUSTER@FROM..TO, e.g. c2@10d..12d");
     let (name, span) = spec.split_once('@').with_context(err)?;
     let (from, to) = span.split_once("..").with_context(err)?;
@@ -329,9 +332,9 @@ mod tests {
 
     #[test]
     fn cluster_specs() {
-        assert_eq!(parse_clusters("64").expect("one"), [("cluster".to_string(), 64_000)]);
-        assert_eq!(parse_clusters("2x8").expect("two"), [("c1".to_string(), 8000), ("c2".to_string(), 8000)]);
-        assert_eq!(parse_clusters("east=4,edge=0.5").expect("named"), [("east".to_string(), 4000), ("edge".to_string(), 500)]);
+        assert_eq!(parse_clusters("64").expect("one"), [(ClusterName::from_static("cluster"), 64_000)]);
+        assert_eq!(parse_clusters("2x8").expect("two"), [(ClusterName::from_static("c1"), 8000), (ClusterName::from_static("c2"), 8000)]);
+        assert_eq!(parse_clusters("east=4,edge=0.5").expect("named"), [(ClusterName::from_static("east"), 4000), (ClusterName::from_static("edge"), 500)]);
         assert!(parse_clusters("east=4,east=2").is_err());
         assert!(parse_clusters("x").is_err());
         assert!(parse_clusters("0").is_err());

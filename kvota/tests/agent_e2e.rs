@@ -6,6 +6,7 @@
 //! the usage the clusters produced. And a standby replica taking over from a leader that
 //! died between reports counts the stretch the leader never reported, once.
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -77,8 +78,8 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         proxies.push(LinkProxy::start(e.clone()).await.expect("proxy"));
     }
     let a_eps: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
-    let a = Agent::open("east", gpu_capacity(32), &tmp.path().join("agent-east"), &a_eps).expect("agent a");
-    let b = Agent::open("west", gpu_capacity(32), &tmp.path().join("agent-west"), &endpoints).expect("agent b");
+    let a = Agent::open(&ClusterName::from_static("east"), gpu_capacity(32), &tmp.path().join("agent-east"), &a_eps).expect("agent a");
+    let b = Agent::open(&ClusterName::from_static("west"), gpu_capacity(32), &tmp.path().join("agent-west"), &endpoints).expect("agent b");
     for ag in [&a, &b] {
         ag.register().await.expect("register");
         ag.fetch_policy().await.expect("policy");
@@ -176,10 +177,10 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     // Reclaim acts locally while cut off; its audit record travels with the journal.
     let evicted_while_cut = kvota_member_agent::state::ReclaimRecord {
         at_ms: a.state().now_ms(),
-        for_tenant: "inference".into(),
+        for_tenant: TenantName::from_static("inference"),
         for_pod: "serve/api-0".into(),
         victim: "train/t-cut".into(),
-        victim_tenant: "training".into(),
+        victim_tenant: TenantName::from_static("training"),
         gpue: 1_000,
         outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
         why: "recorded while the link was cut".into(),
@@ -259,8 +260,8 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     let (cl, endpoints) = control_plane().await;
     let nodes: Vec<&ServerHandle> = cl.nodes.iter().flatten().collect();
     apply_policy(&endpoints).await;
-    let leader = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-1"), &endpoints).expect("agent 1");
-    let standby = Agent::open("north", gpu_capacity(32), &tmp.path().join("agent-2"), &endpoints).expect("agent 2");
+    let leader = Agent::open(&ClusterName::from_static("north"), gpu_capacity(32), &tmp.path().join("agent-1"), &endpoints).expect("agent 1");
+    let standby = Agent::open(&ClusterName::from_static("north"), gpu_capacity(32), &tmp.path().join("agent-2"), &endpoints).expect("agent 2");
     leader.register().await.expect("register");
     for ag in [&leader, &standby] {
         ag.fetch_policy().await.expect("policy");
@@ -268,7 +269,7 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     // 4 training GPUs bound the whole time; both replicas see them (each lists the pods).
     let bound = Instant::now();
     for ag in [&leader, &standby] {
-        ag.state().pod_bound("ml/train-0", PodRec { tenant: Some("training".into()), gpue: 4_000 });
+        ag.state().pod_bound("ml/train-0", PodRec { tenant: Some(TenantName::from_static("training")), gpue: 4_000 });
     }
     let rate = 4_000u64; // milli-GPUe per ms
     let round = Duration::from_millis(200);

@@ -125,7 +125,7 @@ struct Member {
 impl Member {
     async fn start(name: &str, nodes: &[u32], dir: &Path, endpoints: &[String]) -> Member {
         let total: u64 = nodes.iter().map(|g| u64::from(*g) * 1000).sum();
-        let agent = Agent::open(name, [("nvidia.com/gpu".to_string(), total)].into(), &dir.join(name), endpoints).expect("agent");
+        let agent = Agent::open(&kvota_fairness::names::ClusterName::parse(name).expect("name"), [("nvidia.com/gpu".to_string(), total)].into(), &dir.join(name), endpoints).expect("agent");
         agent.register().await.expect("register");
         agent.fetch_policy().await.expect("policy");
         Member { agent, sim: SimCluster::new(nodes) }

@@ -10,6 +10,7 @@
 //! `promtool` and `prometheus` come from Debian's `prometheus` package, which
 //! `scripts/test` installs when missing.
 
+use kvota_fairness::names::ClusterName;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -214,7 +215,7 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
     // An agent on a simulated 8-GPU cluster: a 4-GPU training pod is denied until
     // reports raise training's budget, then admitted: one admission wait.
     let tmp = tempfile::tempdir().expect("tmp");
-    let agent = Agent::open("east", [("nvidia.com/gpu".to_string(), 8_000)].into(), &tmp.path().join("agent"), &endpoints).expect("agent");
+    let agent = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), &tmp.path().join("agent"), &endpoints).expect("agent");
     agent.register().await.expect("register");
     agent.fetch_policy().await.expect("policy");
     let mut sim = SimCluster::new(&[8]);

@@ -13,6 +13,7 @@ use std::time::Instant;
 use kvota_client::client::Client;
 use kvota_fairness::federation::{UsageReport, UsageWindow};
 use kvota_fairness::lease::{AgentLease, Lease};
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::Policy;
 use kvota_proto::v1;
 use tonic::{Code, Status};
@@ -55,7 +56,7 @@ pub fn already_counted(report: &UsageReport, last_seq: u64, through_ms: u64) -> 
 /// wall-clock instants (Unix ms), from the pods' own start and finish times: how the
 /// agent recovers usage no agent process metered (see [`Agent::set_history`]).
 #[derive(Clone)]
-pub struct History(pub Arc<dyn Fn(u64, u64) -> BTreeMap<String, u64> + Send + Sync>);
+pub struct History(pub Arc<dyn Fn(u64, u64) -> BTreeMap<TenantName, u64> + Send + Sync>);
 
 impl std::fmt::Debug for History {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -67,13 +68,13 @@ impl std::fmt::Debug for History {
 #[derive(Clone, Debug)]
 struct Mark {
     unix_ms: u64,
-    used: BTreeMap<String, u64>,
+    used: BTreeMap<TenantName, u64>,
 }
 
 /// One member cluster's agent.
 #[derive(Debug)]
 pub struct Agent {
-    cluster: String,
+    cluster: ClusterName,
     capacity: Mutex<BTreeMap<String, u64>>,
     capacity_changed: std::sync::atomic::AtomicBool,
     renumber_on_conflict: std::sync::atomic::AtomicBool,
@@ -81,7 +82,7 @@ pub struct Agent {
     journal: Journal,
     client: Client,
     start: Instant,
-    written_usage: Mutex<BTreeMap<String, u64>>,
+    written_usage: Mutex<BTreeMap<TenantName, u64>>,
     /// Wall-clock start of the usage the next report carries.
     window_start: Mutex<u64>,
     /// Readings of the usage meter while standing by (oldest first).
@@ -142,13 +143,13 @@ impl Agent {
     /// An agent for `cluster` with `capacity` (resource name -> quantity milli), its
     /// journal in `dir`, talking to the control plane at `endpoints`. A lease saved by a
     /// previous run is enforced at once (its fallbacks, until the control plane answers).
-    pub fn open(cluster: &str, capacity: BTreeMap<String, u64>, dir: &Path, endpoints: &[String]) -> Result<Agent, Status> {
+    pub fn open(cluster: &ClusterName, capacity: BTreeMap<String, u64>, dir: &Path, endpoints: &[String]) -> Result<Agent, Status> {
         Agent::open_with_tls(cluster, capacity, dir, endpoints, None)
     }
 
     /// [`Agent::open`], talking to the control plane over mutual TLS if `tls` is given.
     pub fn open_with_tls(
-        cluster: &str,
+        cluster: &ClusterName,
         capacity: BTreeMap<String, u64>,
         dir: &Path,
         endpoints: &[String],
@@ -156,14 +157,14 @@ impl Agent {
     ) -> Result<Agent, Status> {
         let journal = Journal::open(dir).map_err(journal_err)?;
         let lease = match journal.load_lease().map_err(journal_err)? {
-            Some(l) if l.cluster == cluster => AgentLease::restored(l),
-            _ => AgentLease::new(cluster),
+            Some(l) if l.cluster == *cluster => AgentLease::restored(l),
+            _ => AgentLease::new(cluster.clone()),
         };
         let journaled_epoch = lease.held_epoch();
         let weights = kvota_fairness::resources::ResourceWeights::new();
-        let state = AgentState::new(cluster, weights.capacity_gpue_milli(&capacity), lease);
+        let state = AgentState::new(cluster.clone(), weights.capacity_gpue_milli(&capacity), lease);
         Ok(Agent {
-            cluster: cluster.to_string(),
+            cluster: cluster.clone(),
             capacity: Mutex::new(capacity),
             capacity_changed: std::sync::atomic::AtomicBool::new(false),
             renumber_on_conflict: std::sync::atomic::AtomicBool::new(false),
@@ -394,7 +395,7 @@ impl Agent {
     }
 
     /// Cluster id.
-    pub fn cluster(&self) -> &str {
+    pub fn cluster(&self) -> &ClusterName {
         &self.cluster
     }
 
@@ -464,7 +465,7 @@ impl Agent {
 
     /// What the control plane knows of this cluster (any node's applied state).
     async fn describe(&self) -> Result<v1::ClusterInfo, Status> {
-        let req = v1::DescribeClusterRequest { cluster: self.cluster.clone() };
+        let req = v1::DescribeClusterRequest { cluster: self.cluster.to_string() };
         self.client
             .call(|ch| {
                 let req = req.clone();
@@ -590,7 +591,7 @@ impl Agent {
     }
 
     /// Usage written into reports so far, per tenant (milli-GPUe x ms).
-    pub fn written_usage(&self) -> BTreeMap<String, u64> {
+    pub fn written_usage(&self) -> BTreeMap<TenantName, u64> {
         self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
@@ -629,7 +630,7 @@ impl Agent {
     /// Registers the cluster (capacity) and adopts the answering lease.
     pub async fn register(&self) -> Result<(), Status> {
         let req = v1::RegisterRequest {
-            cluster: self.cluster.clone(),
+            cluster: self.cluster.to_string(),
             capacity: kvota_proto::convert::resources(&self.capacity()),
             labels: Default::default(),
         };
@@ -783,7 +784,7 @@ mod tests {
 
     fn report(seq: u64, window: Option<(u64, u64)>) -> UsageReport {
         UsageReport {
-            cluster: "c".into(),
+            cluster: ClusterName::from_static("c"),
             seq,
             held_epoch: 0,
             capacity: None,
@@ -809,8 +810,8 @@ mod tests {
     }
 
     fn lease(epoch: u64, budget: u64) -> v1::Lease {
-        let budgets = [("training".to_string(), kvota_fairness::lease::TenantBudget { budget, fallback: 1_000, entitlement: budget, borrow: 0, ceiling: 0 })];
-        v1::Lease::from(&Lease { cluster: "east".into(), epoch, duration_ms: 60_000, margin_ms: 1_000, issued_at_ms: 0, budgets: budgets.into_iter().collect() })
+        let budgets = [(TenantName::from_static("training"), kvota_fairness::lease::TenantBudget { budget, fallback: 1_000, entitlement: budget, borrow: 0, ceiling: 0 })];
+        v1::Lease::from(&Lease { cluster: ClusterName::from_static("east"), epoch, duration_ms: 60_000, margin_ms: 1_000, issued_at_ms: 0, budgets: budgets.into_iter().collect() })
     }
 
     /// Taking a lease writes it to the journal (an fdatasync) without holding the
@@ -819,7 +820,7 @@ mod tests {
     #[test]
     fn a_lease_is_journaled_outside_the_admission_state_and_acknowledged_after() {
         let dir = tempfile::tempdir().expect("tmp");
-        let agent = Arc::new(Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open"));
+        let agent = Arc::new(Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open"));
         agent.adopt(Some(lease(1, 2_000)), agent.now_ms()).expect("first lease");
         assert_eq!(agent.acknowledges(), 1);
 
@@ -845,7 +846,7 @@ mod tests {
         taking.join().expect("no panic").expect("second lease");
         assert_eq!(agent.acknowledges(), 2);
         drop(agent);
-        let again = Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
+        let again = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
         assert_eq!(again.state().lease.held_epoch(), 2, "the journal holds the lease taken");
     }
 
@@ -853,11 +854,11 @@ mod tests {
     #[test]
     fn a_refused_lease_is_not_journaled() {
         let dir = tempfile::tempdir().expect("tmp");
-        let agent = Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open");
+        let agent = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open");
         agent.adopt(Some(lease(3, 2_000)), agent.now_ms()).expect("lease");
         agent.adopt(Some(lease(3, 9_000)), agent.now_ms()).expect("refused, no error");
         drop(agent);
-        let again = Agent::open("east", BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
+        let again = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
         assert_eq!(again.journal.load_lease().expect("load").map(|l| l.budgets["training"].budget), Some(2_000));
     }
 }

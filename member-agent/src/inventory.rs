@@ -11,6 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvota_fairness::federation::EvictionOutcome;
+use kvota_fairness::names::TenantName;
 use kvota_fairness::reclaim::{Decision, RunningPod, TenantHere, Victim, WaitingPod};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_fairness::{MilliGpue, Millis};
@@ -81,7 +82,7 @@ pub struct PodInfo {
 /// Usage per tenant (milli-GPUe x ms) of `pods` between wall-clock instants `from_ms`
 /// and `to_ms`: each pod's GPUe times the part of its run time inside the interval.
 /// `tenant_of` maps a namespace to its tenant (pods of no tenant count for nobody).
-pub fn usage_between(pods: &[PodInfo], from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<String>) -> BTreeMap<String, u64> {
+pub fn usage_between(pods: &[PodInfo], from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<TenantName>) -> BTreeMap<TenantName, u64> {
     let mut out = BTreeMap::new();
     if to_ms <= from_ms {
         return out;
@@ -295,7 +296,7 @@ pub enum EvictOutcome {
 /// a [`Decision::Evict`]. `None` for [`EvictOutcome::NotFound`] (nothing happened).
 pub fn eviction_record(
     now_ms: Millis,
-    for_tenant: &str,
+    for_tenant: &TenantName,
     for_pod: &str,
     summary: &str,
     victim: &Victim,
@@ -320,7 +321,7 @@ pub fn eviction_record(
     };
     let record = ReclaimRecord {
         at_ms: now_ms,
-        for_tenant: for_tenant.to_string(),
+        for_tenant: for_tenant.clone(),
         for_pod: for_pod.to_string(),
         victim: victim.key.clone(),
         victim_tenant: victim.tenant.clone(),
@@ -332,10 +333,10 @@ pub fn eviction_record(
 }
 
 /// The victims of a decision with its context, or nothing for other decisions.
-pub fn victims(decision: &Decision) -> Option<(&str, &str, &str, &[Victim])> {
+pub fn victims(decision: &Decision) -> Option<(&TenantName, &str, &str, &[Victim])> {
     match decision {
         Decision::Evict { for_tenant, for_pod, victims, summary, .. } => {
-            Some((for_tenant.as_str(), for_pod.as_str(), summary.as_str(), victims.as_slice()))
+            Some((for_tenant, for_pod.as_str(), summary.as_str(), victims.as_slice()))
         }
         _ => None,
     }

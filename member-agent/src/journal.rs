@@ -554,6 +554,8 @@ impl Journal {
 
 #[cfg(test)]
 mod tests {
+    use kvota_fairness::names::ClusterName;
+    use kvota_fairness::names::TenantName;
     use super::*;
     use kvota_fairness::federation::TenantReport;
     use kvota_fairness::lease::{AgentLease, LeaseStatus, TenantBudget};
@@ -561,11 +563,11 @@ mod tests {
 
     fn report(used: u64) -> impl FnOnce(u64) -> UsageReport {
         move |seq| UsageReport {
-            cluster: "east".into(),
+            cluster: ClusterName::from_static("east"),
             seq,
             held_epoch: 3,
             capacity: None,
-            tenants: [("training".to_string(), TenantReport { used_milli_gpue_ms: used, inuse: 1_000, pending: 0, largest: 0 })].into(),
+            tenants: [(TenantName::from_static("training"), TenantReport { used_milli_gpue_ms: used, inuse: 1_000, pending: 0, largest: 0 })].into(),
             evictions: Vec::new(),
             decisions: Vec::new(),
             window: None,
@@ -574,12 +576,12 @@ mod tests {
 
     fn lease() -> Lease {
         Lease {
-            cluster: "east".into(),
+            cluster: ClusterName::from_static("east"),
             epoch: 7,
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 1,
-            budgets: [("training".to_string(), TenantBudget { budget: 8_000, fallback: 3_000, entitlement: 9_000, borrow: 0, ceiling: 0 })]
+            budgets: [(TenantName::from_static("training"), TenantBudget { budget: 8_000, fallback: 3_000, entitlement: 9_000, borrow: 0, ceiling: 0 })]
                 .into_iter()
                 .collect::<BTreeMap<_, _>>(),
         }
@@ -714,7 +716,7 @@ mod tests {
         let big = |seq| {
             let mut r = report(seq)(seq);
             for i in 0..400 {
-                r.tenants.insert(format!("tenant-{i:04}"), TenantReport { used_milli_gpue_ms: seq, inuse: 1, pending: 2, largest: 0 });
+                r.tenants.insert(TenantName::parse(format!("tenant-{i:04}")).expect("name"), TenantReport { used_milli_gpue_ms: seq, inuse: 1, pending: 2, largest: 0 });
             }
             r
         };

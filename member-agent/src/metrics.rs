@@ -240,7 +240,7 @@ impl AgentMetrics {
         {
             let mut st = agent.state();
             for (tenant, waited_ms) in st.take_waits() {
-                self.waits.get_or_create(&TenantLabel { tenant }).observe(waited_ms as f64 / 1000.0);
+                self.waits.get_or_create(&TenantLabel { tenant: tenant.into_string() }).observe(waited_ms as f64 / 1000.0);
             }
             let now = st.now_ms();
             let status = st.lease.status(now);
@@ -261,7 +261,7 @@ impl AgentMetrics {
             self.lease_remaining.set(remaining as f64 / 1000.0);
             self.lease_epoch.set(i64::try_from(st.lease.held_epoch()).unwrap_or(i64::MAX));
             for t in st.tenants() {
-                let l = TenantLabel { tenant: t.clone() };
+                let l = TenantLabel { tenant: t.to_string() };
                 self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
                 self.budget.get_or_create(&l).set(st.lease.budget(&t, now) as f64 / 1000.0);
                 self.inuse.get_or_create(&l).set(st.inuse(&t) as f64 / 1000.0);
@@ -271,7 +271,7 @@ impl AgentMetrics {
                 c.inc_by(n.saturating_sub(c.get()));
             }
             for ((tenant, outcome), n) in st.eviction_counts() {
-                let c = self.evictions.get_or_create(&AdmissionLabel { tenant: tenant.clone(), outcome: outcome.to_string() });
+                let c = self.evictions.get_or_create(&AdmissionLabel { tenant: tenant.to_string(), outcome: outcome.to_string() });
                 c.inc_by(n.saturating_sub(c.get()));
             }
         }
@@ -280,7 +280,7 @@ impl AgentMetrics {
         self.state_save_failures.set(i64::try_from(agent.state_save_failures()).unwrap_or(i64::MAX));
         for (tenant, used) in agent.written_usage() {
             // Written usage only grows (milli-GPUe x ms); the counter follows it.
-            let c = self.reported_usage.get_or_create(&TenantLabel { tenant });
+            let c = self.reported_usage.get_or_create(&TenantLabel { tenant: tenant.into_string() });
             let delta = used as f64 / 1e6 - c.get();
             if delta > 0.0 {
                 c.inc_by(delta);

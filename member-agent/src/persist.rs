@@ -54,7 +54,7 @@ pub struct MemberState {
     /// [`FORMAT_VERSION`] of the writer.
     pub format: u32,
     /// The member cluster.
-    pub cluster: String,
+    pub cluster: kvota_fairness::names::ClusterName,
     /// The replica that wrote it.
     pub writer: String,
     /// When (writer's wall clock, Unix ms).
@@ -143,7 +143,7 @@ pub fn decode(bytes: &[u8], store: &str, cluster: &str) -> Result<MemberState, P
     }
     let s: MemberState = serde_json::from_slice(bytes).map_err(|e| PersistError::Corrupt { store: store.into(), why: e.to_string() })?;
     if s.cluster != cluster {
-        return Err(PersistError::OtherCluster { store: store.into(), found: s.cluster, cluster: cluster.into() });
+        return Err(PersistError::OtherCluster { store: store.into(), found: s.cluster.into_string(), cluster: cluster.into() });
     }
     if let Some(l) = &s.lease {
         if l.cluster != cluster {
@@ -225,18 +225,19 @@ impl StateStore for FileStore {
 
 #[cfg(test)]
 mod tests {
+    use kvota_fairness::names::ClusterName;
     use super::*;
     use proptest::prelude::*;
 
     fn sample() -> MemberState {
         MemberState {
             format: FORMAT_VERSION,
-            cluster: "east".into(),
+            cluster: ClusterName::from_static("east"),
             writer: "agent-0".into(),
             written_unix_ms: 1_000,
             policy: Some(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")),
             lease: Some(Lease {
-                cluster: "east".into(),
+                cluster: ClusterName::from_static("east"),
                 epoch: 3,
                 duration_ms: 30_000,
                 margin_ms: 3_000,

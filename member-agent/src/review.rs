@@ -21,6 +21,7 @@ use std::sync::LazyLock;
 use base64::Engine as _;
 use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Reason, Verdict, SCHEDULING_GATE};
 use kvota_fairness::lease::LeaseStatus;
+use kvota_fairness::names::TenantName;
 use kvota_fairness::policy::{AdmissionMode, Policy};
 use kvota_fairness::resources::{effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError};
 use kvota_fairness::MilliGpue;
@@ -52,7 +53,7 @@ pub enum Effect {
     /// Hold `gpue` for the pod until it binds, is deleted, or the reservation expires.
     Reserve {
         /// Tenant.
-        tenant: String,
+        tenant: TenantName,
         /// `namespace/name` (or `namespace/generateName*uid` before a name exists).
         pod: String,
         /// GPUe reserved.
@@ -61,7 +62,7 @@ pub enum Effect {
     /// The pod waits behind the gate; release it when budget frees.
     Enqueue {
         /// Tenant.
-        tenant: String,
+        tenant: TenantName,
         /// Pod key as above.
         pod: String,
         /// GPUe it requests.
@@ -73,7 +74,7 @@ pub enum Effect {
     /// tenant in `reject` mode could never show the control plane it needs more.
     Denied {
         /// Tenant.
-        tenant: String,
+        tenant: TenantName,
         /// Pod key.
         pod: String,
         /// GPUe it requested.
@@ -163,7 +164,7 @@ pub struct Reviewed {
     /// The response body (JSON AdmissionReview).
     pub body: Vec<u8>,
     /// Tenant judged, if any.
-    pub tenant: Option<String>,
+    pub tenant: Option<TenantName>,
     /// What was decided.
     pub outcome: Outcome,
     /// GPUe the pod requests (0 if not computed).
@@ -289,7 +290,7 @@ enum AnswerKind {
         code: u16,
         message: Cow<'static, str>,
         patch: Option<Gate>,
-        tenant: Option<String>,
+        tenant: Option<TenantName>,
         outcome: Outcome,
         gpue: MilliGpue,
         may_wait: bool,
@@ -304,7 +305,7 @@ impl Answer {
         code: u16,
         message: impl Into<Cow<'static, str>>,
         patch: Option<Gate>,
-        tenant: Option<String>,
+        tenant: Option<TenantName>,
         outcome: Outcome,
         gpue: MilliGpue,
     ) -> Answer {

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use kvota_fairness::names::TenantName;
 use kvota_fairness::resources::NVIDIA_GPU;
 use kvota_fairness::{MilliGpue, Millis};
 use serde_json::json;
@@ -56,7 +57,7 @@ impl SimPod {
 #[derive(Clone, Debug)]
 struct Waiting {
     pod: SimPod,
-    tenant: Option<String>,
+    tenant: Option<TenantName>,
     gpue: MilliGpue,
     since_ms: Millis,
 }
@@ -65,7 +66,7 @@ struct Waiting {
 struct Running {
     node: usize,
     pod: SimPod,
-    tenant: Option<String>,
+    tenant: Option<TenantName>,
     gpue: MilliGpue,
     started_ms: Millis,
     ends_at_ms: Millis,
@@ -101,7 +102,7 @@ pub struct Bound {
     /// `namespace/name`.
     pub key: String,
     /// Tenant the webhook mapped it to.
-    pub tenant: Option<String>,
+    pub tenant: Option<TenantName>,
     /// GPUe it holds.
     pub gpue: MilliGpue,
 }
@@ -123,7 +124,7 @@ pub struct ListedPod {
     /// `namespace/name`.
     pub key: String,
     /// Tenant the webhook mapped it to.
-    pub tenant: Option<String>,
+    pub tenant: Option<TenantName>,
     /// GPUe it requests.
     pub gpue: MilliGpue,
     /// Pod priority.
@@ -147,7 +148,7 @@ pub struct SimCluster {
     checkpoint_ms: Millis,
     evicted: Vec<SimPod>,
     events: Vec<SimEvent>,
-    cost: BTreeMap<String, EvictionCost>,
+    cost: BTreeMap<TenantName, EvictionCost>,
     /// Pods that held GPUs and are gone (finished or evicted), newest last: what a real
     /// cluster still lists for a while (completed pods stay until deleted).
     finished: std::collections::VecDeque<Finished>,
@@ -290,7 +291,7 @@ impl SimCluster {
     /// Usage per tenant between `from_ms` and `to_ms` (this cluster's clock: the one its
     /// callers drive it with) from the pods' run times, running and gone, as the agent
     /// recovers usage no process metered (`crate::agent::History`).
-    pub fn usage_between(&self, from_ms: Millis, to_ms: Millis, tenant_of: impl Fn(&str) -> Option<String>) -> BTreeMap<String, u64> {
+    pub fn usage_between(&self, from_ms: Millis, to_ms: Millis, tenant_of: impl Fn(&str) -> Option<TenantName>) -> BTreeMap<TenantName, u64> {
         let mut pods: Vec<PodInfo> = self.gpu_pods().into_iter().filter(|p| p.stage == PodStage::Bound).collect();
         pods.extend(self.finished.iter().map(|f| PodInfo {
             key: String::new(),
@@ -384,7 +385,7 @@ impl SimCluster {
     }
 
     /// GPUe running per tenant.
-    pub fn running_by_tenant(&self) -> BTreeMap<String, MilliGpue> {
+    pub fn running_by_tenant(&self) -> BTreeMap<TenantName, MilliGpue> {
         let mut m = BTreeMap::new();
         for r in self.running.values() {
             if let Some(t) = &r.tenant {
@@ -449,7 +450,7 @@ impl SimCluster {
     }
 
     /// Evictions and lost work per tenant.
-    pub fn eviction_cost(&self) -> &BTreeMap<String, EvictionCost> {
+    pub fn eviction_cost(&self) -> &BTreeMap<TenantName, EvictionCost> {
         &self.cost
     }
 
@@ -556,6 +557,7 @@ impl Inventory for SimCluster {
 
 #[cfg(test)]
 mod tests {
+    use kvota_fairness::names::ClusterName;
     use super::*;
     use kvota_fairness::lease::AgentLease;
 
@@ -566,7 +568,7 @@ mod tests {
             [("nvidia.com/mig-3g.40gb".to_string(), 2)].into(),
         ]);
         assert_eq!(c.capacity_milli().get("nvidia.com/mig-3g.40gb"), Some(&2000));
-        let mut st = AgentState::new("c", 1858, AgentLease::new("c"));
+        let mut st = AgentState::new(ClusterName::from_static("c"), 1858, AgentLease::new(ClusterName::from_static("c")));
         // No policy: pods are not governed, so they pass and bind by fit alone.
         let mut p = SimPod::gpus("ns", "a", 1, 1_000, 0);
         p.resource = "nvidia.com/mig-3g.40gb".into();

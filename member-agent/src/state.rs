@@ -11,6 +11,7 @@ use std::sync::Arc;
 use kvota_fairness::admission::{release_order, LocalView, PodRequest, QueuedPod};
 use kvota_fairness::federation::{EvictionOutcome, TenantReport};
 use kvota_fairness::lease::AgentLease;
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::{self, ClusterView, Decision, TenantHere};
 use kvota_fairness::{MilliGpue, Millis};
@@ -40,7 +41,7 @@ pub const MAX_DENIED: usize = 16_384;
 /// first denial (a retry keeps it), from which its wait is counted.
 #[derive(Clone, Debug)]
 struct DeniedPod {
-    tenant: String,
+    tenant: TenantName,
     gpue: MilliGpue,
     until: Millis,
     since: Millis,
@@ -52,7 +53,7 @@ pub struct ReleasedPod {
     /// `namespace/name`.
     pub key: String,
     /// Its tenant.
-    pub tenant: String,
+    pub tenant: TenantName,
     /// When it was queued: its wait runs from here.
     pub queued_at_ms: Millis,
 }
@@ -69,21 +70,21 @@ pub const DENIED_DEMAND_TTL_MS: Millis = 60_000;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodRec {
     /// Tenant (None: not governed).
-    pub tenant: Option<String>,
+    pub tenant: Option<TenantName>,
     /// GPUe it requests.
     pub gpue: MilliGpue,
 }
 
 #[derive(Clone, Debug)]
 struct Queued {
-    tenant: String,
+    tenant: TenantName,
     pod: QueuedPod,
 }
 
 /// The agent's state. See the module docs.
 #[derive(Debug)]
 pub struct AgentState {
-    cluster: String,
+    cluster: ClusterName,
     /// The lease rules (epoch, expiry, fallbacks).
     pub lease: AgentLease,
     policy: Option<Policy>,
@@ -92,8 +93,8 @@ pub struct AgentState {
     bound: BTreeMap<String, PodRec>,
     /// Per tenant of `bound`: (pods, GPUe), kept with it so that metering and in-use
     /// cost one step per tenant, not per pod, on every admission review.
-    bound_by_tenant: BTreeMap<String, (usize, MilliGpue)>,
-    reserved: BTreeMap<String, (String, MilliGpue, Millis)>,
+    bound_by_tenant: BTreeMap<TenantName, (usize, MilliGpue)>,
+    reserved: BTreeMap<String, (TenantName, MilliGpue, Millis)>,
     /// Pods this process admitted on borrowed GPUs (reason `Borrowed`), until they end:
     /// reclaim takes only these for a pod within its budget. Kept in memory: after a
     /// restart or a change of leader, pods borrowed before it are left to finish (never
@@ -103,11 +104,11 @@ pub struct AgentState {
     denied: BTreeMap<String, DeniedPod>,
     /// Pods admitted after a wait (denied or queued first): (tenant, ms waited), oldest
     /// first, at most [`MAX_WAITS`], drained by the metrics.
-    waits: VecDeque<(String, Millis)>,
+    waits: VecDeque<(TenantName, Millis)>,
     /// Signalled when a pod is denied or queued: demand the control plane has not seen,
     /// which the report loop carries early ([`Self::demand_signal`]).
     demand: Arc<tokio::sync::Notify>,
-    used: BTreeMap<String, u64>,
+    used: BTreeMap<TenantName, u64>,
     now_ms: Millis,
     denied_ttl_ms: Millis,
     reclaim: ReclaimBook,
@@ -173,13 +174,13 @@ pub struct ReclaimRecord {
     /// Agent clock.
     pub at_ms: Millis,
     /// The starved tenant.
-    pub for_tenant: String,
+    pub for_tenant: TenantName,
     /// Its pod that gets the room.
     pub for_pod: String,
     /// The pod evicted (or whose eviction was refused).
     pub victim: String,
     /// The victim's tenant.
-    pub victim_tenant: String,
+    pub victim_tenant: TenantName,
     /// GPUe freed.
     pub gpue: MilliGpue,
     /// Evicted, or blocked (a PodDisruptionBudget refused it; retried later).
@@ -191,19 +192,19 @@ pub struct ReclaimRecord {
 /// What reclaim remembers between steps.
 #[derive(Debug, Default)]
 struct ReclaimBook {
-    starved_since: BTreeMap<String, Millis>,
-    recent: std::collections::VecDeque<(Millis, String)>,
+    starved_since: BTreeMap<TenantName, Millis>,
+    recent: std::collections::VecDeque<(Millis, TenantName)>,
     audit: std::collections::VecDeque<ReclaimRecord>,
     /// Records not yet written into a usage report (bounded like the audit log).
     unreported: std::collections::VecDeque<ReclaimRecord>,
-    counts: BTreeMap<(String, EvictionOutcome), u64>,
+    counts: BTreeMap<(TenantName, EvictionOutcome), u64>,
 }
 
 impl AgentState {
     /// State for `cluster` with `capacity_gpue` of GPUs and no lease.
-    pub fn new(cluster: &str, capacity_gpue: MilliGpue, lease: AgentLease) -> Self {
+    pub fn new(cluster: ClusterName, capacity_gpue: MilliGpue, lease: AgentLease) -> Self {
         AgentState {
-            cluster: cluster.to_string(),
+            cluster,
             lease,
             policy: None,
             capacity_gpue,
@@ -344,14 +345,14 @@ impl AgentState {
     /// queueing): counted in the admission-wait metric once the metrics drain it. The
     /// webhook path calls it on a reservation; the gate's path once the gate is off
     /// ([`ReleasedPod`]).
-    pub fn note_wait(&mut self, tenant: &str, since: Millis) {
+    pub fn note_wait(&mut self, tenant: &TenantName, since: Millis) {
         if self.waits.len() >= MAX_WAITS {
             // Nobody scrapes the metrics: the oldest sample goes (counted, without the
             // warning a full admission map deserves).
             self.waits.pop_front();
             *self.shed.entry("waits").or_insert(0) += 1;
         }
-        self.waits.push_back((tenant.to_string(), self.now_ms.saturating_sub(since)));
+        self.waits.push_back((tenant.clone(), self.now_ms.saturating_sub(since)));
     }
 
     /// Signalled whenever a pod is denied or queued here (a permit is kept if nobody
@@ -363,7 +364,7 @@ impl AgentState {
 
     /// The waits of pods admitted since the last call (denied or queued first, then
     /// admitted): (tenant, milliseconds from the first denial or the queueing).
-    pub fn take_waits(&mut self) -> Vec<(String, Millis)> {
+    pub fn take_waits(&mut self) -> Vec<(TenantName, Millis)> {
         self.waits.drain(..).collect()
     }
 
@@ -381,7 +382,7 @@ impl AgentState {
 
     /// The tenant owning `namespace` under the policy in force (None: not governed, or
     /// no policy yet).
-    pub fn tenant_of_namespace(&self, namespace: &str) -> Option<String> {
+    pub fn tenant_of_namespace(&self, namespace: &str) -> Option<TenantName> {
         let policy = self.policy.as_ref()?;
         let labels = self.namespaces.get(namespace).cloned().unwrap_or_default();
         policy.tenant_for_namespace(namespace, &labels).map(|t| t.name.clone())
@@ -394,10 +395,10 @@ impl AgentState {
 
     /// The inventory shows an admitted pod that is not bound yet: it holds its GPUe for
     /// as long as it exists (the reservation is refreshed on every call).
-    pub fn hold(&mut self, pod: &str, tenant: &str, gpue: MilliGpue) {
+    pub fn hold(&mut self, pod: &str, tenant: &TenantName, gpue: MilliGpue) {
         self.leave_queue(pod);
         self.denied.remove(pod);
-        self.reserved.insert(pod.to_string(), (tenant.to_string(), gpue, self.now_ms + RESERVATION_TTL_MS));
+        self.reserved.insert(pod.to_string(), (tenant.clone(), gpue, self.now_ms + RESERVATION_TTL_MS));
     }
 
     /// Whether this state counts pod `key` (bound, reserved or queued).
@@ -449,12 +450,12 @@ impl AgentState {
 
     /// The inventory shows a pod behind kvota's gate that this state does not queue (after
     /// a restart or a change of leader): it joins the queue, keeping its age.
-    pub fn requeue(&mut self, pod: &str, tenant: &str, gpue: MilliGpue, priority: i32, since_ms: Millis) {
+    pub fn requeue(&mut self, pod: &str, tenant: &TenantName, gpue: MilliGpue, priority: i32, since_ms: Millis) {
         if self.queue.contains_key(pod) || self.reserved.contains_key(pod) {
             return;
         }
         let q = QueuedPod { key: pod.to_string(), priority, queued_at_ms: since_ms, gpue };
-        self.queue.insert(pod.to_string(), Queued { tenant: tenant.to_string(), pod: q });
+        self.queue.insert(pod.to_string(), Queued { tenant: tenant.clone(), pod: q });
     }
 
     /// Bound plus reserved GPUe of `tenant` (saturating: no sum of pods can wrap).
@@ -470,12 +471,12 @@ impl AgentState {
     }
 
     /// Admitted pods not yet bound: `(pod key, tenant, GPUe)`.
-    pub fn reservations(&self) -> Vec<(String, String, MilliGpue)> {
+    pub fn reservations(&self) -> Vec<(String, TenantName, MilliGpue)> {
         self.reserved.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
     }
 
     /// Recently denied pods still counted as demand: `(pod key, tenant, GPUe)`.
-    pub fn denied_pods(&self) -> Vec<(String, String, MilliGpue)> {
+    pub fn denied_pods(&self) -> Vec<(String, TenantName, MilliGpue)> {
         self.denied.iter().map(|(k, d)| (k.clone(), d.tenant.clone(), d.gpue)).collect()
     }
 
@@ -528,7 +529,7 @@ impl AgentState {
     }
 
     /// Tenants of the policy in force (empty without one).
-    pub fn tenants(&self) -> Vec<String> {
+    pub fn tenants(&self) -> Vec<TenantName> {
         self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect()
     }
 
@@ -617,14 +618,14 @@ impl AgentState {
 
     /// Per-tenant numbers for a report: usage since the last call (reset), in-use and
     /// pending now.
-    pub fn take_usage(&mut self) -> BTreeMap<String, TenantReport> {
-        let mut names: Vec<String> = self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect();
+    pub fn take_usage(&mut self) -> BTreeMap<TenantName, TenantReport> {
+        let mut names: Vec<TenantName> = self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect();
         names.extend(self.used.keys().cloned());
         names.sort();
         names.dedup();
         let mut out = BTreeMap::new();
         for t in names {
-            let used = self.used.remove(&t).unwrap_or(0);
+            let used = self.used.remove(t.as_str()).unwrap_or(0);
             out.insert(
                 t.clone(),
                 TenantReport {
@@ -640,15 +641,15 @@ impl AgentState {
 
     /// Usage metered since the last [`AgentState::take_usage`], per tenant (milli-GPUe x
     /// ms), without resetting it.
-    pub fn usage_so_far(&self) -> BTreeMap<String, u64> {
+    pub fn usage_so_far(&self) -> BTreeMap<TenantName, u64> {
         self.used.clone()
     }
 
     /// Takes `base` (an earlier [`AgentState::usage_so_far`]) off the usage metered so
     /// far: the next report then holds only what was metered after that reading.
-    pub fn rebase_usage(&mut self, base: &BTreeMap<String, u64>) {
+    pub fn rebase_usage(&mut self, base: &BTreeMap<TenantName, u64>) {
         for (t, b) in base {
-            if let Some(u) = self.used.get_mut(t) {
+            if let Some(u) = self.used.get_mut(t.as_str()) {
                 *u = u.saturating_sub(*b);
             }
         }
@@ -656,7 +657,7 @@ impl AgentState {
 
     /// Adds usage metered elsewhere (recovered from the pods' run times) to what the next
     /// report carries.
-    pub fn add_usage(&mut self, usage: &BTreeMap<String, u64>) {
+    pub fn add_usage(&mut self, usage: &BTreeMap<TenantName, u64>) {
         for (t, u) in usage {
             let e = self.used.entry(t.clone()).or_insert(0);
             *e = e.saturating_add(*u);
@@ -690,7 +691,7 @@ impl AgentState {
     /// with [`AgentState::record_eviction`].
     pub fn plan_reclaim(&mut self, view: &ClusterView<'_>) -> Decision {
         let now = self.now_ms;
-        let starved_now: Vec<String> = reclaim::starved(view).into_iter().map(|s| s.tenant).collect();
+        let starved_now: Vec<TenantName> = reclaim::starved(view).into_iter().map(|s| s.tenant).collect();
         self.reclaim.starved_since.retain(|t, _| starved_now.contains(t));
         for t in starved_now {
             self.reclaim.starved_since.entry(t).or_insert(now);
@@ -699,7 +700,7 @@ impl AgentState {
             self.reclaim.recent.pop_front();
         }
         let Some(policy) = &self.policy else { return Decision::Idle("no policy yet".into()) };
-        let recent: Vec<(Millis, String)> = self.reclaim.recent.iter().cloned().collect();
+        let recent: Vec<(Millis, TenantName)> = self.reclaim.recent.iter().cloned().collect();
         reclaim::plan(view, &policy.reclaim, &self.reclaim.starved_since, &recent)
     }
 
@@ -736,8 +737,8 @@ impl AgentState {
             .drain(..n)
             .map(|r| kvota_fairness::federation::EvictionNote {
                 victim: r.victim,
-                victim_tenant: r.victim_tenant,
-                for_tenant: r.for_tenant,
+                victim_tenant: r.victim_tenant.into_string(),
+                for_tenant: r.for_tenant.into_string(),
                 for_pod: r.for_pod,
                 milli_gpue: r.gpue,
                 outcome: r.outcome,
@@ -752,7 +753,7 @@ impl AgentState {
     }
 
     /// Eviction attempts by (victim tenant, outcome).
-    pub fn eviction_counts(&self) -> &BTreeMap<(String, EvictionOutcome), u64> {
+    pub fn eviction_counts(&self) -> &BTreeMap<(TenantName, EvictionOutcome), u64> {
         &self.reclaim.counts
     }
 
@@ -808,8 +809,8 @@ impl AgentState {
     /// age); they become reservations until they bind. The caller lifts their gates and
     /// notes the wait of each one it could ([`Self::note_wait`]).
     pub fn release_queue(&mut self) -> Vec<ReleasedPod> {
-        let tenants: Vec<String> = {
-            let mut t: Vec<String> = self.queue.values().map(|q| q.tenant.clone()).collect();
+        let tenants: Vec<TenantName> = {
+            let mut t: Vec<TenantName> = self.queue.values().map(|q| q.tenant.clone()).collect();
             t.dedup();
             t.sort();
             t.dedup();
@@ -855,7 +856,7 @@ impl AdmissionState for AgentState {
             }
             self.outbox.push_back(kvota_fairness::federation::PodDecision {
                 pod: key.to_string(),
-                tenant: tenant.clone(),
+                tenant: tenant.to_string(),
                 verdict: decision.verdict,
                 milli_gpue: pod.gpue,
                 at_ms: self.now_ms,
@@ -984,7 +985,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn state() -> AgentState {
-        AgentState::new("east", 64_000, AgentLease::new("east"))
+        AgentState::new(ClusterName::from_static("east"), 64_000, AgentLease::new(ClusterName::from_static("east")))
     }
 
     /// A report carries, per tenant, what waits in all and the largest single pod of it
@@ -994,15 +995,15 @@ mod tests {
         let mut st = state();
         let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: a, namespaces: [a]}\n  - {name: b, namespaces: [b]}\n";
         st.set_policy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy"));
-        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/small".into(), gpue: 1_000 });
-        st.record(Effect::Enqueue { tenant: "a".into(), pod: "ns/big".into(), gpue: 8_000, priority: 0 });
-        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/mid".into(), gpue: 4_000 });
-        st.record(Effect::Denied { tenant: "b".into(), pod: "ns/other".into(), gpue: 16_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/small".into(), gpue: 1_000 });
+        st.record(Effect::Enqueue { tenant: TenantName::from_static("a"), pod: "ns/big".into(), gpue: 8_000, priority: 0 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/mid".into(), gpue: 4_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("b"), pod: "ns/other".into(), gpue: 16_000 });
         let usage = st.take_usage();
         assert_eq!((usage["a"].pending, usage["a"].largest), (13_000, 8_000));
         assert_eq!((usage["b"].pending, usage["b"].largest), (16_000, 16_000));
         // The big pod admitted: the next largest is what is left.
-        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/big".into(), gpue: 8_000 });
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/big".into(), gpue: 8_000 });
         st.queue.remove("ns/big");
         let usage = st.take_usage();
         assert_eq!((usage["a"].pending, usage["a"].largest), (5_000, 4_000));
@@ -1011,15 +1012,15 @@ mod tests {
     #[test]
     fn a_reservation_no_pod_confirms_expires_and_a_confirmed_one_lasts() {
         let mut st = state();
-        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/forged".into(), gpue: 4_000 });
-        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/real".into(), gpue: 1_000 });
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/forged".into(), gpue: 4_000 });
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/real".into(), gpue: 1_000 });
         assert_eq!(st.inuse("a"), 5_000);
         // The inventory sees the real pod (waiting for a node) on every sync.
         let mut now = 0;
         while now < UNCONFIRMED_TTL_MS + 60_000 {
             now += 1_000;
             st.set_now(now);
-            st.hold("ns/real", "a", 1_000);
+            st.hold("ns/real", &TenantName::from_static("a"), 1_000);
         }
         assert_eq!(st.inuse("a"), 1_000, "the unconfirmed reservation is gone, the confirmed one stays");
         assert!(st.reservations().iter().all(|r| r.0 == "ns/real"));
@@ -1034,41 +1035,41 @@ mod tests {
     fn admission_waits_are_noted_once_by_the_admitting_process() {
         let mut st = state();
         st.set_now(1_000);
-        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/p".into(), gpue: 1_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/p".into(), gpue: 1_000 });
         st.set_now(4_000);
-        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/p".into(), gpue: 1_000 });
-        st.record(Effect::Denied { tenant: "a".into(), pod: "ns/never".into(), gpue: 1_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/p".into(), gpue: 1_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/never".into(), gpue: 1_000 });
         st.set_now(9_000);
-        st.record(Effect::Reserve { tenant: "a".into(), pod: "ns/p".into(), gpue: 1_000 });
-        st.pod_bound("ns/p", PodRec { tenant: Some("a".into()), gpue: 1_000 });
-        assert_eq!(st.take_waits(), [("a".to_string(), 8_000)], "from the first denial");
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/p".into(), gpue: 1_000 });
+        st.pod_bound("ns/p", PodRec { tenant: Some(TenantName::from_static("a")), gpue: 1_000 });
+        assert_eq!(st.take_waits(), [(TenantName::from_static("a"), 8_000)], "from the first denial");
         assert!(st.take_waits().is_empty(), "drained");
 
         // A standby: the leader's queued pod binds; nothing is noted here.
-        st.record(Effect::Enqueue { tenant: "b".into(), pod: "ns/q".into(), gpue: 1_000, priority: 0 });
+        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: "ns/q".into(), gpue: 1_000, priority: 0 });
         st.set_now(12_000);
-        st.pod_bound("ns/q", PodRec { tenant: Some("b".into()), gpue: 1_000 });
+        st.pod_bound("ns/q", PodRec { tenant: Some(TenantName::from_static("b")), gpue: 1_000 });
         assert!(st.take_waits().is_empty());
         // The releasing process notes what it let go, once its gate is off.
         let lease = kvota_fairness::lease::Lease {
-            cluster: "east".into(),
+            cluster: ClusterName::from_static("east"),
             epoch: 1,
             duration_ms: 3_600_000,
             margin_ms: 60_000,
             issued_at_ms: 0,
-            budgets: [("b".to_string(), kvota_fairness::lease::TenantBudget { budget: 4_000, fallback: 4_000, entitlement: 4_000, borrow: 0, ceiling: 0 })].into(),
+            budgets: [(TenantName::from_static("b"), kvota_fairness::lease::TenantBudget { budget: 4_000, fallback: 4_000, entitlement: 4_000, borrow: 0, ceiling: 0 })].into(),
         };
         st.lease.on_lease(lease, 12_000);
-        st.record(Effect::Enqueue { tenant: "b".into(), pod: "ns/r".into(), gpue: 1_000, priority: 0 });
+        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: "ns/r".into(), gpue: 1_000, priority: 0 });
         st.set_now(15_000);
         let released = st.release_queue();
-        assert_eq!(released, [ReleasedPod { key: "ns/r".into(), tenant: "b".into(), queued_at_ms: 12_000 }]);
+        assert_eq!(released, [ReleasedPod { key: "ns/r".into(), tenant: TenantName::from_static("b"), queued_at_ms: 12_000 }]);
         assert!(st.take_waits().is_empty(), "not before the gate is off");
         st.note_wait(&released[0].tenant, released[0].queued_at_ms);
-        assert_eq!(st.take_waits(), [("b".to_string(), 3_000)]);
+        assert_eq!(st.take_waits(), [(TenantName::from_static("b"), 3_000)]);
         // Bounded when nobody drains them.
         for _ in 0..MAX_WAITS + 3 {
-            st.note_wait("c", 0);
+            st.note_wait(&TenantName::from_static("c"), 0);
         }
         assert_eq!(st.take_waits().len(), MAX_WAITS);
         assert_eq!(st.shed_counts().get("waits"), Some(&3));
@@ -1078,12 +1079,12 @@ mod tests {
     fn full_maps_shed_and_count_it() {
         let mut st = state();
         for i in 0..MAX_DENIED + 10 {
-            st.record(Effect::Denied { tenant: "a".into(), pod: format!("ns/p{i}"), gpue: 1 });
+            st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: format!("ns/p{i}"), gpue: 1 });
         }
         assert_eq!(st.denied_pods().len(), MAX_DENIED);
         assert_eq!(st.shed_counts().get("denied"), Some(&10));
         for i in 0..MAX_RESERVATIONS {
-            st.reserved.insert(format!("ns/r{i}"), ("a".into(), 1, u64::MAX));
+            st.reserved.insert(format!("ns/r{i}"), (TenantName::from_static("a"), 1, u64::MAX));
         }
         let why = st.at_limit("ns/new").expect("full");
         assert!(why.contains("admits no more"), "{why}");
@@ -1102,13 +1103,13 @@ mod tests {
             let tenants = ["a", "b", "ungoverned"];
             let mut st = state();
             let mut pods: BTreeMap<String, PodRec> = BTreeMap::new();
-            let mut used: BTreeMap<String, u64> = BTreeMap::new();
+            let mut used: BTreeMap<TenantName, u64> = BTreeMap::new();
             let mut now = 0;
             for (op, pod, tenant, gpue, dt) in ops {
                 let key = format!("ns/p{pod}");
                 match op {
                     0 | 1 => {
-                        let t = (tenant < 2).then(|| tenants[tenant].to_string());
+                        let t = (tenant < 2).then(|| TenantName::from_static(tenants[tenant]));
                         let rec = PodRec { tenant: t, gpue };
                         pods.insert(key.clone(), rec.clone());
                         st.pod_bound(&key, rec);

@@ -445,12 +445,13 @@ pub async fn serve_tls(
 
 #[cfg(test)]
 mod tests {
+    use kvota_fairness::names::ClusterName;
     use super::*;
     use proptest::prelude::*;
 
     fn ctx() -> (tempfile::TempDir, Arc<WebhookCtx>) {
         let dir = tempfile::tempdir().expect("tmp");
-        let agent = Agent::open("east", [("nvidia.com/gpu".to_string(), 8_000)].into(), dir.path(), &["127.0.0.1:9".to_string()]).expect("agent");
+        let agent = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), dir.path(), &["127.0.0.1:9".to_string()]).expect("agent");
         (dir, WebhookCtx::new(Arc::new(agent), AgentMetrics::new()))
     }
 

@@ -4,6 +4,8 @@
 //! them: a change that breaks a format fails here, and then needs a new format version
 //! and a migration (the upgrade rule in docs/operations.md).
 
+use kvota_fairness::names::TenantName;
+use kvota_fairness::names::ClusterName;
 use std::path::PathBuf;
 
 use kvota_fairness::federation::{TenantReport, UsageReport, UsageWindow};
@@ -19,12 +21,12 @@ fn golden(name: &str) -> PathBuf {
 /// What the golden journal's writer wrote: reports 1 to 3 (1 acknowledged), then this lease.
 fn report(seq: u64) -> UsageReport {
     UsageReport {
-        cluster: "east".into(),
+        cluster: ClusterName::from_static("east"),
         seq,
         held_epoch: 1,
         capacity: None,
         tenants: (0..2)
-            .map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 }))
+            .map(|i| (TenantName::parse(format!("tenant-{i:05}")).expect("name"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 }))
             .collect(),
         evictions: Vec::new(),
         decisions: Vec::new(),
@@ -34,12 +36,12 @@ fn report(seq: u64) -> UsageReport {
 
 fn lease() -> Lease {
     Lease {
-        cluster: "east".into(),
+        cluster: ClusterName::from_static("east"),
         epoch: 4,
         duration_ms: 30_000,
         margin_ms: 3_000,
         issued_at_ms: 10,
-        budgets: [("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000, borrow: 0, ceiling: 0 })].into_iter().collect(),
+        budgets: [(TenantName::from_static("training"), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000, borrow: 0, ceiling: 0 })].into_iter().collect(),
     }
 }
 
@@ -62,7 +64,7 @@ fn the_kept_state_of_format_1_reads_back_whole() {
     let got = persist::decode(&bytes, "golden", "east").expect("a format-1 state decodes");
     let want = MemberState {
         format: 1,
-        cluster: "east".into(),
+        cluster: ClusterName::from_static("east"),
         writer: "kvota-agent-7d9f-abcde".into(),
         written_unix_ms: 1_764_000_000_000,
         policy: Some(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")),

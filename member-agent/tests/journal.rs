@@ -4,6 +4,8 @@
 //! record cleanly. (A journal of the earliest, sled, format is migrated by the `kvota`
 //! binary: see its journal_v0.rs.)
 
+use kvota_fairness::names::TenantName;
+use kvota_fairness::names::ClusterName;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -15,12 +17,12 @@ fn report(seq: u64) -> UsageReport {
     // Some reports are large (hundreds of KB), so a kill often lands mid-write.
     let tenants = if seq % 7 == 0 { 3_000 } else { 3 };
     UsageReport {
-        cluster: "east".into(),
+        cluster: ClusterName::from_static("east"),
         seq,
         held_epoch: 1,
         capacity: None,
         tenants: (0..tenants)
-            .map(|i| (format!("tenant-{i:05}"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 }))
+            .map(|i| (TenantName::parse(format!("tenant-{i:05}")).expect("name"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 }))
             .collect(),
         evictions: Vec::new(),
         decisions: Vec::new(),

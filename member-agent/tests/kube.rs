@@ -11,6 +11,7 @@
 #[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -70,14 +71,14 @@ fn pod(ns: &str, name: &str, gpus: u32, node: Option<&str>, gates: &[&str], prio
 
 fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
     Lease {
-        cluster: "c".into(),
+        cluster: ClusterName::from_static("c"),
         epoch,
         duration_ms: 3_600_000,
         margin_ms: 60_000,
         issued_at_ms: 0,
         budgets: budgets
             .iter()
-            .map(|&(t, g)| (t.to_string(), TenantBudget { budget: g * 1000, fallback: g * 1000, entitlement: g * 1000, borrow: 0, ceiling: 0 }))
+            .map(|&(t, g)| (TenantName::parse(t).expect("name"), TenantBudget { budget: g * 1000, fallback: g * 1000, entitlement: g * 1000, borrow: 0, ceiling: 0 }))
             .collect::<BTreeMap<_, _>>(),
     }
 }
@@ -95,7 +96,7 @@ struct Setup {
 /// inventory watching the fake API server.
 async fn setup(api: FakeApi, budgets: &[(&str, u64)]) -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
-    let agent = Arc::new(Agent::open("c", BTreeMap::new(), dir.path(), &["http://127.0.0.1:9".to_string()]).expect("agent"));
+    let agent = Arc::new(Agent::open(&ClusterName::from_static("c"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:9".to_string()]).expect("agent"));
     {
         let mut st = agent.state();
         st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
@@ -473,7 +474,7 @@ async fn the_leader_labels_its_pod_and_demotes_a_stale_leader_label() {
     // Readiness: a standby with the policy is Ready (it is sent nothing), the leader
     // needs its lease too.
     let dir = tempfile::tempdir().expect("tempdir");
-    let agent = Agent::open("c", BTreeMap::new(), dir.path(), &["http://127.0.0.1:9".to_string()]).expect("agent");
+    let agent = Agent::open(&ClusterName::from_static("c"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:9".to_string()]).expect("agent");
     let mut st = agent.state();
     st.set_standby(true);
     st.set_held(Some("this agent replica is a standby".into()));

@@ -9,6 +9,8 @@
 #[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
 
+use kvota_fairness::names::TenantName;
+use kvota_fairness::names::ClusterName;
 use std::sync::Arc;
 
 use fake_apiserver::{FakeApi, Kind};
@@ -30,13 +32,13 @@ spec:
 
 fn lease(epoch: u64, budget: u64, fallback: u64) -> Lease {
     Lease {
-        cluster: "east".into(),
+        cluster: ClusterName::from_static("east"),
         epoch,
         duration_ms: 60_000,
         margin_ms: 2_000,
         issued_at_ms: 1,
         budgets: [(
-            "training".to_string(),
+            TenantName::from_static("training"),
             TenantBudget {
                 budget,
                 fallback,
@@ -52,7 +54,7 @@ fn lease(epoch: u64, budget: u64, fallback: u64) -> Lease {
 /// An agent of cluster `east` that cannot reach any control plane.
 fn agent(dir: &std::path::Path) -> Agent {
     Agent::open(
-        "east",
+        &ClusterName::from_static("east"),
         [("nvidia.com/gpu".to_string(), 8_000)].into(),
         dir,
         &["127.0.0.1:1".to_string()],

@@ -3,6 +3,7 @@
 //! honours PodDisruptionBudgets and its Events are a list), and leases are handed to the
 //! agent directly instead of coming from a control plane.
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 
 use kvota_fairness::federation::EvictionOutcome;
@@ -25,14 +26,14 @@ spec:
 
 fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
     Lease {
-        cluster: "c".into(),
+        cluster: ClusterName::from_static("c"),
         epoch,
         duration_ms: 3_600_000,
         margin_ms: 60_000,
         issued_at_ms: 0,
         budgets: budgets
             .iter()
-            .map(|&(t, gpus)| (t.to_string(), TenantBudget { budget: gpus * 1000, fallback: gpus * 1000, entitlement: gpus * 1000, borrow: 0, ceiling: 0 }))
+            .map(|&(t, gpus)| (TenantName::parse(t).expect("name"), TenantBudget { budget: gpus * 1000, fallback: gpus * 1000, entitlement: gpus * 1000, borrow: 0, ceiling: 0 }))
             .collect::<BTreeMap<_, _>>(),
     }
 }
@@ -41,7 +42,7 @@ fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
 /// then budgets move to training 8 / inference 8.
 fn full_of_training(policy: &str) -> (SimCluster, AgentState, Millis) {
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
-    let mut st = AgentState::new("c", 16_000, AgentLease::new("c"));
+    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
     st.set_policy(Policy::from_yaml(policy).expect("policy"));
     st.lease.on_lease(lease(1, &[("training", 16), ("inference", 8)]), 0);
     let mut now = 0;
@@ -118,7 +119,7 @@ fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evic
     let audit: Vec<_> = st.reclaim_audit().collect();
     assert_eq!(audit.len(), 8);
     assert!(audit.iter().all(|r| r.for_tenant == "inference" && r.victim_tenant == "training" && r.outcome == EvictionOutcome::Evicted));
-    assert_eq!(st.eviction_counts().get(&("training".to_string(), EvictionOutcome::Evicted)), Some(&8));
+    assert_eq!(st.eviction_counts().get(&(TenantName::from_static("training"), EvictionOutcome::Evicted)), Some(&8));
     // The next usage reports carry them to the control plane's audit log, each once.
     let oldest = audit[0].victim.clone();
     let notes = st.take_eviction_notes(5);
@@ -138,7 +139,7 @@ fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evic
 fn a_non_preemptible_tenant_is_never_a_victim() {
     // Inference holds all 16 GPUs and is far above its new budget; training is starved.
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
-    let mut st = AgentState::new("c", 16_000, AgentLease::new("c"));
+    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
     st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
     st.lease.on_lease(lease(1, &[("inference", 16), ("training", 4)]), 0);
     st.set_now(1_000);
@@ -217,7 +218,7 @@ fn idle_gpus_are_lent_to_a_preemptible_tenant_and_taken_back_for_pods_within_bud
     // 16 GPUs. Training's budget is 4 with a borrow limit of 8; inference's budget is 8,
     // and it has nothing running yet: its budget is idle, so lendable.
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
-    let mut st = AgentState::new("c", 16_000, AgentLease::new("c"));
+    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
     st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
     let mut l = lease(1, &[("training", 4), ("inference", 8)]);
     if let Some(b) = l.budgets.get_mut("training") {

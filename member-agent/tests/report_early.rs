@@ -4,6 +4,7 @@
 //! one within a round trip; with nothing denied, rounds keep the interval. Real timers,
 //! a real agent state and simulated pods (no control plane is needed to time rounds).
 
+use kvota_fairness::names::ClusterName;
 use std::time::Duration;
 
 use kvota_fairness::policy::Policy;
@@ -14,7 +15,7 @@ use kvota_member_agent::sim::{SimCluster, SimPod};
 use tokio::time::Instant;
 
 fn agent(dir: &std::path::Path) -> Agent {
-    let a = Agent::open("east", [("nvidia.com/gpu".to_string(), 8_000)].into(), dir, &["127.0.0.1:1".to_string()]).expect("agent");
+    let a = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), dir, &["127.0.0.1:1".to_string()]).expect("agent");
     let policy = "
 apiVersion: kvota.dev/v1alpha1
 kind: FairnessPolicy

@@ -2,6 +2,7 @@
 //! keep-alive HTTP/1.1 client, certificates generated for the test (rcgen) and rotated
 //! on disk while serving.
 
+use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -54,20 +55,20 @@ async fn serve(dir: &Path) -> Served {
 /// [`serve`] with first denials held at most `hold`.
 async fn serve_holding(dir: &Path, hold: Duration) -> Served {
     let agent = Arc::new(
-        Agent::open("east", [("nvidia.com/gpu".to_string(), 32_000)].into(), &dir.join("journal"), &["127.0.0.1:9".to_string()])
+        Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 32_000)].into(), &dir.join("journal"), &["127.0.0.1:9".to_string()])
             .expect("agent"),
     );
     {
         let mut st = agent.state();
         st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
-        let budgets: BTreeMap<String, TenantBudget> = [
-            ("training".to_string(), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 9_000, borrow: 0, ceiling: 0 }),
-            ("research".to_string(), TenantBudget { budget: 1_000, fallback: 0, entitlement: 1_000, borrow: 0, ceiling: 0 }),
+        let budgets: BTreeMap<TenantName, TenantBudget> = [
+            (TenantName::from_static("training"), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 9_000, borrow: 0, ceiling: 0 }),
+            (TenantName::from_static("research"), TenantBudget { budget: 1_000, fallback: 0, entitlement: 1_000, borrow: 0, ceiling: 0 }),
         ]
         .into();
         let now = st.now_ms();
         st.lease.on_lease(
-            Lease { cluster: "east".into(), epoch: 1, duration_ms: 600_000, margin_ms: 1_000, issued_at_ms: 0, budgets },
+            Lease { cluster: ClusterName::from_static("east"), epoch: 1, duration_ms: 600_000, margin_ms: 1_000, issued_at_ms: 0, budgets },
             now,
         );
     }
@@ -235,10 +236,10 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     assert_eq!((status, body.as_slice()), (200, b"[]".as_slice()));
     s.agent.state().record_eviction(kvota_member_agent::state::ReclaimRecord {
         at_ms: 1,
-        for_tenant: "research".into(),
+        for_tenant: TenantName::from_static("research"),
         for_pod: "lab/small".into(),
         victim: "ml/p1".into(),
-        victim_tenant: "training".into(),
+        victim_tenant: TenantName::from_static("training"),
         gpue: 1_000,
         outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
         why: "youngest pod of the most over-entitled tenant".into(),

@@ -45,7 +45,7 @@ impl From<v1::Eviction> for EvictionNote {
 impl From<&TenantExplanation> for v1::TenantExplanation {
     fn from(e: &TenantExplanation) -> Self {
         v1::TenantExplanation {
-            tenant: e.tenant.clone(),
+            tenant: e.tenant.to_string(),
             weight_milli: e.weight_milli,
             min_share_bp: e.min_share_bp,
             max_share_bp: e.max_share_bp,
@@ -69,7 +69,7 @@ impl From<&TenantExplanation> for v1::TenantExplanation {
                 .clusters
                 .iter()
                 .map(|c| v1::ClusterPart {
-                    cluster: c.cluster.clone(),
+                    cluster: c.cluster.to_string(),
                     inuse_milli_gpue: c.inuse,
                     pending_milli_gpue: c.pending,
                     budget_milli_gpue: c.budget,
@@ -106,7 +106,7 @@ impl TryFrom<v1::TenantExplanation> for TenantExplanation {
             })
             .collect::<Result<Vec<_>, Invalid>>()?;
         Ok(TenantExplanation {
-            tenant: e.tenant,
+            tenant: crate::convert::tenant_name("tenant", &e.tenant)?,
             weight_milli: e.weight_milli,
             min_share_bp: e.min_share_bp,
             max_share_bp: e.max_share_bp,
@@ -129,8 +129,10 @@ impl TryFrom<v1::TenantExplanation> for TenantExplanation {
             clusters: e
                 .clusters
                 .into_iter()
-                .map(|c| ClusterPart {
-                    cluster: c.cluster,
+                .enumerate()
+                .map(|(i, c)| {
+                    Ok(ClusterPart {
+                    cluster: crate::convert::cluster_id(&format!("clusters[{i}].cluster"), &c.cluster)?,
                     inuse: c.inuse_milli_gpue,
                     pending: c.pending_milli_gpue,
                     budget: c.budget_milli_gpue,
@@ -138,8 +140,9 @@ impl TryFrom<v1::TenantExplanation> for TenantExplanation {
                     enforceable: c.enforceable_milli_gpue,
                     epoch: (c.last_epoch, c.acked_epoch),
                     unreachable: c.unreachable,
+                    })
                 })
-                .collect(),
+                .collect::<Result<Vec<_>, Invalid>>()?,
             evictions,
         })
     }
@@ -199,6 +202,7 @@ impl TryFrom<v1::AuditRecord> for AuditRecord {
 
 #[cfg(test)]
 mod tests {
+    use kvota_fairness::names::{ClusterName, TenantName};
     use proptest::prelude::*;
     use prost::Message as _;
 
@@ -235,8 +239,8 @@ mod tests {
     }
 
     fn explanation() -> impl Strategy<Value = TenantExplanation> {
-        let part = ("[a-z-]{1,10}", any::<[u64; 5]>(), any::<(u64, u64)>(), any::<bool>()).prop_map(|(cluster, n, epoch, unreachable)| ClusterPart {
-            cluster,
+        let part = ("[a-z]([a-z0-9-]{0,8}[a-z0-9])?", any::<[u64; 5]>(), any::<(u64, u64)>(), any::<bool>()).prop_map(|(cluster, n, epoch, unreachable)| ClusterPart {
+            cluster: ClusterName::parse(cluster).expect("the pattern makes labels"),
             inuse: n[0],
             pending: n[1],
             budget: n[2],
@@ -247,7 +251,7 @@ mod tests {
         });
         let seen = (any::<u64>(), any::<u64>(), "[a-z-]{1,10}", note()).prop_map(|(at_ms, ago_ms, cluster, note)| EvictionSeen { at_ms, ago_ms, cluster, note });
         (
-            ("[a-z-]{1,10}", any::<u64>(), any::<u32>(), any::<u32>(), any::<u64>(), any::<bool>()),
+            ("[a-z]([a-z0-9-]{0,8}[a-z0-9])?", any::<u64>(), any::<u32>(), any::<u32>(), any::<u64>(), any::<bool>()),
             any::<[u64; 10]>(),
             (any::<u32>(), any::<u32>(), any::<i64>(), -1.0e9f64..1.0e9),
             prop::collection::vec(part, 0..4),
@@ -255,7 +259,7 @@ mod tests {
         )
             .prop_map(|((tenant, weight_milli, min_share_bp, max_share_bp, half_life_ms, preemptible), n, (usage_share_ppm, weight_share_ppm, drift_ppm, fairness_score), clusters, evictions)| {
                 TenantExplanation {
-                    tenant,
+                    tenant: TenantName::parse(tenant).expect("the pattern makes labels"),
                     weight_milli,
                     min_share_bp,
                     max_share_bp,

@@ -8,10 +8,11 @@ use std::collections::BTreeMap;
 
 use kvota_fairness::admission::Verdict;
 use kvota_fairness::federation::{
-    valid_cluster_id, EvictionNote, PodDecision, TenantReport, UsageReport, UsageWindow, MAX_CAPACITY_RESOURCES,
+    EvictionNote, PodDecision, TenantReport, UsageReport, UsageWindow, MAX_CAPACITY_RESOURCES,
     MAX_REPORT_DECISIONS, MAX_REPORT_EVICTIONS, MAX_REPORT_TENANTS,
 };
 use kvota_fairness::lease::{Lease, TenantBudget};
+use kvota_fairness::names::{ClusterName, TenantName};
 
 use crate::v1;
 
@@ -35,16 +36,14 @@ fn invalid(field: impl Into<String>, why: impl Into<String>) -> Invalid {
     }
 }
 
-/// Checks a cluster id (DNS label).
-pub fn cluster_id(field: &str, id: &str) -> Result<String, Invalid> {
-    if valid_cluster_id(id) {
-        Ok(id.to_string())
-    } else {
-        Err(invalid(
+/// Parses a cluster id (DNS label).
+pub fn cluster_id(field: &str, id: &str) -> Result<ClusterName, Invalid> {
+    ClusterName::parse(id).map_err(|_| {
+        invalid(
             field,
             format!("`{}` is not a cluster id ({})", truncate(id), kvota_fairness::names::DNS_LABEL_RULE),
-        ))
-    }
+        )
+    })
 }
 
 fn truncate(s: &str) -> String {
@@ -55,12 +54,10 @@ fn truncate(s: &str) -> String {
     }
 }
 
-fn tenant_name(field: &str, name: &str) -> Result<String, Invalid> {
-    if kvota_fairness::names::is_dns_label(name) {
-        Ok(name.to_string())
-    } else {
-        Err(invalid(field, format!("`{}` is not a tenant name ({})", truncate(name), kvota_fairness::names::DNS_LABEL_RULE)))
-    }
+/// Parses a tenant name (DNS label).
+pub fn tenant_name(field: &str, name: &str) -> Result<TenantName, Invalid> {
+    TenantName::parse(name)
+        .map_err(|_| invalid(field, format!("`{}` is not a tenant name ({})", truncate(name), kvota_fairness::names::DNS_LABEL_RULE)))
 }
 
 /// A list of resources as a map, refusing duplicates and empty names.
@@ -97,7 +94,7 @@ pub fn resources(map: &BTreeMap<String, u64>) -> Vec<v1::Resource> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Registration {
     /// Cluster id.
-    pub cluster: String,
+    pub cluster: ClusterName,
     /// Capacity per resource, thousandths.
     pub capacity: BTreeMap<String, u64>,
     /// Labels.
@@ -206,14 +203,14 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
 impl From<&UsageReport> for v1::ReportRequest {
     fn from(r: &UsageReport) -> Self {
         v1::ReportRequest {
-            cluster: r.cluster.clone(),
+            cluster: r.cluster.to_string(),
             seq: r.seq,
             held_epoch: r.held_epoch,
             tenants: r
                 .tenants
                 .iter()
                 .map(|(t, u)| v1::TenantUsage {
-                    tenant: t.clone(),
+                    tenant: t.to_string(),
                     used_milli_gpue_ms: u.used_milli_gpue_ms,
                     inuse_milli_gpue: u.inuse,
                     pending_milli_gpue: u.pending,
@@ -265,7 +262,7 @@ impl From<&PodDecision> for v1::PodDecision {
 impl From<&Lease> for v1::Lease {
     fn from(l: &Lease) -> Self {
         v1::Lease {
-            cluster: l.cluster.clone(),
+            cluster: l.cluster.to_string(),
             epoch: l.epoch,
             duration_ms: l.duration_ms,
             margin_ms: l.margin_ms,
@@ -274,7 +271,7 @@ impl From<&Lease> for v1::Lease {
                 .budgets
                 .iter()
                 .map(|(t, b)| v1::TenantBudget {
-                    tenant: t.clone(),
+                    tenant: t.to_string(),
                     budget_milli_gpue: b.budget,
                     fallback_milli_gpue: b.fallback,
                     entitlement_milli_gpue: b.entitlement,
@@ -435,12 +432,12 @@ mod tests {
     #[test]
     fn lease_round_trips_and_rejects_nonsense() {
         let lease = Lease {
-            cluster: "east".into(),
+            cluster: ClusterName::from_static("east"),
             epoch: 4,
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 99,
-            budgets: [("training".to_string(), TenantBudget { budget: 5, fallback: 2, entitlement: 9, borrow: 0, ceiling: 0 })].into(),
+            budgets: [(TenantName::from_static("training"), TenantBudget { budget: 5, fallback: 2, entitlement: 9, borrow: 0, ceiling: 0 })].into(),
         };
         let wire = v1::Lease::from(&lease);
         assert_eq!(Lease::try_from(wire.clone()), Ok(lease));

@@ -13,6 +13,7 @@ use kvota_fairness::decay::Ledger;
 use kvota_fairness::entitlement::{self, TenantInput};
 use kvota_fairness::measures::{percentile, tenant_score, ShareClock};
 use kvota_fairness::policy::Policy;
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::MilliGpue;
 
 use crate::sched::Scheduler;
@@ -34,7 +35,7 @@ pub struct Partition {
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     /// Clusters: name and GPU capacity in GPUe.
-    pub clusters: Vec<(String, MilliGpue)>,
+    pub clusters: Vec<(ClusterName, MilliGpue)>,
     /// GPUe per node (the last node of a cluster takes the remainder); 0 models each
     /// cluster as one pool. A pod no larger than a node must fit on one node; a larger
     /// one takes whole free nodes.
@@ -61,7 +62,7 @@ pub struct SimConfig {
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
-            clusters: vec![("cluster".into(), 64_000)],
+            clusters: vec![(ClusterName::from_static("cluster"), 64_000)],
             node_gpue: 8000,
             tick_ms: 60_000,
             checkpoint_ms: 30 * 60_000,
@@ -133,7 +134,7 @@ pub struct JobRt {
 #[derive(Clone, Debug)]
 pub struct ClusterRt {
     /// Name.
-    pub name: String,
+    pub name: ClusterName,
     /// Capacity, GPUe.
     pub capacity: MilliGpue,
     /// Free GPUe.
@@ -159,7 +160,7 @@ pub struct ClusterRt {
 }
 
 impl ClusterRt {
-    fn new(name: &str, capacity: MilliGpue, node_size: MilliGpue, tenants: usize) -> Self {
+    fn new(name: &ClusterName, capacity: MilliGpue, node_size: MilliGpue, tenants: usize) -> Self {
         let mut node_cap = Vec::new();
         if node_size > 0 {
             let mut left = capacity;
@@ -170,7 +171,7 @@ impl ClusterRt {
             }
         }
         let mut c = ClusterRt {
-            name: name.to_string(),
+            name: name.clone(),
             capacity,
             free: capacity,
             inuse: vec![0; tenants],
@@ -250,7 +251,7 @@ impl ClusterRt {
 #[derive(Clone, Debug)]
 pub struct TenantRt {
     /// Name.
-    pub name: String,
+    pub name: TenantName,
     /// Weight, milli.
     pub weight_milli: u64,
     /// Guarantee, basis points.
@@ -911,7 +912,7 @@ impl Meter {
                 let frac = |x: u64| if c.observed_ms == 0 { 0.0 } else { x as f64 / c.observed_ms as f64 };
                 let serves = w.tenants[t].serves;
                 TenantResult {
-                    tenant: w.tenants[t].name.clone(),
+                    tenant: w.tenants[t].name.to_string(),
                     jobs: jobs[t],
                     never_started: never[t],
                     delay_p50_ms: percentile(&mut delays[t], 50).unwrap_or(0),

@@ -33,6 +33,7 @@ use kvota_fairness::admission::{borrow_room, judge, lendable, LocalView, PodRequ
 use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::AgentLease;
+use kvota_fairness::names::TenantName;
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::{self, ClusterView, Decision, RunningPod, TenantHere, WaitingPod};
 use kvota_fairness::MilliGpue;
@@ -85,7 +86,7 @@ fn start_fitting(w: &mut World, c: usize, t: usize, mut room: MilliGpue, max: us
 }
 
 /// Since when each tenant is starved, and the evictions of the last minute.
-type ReclaimMemory = (BTreeMap<String, u64>, Vec<(u64, String)>);
+type ReclaimMemory = (BTreeMap<TenantName, u64>, Vec<(u64, TenantName)>);
 
 /// Lease epoch held (if any) and whether it has expired (fallbacks apply), with the
 /// budgets read under it.
@@ -281,7 +282,7 @@ impl WfqDecay {
                 };
                 let (since, recent) = &mut self.reclaim[c];
                 if round == 0 {
-                    let hungry: Vec<String> = reclaim::starved(&view).into_iter().map(|s| s.tenant).collect();
+                    let hungry: Vec<TenantName> = reclaim::starved(&view).into_iter().map(|s| s.tenant).collect();
                     since.retain(|t, _| hungry.contains(t));
                     for t in hungry {
                         since.entry(t).or_insert(now);
@@ -289,7 +290,7 @@ impl WfqDecay {
                 }
                 recent.retain(|(at, _)| now.saturating_sub(*at) < reclaim::WINDOW_MS);
                 let Decision::Evict { victims, .. } = reclaim::plan(&view, &self.policy.reclaim, since, recent) else { break };
-                let ids: Vec<(usize, String)> =
+                let ids: Vec<(usize, TenantName)> =
                     victims.iter().filter_map(|v| Some((v.key.strip_prefix('j')?.parse().ok()?, v.tenant.clone()))).collect();
                 for (j, tenant) in ids {
                     w.preempt(j);
@@ -355,7 +356,7 @@ impl Scheduler for WfqDecay {
             // What each tenant's report says it used, in tenant order, as it is built
             // (looking each name up again in the report cost a search per tenant).
             let mut sent: Vec<u64> = Vec::with_capacity(w.tenants.len());
-            let tenants: BTreeMap<String, TenantReport> = w
+            let tenants: BTreeMap<TenantName, TenantReport> = w
                 .tenants
                 .iter()
                 .enumerate()
@@ -450,7 +451,7 @@ impl Scheduler for WfqDecay {
                     });
                     view.inuse = w.clusters[c].inuse[t];
                     view.borrow = borrow_room(limits[t], budgets[t], view.inuse, lend);
-                    let pod = PodRequest { namespace: tp.name.clone(), name: String::new(), gpue: g };
+                    let pod = PodRequest { namespace: tp.name.to_string(), name: String::new(), gpue: g };
                     // `judge` is `decide` without the message, which nothing here reads.
                     let (verdict, reason) = judge(&pod, view);
                     if verdict == Verdict::Allow {

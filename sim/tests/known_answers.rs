@@ -2,6 +2,7 @@
 //! test's comments: exact admission delays per scheduler, and the defining behaviour of
 //! every baseline.
 
+use kvota_fairness::names::ClusterName;
 use kvota_fairness::policy::Policy;
 use kvota_sim::sched::by_name;
 use kvota_sim::{run, RunResult, SimConfig, Trace};
@@ -18,7 +19,7 @@ fn trace(rows: &str) -> Trace {
 }
 
 fn sim(name: &str, trace: &Trace, policy: &Policy, gpus: u64) -> RunResult {
-    let cfg = SimConfig { clusters: vec![("c1".into(), gpus * 1000)], tick_ms: 10_000, checkpoint_ms: 30_000, ..SimConfig::default() };
+    let cfg = SimConfig { clusters: vec![(ClusterName::from_static("c1"), gpus * 1000)], tick_ms: 10_000, checkpoint_ms: 30_000, ..SimConfig::default() };
     let mut s = by_name(name, policy, cfg.tick_ms, None).expect("scheduler");
     run(trace, policy, &cfg, s.as_mut()).expect("run")
 }
@@ -128,7 +129,7 @@ fn a_partitioned_cluster_falls_back_to_safe_budgets_and_loses_no_usage() {
     // the usage the federation counted equals what the jobs used, to the GPUe-ms.
     let p = policy(EQUAL);
     let t = trace(&("a,0,1,600,training\n".repeat(6) + &"b,300,1,600,training\n".repeat(6)));
-    let mut cfg = SimConfig { clusters: vec![("c1".into(), 4000), ("c2".into(), 4000)], tick_ms: 10_000, ..SimConfig::default() };
+    let mut cfg = SimConfig { clusters: vec![(ClusterName::from_static("c1"), 4000), (ClusterName::from_static("c2"), 4000)], tick_ms: 10_000, ..SimConfig::default() };
     for partition in [None, Some(kvota_sim::Partition { cluster: 1, from_ms: 100_000, to_ms: 900_000 })] {
         cfg.partition = partition.clone();
         let mut s = kvota_sim::sched::WfqDecay::new(&p, cfg.tick_ms, partition.clone());
@@ -150,7 +151,7 @@ fn the_same_seed_replays_the_same_run() {
     let p = policy(EQUAL);
     let t = trace(&(0..200).map(|i| format!("{},{},{},{},training\n", if i % 3 == 0 { "a" } else { "b" }, i * 7, 1 + i % 4, 50 + i % 13 * 20)).collect::<String>());
     let go = |seed| {
-        let cfg = SimConfig { clusters: vec![("x".into(), 8000), ("y".into(), 8000), ("z".into(), 4000)], tick_ms: 10_000, seed, ..SimConfig::default() };
+        let cfg = SimConfig { clusters: vec![(ClusterName::from_static("x"), 8000), (ClusterName::from_static("y"), 8000), (ClusterName::from_static("z"), 4000)], tick_ms: 10_000, seed, ..SimConfig::default() };
         kvota_sim::compare(&t, &p, &cfg, &kvota_sim::sched::ALL.map(String::from)).expect("compare").into_iter().map(|x| x.result).collect::<Vec<_>>()
     };
     let (a, b, c) = (go(3), go(3), go(4));
@@ -174,7 +175,7 @@ fn pods_fit_on_one_node_and_larger_ones_take_whole_nodes() {
     let p = policy(EQUAL);
     let t = trace("a,0,3,100,training\na,0,3,100,training\na,1,2,10,training\na,2,8,10,training\n");
     let run_with = |node_gpue| {
-        let cfg = SimConfig { clusters: vec![("c1".into(), 8000)], node_gpue, tick_ms: 10_000, ..SimConfig::default() };
+        let cfg = SimConfig { clusters: vec![(ClusterName::from_static("c1"), 8000)], node_gpue, tick_ms: 10_000, ..SimConfig::default() };
         let mut s = by_name("round-robin", &p, cfg.tick_ms, None).expect("scheduler");
         delays(&run(&t, &p, &cfg, s.as_mut()).expect("run"))
     };
@@ -193,7 +194,7 @@ fn preemption_picks_the_node_that_needs_the_fewest_victim_gpus() {
         "  - {name: a, weight: 1, minShare: 0, maxShare: 100, preemptible: true}\n  - {name: b, weight: 1, minShare: 0, maxShare: 100, preemptible: false}\n",
     );
     let t = trace("a,0,2,100,training\na,0,1,100,training\na,0,1,100,training\na,1,4,100,training\nb,2,2,100,inference\n");
-    let cfg = SimConfig { clusters: vec![("c1".into(), 8000)], node_gpue: 4000, tick_ms: 10_000, ..SimConfig::default() };
+    let cfg = SimConfig { clusters: vec![(ClusterName::from_static("c1"), 8000)], node_gpue: 4000, tick_ms: 10_000, ..SimConfig::default() };
     let mut s = by_name("strict-priority", &p, cfg.tick_ms, None).expect("scheduler");
     let r = run(&t, &p, &cfg, s.as_mut()).expect("run");
     assert_eq!(r.preempted_jobs, [1, 2]);
@@ -212,7 +213,7 @@ fn kvota_reclaims_just_enough_for_a_starved_guarantee_after_starved_for() {
     let p = policy(
         "  - {name: a, weight: 1, minShare: 0, maxShare: 100, preemptible: true}\n  - {name: b, weight: 1, minShare: 50, maxShare: 100, preemptible: false}\n",
     );
-    let cfg = SimConfig { clusters: vec![("c1".into(), 4000)], tick_ms: 10_000, checkpoint_ms: 30_000, ..SimConfig::default() };
+    let cfg = SimConfig { clusters: vec![(ClusterName::from_static("c1"), 4000)], tick_ms: 10_000, checkpoint_ms: 30_000, ..SimConfig::default() };
     let mut s = kvota_sim::sched::WfqDecay::new(&p, cfg.tick_ms, None);
     let r = run(&burst(), &p, &cfg, &mut s).expect("run");
     assert_eq!(r.preempted_jobs, [2, 3]);
@@ -244,7 +245,7 @@ fn sized_budgets_start_a_large_job_that_a_proportional_split_strands() {
     let mut stranded = 0;
     for seed in 1..=8 {
         let cfg = SimConfig {
-            clusters: vec![("c1".into(), 8000), ("c2".into(), 8000), ("c3".into(), 8000)],
+            clusters: vec![(ClusterName::from_static("c1"), 8000), (ClusterName::from_static("c2"), 8000), (ClusterName::from_static("c3"), 8000)],
             tick_ms: 10_000,
             seed,
             ..SimConfig::default()

@@ -27,7 +27,7 @@ const NAME: &str = "admission";
 
 /// Checks the admissions agent `i` made in its last step; `before` is each tenant's
 /// federation-wide true in-use before that step.
-pub fn check(w: &World, i: usize, admitted: &[Admitted], before: &BTreeMap<String, u64>) -> Result<(), Violation> {
+pub fn check(w: &World, i: usize, admitted: &[Admitted], before: &BTreeMap<kvota_fairness::names::TenantName, u64>) -> Result<(), Violation> {
     let now = w.now_ms;
     let Some(a) = w.agents.get(i) else { return Ok(()) };
     let fed = &w.oracle.fed;

@@ -36,7 +36,7 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
     let now = w.now_ms;
     let fed = &w.oracle.fed;
     for a in &w.agents {
-        let mut tenants: Vec<&String> = a.produced.keys().chain(a.metered.keys()).chain(a.unmetered.keys()).collect();
+        let mut tenants: Vec<&kvota_fairness::names::TenantName> = a.produced.keys().chain(a.metered.keys()).chain(a.unmetered.keys()).collect();
         tenants.sort();
         tenants.dedup();
         // Reports of an old process's journal that the standby never had: counted if
@@ -77,7 +77,7 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
             return fail(NAME, now, format!("{}: control plane applied through seq {last}, agent wrote through {}", a.id, a.next_seq() - 1));
         }
     }
-    let ours: &BTreeMap<String, _> = w.oracle.shadow.entries();
+    let ours = w.oracle.shadow.entries();
     let theirs = fed.ledger().entries();
     if ours != theirs {
         return fail(NAME, now, format!("decayed ledger {theirs:?} differs from the applied reports decayed {ours:?}"));

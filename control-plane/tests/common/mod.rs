@@ -2,6 +2,8 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+use kvota_fairness::names::TenantName;
+use kvota_fairness::names::ClusterName;
 use std::collections::BTreeMap;
 
 use kvota_control_plane::types::{Node, Request, TypeConfig};
@@ -23,7 +25,7 @@ pub fn normal(now_ms: u64, command: Command) -> EntryPayload<TypeConfig> {
 
 pub fn register(cluster: &str, gpus: u64) -> Command {
     Command::RegisterCluster {
-        cluster: cluster.to_string(),
+        cluster: ClusterName::parse(cluster).expect("name"),
         capacity: [("nvidia.com/gpu".to_string(), gpus * 1000)].into(),
         labels: BTreeMap::new(),
     }
@@ -31,12 +33,12 @@ pub fn register(cluster: &str, gpus: u64) -> Command {
 
 pub fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
     Command::Report(UsageReport {
-        cluster: cluster.to_string(),
+        cluster: ClusterName::parse(cluster).expect("name"),
         seq,
         held_epoch: 0,
         capacity: None,
         tenants: [(
-            "training".to_string(),
+            TenantName::from_static("training"),
             TenantReport {
                 used_milli_gpue_ms: inuse * 30_000,
                 inuse,
@@ -115,7 +117,7 @@ pub fn full_log() -> Vec<Entry<TypeConfig>> {
     log.push(entry(
         2,
         10,
-        EntryPayload::Normal(Request::new(8_000, vec![register("gone", 8), Command::RemoveCluster { cluster: "gone".into() }])),
+        EntryPayload::Normal(Request::new(8_000, vec![register("gone", 8), Command::RemoveCluster { cluster: ClusterName::from_static("gone") }])),
     ));
     log
 }

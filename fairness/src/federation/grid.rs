@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use super::{join_sorted, ClusterRecord, TenantUsage};
 use crate::entitlement::effective_demand;
 use crate::split::Cell;
+use crate::names::{ClusterName, TenantName};
 use crate::{MilliGpue, Millis};
 
 /// One (tenant, cluster) pair as the plan reads it.
@@ -79,10 +80,10 @@ struct Column {
 /// See the module docs.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Grid {
-    names: Vec<String>,
+    names: Vec<TenantName>,
     /// Burst factor (milli) per row: the policy's, 1,000 for a retiring tenant.
     bursts: Vec<u32>,
-    ids: Vec<String>,
+    ids: Vec<ClusterName>,
     columns: Vec<Column>,
     cells: Vec<GridCell>,
     split: Vec<Cell>,
@@ -109,7 +110,7 @@ impl Grid {
     }
 
     /// The plan's tenants, one per row.
-    pub fn names(&self) -> &[String] {
+    pub fn names(&self) -> &[TenantName] {
         &self.names
     }
 
@@ -153,13 +154,13 @@ impl Grid {
     /// Brings the grid up to date with `rows` (name and burst factor per row, in row
     /// order), `clusters` and the clock `now`, recomputing only the columns whose inputs
     /// moved.
-    pub fn refresh<'a>(&mut self, rows: impl Iterator<Item = (&'a str, u32)> + Clone, clusters: &BTreeMap<String, ClusterRecord>, now: Millis) {
+    pub fn refresh<'a>(&mut self, rows: impl Iterator<Item = (&'a TenantName, u32)> + Clone, clusters: &BTreeMap<ClusterName, ClusterRecord>, now: Millis) {
         let same_rows = rows.clone().count() == self.names.len()
             && rows.clone().zip(self.names.iter().zip(&self.bursts)).all(|((n, b), (have, hb))| n == have && b == *hb);
         let same_columns = clusters.len() == self.ids.len() && clusters.keys().zip(&self.ids).all(|(a, b)| a == b);
         if !same_rows || !same_columns {
             if !same_rows {
-                (self.names, self.bursts) = rows.map(|(n, b)| (n.to_string(), b)).unzip();
+                (self.names, self.bursts) = rows.map(|(n, b)| (n.clone(), b)).unzip();
             }
             self.ids = clusters.keys().cloned().collect();
             let cells = self.names.len() * self.ids.len();
@@ -219,7 +220,7 @@ impl Grid {
                 self.cells[i * c + j].usage = TenantUsage::default();
             }
             let (names, cells) = (&self.names, &mut self.cells);
-            join_sorted(names, order, &rec.usage, |i, u| {
+            join_sorted(names, order, &*rec.usage, |i, u| {
                 if let Some(cell) = cells.get_mut(i * c + j) {
                     cell.usage = *u;
                 }

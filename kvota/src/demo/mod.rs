@@ -520,7 +520,7 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
             proxies.push(LinkProxy::start(e.clone()).await.context("start a loopback proxy")?);
         }
         let via: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
-        let agent = Agent::open(spec.name, sim.capacity_milli(), &dir.join(format!("agent-{}", spec.name)), &via)
+        let agent = Agent::open(&kvota_fairness::names::ClusterName::from_static(spec.name), sim.capacity_milli(), &dir.join(format!("agent-{}", spec.name)), &via)
             .map_err(|e| anyhow::anyhow!("open agent {}: {}", spec.name, e.message()))?;
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -574,12 +574,12 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
     let max_share: BTreeMap<String, MilliGpue> = policy
         .tenants
         .iter()
-        .map(|t| (t.name.clone(), capacity * u64::from(t.max_share_bp) / 10_000))
+        .map(|t| (t.name.to_string(), capacity * u64::from(t.max_share_bp) / 10_000))
         .collect();
     let guarantee: BTreeMap<String, MilliGpue> = policy
         .tenants
         .iter()
-        .map(|t| (t.name.clone(), capacity * u64::from(t.min_share_bp) / 10_000))
+        .map(|t| (t.name.to_string(), capacity * u64::from(t.min_share_bp) / 10_000))
         .collect();
     let mut open: BTreeMap<String, Open> = BTreeMap::new();
     let mut retries: Vec<(u64, usize)> = Vec::new(); // (due, arrival)
@@ -749,7 +749,7 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
             let mut st = m.agent.state();
             for key in m.sim.release(&mut st) {
                 if let Some(o) = open.get(&key) {
-                    let e = st.lease.lease().and_then(|l| l.budgets.get(&o.tenant)).map_or(0, |b| b.entitlement);
+                    let e = st.lease.lease().and_then(|l| l.budgets.get(o.tenant.as_str())).map_or(0, |b| b.entitlement);
                     let slot = lease_e.entry(o.tenant.clone()).or_insert(0);
                     *slot = (*slot).max(e);
                 }
@@ -1064,7 +1064,7 @@ fn summarize(
     let mut produced: BTreeMap<String, u64> = BTreeMap::new();
     for member in fleet {
         for (t, u) in member.agent.written_usage() {
-            *produced.entry(t).or_insert(0) += u;
+            *produced.entry(t.into_string()).or_insert(0) += u;
         }
     }
     let ledger_of: BTreeMap<String, u64> = ledger.tenants.iter().map(|t| (t.tenant.clone(), t.decayed_usage)).collect();
@@ -1130,7 +1130,7 @@ fn summarize(
         failover_s: failover_ms.map(|v| v as f64 / 1000.0),
         killed_node_rejoined: rejoined,
         evictions: fleet.iter().flat_map(|f| f.sim.eviction_cost().iter()).fold(BTreeMap::new(), |mut acc, (t, c)| {
-            *acc.entry(t.clone()).or_insert(0) += c.pods;
+            *acc.entry(t.to_string()).or_insert(0) += c.pods;
             acc
         }),
         eviction_lost_gpue_s: fleet.iter().flat_map(|f| f.sim.eviction_cost().values()).map(|c| c.lost_gpue_ms as f64 / 1e6).sum(),

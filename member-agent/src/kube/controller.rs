@@ -152,7 +152,7 @@ impl Controller {
                 else {
                     continue;
                 };
-                tracing::warn!(pod = %v.key, for_tenant, outcome = %record.outcome, "{message}");
+                tracing::warn!(pod = %v.key, for_tenant = %for_tenant, outcome = %record.outcome, "{message}");
                 if let Err(e) = self.actions.event(&v.key, reason, &message).await {
                     tracing::warn!(pod = %v.key, error = %e, "could not record the eviction Event (the audit log has it)");
                 }

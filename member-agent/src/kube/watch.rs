@@ -21,7 +21,7 @@ use super::convert::{namespace_labels, node_info, pod_info, wall_now_s, to_json}
 impl KubeInventory {
     /// Usage per tenant between two wall-clock instants from the pods' run times (see
     /// [`crate::inventory::usage_between`]).
-    pub fn usage_between(&self, from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<String>) -> BTreeMap<String, u64> {
+    pub fn usage_between(&self, from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<kvota_fairness::names::TenantName>) -> BTreeMap<kvota_fairness::names::TenantName, u64> {
         crate::inventory::usage_between(&self.gpu_pods(), from_ms, to_ms, tenant_of)
     }
 }

@@ -19,6 +19,7 @@ use crate::agent::Agent;
 use crate::metrics::AgentMetrics;
 use crate::persist::{FileStore, StateStore};
 use crate::state::PodRec;
+use kvota_fairness::names::ClusterName;
 use crate::webhook::{self, WebhookCtx, WebhookTls};
 
 pub mod kubernetes;
@@ -27,7 +28,7 @@ pub mod kubernetes;
 #[derive(Clone, Debug)]
 pub struct Config {
     /// This member cluster's id.
-    pub cluster: String,
+    pub cluster: ClusterName,
     /// The control plane's gRPC addresses (any nodes).
     pub cp_addrs: Vec<String>,
     /// Directory for the usage journal and the last lease.
@@ -178,7 +179,7 @@ pub async fn report_loop(
             if !registered {
                 agent.register().await?;
                 registered = true;
-                tracing::info!(cluster = agent.cluster(), "registered with the control plane");
+                tracing::info!(cluster = %agent.cluster(), "registered with the control plane");
             }
             agent.report_once().await
         }
