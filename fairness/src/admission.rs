@@ -10,7 +10,7 @@ use crate::lease::LeaseStatus;
 use crate::policy::AdmissionMode;
 use crate::units::Gpue;
 use crate::MilliGpue;
-use crate::names::{ClusterName, TenantName};
+use crate::names::{ClusterName, PodKey, TenantName};
 
 /// GPUe as messages write them ([`format_gpue`](crate::units::format_gpue)'s text).
 fn g(milli: MilliGpue) -> Gpue {
@@ -285,7 +285,7 @@ fn pod_ref(pod: &PodRequest) -> String {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QueuedPod {
     /// Namespace/name.
-    pub key: String,
+    pub key: PodKey,
     /// Pod priority (higher first).
     pub priority: i32,
     /// When it was queued (any monotonic clock).
@@ -409,10 +409,10 @@ mod tests {
     #[test]
     fn release_by_priority_then_age() {
         let q = vec![
-            QueuedPod { key: "a".into(), priority: 0, queued_at_ms: 1, gpue: 2_000 },
-            QueuedPod { key: "b".into(), priority: 10, queued_at_ms: 5, gpue: 2_000 },
-            QueuedPod { key: "c".into(), priority: 0, queued_at_ms: 0, gpue: 4_000 },
-            QueuedPod { key: "d".into(), priority: 0, queued_at_ms: 2, gpue: 1_000 },
+            QueuedPod { key: PodKey::from_static("ns/a"), priority: 0, queued_at_ms: 1, gpue: 2_000 },
+            QueuedPod { key: PodKey::from_static("ns/b"), priority: 10, queued_at_ms: 5, gpue: 2_000 },
+            QueuedPod { key: PodKey::from_static("ns/c"), priority: 0, queued_at_ms: 0, gpue: 4_000 },
+            QueuedPod { key: PodKey::from_static("ns/d"), priority: 0, queued_at_ms: 2, gpue: 1_000 },
         ];
         // 5 GPUe free: b (prio), then c (oldest) does not fit, a fits, d fits? 5-2-2=1 -> d.
         assert_eq!(release_order(&q, 5_000, 0, false), [1, 0, 3]);

@@ -74,11 +74,6 @@ pub const DECISIONS_PER_CLUSTER: usize = 512;
 /// Most resource names in a cluster's capacity.
 pub const MAX_CAPACITY_RESOURCES: usize = 64;
 
-/// A cluster id: a DNS label ([`crate::names`]).
-pub fn valid_cluster_id(id: &str) -> bool {
-    crate::names::is_dns_label(id)
-}
-
 mod grid;
 use grid::Grid;
 

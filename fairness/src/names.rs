@@ -209,6 +209,107 @@ label_name!(
     "cluster"
 );
 
+/// Longest pod name (a DNS subdomain), in bytes.
+pub const MAX_POD_NAME: usize = 253;
+
+/// Longest uid in a provisional pod key, in bytes (Kubernetes uids are 36).
+pub const MAX_UID: usize = 64;
+
+/// The pod-key rule in words, for error messages.
+pub const POD_KEY_RULE: &str = "NAMESPACE/NAME: the namespace a DNS label, the name 1-253 lowercase letters, digits, '-' and '.' (or PREFIX*UID for a pod not named yet)";
+
+/// Whether `s` is a pod name as Kubernetes allows it (a DNS subdomain's characters).
+fn is_pod_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= MAX_POD_NAME && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
+}
+
+/// Whether `s` is the `PREFIX*UID` a pod has before the API server names it: the
+/// prefix (its `generateName`, possibly empty) with a name's characters, the uid 1-64
+/// lowercase letters, digits and '-'.
+fn is_provisional_name(s: &str) -> bool {
+    let Some((prefix, uid)) = s.split_once('*') else { return false };
+    (prefix.is_empty() || is_pod_name(prefix))
+        && !uid.is_empty()
+        && uid.len() <= MAX_UID
+        && uid.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+}
+
+/// A pod's key, `namespace/name` (see [`POD_KEY_RULE`]): how the agent's admission
+/// state, its inventory and reclaim name a pod. A pod created with `generateName` is
+/// judged by the mutating webhook before the API server names it: its key is then the
+/// provisional `namespace/prefix*uid` ([`PodKey::provisional`]) until the inventory sees
+/// it under its name. Made only by parsing; read as a `&str`; serialized as the string.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PodKey(String);
+
+impl PodKey {
+    fn checked(key: String) -> Result<PodKey, NameError> {
+        let ok = key
+            .split_once('/')
+            .is_some_and(|(ns, name)| is_dns_label(ns) && (is_pod_name(name) || is_provisional_name(name)));
+        if ok {
+            Ok(PodKey(key))
+        } else {
+            Err(NameError { what: "pod", name: key.chars().take(80).collect(), rule: POD_KEY_RULE })
+        }
+    }
+
+    /// Parses `namespace/name` (or a provisional `namespace/prefix*uid`).
+    pub fn parse(key: impl Into<String>) -> Result<PodKey, NameError> {
+        PodKey::checked(key.into())
+    }
+
+    /// The key of pod `name` in `namespace`.
+    pub fn new(namespace: &str, name: &str) -> Result<PodKey, NameError> {
+        if name.contains('*') {
+            return Err(NameError { what: "pod", name: format!("{namespace}/{name}").chars().take(80).collect(), rule: POD_KEY_RULE });
+        }
+        PodKey::checked(format!("{namespace}/{name}"))
+    }
+
+    /// The provisional key of a pod not named yet: its `generateName` prefix and the
+    /// review's uid.
+    pub fn provisional(namespace: &str, prefix: &str, uid: &str) -> Result<PodKey, NameError> {
+        PodKey::checked(format!("{namespace}/{prefix}*{uid}"))
+    }
+
+    /// A key written in the source. Panics if it breaks the rule: for literals only.
+    #[track_caller]
+    pub fn from_static(key: &'static str) -> PodKey {
+        match PodKey::parse(key) {
+            Ok(k) => k,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The namespace.
+    pub fn namespace(&self) -> &str {
+        self.0.split_once('/').map_or("", |(ns, _)| ns)
+    }
+
+    /// The name (or `prefix*uid` for a provisional key).
+    pub fn name(&self) -> &str {
+        self.0.split_once('/').map_or("", |(_, n)| n)
+    }
+
+    /// Whether this is a provisional key (a pod the API server had not named yet).
+    pub fn is_provisional(&self) -> bool {
+        self.name().contains('*')
+    }
+
+    /// The key.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The key as a `String`.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+name_traits!(PodKey);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,6 +341,26 @@ mod tests {
         assert_eq!(TenantName::parse("y".repeat(500)).map_err(|e| e.name.len()), Err(80));
     }
 
+    #[test]
+    fn pod_keys_are_a_namespace_and_a_name_or_a_provisional_prefix_and_uid() {
+        let k = PodKey::new("ml", "train-0.worker").expect("valid");
+        assert_eq!((k.namespace(), k.name(), k.is_provisional(), k.as_str()), ("ml", "train-0.worker", false, "ml/train-0.worker"));
+        let p = PodKey::provisional("ml", "job-", "4f1c-9a").expect("valid");
+        assert_eq!((p.as_str(), p.is_provisional()), ("ml/job-*4f1c-9a", true));
+        assert_eq!(PodKey::provisional("ml", "", "abc").map(PodKey::into_string), Ok("ml/*abc".to_string()));
+        assert_eq!(PodKey::parse("ml/job-*4f1c-9a"), Ok(p));
+        for bad in ["", "ml", "/x", "ml/", "ML/x", "ml/X", "ml/a b", "ml/a/b", "ml/job-*", "ml/job-*UID", "ml/**a", &format!("ml/{}", "x".repeat(254))] {
+            let e = PodKey::parse(bad).expect_err(bad);
+            assert_eq!(e.what, "pod");
+            assert!(e.to_string().contains("NAMESPACE/NAME"), "{e}");
+        }
+        assert!(PodKey::new("ml", "a*b").is_err(), "a name never holds '*'");
+        let json = serde_json::to_string(&k).expect("json");
+        assert_eq!(json, "\"ml/train-0.worker\"");
+        assert_eq!(serde_json::from_str::<PodKey>(&json).expect("back"), k);
+        assert!(serde_json::from_str::<PodKey>("\"no-slash\"").is_err());
+    }
+
     proptest::proptest! {
         /// A name type accepts exactly the DNS labels, and what it accepts goes through
         /// JSON unchanged.
@@ -250,6 +371,21 @@ mod tests {
             if let Ok(t) = parsed {
                 let back: TenantName = serde_json::from_str(&serde_json::to_string(&t).expect("json")).expect("back");
                 proptest::prop_assert_eq!(back, t);
+            }
+        }
+
+        /// A pod key parses exactly when its parts follow the rule, and goes through
+        /// JSON unchanged; its parts read back as they were given.
+        #[test]
+        fn a_pod_key_parses_by_its_rule(ns in "[a-z0-9A-Z-]{0,8}", name in "[a-z0-9.A-Z*/-]{0,12}") {
+            let key = format!("{ns}/{name}");
+            let want = is_dns_label(&ns) && (is_pod_name(&name) || is_provisional_name(&name));
+            let parsed = PodKey::parse(key.clone());
+            proptest::prop_assert_eq!(parsed.is_ok(), want);
+            if let Ok(k) = parsed {
+                proptest::prop_assert_eq!((k.namespace(), k.name()), (ns.as_str(), name.as_str()));
+                let back: PodKey = serde_json::from_str(&serde_json::to_string(&k).expect("json")).expect("back");
+                proptest::prop_assert_eq!(back, k);
             }
         }
     }

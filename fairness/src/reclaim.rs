@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::entitlement::share_of;
 use crate::policy::ReclaimConfig;
-use crate::names::TenantName;
+use crate::names::{PodKey, TenantName};
 use crate::units::format_gpue as g;
 use crate::{MilliGpue, Millis};
 
@@ -72,7 +72,7 @@ pub struct TenantHere {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunningPod {
     /// `namespace/name`.
-    pub key: String,
+    pub key: PodKey,
     /// Tenant.
     pub tenant: TenantName,
     /// GPUe it holds.
@@ -97,7 +97,7 @@ pub struct RunningPod {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WaitingPod {
     /// `namespace/name`.
-    pub key: String,
+    pub key: PodKey,
     /// Tenant.
     pub tenant: TenantName,
     /// GPUe it asks for.
@@ -145,7 +145,7 @@ pub struct ClusterView<'a> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Victim {
     /// `namespace/name`.
-    pub key: String,
+    pub key: PodKey,
     /// Its tenant.
     pub tenant: TenantName,
     /// GPUe it frees.
@@ -162,7 +162,7 @@ pub enum Decision {
         /// The starved tenant.
         for_tenant: TenantName,
         /// Its pod that will get the room.
-        for_pod: String,
+        for_pod: PodKey,
         /// The node the room is made on.
         node: usize,
         /// The victims, in eviction order.
@@ -481,7 +481,7 @@ mod tests {
 
     fn run(key: &str, tenant: &str, gpus: u64, priority: i32, started_ms: Millis, node: usize) -> RunningPod {
         RunningPod {
-            key: key.into(),
+            key: PodKey::parse(key).expect("a pod key"),
             tenant: TenantName::parse(tenant).expect("name"),
             gpue: gpus * 1000,
             priority,
@@ -494,7 +494,7 @@ mod tests {
     }
 
     fn wait(key: &str, tenant: &str, gpus: u64) -> WaitingPod {
-        WaitingPod { key: key.into(), tenant: TenantName::parse(tenant).expect("name"), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus, nodes: None }
+        WaitingPod { key: PodKey::parse(key).expect("a pod key"), tenant: TenantName::parse(tenant).expect("name"), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus, nodes: None }
     }
 
     fn tenant(name: &str, preemptible: bool, min_pct: u32, budget: u64, inuse: u64) -> TenantHere {

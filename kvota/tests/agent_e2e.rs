@@ -6,6 +6,7 @@
 //! the usage the clusters produced. And a standby replica taking over from a leader that
 //! died between reports counts the stretch the leader never reported, once.
 
+use kvota_fairness::names::PodKey;
 use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -178,8 +179,8 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     let evicted_while_cut = kvota_member_agent::state::ReclaimRecord {
         at_ms: a.state().now_ms(),
         for_tenant: TenantName::from_static("inference"),
-        for_pod: "serve/api-0".into(),
-        victim: "train/t-cut".into(),
+        for_pod: PodKey::from_static("serve/api-0"),
+        victim: PodKey::from_static("train/t-cut"),
         victim_tenant: TenantName::from_static("training"),
         gpue: 1_000,
         outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
@@ -269,7 +270,7 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     // 4 training GPUs bound the whole time; both replicas see them (each lists the pods).
     let bound = Instant::now();
     for ag in [&leader, &standby] {
-        ag.state().pod_bound("ml/train-0", PodRec { tenant: Some(TenantName::from_static("training")), gpue: 4_000 });
+        ag.state().pod_bound(&PodKey::from_static("ml/train-0"), PodRec { tenant: Some(TenantName::from_static("training")), gpue: 4_000 });
     }
     let rate = 4_000u64; // milli-GPUe per ms
     let round = Duration::from_millis(200);

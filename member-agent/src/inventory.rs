@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvota_fairness::federation::EvictionOutcome;
-use kvota_fairness::names::TenantName;
+use kvota_fairness::names::{PodKey, TenantName};
 use kvota_fairness::reclaim::{Decision, RunningPod, TenantHere, Victim, WaitingPod};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_fairness::{MilliGpue, Millis};
@@ -53,7 +53,7 @@ pub enum PodStage {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodInfo {
     /// `namespace/name`, the key the webhook knows it by.
-    pub key: String,
+    pub key: PodKey,
     /// Namespace (maps to a tenant through the policy).
     pub namespace: String,
     /// Where it stands.
@@ -153,7 +153,7 @@ pub fn capacity_gpue(inv: &dyn Inventory) -> MilliGpue {
 /// - gated pods are queued (again, after a restart or a change of leader).
 ///
 /// Returns how many pods are now known.
-pub fn sync_state(inv: &dyn Inventory, state: &mut AgentState, known: &mut BTreeSet<String>) -> usize {
+pub fn sync_state(inv: &dyn Inventory, state: &mut AgentState, known: &mut BTreeSet<PodKey>) -> usize {
     for (ns, labels) in inv.namespaces() {
         state.set_namespace(&ns, labels);
     }
@@ -297,7 +297,7 @@ pub enum EvictOutcome {
 pub fn eviction_record(
     now_ms: Millis,
     for_tenant: &TenantName,
-    for_pod: &str,
+    for_pod: &PodKey,
     summary: &str,
     victim: &Victim,
     outcome: EvictOutcome,
@@ -322,7 +322,7 @@ pub fn eviction_record(
     let record = ReclaimRecord {
         at_ms: now_ms,
         for_tenant: for_tenant.clone(),
-        for_pod: for_pod.to_string(),
+        for_pod: for_pod.clone(),
         victim: victim.key.clone(),
         victim_tenant: victim.tenant.clone(),
         gpue: victim.gpue,
@@ -333,10 +333,10 @@ pub fn eviction_record(
 }
 
 /// The victims of a decision with its context, or nothing for other decisions.
-pub fn victims(decision: &Decision) -> Option<(&TenantName, &str, &str, &[Victim])> {
+pub fn victims(decision: &Decision) -> Option<(&TenantName, &PodKey, &str, &[Victim])> {
     match decision {
         Decision::Evict { for_tenant, for_pod, victims, summary, .. } => {
-            Some((for_tenant, for_pod.as_str(), summary.as_str(), victims.as_slice()))
+            Some((for_tenant, for_pod, summary.as_str(), victims.as_slice()))
         }
         _ => None,
     }

@@ -21,7 +21,7 @@ use std::sync::LazyLock;
 use base64::Engine as _;
 use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Reason, Verdict, SCHEDULING_GATE};
 use kvota_fairness::lease::LeaseStatus;
-use kvota_fairness::names::TenantName;
+use kvota_fairness::names::{PodKey, TenantName};
 use kvota_fairness::policy::{AdmissionMode, Policy};
 use kvota_fairness::resources::{effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError};
 use kvota_fairness::MilliGpue;
@@ -55,7 +55,7 @@ pub enum Effect {
         /// Tenant.
         tenant: TenantName,
         /// `namespace/name` (or `namespace/generateName*uid` before a name exists).
-        pod: String,
+        pod: PodKey,
         /// GPUe reserved.
         gpue: MilliGpue,
     },
@@ -64,7 +64,7 @@ pub enum Effect {
         /// Tenant.
         tenant: TenantName,
         /// Pod key as above.
-        pod: String,
+        pod: PodKey,
         /// GPUe it requests.
         gpue: MilliGpue,
         /// Pod priority (`spec.priority`, 0 if unset).
@@ -76,7 +76,7 @@ pub enum Effect {
         /// Tenant.
         tenant: TenantName,
         /// Pod key.
-        pod: String,
+        pod: PodKey,
         /// GPUe it requested.
         gpue: MilliGpue,
     },
@@ -102,7 +102,7 @@ pub trait AdmissionState {
         None
     }
     /// Remembers a decision (not called for dry-run requests) for `kvota explain pod`.
-    fn remember(&mut self, _key: &str, _pod: &PodRequest, _view: &LocalView, _decision: &Decision) {}
+    fn remember(&mut self, _key: &PodKey, _pod: &PodRequest, _view: &LocalView, _decision: &Decision) {}
     /// Why pod `key` cannot be taken in now because the agent's own books are full
     /// (counted as shed), or None. Checked before a pod would be reserved or queued.
     fn at_limit(&mut self, _key: &str) -> Option<String> {
@@ -355,8 +355,9 @@ pub struct Parsed(ParsedKind);
 enum ParsedKind {
     /// Answered without the agent's state (malformed, not a pod, subresource, update).
     Done(Reviewed),
-    /// A pod is being deleted: forget its reservation or queue entry.
-    Delete { uid: String, key: String, dry_run: bool },
+    /// A pod is being deleted (answered without a change: pod lifecycle comes from the
+    /// inventory's watch).
+    Delete { uid: String },
     /// A pod is being created.
     Create(Box<Create>),
 }
@@ -366,7 +367,7 @@ struct Create {
     uid: String,
     namespace: String,
     name: String,
-    key: String,
+    key: PodKey,
     dry_run: bool,
     pod: PodRequests,
     priority: i32,
@@ -470,22 +471,18 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
         .or_else(|| req.pointer("/object/metadata/name").and_then(Value::as_str))
         .unwrap_or_default()
         .to_string();
-    let key = if name.is_empty() {
-        let prefix = req.pointer("/object/metadata/generateName").and_then(Value::as_str).unwrap_or_default();
-        format!("{namespace}/{prefix}*{uid}")
-    } else {
-        format!("{namespace}/{name}")
-    };
     let dry_run = req.get("dryRun").and_then(Value::as_bool).unwrap_or(false);
     match req.get("operation").and_then(Value::as_str).unwrap_or_default() {
         "CREATE" => {}
-        "DELETE" => return Ok(ParsedKind::Delete { uid: uid.to_string(), key, dry_run }),
+        "DELETE" => return Ok(ParsedKind::Delete { uid: uid.to_string() }),
         // Pod resource requests are immutable (and scheduling gates can only be
         // removed), so an update cannot take a tenant over budget.
         "UPDATE" | "CONNECT" => return Ok(ParsedKind::Done(pass(uid, ""))),
         other => return Err(Malformed(format!("unknown operation `{other}`"))),
     }
     let object = req.get("object").ok_or_else(|| Malformed("CREATE without `object`".into()))?;
+    let prefix = object.pointer("/metadata/generateName").and_then(Value::as_str).unwrap_or_default();
+    let key = pod_key(&namespace, &name, prefix, uid)?;
     let pod = PodRequests::Read(pod_resources(object)?);
     let priority = object
         .pointer("/spec/priority")
@@ -494,6 +491,14 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
         .unwrap_or(0);
     let has_gates = object.pointer("/spec/schedulingGates").is_some_and(Value::is_array);
     Ok(ParsedKind::Create(Box::new(Create { uid: uid.to_string(), namespace, name, key, dry_run, pod, priority, has_gates })))
+}
+
+/// The key of the pod a CREATE review is about: `namespace/name`, or, before the API
+/// server has named it (`generateName`), the provisional `namespace/prefix*uid`. The API
+/// server sends only names that follow the rule; anything else is a malformed review.
+fn pod_key(namespace: &str, name: &str, prefix: &str, uid: &str) -> Result<PodKey, Malformed> {
+    let key = if name.is_empty() { PodKey::provisional(namespace, prefix, uid) } else { PodKey::new(namespace, name) };
+    key.map_err(|e| Malformed(e.to_string()))
 }
 
 /// Judges a parsed review against the agent's state and records its effect (a

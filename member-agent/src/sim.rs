@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::names::TenantName;
+use kvota_fairness::names::{PodKey, TenantName};
 use kvota_fairness::resources::NVIDIA_GPU;
 use kvota_fairness::{MilliGpue, Millis};
 use serde_json::json;
@@ -48,9 +48,14 @@ impl SimPod {
         }
     }
 
-    /// `namespace/name`, the key the agent knows the pod by.
+    /// `namespace/name`, the key the agent knows the pod by, as text.
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// The key the agent knows the pod by (an error for names Kubernetes would refuse).
+    pub fn pod_key(&self) -> Result<PodKey, kvota_fairness::names::NameError> {
+        PodKey::new(&self.namespace, &self.name)
     }
 }
 
@@ -100,7 +105,7 @@ pub struct EvictionCost {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bound {
     /// `namespace/name`.
-    pub key: String,
+    pub key: PodKey,
     /// Tenant the webhook mapped it to.
     pub tenant: Option<TenantName>,
     /// GPUe it holds.
@@ -122,7 +127,7 @@ pub enum PodPhase {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListedPod {
     /// `namespace/name`.
-    pub key: String,
+    pub key: PodKey,
     /// Tenant the webhook mapped it to.
     pub tenant: Option<TenantName>,
     /// GPUe it requests.
@@ -139,9 +144,9 @@ pub struct SimCluster {
     /// Free devices per node: resource name -> count.
     free: Vec<BTreeMap<String, u64>>,
     capacity: BTreeMap<String, u64>,
-    unbound: BTreeMap<String, Waiting>,
-    gated: BTreeMap<String, Waiting>,
-    running: BTreeMap<String, Running>,
+    unbound: BTreeMap<PodKey, Waiting>,
+    gated: BTreeMap<PodKey, Waiting>,
+    running: BTreeMap<PodKey, Running>,
     uid: u64,
     total: Vec<BTreeMap<String, u64>>,
     pdb_min_available: BTreeMap<String, usize>,
@@ -157,6 +162,7 @@ pub struct SimCluster {
 /// A pod that ran and is gone, for [`SimCluster::usage_between`].
 #[derive(Clone, Debug)]
 struct Finished {
+    key: PodKey,
     namespace: String,
     gpue: MilliGpue,
     started_ms: Millis,
@@ -253,12 +259,13 @@ impl SimCluster {
         let mutate = review(&bytes, Endpoint::Mutate, state);
         let verdict = if mutate.outcome == Outcome::Passed { review(&bytes, Endpoint::Validate, state) } else { mutate };
         let w = Waiting { pod: pod.clone(), tenant: verdict.tenant.clone(), gpue: verdict.gpue, since_ms: state.now_ms() };
-        match verdict.outcome {
-            Outcome::Allowed | Outcome::Passed => {
-                self.unbound.insert(pod.key(), w);
+        // A key that breaks the rule was a malformed review: never admitted.
+        match (verdict.outcome, pod.pod_key()) {
+            (Outcome::Allowed | Outcome::Passed, Ok(key)) => {
+                self.unbound.insert(key, w);
             }
-            Outcome::Queued => {
-                self.gated.insert(pod.key(), w);
+            (Outcome::Queued, Ok(key)) => {
+                self.gated.insert(key, w);
             }
             _ => {}
         }
@@ -267,25 +274,25 @@ impl SimCluster {
 
     /// Finishes the pods whose time is up (their devices free, the agent forgets them).
     /// Returns the keys of the finished pods.
-    pub fn finish(&mut self, state: &mut AgentState, now_ms: Millis) -> Vec<String> {
-        let done: Vec<String> = self.running.iter().filter(|(_, r)| r.ends_at_ms <= now_ms).map(|(k, _)| k.clone()).collect();
+    pub fn finish(&mut self, state: &mut AgentState, now_ms: Millis) -> Vec<PodKey> {
+        let done: Vec<PodKey> = self.running.iter().filter(|(_, r)| r.ends_at_ms <= now_ms).map(|(k, _)| k.clone()).collect();
         for k in &done {
             if let Some(r) = self.running.remove(k) {
                 if let Some(node) = self.free.get_mut(r.node) {
                     *node.entry(r.pod.resource.clone()).or_insert(0) += u64::from(r.pod.count);
                 }
-                self.keep_finished(&r, now_ms);
+                self.keep_finished(k, &r, now_ms);
             }
             state.pod_gone(k);
         }
         done
     }
 
-    fn keep_finished(&mut self, r: &Running, ended_ms: Millis) {
+    fn keep_finished(&mut self, key: &PodKey, r: &Running, ended_ms: Millis) {
         if self.finished.len() >= FINISHED_KEPT {
             self.finished.pop_front();
         }
-        self.finished.push_back(Finished { namespace: r.pod.namespace.clone(), gpue: r.gpue, started_ms: r.started_ms, ended_ms });
+        self.finished.push_back(Finished { key: key.clone(), namespace: r.pod.namespace.clone(), gpue: r.gpue, started_ms: r.started_ms, ended_ms });
     }
 
     /// Usage per tenant between `from_ms` and `to_ms` (this cluster's clock: the one its
@@ -294,7 +301,7 @@ impl SimCluster {
     pub fn usage_between(&self, from_ms: Millis, to_ms: Millis, tenant_of: impl Fn(&str) -> Option<TenantName>) -> BTreeMap<TenantName, u64> {
         let mut pods: Vec<PodInfo> = self.gpu_pods().into_iter().filter(|p| p.stage == PodStage::Bound).collect();
         pods.extend(self.finished.iter().map(|f| PodInfo {
-            key: String::new(),
+            key: f.key.clone(),
             namespace: f.namespace.clone(),
             stage: PodStage::Finished,
             node: None,
@@ -311,7 +318,7 @@ impl SimCluster {
 
     /// Removes the scheduling gate from the pods the agent releases (they hold a
     /// reservation from now on). Returns their keys.
-    pub fn release(&mut self, state: &mut AgentState) -> Vec<String> {
+    pub fn release(&mut self, state: &mut AgentState) -> Vec<PodKey> {
         let released = state.release_queue();
         let mut keys = Vec::with_capacity(released.len());
         for r in released {
@@ -327,7 +334,7 @@ impl SimCluster {
     /// Binds what fits (first fit, in key order) and returns what was bound.
     pub fn bind(&mut self, state: &mut AgentState, now_ms: Millis) -> Vec<Bound> {
         let mut out = Vec::new();
-        let keys: Vec<String> = self.unbound.keys().cloned().collect();
+        let keys: Vec<PodKey> = self.unbound.keys().cloned().collect();
         for k in keys {
             let Some(w) = self.unbound.get(&k) else { continue };
             let need = u64::from(w.pod.count);
@@ -365,7 +372,7 @@ impl SimCluster {
             phase: PodPhase::Running,
         });
         let waiting = |phase: PodPhase| {
-            move |(k, w): (&String, &Waiting)| ListedPod {
+            move |(k, w): (&PodKey, &Waiting)| ListedPod {
                 key: k.clone(),
                 tenant: w.tenant.clone(),
                 gpue: w.gpue,
@@ -418,11 +425,11 @@ impl SimCluster {
                 return EvictOutcome::Blocked;
             }
         }
-        let Some(r) = self.running.remove(key) else { return EvictOutcome::NotFound };
+        let Some((k, r)) = self.running.remove_entry(key) else { return EvictOutcome::NotFound };
         if let Some(node) = self.free.get_mut(r.node) {
             *node.entry(r.pod.resource.clone()).or_insert(0) += u64::from(r.pod.count);
         }
-        self.keep_finished(&r, now_ms);
+        self.keep_finished(&k, &r, now_ms);
         state.pod_gone(key);
         let ran = now_ms.saturating_sub(r.started_ms);
         let lost = ran % self.checkpoint_ms.max(1);
@@ -476,7 +483,7 @@ impl SimCluster {
                 else {
                     continue;
                 };
-                self.events.push(SimEvent { at_ms: now_ms, pod: v.key.clone(), reason: reason.to_string(), message });
+                self.events.push(SimEvent { at_ms: now_ms, pod: v.key.to_string(), reason: reason.to_string(), message });
                 state.record_eviction(record);
             }
         }
@@ -514,7 +521,7 @@ impl Inventory for SimCluster {
     }
 
     fn gpu_pods(&self) -> Vec<PodInfo> {
-        let waiting = |k: &String, w: &Waiting, stage| PodInfo {
+        let waiting = |k: &PodKey, w: &Waiting, stage| PodInfo {
             key: k.clone(),
             namespace: w.pod.namespace.clone(),
             stage,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use kvota_fairness::admission::{release_order, LocalView, PodRequest, QueuedPod};
 use kvota_fairness::federation::{EvictionOutcome, TenantReport};
 use kvota_fairness::lease::AgentLease;
-use kvota_fairness::names::{ClusterName, TenantName};
+use kvota_fairness::names::{ClusterName, PodKey, TenantName};
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::{self, ClusterView, Decision, TenantHere};
 use kvota_fairness::{MilliGpue, Millis};
@@ -51,7 +51,7 @@ struct DeniedPod {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReleasedPod {
     /// `namespace/name`.
-    pub key: String,
+    pub key: PodKey,
     /// Its tenant.
     pub tenant: TenantName,
     /// When it was queued: its wait runs from here.
@@ -90,18 +90,18 @@ pub struct AgentState {
     policy: Option<Policy>,
     capacity_gpue: MilliGpue,
     namespaces: BTreeMap<String, BTreeMap<String, String>>,
-    bound: BTreeMap<String, PodRec>,
+    bound: BTreeMap<PodKey, PodRec>,
     /// Per tenant of `bound`: (pods, GPUe), kept with it so that metering and in-use
     /// cost one step per tenant, not per pod, on every admission review.
     bound_by_tenant: BTreeMap<TenantName, (usize, MilliGpue)>,
-    reserved: BTreeMap<String, (TenantName, MilliGpue, Millis)>,
+    reserved: BTreeMap<PodKey, (TenantName, MilliGpue, Millis)>,
     /// Pods this process admitted on borrowed GPUs (reason `Borrowed`), until they end:
     /// reclaim takes only these for a pod within its budget. Kept in memory: after a
     /// restart or a change of leader, pods borrowed before it are left to finish (never
     /// evicted for a budget).
-    borrowed: std::collections::BTreeSet<String>,
-    queue: BTreeMap<String, Queued>,
-    denied: BTreeMap<String, DeniedPod>,
+    borrowed: std::collections::BTreeSet<PodKey>,
+    queue: BTreeMap<PodKey, Queued>,
+    denied: BTreeMap<PodKey, DeniedPod>,
     /// Pods admitted after a wait (denied or queued first): (tenant, ms waited), oldest
     /// first, at most [`MAX_WAITS`], drained by the metrics.
     waits: VecDeque<(TenantName, Millis)>,
@@ -119,10 +119,10 @@ pub struct AgentState {
     /// [`MAX_DECISION_OUTBOX`] (older ones are shed, counted as `decisions`).
     outbox: VecDeque<kvota_fairness::federation::PodDecision>,
     /// Queued pods already announced with a `Queued` Event (pruned to the queue).
-    announced: std::collections::BTreeSet<String>,
+    announced: std::collections::BTreeSet<PodKey>,
     /// Denied pods already announced with an `AdmissionDenied` Event (pruned to the
     /// recent denials).
-    announced_denials: std::collections::BTreeSet<String>,
+    announced_denials: std::collections::BTreeSet<PodKey>,
     shed: BTreeMap<&'static str, u64>,
 }
 
@@ -145,8 +145,8 @@ struct DecisionNote {
 /// The last [`DECISIONS_KEPT`] decisions by pod key; a pod judged again replaces its note.
 #[derive(Debug, Default)]
 struct DecisionBook {
-    by_key: std::collections::HashMap<String, (u64, DecisionNote)>,
-    order: std::collections::VecDeque<(u64, String)>,
+    by_key: std::collections::HashMap<PodKey, (u64, DecisionNote)>,
+    order: std::collections::VecDeque<(u64, PodKey)>,
     next: u64,
 }
 
@@ -176,9 +176,9 @@ pub struct ReclaimRecord {
     /// The starved tenant.
     pub for_tenant: TenantName,
     /// Its pod that gets the room.
-    pub for_pod: String,
+    pub for_pod: PodKey,
     /// The pod evicted (or whose eviction was refused).
-    pub victim: String,
+    pub victim: PodKey,
     /// The victim's tenant.
     pub victim_tenant: TenantName,
     /// GPUe freed.
@@ -311,7 +311,7 @@ impl AgentState {
     }
 
     /// The inventory saw `pod` bound to a node: its reservation becomes in-use.
-    pub fn pod_bound(&mut self, pod: &str, rec: PodRec) {
+    pub fn pod_bound(&mut self, pod: &PodKey, rec: PodRec) {
         self.reserved.remove(pod);
         self.leave_queue(pod);
         self.denied.remove(pod);
@@ -320,7 +320,7 @@ impl AgentState {
             e.0 += 1;
             e.1 = e.1.saturating_add(rec.gpue);
         }
-        if let Some(old) = self.bound.insert(pod.to_string(), rec) {
+        if let Some(old) = self.bound.insert(pod.clone(), rec) {
             self.unbind(&old);
         }
     }
@@ -395,10 +395,10 @@ impl AgentState {
 
     /// The inventory shows an admitted pod that is not bound yet: it holds its GPUe for
     /// as long as it exists (the reservation is refreshed on every call).
-    pub fn hold(&mut self, pod: &str, tenant: &TenantName, gpue: MilliGpue) {
+    pub fn hold(&mut self, pod: &PodKey, tenant: &TenantName, gpue: MilliGpue) {
         self.leave_queue(pod);
         self.denied.remove(pod);
-        self.reserved.insert(pod.to_string(), (tenant.clone(), gpue, self.now_ms + RESERVATION_TTL_MS));
+        self.reserved.insert(pod.clone(), (tenant.clone(), gpue, self.now_ms + RESERVATION_TTL_MS));
     }
 
     /// Whether this state counts pod `key` (bound, reserved or queued).
@@ -411,7 +411,7 @@ impl AgentState {
     /// real name, the oldest provisional entry with that prefix and the same GPUe becomes
     /// its own: a queue place if it is gated, a reservation otherwise. Returns whether
     /// one was found.
-    pub fn adopt_provisional(&mut self, prefix: &str, real: &str, gpue: MilliGpue, gated: bool) -> bool {
+    pub fn adopt_provisional(&mut self, prefix: &str, real: &PodKey, gpue: MilliGpue, gated: bool) -> bool {
         let from = if gated {
             let oldest = self
                 .queue
@@ -421,8 +421,8 @@ impl AgentState {
                 .map(|(k, _)| k.clone());
             let Some(k) = oldest else { return false };
             if let Some(mut q) = self.queue.remove(&k) {
-                q.pod.key = real.to_string();
-                self.queue.insert(real.to_string(), q);
+                q.pod.key = real.clone();
+                self.queue.insert(real.clone(), q);
             }
             k
         } else {
@@ -434,28 +434,28 @@ impl AgentState {
                 .map(|(k, _)| k.clone());
             let Some(k) = oldest else { return false };
             if let Some(r) = self.reserved.remove(&k) {
-                self.reserved.insert(real.to_string(), r);
+                self.reserved.insert(real.clone(), r);
             }
             k
         };
         if self.borrowed.remove(&from) {
-            self.borrowed.insert(real.to_string());
+            self.borrowed.insert(real.clone());
         }
         if let Some(note) = self.decisions.by_key.remove(&from) {
-            self.decisions.order.push_back((note.0, real.to_string()));
-            self.decisions.by_key.insert(real.to_string(), note);
+            self.decisions.order.push_back((note.0, real.clone()));
+            self.decisions.by_key.insert(real.clone(), note);
         }
         true
     }
 
     /// The inventory shows a pod behind kvota's gate that this state does not queue (after
     /// a restart or a change of leader): it joins the queue, keeping its age.
-    pub fn requeue(&mut self, pod: &str, tenant: &TenantName, gpue: MilliGpue, priority: i32, since_ms: Millis) {
+    pub fn requeue(&mut self, pod: &PodKey, tenant: &TenantName, gpue: MilliGpue, priority: i32, since_ms: Millis) {
         if self.queue.contains_key(pod) || self.reserved.contains_key(pod) {
             return;
         }
-        let q = QueuedPod { key: pod.to_string(), priority, queued_at_ms: since_ms, gpue };
-        self.queue.insert(pod.to_string(), Queued { tenant: tenant.clone(), pod: q });
+        let q = QueuedPod { key: pod.clone(), priority, queued_at_ms: since_ms, gpue };
+        self.queue.insert(pod.clone(), Queued { tenant: tenant.clone(), pod: q });
     }
 
     /// Bound plus reserved GPUe of `tenant` (saturating: no sum of pods can wrap).
@@ -471,12 +471,12 @@ impl AgentState {
     }
 
     /// Admitted pods not yet bound: `(pod key, tenant, GPUe)`.
-    pub fn reservations(&self) -> Vec<(String, TenantName, MilliGpue)> {
+    pub fn reservations(&self) -> Vec<(PodKey, TenantName, MilliGpue)> {
         self.reserved.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
     }
 
     /// Recently denied pods still counted as demand: `(pod key, tenant, GPUe)`.
-    pub fn denied_pods(&self) -> Vec<(String, TenantName, MilliGpue)> {
+    pub fn denied_pods(&self) -> Vec<(PodKey, TenantName, MilliGpue)> {
         self.denied.iter().map(|(k, d)| (k.clone(), d.tenant.clone(), d.gpue)).collect()
     }
 
@@ -736,10 +736,10 @@ impl AgentState {
             .unreported
             .drain(..n)
             .map(|r| kvota_fairness::federation::EvictionNote {
-                victim: r.victim,
+                victim: r.victim.into_string(),
                 victim_tenant: r.victim_tenant.into_string(),
                 for_tenant: r.for_tenant.into_string(),
-                for_pod: r.for_pod,
+                for_pod: r.for_pod.into_string(),
                 milli_gpue: r.gpue,
                 outcome: r.outcome,
                 why: clip(r.why, kvota_fairness::federation::MAX_EVICTION_TEXT),
@@ -760,7 +760,7 @@ impl AgentState {
     /// Queued pods not announced yet, each once per queueing: `(pod key, message)` for
     /// a `Queued` Event on the pod, the message its admission gave when this agent
     /// judged it, else (re-queued from a listing) why it waits now.
-    pub fn queue_notices(&mut self) -> Vec<(String, String)> {
+    pub fn queue_notices(&mut self) -> Vec<(PodKey, String)> {
         let queue = &self.queue;
         self.announced.retain(|k| queue.contains_key(k));
         let mut out = Vec::new();
@@ -787,7 +787,7 @@ impl AgentState {
     /// Recently denied pods not announced yet, each once while its denial counts as
     /// demand: `(pod key, message)`, the message its admission gave. A denied pod was
     /// never created, so the Event goes on its namespace.
-    pub fn denial_notices(&mut self) -> Vec<(String, String)> {
+    pub fn denial_notices(&mut self) -> Vec<(PodKey, String)> {
         let denied = &self.denied;
         self.announced_denials.retain(|k| denied.contains_key(k));
         let mut out = Vec::new();
@@ -818,7 +818,7 @@ impl AgentState {
         };
         let mut out = Vec::new();
         for t in tenants {
-            let keys: Vec<String> = self.queue.iter().filter(|(_, q)| q.tenant == t).map(|(k, _)| k.clone()).collect();
+            let keys: Vec<PodKey> = self.queue.iter().filter(|(_, q)| q.tenant == t).map(|(k, _)| k.clone()).collect();
             let pods: Vec<QueuedPod> = keys.iter().map(|k| self.queue[k].pod.clone()).collect();
             let budget = self.lease.budget(&t, self.now_ms);
             for i in release_order(&pods, budget, self.inuse(&t), false) {
@@ -834,11 +834,11 @@ impl AgentState {
 }
 
 impl AdmissionState for AgentState {
-    fn remember(&mut self, key: &str, pod: &PodRequest, view: &LocalView, decision: &kvota_fairness::admission::Decision) {
+    fn remember(&mut self, key: &PodKey, pod: &PodRequest, view: &LocalView, decision: &kvota_fairness::admission::Decision) {
         // At most one mark per pod the state holds (reservations are bounded).
         if decision.reason == kvota_fairness::admission::Reason::Borrowed && decision.verdict == kvota_fairness::admission::Verdict::Allow {
             if self.borrowed.len() < MAX_RESERVATIONS + self.bound.len() {
-                self.borrowed.insert(key.to_string());
+                self.borrowed.insert(key.clone());
             }
         } else {
             self.borrowed.remove(key);
@@ -846,8 +846,8 @@ impl AdmissionState for AgentState {
         let b = &mut self.decisions;
         b.next += 1;
         let note = DecisionNote { at_ms: self.now_ms, pod: pod.clone(), view: view.clone(), decision: decision.clone() };
-        b.by_key.insert(key.to_string(), (b.next, note));
-        b.order.push_back((b.next, key.to_string()));
+        b.by_key.insert(key.clone(), (b.next, note));
+        b.order.push_back((b.next, key.clone()));
         // A governed GPU pod's decision goes to the control plane with the next report.
         if let (Some(tenant), true) = (&view.tenant, pod.gpue > 0) {
             if self.outbox.len() == MAX_DECISION_OUTBOX {
@@ -995,15 +995,15 @@ mod tests {
         let mut st = state();
         let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: a, namespaces: [a]}\n  - {name: b, namespaces: [b]}\n";
         st.set_policy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy"));
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/small".into(), gpue: 1_000 });
-        st.record(Effect::Enqueue { tenant: TenantName::from_static("a"), pod: "ns/big".into(), gpue: 8_000, priority: 0 });
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/mid".into(), gpue: 4_000 });
-        st.record(Effect::Denied { tenant: TenantName::from_static("b"), pod: "ns/other".into(), gpue: 16_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/small"), gpue: 1_000 });
+        st.record(Effect::Enqueue { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/big"), gpue: 8_000, priority: 0 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/mid"), gpue: 4_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("b"), pod: PodKey::from_static("ns/other"), gpue: 16_000 });
         let usage = st.take_usage();
         assert_eq!((usage["a"].pending, usage["a"].largest), (13_000, 8_000));
         assert_eq!((usage["b"].pending, usage["b"].largest), (16_000, 16_000));
         // The big pod admitted: the next largest is what is left.
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/big".into(), gpue: 8_000 });
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/big"), gpue: 8_000 });
         st.queue.remove("ns/big");
         let usage = st.take_usage();
         assert_eq!((usage["a"].pending, usage["a"].largest), (5_000, 4_000));
@@ -1012,15 +1012,15 @@ mod tests {
     #[test]
     fn a_reservation_no_pod_confirms_expires_and_a_confirmed_one_lasts() {
         let mut st = state();
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/forged".into(), gpue: 4_000 });
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/real".into(), gpue: 1_000 });
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/forged"), gpue: 4_000 });
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/real"), gpue: 1_000 });
         assert_eq!(st.inuse("a"), 5_000);
         // The inventory sees the real pod (waiting for a node) on every sync.
         let mut now = 0;
         while now < UNCONFIRMED_TTL_MS + 60_000 {
             now += 1_000;
             st.set_now(now);
-            st.hold("ns/real", &TenantName::from_static("a"), 1_000);
+            st.hold(&PodKey::from_static("ns/real"), &TenantName::from_static("a"), 1_000);
         }
         assert_eq!(st.inuse("a"), 1_000, "the unconfirmed reservation is gone, the confirmed one stays");
         assert!(st.reservations().iter().all(|r| r.0 == "ns/real"));
@@ -1035,20 +1035,20 @@ mod tests {
     fn admission_waits_are_noted_once_by_the_admitting_process() {
         let mut st = state();
         st.set_now(1_000);
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/p".into(), gpue: 1_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/p"), gpue: 1_000 });
         st.set_now(4_000);
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/p".into(), gpue: 1_000 });
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: "ns/never".into(), gpue: 1_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/p"), gpue: 1_000 });
+        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/never"), gpue: 1_000 });
         st.set_now(9_000);
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: "ns/p".into(), gpue: 1_000 });
-        st.pod_bound("ns/p", PodRec { tenant: Some(TenantName::from_static("a")), gpue: 1_000 });
+        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/p"), gpue: 1_000 });
+        st.pod_bound(&PodKey::from_static("ns/p"), PodRec { tenant: Some(TenantName::from_static("a")), gpue: 1_000 });
         assert_eq!(st.take_waits(), [(TenantName::from_static("a"), 8_000)], "from the first denial");
         assert!(st.take_waits().is_empty(), "drained");
 
         // A standby: the leader's queued pod binds; nothing is noted here.
-        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: "ns/q".into(), gpue: 1_000, priority: 0 });
+        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: PodKey::from_static("ns/q"), gpue: 1_000, priority: 0 });
         st.set_now(12_000);
-        st.pod_bound("ns/q", PodRec { tenant: Some(TenantName::from_static("b")), gpue: 1_000 });
+        st.pod_bound(&PodKey::from_static("ns/q"), PodRec { tenant: Some(TenantName::from_static("b")), gpue: 1_000 });
         assert!(st.take_waits().is_empty());
         // The releasing process notes what it let go, once its gate is off.
         let lease = kvota_fairness::lease::Lease {
@@ -1060,10 +1060,10 @@ mod tests {
             budgets: [(TenantName::from_static("b"), kvota_fairness::lease::TenantBudget { budget: 4_000, fallback: 4_000, entitlement: 4_000, borrow: 0, ceiling: 0 })].into(),
         };
         st.lease.on_lease(lease, 12_000);
-        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: "ns/r".into(), gpue: 1_000, priority: 0 });
+        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: PodKey::from_static("ns/r"), gpue: 1_000, priority: 0 });
         st.set_now(15_000);
         let released = st.release_queue();
-        assert_eq!(released, [ReleasedPod { key: "ns/r".into(), tenant: TenantName::from_static("b"), queued_at_ms: 12_000 }]);
+        assert_eq!(released, [ReleasedPod { key: PodKey::from_static("ns/r"), tenant: TenantName::from_static("b"), queued_at_ms: 12_000 }]);
         assert!(st.take_waits().is_empty(), "not before the gate is off");
         st.note_wait(&released[0].tenant, released[0].queued_at_ms);
         assert_eq!(st.take_waits(), [(TenantName::from_static("b"), 3_000)]);
@@ -1079,12 +1079,12 @@ mod tests {
     fn full_maps_shed_and_count_it() {
         let mut st = state();
         for i in 0..MAX_DENIED + 10 {
-            st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: format!("ns/p{i}"), gpue: 1 });
+            st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::parse(format!("ns/p{i}")).expect("name"), gpue: 1 });
         }
         assert_eq!(st.denied_pods().len(), MAX_DENIED);
         assert_eq!(st.shed_counts().get("denied"), Some(&10));
         for i in 0..MAX_RESERVATIONS {
-            st.reserved.insert(format!("ns/r{i}"), (TenantName::from_static("a"), 1, u64::MAX));
+            st.reserved.insert(PodKey::parse(format!("ns/r{i}")).expect("name"), (TenantName::from_static("a"), 1, u64::MAX));
         }
         let why = st.at_limit("ns/new").expect("full");
         assert!(why.contains("admits no more"), "{why}");
@@ -1102,11 +1102,11 @@ mod tests {
         ) {
             let tenants = ["a", "b", "ungoverned"];
             let mut st = state();
-            let mut pods: BTreeMap<String, PodRec> = BTreeMap::new();
+            let mut pods: BTreeMap<PodKey, PodRec> = BTreeMap::new();
             let mut used: BTreeMap<TenantName, u64> = BTreeMap::new();
             let mut now = 0;
             for (op, pod, tenant, gpue, dt) in ops {
-                let key = format!("ns/p{pod}");
+                let key = PodKey::parse(format!("ns/p{pod}")).expect("a pod key");
                 match op {
                     0 | 1 => {
                         let t = (tenant < 2).then(|| TenantName::from_static(tenants[tenant]));

@@ -151,7 +151,7 @@ async fn lists_then_follows_watch_events_for_pods_nodes_and_namespaces() {
     // holds nothing.
     assert_eq!(capacity_milli(&*s.inventory).get("nvidia.com/gpu"), Some(&16_000));
     assert_eq!(s.agent.capacity().get("nvidia.com/gpu"), Some(&16_000), "capacity goes to the next report");
-    let stages: BTreeMap<String, PodStage> = s.inventory.gpu_pods().into_iter().map(|p| (p.key, p.stage)).collect();
+    let stages: BTreeMap<String, PodStage> = s.inventory.gpu_pods().into_iter().map(|p| (p.key.into_string(), p.stage)).collect();
     let want: BTreeMap<String, PodStage> = [
         ("ml/a".to_string(), PodStage::Bound),
         ("ml/b".to_string(), PodStage::Unbound),
@@ -213,7 +213,7 @@ async fn a_watch_older_than_the_history_gets_410_and_the_agent_relists() {
     s.api.hold_watches(false);
 
     eventually(&mut s, "relisted after 410", |s| {
-        let keys: Vec<String> = s.inventory.gpu_pods().into_iter().map(|p| p.key).collect();
+        let keys: Vec<String> = s.inventory.gpu_pods().into_iter().map(|p| p.key.into_string()).collect();
         !keys.contains(&"ml/a".to_string()) && keys.contains(&"ml/e".to_string())
     })
     .await;
@@ -318,7 +318,7 @@ async fn reclaim_evicts_the_youngest_training_pods_through_the_eviction_api_with
         let msg = e["message"].as_str().expect("message");
         assert!(msg.contains("inference") && msg.contains("guarantee"), "{msg}");
     }
-    let audit: Vec<(String, String)> = s.agent.state().reclaim_audit().map(|r| (r.victim.clone(), r.outcome.to_string())).collect();
+    let audit: Vec<(String, String)> = s.agent.state().reclaim_audit().map(|r| (r.victim.to_string(), r.outcome.to_string())).collect();
     assert_eq!(audit, [("ml/t7".to_string(), "evicted".to_string()), ("ml/t6".to_string(), "evicted".to_string())]);
     // Once the deletions are seen the guarantee is within reach: nothing more to evict.
     eventually(&mut s, "evictions seen", |s| s.agent.state().bound("training") == 6000).await;

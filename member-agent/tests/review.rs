@@ -2,6 +2,7 @@
 //! the shared data, Apache-2.0), wrapped in AdmissionReview and given GPU and MIG
 //! requests; responses checked field by field.
 
+use kvota_fairness::names::PodKey;
 use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 
@@ -99,7 +100,7 @@ fn gpu_pod_within_budget_is_allowed_and_reserved() {
     assert_eq!(resp["uid"], "1299d386-525b-4032-98ae-1949f69f9cfc");
     assert_eq!(resp["allowed"], true);
     assert_eq!(outcome, Outcome::Allowed);
-    assert_eq!(st.effects, [Effect::Reserve { tenant: TenantName::from_static("training"), pod: "default/nginx".into(), gpue: 2_000 }]);
+    assert_eq!(st.effects, [Effect::Reserve { tenant: TenantName::from_static("training"), pod: PodKey::from_static("default/nginx"), gpue: 2_000 }]);
 }
 
 #[test]
@@ -114,7 +115,7 @@ fn gpu_pod_over_budget_is_denied_with_an_actionable_message() {
         assert!(msg.contains(needle), "{needle:?} missing: {msg}");
     }
     assert_eq!(outcome, Outcome::Denied);
-    assert_eq!(st.effects, [Effect::Denied { tenant: TenantName::from_static("training"), pod: "default/nginx".into(), gpue: 2_000 }]);
+    assert_eq!(st.effects, [Effect::Denied { tenant: TenantName::from_static("training"), pod: PodKey::from_static("default/nginx"), gpue: 2_000 }]);
 }
 
 /// A pod above the most the tenant may ever hold here (ceiling 32 GPUe) is denied at

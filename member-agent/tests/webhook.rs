@@ -2,6 +2,7 @@
 //! keep-alive HTTP/1.1 client, certificates generated for the test (rcgen) and rotated
 //! on disk while serving.
 
+use kvota_fairness::names::PodKey;
 use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -237,8 +238,8 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     s.agent.state().record_eviction(kvota_member_agent::state::ReclaimRecord {
         at_ms: 1,
         for_tenant: TenantName::from_static("research"),
-        for_pod: "lab/small".into(),
-        victim: "ml/p1".into(),
+        for_pod: PodKey::from_static("lab/small"),
+        victim: PodKey::from_static("ml/p1"),
         victim_tenant: TenantName::from_static("training"),
         gpue: 1_000,
         outcome: kvota_fairness::federation::EvictionOutcome::Evicted,

@@ -326,5 +326,12 @@ mod tests {
         let seen = v1::EvictionSeen { at_ms: 1, ago_ms: 1, cluster: "c".into(), note: None };
         let x = v1::TenantExplanation { evictions: vec![seen], ..Default::default() };
         assert_eq!(TenantExplanation::try_from(x).expect_err("no note").field, "evictions[0].note");
+        // Names are parsed here too: a tenant or cluster that is no DNS label is refused.
+        let x = v1::TenantExplanation { tenant: "Training".into(), ..Default::default() };
+        assert_eq!(TenantExplanation::try_from(x).expect_err("bad tenant").field, "tenant");
+        let part = v1::ClusterPart { cluster: "east_1".into(), ..Default::default() };
+        let good = v1::ClusterPart { cluster: "east".into(), ..Default::default() };
+        let x = v1::TenantExplanation { tenant: "training".into(), clusters: vec![good, part], ..Default::default() };
+        assert_eq!(TenantExplanation::try_from(x).expect_err("bad cluster").field, "clusters[1].cluster");
     }
 }

@@ -33,7 +33,7 @@ use kvota_fairness::admission::{borrow_room, judge, lendable, LocalView, PodRequ
 use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::AgentLease;
-use kvota_fairness::names::TenantName;
+use kvota_fairness::names::{PodKey, TenantName};
 use kvota_fairness::policy::Policy;
 use kvota_fairness::reclaim::{self, ClusterView, Decision, RunningPod, TenantHere, WaitingPod};
 use kvota_fairness::MilliGpue;
@@ -219,7 +219,8 @@ impl WfqDecay {
                         inuse: cl.inuse[t],
                     })
                     .collect();
-                let key = |j: usize| format!("j{j}");
+                // Jobs as pods of one namespace; `j7` is job 7 (every such key is valid).
+                let key = |j: usize| PodKey::new("sim", &format!("j{j}")).ok();
                 let node_of = |j: usize| w.jobs[j].placement.first().map_or(0, |p| p.0);
                 // Only what the plan can use: pods of possible victims (preemptible, over
                 // budget) and waiting pods of tenants below their guarantee.
@@ -234,8 +235,9 @@ impl WfqDecay {
                 let running: Vec<RunningPod> = (0..tenants.len())
                     .filter(|&t| victim(t))
                     .flat_map(|t| cl.running[t].iter().map(move |&j| (t, j)))
-                    .map(|(t, j)| RunningPod {
-                        key: key(j),
+                    .filter_map(|(t, j)| {
+                        Some(RunningPod {
+                        key: key(j)?,
                         tenant: tenants[t].name.clone(),
                         gpue: w.jobs[j].gpue,
                         priority: 0,
@@ -244,13 +246,15 @@ impl WfqDecay {
                         resource: "gpu".into(),
                         count: w.jobs[j].placement.iter().filter(|p| p.0 == node_of(j)).map(|p| p.1).sum::<u64>().max(1),
                         borrowed: w.jobs[j].borrowed,
+                        })
                     })
                     .collect();
                 let waiting: Vec<WaitingPod> = (0..tenants.len())
                     .filter(|&t| hungry(t))
                     .flat_map(|t| w.candidates(c, t).map(move |j| (t, j)))
-                    .map(|(t, j)| WaitingPod {
-                        key: key(j),
+                    .filter_map(|(t, j)| {
+                        Some(WaitingPod {
+                        key: key(j)?,
                         tenant: tenants[t].name.clone(),
                         gpue: w.jobs[j].gpue,
                         priority: 0,
@@ -258,6 +262,7 @@ impl WfqDecay {
                         resource: "gpu".into(),
                         count: w.jobs[j].gpue,
                         nodes: None,
+                        })
                     })
                     .collect();
                 let pool = cl.node_cap.is_empty();
@@ -291,7 +296,7 @@ impl WfqDecay {
                 recent.retain(|(at, _)| now.saturating_sub(*at) < reclaim::WINDOW_MS);
                 let Decision::Evict { victims, .. } = reclaim::plan(&view, &self.policy.reclaim, since, recent) else { break };
                 let ids: Vec<(usize, TenantName)> =
-                    victims.iter().filter_map(|v| Some((v.key.strip_prefix('j')?.parse().ok()?, v.tenant.clone()))).collect();
+                    victims.iter().filter_map(|v| Some((v.key.name().strip_prefix('j')?.parse().ok()?, v.tenant.clone()))).collect();
                 for (j, tenant) in ids {
                     w.preempt(j);
                     recent.push((now, tenant));

@@ -748,7 +748,7 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
         for m in &mut fleet {
             let mut st = m.agent.state();
             for key in m.sim.release(&mut st) {
-                if let Some(o) = open.get(&key) {
+                if let Some(o) = open.get(key.as_str()) {
                     let e = st.lease.lease().and_then(|l| l.budgets.get(o.tenant.as_str())).map_or(0, |b| b.entitlement);
                     let slot = lease_e.entry(o.tenant.clone()).or_insert(0);
                     *slot = (*slot).max(e);
@@ -799,7 +799,7 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
             let mut st = m.agent.state();
             let t = st.now_ms();
             for b in m.sim.bind(&mut st, t) {
-                if let Some(o) = open.remove(&b.key) {
+                if let Some(o) = open.remove(b.key.as_str()) {
                     if let Some(tm) = measures.tenants.get_mut(&o.tenant) {
                         tm.delays_ms.push(now - o.first_ms);
                     }

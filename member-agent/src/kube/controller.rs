@@ -6,6 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 
 use crate::inventory::Inventory;
+use kvota_fairness::names::PodKey;
 use super::{KubeActions, KubeInventory};
 
 /// The leader's duties in a Kubernetes cluster, one round at a time: bring the agent's
@@ -15,7 +16,7 @@ use super::{KubeActions, KubeInventory};
 pub struct Controller {
     inventory: Arc<KubeInventory>,
     actions: KubeActions,
-    known: std::collections::BTreeSet<String>,
+    known: std::collections::BTreeSet<PodKey>,
     metering: bool,
 }
 
@@ -23,9 +24,9 @@ pub struct Controller {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Released {
     /// Pods whose kvota gate was removed.
-    pub ungated: Vec<String>,
+    pub ungated: Vec<PodKey>,
     /// Pods the gate could not be removed from (API errors); retried next round.
-    pub failed: Vec<String>,
+    pub failed: Vec<PodKey>,
 }
 
 impl Controller {

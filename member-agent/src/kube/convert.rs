@@ -7,6 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvota_fairness::admission::SCHEDULING_GATE;
 use kvota_fairness::resources::{effective_requests_milli, pod_gpue, ResourceWeights};
+use kvota_fairness::names::PodKey;
 use kvota_fairness::Millis;
 use serde_json::Value;
 
@@ -103,8 +104,10 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
     let started = status.and_then(|s| s.get("startTime")).and_then(Value::as_str).and_then(parse_time);
     let since = if stage == PodStage::Bound { started.or(created) } else { created };
     let ran = run_interval(status, &node, stage, started);
+    // Kubernetes names follow the rule; a pod that does not is no pod the webhook saw.
+    let key = PodKey::new(&namespace, name).ok()?;
     Some(PodInfo {
-        key: format!("{namespace}/{name}"),
+        key,
         namespace,
         stage,
         node,

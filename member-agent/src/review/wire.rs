@@ -73,22 +73,19 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
     let meta = object.and_then(|o| o.metadata.as_ref());
     let namespace = req.namespace.or(meta.and_then(|m| m.namespace)).unwrap_or("").to_string();
     let name = req.name.filter(|n| !n.is_empty()).or(meta.and_then(|m| m.name)).unwrap_or("").to_string();
-    let key = if name.is_empty() {
-        let prefix = meta.and_then(|m| m.generate_name).unwrap_or("");
-        format!("{namespace}/{prefix}*{uid}")
-    } else {
-        format!("{namespace}/{name}")
-    };
+    let prefix = meta.and_then(|m| m.generate_name).unwrap_or("");
     let dry_run = req.dry_run.unwrap_or(false);
     match req.operation {
         Some("CREATE") => {}
-        Some("DELETE") => return Some(ParsedKind::Delete { uid: uid.to_string(), key, dry_run }),
+        Some("DELETE") => return Some(ParsedKind::Delete { uid: uid.to_string() }),
         Some("UPDATE" | "CONNECT") => return Some(ParsedKind::Done(pass(uid, ""))),
         // An unknown or missing operation is an error: the reference path words it.
         _ => return None,
     }
-    // A CREATE without an object, or whose object is null or has no spec, is an error.
+    // A CREATE without an object, or whose object is null or has no spec, is an error;
+    // so is a pod key that breaks the rule (the reference path words both).
     let spec = req.object?.and_then(|o| o.spec)?;
+    let key = super::pod_key(&namespace, &name, prefix, uid).ok()?;
     // A null spec is read as an empty pod, as the reference path reads it.
     let spec = spec.unwrap_or_default();
     let pod = PodRequests::Counted(Ok(spec.requests()));

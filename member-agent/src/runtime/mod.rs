@@ -279,13 +279,13 @@ async fn policy_loop(agent: Arc<Agent>, every: Duration, mut stop: watch::Receiv
 /// binds admitted pods first-fit by GPUe, finishes them after `run_for`.
 async fn simulated_cluster(agent: Arc<Agent>, nodes: Vec<u64>, run_for: Duration, mut stop: watch::Receiver<bool>) {
     let mut free: Vec<u64> = nodes.iter().map(|g| g * 1000).collect();
-    let mut running: BTreeMap<String, (usize, u64, u64)> = BTreeMap::new();
+    let mut running: BTreeMap<kvota_fairness::names::PodKey, (usize, u64, u64)> = BTreeMap::new();
     let run_ms = u64::try_from(run_for.as_millis()).unwrap_or(u64::MAX);
     loop {
         {
             let mut st = agent.state();
             let now = st.now_ms();
-            let done: Vec<String> = running.iter().filter(|(_, r)| r.2 <= now).map(|(k, _)| k.clone()).collect();
+            let done: Vec<kvota_fairness::names::PodKey> = running.iter().filter(|(_, r)| r.2 <= now).map(|(k, _)| k.clone()).collect();
             for k in done {
                 if let Some((n, g, _)) = running.remove(&k) {
                     if let Some(f) = free.get_mut(n) {
