@@ -398,6 +398,91 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
     cl.shutdown().await;
 }
 
+fn supports_3(c: &mut kvota_control_plane::server::ServerConfig) {
+    c.feature_level_max = kvota_control_plane::types::SIZED_LEVEL - 1;
+}
+
+fn supports_sized(c: &mut kvota_control_plane::server::ServerConfig) {
+    c.feature_level_max = kvota_control_plane::types::SIZED_LEVEL;
+}
+
+/// Sends cluster `east`'s report `seq` with `training` waiting for 6 GPUe, the largest
+/// pod of it 4 GPUe.
+async fn report_with_largest(c: &Client, seq: u64, epoch: u64) {
+    let r = v1::ReportRequest {
+        cluster: "east".into(),
+        seq,
+        held_epoch: epoch,
+        tenants: vec![v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: 0, inuse_milli_gpue: 0, pending_milli_gpue: 6_000, largest_pending_milli_gpue: 4_000 }],
+        ..Default::default()
+    };
+    c.call(|ch| {
+        let r = r.clone();
+        async move { Ok(Client::member(ch).report(r).await?.into_inner()) }
+    })
+    .await
+    .expect("report");
+}
+
+/// The largest waiting pod of each tenant in `east`'s reports, in the order the node's
+/// log holds them (read from its data directory once it is stopped).
+async fn largest_in_log(dir: &std::path::Path) -> Vec<u64> {
+    let mut tries = 0;
+    let (mut logs, _sm) = loop {
+        match store::open(&dir.join("raft")) {
+            Ok(s) => break s,
+            Err(e) if tries < 100 && e.to_string().contains("lock") => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("open the stopped node's store: {e}"),
+        }
+    };
+    let mut out = Vec::new();
+    for e in logs.try_get_log_entries(..).await.unwrap() {
+        if let EntryPayload::Normal(r) = e.payload {
+            for c in r.commands {
+                if let kvota_fairness::federation::Command::Report(r) = c {
+                    out.extend(r.tenants.values().map(|t| t.largest));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Below the sized-budgets level the leader takes a report's largest waiting pod out
+/// before it proposes the entry (a replica of an older build could not read it, and
+/// none would use it); from that level on the log carries what the agent reported, and
+/// the state keeps it.
+#[tokio::test]
+async fn a_reports_largest_waiting_pod_reaches_the_log_only_from_the_sized_level() {
+    let sized = kvota_control_plane::types::SIZED_LEVEL;
+    let mut cl = kvota_testkit::Cluster::start_with(1, None, supports_3).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).unwrap();
+    apply_policy(&client).await;
+    cl.feature_level(sized - 1, Duration::from_secs(20)).await;
+    let epoch = kvota_testkit::register_gpus(&client, "east", 32_000).await;
+    report_with_largest(&client, 1, epoch).await;
+    let fed = cl.federation(1).await;
+    assert_eq!(fed.clusters()["east"].usage["training"].pending, 6_000, "the report was applied");
+    assert_eq!(fed.clusters()["east"].usage["training"].largest, 0, "not kept below level {sized}");
+
+    // The same node upgraded: the group rises to the sized level, and a report's
+    // largest pod is logged and kept.
+    cl.set_tweak(supports_sized);
+    cl.stop(1).await;
+    cl.restart(1).await;
+    cl.leader(Duration::from_secs(10)).await;
+    cl.feature_level(sized, Duration::from_secs(20)).await;
+    report_with_largest(&client, 2, epoch).await;
+    assert_eq!(cl.federation(1).await.clusters()["east"].usage["training"].largest, 4_000, "kept at level {sized}");
+    cl.stop(1).await;
+    assert_eq!(largest_in_log(&cl.dirs[0]).await, vec![0, 4_000], "the first report was logged without it, the second with it");
+    cl.shutdown().await;
+}
+
 /// A node that is sent entries of a format newer than it reads by the leader of its
 /// group (it was added, or restarted, as an older build than the group's level needs)
 /// stops with an error that names the leader and the format, instead of refusing them
