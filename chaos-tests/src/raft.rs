@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kvota_control_plane::types::Request;
+use kvota_control_plane::types::{Request, SIZED_LEVEL};
 use kvota_fairness::federation::{Applied, Command, CommandError, Federation};
 
 use crate::msg::{AgentAnswer, AgentRequest, AnswerOutcome, Msg};
@@ -60,7 +60,12 @@ type Waiting = (Route, Option<u64>);
 
 /// Applies one entry to a state machine: `control-plane/src/store.rs` `apply`, verbatim.
 pub fn apply_entry(fed: &mut Federation, req: &Request) -> Vec<Result<Applied, CommandError>> {
-    req.commands.iter().cloned().map(|c| fed.apply(req.now_ms, c)).collect()
+    let answers = req.commands.iter().cloned().map(|c| fed.apply(req.now_ms, c)).collect();
+    // As the store does: a raise takes effect after the entry's own commands.
+    if req.raise_feature_level.is_some_and(|l| l >= SIZED_LEVEL) {
+        fed.enable_sized_budgets();
+    }
+    answers
 }
 
 /// One control-plane node.
@@ -98,14 +103,15 @@ pub struct Replica {
     last_tick_ms: u64,
 }
 
-/// The state every replica starts from: an empty federation with budgets sized to the
-/// tenants' waiting pods, as the control plane runs at its current feature level (its
-/// members report their largest waiting pods). Lending is not turned on here: borrowed
-/// pods stand outside the partition-safety inequality the checker holds every pod to.
+/// The state every replica starts from: an empty federation at the feature level below
+/// sized budgets. The leader raises the level to [`SIZED_LEVEL`] in an entry at
+/// [`Cp::sized_at_ms`] (from the first entry on, or mid-run: an upgrade finished while
+/// agents report and faults strike), and until its applied state is at that level it
+/// takes the largest waiting pod out of the reports it proposes, as the control plane's
+/// leader does. Lending is not turned on here: borrowed pods stand outside the
+/// partition-safety inequality the checker holds every pod to.
 pub fn initial_state() -> Federation {
-    let mut f = Federation::new();
-    f.enable_sized_budgets();
-    f
+    Federation::new()
 }
 
 impl Replica {
@@ -198,6 +204,8 @@ pub struct Cp {
     pub bug_make_before_break: bool,
     /// Elections won (for the summary).
     pub elections: u64,
+    /// From when (world time) the leader raises the feature level to sized budgets.
+    pub sized_at_ms: u64,
 }
 
 impl Cp {
@@ -216,7 +224,7 @@ impl Cp {
         if let Some(r) = replicas.first_mut() {
             r.leader = true;
         }
-        Cp { replicas, committed: Vec::new(), rng, bug_make_before_break: false, elections: 0 }
+        Cp { replicas, committed: Vec::new(), rng, bug_make_before_break: false, elections: 0, sized_at_ms: 0 }
     }
 
     fn majority(&self) -> usize {
@@ -304,6 +312,7 @@ impl Cp {
         self.elections(now_ms, net);
         let n = self.replicas.len();
         let mut newly = Vec::new();
+        let raise_due = now_ms >= self.sized_at_ms;
         for l in 0..n {
             let Some(r) = self.replicas.get_mut(l) else { continue };
             if !(r.up && r.leader) {
@@ -327,9 +336,22 @@ impl Cp {
                         route.map(|r| (r, seq))
                     })
                     .collect();
-                let commands = batch.into_iter().map(|(c, _)| c).collect();
+                let mut commands: Vec<Command> = batch.into_iter().map(|(c, _)| c).collect();
+                // Below the sized level no replica reads a report's largest waiting pod.
+                let sized = r.state.sizes_budgets();
+                if !sized {
+                    for c in &mut commands {
+                        if let Command::Report(rep) = c {
+                            rep.tenants.values_mut().for_each(|t| t.largest = 0);
+                        }
+                    }
+                }
+                let mut req = Request::new(clock, commands);
+                if !sized && raise_due {
+                    req.raise_feature_level = Some(SIZED_LEVEL);
+                }
                 let term = r.term;
-                r.append(LogEntry { term, req: Request::new(clock, commands) }, now_ms);
+                r.append(LogEntry { term, req }, now_ms);
                 r.waiting.insert(r.log.len(), routes);
                 if r.disk_delay_ms == 0 {
                     r.make_durable(now_ms);

@@ -310,6 +310,8 @@ pub struct World {
     policy_change_ms: Option<u64>,
     demand_shift_ms: u64,
     shifted: bool,
+    /// The mid-run raise to sized budgets was applied (counted once).
+    upgraded: bool,
     last_epochs: Vec<(u64, u64)>,
     inuse_cache: Vec<BTreeMap<TenantName, u64>>,
     bugs: Bugs,
@@ -330,6 +332,12 @@ impl World {
         let offsets: Vec<i64> = (0..cp_nodes).map(|_| rng.signed(MAX_CP_OFFSET_MS)).collect();
         let mut cp = Cp::new(cp_nodes, &offsets, rng.fork());
         cp.bug_make_before_break = bugs.make_before_break;
+        // Half the runs upgrade to sized budgets mid-run (the leader raises the feature
+        // level while agents report and faults strike), half run at that level from the
+        // first entry. Drawn from a stream of its own, so every other draw of a seed is
+        // what it was.
+        let mut upgrade = Rng::new(seed ^ 0x5EED_0F_512E);
+        cp.sized_at_ms = if upgrade.chance(50) { upgrade.range(2_000, FAULT_PHASE_MS) } else { 0 };
         let n_agents = usize::try_from(rng.range(3, 6)).unwrap_or(3);
         let tenants = ["inference", "research", "training"];
         let mut agents = Vec::new();
@@ -403,6 +411,7 @@ impl World {
             policy_change_ms,
             demand_shift_ms,
             shifted: false,
+            upgraded: false,
             bugs,
             admissions: 0,
             fault_kinds: BTreeMap::new(),
@@ -675,6 +684,10 @@ impl World {
             self.shifted = true;
             *self.fault_kinds.entry("demand-shift").or_insert(0) += 1;
             self.shift_demand();
+        }
+        if self.cp.sized_at_ms > 0 && !self.upgraded && self.oracle.fed.sizes_budgets() {
+            self.upgraded = true;
+            *self.fault_kinds.entry("upgrade-to-sized-budgets").or_insert(0) += 1;
         }
         if self.policy_change_ms.is_some_and(|t| self.now_ms >= t) {
             self.policy_change_ms = None;

@@ -93,6 +93,7 @@ fn fixed_seed_set_holds_every_invariant() {
         "agent-slow-disk",
         "policy-change",
         "demand-shift",
+        "upgrade-to-sized-budgets",
     ] {
         assert!(kinds.get(k).copied().unwrap_or(0) >= 10, "fault {k} ran only {:?} times", kinds.get(k));
     }
