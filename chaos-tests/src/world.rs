@@ -336,7 +336,7 @@ impl World {
         // level while agents report and faults strike), half run at that level from the
         // first entry. Drawn from a stream of its own, so every other draw of a seed is
         // what it was.
-        let mut upgrade = Rng::new(seed ^ 0x5EED_0F_512E);
+        let mut upgrade = Rng::new(seed ^ 0x005E_ED0F_512E);
         cp.sized_at_ms = if upgrade.chance(50) { upgrade.range(2_000, FAULT_PHASE_MS) } else { 0 };
         let n_agents = usize::try_from(rng.range(3, 6)).unwrap_or(3);
         let tenants = ["inference", "research", "training"];

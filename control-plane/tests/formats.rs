@@ -284,7 +284,8 @@ async fn a_node_that_meets_a_newer_log_entry_stops_with_a_clear_error() {
         let scanned = segments::scan(&bytes, true, &path).unwrap();
         for (i, (offset, len)) in scanned.records.iter().enumerate() {
             let index = scanned.first + i as u64;
-            let at = *offset as usize + segments::RECORD_HEAD;
+            let offset = usize::try_from(*offset).expect("an offset in memory");
+            let at = offset + segments::RECORD_HEAD;
             let mut entry = rv1::RaftEntry::decode(&bytes[at..at + *len as usize]).unwrap();
             let Some(rv1::raft_entry::Payload::Normal(batch)) = entry.payload.as_mut() else { continue };
             let decoded = kvota_control_plane::wire::batch_from(batch.clone(), "batch").unwrap();
@@ -295,7 +296,7 @@ async fn a_node_that_meets_a_newer_log_entry_stops_with_a_clear_error() {
             batch.format = 2;
             let framed = segments::frame(index, &entry.encode_to_vec()).unwrap();
             assert_eq!(framed.len(), segments::RECORD_HEAD + *len as usize, "format 2 takes the bytes format 1 took");
-            bytes[*offset as usize..*offset as usize + framed.len()].copy_from_slice(&framed);
+            bytes[offset..offset + framed.len()].copy_from_slice(&framed);
             marked = Some(index);
         }
         std::fs::write(&path, &bytes).unwrap();

@@ -352,7 +352,7 @@ async fn a_torn_tail_is_cut_and_a_damaged_record_is_an_error() {
     let before = std::fs::read(&seg).unwrap();
     let mut bad = before.clone();
     let scanned = store::segments::scan(&before, true, &seg).unwrap();
-    let at = scanned.records[1].0 as usize + store::segments::RECORD_HEAD + 2;
+    let at = usize::try_from(scanned.records[1].0).expect("an offset in memory") + store::segments::RECORD_HEAD + 2;
     bad[at] ^= 0x10;
     std::fs::write(&seg, &bad).unwrap();
     let msg = store::open(dir.path()).unwrap_err().to_string();

@@ -128,6 +128,8 @@ fn a_policy_written_out_loads_back_unchanged() {
     }
 }
 
+/// One tenant of a generated policy, each field as the test varies it.
+#[allow(clippy::too_many_arguments)]
 fn tenant_yaml(i: usize, weight_milli: u64, min_bp: u32, extra_bp: u32, half_life_ms: u64, queue: bool, max_queued: u32, burst: u32, label: &str) -> String {
     format!(
         "  - name: t{i}\n    weight: {}.{:03}\n    minShare: {}.{:02}\n    maxShare: {}.{:02}\n    preemptible: {}\n    decayHalfLife: {}ms\n    admission: {}\n    maxQueued: {max_queued}\n    burstFactor: {}.{:03}\n    namespaces: [\"ns-{i}\", \"{i}{i}\"]\n    namespaceSelector: {{matchLabels: {{\"team\": {label:?}}}}}\n",

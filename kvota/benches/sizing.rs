@@ -421,6 +421,8 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
         ms_per_report: per(cpu * 1_000.0),
         marginal_ms_per_report: per((cpu - idle_rate * window_secs).max(0.0) * 1_000.0),
         reports,
+        // A report count of one run: far below u64's range.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         expected: (window_secs * c as f64 / cfg.interval.as_secs_f64()).round() as u64,
         errors: stats.errors.load(Ordering::Relaxed),
         p50_ms: pct(50),

@@ -74,7 +74,7 @@ async fn the_first_call_after_a_silent_cut_heals_dials_afresh() {
     let cluster = Cluster::start(1).await;
     cluster.leader(Duration::from_secs(20)).await;
     let hole = Blackhole::start(cluster.endpoints()[0].clone()).await;
-    let client = Client::new(&[hole.addr.clone()]).expect("client");
+    let client = Client::new(std::slice::from_ref(&hole.addr)).expect("client");
     let deadline = Duration::from_secs(2);
     client.set_call_timeout(deadline);
     status(&client).await.expect("status through the proxy");

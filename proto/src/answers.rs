@@ -320,8 +320,7 @@ mod tests {
     fn a_record_without_its_event_or_a_score_that_is_no_number_is_refused() {
         let e = AuditRecord::try_from(v1::AuditRecord { seq: 1, at_ms: 2, event: None, actor: String::new() }).expect_err("no event");
         assert_eq!(e.field, "event");
-        let mut x = v1::TenantExplanation::default();
-        x.fairness_score = f64::NAN;
+        let x = v1::TenantExplanation { fairness_score: f64::NAN, ..Default::default() };
         assert_eq!(TenantExplanation::try_from(x).expect_err("NaN").field, "fairness_score");
         let seen = v1::EvictionSeen { at_ms: 1, ago_ms: 1, cluster: "c".into(), note: None };
         let x = v1::TenantExplanation { evictions: vec![seen], ..Default::default() };

@@ -134,7 +134,12 @@ impl Metrics {
         self.0
             .lines()
             .find_map(|l| l.strip_prefix(series.as_str())?.trim().parse::<f64>().ok())
-            .map_or(0, |v| (v * scale).round().max(0.0) as u64)
+            // Clamped to u64's range first: the cast cannot truncate.
+            .map_or(0, |v| {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let n = (v * scale).round().clamp(0.0, u64::MAX as f64) as u64;
+                n
+            })
     }
 
     /// The lease state the agent reports: `none`, `fresh`, `expiring` or `safe`.
