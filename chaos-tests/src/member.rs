@@ -34,7 +34,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kvota_fairness::federation::{Command, UsageReport, UsageWindow};
-use kvota_fairness::lease::{AgentLease, Lease};
+use kvota_fairness::lease::{AgentLease, Lease, LeaseUpdate};
 use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::policy::{Policy, TENANT_LABEL};
 use kvota_fairness::{MilliGpue, Millis};
@@ -76,6 +76,8 @@ pub struct AgentBugs {
     pub ack_on_send: bool,
     /// Reports acknowledge the lease held even before the kept state holds it.
     pub ack_unkept: bool,
+    /// A lease taken is enforced at once, while its journal write is on the way.
+    pub enforce_unjournaled: bool,
 }
 
 /// An admission that happened in a step (for the admission invariant).
@@ -145,8 +147,13 @@ pub struct SimAgent {
     next_seq: u64,
     /// Highest sequence acknowledged.
     pub acked_through: u64,
-    /// Lease saved on disk.
+    /// Lease saved on disk (durable).
     pub saved_lease: Option<Lease>,
+    /// A lease being written to the journal: the lease state to enforce once the write
+    /// is durable, at the given agent-clock time (the journal's disk delay); lost if the
+    /// process dies before. Meanwhile the lease before it is enforced and acknowledged,
+    /// and the report loop waits, as in `Agent::take_lease`.
+    saving_lease: Option<(AgentLease, Millis)>,
     policy: Option<Policy>,
     registered: bool,
     guess: usize,
@@ -216,6 +223,7 @@ impl SimAgent {
             next_seq: 1,
             acked_through: 0,
             saved_lease: None,
+            saving_lease: None,
             policy: None,
             registered: false,
             guess: index % cp_nodes.max(1),
@@ -439,7 +447,43 @@ impl SimAgent {
         });
     }
 
+    /// The lease being written reaches the disk once its delay has passed; then it is
+    /// enforced.
+    fn settle_lease(&mut self, h: Millis) {
+        if self.saving_lease.as_ref().is_some_and(|(_, at)| *at <= h) {
+            if let Some((next, _)) = self.saving_lease.take() {
+                self.saved_lease = next.lease().cloned();
+                self.state.lease = next;
+            }
+        }
+    }
+
+    /// Takes a lease: `update` decides on a copy; a lease taken is written to the
+    /// journal (at once, or after the disk delay) and only then enforced.
+    fn take_lease(&mut self, h: Millis, update: impl FnOnce(&mut AgentLease) -> LeaseUpdate) -> LeaseUpdate {
+        let mut next = self.state.lease.clone();
+        let r = update(&mut next);
+        if matches!(r, LeaseUpdate::Adopted | LeaseUpdate::Renewed) {
+            if self.bugs.enforce_unjournaled {
+                self.state.lease = next.clone();
+            }
+            self.saving_lease = Some((next, h + self.disk_delay_ms));
+            self.settle_lease(h);
+        }
+        r
+    }
+
+    /// The epoch the journal holds: a report acknowledges no newer one.
+    fn journaled_epoch(&self) -> u64 {
+        self.saved_lease.as_ref().map_or(0, |l| l.epoch)
+    }
+
     fn report_round(&mut self, h: Millis, net: &mut Net<Msg>, real_ms: u64) {
+        self.settle_lease(h);
+        if self.saving_lease.is_some() {
+            // The report loop is still writing the last lease to the journal.
+            return;
+        }
         self.persist();
         if self.registered {
             let tenants = self.state.take_usage();
@@ -449,7 +493,11 @@ impl SimAgent {
             let report = UsageReport {
                 cluster: self.id.clone(),
                 seq: self.next_seq,
-                held_epoch: if self.bugs.ack_unkept { self.state.lease.held_epoch() } else { self.state.lease.held_epoch().min(self.kept_epoch) },
+                held_epoch: {
+                    let held = self.state.lease.held_epoch();
+                    let kept = if self.bugs.ack_unkept { held } else { self.kept_epoch };
+                    held.min(kept).min(self.journaled_epoch())
+                },
                 capacity: None,
                 tenants,
                 evictions: Vec::new(),
@@ -521,11 +569,8 @@ impl SimAgent {
                     self.install_policy(*p);
                 }
                 self.state.set_now(h);
-                let epoch = lease.epoch;
-                self.state.lease.on_lease(lease, ans.sent_agent_ms);
-                if self.state.lease.held_epoch() == epoch {
-                    self.saved_lease = self.state.lease.lease().cloned();
-                }
+                let sent = ans.sent_agent_ms;
+                self.take_lease(h, |l| l.on_lease(lease, sent));
                 match seq {
                     Some(s) if seq_sent == Some(s) && !applied && self.renumber_pending => {
                         // Taken for a duplicate after a takeover: the old process's
@@ -583,6 +628,9 @@ impl SimAgent {
         self.up = false;
         self.crashes += 1;
         self.inflight = None;
+        // A lease still being written is lost with the process.
+        self.settle_lease(h);
+        self.saving_lease = None;
         for (t, r) in self.state.take_usage() {
             *self.unmetered.entry(t).or_default() += r.used_milli_gpue_ms;
         }
@@ -660,7 +708,14 @@ impl SimAgent {
         let Some(l) = k.lease else { return };
         self.kept_epoch = self.kept_epoch.max(l.epoch);
         let until = k.usable_until.map(|u| u.saturating_sub(l.margin_ms)).filter(|u| *u > h);
-        self.state.lease.restore_anchored(l.clone(), until);
+        // Taken from the kept state, which a restart reads too: enforced at once, and
+        // written to the journal as well.
+        let mut next = self.state.lease.clone();
+        if matches!(next.restore_anchored(l.clone(), until), LeaseUpdate::Adopted | LeaseUpdate::Renewed) {
+            self.saving_lease = Some((next.clone(), h + self.disk_delay_ms));
+            self.state.lease = next;
+            self.settle_lease(h);
+        }
         if until.is_some() && self.state.lease.held_epoch() == l.epoch {
             for (t, b) in &l.budgets {
                 let enforced = self.state.lease.budget(t, h);
@@ -696,6 +751,7 @@ impl SimAgent {
             self.lost.push(j.report);
         }
         self.saved_lease = None;
+        self.saving_lease = None;
         self.policy = None;
         self.registered = false;
         self.next_seq = self.kept.as_ref().map_or(0, |k| k.acked_through) + 1;

@@ -80,6 +80,8 @@ pub struct Bugs {
     pub clock_beyond_margin: bool,
     /// Agents acknowledge a lease before the state they keep in the cluster holds it.
     pub ack_unkept: bool,
+    /// Agents enforce a lease before their journal holds it.
+    pub enforce_unjournaled: bool,
 }
 
 impl Bugs {
@@ -94,6 +96,7 @@ impl Bugs {
             "ack-on-send" => b.ack_on_send = true,
             "clock-beyond-margin" => b.clock_beyond_margin = true,
             "ack-unkept" => b.ack_unkept = true,
+            "enforce-unjournaled" => b.enforce_unjournaled = true,
             _ => return None,
         }
         Some(b)
@@ -108,6 +111,7 @@ impl Bugs {
             b if b.ack_on_send => "ack-on-send",
             b if b.clock_beyond_margin => "clock-beyond-margin",
             b if b.ack_unkept => "ack-unkept",
+            b if b.enforce_unjournaled => "enforce-unjournaled",
             _ => "none",
         }
     }
@@ -354,6 +358,7 @@ impl World {
             a.bugs.ignore_expiry = bugs.ignore_expiry;
             a.bugs.ack_on_send = bugs.ack_on_send;
             a.bugs.ack_unkept = bugs.ack_unkept;
+            a.bugs.enforce_unjournaled = bugs.enforce_unjournaled;
             for t in tenants {
                 a.load.insert(TenantName::from_static(t), random_load(&mut rng, t));
             }

@@ -188,3 +188,13 @@ fn checker_catches_a_lease_acknowledged_before_the_cluster_keeps_it() {
     let f = caught(b, "epochs");
     assert!(f.violation.detail.contains("the standby starts from kept epoch"), "{f}");
 }
+
+/// An agent that enforces a lease while its journal write is still on the way (a slow
+/// disk), then dies before the write lands: restarted from that journal, it goes back
+/// to the older epoch.
+#[test]
+fn checker_catches_a_lease_enforced_before_the_journal_holds_it() {
+    let b = Bugs { enforce_unjournaled: true, ..Bugs::default() };
+    let f = caught(b, "epochs");
+    assert!(f.violation.detail.contains("went back from epoch"), "{f}");
+}

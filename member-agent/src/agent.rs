@@ -345,11 +345,8 @@ impl Agent {
                 .min(lease.duration_ms.saturating_sub(lease.margin_ms.saturating_mul(2)));
             let now = self.now_ms();
             let until = (left > 0).then(|| now.saturating_add(left));
-            let taken = self.take_lease(|held| {
-                let r = held.restore_anchored(lease.clone(), until);
-                tracing::info!(epoch = lease.epoch, enforceable_ms = left, outcome = ?r, writer = %kept.writer, "restored the lease kept in the cluster");
-                r
-            });
+            let taken = self.take_lease(|held| held.restore_anchored(lease.clone(), until), true);
+            tracing::info!(epoch = lease.epoch, enforceable_ms = left, held = self.state().lease.held_epoch(), writer = %kept.writer, "restored the lease kept in the cluster");
             if let Err(e) = taken {
                 // Enforced all the same; reports go on acknowledging the epoch the
                 // journal holds until a lease is written there.
@@ -603,28 +600,42 @@ impl Agent {
         // try the next one while a renewal can still arrive in time. (Half was too short
         // for a 3 s lease over links with 200 ms of delay: slow answers timed out.)
         self.client.set_call_timeout(std::time::Duration::from_millis(lease.duration_ms.saturating_sub(lease.margin_ms) * 2 / 3));
-        self.take_lease(|l| l.on_lease(lease, sent_ms))
+        self.take_lease(|l| l.on_lease(lease.clone(), sent_ms), false)
     }
 
-    /// Changes the lease held with `update` and, if it took the lease, writes what is now
-    /// held to the journal (fdatasync) after letting go of the admission state: reviews
-    /// go on being judged, under the lease just taken, while the disk syncs. The journal's
-    /// epoch is acknowledged only once it is written.
-    fn take_lease(&self, update: impl FnOnce(&mut AgentLease) -> kvota_fairness::lease::LeaseUpdate) -> Result<(), Status> {
+    /// Takes a lease: `update` decides on a copy of the lease state; if it takes the
+    /// lease, the lease is written to the journal (fdatasync) without the admission
+    /// state's lock, and only then enforced. Reviews meanwhile are judged under the lease
+    /// before it, never wait on the disk, and a process restarted from the journal never
+    /// finds an older epoch than one this process enforced (CONTRACT.md: an agent never
+    /// goes back to an older epoch). The journal's epoch is the newest a report
+    /// acknowledges. `kept_elsewhere`: the lease comes from the state kept in the cluster,
+    /// which a restart reads too, so it is enforced even if the journal cannot take it.
+    fn take_lease(&self, update: impl Fn(&mut AgentLease) -> kvota_fairness::lease::LeaseUpdate, kept_elsewhere: bool) -> Result<(), Status> {
         use kvota_fairness::lease::LeaseUpdate;
         let _one_at_a_time = self.adopting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let held = {
-            let mut s = self.state();
-            match update(&mut s.lease) {
-                LeaseUpdate::Adopted | LeaseUpdate::Renewed => s.lease.lease().cloned(),
-                LeaseUpdate::Stale | LeaseUpdate::Rejected => None,
-            }
+        let before = self.state().lease.clone();
+        let mut next = before.clone();
+        let held = match update(&mut next) {
+            LeaseUpdate::Adopted | LeaseUpdate::Renewed => next.lease().cloned(),
+            LeaseUpdate::Stale | LeaseUpdate::Rejected => None,
         };
-        if let Some(held) = held {
-            self.journal.save_lease(&held).map_err(journal_err)?;
+        let Some(held) = held else { return Ok(()) };
+        let saved = self.journal.save_lease(&held).map_err(journal_err);
+        if saved.is_ok() {
             self.journaled_epoch.store(held.epoch, std::sync::atomic::Ordering::SeqCst);
         }
-        Ok(())
+        if saved.is_ok() || kept_elsewhere {
+            let mut s = self.state();
+            // Only this function moves the lease, one call at a time; should anything
+            // else have moved it meanwhile, the update applies to what is there now.
+            if s.lease == before {
+                s.lease = next;
+            } else {
+                update(&mut s.lease);
+            }
+        }
+        saved
     }
 
     /// Registers the cluster (capacity) and adopts the answering lease.
@@ -815,10 +826,11 @@ mod tests {
     }
 
     /// Taking a lease writes it to the journal (an fdatasync) without holding the
-    /// admission state: reviews are judged, under the new lease, while the disk syncs;
-    /// and the new epoch is acknowledged only once the journal holds it.
+    /// admission state, then enforces it: reviews are judged, under the lease before it,
+    /// while the disk syncs; the new epoch is neither enforced nor acknowledged before
+    /// the journal holds it, so a restart never goes back to an older epoch.
     #[test]
-    fn a_lease_is_journaled_outside_the_admission_state_and_acknowledged_after() {
+    fn a_lease_is_journaled_outside_the_admission_state_then_enforced_and_acknowledged() {
         let dir = tempfile::tempdir().expect("tmp");
         let agent = Arc::new(Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open"));
         agent.adopt(Some(lease(1, 2_000)), agent.now_ms()).expect("first lease");
@@ -829,21 +841,20 @@ mod tests {
             let agent = Arc::clone(&agent);
             move || agent.adopt(Some(lease(2, 5_000)), agent.now_ms())
         });
-        // The new lease is enforced while its write waits on the disk ...
-        let deadline = Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            let budget = agent.state.try_lock().ok().map(|s| s.lease.budget("training", agent.now_ms()));
-            if budget == Some(5_000) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the admission state stayed locked or kept the old lease while the journal was held");
+        // While the write waits on the disk, reviews take the state's lock at once and
+        // find the lease before (the new one is not durable yet) ...
+        let deadline = Instant::now() + std::time::Duration::from_millis(300);
+        while Instant::now() < deadline {
+            let seen = agent.state.try_lock().ok().map(|s| (s.lease.held_epoch(), s.lease.budget("training", agent.now_ms())));
+            assert_eq!(seen, Some((1, 2_000)), "the admission state was locked, or held a lease its journal lacks");
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        // ... but not acknowledged: a restart from this journal would find epoch 1.
+        // ... and no report acknowledges the new epoch.
         assert_eq!(agent.acknowledges(), 1);
         assert!(!taking.is_finished());
         drop(slow_disk);
         taking.join().expect("no panic").expect("second lease");
+        assert_eq!(agent.state().lease.budget("training", agent.now_ms()), 5_000, "enforced once written");
         assert_eq!(agent.acknowledges(), 2);
         drop(agent);
         let again = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
