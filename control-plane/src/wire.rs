@@ -499,11 +499,13 @@ fn report_from(r: pb::LogReport, field: &str) -> Result<UsageReport, WireError> 
         tenants: r
             .tenants
             .into_iter()
-            .map(|(name, t)| {
-                let name = tenant_name(name, &format!("{field}.tenants"))?;
-                Ok((name, TenantReport { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: t.largest_pending_milli_gpue }))
+                        // A tenant that is no DNS label is dropped, as the log's JSON reader drops it
+            // (see `tenants_that_are_labels`): applying the report ignored it anyway.
+            .filter_map(|(name, t)| {
+                let name = TenantName::parse(name).ok()?;
+                Some((name, TenantReport { used_milli_gpue_ms: t.used_milli_gpue_ms, inuse: t.inuse_milli_gpue, pending: t.pending_milli_gpue, largest: t.largest_pending_milli_gpue }))
             })
-            .collect::<Result<_, WireError>>()?,
+            .collect(),
         evictions: r
             .evictions
             .into_iter()

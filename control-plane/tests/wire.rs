@@ -238,17 +238,23 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
         m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
     assert!(e.to_string().starts_with(&format!("entries[{at}].normal.commands[0].report.cluster: cluster name \"east.example\" is not valid")), "{e}");
-    let e = err(&|m| {
-        let mut b = normal(m, at);
-        for c in &mut b.commands {
-            if let Some(pb::log_command::Command::Report(r)) = &mut c.command {
-                let usage = r.tenants.values().next().cloned().unwrap_or_default();
-                r.tenants.insert("-training".into(), usage);
-            }
+    // A report's tenant that is no DNS label is dropped, not refused: builds before
+    // 2026-12-04 let `team-` into the log, and applying the report ignored it.
+    let mut m = good.clone();
+    let mut b = normal(&mut m, at);
+    for c in &mut b.commands {
+        if let Some(pb::log_command::Command::Report(r)) = &mut c.command {
+            let usage = r.tenants.values().next().cloned().unwrap_or_default();
+            r.tenants.insert("training-".into(), usage);
         }
-        m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
-    });
-    assert!(e.to_string().starts_with(&format!("entries[{at}].normal.commands[0].report.tenants: tenant name \"-training\" is not valid")), "{e}");
+    }
+    m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
+    let read = wire::append_from(m).expect("the entry is read");
+    let EntryPayload::Normal(req) = &read.entries[at].payload else { panic!("a normal entry") };
+    let Command::Report(r) = &req.commands[0] else { panic!("a report") };
+    let EntryPayload::Normal(want) = &full_log()[at].payload else { panic!("a normal entry") };
+    let Command::Report(want) = &want.commands[0] else { panic!("a report") };
+    assert_eq!(r.tenants, want.tenants, "the tenant that is no label is dropped, the others kept");
     let at = find(&good, &|c| matches!(c, pb::log_command::Command::RemoveCluster(_)));
     let e = err(&|m| {
         let mut b = normal(m, at);

@@ -298,11 +298,19 @@ pub struct PodDecision {
 impl PodDecision {
     /// Fit to keep: a `namespace/name` of DNS names, a tenant name, a bounded text.
     pub fn is_valid(&self) -> bool {
-        let pod_ok = self.pod.split_once('/').is_some_and(|(ns, name)| {
-            crate::names::is_dns_label(ns) && !name.is_empty() && name.len() <= 253 && name.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
-        });
+        let pod_ok = crate::names::PodKey::parse(self.pod.as_str()).is_ok_and(|k| !k.is_provisional());
         pod_ok && crate::names::is_dns_label(&self.tenant) && self.text.len() <= MAX_DECISION_TEXT
     }
+}
+
+/// Reads a report's tenants, keeping those whose name is a DNS label. Builds before
+/// 2026-12-04 let a member report a tenant named like `team-` (a looser check at the
+/// gRPC port) into the log; applying such a report ignored it, as no policy can name it.
+/// Dropping it when the entry is read leaves every replica in the state it reached
+/// then, where refusing it would stop a node replaying that log.
+pub fn tenants_that_are_labels<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<TenantName, TenantReport>, D::Error> {
+    let raw = BTreeMap::<String, TenantReport>::deserialize(d)?;
+    Ok(raw.into_iter().filter_map(|(name, r)| TenantName::parse(name).ok().map(|n| (n, r))).collect())
 }
 
 /// A member's usage report; its answer carries the cluster's lease.
@@ -316,7 +324,9 @@ pub struct UsageReport {
     pub held_epoch: u64,
     /// New capacity per resource (quantity milli), if it changed.
     pub capacity: Option<BTreeMap<String, u64>>,
-    /// Per-tenant numbers; tenants the policy does not know are ignored.
+    /// Per-tenant numbers; tenants the policy does not know are ignored. Decoding keeps
+    /// only names that are DNS labels ([`tenants_that_are_labels`]).
+    #[serde(deserialize_with = "tenants_that_are_labels")]
     pub tenants: BTreeMap<TenantName, TenantReport>,
     /// Evictions since the previous report (at most [`MAX_REPORT_EVICTIONS`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -1668,5 +1678,18 @@ mod grid_tests {
                 }
             }
         }
+    }
+
+    /// A stored report (a log entry's JSON, a journal record) whose tenant is no DNS
+    /// label, as builds before 2026-12-04 let into the log, is read without it: applying
+    /// it ignored that tenant, so every replica reaches the state it reached then.
+    #[test]
+    fn a_stored_report_reads_without_a_tenant_that_is_no_label() {
+        let json = r#"{"cluster":"east","seq":3,"held_epoch":1,"capacity":null,"tenants":{"team-":{"used_milli_gpue_ms":5,"inuse":1000,"pending":0},"training":{"used_milli_gpue_ms":7,"inuse":2000,"pending":0}}}"#;
+        let r: UsageReport = serde_json::from_str(json).expect("read");
+        assert_eq!(r.tenants.keys().map(TenantName::as_str).collect::<Vec<_>>(), ["training"]);
+        assert_eq!(r.tenants["training"].used_milli_gpue_ms, 7);
+        // The cluster's name is checked strictly: every build checked it.
+        assert!(serde_json::from_str::<UsageReport>(&json.replace("\"east\"", "\"east-\"")).is_err());
     }
 }

@@ -23,9 +23,9 @@ pub fn is_dns_label(s: &str) -> bool {
 
 /// A name that is not a DNS label, with what it was to name.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{what} name {name:?} is not valid: {rule}")]
+#[error("{what} {name:?} is not valid: {rule}")]
 pub struct NameError {
-    /// What the name was for ("tenant", "cluster", "pod").
+    /// What the name was for: "tenant name", "cluster name" or "pod key".
     pub what: &'static str,
     /// The name as given (at most its first 80 characters).
     pub name: String,
@@ -200,13 +200,13 @@ macro_rules! name_traits {
 label_name!(
     /// A tenant's name: a DNS label (see the module docs), as the policy names it.
     TenantName,
-    "tenant"
+    "tenant name"
 );
 
 label_name!(
     /// A member cluster's name: a DNS label (see the module docs), as it registers.
     ClusterName,
-    "cluster"
+    "cluster name"
 );
 
 /// Longest pod name (a DNS subdomain), in bytes.
@@ -250,7 +250,7 @@ impl PodKey {
         if ok {
             Ok(PodKey(key))
         } else {
-            Err(NameError { what: "pod", name: key.chars().take(80).collect(), rule: POD_KEY_RULE })
+            Err(NameError { what: "pod key", name: key.chars().take(80).collect(), rule: POD_KEY_RULE })
         }
     }
 
@@ -262,7 +262,7 @@ impl PodKey {
     /// The key of pod `name` in `namespace`.
     pub fn new(namespace: &str, name: &str) -> Result<PodKey, NameError> {
         if name.contains('*') {
-            return Err(NameError { what: "pod", name: format!("{namespace}/{name}").chars().take(80).collect(), rule: POD_KEY_RULE });
+            return Err(NameError { what: "pod key", name: format!("{namespace}/{name}").chars().take(80).collect(), rule: POD_KEY_RULE });
         }
         PodKey::checked(format!("{namespace}/{name}"))
     }
@@ -351,7 +351,7 @@ mod tests {
         assert_eq!(PodKey::parse("ml/job-*4f1c-9a"), Ok(p));
         for bad in ["", "ml", "/x", "ml/", "ML/x", "ml/X", "ml/a b", "ml/a/b", "ml/job-*", "ml/job-*UID", "ml/**a", &format!("ml/{}", "x".repeat(254))] {
             let e = PodKey::parse(bad).expect_err(bad);
-            assert_eq!(e.what, "pod");
+            assert_eq!(e.what, "pod key");
             assert!(e.to_string().contains("NAMESPACE/NAME"), "{e}");
         }
         assert!(PodKey::new("ml", "a*b").is_err(), "a name never holds '*'");

@@ -367,7 +367,9 @@ struct Create {
     uid: String,
     namespace: String,
     name: String,
-    key: PodKey,
+    /// `None`: the pod's name (or its `generateName` and the review's uid) makes no key
+    /// (see [`pod_key`]).
+    key: Option<PodKey>,
     dry_run: bool,
     pod: PodRequests,
     priority: i32,
@@ -482,7 +484,7 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
     }
     let object = req.get("object").ok_or_else(|| Malformed("CREATE without `object`".into()))?;
     let prefix = object.pointer("/metadata/generateName").and_then(Value::as_str).unwrap_or_default();
-    let key = pod_key(&namespace, &name, prefix, uid)?;
+    let key = pod_key(&namespace, &name, prefix, uid);
     let pod = PodRequests::Read(pod_resources(object)?);
     let priority = object
         .pointer("/spec/priority")
@@ -494,11 +496,13 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
 }
 
 /// The key of the pod a CREATE review is about: `namespace/name`, or, before the API
-/// server has named it (`generateName`), the provisional `namespace/prefix*uid`. The API
-/// server sends only names that follow the rule; anything else is a malformed review.
-fn pod_key(namespace: &str, name: &str, prefix: &str, uid: &str) -> Result<PodKey, Malformed> {
+/// server has named it (`generateName`), the provisional `namespace/prefix*uid`. `None`
+/// for a name Kubernetes does not accept: mutating admission runs before the API server
+/// validates the object, which then refuses the pod with its own clear message, so such
+/// a review is passed unjudged ([`judge`]), not answered as an error.
+fn pod_key(namespace: &str, name: &str, prefix: &str, uid: &str) -> Option<PodKey> {
     let key = if name.is_empty() { PodKey::provisional(namespace, prefix, uid) } else { PodKey::new(namespace, name) };
-    key.map_err(|e| Malformed(e.to_string()))
+    key.ok()
 }
 
 /// Judges a parsed review against the agent's state and records its effect (a
@@ -519,6 +523,13 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         // No policy yet: the agent enforces its (zero) budgets through `view`; without a
         // policy there are no tenants, so nothing is governed.
         return Answer::pass(uid, "kvota: no policy received yet; not judged");
+    };
+    let Some(key) = key else {
+        // The API server refuses such a pod itself, with its own message, once admission
+        // is done; nothing is reserved for it here.
+        let cut = |s: &str| s.chars().take(80).collect::<String>();
+        let shown = if name.is_empty() { "with a generated name".to_string() } else { format!("`{}`", cut(&name)) };
+        return Answer::pass(uid, format!("kvota: pod {shown} in namespace `{}` has a name Kubernetes does not accept; not judged", cut(&namespace)));
     };
     let gpue = match pod.counted() {
         Ok(r) => total_gpue_milli(r.iter().map(|(name, milli)| (name.as_str(), *milli)), &policy.resource_weights),

@@ -155,6 +155,28 @@ fn pods_without_gpus_and_other_kinds_pass_untouched() {
     assert!(st.effects.is_empty());
 }
 
+/// A pod whose name Kubernetes does not accept (mutating admission runs before the API
+/// server validates the object, which then refuses it with its own message) is passed
+/// unjudged on both endpoints, governed or not, and nothing is reserved for it.
+#[test]
+fn a_pod_whose_name_kubernetes_refuses_is_passed_unjudged() {
+    for (namespace, name) in [("default", "Train_0"), ("kube-system", "Foo"), ("Default", "nginx")] {
+        let mut doc = gpu_review("nvidia.com/gpu", "2");
+        doc["request"]["namespace"] = json!(namespace);
+        doc["request"]["name"] = json!(name);
+        doc["request"]["object"]["metadata"]["namespace"] = json!(namespace);
+        doc["request"]["object"]["metadata"]["name"] = json!(name);
+        for ep in [Endpoint::Validate, Endpoint::Mutate] {
+            let mut st = state(0, 0);
+            let (resp, outcome) = run(&doc, ep, &mut st);
+            assert_eq!((resp["allowed"].as_bool(), outcome), (Some(true), Outcome::Passed), "{namespace}/{name}: {resp}");
+            let msg = resp["status"]["message"].as_str().unwrap_or_default();
+            assert!(msg.contains("a name Kubernetes does not accept; not judged") && msg.contains(name), "{msg}");
+            assert!(resp.get("patch").is_none() && st.effects.is_empty(), "{namespace}/{name}: nothing gated or reserved");
+        }
+    }
+}
+
 #[test]
 fn queue_mode_gates_the_pod_with_a_json_patch() {
     let mut st = state(1_000, 1_000);

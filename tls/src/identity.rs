@@ -100,7 +100,7 @@ pub fn check_trust_domain(td: &str) -> Result<(), IdentityError> {
 pub fn check_name(role: Role, name: &str) -> Result<(), IdentityError> {
     let ok = match role {
         Role::Node => name.parse::<u64>().is_ok_and(|n| n > 0) && !name.starts_with('0') && !name.starts_with('+'),
-        Role::Cluster => kvota_fairness::names::ClusterName::parse(name).is_ok(),
+        Role::Cluster => kvota_fairness::names::is_dns_label(name),
         Role::Operator | Role::Viewer => {
             !name.is_empty()
                 && name.len() <= MAX_PERSON_NAME

@@ -104,8 +104,15 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
     let started = status.and_then(|s| s.get("startTime")).and_then(Value::as_str).and_then(parse_time);
     let since = if stage == PodStage::Bound { started.or(created) } else { created };
     let ran = run_interval(status, &node, stage, started);
-    // Kubernetes names follow the rule; a pod that does not is no pod the webhook saw.
-    let key = PodKey::new(&namespace, name).ok()?;
+    // Kubernetes names follow the rule; a pod that does not is no pod the webhook saw,
+    // and no real API server lists one.
+    let key = match PodKey::new(&namespace, name) {
+        Ok(k) => k,
+        Err(e) => {
+            tracing::warn!(error = %e, "a GPU pod whose name Kubernetes does not accept is left out of the inventory");
+            return None;
+        }
+    };
     Some(PodInfo {
         key,
         namespace,

@@ -82,10 +82,9 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
         // An unknown or missing operation is an error: the reference path words it.
         _ => return None,
     }
-    // A CREATE without an object, or whose object is null or has no spec, is an error;
-    // so is a pod key that breaks the rule (the reference path words both).
+    // A CREATE without an object, or whose object is null or has no spec, is an error.
     let spec = req.object?.and_then(|o| o.spec)?;
-    let key = super::pod_key(&namespace, &name, prefix, uid).ok()?;
+    let key = super::pod_key(&namespace, &name, prefix, uid);
     // A null spec is read as an empty pod, as the reference path reads it.
     let spec = spec.unwrap_or_default();
     let pod = PodRequests::Counted(Ok(spec.requests()));
