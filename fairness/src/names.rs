@@ -58,26 +58,6 @@ macro_rules! label_name {
             pub fn parse(name: impl Into<String>) -> Result<Self, NameError> {
                 checked($what, name.into()).map($name)
             }
-
-            /// A name written in the source. Panics if it is not a DNS label: for
-            /// literals only, never for input.
-            #[track_caller]
-            pub fn from_static(name: &'static str) -> Self {
-                match Self::parse(name) {
-                    Ok(n) => n,
-                    Err(e) => panic!("{e}"),
-                }
-            }
-
-            /// The name.
-            pub fn as_str(&self) -> &str {
-                &self.0
-            }
-
-            /// The name as a `String`.
-            pub fn into_string(self) -> String {
-                self.0
-            }
         }
 
         name_traits!($name);
@@ -88,6 +68,28 @@ macro_rules! label_name {
 /// one `String` field.
 macro_rules! name_traits {
     ($name:ident) => {
+        impl $name {
+            /// A name written in the source. Panics if it breaks the rule: for literals
+            /// only, never for input.
+            #[track_caller]
+            pub fn from_static(name: &'static str) -> Self {
+                match Self::parse(name) {
+                    Ok(n) => n,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+
+            /// The name as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            /// The name as a `String`.
+            pub fn into_string(self) -> String {
+                self.0
+            }
+        }
+
         impl std::ops::Deref for $name {
             type Target = str;
             fn deref(&self) -> &str {
@@ -273,15 +275,6 @@ impl PodKey {
         PodKey::checked(format!("{namespace}/{prefix}*{uid}"))
     }
 
-    /// A key written in the source. Panics if it breaks the rule: for literals only.
-    #[track_caller]
-    pub fn from_static(key: &'static str) -> PodKey {
-        match PodKey::parse(key) {
-            Ok(k) => k,
-            Err(e) => panic!("{e}"),
-        }
-    }
-
     /// The namespace.
     pub fn namespace(&self) -> &str {
         self.0.split_once('/').map_or("", |(ns, _)| ns)
@@ -295,16 +288,6 @@ impl PodKey {
     /// Whether this is a provisional key (a pod the API server had not named yet).
     pub fn is_provisional(&self) -> bool {
         self.name().contains('*')
-    }
-
-    /// The key.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// The key as a `String`.
-    pub fn into_string(self) -> String {
-        self.0
     }
 }
 
