@@ -417,12 +417,7 @@ async fn report_with_largest(c: &Client, seq: u64, epoch: u64) {
         tenants: vec![v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: 0, inuse_milli_gpue: 0, pending_milli_gpue: 6_000, largest_pending_milli_gpue: 4_000 }],
         ..Default::default()
     };
-    c.call(|ch| {
-        let r = r.clone();
-        async move { Ok(Client::member(ch).report(r).await?.into_inner()) }
-    })
-    .await
-    .expect("report");
+    kvota_testkit::send_report(c, &r).await.expect("report");
 }
 
 /// The largest waiting pod of each tenant in `east`'s reports, in the order the node's

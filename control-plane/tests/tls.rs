@@ -48,11 +48,7 @@ async fn report(c: &Client, cluster: &str, seq: u64, held: u64) -> Result<v1::Re
         tenants: vec![v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: 1_000, inuse_milli_gpue: 1_000, pending_milli_gpue: 0, largest_pending_milli_gpue: 0 }],
         ..Default::default()
     };
-    c.call(|ch| {
-        let req = req.clone();
-        async move { Ok(Client::member(ch).report(req).await?.into_inner()) }
-    })
-    .await
+    kvota_testkit::send_report(c, &req).await
 }
 
 async fn status(c: &Client) -> Result<v1::StatusReply, tonic::Status> {

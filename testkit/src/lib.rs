@@ -336,12 +336,16 @@ pub async fn report_usage(c: &kvota_client::client::Client, cluster: &str, seq: 
         window_start_ms: window.0,
         window_end_ms: window.1,
     };
+    send_report(c, &report).await.expect("report");
+}
+
+/// Sends `report` through the member service, as an agent does.
+pub async fn send_report(c: &kvota_client::client::Client, report: &kvota_proto::v1::ReportRequest) -> Result<kvota_proto::v1::ReportReply, tonic::Status> {
     c.call(|ch| {
         let r = report.clone();
         async move { Ok(kvota_client::client::Client::member(ch).report(r).await?.into_inner()) }
     })
     .await
-    .expect("report");
 }
 
 /// A connector that verifies servers as `party` does (its CA, node identities) but
