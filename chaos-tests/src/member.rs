@@ -461,7 +461,8 @@ impl SimAgent {
     /// Takes a lease: `update` decides on a copy; a lease taken is written to the
     /// journal (at once, or after the disk delay) and only then enforced.
     fn take_lease(&mut self, h: Millis, update: impl FnOnce(&mut AgentLease) -> LeaseUpdate) -> LeaseUpdate {
-        let mut next = self.state.lease.clone();
+        // From the lease being written, if any: it is what the next one follows.
+        let mut next = self.saving_lease.as_ref().map_or_else(|| self.state.lease.clone(), |(l, _)| l.clone());
         let r = update(&mut next);
         if matches!(r, LeaseUpdate::Adopted | LeaseUpdate::Renewed) {
             if self.bugs.enforce_unjournaled {
@@ -522,6 +523,11 @@ impl SimAgent {
     }
 
     fn send_next(&mut self, h: Millis, net: &mut Net<Msg>, real_ms: u64) {
+        self.settle_lease(h);
+        if self.saving_lease.is_some() {
+            // The report loop is still writing the last lease to the journal.
+            return;
+        }
         let command = if !self.registered {
             Command::RegisterCluster { cluster: self.id.clone(), capacity: self.sim.capacity_milli(), labels: BTreeMap::new() }
         } else {
@@ -708,13 +714,12 @@ impl SimAgent {
         let Some(l) = k.lease else { return };
         self.kept_epoch = self.kept_epoch.max(l.epoch);
         let until = k.usable_until.map(|u| u.saturating_sub(l.margin_ms)).filter(|u| *u > h);
-        // Taken from the kept state, which a restart reads too: enforced at once, and
-        // written to the journal as well.
+        // Taken from the kept state: the real agent writes it to the journal and then
+        // enforces it, before its webhook serves; here that start is one instant.
         let mut next = self.state.lease.clone();
         if matches!(next.restore_anchored(l.clone(), until), LeaseUpdate::Adopted | LeaseUpdate::Renewed) {
-            self.saving_lease = Some((next.clone(), h + self.disk_delay_ms));
+            self.saved_lease = next.lease().cloned();
             self.state.lease = next;
-            self.settle_lease(h);
         }
         if until.is_some() && self.state.lease.held_epoch() == l.epoch {
             for (t, b) in &l.budgets {

@@ -499,7 +499,7 @@ fn report_from(r: pb::LogReport, field: &str) -> Result<UsageReport, WireError> 
         tenants: r
             .tenants
             .into_iter()
-                        // A tenant that is no DNS label is dropped, as the log's JSON reader drops it
+            // A tenant that is no DNS label is dropped, as the log's JSON reader drops it
             // (see `tenants_that_are_labels`): applying the report ignored it anyway.
             .filter_map(|(name, t)| {
                 let name = TenantName::parse(name).ok()?;

@@ -610,7 +610,10 @@ impl Agent {
     /// finds an older epoch than one this process enforced (CONTRACT.md: an agent never
     /// goes back to an older epoch). The journal's epoch is the newest a report
     /// acknowledges. `kept_elsewhere`: the lease comes from the state kept in the cluster,
-    /// which a restart reads too, so it is enforced even if the journal cannot take it.
+    /// so it is enforced even if the journal cannot take it (each report round writes it
+    /// again until the journal holds it, [`Agent::rejournal`]: a restart that cannot read
+    /// the kept state must not find an older epoch for long). A renewal of an epoch the
+    /// journal holds is enforced even if its write fails.
     fn take_lease(&self, update: impl Fn(&mut AgentLease) -> kvota_fairness::lease::LeaseUpdate, kept_elsewhere: bool) -> Result<(), Status> {
         use kvota_fairness::lease::LeaseUpdate;
         let _one_at_a_time = self.adopting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -625,7 +628,8 @@ impl Agent {
         if saved.is_ok() {
             self.journaled_epoch.store(held.epoch, std::sync::atomic::Ordering::SeqCst);
         }
-        if saved.is_ok() || kept_elsewhere {
+        let journal_has_it = self.journaled_epoch.load(std::sync::atomic::Ordering::SeqCst) >= held.epoch;
+        if saved.is_ok() || kept_elsewhere || journal_has_it {
             let mut s = self.state();
             // Only this function moves the lease, one call at a time; should anything
             // else have moved it meanwhile, the update applies to what is there now.
@@ -682,7 +686,23 @@ impl Agent {
         result
     }
 
+    /// Writes the lease held to the journal if the journal holds an older epoch (a lease
+    /// restored from the kept state whose write failed).
+    fn rejournal(&self) {
+        let _one_at_a_time = self.adopting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let held = self.state().lease.lease().cloned();
+        let Some(held) = held else { return };
+        if self.journaled_epoch.load(std::sync::atomic::Ordering::SeqCst) >= held.epoch {
+            return;
+        }
+        match self.journal.save_lease(&held) {
+            Ok(()) => self.journaled_epoch.store(held.epoch, std::sync::atomic::Ordering::SeqCst),
+            Err(e) => tracing::warn!(epoch = held.epoch, error = %e, "the lease enforced is still not in the journal; retrying next round"),
+        }
+    }
+
     async fn report_round(&self, span: &tracing::Span) -> Result<(), Status> {
+        self.rejournal();
         if !self.settle_takeover().await {
             return Err(Status::unavailable(
                 "the first report waits for the agent's first listing of the cluster's pods and for the policy",
@@ -859,6 +879,38 @@ mod tests {
         drop(agent);
         let again = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
         assert_eq!(again.state().lease.held_epoch(), 2, "the journal holds the lease taken");
+    }
+
+    /// When the journal cannot take a lease: one from the control plane is neither
+    /// enforced nor acknowledged; one restored from the kept state is enforced (the kept
+    /// state has it) but acknowledged only once a report round has written it to the
+    /// journal; a renewal of an epoch the journal holds is enforced.
+    #[test]
+    fn a_lease_the_journal_cannot_take_is_enforced_only_where_a_restart_finds_it() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open");
+        agent.adopt(Some(lease(1, 2_000)), agent.now_ms()).expect("first lease");
+        agent.journal.fail_lease_writes(true);
+        assert!(agent.adopt(Some(lease(2, 5_000)), agent.now_ms()).is_err(), "the write failed");
+        let held = agent.state().lease.held_epoch();
+        assert_eq!((held, agent.acknowledges()), (1, 1), "not enforced, not acknowledged");
+        // The same epoch renewed: the journal has it, so the renewal holds.
+        assert!(agent.adopt(Some(lease(1, 2_000)), agent.now_ms()).is_err());
+        assert_eq!(agent.state().lease.held_epoch(), 1);
+        // From the kept state: enforced, not acknowledged until it is journaled.
+        let kept = Lease::try_from(lease(3, 6_000)).expect("lease");
+        let until = agent.now_ms() + 30_000;
+        assert!(agent.take_lease(|l| l.restore_anchored(kept.clone(), Some(until)), true).is_err());
+        let held = agent.state().lease.held_epoch();
+        assert_eq!((held, agent.acknowledges()), (3, 1));
+        agent.rejournal();
+        assert_eq!(agent.acknowledges(), 1, "still failing");
+        agent.journal.fail_lease_writes(false);
+        agent.rejournal();
+        assert_eq!(agent.acknowledges(), 3, "written by the next round");
+        drop(agent);
+        let again = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
+        assert_eq!(again.state().lease.held_epoch(), 3);
     }
 
     /// A lease refused (the same epoch with other budgets) is neither held nor written.

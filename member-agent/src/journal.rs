@@ -142,6 +142,9 @@ struct Inner {
 pub struct Journal {
     inner: Arc<Mutex<Inner>>,
     opened: Opened,
+    /// Tests: lease writes fail as on a full disk.
+    #[cfg(test)]
+    fail_lease_writes: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Journal {
@@ -415,7 +418,12 @@ impl Journal {
             }
         }
         inner.live = inner.len;
-        Ok(Journal { inner: Arc::new(Mutex::new(inner)), opened })
+        Ok(Journal {
+            inner: Arc::new(Mutex::new(inner)),
+            opened,
+            #[cfg(test)]
+            fail_lease_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        })
     }
 
     /// Whether directory `dir` holds a journal file of this format (a new agent's
@@ -536,8 +544,18 @@ impl Journal {
         g.maybe_compact()
     }
 
+    /// Tests: lease writes fail (`true`) as on a full disk, or work again.
+    #[cfg(test)]
+    pub(crate) fn fail_lease_writes(&self, fail: bool) {
+        self.fail_lease_writes.store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Keeps the lease last received (fdatasync), for a restart.
     pub fn save_lease(&self, lease: &Lease) -> Result<(), JournalError> {
+        #[cfg(test)]
+        if self.fail_lease_writes.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(JournalError::Io { what: "write the lease", path: PathBuf::from("(test)"), source: std::io::Error::other("no space left on device") });
+        }
         let mut g = self.lock();
         let payload = serde_json::to_vec(lease).map_err(|e| corrupt("lease", e.to_string()))?;
         let bytes = frame(KIND_LEASE, &payload)?;

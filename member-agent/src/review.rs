@@ -524,21 +524,16 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         // policy there are no tenants, so nothing is governed.
         return Answer::pass(uid, "kvota: no policy received yet; not judged");
     };
-    let Some(key) = key else {
-        // The API server refuses such a pod itself, with its own message, once admission
-        // is done; nothing is reserved for it here.
-        let cut = |s: &str| s.chars().take(80).collect::<String>();
-        let shown = if name.is_empty() { "with a generated name".to_string() } else { format!("`{}`", cut(&name)) };
-        return Answer::pass(uid, format!("kvota: pod {shown} in namespace `{}` has a name Kubernetes does not accept; not judged", cut(&namespace)));
-    };
     let gpue = match pod.counted() {
         Ok(r) => total_gpue_milli(r.iter().map(|(name, milli)| (name.as_str(), *milli)), &policy.resource_weights),
         // Rare (Kubernetes validates quantities first): written here, under the lock.
         Err(e) => return Answer(AnswerKind::Written(error_reply(&uid, &format!("pod resources: {e}")))),
     };
+    let cut = |s: &str| s.chars().take(80).collect::<String>();
+    let shown = if name.is_empty() { format!("in namespace `{}` with a generated name", cut(&namespace)) } else { format!("{}/{}", cut(&namespace), cut(&name)) };
     if gpue > MAX_POD_GPUE_MILLI {
         let msg = format!(
-            "kvota: pod {key} requests {} GPUe; kvota accounts for at most {} GPUe in one pod",
+            "kvota: pod {shown} requests {} GPUe; kvota accounts for at most {} GPUe in one pod",
             kvota_fairness::units::format_gpue(gpue),
             kvota_fairness::units::format_gpue(MAX_POD_GPUE_MILLI)
         );
@@ -560,6 +555,13 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
         return Answer::verdict(uid, true, 200, msg, None, Some(tenant), Outcome::Passed, gpue);
     }
+    let Some(key) = key else {
+        // A governed GPU pod kvota cannot account for. The API server would refuse its
+        // name after admission; should something rename it first (a later mutating
+        // webhook), it must not be let in unjudged.
+        let msg = format!("kvota: pod {shown} has a name Kubernetes does not accept (pod names: {}); refused", kvota_fairness::names::POD_KEY_RULE);
+        return Answer::verdict(uid, false, 403, msg, None, Some(tenant), Outcome::Denied, gpue);
+    };
     let gate = if has_gates { Gate::Append } else { Gate::New };
     if let Some(why) = state.held() {
         return match mode {

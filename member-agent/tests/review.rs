@@ -156,25 +156,39 @@ fn pods_without_gpus_and_other_kinds_pass_untouched() {
 }
 
 /// A pod whose name Kubernetes does not accept (mutating admission runs before the API
-/// server validates the object, which then refuses it with its own message) is passed
-/// unjudged on both endpoints, governed or not, and nothing is reserved for it.
+/// server validates the object, which then refuses it with its own message) makes no
+/// pod key: outside governed namespaces it passes as any pod there does; a governed GPU
+/// pod kvota cannot account for is refused on its tenant's endpoint, never let in
+/// unjudged, and nothing is reserved or counted for it.
 #[test]
-fn a_pod_whose_name_kubernetes_refuses_is_passed_unjudged() {
-    for (namespace, name) in [("default", "Train_0"), ("kube-system", "Foo"), ("Default", "nginx")] {
+fn a_pod_whose_name_kubernetes_refuses_is_never_let_in_unjudged() {
+    let review_of = |namespace: &str, name: &str| {
         let mut doc = gpu_review("nvidia.com/gpu", "2");
         doc["request"]["namespace"] = json!(namespace);
         doc["request"]["name"] = json!(name);
         doc["request"]["object"]["metadata"]["namespace"] = json!(namespace);
         doc["request"]["object"]["metadata"]["name"] = json!(name);
+        doc
+    };
+    // Ungoverned namespaces (one not even a valid name): passed, untouched.
+    for (namespace, name) in [("kube-system", "Foo"), ("Default", "nginx")] {
         for ep in [Endpoint::Validate, Endpoint::Mutate] {
-            let mut st = state(0, 0);
-            let (resp, outcome) = run(&doc, ep, &mut st);
+            let mut st = state(4_000, 0);
+            let (resp, outcome) = run(&review_of(namespace, name), ep, &mut st);
             assert_eq!((resp["allowed"].as_bool(), outcome), (Some(true), Outcome::Passed), "{namespace}/{name}: {resp}");
-            let msg = resp["status"]["message"].as_str().unwrap_or_default();
-            assert!(msg.contains("a name Kubernetes does not accept; not judged") && msg.contains(name), "{msg}");
             assert!(resp.get("patch").is_none() && st.effects.is_empty(), "{namespace}/{name}: nothing gated or reserved");
         }
     }
+    // Training's namespace, within its budget: refused on its endpoint, not judged on the other.
+    let mut st = state(4_000, 0);
+    let (resp, outcome) = run(&review_of("default", "Train_0"), Endpoint::Validate, &mut st);
+    assert_eq!((resp["allowed"].as_bool(), outcome), (Some(false), Outcome::Denied), "{resp}");
+    let msg = resp["status"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("default/Train_0 has a name Kubernetes does not accept") && msg.contains("NAMESPACE/NAME"), "{msg}");
+    assert!(st.effects.is_empty(), "nothing reserved or counted as demand: {:?}", st.effects);
+    let (resp, outcome) = run(&review_of("default", "Train_0"), Endpoint::Mutate, &mut st);
+    assert_eq!((resp["allowed"].as_bool(), outcome), (Some(true), Outcome::Passed), "{resp}");
+    assert!(resp.get("patch").is_none() && st.effects.is_empty());
 }
 
 #[test]
