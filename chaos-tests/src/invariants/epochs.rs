@@ -6,8 +6,12 @@
 //! A standby that takes over has none of that disk: it starts from the state the
 //! leader kept in the cluster (or from nothing, if that is unreadable). Its epochs only
 //! move forward from there, and what it starts from is never a lease the control plane
-//! stopped counting: the kept epoch is at least the highest epoch the control plane saw
-//! acknowledged (reports acknowledge no newer lease than the kept state holds).
+//! stopped counting: a kept lease's epoch is at least the highest epoch the control
+//! plane saw acknowledged (reports acknowledge no newer lease than the kept state
+//! holds). A kept state with no lease at all (a process that took over from an
+//! unreadable state keeps what it holds: nothing, until the control plane answers) is
+//! no such lease: a standby starting from it admits no governed pod until it hears
+//! from the control plane.
 
 use super::{fail, Violation};
 use crate::world::World;
@@ -30,8 +34,8 @@ pub fn check(w: &World, last: &mut [(u64, u64)]) -> Result<(), Violation> {
         if a.takeovers > *takeovers {
             *takeovers = a.takeovers;
             let acked = w.oracle.fed.clusters().get(&a.id).map_or(0, |r| r.leases.acked_epoch);
-            let kept = a.kept.as_ref().and_then(|k| k.lease_epoch()).unwrap_or(0);
-            if kept < acked {
+            let kept = a.kept.as_ref().and_then(|k| k.lease_epoch());
+            if let Some(kept) = kept.filter(|k| *k < acked) {
                 return fail(NAME, w.now_ms, format!("{}: the standby starts from kept epoch {kept}, older than epoch {acked} the control plane saw acknowledged", a.id));
             }
             *prev = e;
