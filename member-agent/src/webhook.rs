@@ -455,6 +455,70 @@ mod tests {
         (dir, WebhookCtx::new(Arc::new(agent), AgentMetrics::new()))
     }
 
+    /// At most [`MAX_HELD`] first denials are held at once: with every slot taken by a
+    /// review waiting for a report round that never comes, the next first denials are
+    /// answered at once (counted as `full`), and the held ones get their denial when the
+    /// hold runs out (counted as `timeout`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_more_than_max_held_reviews_are_held_at_once() {
+        use kvota_fairness::lease::{Lease, TenantBudget};
+        use kvota_fairness::names::TenantName;
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Arc::new(
+            Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), dir.path(), &["127.0.0.1:9".to_string()]).expect("agent"),
+        );
+        {
+            let mut st = agent.state();
+            let policy = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: training, weight: 1, namespaces: [ml]}\n";
+            st.set_policy(kvota_fairness::policy::Policy::from_yaml(policy).expect("policy"));
+            let budgets = [(TenantName::from_static("training"), TenantBudget { budget: 1_000, fallback: 0, entitlement: 1_000, borrow: 0, ceiling: 0 })].into();
+            let now = st.now_ms();
+            st.lease.on_lease(Lease { cluster: ClusterName::from_static("east"), epoch: 1, duration_ms: 600_000, margin_ms: 1_000, issued_at_ms: 0, budgets }, now);
+        }
+        // Reports seem to flow, but no round ever completes: every held review times out.
+        agent.pretend_reports_flow();
+        let ctx = WebhookCtx::new(agent, AgentMetrics::new());
+        let hold = Duration::from_millis(1_500);
+        ctx.set_admission_hold(hold);
+        let app = router(ctx);
+        let extra = 12;
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..MAX_HELD + extra {
+            let review = serde_json::json!({
+                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "request": {"uid": format!("u{i}"), "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                    "resource": {"group": "", "version": "v1", "resource": "pods"}, "namespace": "ml", "name": format!("p{i}"), "operation": "CREATE",
+                    "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": format!("p{i}"), "namespace": "ml"},
+                        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}
+            });
+            let req = axum::http::Request::post("/validate").header("content-type", "application/json").body(Body::from(review.to_string())).expect("request");
+            let app = app.clone();
+            calls.spawn(async move {
+                let started = Instant::now();
+                let resp = tower::ServiceExt::oneshot(app, req).await.expect("infallible");
+                let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.expect("body");
+                let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+                (v["response"]["allowed"] == false, started.elapsed())
+            });
+        }
+        let (mut held, mut at_once) = (0, 0);
+        while let Some(r) = calls.join_next().await {
+            let (denied, took) = r.expect("task");
+            assert!(denied, "a 2-GPU pod over a 1-GPU budget is denied");
+            if took >= hold - Duration::from_millis(100) {
+                held += 1;
+            } else {
+                at_once += 1;
+            }
+        }
+        assert_eq!((held, at_once), (MAX_HELD, extra), "held for the round, answered at once");
+        let req = axum::http::Request::get("/metrics").body(Body::empty()).expect("request");
+        let resp = tower::ServiceExt::oneshot(app, req).await.expect("infallible");
+        let m = String::from_utf8_lossy(&axum::body::to_bytes(resp.into_body(), 1 << 20).await.expect("body")).to_string();
+        assert!(m.contains(&format!("kvota_agent_admission_holds_total{{reason=\"full\"}} {extra}")), "{m}");
+        assert!(m.contains(&format!("kvota_agent_admission_holds_total{{reason=\"timeout\"}} {MAX_HELD}")), "{m}");
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
         /// Any path and query string on the read routes: a status code, never a panic;
