@@ -124,6 +124,9 @@ pub struct Agent {
     /// (a process restarted from this journal must never find an older lease than the
     /// one the control plane was told it holds).
     journaled_epoch: std::sync::atomic::AtomicU64,
+    /// Notes a report round took for a report the journal then refused (a full disk):
+    /// the next round carries them first.
+    unwritten_notes: Mutex<(Vec<kvota_fairness::federation::EvictionNote>, Vec<kvota_fairness::federation::PodDecision>)>,
 }
 
 
@@ -188,6 +191,7 @@ impl Agent {
             rounds_done: tokio::sync::watch::Sender::new(0),
             last_round_ok: std::sync::atomic::AtomicBool::new(false),
             adopting: Mutex::new(()),
+            unwritten_notes: Mutex::new((Vec::new(), Vec::new())),
             journaled_epoch: std::sync::atomic::AtomicU64::new(journaled_epoch),
         })
     }
@@ -722,28 +726,41 @@ impl Agent {
             let mut start = self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let window = UsageWindow { start_ms: *start, end_ms: end };
             *start = end;
-            (
-                round,
-                self.acknowledged_epoch(s.lease.held_epoch()),
-                s.take_usage(),
-                s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS),
-                s.take_decision_notes(kvota_fairness::federation::MAX_REPORT_DECISIONS),
-                window,
-            )
+            // Notes a refused write left behind go first.
+            let (mut evictions, mut decisions) = std::mem::take(&mut *self.unwritten_notes.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            evictions.extend(s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS.saturating_sub(evictions.len())));
+            decisions.extend(s.take_decision_notes(kvota_fairness::federation::MAX_REPORT_DECISIONS.saturating_sub(decisions.len())));
+            (round, self.acknowledged_epoch(s.lease.held_epoch()), s.take_usage(), evictions, decisions, window)
         };
-        let written = self
-            .journal
-            .write(|seq| UsageReport {
-                cluster: self.cluster.clone(),
-                seq,
-                held_epoch: held,
-                capacity: self.capacity_changed.swap(false, std::sync::atomic::Ordering::SeqCst).then(|| self.capacity()),
-                tenants,
-                evictions,
-                decisions,
-                window: Some(window),
-            })
-            .map_err(journal_err)?;
+        let capacity = self.capacity_changed.swap(false, std::sync::atomic::Ordering::SeqCst).then(|| self.capacity());
+        let taken: BTreeMap<TenantName, u64> = tenants.iter().map(|(t, r)| (t.clone(), r.used_milli_gpue_ms)).collect();
+        let notes = (evictions.clone(), decisions.clone());
+        let written = match self.journal.write(|seq| UsageReport {
+            cluster: self.cluster.clone(),
+            seq,
+            held_epoch: held,
+            capacity: capacity.clone(),
+            tenants,
+            evictions,
+            decisions,
+            window: Some(window),
+        }) {
+            Ok(w) => w,
+            Err(e) => {
+                // Nothing taken for the report is lost: the next round carries it.
+                self.state().add_usage(&taken);
+                let mut start = self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if *start == window.end_ms {
+                    *start = window.start_ms;
+                }
+                if capacity.is_some() {
+                    self.capacity_changed.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+                *self.unwritten_notes.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = notes;
+                tracing::warn!(error = %e, "the usage journal refused this round's report; its usage stays metered for the next round");
+                return Err(journal_err(e));
+            }
+        };
         span.record("seq", written.seq);
         {
             let mut w = self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -886,6 +903,46 @@ mod tests {
         drop(agent);
         let again = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("reopen");
         assert_eq!(again.state().lease.held_epoch(), 2, "the journal holds the lease taken");
+    }
+
+    /// A report the journal refuses (a full disk) loses nothing the round took for it:
+    /// the usage, the window it covers, a capacity change and the decision notes all go
+    /// into the next round's report.
+    #[tokio::test]
+    async fn a_report_the_journal_refuses_loses_nothing_it_took() {
+        use crate::review::AdmissionState as _;
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open");
+        let training = TenantName::from_static("training");
+        {
+            let mut st = agent.state();
+            let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: training, weight: 1, namespaces: [ml]}\n";
+            st.set_policy(Policy::from_yaml(yaml).expect("policy"));
+            st.add_usage(&[(training.clone(), 5_000)].into());
+            let pod = kvota_fairness::admission::PodRequest { namespace: "ml".into(), name: "p".into(), gpue: 1_000 };
+            let view = st.view("training");
+            let decision = kvota_fairness::admission::decide(&pod, &view);
+            st.remember(&kvota_fairness::names::PodKey::new("ml", "p").expect("key"), &pod, &view, &decision);
+        }
+        agent.set_capacity([("nvidia.com/gpu".to_string(), 16_000)].into());
+        let start = *agent.window_start.lock().expect("lock");
+        agent.journal.fail_report_writes(true);
+        let e = agent.report_once().await.expect_err("the journal refuses the report");
+        assert!(e.message().contains("no space left"), "{e}");
+        assert_eq!(agent.state().usage_so_far().get(&training), Some(&5_000), "usage put back");
+        assert_eq!(*agent.window_start.lock().expect("lock"), start, "the window not moved on");
+        assert_eq!(agent.journal.unacked(10).expect("unacked").len(), 0);
+
+        agent.state().add_usage(&[(training.clone(), 1_000)].into());
+        agent.journal.fail_report_writes(false);
+        let _ = agent.report_once().await; // no control plane: written, not delivered
+        let written = agent.journal.unacked(10).expect("unacked");
+        assert_eq!(written.len(), 1);
+        let r = &written[0];
+        assert_eq!(r.tenants.get(&training).map(|t| t.used_milli_gpue_ms), Some(6_000));
+        assert_eq!(r.window.map(|w| w.start_ms), Some(start));
+        assert_eq!(r.capacity.as_ref().and_then(|c| c.get("nvidia.com/gpu")), Some(&16_000));
+        assert_eq!(r.decisions.iter().map(|d| d.pod.as_str()).collect::<Vec<_>>(), ["ml/p"]);
     }
 
     /// When the journal cannot take a lease: one from the control plane is neither

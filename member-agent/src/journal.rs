@@ -145,6 +145,9 @@ pub struct Journal {
     /// Tests: lease writes fail as on a full disk.
     #[cfg(test)]
     fail_lease_writes: Arc<std::sync::atomic::AtomicBool>,
+    /// Tests: report writes fail as on a full disk.
+    #[cfg(test)]
+    fail_report_writes: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Journal {
@@ -423,6 +426,8 @@ impl Journal {
             opened,
             #[cfg(test)]
             fail_lease_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            #[cfg(test)]
+            fail_report_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 
@@ -488,6 +493,10 @@ impl Journal {
         report.seq = seq;
         let payload = serde_json::to_vec(&report).map_err(|e| corrupt("report", e.to_string()))?;
         let bytes = frame(KIND_REPORT, &payload)?;
+        #[cfg(test)]
+        if self.fail_report_writes.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(JournalError::Io { what: "write a report", path: PathBuf::from("(test)"), source: std::io::Error::other("no space left on device") });
+        }
         let at = g.append(&bytes, true)?;
         g.index.insert(seq, (at + RECORD_HEAD as u64, u32::try_from(payload.len()).unwrap_or(u32::MAX)));
         g.last_seq = seq;
@@ -548,6 +557,12 @@ impl Journal {
     #[cfg(test)]
     pub(crate) fn fail_lease_writes(&self, fail: bool) {
         self.fail_lease_writes.store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Tests: report writes fail (`true`) as on a full disk, or work again.
+    #[cfg(test)]
+    pub(crate) fn fail_report_writes(&self, fail: bool) {
+        self.fail_report_writes.store(fail, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Keeps the lease last received (fdatasync), for a restart.
