@@ -78,6 +78,9 @@ pub struct AgentBugs {
     pub ack_unkept: bool,
     /// A lease taken is enforced at once, while its journal write is on the way.
     pub enforce_unjournaled: bool,
+    /// The usage taken for a report the journal refuses is dropped (as the agent did
+    /// before it gave it back).
+    pub drop_refused_report: bool,
 }
 
 /// An admission that happened in a step (for the admission invariant).
@@ -190,6 +193,8 @@ pub struct SimAgent {
     pub store_down: bool,
     /// The kept state is unreadable at the next restart.
     pub kept_corrupt: bool,
+    /// The journal's disk is full: report and lease writes fail.
+    pub disk_full: bool,
     /// A standby took over: a duplicate answer means "follow the control plane's
     /// sequence" until a report of ours is applied.
     renumber_pending: bool,
@@ -247,6 +252,7 @@ impl SimAgent {
             kept_epoch: 0,
             store_down: false,
             kept_corrupt: false,
+            disk_full: false,
             renumber_pending: false,
             lost: Vec::new(),
             takeovers: 0,
@@ -468,6 +474,14 @@ impl SimAgent {
             if self.bugs.enforce_unjournaled {
                 self.state.lease = next.clone();
             }
+            if self.disk_full {
+                // The write fails: only a renewal of an epoch the journal holds is
+                // enforced (a restart finds that epoch), and nothing is acknowledged.
+                if self.journaled_epoch() >= next.held_epoch() && self.saving_lease.is_none() {
+                    self.state.lease = next;
+                }
+                return r;
+            }
             self.saving_lease = Some((next, h + self.disk_delay_ms));
             self.settle_lease(h);
         }
@@ -485,7 +499,20 @@ impl SimAgent {
             // The report loop is still writing the last lease to the journal.
             return;
         }
+        // A lease restored from the kept state that the journal could not take is
+        // written again each round (`Agent::rejournal`).
+        if !self.disk_full && self.state.lease.held_epoch() > self.journaled_epoch() {
+            self.saved_lease = self.state.lease.lease().cloned();
+        }
         self.persist();
+        if self.registered && self.disk_full {
+            // The journal refuses the report: the round ends there, and the usage stays
+            // metered for the next one (`Agent::report_round`).
+            if self.bugs.drop_refused_report {
+                let _ = self.state.take_usage();
+            }
+            return;
+        }
         if self.registered {
             let tenants = self.state.take_usage();
             for (t, r) in &tenants {
@@ -716,9 +743,12 @@ impl SimAgent {
         let until = k.usable_until.map(|u| u.saturating_sub(l.margin_ms)).filter(|u| *u > h);
         // Taken from the kept state: the real agent writes it to the journal and then
         // enforces it, before its webhook serves; here that start is one instant.
+        // Enforced even if the journal cannot take it (the kept state has it).
         let mut next = self.state.lease.clone();
         if matches!(next.restore_anchored(l.clone(), until), LeaseUpdate::Adopted | LeaseUpdate::Renewed) {
-            self.saved_lease = next.lease().cloned();
+            if !self.disk_full {
+                self.saved_lease = next.lease().cloned();
+            }
             self.state.lease = next;
         }
         if until.is_some() && self.state.lease.held_epoch() == l.epoch {

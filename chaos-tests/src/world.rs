@@ -82,6 +82,8 @@ pub struct Bugs {
     pub ack_unkept: bool,
     /// Agents enforce a lease before their journal holds it.
     pub enforce_unjournaled: bool,
+    /// Agents drop the usage of a report their journal refuses (a full disk).
+    pub drop_refused_report: bool,
 }
 
 impl Bugs {
@@ -97,6 +99,7 @@ impl Bugs {
             "clock-beyond-margin" => b.clock_beyond_margin = true,
             "ack-unkept" => b.ack_unkept = true,
             "enforce-unjournaled" => b.enforce_unjournaled = true,
+            "drop-refused-report" => b.drop_refused_report = true,
             _ => return None,
         }
         Some(b)
@@ -112,6 +115,7 @@ impl Bugs {
             b if b.clock_beyond_margin => "clock-beyond-margin",
             b if b.ack_unkept => "ack-unkept",
             b if b.enforce_unjournaled => "enforce-unjournaled",
+            b if b.drop_refused_report => "drop-refused-report",
             _ => "none",
         }
     }
@@ -160,6 +164,8 @@ pub enum Fault {
     },
     /// The agent cannot write its kept state (it goes stale).
     AgentStoreDown(usize),
+    /// The agent's disk is full: its journal takes no report and no lease.
+    AgentDiskFull(usize),
     /// Loss and delay on every link.
     NetChaos {
         /// Loss percent.
@@ -192,6 +198,7 @@ impl Fault {
             Fault::AgentRestartCut { .. } => "agent-restart-in-partition",
             Fault::AgentTakeover { .. } => "standby-takeover-in-partition",
             Fault::AgentStoreDown(_) => "agent-kept-state-stale",
+            Fault::AgentDiskFull(_) => "agent-disk-full",
             Fault::NetChaos { .. } => "net-loss-delay",
             Fault::CpSlowDisk(..) => "cp-slow-disk",
             Fault::AgentSlowDisk(..) => "agent-slow-disk",
@@ -359,6 +366,7 @@ impl World {
             a.bugs.ack_on_send = bugs.ack_on_send;
             a.bugs.ack_unkept = bugs.ack_unkept;
             a.bugs.enforce_unjournaled = bugs.enforce_unjournaled;
+            a.bugs.drop_refused_report = bugs.drop_refused_report;
             for t in tenants {
                 a.load.insert(TenantName::from_static(t), random_load(&mut rng, t));
             }
@@ -369,7 +377,7 @@ impl World {
         for _ in 0..n_faults {
             let start_ms = rng.range(3_000, FAULT_PHASE_MS - 5_000);
             let end_ms = (start_ms + rng.range(1_000, 25_000)).min(FAULT_PHASE_MS);
-            let fault = match rng.below(12) {
+            let fault = match rng.below(13) {
                 0 => {
                     // A minority or a majority of the control plane, cut off.
                     let k = rng.range(1, u64::try_from(cp_nodes - 1).unwrap_or(1));
@@ -393,7 +401,8 @@ impl World {
                 8 => Fault::AgentSlowDisk(rng.index(n_agents), rng.range(50, 3_000)),
                 9 => Fault::AgentRestartCut { agent: rng.index(n_agents), restart_ms: (start_ms + end_ms) / 2, corrupt: rng.chance(15) },
                 10 => Fault::AgentTakeover { agent: rng.index(n_agents), restart_ms: (start_ms + end_ms) / 2, corrupt: rng.chance(15) },
-                _ => Fault::AgentStoreDown(rng.index(n_agents)),
+                11 => Fault::AgentStoreDown(rng.index(n_agents)),
+                _ => Fault::AgentDiskFull(rng.index(n_agents)),
             };
             schedule.push(Scheduled { start_ms, end_ms, fault, resolved: Vec::new(), active: false, restarted: false });
         }
@@ -511,6 +520,11 @@ impl World {
                             a.store_down = true;
                         }
                     }
+                    Fault::AgentDiskFull(i) => {
+                        if let Some(a) = self.agents.get_mut(*i) {
+                            a.disk_full = true;
+                        }
+                    }
                     Fault::CpSlowDisk(i, ms) => {
                         if let Some(r) = self.cp.replicas.get_mut(*i) {
                             r.disk_delay_ms = *ms;
@@ -557,6 +571,11 @@ impl World {
                     Fault::AgentStoreDown(i) => {
                         if let Some(a) = self.agents.get_mut(*i) {
                             a.store_down = false;
+                        }
+                    }
+                    Fault::AgentDiskFull(i) => {
+                        if let Some(a) = self.agents.get_mut(*i) {
+                            a.disk_full = false;
                         }
                     }
                     Fault::CpSlowDisk(i, _) => {

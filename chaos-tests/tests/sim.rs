@@ -88,6 +88,7 @@ fn fixed_seed_set_holds_every_invariant() {
         "agent-restart-in-partition",
         "standby-takeover-in-partition",
         "agent-kept-state-stale",
+        "agent-disk-full",
         "net-loss-delay",
         "cp-slow-disk",
         "agent-slow-disk",
@@ -197,4 +198,13 @@ fn checker_catches_a_lease_enforced_before_the_journal_holds_it() {
     let b = Bugs { enforce_unjournaled: true, ..Bugs::default() };
     let f = caught(b, "epochs");
     assert!(f.violation.detail.contains("went back from epoch"), "{f}");
+}
+
+/// A full disk, handled wrong: the usage a report round took is dropped when the
+/// journal refuses the report. The cluster produced more than the agent metered.
+#[test]
+fn checker_catches_usage_dropped_with_a_refused_report() {
+    let b = Bugs { drop_refused_report: true, ..Bugs::default() };
+    let f = caught(b, "conservation");
+    assert!(f.violation.detail.contains("the cluster produced"), "{f}");
 }
