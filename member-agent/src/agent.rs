@@ -905,6 +905,42 @@ mod tests {
         assert_eq!(again.state().lease.held_epoch(), 2, "the journal holds the lease taken");
     }
 
+    /// A journal write that waits on the disk (here: on the journal, held as a slow
+    /// fdatasync would hold it) does not stall the runtime's other tasks, even with one
+    /// worker thread: the webhook shares the runtime with the report loop.
+    #[test]
+    fn a_write_waiting_on_the_disk_does_not_stall_other_tasks() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Arc::new(Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &["http://127.0.0.1:1".to_string()]).expect("open"));
+        let ticks = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        rt.spawn({
+            let ticks = Arc::clone(&ticks);
+            async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                    ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let slow_disk = agent.journal.hold();
+        let adopted = rt.spawn({
+            let agent = Arc::clone(&agent);
+            async move { agent.adopt(Some(lease(1, 2_000)), agent.now_ms()) }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let before = ticks.load(std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let during = ticks.load(std::sync::atomic::Ordering::SeqCst) - before;
+        // The metrics' view of the journal does not wait either.
+        assert_eq!((agent.backlog(), agent.last_seq()), (0, 0));
+        assert!(!adopted.is_finished(), "the write waits for the disk");
+        drop(slow_disk);
+        rt.block_on(adopted).expect("no panic").expect("lease taken");
+        assert!(during >= 20, "the other task ran {during} times in 300 ms while the write waited");
+    }
+
     /// A report the journal refuses (a full disk) loses nothing the round took for it:
     /// the usage, the window it covers, a capacity change and the decision notes all go
     /// into the next round's report.

@@ -137,10 +137,57 @@ struct Inner {
     live: u64,
 }
 
+/// What readers that must not wait on the disk see of the journal (metrics, logs):
+/// published each time the lock is released.
+#[derive(Debug, Default)]
+struct Seen {
+    backlog: std::sync::atomic::AtomicUsize,
+    last_seq: std::sync::atomic::AtomicU64,
+}
+
+/// The journal, locked; publishes what [`Seen`] holds when released.
+struct Locked<'a> {
+    g: MutexGuard<'a, Inner>,
+    seen: &'a Seen,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.g
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.g
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.seen.backlog.store(self.g.index.len(), std::sync::atomic::Ordering::SeqCst);
+        self.seen.last_seq.store(self.g.last_seq, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Runs `f`, which may wait on the disk (an fdatasync, or the journal's lock while
+/// another caller's fdatasync runs), without stalling the other tasks of a
+/// multi-threaded Tokio runtime: its worker hands them to another thread first
+/// (`block_in_place`). Outside a runtime, or on a current-thread one (tests), it just
+/// runs.
+fn on_disk<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 /// The journal. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct Journal {
     inner: Arc<Mutex<Inner>>,
+    seen: Arc<Seen>,
     opened: Opened,
     /// Tests: lease writes fail as on a full disk.
     #[cfg(test)]
@@ -421,8 +468,10 @@ impl Journal {
             }
         }
         inner.live = inner.len;
+        let seen = Seen { backlog: inner.index.len().into(), last_seq: inner.last_seq.into() };
         Ok(Journal {
             inner: Arc::new(Mutex::new(inner)),
+            seen: Arc::new(seen),
             opened,
             #[cfg(test)]
             fail_lease_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -459,8 +508,8 @@ impl Journal {
         Journal::open(dir)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> Locked<'_> {
+        Locked { g: self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner), seen: &self.seen }
     }
 
     /// Holds the journal as a write that takes long (a slow fdatasync) would, until the
@@ -475,14 +524,18 @@ impl Journal {
         &self.opened
     }
 
-    /// The last sequence number written (0: none yet).
+    /// The last sequence number written (0: none yet). Never waits on the disk.
     pub fn last_seq(&self) -> Result<u64, JournalError> {
-        Ok(self.lock().last_seq)
+        Ok(self.seen.last_seq.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// Assigns the next sequence number to the report `build` makes, writes it durably
     /// (fdatasync) and returns it, ready to send.
     pub fn write(&self, build: impl FnOnce(u64) -> UsageReport) -> Result<UsageReport, JournalError> {
+        on_disk(|| self.write_locked(build))
+    }
+
+    fn write_locked(&self, build: impl FnOnce(u64) -> UsageReport) -> Result<UsageReport, JournalError> {
         let mut g = self.lock();
         let backlog = g.index.len();
         if backlog >= MAX_BACKLOG {
@@ -515,6 +568,10 @@ impl Journal {
     /// Returns how many were kept and how many dropped. Durable when it returns (the
     /// file is rewritten and synced).
     pub fn renumber_keeping(&self, first: u64, keep: impl Fn(&UsageReport) -> bool) -> Result<(usize, usize), JournalError> {
+        on_disk(|| self.renumber_locked(first, keep))
+    }
+
+    fn renumber_locked(&self, first: u64, keep: impl Fn(&UsageReport) -> bool) -> Result<(usize, usize), JournalError> {
         let mut g = self.lock();
         let all = g.unacked(usize::MAX)?;
         let total = all.len();
@@ -530,18 +587,22 @@ impl Journal {
 
     /// Unacknowledged reports, oldest first (at most `limit`).
     pub fn unacked(&self, limit: usize) -> Result<Vec<UsageReport>, JournalError> {
-        self.lock().unacked(limit)
+        on_disk(|| self.lock().unacked(limit))
     }
 
-    /// Number of unacknowledged reports.
+    /// Number of unacknowledged reports. Never waits on the disk.
     pub fn backlog(&self) -> usize {
-        self.lock().index.len()
+        self.seen.backlog.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The control plane applied every report up to `seq` (it acknowledged `seq`, or
     /// asked for `seq + 1` next): drop them. Not synced: should they reappear after a
     /// crash, resending them is answered as a duplicate and changes nothing.
     pub fn ack_through(&self, seq: u64) -> Result<(), JournalError> {
+        on_disk(|| self.ack_locked(seq))
+    }
+
+    fn ack_locked(&self, seq: u64) -> Result<(), JournalError> {
         let mut g = self.lock();
         if g.index.keys().next().is_none_or(|s| *s > seq) {
             return Ok(());
@@ -571,17 +632,19 @@ impl Journal {
         if self.fail_lease_writes.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(JournalError::Io { what: "write the lease", path: PathBuf::from("(test)"), source: std::io::Error::other("no space left on device") });
         }
-        let mut g = self.lock();
-        let payload = serde_json::to_vec(lease).map_err(|e| corrupt("lease", e.to_string()))?;
-        let bytes = frame(KIND_LEASE, &payload)?;
-        g.append(&bytes, true)?;
-        g.lease = Some(lease.clone());
-        g.maybe_compact()
+        on_disk(|| {
+            let mut g = self.lock();
+            let payload = serde_json::to_vec(lease).map_err(|e| corrupt("lease", e.to_string()))?;
+            let bytes = frame(KIND_LEASE, &payload)?;
+            g.append(&bytes, true)?;
+            g.lease = Some(lease.clone());
+            g.maybe_compact()
+        })
     }
 
     /// The lease last saved, if any.
     pub fn load_lease(&self) -> Result<Option<Lease>, JournalError> {
-        Ok(self.lock().lease.clone())
+        Ok(on_disk(|| self.lock().lease.clone()))
     }
 }
 
