@@ -506,14 +506,12 @@ impl SimAgent {
         }
         self.persist();
         if self.registered && self.disk_full {
-            // The journal refuses the report: the round ends there, and the usage stays
-            // metered for the next one (`Agent::report_round`).
+            // The journal refuses the report: the usage stays metered for the next round,
+            // and the reports the journal holds are still sent (`Agent::report_round`).
             if self.bugs.drop_refused_report {
                 let _ = self.state.take_usage();
             }
-            return;
-        }
-        if self.registered {
+        } else if self.registered {
             let tenants = self.state.take_usage();
             for (t, r) in &tenants {
                 *self.metered.entry(t.clone()).or_default() += r.used_milli_gpue_ms;

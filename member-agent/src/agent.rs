@@ -726,8 +726,13 @@ impl Agent {
             let mut start = self.window_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let window = UsageWindow { start_ms: *start, end_ms: end };
             *start = end;
-            // Notes a refused write left behind go first.
-            let (mut evictions, mut decisions) = std::mem::take(&mut *self.unwritten_notes.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            // Notes a refused write left behind go first (no more than a report takes).
+            let (mut evictions, mut decisions) = {
+                let mut kept = self.unwritten_notes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let e = kept.0.len().min(kvota_fairness::federation::MAX_REPORT_EVICTIONS);
+                let d = kept.1.len().min(kvota_fairness::federation::MAX_REPORT_DECISIONS);
+                (kept.0.drain(..e).collect::<Vec<_>>(), kept.1.drain(..d).collect::<Vec<_>>())
+            };
             evictions.extend(s.take_eviction_notes(kvota_fairness::federation::MAX_REPORT_EVICTIONS.saturating_sub(evictions.len())));
             decisions.extend(s.take_decision_notes(kvota_fairness::federation::MAX_REPORT_DECISIONS.saturating_sub(decisions.len())));
             (round, self.acknowledged_epoch(s.lease.held_epoch()), s.take_usage(), evictions, decisions, window)
@@ -735,7 +740,7 @@ impl Agent {
         let capacity = self.capacity_changed.swap(false, std::sync::atomic::Ordering::SeqCst).then(|| self.capacity());
         let taken: BTreeMap<TenantName, u64> = tenants.iter().map(|(t, r)| (t.clone(), r.used_milli_gpue_ms)).collect();
         let notes = (evictions.clone(), decisions.clone());
-        let written = match self.journal.write(|seq| UsageReport {
+        let refused = match self.journal.write(|seq| UsageReport {
             cluster: self.cluster.clone(),
             seq,
             held_epoch: held,
@@ -745,7 +750,14 @@ impl Agent {
             decisions,
             window: Some(window),
         }) {
-            Ok(w) => w,
+            Ok(written) => {
+                span.record("seq", written.seq);
+                let mut w = self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                for (t, r) in &written.tenants {
+                    *w.entry(t.clone()).or_default() += r.used_milli_gpue_ms;
+                }
+                None
+            }
             Err(e) => {
                 // Nothing taken for the report is lost: the next round carries it.
                 self.state().add_usage(&taken);
@@ -756,18 +768,19 @@ impl Agent {
                 if capacity.is_some() {
                     self.capacity_changed.store(true, std::sync::atomic::Ordering::SeqCst);
                 }
-                *self.unwritten_notes.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = notes;
-                tracing::warn!(error = %e, "the usage journal refused this round's report; its usage stays metered for the next round");
-                return Err(journal_err(e));
+                {
+                    // Before any a concurrent round left (the older notes first).
+                    let mut kept = self.unwritten_notes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    kept.0.splice(0..0, notes.0);
+                    kept.1.splice(0..0, notes.1);
+                }
+                tracing::warn!(error = %e, "the usage journal refused this round's report; its usage stays metered for the next round, and the reports it holds are sent");
+                Some(e)
             }
         };
-        span.record("seq", written.seq);
-        {
-            let mut w = self.written_usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            for (t, r) in &written.tenants {
-                *w.entry(t.clone()).or_default() += r.used_milli_gpue_ms;
-            }
-        }
+        // The reports the journal holds go out even when it refused this round's: a
+        // journal full after a long partition drains only through their acknowledgements,
+        // and leases are renewed only in their answers.
         for report in self.journal.unacked(MAX_RESEND_PER_ROUND).map_err(journal_err)? {
             let wire = v1::ReportRequest::from(&report);
             let sent = self.now_ms();
@@ -823,6 +836,10 @@ impl Agent {
                 }
                 Err(s) => return Err(s),
             }
+        }
+        if let Some(e) = refused {
+            // Not a completed round: what this round metered is not in a report yet.
+            return Err(journal_err(e));
         }
         self.rounds_done.send_if_modified(|done| {
             let newer = round > *done;
@@ -905,6 +922,73 @@ mod tests {
         assert_eq!(again.state().lease.held_epoch(), 2, "the journal holds the lease taken");
     }
 
+    /// Stands in for the control plane's member service (the fault under test, a
+    /// journal that refuses writes, can be injected only inside this crate; the real
+    /// control plane's answers are tested in `kvota/tests/agent_e2e.rs`): while `down` it
+    /// refuses every report, then acknowledges each one with a lease, recording its
+    /// sequence number.
+    struct Member {
+        down: Arc<std::sync::atomic::AtomicBool>,
+        applied: Arc<Mutex<Vec<u64>>>,
+    }
+
+    #[tonic::async_trait]
+    impl v1::member_server::Member for Member {
+        async fn register(&self, _: tonic::Request<v1::RegisterRequest>) -> Result<tonic::Response<v1::LeaseReply>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+        async fn report(&self, r: tonic::Request<v1::ReportRequest>) -> Result<tonic::Response<v1::ReportReply>, Status> {
+            if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Status::internal("the control plane is down (test)"));
+            }
+            self.applied.lock().expect("lock").push(r.into_inner().seq);
+            Ok(tonic::Response::new(v1::ReportReply { applied: true, lease: Some(lease(1, 2_000)) }))
+        }
+        async fn describe_cluster(&self, _: tonic::Request<v1::DescribeClusterRequest>) -> Result<tonic::Response<v1::ClusterInfo>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    /// A round whose report the journal refuses still sends the reports the journal
+    /// holds: a journal full after a long partition drains only through their
+    /// acknowledgements (and leases are renewed only in their answers). The round still
+    /// fails, and its own usage waits for the next one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_report_still_sends_the_reports_the_journal_holds() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        let member = Member { down: Arc::clone(&down), applied: Arc::clone(&applied) };
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(v1::member_server::MemberServer::new(member))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &[format!("http://{addr}")]).expect("open");
+        let training = TenantName::from_static("training");
+        for _ in 0..2 {
+            agent.state().add_usage(&[(training.clone(), 1_000)].into());
+            assert!(agent.report_once().await.is_err(), "the control plane is down");
+        }
+        assert_eq!(agent.backlog(), 2, "two reports wait in the journal");
+
+        down.store(false, std::sync::atomic::Ordering::SeqCst);
+        agent.journal.fail_report_writes(true);
+        agent.state().add_usage(&[(training.clone(), 500)].into());
+        let e = agent.report_once().await.expect_err("the journal refused this round's report");
+        assert!(e.message().contains("no space left"), "{e}");
+        assert_eq!(*applied.lock().expect("lock"), [1, 2], "the journal's reports went out");
+        assert_eq!(agent.backlog(), 0, "and were acknowledged");
+        assert_eq!(agent.state().lease.held_epoch(), 1, "their answers' lease was taken");
+        assert_eq!(agent.state().usage_so_far().get(&training), Some(&500), "this round's usage waits");
+
+        agent.journal.fail_report_writes(false);
+        agent.report_once().await.expect("a round with room on the disk");
+        assert_eq!(*applied.lock().expect("lock"), [1, 2, 3]);
+    }
+
     /// A journal write that waits on the disk (here: on the journal, held as a slow
     /// fdatasync would hold it) does not stall the runtime's other tasks, even with one
     /// worker thread: the webhook shares the runtime with the report loop.
@@ -959,6 +1043,17 @@ mod tests {
             let view = st.view("training");
             let decision = kvota_fairness::admission::decide(&pod, &view);
             st.remember(&kvota_fairness::names::PodKey::new("ml", "p").expect("key"), &pod, &view, &decision);
+            let at_ms = st.now_ms();
+            st.record_eviction(crate::state::ReclaimRecord {
+                at_ms,
+                for_tenant: training.clone(),
+                for_pod: kvota_fairness::names::PodKey::new("ml", "p").expect("key"),
+                victim: kvota_fairness::names::PodKey::new("ml", "old").expect("key"),
+                victim_tenant: training.clone(),
+                gpue: 1_000,
+                outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
+                why: "test".into(),
+            });
         }
         agent.set_capacity([("nvidia.com/gpu".to_string(), 16_000)].into());
         let start = *agent.window_start.lock().expect("lock");
@@ -979,6 +1074,7 @@ mod tests {
         assert_eq!(r.window.map(|w| w.start_ms), Some(start));
         assert_eq!(r.capacity.as_ref().and_then(|c| c.get("nvidia.com/gpu")), Some(&16_000));
         assert_eq!(r.decisions.iter().map(|d| d.pod.as_str()).collect::<Vec<_>>(), ["ml/p"]);
+        assert_eq!(r.evictions.iter().map(|e| e.victim.as_str()).collect::<Vec<_>>(), ["ml/old"]);
     }
 
     /// When the journal cannot take a lease: one from the control plane is neither
