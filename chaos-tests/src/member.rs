@@ -616,6 +616,12 @@ impl SimAgent {
                         }
                         self.next_seq = n;
                     }
+                    Some(s) if seq_sent == Some(s) && self.disk_full => {
+                        // The journal refuses the acknowledgement record too: the round
+                        // ends there; the report is sent again later and answered as a
+                        // duplicate (`Agent::report_round`).
+                        return;
+                    }
                     Some(s) if seq_sent == Some(s) => {
                         self.ack_through(s);
                         if applied {
