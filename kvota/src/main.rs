@@ -37,6 +37,12 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// The allocator of every kvota process. In a 64-client control-plane benchmark glibc's
+/// malloc and free took about a seventh of the busy CPU; with mimalloc the control plane
+/// commits 18 % more reports there (docs/benchmarks.md, "mimalloc").
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
     // Logs to stderr; RUST_LOG overrides the default (info for kvota's crates, warn elsewhere).
