@@ -81,6 +81,10 @@ pub struct AgentBugs {
     /// The usage taken for a report the journal refuses is dropped (as the agent did
     /// before it gave it back).
     pub drop_refused_report: bool,
+    /// A round whose report the journal refuses ends there, without sending what the
+    /// journal holds (as the agent did before 2026-12-05): a journal at its backlog
+    /// limit never drains.
+    pub stop_on_refused_report: bool,
 }
 
 /// An admission that happened in a step (for the admission invariant).
@@ -195,6 +199,12 @@ pub struct SimAgent {
     pub kept_corrupt: bool,
     /// The journal's disk is full: report and lease writes fail.
     pub disk_full: bool,
+    /// Unacknowledged reports the journal holds at most; at the limit it refuses the
+    /// next report as on a full disk (`journal::MAX_BACKLOG`, scaled down so that a
+    /// partition of a few seconds reaches it).
+    pub max_backlog: usize,
+    /// Reports the journal refused at its backlog limit (the disk not full).
+    pub backlog_refusals: u64,
     /// A standby took over: a duplicate answer means "follow the control plane's
     /// sequence" until a report of ours is applied.
     renumber_pending: bool,
@@ -211,10 +221,13 @@ pub struct SimAgent {
 impl SimAgent {
     /// A cluster with `node_gpus` whole-GPU nodes, clock `rate_ppm`, talking to
     /// `cp_nodes` control-plane nodes.
-    pub fn new(index: usize, node_gpus: &[u32], rate_ppm: i64, offset_ms: u64, cp_nodes: usize, rng: Rng) -> SimAgent {
+    pub fn new(index: usize, node_gpus: &[u32], rate_ppm: i64, offset_ms: u64, cp_nodes: usize, mut rng: Rng) -> SimAgent {
         let id = ClusterName::parse(format!("c{index}")).expect("c0, c1, ... are cluster names");
         let sim = SimCluster::new(node_gpus);
         let capacity_gpue: MilliGpue = node_gpus.iter().map(|&g| u64::from(g) * 1_000).sum();
+        // A third of the agents have a journal that fills within a partition's first
+        // seconds (one report a second); the rest never reach their limit.
+        let max_backlog = if rng.chance(33) { usize::try_from(rng.range(2, 12)).unwrap_or(2) } else { usize::MAX };
         SimAgent {
             index,
             state: AgentState::new(id.clone(), capacity_gpue, AgentLease::new(id.clone())),
@@ -253,6 +266,8 @@ impl SimAgent {
             store_down: false,
             kept_corrupt: false,
             disk_full: false,
+            max_backlog,
+            backlog_refusals: 0,
             renumber_pending: false,
             lost: Vec::new(),
             takeovers: 0,
@@ -505,11 +520,18 @@ impl SimAgent {
             self.saved_lease = self.state.lease.lease().cloned();
         }
         self.persist();
-        if self.registered && self.disk_full {
-            // The journal refuses the report: the usage stays metered for the next round,
-            // and the reports the journal holds are still sent (`Agent::report_round`).
+        if self.registered && (self.disk_full || self.journal.len() >= self.max_backlog) {
+            // The journal refuses the report (no space, or at its backlog limit): the
+            // usage stays metered for the next round, and the reports the journal holds
+            // are still sent (`Agent::report_round`).
+            if !self.disk_full {
+                self.backlog_refusals += 1;
+            }
             if self.bugs.drop_refused_report {
                 let _ = self.state.take_usage();
+            }
+            if self.bugs.stop_on_refused_report {
+                return;
             }
         } else if self.registered {
             let tenants = self.state.take_usage();

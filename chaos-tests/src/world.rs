@@ -84,6 +84,9 @@ pub struct Bugs {
     pub enforce_unjournaled: bool,
     /// Agents drop the usage of a report their journal refuses (a full disk).
     pub drop_refused_report: bool,
+    /// Agents end a report round whose report the journal refused without sending
+    /// what the journal holds.
+    pub stop_on_refused_report: bool,
 }
 
 impl Bugs {
@@ -100,6 +103,7 @@ impl Bugs {
             "ack-unkept" => b.ack_unkept = true,
             "enforce-unjournaled" => b.enforce_unjournaled = true,
             "drop-refused-report" => b.drop_refused_report = true,
+            "stop-on-refused-report" => b.stop_on_refused_report = true,
             _ => return None,
         }
         Some(b)
@@ -116,6 +120,7 @@ impl Bugs {
             b if b.ack_unkept => "ack-unkept",
             b if b.enforce_unjournaled => "enforce-unjournaled",
             b if b.drop_refused_report => "drop-refused-report",
+            b if b.stop_on_refused_report => "stop-on-refused-report",
             _ => "none",
         }
     }
@@ -289,6 +294,8 @@ pub struct Summary {
     pub agent_crashes: u64,
     /// Standby takeovers (of the crashes).
     pub takeovers: u64,
+    /// Reports refused by an agent's journal at its backlog limit.
+    pub backlog_refusals: u64,
     /// Usage the agents could not meter (down or crashed), GPUe-ms.
     pub unmetered_gpue_ms: u64,
     /// Network counters.
@@ -367,6 +374,7 @@ impl World {
             a.bugs.ack_unkept = bugs.ack_unkept;
             a.bugs.enforce_unjournaled = bugs.enforce_unjournaled;
             a.bugs.drop_refused_report = bugs.drop_refused_report;
+            a.bugs.stop_on_refused_report = bugs.stop_on_refused_report;
             for t in tenants {
                 a.load.insert(TenantName::from_static(t), random_load(&mut rng, t));
             }
@@ -805,6 +813,7 @@ impl World {
             admissions: self.admissions,
             agent_crashes: self.agents.iter().map(|a| a.crashes).sum(),
             takeovers: self.agents.iter().map(|a| a.takeovers).sum(),
+            backlog_refusals: self.agents.iter().map(|a| a.backlog_refusals).sum(),
             unmetered_gpue_ms: self.agents.iter().flat_map(|a| a.unmetered.values()).sum(),
             net: self.net.stats,
             fault_kinds: self.fault_kinds.clone(),

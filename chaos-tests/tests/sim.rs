@@ -63,7 +63,7 @@ fn fixed_seed_set_holds_every_invariant() {
     }
     let total = |f: fn(&Summary) -> u64| passed.iter().map(f).sum::<u64>();
     eprintln!(
-        "chaos: {} seeds, {} failed, {:.1} s; elections {}, agent crashes {} (standby takeovers {}), admissions {}, reports {}, messages lost {} cut {}; faults {kinds:?}",
+        "chaos: {} seeds, {} failed, {:.1} s; elections {}, agent crashes {} (standby takeovers {}), admissions {}, reports {} (refused at a journal's backlog limit {}), messages lost {} cut {}; faults {kinds:?}",
         SEEDS.end - SEEDS.start,
         failures.len(),
         start.elapsed().as_secs_f64(),
@@ -72,6 +72,7 @@ fn fixed_seed_set_holds_every_invariant() {
         total(|s| s.takeovers),
         total(|s| s.admissions),
         total(|s| s.reports as u64),
+        total(|s| s.backlog_refusals),
         total(|s| s.net.lost),
         total(|s| s.net.cut),
     );
@@ -100,6 +101,7 @@ fn fixed_seed_set_holds_every_invariant() {
     }
     assert!(total(|s| s.elections) >= 100, "leader changes");
     assert!(total(|s| s.takeovers) >= 50, "standby takeovers: {}", total(|s| s.takeovers));
+    assert!(total(|s| s.backlog_refusals) >= 50, "reports refused at a journal's backlog limit: {}", total(|s| s.backlog_refusals));
     assert!(total(|s| s.unmetered_gpue_ms) > 0, "agent downtime with running pods");
     assert!(total(|s| s.net.lost) > 0 && total(|s| s.net.cut) > 0, "lost and cut messages");
 }
@@ -205,6 +207,16 @@ fn checker_catches_a_lease_enforced_before_the_journal_holds_it() {
 #[test]
 fn checker_catches_usage_dropped_with_a_refused_report() {
     let b = Bugs { drop_refused_report: true, ..Bugs::default() };
+    let f = caught(b, "conservation");
+    assert!(f.violation.detail.contains("the cluster produced"), "{f}");
+}
+
+/// A journal at its backlog limit, handled wrong: a round whose report is refused ends
+/// without sending the reports the journal holds, so nothing is acknowledged and the
+/// journal never drains; the usage it holds never reaches the ledger.
+#[test]
+fn checker_catches_a_full_journal_that_never_drains() {
+    let b = Bugs { stop_on_refused_report: true, ..Bugs::default() };
     let f = caught(b, "conservation");
     assert!(f.violation.detail.contains("the cluster produced"), "{f}");
 }
