@@ -142,6 +142,24 @@ fn journal_err(e: crate::journal::JournalError) -> Status {
     Status::internal(e.to_string())
 }
 
+/// Marks the error of a report round that failed only because the journal refused the
+/// round's own report (no space on the device, or the journal at its backlog limit),
+/// after the reports it holds went out and were answered (or there were none).
+const JOURNAL_REFUSED: &str = "kvota-journal-refused";
+
+/// Whether a report round failed only because the journal refused its own report: the
+/// control plane was not the problem, so the report loop does not back off (see
+/// [`crate::runtime`]). Set by the agent on its own errors, never read from the wire.
+pub fn journal_refused(s: &Status) -> bool {
+    s.metadata().contains_key(JOURNAL_REFUSED)
+}
+
+/// `s`, marked as [`journal_refused`].
+pub(crate) fn mark_journal_refused(mut s: Status) -> Status {
+    s.metadata_mut().insert(JOURNAL_REFUSED, tonic::metadata::MetadataValue::from_static("1"));
+    s
+}
+
 impl Agent {
     /// An agent for `cluster` with `capacity` (resource name -> quantity milli), its
     /// journal in `dir`, talking to the control plane at `endpoints`. A lease saved by a
@@ -839,7 +857,7 @@ impl Agent {
         }
         if let Some(e) = refused {
             // Not a completed round: what this round metered is not in a report yet.
-            return Err(journal_err(e));
+            return Err(mark_journal_refused(journal_err(e)));
         }
         self.rounds_done.send_if_modified(|done| {
             let newer = round > *done;
@@ -970,7 +988,8 @@ mod tests {
         let training = TenantName::from_static("training");
         for _ in 0..2 {
             agent.state().add_usage(&[(training.clone(), 1_000)].into());
-            assert!(agent.report_once().await.is_err(), "the control plane is down");
+            let e = agent.report_once().await.expect_err("the control plane is down");
+            assert!(!journal_refused(&e), "a failure to reach the control plane is not the journal's: {e}");
         }
         assert_eq!(agent.backlog(), 2, "two reports wait in the journal");
 
@@ -979,6 +998,7 @@ mod tests {
         agent.state().add_usage(&[(training.clone(), 500)].into());
         let e = agent.report_once().await.expect_err("the journal refused this round's report");
         assert!(e.message().contains("no space left"), "{e}");
+        assert!(journal_refused(&e), "the journal's own failure, the control plane answered: {e}");
         assert_eq!(*applied.lock().expect("lock"), [1, 2], "the journal's reports went out");
         assert_eq!(agent.backlog(), 0, "and were acknowledged");
         assert_eq!(agent.state().lease.held_epoch(), 1, "their answers' lease was taken");

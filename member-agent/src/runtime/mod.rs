@@ -147,6 +147,19 @@ pub fn early_gap(every: Duration) -> Duration {
     (every / 5).max(Duration::from_millis(100))
 }
 
+/// Report rounds failed in a row, for the backoff, after a round's `result`. A round
+/// that failed only because the journal refused its own report (a full disk, or the
+/// journal at its backlog limit after a long partition) still sent what the journal
+/// holds and had it answered: backing off would not free the disk, and would let the
+/// lease, renewed only in report answers, run out while the control plane answers.
+fn failures_after(result: &Result<(), tonic::Status>, failures: u32) -> u32 {
+    match result {
+        Ok(()) => 0,
+        Err(e) if crate::agent::journal_refused(e) => 0,
+        Err(_) => failures.saturating_add(1),
+    }
+}
+
 /// Registers, fetches the policy, then reports every `every` (sooner when a pod is denied
 /// or queued, see [`early_gap`]); retries with backoff and jitter, and logs what a person
 /// on call needs: lease changes, expiry, backlog. A standby replica (`leading` false)
@@ -185,18 +198,14 @@ pub async fn report_loop(
         }
         .await;
         round += 1;
-        match result {
-            Ok(()) => {
-                if failures > 0 {
-                    tracing::info!(after_failures = failures, "control plane reachable again; journal drained");
-                }
-                failures = 0;
-            }
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(error = %e.message(), failures, backlog = agent.backlog(), "report not delivered; kept in the journal");
-            }
+        match &result {
+            Ok(()) if failures > 0 => tracing::info!(after_failures = failures, "control plane reachable again; journal drained"),
+            Ok(()) => {}
+            // Already logged by the round, with what it keeps for the next one.
+            Err(e) if crate::agent::journal_refused(e) => {}
+            Err(e) => tracing::warn!(error = %e.message(), failures = failures + 1, backlog = agent.backlog(), "report not delivered; kept in the journal"),
         }
+        failures = failures_after(&result, failures);
         // The leader keeps what the next process needs to go on enforcing.
         if let Err(e) = agent.persist().await {
             // Once, then every 20th round: it repeats every round while it lasts.
@@ -333,4 +342,25 @@ pub async fn wait_for_signal() {
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused() -> tonic::Status {
+        crate::agent::mark_journal_refused(tonic::Status::internal("no space left on device"))
+    }
+
+    /// A round the control plane answered but whose own report the journal refused
+    /// does not slow the rounds down: after a long partition the first round after the
+    /// heal is refused (the journal is at its limit) and drains it, and a backoff of
+    /// eight intervals would outlast the lease its answers renewed.
+    #[test]
+    fn a_refused_report_does_not_back_the_rounds_off() {
+        assert_eq!(failures_after(&Err(refused()), 5), 0);
+        assert_eq!(failures_after(&Err(tonic::Status::unavailable("cut off")), 5), 6);
+        assert_eq!(failures_after(&Err(tonic::Status::internal("no space left on device")), 0), 1, "only the marked refusal");
+        assert_eq!(failures_after(&Ok(()), 7), 0);
+    }
 }
