@@ -200,8 +200,8 @@ pub struct SimAgent {
     /// The journal's disk is full: report and lease writes fail.
     pub disk_full: bool,
     /// Unacknowledged reports the journal holds at most; at the limit it refuses the
-    /// next report as on a full disk (`journal::MAX_BACKLOG`, scaled down so that a
-    /// partition of a few seconds reaches it).
+    /// next report as on a full disk. A small stand-in for the real journal's
+    /// `MAX_BACKLOG` (set by the world), so that a partition of a few seconds reaches it.
     pub max_backlog: usize,
     /// Reports the journal refused at its backlog limit (the disk not full).
     pub backlog_refusals: u64,
@@ -221,13 +221,10 @@ pub struct SimAgent {
 impl SimAgent {
     /// A cluster with `node_gpus` whole-GPU nodes, clock `rate_ppm`, talking to
     /// `cp_nodes` control-plane nodes.
-    pub fn new(index: usize, node_gpus: &[u32], rate_ppm: i64, offset_ms: u64, cp_nodes: usize, mut rng: Rng) -> SimAgent {
+    pub fn new(index: usize, node_gpus: &[u32], rate_ppm: i64, offset_ms: u64, cp_nodes: usize, rng: Rng) -> SimAgent {
         let id = ClusterName::parse(format!("c{index}")).expect("c0, c1, ... are cluster names");
         let sim = SimCluster::new(node_gpus);
         let capacity_gpue: MilliGpue = node_gpus.iter().map(|&g| u64::from(g) * 1_000).sum();
-        // A third of the agents have a journal that fills within a partition's first
-        // seconds (one report a second); the rest never reach their limit.
-        let max_backlog = if rng.chance(33) { usize::try_from(rng.range(2, 12)).unwrap_or(2) } else { usize::MAX };
         SimAgent {
             index,
             state: AgentState::new(id.clone(), capacity_gpue, AgentLease::new(id.clone())),
@@ -266,7 +263,7 @@ impl SimAgent {
             store_down: false,
             kept_corrupt: false,
             disk_full: false,
-            max_backlog,
+            max_backlog: usize::MAX,
             backlog_refusals: 0,
             renumber_pending: false,
             lost: Vec::new(),

@@ -356,6 +356,10 @@ impl World {
         // what it was.
         let mut upgrade = Rng::new(seed ^ 0x005E_ED0F_512E);
         cp.sized_at_ms = if upgrade.chance(50) { upgrade.range(2_000, FAULT_PHASE_MS) } else { 0 };
+        // A third of the agents have a journal that fills within a partition's first
+        // seconds (one report a second); the others never reach their limit. Its own
+        // stream too.
+        let mut backlogs = Rng::new(seed ^ 0x0BAC_C106_F011);
         let n_agents = usize::try_from(rng.range(3, 6)).unwrap_or(3);
         let tenants = ["inference", "research", "training"];
         let mut agents = Vec::new();
@@ -369,6 +373,9 @@ impl World {
             }
             let offset = rng.range(0, 3_600_000);
             let mut a = SimAgent::new(i, &node_gpus, rate, offset, cp_nodes, rng.fork());
+            if backlogs.chance(33) {
+                a.max_backlog = usize::try_from(backlogs.range(2, 12)).unwrap_or(2);
+            }
             a.bugs.ignore_expiry = bugs.ignore_expiry;
             a.bugs.ack_on_send = bugs.ack_on_send;
             a.bugs.ack_unkept = bugs.ack_unkept;
