@@ -1,4 +1,5 @@
-//! openraft's storage conformance suite against the sled store.
+//! openraft's storage conformance suite against kvota's log store (segments) and state
+//! machine store.
 
 use kvota_control_plane::store::{self, LogStore, StateMachineStore};
 use kvota_control_plane::types::TypeConfig;
