@@ -1009,6 +1009,55 @@ mod tests {
         assert_eq!(*applied.lock().expect("lock"), [1, 2, 3]);
     }
 
+    /// A journal at its backlog limit (`MAX_BACKLOG`, lowered to 2 here): while the
+    /// control plane is cut off, a round's report is refused and its usage waits, and
+    /// the round fails as unreachable (the loop backs off); once the control plane
+    /// answers, the refused round drains the journal and renews the lease, and fails
+    /// only as the journal's (the loop keeps its cadence); the next round's report
+    /// carries every refused round's usage.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_journal_at_its_backlog_limit_drains_and_loses_nothing() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        let member = Member { down: Arc::clone(&down), applied: Arc::clone(&applied) };
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(v1::member_server::MemberServer::new(member))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &[format!("http://{addr}")]).expect("open");
+        agent.journal.set_test_max_backlog(2);
+        let training = TenantName::from_static("training");
+        for _ in 0..2 {
+            agent.state().add_usage(&[(training.clone(), 1_000)].into());
+            let _ = agent.report_once().await.expect_err("the control plane is down");
+        }
+        assert_eq!(agent.backlog(), 2, "the journal is at its limit");
+
+        agent.state().add_usage(&[(training.clone(), 300)].into());
+        let e = agent.report_once().await.expect_err("cut off, and the journal full");
+        assert!(!journal_refused(&e), "the control plane did not answer: the loop backs off ({e})");
+        assert_eq!(agent.backlog(), 2, "nothing written beyond the limit");
+        assert_eq!(agent.state().usage_so_far().get(&training), Some(&300), "the refused round's usage waits");
+
+        down.store(false, std::sync::atomic::Ordering::SeqCst);
+        agent.state().add_usage(&[(training.clone(), 200)].into());
+        let e = agent.report_once().await.expect_err("the journal refuses this round's report");
+        assert!(e.message().contains("unacknowledged reports"), "{e}");
+        assert!(journal_refused(&e), "only the journal refused: the loop keeps its cadence ({e})");
+        assert_eq!(*applied.lock().expect("lock"), [1, 2], "the journal drained");
+        assert_eq!(agent.backlog(), 0);
+        assert_eq!(agent.state().lease.held_epoch(), 1, "the answers renewed the lease");
+        assert_eq!(agent.state().usage_so_far().get(&training), Some(&500), "both refused rounds' usage waits");
+
+        agent.report_once().await.expect("room in the journal again");
+        assert_eq!(*applied.lock().expect("lock"), [1, 2, 3]);
+        assert_eq!(agent.state().usage_so_far().get(&training), None, "reported");
+    }
+
     /// A journal write that waits on the disk (here: on the journal, held as a slow
     /// fdatasync would hold it) does not stall the runtime's other tasks, even with one
     /// worker thread: the webhook shares the runtime with the report loop.

@@ -195,6 +195,9 @@ pub struct Journal {
     /// Tests: report writes fail as on a full disk.
     #[cfg(test)]
     fail_report_writes: Arc<std::sync::atomic::AtomicBool>,
+    /// Tests: a backlog limit below [`MAX_BACKLOG`] (0: none).
+    #[cfg(test)]
+    test_max_backlog: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for Journal {
@@ -477,6 +480,8 @@ impl Journal {
             fail_lease_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             #[cfg(test)]
             fail_report_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            #[cfg(test)]
+            test_max_backlog: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         })
     }
 
@@ -538,6 +543,13 @@ impl Journal {
     fn write_locked(&self, build: impl FnOnce(u64) -> UsageReport) -> Result<UsageReport, JournalError> {
         let mut g = self.lock();
         let backlog = g.index.len();
+        #[cfg(test)]
+        {
+            let limit = self.test_max_backlog.load(std::sync::atomic::Ordering::SeqCst);
+            if limit > 0 && backlog >= limit {
+                return Err(JournalError::Full(backlog));
+            }
+        }
         if backlog >= MAX_BACKLOG {
             return Err(JournalError::Full(backlog));
         }
@@ -618,6 +630,13 @@ impl Journal {
     #[cfg(test)]
     pub(crate) fn fail_lease_writes(&self, fail: bool) {
         self.fail_lease_writes.store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Tests: the journal holds at most `limit` unacknowledged reports (0: only
+    /// [`MAX_BACKLOG`]), so that a test reaches the limit in a few writes.
+    #[cfg(test)]
+    pub(crate) fn set_test_max_backlog(&self, limit: usize) {
+        self.test_max_backlog.store(limit, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Tests: report writes fail (`true`) as on a full disk, or work again.
