@@ -967,12 +967,9 @@ mod tests {
         }
     }
 
-    /// A round whose report the journal refuses still sends the reports the journal
-    /// holds: a journal full after a long partition drains only through their
-    /// acknowledgements (and leases are renewed only in their answers). The round still
-    /// fails, and its own usage waits for the next one.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_refused_report_still_sends_the_reports_the_journal_holds() {
+    /// Starts a [`Member`], down at first, on a loopback port: its `down` switch, the
+    /// sequence numbers it applied, and its address.
+    async fn serve_member() -> (Arc<std::sync::atomic::AtomicBool>, Arc<Mutex<Vec<u64>>>, std::net::SocketAddr) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -983,6 +980,16 @@ mod tests {
                 .add_service(v1::member_server::MemberServer::new(member))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
+        (down, applied, addr)
+    }
+
+    /// A round whose report the journal refuses still sends the reports the journal
+    /// holds: a journal full after a long partition drains only through their
+    /// acknowledgements (and leases are renewed only in their answers). The round still
+    /// fails, and its own usage waits for the next one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_report_still_sends_the_reports_the_journal_holds() {
+        let (down, applied, addr) = serve_member().await;
         let dir = tempfile::tempdir().expect("tmp");
         let agent = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &[format!("http://{addr}")]).expect("open");
         let training = TenantName::from_static("training");
@@ -1017,16 +1024,7 @@ mod tests {
     /// carries every refused round's usage.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_journal_at_its_backlog_limit_drains_and_loses_nothing() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let applied = Arc::new(Mutex::new(Vec::new()));
-        let member = Member { down: Arc::clone(&down), applied: Arc::clone(&applied) };
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(v1::member_server::MemberServer::new(member))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
+        let (down, applied, addr) = serve_member().await;
         let dir = tempfile::tempdir().expect("tmp");
         let agent = Agent::open(&ClusterName::from_static("east"), BTreeMap::new(), dir.path(), &[format!("http://{addr}")]).expect("open");
         agent.journal.set_test_max_backlog(2);
