@@ -44,18 +44,29 @@ impl LogFile {
             Flush::Background => {
                 let (tx, rx) = mpsc::channel::<Done>();
                 let file = Arc::clone(&file);
-                thread::Builder::new().name("log-flusher".into()).spawn(move || flusher(&file, &rx))?;
+                thread::Builder::new()
+                    .name("log-flusher".into())
+                    .spawn(move || flusher(&file, &rx))?;
                 Some(tx)
             }
         };
-        Ok(LogFile { file, flush, flusher })
+        Ok(LogFile {
+            file,
+            flush,
+            flusher,
+        })
     }
 
     /// Node `id`'s directory under `dir` (created) and its log file.
-    pub fn for_node(dir: &Path, id: u64, flush: Flush) -> Result<(std::path::PathBuf, LogFile), String> {
+    pub fn for_node(
+        dir: &Path,
+        id: u64,
+        flush: Flush,
+    ) -> Result<(std::path::PathBuf, LogFile), String> {
         let d = dir.join(format!("n{id}"));
         std::fs::create_dir_all(&d).map_err(|e| format!("create {}: {e}", d.display()))?;
-        let file = LogFile::create(&d.join("log"), flush).map_err(|e| format!("open the log in {}: {e}", d.display()))?;
+        let file = LogFile::create(&d.join("log"), flush)
+            .map_err(|e| format!("open the log in {}: {e}", d.display()))?;
         Ok((d, file))
     }
 
@@ -73,15 +84,22 @@ impl LogFile {
                 })
                 .await
                 .map_err(io::Error::other)?;
-                let copy = r.as_ref().map(|_| ()).map_err(|e| io::Error::new(e.kind(), e.to_string()));
+                let copy = r
+                    .as_ref()
+                    .map(|_| ())
+                    .map_err(|e| io::Error::new(e.kind(), e.to_string()));
                 done(r);
                 copy
             }
             Flush::Background => {
                 // A write to the page cache: short enough to run inline.
                 (&*self.file).write_all(&bytes)?;
-                let tx = self.flusher.as_ref().ok_or_else(|| io::Error::other("no flusher"))?;
-                tx.send(done).map_err(|_| io::Error::other("the flusher stopped"))
+                let tx = self
+                    .flusher
+                    .as_ref()
+                    .ok_or_else(|| io::Error::other("no flusher"))?;
+                tx.send(done)
+                    .map_err(|_| io::Error::other("the flusher stopped"))
             }
         }
     }
@@ -93,13 +111,17 @@ impl LogFile {
     /// flight. A node saves its vote before it can lead, and accepts no entries of an
     /// older term after that, so waiting here in `save_vote` makes that mark true.
     pub async fn barrier(&self) -> io::Result<()> {
-        let Some(tx) = &self.flusher else { return Ok(()) };
+        let Some(tx) = &self.flusher else {
+            return Ok(());
+        };
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         tx.send(Box::new(move |r| {
             let _ = done_tx.send(r);
         }))
         .map_err(|_| io::Error::other("the flusher stopped"))?;
-        done_rx.await.map_err(|_| io::Error::other("the flusher stopped"))?
+        done_rx
+            .await
+            .map_err(|_| io::Error::other("the flusher stopped"))?
     }
 
     /// A small durable write (the vote); rare, so inline.
@@ -119,7 +141,11 @@ fn flusher(file: &File, rx: &mpsc::Receiver<Done>) {
         SYNCS.fetch_add(1, Ordering::Relaxed);
         let r = file.sync_data();
         for done in batch {
-            done(r.as_ref().map(|_| ()).map_err(|e| io::Error::new(e.kind(), e.to_string())));
+            done(
+                r.as_ref()
+                    .map(|_| ())
+                    .map_err(|e| io::Error::new(e.kind(), e.to_string())),
+            );
         }
     }
 }

@@ -20,7 +20,10 @@ macro_rules! cluster_fn {
     ($or:ident, $raft:ty) => {
         /// Starts three nodes with their logs in `dir`, elects node 1, and returns a writer that
         /// proposes through the leader.
-        pub async fn cluster(dir: &std::path::Path, flush: Flush) -> Result<$crate::Writer, String> {
+        pub async fn cluster(
+            dir: &std::path::Path,
+            flush: Flush,
+        ) -> Result<$crate::Writer, String> {
             let config = Arc::new(
                 $or::Config {
                     cluster_name: "overlap".into(),
@@ -45,9 +48,17 @@ macro_rules! cluster_fn {
                     file,
                     dir: d,
                 }));
-                let raft = <$raft>::new(id, Arc::clone(&config), Net { router: Arc::clone(&router) }, log, Machine::default())
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let raft = <$raft>::new(
+                    id,
+                    Arc::clone(&config),
+                    Net {
+                        router: Arc::clone(&router),
+                    },
+                    log,
+                    Machine::default(),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
                 router.lock().unwrap().insert(id, raft);
                 nodes.insert(id, BasicNode::default());
             }
@@ -62,7 +73,16 @@ macro_rules! cluster_fn {
             Ok($crate::Writer::new(
                 move |value| {
                     let leader = leader.clone();
-                    async move { leader.client_write(Req { value, pad: $crate::PAD.to_string() }).await.map(|_| ()).map_err(|e| e.to_string()) }
+                    async move {
+                        leader
+                            .client_write(Req {
+                                value,
+                                pad: $crate::PAD.to_string(),
+                            })
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| e.to_string())
+                    }
                 },
                 move || {
                     let all = all.clone();
@@ -125,7 +145,10 @@ impl Writer {
         S: FnOnce() -> SF + Send + 'static,
         SF: Future<Output = ()> + Send + 'static,
     {
-        Writer { write: Arc::new(move |v| Box::pin(write(v))), stop: Box::new(move || Box::pin(stop())) }
+        Writer {
+            write: Arc::new(move |v| Box::pin(write(v))),
+            stop: Box::new(move || Box::pin(stop())),
+        }
     }
 }
 
@@ -174,8 +197,18 @@ async fn load(w: &Writer, clients: usize, secs: f64) -> Phase {
     let records = disk::RECORDS.load(Relaxed) - records0;
     let syncs = (disk::SYNCS.load(Relaxed) - syncs0).max(1);
     lat.sort();
-    let at = |q: f64| lat.get(((lat.len() as f64 - 1.0) * q) as usize).copied().unwrap_or_default();
-    Phase { ops_per_s: lat.len() as f64 / secs, p50: at(0.5), p99: at(0.99), failed, per_sync: records as f64 / syncs as f64 }
+    let at = |q: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * q) as usize)
+            .copied()
+            .unwrap_or_default()
+    };
+    Phase {
+        ops_per_s: lat.len() as f64 / secs,
+        p50: at(0.5),
+        p99: at(0.99),
+        failed,
+        per_sync: records as f64 / syncs as f64,
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -215,14 +248,21 @@ Usage: openraft-overlap [--seconds S] [--rounds N] [--clients 1,64] [--dir DIR]
 ";
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { seconds: 5.0, rounds: 3, clients: vec![1, 64], dir: None };
+    let mut a = Args {
+        seconds: 5.0,
+        rounds: 3,
+        clients: vec![1, 64],
+        dir: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
             print!("{HELP}");
             std::process::exit(0);
         }
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value (see --help)"))?;
+        let value = it
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value (see --help)"))?;
         match flag.as_str() {
             "--seconds" => {
                 a.seconds = value.parse().ok().filter(|s: &f64| *s > 0.0 && *s <= 600.0).ok_or_else(|| {
@@ -234,14 +274,20 @@ fn parse() -> Result<Args, String> {
                     .parse()
                     .ok()
                     .filter(|n| (1..=100).contains(n))
-                    .ok_or_else(|| format!("--rounds {value:?}: expected a whole number from 1 to 100"))?;
+                    .ok_or_else(|| {
+                        format!("--rounds {value:?}: expected a whole number from 1 to 100")
+                    })?;
             }
             "--clients" => {
                 a.clients = value
                     .split(',')
                     .map(|c| c.trim().parse().ok().filter(|n| (1..=1024).contains(n)))
                     .collect::<Option<Vec<usize>>>()
-                    .ok_or_else(|| format!("--clients {value:?}: expected numbers from 1 to 1024, comma-separated"))?;
+                    .ok_or_else(|| {
+                        format!(
+                            "--clients {value:?}: expected numbers from 1 to 1024, comma-separated"
+                        )
+                    })?;
             }
             "--dir" => a.dir = Some(PathBuf::from(value)),
             other => return Err(format!("unknown flag {other:?} (see --help)")),
@@ -254,7 +300,10 @@ fn parse() -> Result<Args, String> {
 fn disk_p50(dir: &std::path::Path) -> std::io::Result<Duration> {
     use std::io::Write;
     let path = dir.join("probe");
-    let mut f = std::fs::File::options().create(true).append(true).open(&path)?;
+    let mut f = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(&path)?;
     let mut lat = Vec::new();
     for _ in 0..300 {
         let t = Instant::now();
@@ -289,14 +338,22 @@ async fn main() {
         }
     };
     match disk_p50(&base) {
-        Ok(p) => println!("disk: 300-byte append + fdatasync, p50 {} ms, in {}", ms(p), base.display()),
+        Ok(p) => println!(
+            "disk: 300-byte append + fdatasync, p50 {} ms, in {}",
+            ms(p),
+            base.display()
+        ),
         Err(e) => {
             eprintln!("openraft-overlap: cannot write to {}: {e}", base.display());
             std::process::exit(1);
         }
     }
-    let setups =
-        [(Version::V09, Flush::Inline), (Version::V09, Flush::Background), (Version::V10, Flush::Inline), (Version::V10, Flush::Background)];
+    let setups = [
+        (Version::V09, Flush::Inline),
+        (Version::V09, Flush::Background),
+        (Version::V10, Flush::Inline),
+        (Version::V10, Flush::Background),
+    ];
     // results[setup][clients index] = ops/s per round
     let mut results = vec![vec![Vec::new(); args.clients.len()]; setups.len()];
     println!("| round | openraft | flush | clients | commits/s | p50 ms | p99 ms | failed | entries per fdatasync |");
@@ -334,7 +391,10 @@ async fn main() {
         }
     }
     println!();
-    println!("medians over {} rounds (commits/s; ratio to 0.9.25 inline):", args.rounds);
+    println!(
+        "medians over {} rounds (commits/s; ratio to 0.9.25 inline):",
+        args.rounds
+    );
     for (ci, &clients) in args.clients.iter().enumerate() {
         let median = |v: &Vec<f64>| {
             let mut v = v.clone();
@@ -344,7 +404,12 @@ async fn main() {
         let base_ops = median(&results[0][ci]);
         for (s, &(version, flush)) in setups.iter().enumerate() {
             let m = median(&results[s][ci]);
-            println!("  {clients:>4} clients  {:<16} {:<10} {m:>8.0}  {:.2}", version.to_string(), format!("{flush:?}"), m / base_ops);
+            println!(
+                "  {clients:>4} clients  {:<16} {:<10} {m:>8.0}  {:.2}",
+                version.to_string(),
+                format!("{flush:?}"),
+                m / base_ops
+            );
         }
     }
 }

@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex};
 use o9::error::{InstallSnapshotError, RPCError, RaftError, Unreachable};
 use o9::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use o9::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
-    VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
 };
 use o9::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
 use o9::{
-    BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftLogReader, RaftSnapshotBuilder, SnapshotMeta,
-    StorageError, StorageIOError, StoredMembership, Vote,
+    BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftLogReader, RaftSnapshotBuilder,
+    SnapshotMeta, StorageError, StorageIOError, StoredMembership, Vote,
 };
 
 use crate::disk::{Flush, LogFile};
@@ -57,7 +57,14 @@ impl RaftLogReader<C9> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry<C9>>, StorageError<u64>> {
-        Ok(self.0.entries.lock().unwrap().range((range.start_bound().cloned(), range.end_bound().cloned())).map(|(_, e)| e.clone()).collect())
+        Ok(self
+            .0
+            .entries
+            .lock()
+            .unwrap()
+            .range((range.start_bound().cloned(), range.end_bound().cloned()))
+            .map(|(_, e)| e.clone())
+            .collect())
     }
 }
 
@@ -66,8 +73,18 @@ impl RaftLogStorage<C9> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<C9>, StorageError<u64>> {
         let purged = *self.0.purged.lock().unwrap();
-        let last = self.0.entries.lock().unwrap().values().next_back().map(|e| e.log_id);
-        Ok(LogState { last_purged_log_id: purged, last_log_id: last.or(purged) })
+        let last = self
+            .0
+            .entries
+            .lock()
+            .unwrap()
+            .values()
+            .next_back()
+            .map(|e| e.log_id);
+        Ok(LogState {
+            last_purged_log_id: purged,
+            last_log_id: last.or(purged),
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -86,7 +103,11 @@ impl RaftLogStorage<C9> for LogStore {
         Ok(*self.0.vote.lock().unwrap())
     }
 
-    async fn append<I>(&mut self, entries: I, callback: LogFlushed<C9>) -> Result<(), StorageError<u64>>
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<C9>,
+    ) -> Result<(), StorageError<u64>>
     where
         I: IntoIterator<Item = Entry<C9>> + OptionalSend,
         I::IntoIter: OptionalSend,
@@ -101,16 +122,32 @@ impl RaftLogStorage<C9> for LogStore {
                 map.insert(entry.log_id.index, entry);
             }
         }
-        self.0.file.append(records, bytes, Box::new(move |r| callback.log_io_completed(r))).await.map_err(write_err)
+        self.0
+            .file
+            .append(
+                records,
+                bytes,
+                Box::new(move |r| callback.log_io_completed(r)),
+            )
+            .await
+            .map_err(write_err)
     }
 
     async fn truncate(&mut self, log_id: LogId<u64>) -> Result<(), StorageError<u64>> {
-        self.0.entries.lock().unwrap().retain(|&i, _| i < log_id.index);
+        self.0
+            .entries
+            .lock()
+            .unwrap()
+            .retain(|&i, _| i < log_id.index);
         Ok(())
     }
 
     async fn purge(&mut self, log_id: LogId<u64>) -> Result<(), StorageError<u64>> {
-        self.0.entries.lock().unwrap().retain(|&i, _| i > log_id.index);
+        self.0
+            .entries
+            .lock()
+            .unwrap()
+            .retain(|&i, _| i > log_id.index);
         *self.0.purged.lock().unwrap() = Some(log_id);
         Ok(())
     }
@@ -127,8 +164,15 @@ type Applied = (Option<LogId<u64>>, StoredMembership<u64, BasicNode>, u64);
 impl RaftSnapshotBuilder<C9> for Machine {
     async fn build_snapshot(&mut self) -> Result<Snapshot<C9>, StorageError<u64>> {
         let (last, membership, sum) = self.0.lock().unwrap().clone();
-        let meta = SnapshotMeta { last_log_id: last, last_membership: membership, snapshot_id: format!("{last:?}") };
-        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(sum.to_le_bytes().to_vec())) })
+        let meta = SnapshotMeta {
+            last_log_id: last,
+            last_membership: membership,
+            snapshot_id: format!("{last:?}"),
+        };
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(sum.to_le_bytes().to_vec())),
+        })
     }
 }
 
@@ -165,7 +209,9 @@ impl RaftStateMachine<C9> for Machine {
         self.clone()
     }
 
-    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError<u64>> {
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<u64>> {
         Ok(Box::new(Cursor::new(Vec::new())))
     }
 
@@ -175,7 +221,11 @@ impl RaftStateMachine<C9> for Machine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError<u64>> {
         let b = snapshot.into_inner();
-        let sum = u64::from_le_bytes(b.get(..8).and_then(|s| s.try_into().ok()).unwrap_or_default());
+        let sum = u64::from_le_bytes(
+            b.get(..8)
+                .and_then(|s| s.try_into().ok())
+                .unwrap_or_default(),
+        );
         *self.0.lock().unwrap() = (meta.last_log_id, meta.last_membership.clone(), sum);
         Ok(())
     }
@@ -198,20 +248,32 @@ pub struct Peer {
 
 impl Peer {
     fn raft<E: std::error::Error>(&self) -> Result<Raft9, Box<RPCError<u64, BasicNode, E>>> {
-        self.router.lock().unwrap().get(&self.target).cloned().ok_or_else(|| {
-            Box::new(RPCError::Unreachable(Unreachable::new(&io::Error::other(format!("no node {}", self.target)))))
-        })
+        self.router
+            .lock()
+            .unwrap()
+            .get(&self.target)
+            .cloned()
+            .ok_or_else(|| {
+                Box::new(RPCError::Unreachable(Unreachable::new(&io::Error::other(
+                    format!("no node {}", self.target),
+                ))))
+            })
     }
 }
 
-fn unreachable<E: std::error::Error, F: std::error::Error + 'static>(e: F) -> RPCError<u64, BasicNode, E> {
+fn unreachable<E: std::error::Error, F: std::error::Error + 'static>(
+    e: F,
+) -> RPCError<u64, BasicNode, E> {
     RPCError::Unreachable(Unreachable::new(&e))
 }
 
 impl RaftNetworkFactory<C9> for Net {
     type Network = Peer;
     async fn new_client(&mut self, target: u64, _node: &BasicNode) -> Peer {
-        Peer { target, router: Arc::clone(&self.router) }
+        Peer {
+            target,
+            router: Arc::clone(&self.router),
+        }
     }
 }
 
@@ -221,15 +283,26 @@ impl RaftNetwork<C9> for Peer {
         rpc: AppendEntriesRequest<C9>,
         _option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.raft().map_err(|e| *e)?.append_entries(rpc).await.map_err(unreachable)
+        self.raft()
+            .map_err(|e| *e)?
+            .append_entries(rpc)
+            .await
+            .map_err(unreachable)
     }
 
     async fn install_snapshot(
         &mut self,
         rpc: InstallSnapshotRequest<C9>,
         _option: RPCOption,
-    ) -> Result<InstallSnapshotResponse<u64>, RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>> {
-        self.raft().map_err(|e| *e)?.install_snapshot(rpc).await.map_err(unreachable)
+    ) -> Result<
+        InstallSnapshotResponse<u64>,
+        RPCError<u64, BasicNode, RaftError<u64, InstallSnapshotError>>,
+    > {
+        self.raft()
+            .map_err(|e| *e)?
+            .install_snapshot(rpc)
+            .await
+            .map_err(unreachable)
     }
 
     async fn vote(
@@ -237,7 +310,11 @@ impl RaftNetwork<C9> for Peer {
         rpc: VoteRequest<u64>,
         _option: RPCOption,
     ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.raft().map_err(|e| *e)?.vote(rpc).await.map_err(unreachable)
+        self.raft()
+            .map_err(|e| *e)?
+            .vote(rpc)
+            .await
+            .map_err(unreachable)
     }
 }
 

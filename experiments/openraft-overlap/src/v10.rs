@@ -9,14 +9,18 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use futures::{Stream, TryStreamExt};
-use o10::type_config::alias::{EntryOf, LogIdOf, SnapshotMetaOf, SnapshotOf, StoredMembershipOf, VoteOf};
 use o10::error::{RPCError, ReplicationClosed, StreamingError, Unreachable};
 use o10::network::RPCOption;
-use o10::raft::{AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse};
+use o10::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+};
 use o10::storage::{EntryResponder, IOFlushed, RaftLogStorage, RaftStateMachine};
+use o10::type_config::alias::{
+    EntryOf, LogIdOf, SnapshotMetaOf, SnapshotOf, StoredMembershipOf, VoteOf,
+};
 use o10::{
-    BasicNode, EntryPayload, LogState, OptionalSend, RaftLogReader, RaftNetworkFactory, RaftNetworkV2,
-    RaftSnapshotBuilder, SnapshotMeta, StoredMembership,
+    BasicNode, EntryPayload, LogState, OptionalSend, RaftLogReader, RaftNetworkFactory,
+    RaftNetworkV2, RaftSnapshotBuilder, SnapshotMeta, StoredMembership,
 };
 
 use crate::disk::{Flush, LogFile};
@@ -46,7 +50,14 @@ impl RaftLogReader<C10> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<EntryOf<C10>>, io::Error> {
-        Ok(self.0.entries.lock().unwrap().range((range.start_bound().cloned(), range.end_bound().cloned())).map(|(_, e)| e.clone()).collect())
+        Ok(self
+            .0
+            .entries
+            .lock()
+            .unwrap()
+            .range((range.start_bound().cloned(), range.end_bound().cloned()))
+            .map(|(_, e)| e.clone())
+            .collect())
     }
 
     async fn read_vote(&mut self) -> Result<Option<VoteOf<C10>>, io::Error> {
@@ -59,8 +70,18 @@ impl RaftLogStorage<C10> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<C10>, io::Error> {
         let purged = *self.0.purged.lock().unwrap();
-        let last = self.0.entries.lock().unwrap().values().next_back().map(|e| e.log_id);
-        Ok(LogState { last_purged_log_id: purged, last_log_id: last.or(purged) })
+        let last = self
+            .0
+            .entries
+            .lock()
+            .unwrap()
+            .values()
+            .next_back()
+            .map(|e| e.log_id);
+        Ok(LogState {
+            last_purged_log_id: purged,
+            last_log_id: last.or(purged),
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -90,17 +111,28 @@ impl RaftLogStorage<C10> for LogStore {
                 map.insert(entry.log_id.index, entry);
             }
         }
-        self.0.file.append(records, bytes, Box::new(move |r| callback.io_completed(r))).await
+        self.0
+            .file
+            .append(records, bytes, Box::new(move |r| callback.io_completed(r)))
+            .await
     }
 
     async fn truncate_after(&mut self, last: Option<LogIdOf<C10>>) -> Result<(), io::Error> {
         let keep_to = last.map(|l| l.index);
-        self.0.entries.lock().unwrap().retain(|&i, _| keep_to.is_some_and(|k| i <= k));
+        self.0
+            .entries
+            .lock()
+            .unwrap()
+            .retain(|&i, _| keep_to.is_some_and(|k| i <= k));
         Ok(())
     }
 
     async fn purge(&mut self, log_id: LogIdOf<C10>) -> Result<(), io::Error> {
-        self.0.entries.lock().unwrap().retain(|&i, _| i > log_id.index);
+        self.0
+            .entries
+            .lock()
+            .unwrap()
+            .retain(|&i, _| i > log_id.index);
         *self.0.purged.lock().unwrap() = Some(log_id);
         Ok(())
     }
@@ -118,8 +150,14 @@ impl RaftSnapshotBuilder<C10> for Machine {
 
     async fn build_snapshot(&mut self) -> Result<SnapshotOf<C10, Vec<u8>>, io::Error> {
         let (last, membership, sum) = self.0.lock().unwrap().clone();
-        let meta = SnapshotMeta { last_log_id: last, last_membership: membership };
-        Ok(o10::Snapshot { meta, snapshot: sum.to_le_bytes().to_vec() })
+        let meta = SnapshotMeta {
+            last_log_id: last,
+            last_membership: membership,
+        };
+        Ok(o10::Snapshot {
+            meta,
+            snapshot: sum.to_le_bytes().to_vec(),
+        })
     }
 }
 
@@ -127,7 +165,9 @@ impl RaftStateMachine<C10> for Machine {
     type SnapshotData = Vec<u8>;
     type SnapshotBuilder = Machine;
 
-    async fn applied_state(&mut self) -> Result<(Option<LogIdOf<C10>>, StoredMembershipOf<C10>), io::Error> {
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogIdOf<C10>>, StoredMembershipOf<C10>), io::Error> {
         let g = self.0.lock().unwrap();
         Ok((g.0, g.1.clone()))
     }
@@ -142,7 +182,9 @@ impl RaftStateMachine<C10> for Machine {
                 g.0 = Some(entry.log_id);
                 match entry.payload {
                     EntryPayload::Normal(r) => g.2 = g.2.wrapping_add(r.value),
-                    EntryPayload::Membership(m) => g.1 = StoredMembership::new(Some(entry.log_id), m),
+                    EntryPayload::Membership(m) => {
+                        g.1 = StoredMembership::new(Some(entry.log_id), m)
+                    }
                     EntryPayload::Blank => {}
                 }
                 g.2
@@ -158,13 +200,24 @@ impl RaftStateMachine<C10> for Machine {
         self.clone()
     }
 
-    async fn install_snapshot(&mut self, meta: &SnapshotMetaOf<C10>, snapshot: Vec<u8>) -> Result<(), io::Error> {
-        let sum = u64::from_le_bytes(snapshot.get(..8).and_then(|s| s.try_into().ok()).unwrap_or_default());
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMetaOf<C10>,
+        snapshot: Vec<u8>,
+    ) -> Result<(), io::Error> {
+        let sum = u64::from_le_bytes(
+            snapshot
+                .get(..8)
+                .and_then(|s| s.try_into().ok())
+                .unwrap_or_default(),
+        );
         *self.0.lock().unwrap() = (meta.last_log_id, meta.last_membership.clone(), sum);
         Ok(())
     }
 
-    async fn get_current_snapshot(&mut self) -> Result<Option<SnapshotOf<C10, Vec<u8>>>, io::Error> {
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<SnapshotOf<C10, Vec<u8>>>, io::Error> {
         Ok(None)
     }
 }
@@ -194,7 +247,10 @@ impl Peer {
 impl RaftNetworkFactory<C10> for Net {
     type Network = Peer;
     async fn new_client(&mut self, target: u64, _node: &BasicNode) -> Peer {
-        Peer { target, router: Arc::clone(&self.router) }
+        Peer {
+            target,
+            router: Arc::clone(&self.router),
+        }
     }
 }
 
@@ -207,12 +263,20 @@ impl RaftNetworkV2<C10> for Peer {
         _option: RPCOption,
     ) -> Result<AppendEntriesResponse<C10>, RPCError<C10>> {
         let raft = self.raft()?;
-        raft.append_entries(rpc).await.map_err(|e| RPCError::Unreachable(Unreachable::new(&e)))
+        raft.append_entries(rpc)
+            .await
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(&e)))
     }
 
-    async fn vote(&mut self, rpc: VoteRequest<C10>, _option: RPCOption) -> Result<VoteResponse<C10>, RPCError<C10>> {
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<C10>,
+        _option: RPCOption,
+    ) -> Result<VoteResponse<C10>, RPCError<C10>> {
         let raft = self.raft()?;
-        raft.vote(rpc).await.map_err(|e| RPCError::Unreachable(Unreachable::new(&e)))
+        raft.vote(rpc)
+            .await
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(&e)))
     }
 
     async fn full_snapshot(
@@ -223,7 +287,9 @@ impl RaftNetworkV2<C10> for Peer {
         _option: RPCOption,
     ) -> Result<SnapshotResponse<C10>, StreamingError<C10>> {
         let raft = self.raft()?;
-        raft.install_full_snapshot(vote, snapshot).await.map_err(|e| StreamingError::Unreachable(Unreachable::new(&e)))
+        raft.install_full_snapshot(vote, snapshot)
+            .await
+            .map_err(|e| StreamingError::Unreachable(Unreachable::new(&e)))
     }
 }
 
