@@ -333,7 +333,13 @@ async fn main() {
     let base = match &args.dir {
         Some(d) => d.clone(),
         None => {
-            tmp = tempfile::tempdir().expect("create a temporary directory");
+            tmp = match tempfile::tempdir() {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("openraft-overlap: cannot create a temporary directory ({e}); pass --dir");
+                    std::process::exit(1);
+                }
+            };
             tmp.path().to_path_buf()
         }
     };
