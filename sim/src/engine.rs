@@ -128,6 +128,12 @@ pub struct JobRt {
     pub placement: Vec<(usize, MilliGpue)>,
     /// Running on borrowed GPUs (kvota admitted it over its tenant's budget).
     pub borrowed: bool,
+    /// Larger than its tenant may ever hold in its cluster under the policy: the
+    /// cluster's capacity or the tenant's maxShare of the federation, whichever is less.
+    /// kvota's agent denies such a pod at once and does not count it as demand; the fair
+    /// target does not count it while it waits either, for every scheduler (a scheduler
+    /// that runs it anyway is judged on what it holds).
+    pub beyond_policy: bool,
 }
 
 /// One cluster at run time.
@@ -143,6 +149,8 @@ pub struct ClusterRt {
     pub inuse: Vec<MilliGpue>,
     /// Waiting GPUe per tenant.
     pub pending: Vec<MilliGpue>,
+    /// Of `pending`, the GPUe of jobs beyond the policy ([`JobRt::beyond_policy`]).
+    pub pending_beyond: Vec<MilliGpue>,
     /// Waiting jobs per tenant, oldest first.
     pub queue: Vec<VecDeque<usize>>,
     /// Running jobs per tenant, by start time (youngest last).
@@ -176,6 +184,7 @@ impl ClusterRt {
             free: capacity,
             inuse: vec![0; tenants],
             pending: vec![0; tenants],
+            pending_beyond: vec![0; tenants],
             queue: vec![VecDeque::new(); tenants],
             running: vec![Vec::new(); tenants],
             used_since: vec![0; tenants],
@@ -309,6 +318,9 @@ impl World {
             cl.queue[t].remove(pos);
         }
         cl.pending[t] -= g;
+        if self.jobs[job].beyond_policy {
+            cl.pending_beyond[t] -= g;
+        }
         cl.inuse[t] += g;
         cl.running[t].push(job);
         let j = &mut self.jobs[job];
@@ -334,7 +346,7 @@ impl World {
         j.preemptions += 1;
         j.generation = j.generation.wrapping_add(1);
         j.borrowed = false;
-        let (t, c, g) = (j.tenant, j.cluster, j.gpue);
+        let (t, c, g, beyond) = (j.tenant, j.cluster, j.gpue, j.beyond_policy);
         let placement = std::mem::take(&mut j.placement);
         self.preempted[t] += 1;
         self.lost[t] += u128::from(g) * u128::from(lost);
@@ -345,6 +357,9 @@ impl World {
         cl.inuse[t] -= g;
         cl.unplace(g, &placement);
         cl.pending[t] += g;
+        if beyond {
+            cl.pending_beyond[t] += g;
+        }
         cl.queue[t].push_back(job);
     }
 
@@ -572,6 +587,11 @@ pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Sche
 
 /// [`run`], calling `progress` at every tick (the caller decides what to show and how
 /// often; the engine reads no clock).
+/// The most a tenant with `max_share_bp` may hold of a federation of `total_cap` GPUe.
+fn policy_ceiling(total_cap: u128, max_share_bp: u32) -> MilliGpue {
+    kvota_fairness::entitlement::share_of(u64::try_from(total_cap).unwrap_or(u64::MAX), max_share_bp)
+}
+
 pub fn run_with_progress(
     trace: &Trace,
     policy: &Policy,
@@ -640,6 +660,7 @@ pub fn run_with_progress(
             done: false,
             placement: Vec::new(),
             borrowed: false,
+            beyond_policy: j.gpue > cfg.clusters[cluster].1.min(policy_ceiling(total_cap, tenants[t].max_share_bp)),
         });
     }
     let clusters = cfg.clusters.iter().map(|(name, cap)| ClusterRt::new(name, *cap, cfg.node_gpue, nt)).collect();
@@ -693,6 +714,9 @@ pub fn run_with_progress(
                 Ev::Arrive { job } => {
                     let (t, c, g) = (w.jobs[job].tenant, w.jobs[job].cluster, w.jobs[job].gpue);
                     w.clusters[c].pending[t] += g;
+                    if w.jobs[job].beyond_policy {
+                        w.clusters[c].pending_beyond[t] += g;
+                    }
                     w.clusters[c].queue[t].push_back(job);
                     arrived += 1;
                 }
@@ -812,7 +836,9 @@ impl Meter {
         let nt = w.tenants.len();
         let cap = w.capacity();
         let inuse: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.inuse[t]).sum()).collect();
-        let pending: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.pending[t]).sum()).collect();
+        // Demand as kvota's own model counts it: a waiting job beyond the policy is none.
+        let pending: Vec<MilliGpue> =
+            (0..nt).map(|t| w.clusters.iter().map(|c| c.pending[t] - c.pending_beyond[t]).sum()).collect();
         if let Some(prev) = self.last_sample_ms {
             let dt = now.saturating_sub(prev);
             for (t, tr) in w.tenants.iter().enumerate() {

@@ -25,7 +25,8 @@
 //!   time with demand that it held.
 //! - Every scheduler is judged against the same fair target: kvota's fairness model
 //!   ([`kvota_fairness::entitlement::compute`]) over the tenants' current demand and
-//!   decayed usage. *Share violation* is time above the target, *starved* time below
+//!   decayed usage. Demand is what kvota counts as demand: a waiting job larger than its
+//!   tenant may ever hold in its cluster ([`engine::JobRt::beyond_policy`]) is none. *Share violation* is time above the target, *starved* time below
 //!   `min(demand, guarantee)`, the *fairness score* is the article's (1 within 20 % of
 //!   the target), an *unfair episode* is a stretch with the mean score below 0.8 and
 //!   its length is the *recovery time*.

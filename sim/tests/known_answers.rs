@@ -266,3 +266,28 @@ fn sized_budgets_start_a_large_job_that_a_proportional_split_strands() {
     }
     assert!(stranded >= 1, "no placement stranded the big job without sizing: the test shows nothing");
 }
+
+#[test]
+fn a_job_beyond_its_tenants_max_share_is_not_demand_the_fair_target_owes() {
+    // 4 GPUs; a may hold at most 2 (maxShare 50 %). a runs one GPU for 1,000 s and asks
+    // for a 3-GPU job it may never hold; b runs one GPU. kvota denies the 3-GPU job at
+    // once (it never starts) and the fair target, kvota's own model, does not count it
+    // as demand: a's target is the one GPU it runs, so its score is 1 from the first
+    // lease on (the sample at 0 s, before any pod runs, scores 0: 0.99 over the run).
+    // Counting it (as the simulator did before) made a look owed 2 GPUs for the whole
+    // run, holding half of that: a score of 0.
+    let p = policy(
+        "  - {name: a, weight: 1, minShare: 25, maxShare: 50, preemptible: true}\n  - {name: b, weight: 1, minShare: 25, maxShare: 100, preemptible: true}\n",
+    );
+    let t = trace("a,0,1,1000,training\na,0,3,100,training\nb,0,1,1000,training\n");
+    let r = sim("wfq-decay", &t, &p, 4);
+    assert_eq!(r.tenants[0].never_started, 1);
+    assert!(r.tenants[0].mean_score > 0.98, "a's score {}", r.tenants[0].mean_score);
+    assert!(r.tenants[0].starved < 0.02, "a starved {}", r.tenants[0].starved);
+    // Round robin applies no maxShare: the job runs once a GPU frees (at 1,000 s, when
+    // a's and b's one-GPU jobs end) and a then holds 3 GPUs, beyond the 2 it may hold:
+    // judged on what it holds, its score falls below 1.
+    let rr = sim("round-robin", &t, &p, 4);
+    assert_eq!(rr.tenants[0].never_started, 0);
+    assert!(rr.tenants[0].mean_score < 0.999, "a's score under round robin {}", rr.tenants[0].mean_score);
+}
