@@ -198,6 +198,12 @@ impl ClusterRt {
         c
     }
 
+    /// Waiting GPUe of tenant `t` that the policy allows it ever to hold: demand as kvota
+    /// counts it (jobs [`JobRt::beyond_policy`] are none).
+    pub fn pending_owed(&self, t: usize) -> MilliGpue {
+        self.pending[t] - self.pending_beyond[t]
+    }
+
     fn refresh(&mut self) {
         self.max_node_free = self.node_free.iter().copied().max().unwrap_or(0);
         self.whole_free = self.node_free.iter().zip(&self.node_cap).filter(|(f, c)| f == c).map(|(f, _)| *f).sum();
@@ -585,13 +591,18 @@ pub fn run(trace: &Trace, policy: &Policy, cfg: &SimConfig, sched: &mut dyn Sche
     run_with_progress(trace, policy, cfg, sched, &mut |_| {})
 }
 
-/// [`run`], calling `progress` at every tick (the caller decides what to show and how
-/// often; the engine reads no clock).
-/// The most a tenant with `max_share_bp` may hold of a federation of `total_cap` GPUe.
+/// The most a tenant with `max_share_bp` may hold of a federation of `total_cap` GPUe,
+/// as the agent reads its lease's ceiling (a ceiling of 0 is none: the cluster's
+/// capacity bounds it alone).
 fn policy_ceiling(total_cap: u128, max_share_bp: u32) -> MilliGpue {
-    kvota_fairness::entitlement::share_of(u64::try_from(total_cap).unwrap_or(u64::MAX), max_share_bp)
+    match kvota_fairness::entitlement::share_of(u64::try_from(total_cap).unwrap_or(u64::MAX), max_share_bp) {
+        0 => MilliGpue::MAX,
+        x => x,
+    }
 }
 
+/// [`run`], calling `progress` at every tick (the caller decides what to show and how
+/// often; the engine reads no clock).
 pub fn run_with_progress(
     trace: &Trace,
     policy: &Policy,
@@ -837,8 +848,7 @@ impl Meter {
         let cap = w.capacity();
         let inuse: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.inuse[t]).sum()).collect();
         // Demand as kvota's own model counts it: a waiting job beyond the policy is none.
-        let pending: Vec<MilliGpue> =
-            (0..nt).map(|t| w.clusters.iter().map(|c| c.pending[t] - c.pending_beyond[t]).sum()).collect();
+        let pending: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.pending_owed(t)).sum()).collect();
         if let Some(prev) = self.last_sample_ms {
             let dt = now.saturating_sub(prev);
             for (t, tr) in w.tenants.iter().enumerate() {

@@ -193,11 +193,11 @@ impl WfqDecay {
             let cl = &w.clusters[c];
             let agent = &self.agents[c];
             let below = self.policy.tenants.iter().enumerate().any(|(t, tp)| {
-                let demand = cl.inuse[t] + cl.pending[t];
+                let demand = cl.inuse[t] + cl.pending_owed(t);
                 let owed = demand
                     .min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp))
                     .max(demand.min(agent.budget(&tp.name, now)));
-                cl.pending[t] > 0 && cl.inuse[t] < owed
+                cl.pending_owed(t) > 0 && cl.inuse[t] < owed
             });
             if !below {
                 self.reclaim[c].0.clear();
@@ -226,11 +226,11 @@ impl WfqDecay {
                 // budget) and waiting pods of tenants below their guarantee.
                 let victim = |t: usize| tenants[t].preemptible && tenants[t].inuse > tenants[t].budget;
                 let hungry = |t: usize| {
-                    let demand = cl.inuse[t] + cl.pending[t];
+                    let demand = cl.inuse[t] + cl.pending_owed(t);
                     let owed = demand
                         .min(kvota_fairness::entitlement::share_of(cl.capacity, tenants[t].min_share_bp))
                         .max(demand.min(tenants[t].budget));
-                    cl.pending[t] > 0 && cl.inuse[t] < owed
+                    cl.pending_owed(t) > 0 && cl.inuse[t] < owed
                 };
                 let running: Vec<RunningPod> = (0..tenants.len())
                     .filter(|&t| victim(t))
@@ -252,6 +252,7 @@ impl WfqDecay {
                 let waiting: Vec<WaitingPod> = (0..tenants.len())
                     .filter(|&t| hungry(t))
                     .flat_map(|t| w.candidates(c, t).map(move |j| (t, j)))
+                    .filter(|&(_, j)| !w.jobs[j].beyond_policy)
                     .filter_map(|(t, j)| {
                         Some(WaitingPod {
                         key: key(j)?,
@@ -354,9 +355,11 @@ impl Scheduler for WfqDecay {
                 continue; // the agent cannot reach the control plane; usage accumulates
             }
             // The largest waiting pod of each tenant among those a pass considers (as an
-            // agent sees its queued and denied pods).
-            let largest: Vec<MilliGpue> =
-                (0..w.tenants.len()).map(|t| w.candidates(c, t).map(|j| w.jobs[j].gpue).max().unwrap_or(0)).collect();
+            // agent sees its queued and denied pods; one it denied as never fitting is no
+            // demand, and neither is in the report).
+            let largest: Vec<MilliGpue> = (0..w.tenants.len())
+                .map(|t| w.candidates(c, t).filter(|&j| !w.jobs[j].beyond_policy).map(|j| w.jobs[j].gpue).max().unwrap_or(0))
+                .collect();
             let cl = &mut w.clusters[c];
             // What each tenant's report says it used, in tenant order, as it is built
             // (looking each name up again in the report cost a search per tenant).
@@ -368,7 +371,7 @@ impl Scheduler for WfqDecay {
                 .map(|(t, tr)| {
                     let used = u64::try_from(std::mem::take(&mut cl.used_since[t])).unwrap_or(u64::MAX);
                     sent.push(used);
-                    let (inuse, pending) = (cl.inuse[t], cl.pending[t]);
+                    let (inuse, pending) = (cl.inuse[t], cl.pending_owed(t));
                     (tr.name.clone(), TenantReport { used_milli_gpue_ms: used, inuse, pending, largest: largest[t].min(pending) })
                 })
                 .collect();
@@ -409,13 +412,13 @@ impl Scheduler for WfqDecay {
             // GPUs no budget needs now; unchanged by admissions within budgets, lowered by
             // every borrowed admission.
             let cl = &w.clusters[c];
-            let mut lend = lendable(cl.capacity, (0..w.tenants.len()).map(|t| (cl.inuse[t], cl.pending[t], budgets[t])));
+            let mut lend = lendable(cl.capacity, (0..w.tenants.len()).map(|t| (cl.inuse[t], cl.pending_owed(t), budgets[t])));
             // Latency-sensitive (non-preemptible) tenants below their guarantee here first,
             // then the tenants furthest under their budget (the drift bias).
             let cl = &w.clusters[c];
             let urgent = |t: usize| {
                 let tp = &self.policy.tenants[t];
-                let guarantee = (cl.inuse[t] + cl.pending[t]).min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp));
+                let guarantee = (cl.inuse[t] + cl.pending_owed(t)).min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp));
                 !tp.preemptible && cl.inuse[t] < guarantee
             };
             let mut order: Vec<usize> = (0..w.tenants.len()).collect();

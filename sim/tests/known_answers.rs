@@ -291,3 +291,21 @@ fn a_job_beyond_its_tenants_max_share_is_not_demand_the_fair_target_owes() {
     assert_eq!(rr.tenants[0].never_started, 0);
     assert!(rr.tenants[0].mean_score < 0.999, "a's score under round robin {}", rr.tenants[0].mean_score);
 }
+
+#[test]
+fn the_simulated_agent_does_not_report_a_job_beyond_the_policy_as_demand() {
+    // As the real agent: a pod denied as never fitting is not in its reports, so it
+    // neither raises its tenant's entitlement nor keeps budget room from others. 4 GPUs,
+    // equal weights: a runs one GPU and asks for a 3-GPU job beyond its maxShare (2); b
+    // asks for three one-GPU jobs. a's demand is 1, b's 3: budgets 1 and 3, and all of
+    // b's jobs start at once. Reported as demand, the job would give a a budget of 2
+    // (one GPU of it kept for the job) and b 2: b's third job would wait 1,000 s.
+    let p = policy(
+        "  - {name: a, weight: 1, minShare: 25, maxShare: 50, preemptible: true}\n  - {name: b, weight: 1, minShare: 25, maxShare: 100, preemptible: true}\n",
+    );
+    let t = trace(&("a,0,1,1000,training\na,0,3,100,training\n".to_string() + &"b,0,1,1000,training\n".repeat(3)));
+    let r = sim("wfq-decay", &t, &p, 4);
+    let b: Vec<u64> = r.job_delays[2..].iter().map(|d| d.expect("b's jobs start") / 1000).collect();
+    assert!(b.iter().all(|&d| d <= 60), "b's delays {b:?}");
+    assert_eq!(r.job_delays[1], None, "the 3-GPU job never starts");
+}
