@@ -508,18 +508,16 @@ impl v1::admin_server::Admin for AdminSvc {
         let msg = request.into_inner();
         let policy = Policy::from_yaml(&msg.yaml).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let level = self.ctx.state.read().await.feature_level;
-        if !policy.showback.is_default() && level < crate::types::SHOWBACK_LEVEL {
+        // Each setting a node below its feature level would drop from the replicated policy.
+        let gated = [
+            (!policy.showback.is_default(), "spec.showback", crate::types::SHOWBACK_LEVEL),
+            (!policy.reclaim.lend_idle, "spec.reclaim.lendIdle", crate::types::LENDING_LEVEL),
+            (!policy.reclaim.lend_when.is_always(), "spec.reclaim.lendWhen", crate::types::LEND_WHEN_LEVEL),
+        ];
+        if let Some((_, what, needs)) = gated.into_iter().find(|&(set, _, needs)| set && level < needs) {
             return Err(Status::failed_precondition(format!(
-                "spec.showback needs feature level {} and the group runs at {level}: every node must run a kvota that \
-                 supports it first (see docs/operations.md, \"Upgrades\"); nothing was changed",
-                crate::types::SHOWBACK_LEVEL
-            )));
-        }
-        if !policy.reclaim.lend_idle && level < crate::types::LENDING_LEVEL {
-            return Err(Status::failed_precondition(format!(
-                "spec.reclaim.lendIdle needs feature level {} and the group runs at {level}: every node must run a kvota that \
-                 supports it first (see docs/operations.md, \"Upgrades\"); nothing was changed",
-                crate::types::LENDING_LEVEL
+                "{what} needs feature level {needs} and the group runs at {level}: every node must run a kvota that \
+                 supports it first (see docs/operations.md, \"Upgrades\"); nothing was changed"
             )));
         }
         let reply = policy_reply(&policy);

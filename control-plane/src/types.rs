@@ -49,7 +49,9 @@ pub const LOG_FORMAT: u32 = 1;
 /// Level 4: the same formats, and budgets are sized to waiting pods (the state keeps
 /// each report's largest waiting pod per tenant, a protobuf field older nodes drop, and
 /// the split makes room for it), turned on by the entry that raises the level.
-pub const FEATURE_LEVEL: u32 = 4;
+/// Level 5: the same formats, and a policy may set `spec.reclaim.lendWhen` (a protobuf
+/// field of the replicated policy that older nodes drop).
+pub const FEATURE_LEVEL: u32 = 5;
 
 /// The feature level from which the replicated state keeps records: showback, the
 /// agents' reported decisions, and the actors of audit records (log entries name who
@@ -61,6 +63,9 @@ pub const LENDING_LEVEL: u32 = 3;
 /// The feature level from which budgets are sized to the tenants' waiting pods
 /// ([`kvota_fairness::federation::Federation::enable_sized_budgets`]).
 pub const SIZED_LEVEL: u32 = 4;
+/// The feature level from which a policy may set `spec.reclaim.lendWhen` (agents then
+/// lend only at the lease standing it names, [`kvota_fairness::admission::lends_now`]).
+pub const LEND_WHEN_LEVEL: u32 = 5;
 /// The feature level from which a policy may set `spec.showback` (see [`RECORDS_LEVEL`]).
 pub const SHOWBACK_LEVEL: u32 = RECORDS_LEVEL;
 

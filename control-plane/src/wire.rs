@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kvota_fairness::admission::Verdict;
 use kvota_fairness::federation::{Command, EvictionNote, EvictionOutcome, PodDecision, TenantReport, UsageReport, UsageWindow};
-use kvota_fairness::policy::{AdmissionMode, LeaseConfig, Policy, ReclaimConfig, ShowbackConfig, TenantPolicy};
+use kvota_fairness::policy::{AdmissionMode, LeaseConfig, LendWhen, Policy, ReclaimConfig, ShowbackConfig, TenantPolicy};
 use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::resources::ResourceWeights;
 use kvota_proto::raft::v1 as pb;
@@ -370,6 +370,7 @@ fn policy_to(p: &Policy) -> pb::LogPolicy {
             max_evictions_per_minute_per_tenant: p.reclaim.max_evictions_per_minute_per_tenant,
             min_runtime_ms: p.reclaim.min_runtime_ms,
             no_lend_idle: !p.reclaim.lend_idle,
+            lend_only_cut_off: p.reclaim.lend_when == LendWhen::CutOff,
         }),
         resource_weights_milli: p.resource_weights.explicit().clone().into_iter().collect(),
         tenants: p.tenants.iter().map(tenant_to).collect(),
@@ -386,6 +387,7 @@ fn policy_from(p: pb::LogPolicy, field: &str) -> Result<Policy, WireError> {
         max_evictions_per_minute_per_tenant: r.max_evictions_per_minute_per_tenant,
         min_runtime_ms: r.min_runtime_ms,
         lend_idle: !r.no_lend_idle,
+        lend_when: if r.lend_only_cut_off { LendWhen::CutOff } else { LendWhen::Always },
     });
     let mut resource_weights = ResourceWeights::new();
     for (name, w) in p.resource_weights_milli {

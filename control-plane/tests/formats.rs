@@ -363,6 +363,10 @@ async fn the_feature_level_rises_only_when_every_voter_supports_it() {
     let no_lending = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendIdle: false}\n", 1);
     let refused = apply_yaml(&client, &no_lending).await.expect_err("needs level 3");
     assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains("lendIdle needs feature level 3"), "{refused:?}");
+    // And one that lends only while cut off, which needs level 5.
+    let cut_off = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1);
+    let refused = apply_yaml(&client, &cut_off).await.expect_err("needs level 5");
+    assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains("lendWhen needs feature level 5"), "{refused:?}");
 
     // Node 3 upgraded: the next ticks raise the level everywhere.
     cl.set_tweak(supports_2);

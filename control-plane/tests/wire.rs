@@ -300,6 +300,24 @@ fn a_showback_retention_crosses_the_wire_and_its_default_costs_nothing() {
     assert!(size(&set) > size(&base), "the retention is written when set");
 }
 
+/// `spec.reclaim.lendWhen` crosses the wire both ways; its default (`always`) is no
+/// bytes at all, so entries written before the field existed read the same, and
+/// `lendIdle: false` next to it keeps its own field.
+#[test]
+fn lend_when_crosses_the_wire_and_its_default_costs_nothing() {
+    let base = Policy::from_yaml(Policy::article_example_yaml()).unwrap();
+    let cut_off = Policy::from_yaml(&Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1)).unwrap();
+    assert_eq!(cut_off.reclaim.lend_when, kvota_fairness::policy::LendWhen::CutOff);
+    let off = Policy::from_yaml(&Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendIdle: false}\n", 1)).unwrap();
+    for p in [&base, &cut_off, &off] {
+        let e = entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())));
+        assert_eq!(through_the_wire(&e), e);
+    }
+    let size = |p: &Policy| wire::entry_to(&entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())))).encode_to_vec().len();
+    assert!(size(&cut_off) > size(&base), "cutOff is written when set");
+    assert_eq!(size(&off), size(&base) + 2, "lendIdle: false is its own field (tag and value)");
+}
+
 /// Who asked for each command crosses the Raft wire and the log store's JSON unchanged;
 /// an entry naming nobody carries no such field (what a level-1 member reads).
 #[test]

@@ -273,6 +273,21 @@ pub fn borrow_room(limit: MilliGpue, budget: MilliGpue, inuse: MilliGpue, lendab
     lendable.min(budget.saturating_add(limit).saturating_sub(inuse))
 }
 
+/// Whether a cluster whose lease stands at `lease` lends now under the policy's
+/// `reclaim`: lending on (and reclaim, which takes lent GPUs back), and either
+/// `lendWhen: always` or the lease expired (`cutOff`: the agent enforces fallback
+/// budgets, so the control plane cannot move idle GPUs to where pods wait). A cluster
+/// that does not lend gives every tenant a borrow room of 0; pods it lent before stay
+/// borrowed, first in line for reclaim.
+pub fn lends_now(reclaim: &crate::policy::ReclaimConfig, lease: LeaseStatus) -> bool {
+    reclaim.enabled
+        && reclaim.lend_idle
+        && match reclaim.lend_when {
+            crate::policy::LendWhen::Always => true,
+            crate::policy::LendWhen::CutOff => lease == LeaseStatus::Safe,
+        }
+}
+
 fn pod_ref(pod: &PodRequest) -> String {
     if pod.name.is_empty() {
         format!("{}/<unnamed>", pod.namespace)

@@ -341,6 +341,11 @@ pub struct ReclaimSpec {
     /// a pod within its budget needs the room (default on; needs reclaim on).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lend_idle: Option<Flag>,
+    /// When to lend: `always` (default), or `cutOff`: only while the cluster is cut off
+    /// from the control plane and enforces fallback budgets (needs lending on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("enum" = ["always", "cutOff"])))]
+    pub lend_when: Option<Text>,
     /// Keys the format does not have.
     #[serde(flatten)]
     #[cfg_attr(feature = "schema", schemars(skip))]
@@ -425,7 +430,7 @@ pub fn known_fields(at: &str) -> &'static [&'static str] {
         ],
         "spec.lease" => &["duration", "clockSkewMargin"],
         "spec.showback" => &["retention"],
-        "spec.reclaim" => &["enabled", "starvedFor", "maxEvictionsPerMinute", "maxEvictionsPerMinutePerTenant", "minRuntime", "lendIdle"],
+        "spec.reclaim" => &["enabled", "starvedFor", "maxEvictionsPerMinute", "maxEvictionsPerMinutePerTenant", "minRuntime", "lendIdle", "lendWhen"],
         "spec.tenants[]" => &[
             "name",
             "weight",

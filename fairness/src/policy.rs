@@ -88,6 +88,41 @@ pub struct ReclaimConfig {
     /// budget needs them (see [`crate::admission::borrow_room`]). Needs reclaim on.
     #[serde(default = "lend_idle_default", skip_serializing_if = "is_true")]
     pub lend_idle: bool,
+    /// When a cluster lends (with `lend_idle` on): always, or only while it is cut off
+    /// from the control plane (its agent enforcing fallback budgets). Absent from the
+    /// encoding when `Always` (the default), so such a policy is the same bytes as before
+    /// the field existed.
+    #[serde(default, skip_serializing_if = "LendWhen::is_always")]
+    pub lend_when: LendWhen,
+}
+
+/// When a cluster lends idle GPUs (`spec.reclaim.lendWhen`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum LendWhen {
+    /// Whenever GPUs are idle and a preemptible tenant's pod waits over its budget.
+    #[default]
+    Always,
+    /// Only while the cluster's lease has expired (the agent enforces fallback budgets):
+    /// while the control plane is reachable, its budgets alone decide. Lending then keeps
+    /// a cut-off cluster's GPUs in use without the eviction churn lending causes among
+    /// multi-node jobs (docs/policy-comparison.md).
+    CutOff,
+}
+
+impl LendWhen {
+    /// The default, left out of encodings.
+    pub fn is_always(&self) -> bool {
+        *self == LendWhen::Always
+    }
+}
+
+impl fmt::Display for LendWhen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LendWhen::Always => "always",
+            LendWhen::CutOff => "cutOff",
+        })
+    }
 }
 
 fn lend_idle_default() -> bool {
@@ -109,6 +144,7 @@ impl Default for ReclaimConfig {
             max_evictions_per_minute_per_tenant: defaults::RECLAIM_PER_MINUTE_PER_TENANT,
             min_runtime_ms: defaults::RECLAIM_MIN_RUNTIME_MS,
             lend_idle: true,
+            lend_when: LendWhen::Always,
         }
     }
 }
@@ -343,6 +379,9 @@ impl Policy {
         );
         if !r.lend_idle {
             let _ = writeln!(y, "    lendIdle: false");
+        }
+        if !r.lend_when.is_always() {
+            let _ = writeln!(y, "    lendWhen: {}", r.lend_when);
         }
         // Written only when set: a build that predates it reads the document unchanged.
         if self.showback != ShowbackConfig::default() {
@@ -645,6 +684,17 @@ impl Checker {
         }
     }
 
+    fn lend_when(&mut self, path: &str, v: &Text) -> Option<LendWhen> {
+        match self.string(path, v)?.as_str() {
+            "always" => Some(LendWhen::Always),
+            "cutOff" => Some(LendWhen::CutOff),
+            other => {
+                self.push(path, format!("`{other}` is not a choice; use `always` (default) or `cutOff` (lend only while the cluster is cut off from the control plane)"));
+                None
+            }
+        }
+    }
+
     /// A whole number from 0 to `max`; `what` says what 0 means, if anything.
     fn count(&mut self, path: &str, v: &Count, max: u32, zero: &str) -> Option<u32> {
         let n = self.decimal(path, &v.0, 0)?;
@@ -869,6 +919,16 @@ impl Checker {
         });
         let min_runtime = r.min_runtime.as_ref().map_or(Some(d.min_runtime_ms), |v| self.duration("spec.reclaim.minRuntime", v));
         let lend_idle = r.lend_idle.as_ref().map_or(Some(d.lend_idle), |v| self.boolean("spec.reclaim.lendIdle", v));
+        let lend_when = r.lend_when.as_ref().map_or(Some(d.lend_when), |v| self.lend_when("spec.reclaim.lendWhen", v));
+        // A setting that could do nothing is refused rather than kept silently.
+        if lend_when == Some(LendWhen::CutOff) && (enabled == Some(false) || lend_idle == Some(false)) {
+            let why = if enabled == Some(false) { "spec.reclaim.enabled is false" } else { "spec.reclaim.lendIdle is false" };
+            self.push(
+                "spec.reclaim.lendWhen",
+                format!("`cutOff` says when to lend, but {why}, so nothing is lent; remove lendWhen or turn lending on"),
+            );
+            return None;
+        }
         Some(ReclaimConfig {
             enabled: enabled?,
             starved_for_ms: starved?,
@@ -876,6 +936,7 @@ impl Checker {
             max_evictions_per_minute_per_tenant: per_tenant?,
             min_runtime_ms: min_runtime?,
             lend_idle: lend_idle?,
+            lend_when: lend_when?,
         })
     }
 

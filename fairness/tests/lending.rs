@@ -5,12 +5,12 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::admission::{borrow_room, decide, lendable, LocalView, PodRequest, Reason, Verdict};
+use kvota_fairness::admission::{borrow_room, decide, lendable, lends_now, LocalView, PodRequest, Reason, Verdict};
 use kvota_fairness::entitlement::share_of;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::{Lease, LeaseStatus};
 use kvota_fairness::names::{ClusterName, TenantName};
-use kvota_fairness::policy::{AdmissionMode, Policy};
+use kvota_fairness::policy::{AdmissionMode, LendWhen, Policy};
 
 fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
     let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();
@@ -83,6 +83,41 @@ fn nothing_is_lent_before_the_feature_level_or_when_the_policy_says_no() {
     let no_reclaim = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {enabled: false}\n", 1);
     let (_, east, _) = federation(true, &no_reclaim);
     assert!(east.budgets.values().all(|b| b.borrow == 0), "{east:?}");
+}
+
+/// `spec.reclaim.lendWhen`: `cutOff` lends only once the lease expired; it survives the
+/// policy's own text; a setting that could not lend (lending or reclaim off) and an
+/// unknown word are refused with the field's path.
+#[test]
+fn lend_when_cut_off_lends_only_on_an_expired_lease() {
+    let with = |reclaim: &str| Policy::article_example_yaml().replacen("spec:\n", &format!("spec:\n  reclaim: {{{reclaim}}}\n"), 1);
+    let always = Policy::from_yaml(Policy::article_example_yaml()).expect("default");
+    assert_eq!(always.reclaim.lend_when, LendWhen::Always);
+    assert!(!always.to_yaml().contains("lendWhen"), "the default is not written");
+    let p = Policy::from_yaml(&with("lendWhen: cutOff")).expect("cutOff");
+    assert_eq!(p.reclaim.lend_when, LendWhen::CutOff);
+    assert!(p.to_yaml().contains("lendWhen: cutOff"), "{}", p.to_yaml());
+    assert_eq!(Policy::from_yaml(&p.to_yaml()).expect("its own text"), p);
+    assert_eq!(Policy::from_yaml(&with("lendWhen: always")).expect("always"), always);
+    let fresh = LeaseStatus::Fresh { remaining_ms: 20_000 };
+    let expiring = LeaseStatus::Expiring { remaining_ms: 1_000 };
+    let standings = [LeaseStatus::None, fresh, expiring, LeaseStatus::Safe];
+    let lends = |p: &Policy| standings.map(|s| lends_now(&p.reclaim, s));
+    assert_eq!(lends(&always), [true; 4]);
+    assert_eq!(lends(&p), [false, false, false, true], "only an expired lease lends");
+    let off = Policy::from_yaml(&with("lendIdle: false")).expect("off");
+    assert_eq!(lends(&off), [false; 4]);
+    let no_reclaim = Policy::from_yaml(&with("enabled: false")).expect("no reclaim");
+    assert_eq!(lends(&no_reclaim), [false; 4]);
+    for (reclaim, says) in [
+        ("lendIdle: false, lendWhen: cutOff", "spec.reclaim.lendIdle is false"),
+        ("enabled: false, lendWhen: cutOff", "spec.reclaim.enabled is false"),
+        ("lendWhen: sometimes", "`sometimes` is not a choice"),
+        ("lendWhen: true", "spec.reclaim.lendWhen"),
+    ] {
+        let e = Policy::from_yaml(&with(reclaim)).expect_err(reclaim).to_string();
+        assert!(e.contains("spec.reclaim.lendWhen") && e.contains(says), "{reclaim}: {e}");
+    }
 }
 
 #[test]

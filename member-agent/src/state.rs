@@ -889,9 +889,12 @@ impl AdmissionState for AgentState {
         let entitlement = self.lease.lease().and_then(|l| l.budgets.get(tenant)).map_or(0, |b| b.entitlement);
         let budget = self.lease.budget(tenant, self.now_ms);
         let inuse = self.inuse(tenant);
+        let lease = self.lease.status(self.now_ms);
         // Borrowing: under the limit of the lease held (also after it expired), into GPUs
-        // no budget here needs now.
-        let limit = if tp.is_some_and(|t| t.preemptible) { self.lease.lease().map_or(0, |l| l.borrow(tenant)) } else { 0 };
+        // no budget here needs now, when the policy lends at this lease standing
+        // (`spec.reclaim.lendWhen: cutOff`: only once the lease expired).
+        let lends = self.policy.as_ref().is_some_and(|p| kvota_fairness::admission::lends_now(&p.reclaim, lease));
+        let limit = if lends && tp.is_some_and(|t| t.preemptible) { self.lease.lease().map_or(0, |l| l.borrow(tenant)) } else { 0 };
         let borrow = if limit > 0 {
             kvota_fairness::admission::borrow_room(limit, budget, inuse, self.lendable())
         } else {
@@ -910,7 +913,7 @@ impl AdmissionState for AgentState {
                 0 => self.capacity_gpue,
                 c => c.min(self.capacity_gpue),
             }),
-            lease: self.lease.status(self.now_ms),
+            lease,
             borrow,
         }
     }

@@ -263,3 +263,67 @@ fn idle_gpus_are_lent_to_a_preemptible_tenant_and_taken_back_for_pods_within_bud
         assert!(e.message.contains("borrowed GPUs"), "{}", e.message);
     }
 }
+
+#[test]
+fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
+    // The case above with `spec.reclaim.lendWhen: cutOff`: training's budget is 4 with a
+    // borrow limit of 8, inference's 8 GPUs idle. While the lease is fresh nothing is
+    // lent; once it expired (the control plane unreachable, fallback budgets enforced)
+    // the agent lends under the lease's limit; a fresh lease stops the lending again,
+    // and the pods lent stay borrowed, the first taken back for inference.
+    let policy = POLICY.replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1);
+    let mut c = SimCluster::new(&[4, 4, 4, 4]);
+    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
+    st.set_policy(Policy::from_yaml(&policy).expect("policy"));
+    let with_limit = |epoch: u64| {
+        let mut l = lease(epoch, &[("training", 4), ("inference", 8)]);
+        if let Some(b) = l.budgets.get_mut("training") {
+            b.borrow = 8_000;
+        }
+        l
+    };
+    st.lease.on_lease(with_limit(1), 0);
+    let mut now = 0;
+    let submit = |c: &mut SimCluster, st: &mut AgentState, from: usize, to: usize, now: &mut Millis| -> Vec<Outcome> {
+        (from..to)
+            .map(|i| {
+                *now += 1_000;
+                st.set_now(*now);
+                let o = c.submit(st, &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0));
+                c.bind(st, *now);
+                o
+            })
+            .collect()
+    };
+    let fresh = submit(&mut c, &mut st, 0, 8, &mut now);
+    assert_eq!(fresh.iter().filter(|o| **o == Outcome::Allowed).count(), 4, "a fresh lease lends nothing: {fresh:?}");
+    assert_eq!(st.inuse("training"), 4_000);
+    let d = st.explain_pod("training/t05").expect("judged");
+    assert!(!d.text.contains("borrowed GPUs"), "{}", d.text);
+    // The lease (an hour, less a minute's margin) runs out: the agent enforces fallbacks
+    // (4 and 8) and lends training up to its limit of 8 more.
+    now = 3_600_000;
+    st.set_now(now);
+    assert_eq!(st.lease.status(now), kvota_fairness::lease::LeaseStatus::Safe);
+    let cut_off = submit(&mut c, &mut st, 8, 18, &mut now);
+    assert_eq!(cut_off.iter().filter(|o| **o == Outcome::Allowed).count(), 8, "cut off, the agent lends: {cut_off:?}");
+    assert_eq!(st.inuse("training"), 12_000);
+    let borrowed: Vec<String> = (0..18).map(|i| format!("training/t{i:02}")).filter(|k| st.is_borrowed(k)).collect();
+    assert_eq!(borrowed.len(), 8, "{borrowed:?}");
+    // Back in touch ten minutes later (every pod past minRuntime, so age does not pick
+    // the victims): a fresh lease, no more lending, the borrowed pods still marked.
+    now += 600_000;
+    st.set_now(now);
+    st.lease.on_lease(with_limit(2), now);
+    let again = submit(&mut c, &mut st, 18, 20, &mut now);
+    assert!(again.iter().all(|o| *o != Outcome::Allowed), "a fresh lease lends nothing: {again:?}");
+    for i in 0..4 {
+        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
+    }
+    c.bind(&mut st, now);
+    let run = drive(&mut c, &mut st, now, 600, |_, _, _| {});
+    let gone: Vec<String> = run.evictions.iter().map(|e| e.1.clone()).collect();
+    assert!(!gone.is_empty(), "nothing taken back");
+    assert!(gone.iter().all(|k| borrowed.contains(k)), "only borrowed pods are evicted: {gone:?}");
+    assert_eq!(st.inuse("inference"), 8_000, "all of inference's pods within its budget run");
+}

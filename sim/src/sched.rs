@@ -29,7 +29,7 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::admission::{borrow_room, judge, lendable, LocalView, PodRequest, Reason, Verdict};
+use kvota_fairness::admission::{borrow_room, judge, lendable, lends_now, LocalView, PodRequest, Reason, Verdict};
 use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::AgentLease;
@@ -408,7 +408,11 @@ impl Scheduler for WfqDecay {
                 continue;
             }
             let status = self.agents[c].status(now);
-            let (budgets, limits, ceilings) = self.budgets(c, w, now);
+            let (budgets, mut limits, ceilings) = self.budgets(c, w, now);
+            // The agent's rule for when it lends (`spec.reclaim.lendWhen`).
+            if !lends_now(&self.policy.reclaim, status) {
+                limits.iter_mut().for_each(|l| *l = 0);
+            }
             // GPUs no budget needs now; unchanged by admissions within budgets, lowered by
             // every borrowed admission.
             let cl = &w.clusters[c];

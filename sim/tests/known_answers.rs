@@ -309,3 +309,54 @@ fn the_simulated_agent_does_not_report_a_job_beyond_the_policy_as_demand() {
     assert!(b.iter().all(|&d| d <= 60), "b's delays {b:?}");
     assert_eq!(r.job_delays[1], None, "the 3-GPU job never starts");
 }
+
+#[test]
+fn lend_when_cut_off_lends_only_in_the_cluster_cut_off() {
+    // Two clusters of 4 GPUs, two equal preemptible tenants; a keeps more work waiting
+    // than its budgets hold and b's load comes and goes, so idle budget is lent now and
+    // then. The same runs under three policies: lending always (the default), only
+    // while cut off (`lendWhen: cutOff`), and never (`lendIdle: false`). Without a
+    // partition no cluster is ever cut off, so `cutOff` must run exactly as `never`
+    // (and `always` must differ, or the comparison shows nothing); with c2 cut off from
+    // 100 s to 1,200 s, c2 lends under `cutOff` and the run must differ from `never`.
+    let with = |reclaim: &str| {
+        let mut p = policy(EQUAL);
+        if !reclaim.is_empty() {
+            let yaml = p.to_yaml().replacen("    minRuntime:", &format!("    {reclaim}\n    minRuntime:"), 1);
+            p = Policy::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+        }
+        p
+    };
+    let (always, cut_off, never) = (with(""), with("lendWhen: cutOff"), with("lendIdle: false"));
+    assert_eq!(cut_off.reclaim.lend_when, kvota_fairness::policy::LendWhen::CutOff);
+    assert!(!never.reclaim.lend_idle);
+    let t = trace(&("a,0,1,900,training\n".repeat(16) + &"b,0,1,200,training\n".repeat(4) + &"b,1000,1,300,training\n".repeat(6)));
+    let (mut always_differs, mut cut_off_lends) = (false, false);
+    for seed in 1..=6 {
+        for partition in [None, Some(kvota_sim::Partition { cluster: 1, from_ms: 100_000, to_ms: 1_200_000 })] {
+            let cfg = SimConfig {
+                clusters: vec![(ClusterName::from_static("c1"), 4000), (ClusterName::from_static("c2"), 4000)],
+                tick_ms: 10_000,
+                seed,
+                partition: partition.clone(),
+                ..SimConfig::default()
+            };
+            let delays = |p: &Policy| {
+                let mut s = kvota_sim::sched::WfqDecay::new(p, cfg.tick_ms, partition.clone());
+                let r = run(&t, p, &cfg, &mut s).expect("run");
+                assert_eq!(s.reported, r.used_gpue_ms, "usage lost or double counted");
+                r.job_delays
+            };
+            let (a, c, n) = (delays(&always), delays(&cut_off), delays(&never));
+            match partition {
+                None => {
+                    assert_eq!(c, n, "seed {seed}: connected, cutOff lent something");
+                    always_differs |= a != n;
+                }
+                Some(_) => cut_off_lends |= c != n,
+            }
+        }
+    }
+    assert!(always_differs, "lending always never changed a run: the trace shows nothing");
+    assert!(cut_off_lends, "a cut-off cluster under lendWhen: cutOff never lent");
+}
