@@ -249,15 +249,7 @@ fn idle_gpus_are_lent_to_a_preemptible_tenant_and_taken_back_for_pods_within_bud
     assert_ne!(big, Outcome::Allowed);
     // Inference comes back within its budget: 4 x 2 GPUs. 4 GPUs are free, the rest is
     // taken back from borrowed pods only, the youngest first.
-    for i in 0..4 {
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
-    }
-    c.bind(&mut st, now);
-    let run = drive(&mut c, &mut st, now, 600, |_, _, _| {});
-    let gone: Vec<String> = run.evictions.iter().map(|e| e.1.clone()).collect();
-    assert!(!gone.is_empty(), "nothing taken back");
-    assert!(gone.iter().all(|k| borrowed.contains(k)), "only borrowed pods are evicted: {gone:?}");
-    assert_eq!(st.inuse("inference"), 8_000, "all of inference's pods within its budget run");
+    inference_takes_back_borrowed_gpus(&mut c, &mut st, now, &borrowed);
     assert!(st.inuse("training") >= 4_000, "training keeps its budget");
     for e in c.events() {
         assert!(e.message.contains("borrowed GPUs"), "{}", e.message);
@@ -317,11 +309,18 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
     st.lease.on_lease(with_limit(2), now);
     let again = submit(&mut c, &mut st, 18, 20, &mut now);
     assert!(again.iter().all(|o| *o != Outcome::Allowed), "a fresh lease lends nothing: {again:?}");
+    inference_takes_back_borrowed_gpus(&mut c, &mut st, now, &borrowed);
+}
+
+/// Inference submits 4 x 2 GPUs within its budget of 8 on a cluster where training
+/// borrowed: within ten minutes all of them run, and only pods in `borrowed` were
+/// evicted (at least one).
+fn inference_takes_back_borrowed_gpus(c: &mut SimCluster, st: &mut AgentState, now: Millis, borrowed: &[String]) {
     for i in 0..4 {
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
+        assert_eq!(c.submit(st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
     }
-    c.bind(&mut st, now);
-    let run = drive(&mut c, &mut st, now, 600, |_, _, _| {});
+    c.bind(st, now);
+    let run = drive(c, st, now, 600, |_, _, _| {});
     let gone: Vec<String> = run.evictions.iter().map(|e| e.1.clone()).collect();
     assert!(!gone.is_empty(), "nothing taken back");
     assert!(gone.iter().all(|k| borrowed.contains(k)), "only borrowed pods are evicted: {gone:?}");
