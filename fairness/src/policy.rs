@@ -96,8 +96,10 @@ pub struct ReclaimConfig {
     pub lend_when: LendWhen,
 }
 
-/// When a cluster lends idle GPUs (`spec.reclaim.lendWhen`).
+/// When a cluster lends idle GPUs (`spec.reclaim.lendWhen`); encoded with the YAML's
+/// words, `always` and `cutOff`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 pub enum LendWhen {
     /// Whenever GPUs are idle and a preemptible tenant's pod waits over its budget.
     #[default]

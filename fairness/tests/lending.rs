@@ -99,6 +99,12 @@ fn lend_when_cut_off_lends_only_on_an_expired_lease() {
     assert!(p.to_yaml().contains("lendWhen: cutOff"), "{}", p.to_yaml());
     assert_eq!(Policy::from_yaml(&p.to_yaml()).expect("its own text"), p);
     assert_eq!(Policy::from_yaml(&with("lendWhen: always")).expect("always"), always);
+    // Kept state and `kvota policy diff` use the serde encoding: the YAML's words, and
+    // nothing at all for the default (what a build before the field wrote).
+    let json = serde_json::to_string(&p.reclaim).expect("encode");
+    assert!(json.contains(r#""lend_when":"cutOff""#), "{json}");
+    assert!(!serde_json::to_string(&always.reclaim).expect("encode").contains("lend_when"));
+    assert_eq!(serde_json::from_str::<kvota_fairness::policy::ReclaimConfig>(&json).expect("decode"), p.reclaim);
     let fresh = LeaseStatus::Fresh { remaining_ms: 20_000 };
     let expiring = LeaseStatus::Expiring { remaining_ms: 1_000 };
     let standings = [LeaseStatus::None, fresh, expiring, LeaseStatus::Safe];
