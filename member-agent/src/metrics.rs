@@ -1,6 +1,6 @@
 //! Prometheus metrics of an agent (prefix `kvota_agent`): admissions by tenant and
 //! outcome, admission latency, admission waits per tenant, gate queue depth, lease state
-//! and time to expiry, journal backlog and last written report, usage reported per
+//! and time to expiry, lending and borrowed GPUs, journal backlog and last written report, usage reported per
 //! tenant, budgets and in-use per tenant, certificate reloads, reclaim evictions. In
 //! Prometheus conventions: GPU-equivalents as floats (`_gpus`), time in `_seconds`.
 //! docs/metrics.md lists every series.
@@ -93,6 +93,8 @@ pub struct AgentMetrics {
     lease_state: Family<StateLabel, Gauge>,
     lease_remaining: FGauge,
     lease_epoch: Gauge,
+    lending: Gauge,
+    borrowed: Family<TenantLabel, FGauge>,
     backlog: Gauge,
     last_seq: Gauge,
     state_save_failures: Gauge,
@@ -128,6 +130,8 @@ impl AgentMetrics {
             lease_state: Family::default(),
             lease_remaining: FGauge::default(),
             lease_epoch: Gauge::default(),
+            lending: Gauge::default(),
+            borrowed: Family::default(),
             backlog: Gauge::default(),
             last_seq: Gauge::default(),
             state_save_failures: Gauge::default(),
@@ -152,6 +156,16 @@ impl AgentMetrics {
         r.register("lease_state", "1 for the lease's current state (none, fresh, expiring, safe)", m.lease_state.clone());
         r.register("lease_remaining_seconds", "Until the held lease stops being enforced (0: expired or none)", m.lease_remaining.clone());
         r.register("lease_epoch", "Epoch of the held lease", m.lease_epoch.clone());
+        r.register(
+            "lending",
+            "1 while this agent lends idle GPUs to preemptible tenants over their budgets (the policy's spec.reclaim.lendIdle and lendWhen at the lease's current state), else 0",
+            m.lending.clone(),
+        );
+        r.register(
+            "borrowed_gpus",
+            "Per tenant, GPU-equivalents held by pods this agent admitted on borrowed (lent) GPUs: the first victims of reclaim",
+            m.borrowed.clone(),
+        );
         r.register("journal_backlog", "Usage reports written but not acknowledged by the control plane", m.backlog.clone());
         r.register(
             "state_save_failures",
@@ -260,11 +274,13 @@ impl AgentMetrics {
             };
             self.lease_remaining.set(remaining as f64 / 1000.0);
             self.lease_epoch.set(i64::try_from(st.lease.held_epoch()).unwrap_or(i64::MAX));
+            self.lending.set(i64::from(st.lends_now()));
             for t in st.tenants() {
                 let l = TenantLabel { tenant: t.to_string() };
                 self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
                 self.budget.get_or_create(&l).set(st.lease.budget(&t, now) as f64 / 1000.0);
                 self.inuse.get_or_create(&l).set(st.inuse(&t) as f64 / 1000.0);
+                self.borrowed.get_or_create(&l).set(st.borrowed_gpue(&t) as f64 / 1000.0);
             }
             for (map, n) in st.shed_counts() {
                 let c = self.shed.get_or_create(&ReasonLabel { reason: (*map).to_string() });

@@ -575,6 +575,13 @@ impl AgentState {
         Ok(())
     }
 
+    /// Whether this agent lends idle GPUs now: its policy lends, at the lease's standing
+    /// ([`kvota_fairness::admission::lends_now`]; `spec.reclaim.lendWhen: cutOff` only
+    /// once the lease expired). No policy: no.
+    pub fn lends_now(&self) -> bool {
+        self.policy.as_ref().is_some_and(|p| kvota_fairness::admission::lends_now(&p.reclaim, self.lease.status(self.now_ms)))
+    }
+
     /// GPUs of this cluster no budget needs now
     /// ([`kvota_fairness::admission::lendable`]): capacity minus, per policy tenant, its
     /// in-use and the part of its pending demand its budget covers. One pass over the
@@ -893,7 +900,7 @@ impl AdmissionState for AgentState {
         // Borrowing: under the limit of the lease held (also after it expired), into GPUs
         // no budget here needs now, when the policy lends at this lease standing
         // (`spec.reclaim.lendWhen: cutOff`: only once the lease expired).
-        let lends = self.policy.as_ref().is_some_and(|p| kvota_fairness::admission::lends_now(&p.reclaim, lease));
+        let lends = self.lends_now();
         let limit = if lends && tp.is_some_and(|t| t.preemptible) { self.lease.lease().map_or(0, |l| l.borrow(tenant)) } else { 0 };
         let borrow = if limit > 0 {
             kvota_fairness::admission::borrow_room(limit, budget, inuse, self.lendable())

@@ -231,6 +231,15 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     assert!(m.contains(r#"kvota_agent_lease_state{state="fresh"} 1"#), "{m}");
     assert!(m.contains(r#"kvota_agent_queue_depth{tenant="research"} 1"#), "{m}");
     assert!(m.contains("kvota_agent_admission_duration_seconds_count"), "{m}");
+    // The policy lends (the default) and nothing is borrowed yet; with lendWhen: cutOff
+    // and the lease fresh the agent does not lend.
+    assert!(m.contains("kvota_agent_lending 1\n"), "{m}");
+    assert!(m.contains(r#"kvota_agent_borrowed_gpus{tenant="training"} 0.0"#), "{m}");
+    let cut_off = POLICY.replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1);
+    s.agent.state().set_policy(Policy::from_yaml(&cut_off).expect("policy"));
+    let (_, m) = c.call("GET", "/metrics", vec![]).await;
+    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"), "{}", String::from_utf8_lossy(&m));
+    s.agent.state().set_policy(Policy::from_yaml(POLICY).expect("policy"));
 
     // The reclaim audit log on the same port: empty, then what reclaim recorded.
     let (status, body) = c.call("GET", "/reclaims", vec![]).await;
