@@ -105,6 +105,8 @@ pub struct Agent {
     meter_known: std::sync::atomic::AtomicBool,
     /// Consecutive failed saves of the enforcement state.
     save_failures: std::sync::atomic::AtomicU64,
+    /// Consecutive failed policy fetches (see [`Agent::policy_fetch_failures`]).
+    policy_failures: std::sync::atomic::AtomicU64,
     /// Wall-clock instant from which this process's meter counts (its first listing of
     /// the cluster's pods).
     meter_start: std::sync::atomic::AtomicU64,
@@ -204,6 +206,7 @@ impl Agent {
             meter_start: std::sync::atomic::AtomicU64::new(unix_ms()),
             kept_epoch: std::sync::atomic::AtomicU64::new(u64::MAX),
             save_failures: std::sync::atomic::AtomicU64::new(0),
+            policy_failures: std::sync::atomic::AtomicU64::new(0),
             meter_known: std::sync::atomic::AtomicBool::new(true),
             rounds_taken: std::sync::atomic::AtomicU64::new(0),
             rounds_done: tokio::sync::watch::Sender::new(0),
@@ -689,8 +692,28 @@ impl Agent {
         self.adopt(reply.lease, sent)
     }
 
-    /// Fetches the policy in force.
+    /// Fetches the policy in force. A failure (the control plane unreachable or without
+    /// a policy, or a policy this build refuses) leaves the last policy loaded in force
+    /// and is counted ([`Agent::policy_fetch_failures`]).
     pub async fn fetch_policy(&self) -> Result<(), Status> {
+        let fetched = self.fetch_policy_once().await;
+        match &fetched {
+            Ok(()) => self.policy_failures.store(0, std::sync::atomic::Ordering::SeqCst),
+            Err(_) => {
+                self.policy_failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        fetched
+    }
+
+    /// Policy fetches in a row that failed (0: the last one worked, or none was tried).
+    /// A policy that uses a field newer than this build keeps it above 0 until the agent
+    /// is upgraded: the agent never enforces a policy it would refuse.
+    pub fn policy_fetch_failures(&self) -> u64 {
+        self.policy_failures.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    async fn fetch_policy_once(&self) -> Result<(), Status> {
         let reply = self
             .client
             .call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) })

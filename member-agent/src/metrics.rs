@@ -98,6 +98,7 @@ pub struct AgentMetrics {
     backlog: Gauge,
     last_seq: Gauge,
     state_save_failures: Gauge,
+    policy_fetch_failures: Gauge,
     reported_usage: Family<TenantLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
     tls_reloads: Family<StateLabel, Counter>,
     evictions: Family<AdmissionLabel, Counter>,
@@ -135,6 +136,7 @@ impl AgentMetrics {
             backlog: Gauge::default(),
             last_seq: Gauge::default(),
             state_save_failures: Gauge::default(),
+            policy_fetch_failures: Gauge::default(),
             reported_usage: Family::default(),
             tls_reloads: Family::default(),
             evictions: Family::default(),
@@ -171,6 +173,11 @@ impl AgentMetrics {
             "state_save_failures",
             "Consecutive report rounds whose enforcement state could not be kept in the cluster (kvota-agent-state); while above 0 no newer lease is acknowledged, so the control plane cannot lower budgets elsewhere",
             m.state_save_failures.clone(),
+        );
+        r.register(
+            "policy_fetch_failures",
+            "Policy fetches in a row that failed (the control plane unreachable, or its policy uses a field this build does not know); the last policy loaded stays in force",
+            m.policy_fetch_failures.clone(),
         );
         r.register(
             "journal_last_seq",
@@ -294,6 +301,7 @@ impl AgentMetrics {
         self.backlog.set(i64::try_from(agent.backlog()).unwrap_or(i64::MAX));
         self.last_seq.set(i64::try_from(agent.last_seq()).unwrap_or(i64::MAX));
         self.state_save_failures.set(i64::try_from(agent.state_save_failures()).unwrap_or(i64::MAX));
+        self.policy_fetch_failures.set(i64::try_from(agent.policy_fetch_failures()).unwrap_or(i64::MAX));
         for (tenant, used) in agent.written_usage() {
             // Written usage only grows (milli-GPUe x ms); the counter follows it.
             let c = self.reported_usage.get_or_create(&TenantLabel { tenant: tenant.into_string() });

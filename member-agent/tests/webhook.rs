@@ -240,6 +240,15 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
     assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"), "{}", String::from_utf8_lossy(&m));
     s.agent.state().set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    // No control plane answers (127.0.0.1:9): a policy fetch fails, is counted, and the
+    // policy loaded stays in force.
+    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_policy_fetch_failures 0\n"));
+    assert!(s.agent.fetch_policy().await.is_err(), "nothing listens on the control plane's address");
+    // (A new connection: the client's retries, about 4 s, outlast the webhook's idle timeout.)
+    let mut c = connect(s.addr, &ca).await.expect("connect");
+    let (_, m) = c.call("GET", "/metrics", vec![]).await;
+    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_policy_fetch_failures 1\n"), "{}", String::from_utf8_lossy(&m));
+    assert!(s.agent.state().lends_now(), "the policy loaded is still in force");
 
     // The reclaim audit log on the same port: empty, then what reclaim recorded.
     let (status, body) = c.call("GET", "/reclaims", vec![]).await;
