@@ -1,9 +1,9 @@
 //! Prometheus metrics of an agent (prefix `kvota_agent`): admissions by tenant and
 //! outcome, admission latency, admission waits per tenant, gate queue depth, lease state
-//! and time to expiry, lending and borrowed GPUs, journal backlog and last written report, usage reported per
-//! tenant, budgets and in-use per tenant, certificate reloads, reclaim evictions. In
-//! Prometheus conventions: GPU-equivalents as floats (`_gpus`), time in `_seconds`.
-//! docs/metrics.md lists every series.
+//! and time to expiry, lending and borrowed GPUs, failed policy fetches, journal backlog
+//! and last written report, usage reported per tenant, budgets and in-use per tenant,
+//! certificate reloads, reclaim evictions. In Prometheus conventions: GPU-equivalents as
+//! floats (`_gpus`), time in `_seconds`. docs/metrics.md lists every series.
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};

@@ -579,7 +579,12 @@ impl AgentState {
     /// ([`kvota_fairness::admission::lends_now`]; `spec.reclaim.lendWhen: cutOff` only
     /// once the lease expired). No policy: no.
     pub fn lends_now(&self) -> bool {
-        self.policy.as_ref().is_some_and(|p| kvota_fairness::admission::lends_now(&p.reclaim, self.lease.status(self.now_ms)))
+        self.lends_at(self.lease.status(self.now_ms))
+    }
+
+    /// [`Self::lends_now`] at a lease standing already read.
+    fn lends_at(&self, lease: kvota_fairness::lease::LeaseStatus) -> bool {
+        self.policy.as_ref().is_some_and(|p| kvota_fairness::admission::lends_now(&p.reclaim, lease))
     }
 
     /// GPUs of this cluster no budget needs now
@@ -900,7 +905,7 @@ impl AdmissionState for AgentState {
         // Borrowing: under the limit of the lease held (also after it expired), into GPUs
         // no budget here needs now, when the policy lends at this lease standing
         // (`spec.reclaim.lendWhen: cutOff`: only once the lease expired).
-        let lends = self.lends_now();
+        let lends = self.lends_at(lease);
         let limit = if lends && tp.is_some_and(|t| t.preemptible) { self.lease.lease().map_or(0, |l| l.borrow(tenant)) } else { 0 };
         let borrow = if limit > 0 {
             kvota_fairness::admission::borrow_room(limit, budget, inuse, self.lendable())
