@@ -326,3 +326,42 @@ fn inference_takes_back_borrowed_gpus(c: &mut SimCluster, st: &mut AgentState, n
     assert!(gone.iter().all(|k| borrowed.contains(k)), "only borrowed pods are evicted: {gone:?}");
     assert_eq!(st.inuse("inference"), 8_000, "all of inference's pods within its budget run");
 }
+
+#[test]
+fn a_pod_that_takes_a_whole_node_is_not_lent_idle_gpus() {
+    // Nodes of 4 GPUs, learnt from the inventory. Training's budget is 4 with a borrow
+    // limit of 8 and 12 GPUs idle: 1- and 2-GPU pods borrow, a 4-GPU pod (a whole node)
+    // does not, and its denial says why.
+    let mut c = SimCluster::new(&[4, 4, 4, 4]);
+    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
+    st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    kvota_member_agent::inventory::sync_state(&c, &mut st, &mut std::collections::BTreeSet::new());
+    let mut l = lease(1, &[("training", 4), ("inference", 0)]);
+    if let Some(b) = l.budgets.get_mut("training") {
+        b.borrow = 8_000;
+    }
+    st.lease.on_lease(l, 0);
+    st.set_now(1_000);
+    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "own", 4, 86_400_000, 0)), Outcome::Allowed);
+    c.bind(&mut st, 1_000);
+    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "whole", 4, 86_400_000, 0)), Outcome::Denied);
+    let d = st.explain_pod("training/whole").expect("judged");
+    assert!(d.text.contains("smaller than a whole node (4 GPUe)"), "{}", d.text);
+    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "half", 2, 86_400_000, 0)), Outcome::Allowed);
+    assert!(st.is_borrowed("training/half"));
+    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "one", 1, 86_400_000, 0)), Outcome::Allowed);
+    assert!(st.is_borrowed("training/one"));
+    // Without any node known the size does not matter (what a fresh state knows).
+    let mut fresh = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
+    fresh.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    let mut l = lease(1, &[("training", 4), ("inference", 0)]);
+    if let Some(b) = l.budgets.get_mut("training") {
+        b.borrow = 8_000;
+    }
+    fresh.lease.on_lease(l, 0);
+    fresh.set_now(1_000);
+    let mut c2 = SimCluster::new(&[4, 4, 4, 4]);
+    assert_eq!(c2.submit(&mut fresh, &SimPod::gpus("training", "own", 4, 86_400_000, 0)), Outcome::Allowed);
+    assert_eq!(c2.submit(&mut fresh, &SimPod::gpus("training", "whole", 4, 86_400_000, 0)), Outcome::Allowed);
+    assert!(fresh.is_borrowed("training/whole"));
+}

@@ -360,3 +360,44 @@ fn lend_when_cut_off_lends_only_in_the_cluster_cut_off() {
     assert!(always_differs, "lending always never changed a run: the trace shows nothing");
     assert!(cut_off_lends, "a cut-off cluster under lendWhen: cutOff never lent");
 }
+
+#[test]
+fn idle_gpus_are_lent_only_to_pods_smaller_than_a_node() {
+    // Two clusters of 8 GPUs; a keeps more work waiting than its budgets hold and b's
+    // load comes and goes, so idle budget is lent now and then (the runs under
+    // `lendIdle: false` and the default differ). With nodes of 4 GPUs, every job of 4
+    // GPUs takes a whole node, so nothing is lent: the default must run exactly as
+    // `lendIdle: false`. The same GPUs as pools (no nodes known), or a's jobs at 2 GPUs,
+    // must differ, or the comparison shows nothing.
+    let always = policy(EQUAL);
+    let never = Policy::from_yaml(&always.to_yaml().replacen("    minRuntime:", "    lendIdle: false\n    minRuntime:", 1)).expect("policy");
+    assert!(!never.reclaim.lend_idle);
+    let runs = |gpus: u32, node_gpue: u64, seed: u64| {
+        let t = trace(&(format!("a,0,{gpus},900,training\n").repeat(16) + &"b,0,4,200,training\n".repeat(2) + &"b,1000,4,300,training\n".repeat(3)));
+        let cfg = SimConfig {
+            clusters: vec![(ClusterName::from_static("c1"), 8000), (ClusterName::from_static("c2"), 8000)],
+            node_gpue,
+            tick_ms: 10_000,
+            seed,
+            ..SimConfig::default()
+        };
+        let delays = |p: &Policy| {
+            let mut s = kvota_sim::sched::WfqDecay::new(p, cfg.tick_ms, None);
+            let r = run(&t, p, &cfg, &mut s).expect("run");
+            assert_eq!(s.reported, r.used_gpue_ms, "usage lost or double counted");
+            r.job_delays
+        };
+        (delays(&always), delays(&never))
+    };
+    let (mut pools_lend, mut small_pods_lend) = (false, false);
+    for seed in 1..=6 {
+        let (a, n) = runs(4, 4000, seed);
+        assert_eq!(a, n, "seed {seed}: a whole-node job ran on lent GPUs");
+        let (a, n) = runs(4, 0, seed);
+        pools_lend |= a != n;
+        let (a, n) = runs(2, 4000, seed);
+        small_pods_lend |= a != n;
+    }
+    assert!(pools_lend, "without nodes, lending never changed a run: the trace shows nothing");
+    assert!(small_pods_lend, "pods smaller than a node were never lent GPUs");
+}
