@@ -59,11 +59,6 @@ pub struct LocalView {
     /// [`borrow_room`]); 0: no borrowing. Absent from older encodings: 0.
     #[serde(default)]
     pub borrow: MilliGpue,
-    /// Pods of this many GPUe or more are never admitted on borrowed GPUs: the GPUe of the
-    /// cluster's largest node (see [`lends_to`]). 0: no such limit (no node is known).
-    /// Absent from older encodings: 0.
-    #[serde(default)]
-    pub lend_below: MilliGpue,
 }
 
 /// The outcome.
@@ -144,7 +139,7 @@ pub fn judge(pod: &PodRequest, view: &LocalView) -> (Verdict, Reason) {
     }
     // Never past the tenant's own pods waiting behind the gate (they are released
     // within its budget, in order).
-    if pod.gpue <= view.borrow && view.queued == 0 && lends_to(pod.gpue, view.lend_below) {
+    if pod.gpue <= view.borrow && view.queued == 0 {
         return (Verdict::Allow, Reason::Borrowed);
     }
     match view.mode {
@@ -152,17 +147,6 @@ pub fn judge(pod: &PodRequest, view: &LocalView) -> (Verdict, Reason) {
         AdmissionMode::Queue if view.queued >= view.max_queued => (Verdict::Deny, Reason::QueueFull),
         AdmissionMode::Queue => (Verdict::Queue, Reason::OverBudget),
     }
-}
-
-/// Whether a pod of `gpue` may run on borrowed GPUs in a cluster whose largest node has
-/// `largest_node` GPUe (0: unknown, no limit): only a pod smaller than a whole node. A
-/// borrowed pod that takes a whole node (or several) holds what its owners' node-sized
-/// and multi-node jobs need, and reclaim, which evicts a tenant's pods only while they
-/// are above its budget and seats one pod on one node, rarely gets such a node back: on
-/// the Philly trace on three clusters, lending whole nodes cost 7 points of utilization
-/// (docs/policy-comparison.md).
-pub fn lends_to(gpue: MilliGpue, largest_node: MilliGpue) -> bool {
-    largest_node == 0 || gpue < largest_node
 }
 
 /// Decides one pod. Pure and total: any input gives a decision.
@@ -186,19 +170,6 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
             g(view.entitlement),
             view.lease
         )
-    };
-    // Room to borrow, but the pod takes a whole node: say so, or the denial reads as if
-    // nothing were idle.
-    let whole_node = || {
-        if reason == Reason::OverBudget && view.queued == 0 && pod.gpue <= view.borrow && !lends_to(pod.gpue, view.lend_below) {
-            format!(
-                "; {} GPUe here are idle, but they are lent only to pods smaller than a whole node ({} GPUe), which its owners' large jobs need",
-                g(view.borrow),
-                g(view.lend_below)
-            )
-        } else {
-            String::new()
-        }
     };
     let (message, after) = match (reason, verdict) {
         (Reason::NoGpu, _) => ("kvota: pod requests no GPUs; not judged".to_string(), view.inuse),
@@ -243,9 +214,8 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
         ),
         (Reason::OverBudget, Verdict::Queue) => (
             format!(
-                "kvota: queued behind scheduling gate {SCHEDULING_GATE}: {}{}. It starts when budget frees (position {} in the tenant's queue). Details: kvota explain pod {target}",
+                "kvota: queued behind scheduling gate {SCHEDULING_GATE}: {}. It starts when budget frees (position {} in the tenant's queue). Details: kvota explain pod {target}",
                 numbers(),
-                whole_node(),
                 view.queued + 1
             ),
             after,
@@ -261,9 +231,8 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
         ),
         (Reason::OverBudget, _) => (
             format!(
-                "kvota: denied: {}{}. Retry when the tenant's running pods finish, or ask the platform team for a larger share. Details: kvota explain pod {target}",
-                numbers(),
-                whole_node()
+                "kvota: denied: {}. Retry when the tenant's running pods finish, or ask the platform team for a larger share. Details: kvota explain pod {target}",
+                numbers()
             ),
             after,
         ),
@@ -407,7 +376,6 @@ mod tests {
             ceiling: Some(32_000),
             lease: LeaseStatus::Fresh { remaining_ms: 21_000 },
             borrow: 0,
-            lend_below: 0,
         }
     }
 

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::admission::{borrow_room, decide, lendable, lends_now, lends_to, LocalView, PodRequest, Reason, Verdict};
+use kvota_fairness::admission::{borrow_room, decide, lendable, lends_now, LocalView, PodRequest, Reason, Verdict};
 use kvota_fairness::entitlement::share_of;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::{Lease, LeaseStatus};
@@ -152,7 +152,6 @@ fn view(budget: u64, inuse: u64, borrow: u64) -> LocalView {
         ceiling: Some(64_000),
         lease: LeaseStatus::Fresh { remaining_ms: 20_000 },
         borrow,
-        lend_below: 0,
     }
 }
 
@@ -190,38 +189,4 @@ fn a_pod_over_budget_is_admitted_on_borrowed_gpus_only_within_the_room() {
     let d = decide(&pod(32_000), &v);
     assert_eq!((d.verdict, d.reason), (Verdict::Deny, Reason::NeverFits));
     assert!(d.message.contains("maxShare"), "{}", d.message);
-}
-
-#[test]
-fn idle_gpus_are_lent_only_to_pods_smaller_than_a_node() {
-    // Training holds its budget of 6 GPUs; 16 idle GPUs may be lent; the largest node
-    // has 8 GPUs. A 4-GPU pod borrows; an 8-GPU pod (a whole node) and a 16-GPU one do
-    // not, and their denial says why, with the numbers.
-    let mut v = view(6_000, 6_000, 16_000);
-    v.lend_below = 8_000;
-    let pod = |gpue| PodRequest { namespace: "ml".into(), name: "trainer-9".into(), gpue };
-    let d = decide(&pod(4_000), &v);
-    assert_eq!((d.verdict, d.reason), (Verdict::Allow, Reason::Borrowed));
-    let d = decide(&pod(7_999), &v);
-    assert_eq!((d.verdict, d.reason), (Verdict::Allow, Reason::Borrowed));
-    for gpue in [8_000, 16_000] {
-        let d = decide(&pod(gpue), &v);
-        assert_eq!((d.verdict, d.reason), (Verdict::Deny, Reason::OverBudget), "{gpue}");
-        for needle in ["16 GPUe here are idle", "smaller than a whole node (8 GPUe)"] {
-            assert!(d.message.contains(needle), "missing {needle:?} in {}", d.message);
-        }
-    }
-    // Queued, the same words.
-    (v.mode, v.max_queued) = (AdmissionMode::Queue, 5);
-    let d = decide(&pod(8_000), &v);
-    assert_eq!((d.verdict, d.reason), (Verdict::Queue, Reason::OverBudget));
-    assert!(d.message.contains("smaller than a whole node (8 GPUe)"), "{}", d.message);
-    // A pod too large for the room gets no such note: the room is what stops it.
-    let d = decide(&pod(17_000), &v);
-    assert!(!d.message.contains("whole node"), "{}", d.message);
-    // No node known (0): no size limit.
-    v.lend_below = 0;
-    let d = decide(&pod(16_000), &v);
-    assert_eq!((d.verdict, d.reason), (Verdict::Allow, Reason::Borrowed));
-    assert!(lends_to(7_999, 8_000) && !lends_to(8_000, 8_000) && lends_to(64_000, 0));
 }

@@ -297,7 +297,6 @@ impl World {
                     ceiling: None,
                     lease: a.lease.status(at),
                     borrow: 0,
-                    lend_below: 0,
                 };
                 let pod = PodRequest { namespace: tenant.into(), name: String::new(), gpue };
                 if decide(&pod, &view).verdict == Verdict::Allow {

@@ -141,18 +141,6 @@ pub fn capacity_gpue(inv: &dyn Inventory) -> MilliGpue {
     ResourceWeights::new().capacity_gpue_milli(&capacity_milli(inv))
 }
 
-/// GPUe of the largest schedulable node (0: none), the size from which a pod is not
-/// admitted on borrowed GPUs ([`kvota_fairness::admission::lends_to`]).
-pub fn largest_node_gpue(inv: &dyn Inventory) -> MilliGpue {
-    let weights = ResourceWeights::new();
-    inv.nodes()
-        .iter()
-        .filter(|n| n.schedulable)
-        .map(|n| weights.capacity_gpue_milli(&n.devices.iter().map(|(r, c)| (r.clone(), c.saturating_mul(1000))).collect()))
-        .max()
-        .unwrap_or(0)
-}
-
 /// Brings the agent's admission state in line with the inventory. `known` is the set
 /// of pod keys the previous call saw (the caller keeps it between calls); a pod that
 /// was known and is now missing or finished is gone. Pods the webhook admitted but the
@@ -170,7 +158,6 @@ pub fn sync_state(inv: &dyn Inventory, state: &mut AgentState, known: &mut BTree
         state.set_namespace(&ns, labels);
     }
     state.set_capacity_gpue(capacity_gpue(inv));
-    state.set_largest_node_gpue(largest_node_gpue(inv));
     let mut seen = BTreeSet::new();
     for p in inv.gpu_pods() {
         let tenant = state.tenant_of_namespace(&p.namespace);

@@ -89,10 +89,6 @@ pub struct AgentState {
     pub lease: AgentLease,
     policy: Option<Policy>,
     capacity_gpue: MilliGpue,
-    /// GPUe of the largest schedulable node (0 until the inventory lists one): pods this
-    /// large or larger are not admitted on borrowed GPUs
-    /// ([`kvota_fairness::admission::lends_to`]).
-    largest_node_gpue: MilliGpue,
     namespaces: BTreeMap<String, BTreeMap<String, String>>,
     bound: BTreeMap<PodKey, PodRec>,
     /// Per tenant of `bound`: (pods, GPUe), kept with it so that metering and in-use
@@ -212,7 +208,6 @@ impl AgentState {
             lease,
             policy: None,
             capacity_gpue,
-            largest_node_gpue: 0,
             namespaces: BTreeMap::new(),
             bound: BTreeMap::new(),
             bound_by_tenant: BTreeMap::new(),
@@ -396,11 +391,6 @@ impl AgentState {
     /// The cluster's GPU capacity changed (nodes came, went or were cordoned).
     pub fn set_capacity_gpue(&mut self, capacity_gpue: MilliGpue) {
         self.capacity_gpue = capacity_gpue;
-    }
-
-    /// The GPUe of the cluster's largest schedulable node changed (0: none known).
-    pub fn set_largest_node_gpue(&mut self, gpue: MilliGpue) {
-        self.largest_node_gpue = gpue;
     }
 
     /// The inventory shows an admitted pod that is not bound yet: it holds its GPUe for
@@ -937,7 +927,6 @@ impl AdmissionState for AgentState {
             }),
             lease,
             borrow,
-            lend_below: self.largest_node_gpue,
         }
     }
 

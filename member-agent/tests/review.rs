@@ -57,7 +57,6 @@ impl AdmissionState for State {
             ceiling: Some(32_000),
             lease: LeaseStatus::Fresh { remaining_ms: 20_000 },
             borrow: 0,
-            lend_below: 0,
         }
     }
     fn record(&mut self, effect: Effect) {

@@ -223,12 +223,6 @@ impl ClusterRt {
         }
     }
 
-    /// GPUe of the largest node (0 for a cluster modelled as one pool): as the agent
-    /// learns it from its inventory, the size from which it lends no idle GPUs.
-    pub fn largest_node(&self) -> MilliGpue {
-        self.node_cap.iter().copied().max().unwrap_or(0)
-    }
-
     /// Places `g` (which [`ClusterRt::fits`]): best fit on one node, or whole free
     /// nodes in index order.
     fn place(&mut self, g: MilliGpue) -> Vec<(usize, MilliGpue)> {

@@ -460,7 +460,6 @@ impl Scheduler for WfqDecay {
                         }),
                         lease: status,
                         borrow: 0,
-                        lend_below: w.clusters[c].largest_node(),
                     });
                     view.inuse = w.clusters[c].inuse[t];
                     view.borrow = borrow_room(limits[t], budgets[t], view.inuse, lend);
