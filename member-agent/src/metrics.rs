@@ -106,6 +106,9 @@ pub struct AgentMetrics {
     refused_connections: Family<ReasonLabel, Counter>,
     shed: Family<ReasonLabel, Counter>,
     holds: Family<ReasonLabel, Counter>,
+    /// Tenants the per-tenant gauges were last set for: one a new policy drops has its
+    /// series removed, not left at its last value.
+    shown: Arc<std::sync::Mutex<Vec<kvota_fairness::names::TenantName>>>,
 }
 
 impl Default for AgentMetrics {
@@ -144,6 +147,7 @@ impl AgentMetrics {
             refused_connections: Family::default(),
             shed: Family::default(),
             holds: Family::default(),
+            shown: Arc::default(),
         };
         r.register("admissions", "Admission reviews answered, by tenant and outcome", m.admissions.clone());
         r.register("admission_duration_seconds", "Time to judge one review (parse, decide, record)", m.latency.clone());
@@ -282,7 +286,19 @@ impl AgentMetrics {
             self.lease_remaining.set(remaining as f64 / 1000.0);
             self.lease_epoch.set(i64::try_from(st.lease.held_epoch()).unwrap_or(i64::MAX));
             self.lending.set(i64::from(st.lends_now()));
-            for t in st.tenants() {
+            let tenants = st.tenants();
+            {
+                let mut shown = self.shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                for gone in shown.iter().filter(|t| !tenants.contains(t)) {
+                    let l = TenantLabel { tenant: gone.to_string() };
+                    self.queue.remove(&l);
+                    self.budget.remove(&l);
+                    self.inuse.remove(&l);
+                    self.borrowed.remove(&l);
+                }
+                shown.clone_from(&tenants);
+            }
+            for t in tenants {
                 let l = TenantLabel { tenant: t.to_string() };
                 self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
                 self.budget.get_or_create(&l).set(st.lease.budget(&t, now) as f64 / 1000.0);

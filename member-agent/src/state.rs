@@ -575,11 +575,12 @@ impl AgentState {
         Ok(())
     }
 
-    /// Whether this agent lends idle GPUs now: its policy lends, at the lease's standing
-    /// ([`kvota_fairness::admission::lends_now`]; `spec.reclaim.lendWhen: cutOff` only
-    /// once the lease expired). No policy: no.
+    /// Whether this agent lends idle GPUs now: it admits pods (not a standby, admission
+    /// not held), it holds a lease (whose borrow limits bound what it lends), and its
+    /// policy lends at the lease's standing ([`kvota_fairness::admission::lends_now`];
+    /// `spec.reclaim.lendWhen: cutOff` only once the lease expired). No policy: no.
     pub fn lends_now(&self) -> bool {
-        self.lends_at(self.lease.status(self.now_ms))
+        !self.standby && self.held.is_none() && self.lease.lease().is_some() && self.lends_at(self.lease.status(self.now_ms))
     }
 
     /// [`Self::lends_now`] at a lease standing already read.

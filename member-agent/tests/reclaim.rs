@@ -267,14 +267,14 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
     let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
     st.set_policy(Policy::from_yaml(&policy).expect("policy"));
-    let with_limit = |epoch: u64| {
+    let with_limit = |epoch: u64, limit: u64| {
         let mut l = lease(epoch, &[("training", 4), ("inference", 8)]);
         if let Some(b) = l.budgets.get_mut("training") {
-            b.borrow = 8_000;
+            b.borrow = limit;
         }
         l
     };
-    st.lease.on_lease(with_limit(1), 0);
+    st.lease.on_lease(with_limit(1, 8_000), 0);
     let mut now = 0;
     let submit = |c: &mut SimCluster, st: &mut AgentState, from: usize, to: usize, now: &mut Millis| -> Vec<Outcome> {
         (from..to)
@@ -303,12 +303,20 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
     let borrowed: Vec<String> = (0..18).map(|i| format!("training/t{i:02}")).filter(|k| st.is_borrowed(k)).collect();
     assert_eq!(borrowed.len(), 8, "{borrowed:?}");
     // Back in touch ten minutes later (every pod past minRuntime, so age does not pick
-    // the victims): a fresh lease, no more lending, the borrowed pods still marked.
+    // the victims): a fresh lease, no more lending, the borrowed pods still marked. Its
+    // limit (12) leaves room to borrow (4 idle GPUs, 12 + 1 <= 4 + 12), so only
+    // `cutOff` stops it: the same pod under the default policy is lent.
     now += 600_000;
     st.set_now(now);
-    st.lease.on_lease(with_limit(2), now);
+    st.lease.on_lease(with_limit(2, 12_000), now);
     let again = submit(&mut c, &mut st, 18, 20, &mut now);
     assert!(again.iter().all(|o| *o != Outcome::Allowed), "a fresh lease lends nothing: {again:?}");
+    st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    assert_eq!(submit(&mut c, &mut st, 20, 21, &mut now), [Outcome::Allowed], "lendWhen: always lends here");
+    assert!(st.is_borrowed("training/t20"));
+    st.set_policy(Policy::from_yaml(&policy).expect("policy"));
+    let borrowed: Vec<String> = (0..21).map(|i| format!("training/t{i:02}")).filter(|k| st.is_borrowed(k)).collect();
+    assert_eq!(borrowed.len(), 9, "{borrowed:?}");
     inference_takes_back_borrowed_gpus(&mut c, &mut st, now, &borrowed);
 }
 

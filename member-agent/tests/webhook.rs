@@ -240,6 +240,27 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
     assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"), "{}", String::from_utf8_lossy(&m));
     s.agent.state().set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    // A replica whose admission is held (a standby, or an inventory not listed yet)
+    // admits nothing, so it lends nothing either.
+    s.agent.state().set_held(Some("standby".into()));
+    let (_, m) = c.call("GET", "/metrics", vec![]).await;
+    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"), "{}", String::from_utf8_lossy(&m));
+    s.agent.state().set_held(None);
+    let (_, m) = c.call("GET", "/metrics", vec![]).await;
+    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 1\n"), "{}", String::from_utf8_lossy(&m));
+    // A policy without `research`: its per-tenant series go, not left at their last
+    // values; `training`'s stay; back in the policy, back in the metrics.
+    let without = POLICY.lines().filter(|l| !l.contains("name: research")).collect::<Vec<_>>().join("\n");
+    s.agent.state().set_policy(Policy::from_yaml(&without).expect("policy"));
+    let (_, m) = c.call("GET", "/metrics", vec![]).await;
+    let m = String::from_utf8_lossy(&m);
+    for family in ["queue_depth", "budget_gpus", "inuse_gpus", "borrowed_gpus"] {
+        assert!(!m.contains(&format!("kvota_agent_{family}{{tenant=\"research\"}}")), "{family}: {m}");
+        assert!(m.contains(&format!("kvota_agent_{family}{{tenant=\"training\"}}")), "{family}: {m}");
+    }
+    s.agent.state().set_policy(Policy::from_yaml(POLICY).expect("policy"));
+    let (_, m) = c.call("GET", "/metrics", vec![]).await;
+    assert!(String::from_utf8_lossy(&m).contains(r#"kvota_agent_budget_gpus{tenant="research"}"#), "{}", String::from_utf8_lossy(&m));
     // No control plane answers (127.0.0.1:9): a policy fetch fails, is counted, and the
     // policy loaded stays in force.
     assert!(String::from_utf8_lossy(&m).contains("kvota_agent_policy_fetch_failures 0\n"));
