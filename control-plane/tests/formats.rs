@@ -483,6 +483,46 @@ async fn a_reports_largest_waiting_pod_reaches_the_log_only_from_the_sized_level
     cl.shutdown().await;
 }
 
+fn supports_below_lend_when(c: &mut kvota_control_plane::server::ServerConfig) {
+    c.feature_level_max = kvota_control_plane::types::LEND_WHEN_LEVEL - 1;
+}
+
+fn supports_lend_when(c: &mut kvota_control_plane::server::ServerConfig) {
+    c.feature_level_max = kvota_control_plane::types::LEND_WHEN_LEVEL;
+}
+
+/// `spec.reclaim.lendWhen: cutOff` at the edge of its level: refused one level below
+/// (nothing changed: the policy in force still lends always), applied and kept on the
+/// same node once the group runs at it.
+#[tokio::test]
+async fn lend_when_is_refused_just_below_its_level_and_kept_at_it() {
+    let level = kvota_control_plane::types::LEND_WHEN_LEVEL;
+    let cut_off = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1);
+    let mut cl = kvota_testkit::Cluster::start_with(1, None, supports_below_lend_when).await;
+    cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).unwrap();
+    apply_policy(&client).await;
+    cl.feature_level(level - 1, Duration::from_secs(20)).await;
+    let refused = apply_yaml(&client, &cut_off).await.expect_err("needs its level");
+    assert!(refused.code() == tonic::Code::FailedPrecondition && refused.message().contains(&format!("lendWhen needs feature level {level}")), "{refused:?}");
+    let lend_when = |fed: &kvota_fairness::federation::Federation| fed.policy().map(|p| p.reclaim.lend_when);
+    assert_eq!(lend_when(&cl.federation(1).await), Some(kvota_fairness::policy::LendWhen::Always), "nothing changed");
+
+    cl.set_tweak(supports_lend_when);
+    cl.stop(1).await;
+    cl.restart(1).await;
+    cl.leader(Duration::from_secs(10)).await;
+    cl.feature_level(level, Duration::from_secs(20)).await;
+    apply_yaml(&client, &cut_off).await.expect("lendWhen at its level");
+    assert_eq!(lend_when(&cl.federation(1).await), Some(kvota_fairness::policy::LendWhen::CutOff));
+    // And it survives a restart (the log replays it at the level it was written at).
+    cl.stop(1).await;
+    cl.restart(1).await;
+    cl.leader(Duration::from_secs(10)).await;
+    assert_eq!(lend_when(&cl.federation(1).await), Some(kvota_fairness::policy::LendWhen::CutOff), "after a restart");
+    cl.shutdown().await;
+}
+
 /// A node that is sent entries of a format newer than it reads by the leader of its
 /// group (it was added, or restarted, as an older build than the group's level needs)
 /// stops with an error that names the leader and the format, instead of refusing them
