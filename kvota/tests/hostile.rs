@@ -668,6 +668,18 @@ async fn flood(from: &str, to: SocketAddr, n: usize, limit: usize, half_request:
     (held, closed)
 }
 
+/// Connections a node's gRPC listener refused because their address was at its limit, as
+/// the node counts them (`kvota_connections_refused_total`); 0 if it does not answer.
+async fn refused_from_peer(fed: &Fed, http: &str) -> u64 {
+    let viewer = fed.party(Role::Viewer, "v").connector(Expect::AnyNode);
+    let Ok((200, m)) = kvota_testkit::http_get(&viewer, http, "/metrics").await else { return 0 };
+    m.lines()
+        .filter(|l| l.starts_with("kvota_connections_refused_total{") && l.contains("listener=\"grpc\"") && l.contains("reason=\"too_many_from_peer\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_finished_connections_hit_the_limits_and_real_requests_are_still_answered() {
     let fed = Fed::start().await;
@@ -680,7 +692,22 @@ async fn half_finished_connections_hit_the_limits_and_real_requests_are_still_an
     let leader = fed.one_leader().await.0;
     let api: SocketAddr = fed.specs[usize::try_from(leader - 1).expect("id")].rpc.parse().expect("addr");
     let (held_grpc, closed) = flood("127.0.0.2", api, 40, 32, None).await;
-    assert!(held_grpc.len() <= 32 && closed >= 8, "held {}, closed {closed}", held_grpc.len());
+    // What the flood sees closed within 8 s is a refusal, not a handshake timeout (10 s).
+    // On a machine loaded enough that the node accepts later than that (seen once, with
+    // a build running beside the tests), the node's own count of refusals by reason
+    // says the same without that ambiguity.
+    if !(held_grpc.len() <= 32 && closed >= 8) {
+        let http = fed.specs[usize::try_from(leader - 1).expect("id")].http.clone();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let refused = loop {
+            let n = refused_from_peer(&fed, &http).await;
+            if n >= 8 || Instant::now() >= deadline {
+                break n;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert!(refused >= 8, "held {}, closed {closed}; the node counts {refused} refused for their address", held_grpc.len());
+    }
     west.report().await; // a real report, from another address, within a second
 
     // The webhook: one address opens TLS connections and sends half a request each.
