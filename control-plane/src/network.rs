@@ -31,6 +31,7 @@ use openraft::raft::{
 use openraft::{LogId, Vote};
 use tonic::transport::Channel;
 
+use crate::store::flush::{clamp_commit, Durable};
 use crate::types::{Node, NodeId, Raft, TypeConfig};
 use crate::wire::{self, WireError};
 
@@ -59,10 +60,13 @@ pub const MAX_SNAPSHOT_BYTES: u64 = 1 << 30;
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Builds clients to peers.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Network {
     /// Mutual TLS to the peers (with the node's own certificate), if the group uses it.
     pub tls: Option<kvota_client::tls::GrpcTls>,
+    /// How far this node's log is durable ([`crate::store::LogStore::durable`]): the
+    /// commit index sent to followers goes no further (see [`crate::store::flush`]).
+    pub durable: tokio::sync::watch::Receiver<Durable>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -74,6 +78,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             addr: node.raft_addr.clone(),
             client: None,
             tls: self.tls.clone(),
+            durable: self.durable.clone(),
         }
     }
 }
@@ -85,6 +90,7 @@ pub struct PeerClient {
     addr: String,
     client: Option<RaftClient<Channel>>,
     tls: Option<kvota_client::tls::GrpcTls>,
+    durable: tokio::sync::watch::Receiver<Durable>,
 }
 
 type RpcResult<T, E> = Result<T, RPCError<NodeId, Node, E>>;
@@ -160,7 +166,8 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         // message must be small enough for a follower to decode, append and sync in
         // that time. Convert and send a prefix that fits MAX_APPEND_BYTES (at least one
         // entry) and tell openraft how far it got; the commit index sent goes no further
-        // than the entries sent.
+        // than the entries sent, nor than this leader's durable log (`flush`: a
+        // follower must not apply an entry before the leader has synced it).
         let mut entries = Vec::new();
         let mut size = 0;
         for e in &rpc.entries {
@@ -175,10 +182,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         let head = AppendEntriesRequest {
             vote: rpc.vote,
             prev_log_id: rpc.prev_log_id,
-            leader_commit: match sent_to {
-                Some(last) => std::cmp::min(rpc.leader_commit, Some(last)),
-                None => rpc.leader_commit,
-            },
+            leader_commit: clamp_commit(
+                match sent_to {
+                    Some(last) => std::cmp::min(rpc.leader_commit, Some(last)),
+                    None => rpc.leader_commit,
+                },
+                &self.durable.borrow(),
+            ),
             entries: Vec::new(),
         };
         let mut msg = wire::append_to(&head);

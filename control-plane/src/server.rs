@@ -229,6 +229,7 @@ pub struct ServerHandle {
     shutdown: watch::Sender<bool>,
     broken: watch::Receiver<bool>,
     tasks: JoinSet<()>,
+    log: crate::store::LogStore,
 }
 
 impl std::fmt::Debug for ServerHandle {
@@ -246,6 +247,18 @@ impl ServerHandle {
     /// The Raft handle.
     pub fn raft(&self) -> &Raft {
         &self.ctx.raft
+    }
+
+    /// How far this node's Raft log is durable ([`crate::store::flush`]).
+    pub fn durable(&self) -> watch::Receiver<crate::store::flush::Durable> {
+        self.log.durable()
+    }
+
+    /// Holds back the syncs of this node's early-acknowledged appends (as leader) until
+    /// the guard goes: for tests. Not for use outside tests.
+    #[doc(hidden)]
+    pub fn hold_flushes_for_test(&self) -> crate::store::flush::FlushHold {
+        self.log.hold_flushes_for_test()
     }
 
     /// Resolves when the node is broken for good (its Raft core stopped), with why;
@@ -323,7 +336,9 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
         .await
         .with_context(|| format!("data directory {}", cfg.data_dir.display()))?;
     let state = sm_store.shared();
-    let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), Network { tls: cfg.tls.clone() }, log_store, sm_store)
+    let network = Network { tls: cfg.tls.clone(), durable: log_store.durable() };
+    let log = log_store.clone();
+    let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), network, log_store, sm_store)
         .await
         .context("start Raft")?;
     let metrics = Metrics::new();
@@ -489,6 +504,7 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
         shutdown,
         broken,
         tasks,
+        log,
     })
 }
 

@@ -601,3 +601,49 @@ async fn a_follower_behind_on_large_reports_catches_up() {
     send(&client, &big(401, held)).await.expect("a report committed by the leader and the caught-up follower");
     cl.shutdown().await;
 }
+
+/// The leader's own appends are acknowledged before their sync (`store::flush`), so the
+/// followers receive an entry while the leader's disk syncs it; and nothing applies it
+/// before that sync is done: the leader does not answer the write, and the commit index
+/// it sends its followers stops at its durable log, so no follower applies it either.
+/// The test holds the leader's syncs back to see both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn followers_receive_an_entry_during_the_leaders_sync_and_apply_it_after() {
+    let cl = Cluster::start(3).await;
+    let leader = cl.leader(Duration::from_secs(10)).await;
+    let client = Client::new(&cl.endpoints()).expect("client");
+    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    let held = register(&client, "east", 64).await.epoch;
+    send(&client, &report("east", 1, held, 1_000)).await.expect("report 1");
+    let followers: Vec<u64> = (1..=3).filter(|n| *n != leader).collect();
+    let metrics = |n: u64| cl.node(n).raft().metrics().borrow().clone();
+
+    let hold = cl.node(leader).hold_flushes_for_test();
+    // A sync that was running when the hold began still finishes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let durable = cl.node(leader).durable().borrow().upto.map_or(0, |l| l.index);
+    let write = tokio::spawn({
+        let client = client.clone();
+        async move { send(&client, &report("east", 2, held, 2_000)).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while followers.iter().any(|f| metrics(*f).last_log_index.unwrap_or(0) <= durable) {
+        assert!(Instant::now() < deadline, "the followers did not receive entries past {durable} while the leader's sync was held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!write.is_finished(), "the write was answered before the leader's sync");
+    for n in (1..=3).chain([leader]) {
+        let applied = metrics(n).last_applied.map_or(0, |l| l.index);
+        assert!(applied <= durable, "node {n} applied entry {applied}, past the leader's durable log ({durable})");
+    }
+    hold.release();
+    let reply = tokio::time::timeout(Duration::from_secs(10), write).await.expect("answered once synced").expect("task");
+    reply.expect("report 2 committed");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while followers.iter().any(|f| metrics(*f).last_applied.map_or(0, |l| l.index) <= durable) {
+        assert!(Instant::now() < deadline, "the followers did not apply past {durable} after the sync");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cl.shutdown().await;
+}

@@ -13,10 +13,13 @@
 //!
 //! Log entries are stored as the protobuf `RaftEntry` of the Raft port
 //! (`proto/kvota/raft/v1/raft.proto`, converted in [`crate::wire`]), so an entry reads
-//! the same on disk and on the wire, its format number inside. An append is one write
-//! and one `fdatasync` of the active segment before openraft hears it is done; the
-//! vote, the purge point and a snapshot are each written to a temporary file, synced and
-//! renamed into place. Applying entries writes nothing: the log is the durable record,
+//! the same on disk and on the wire, its format number inside. A follower's append is
+//! one write and one `fdatasync` of the active segment before openraft hears it is done;
+//! the leader's own appends are acknowledged after the write, synced by a flusher thread
+//! while the entries travel to the followers, and applied only once synced (see
+//! [`flush`] for why that is safe). The vote, the purge point and a snapshot are each
+//! written to a temporary file, synced and renamed into place. Applying entries writes
+//! nothing: the log is the durable record,
 //! a restart loads the last snapshot and openraft re-applies the committed entries after
 //! it (the state machine is deterministic, so the result is the same).
 //!
@@ -30,6 +33,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod files;
+pub mod flush;
 pub mod segments;
 pub mod sled_v1;
 
@@ -54,6 +58,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, RwLock};
 
 use self::files::{CommittedFile, Meta, COMMITTED_FILE, META_FILE, SNAPSHOT_FILE};
+use self::flush::{Durable, Flusher};
 use self::segments::{SegmentError, SegmentLog};
 use crate::types::{Node, NodeId, Request, Response, TypeConfig};
 
@@ -315,6 +320,11 @@ pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachine
         Err(e) => return Err(io_err("read", &snapshot_path)(e)),
     };
 
+    // Everything the log holds now was synced (`SegmentLog::open` syncs the last
+    // segment, which a killed process may have written without syncing).
+    let durable_upto = last_log_id(&log, meta.last_purged).map_err(|e| StoreError::Corrupt { what: "Raft log", why: e.to_string() })?;
+    let flush = Flusher::new(durable_upto);
+    let durable = flush.subscribe();
     let dir = Arc::new(Dir { path: path.to_path_buf(), _lock: lock });
     let log_store = LogStore {
         inner: Arc::new(LogInner {
@@ -322,9 +332,11 @@ pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachine
             log: std::sync::Mutex::new(log),
             meta: std::sync::Mutex::new(meta),
             committed: std::sync::Mutex::new(Committed { latest: committed, ..Committed::default() }),
+            flush,
         }),
     };
     let sm_store = StateMachineStore {
+        durable,
         dir,
         data: Arc::new(RwLock::new(data)),
         current: Arc::new(Mutex::new(current)),
@@ -462,8 +474,10 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 ///
 /// Holds: entries are contiguous from `last_purged_log_id + 1` (or the first entry) to
 /// the last entry; every write is on disk before the call that made it returns (for
-/// `append`, before the [`LogFlushed`] callback fires). Cloning gives another handle
-/// to the same log (the log reader is such a clone).
+/// `append`, before the [`LogFlushed`] callback fires), except the leader's appends of
+/// its own entries, which are on disk once [`LogStore::durable`] covers them (the state
+/// machine and the Raft network wait for that: see [`flush`]). Cloning gives another
+/// handle to the same log (the log reader is such a clone).
 #[derive(Clone)]
 pub struct LogStore {
     inner: Arc<LogInner>,
@@ -474,6 +488,13 @@ struct LogInner {
     log: std::sync::Mutex<SegmentLog>,
     meta: std::sync::Mutex<Meta>,
     committed: std::sync::Mutex<Committed>,
+    flush: Flusher,
+}
+
+impl Drop for LogInner {
+    fn drop(&mut self) {
+        self.flush.stop();
+    }
 }
 
 /// The committed log id: the latest in memory, written to disk only now and then
@@ -552,6 +573,42 @@ impl LogStore {
     fn last_purged(&self) -> Option<LogId<NodeId>> {
         lock(&self.inner.meta).last_purged
     }
+
+    /// How far this log is durable, followed: the state machine applies an entry only
+    /// once it is covered, and the leader's commit index to its followers goes no
+    /// further (see [`flush`]).
+    pub fn durable(&self) -> tokio::sync::watch::Receiver<Durable> {
+        self.inner.flush.subscribe()
+    }
+
+    /// Holds the syncs of the leader's early-acknowledged appends back until the guard
+    /// goes: for tests of what waits for them. Not for use outside tests.
+    #[doc(hidden)]
+    pub fn hold_flushes_for_test(&self) -> flush::FlushHold {
+        self.inner.flush.hold()
+    }
+
+    /// The leader id of this node's current vote when the vote is committed and names
+    /// this node: the entries it appends under that id are its own, as leader.
+    fn leading_as(&self) -> Option<openraft::CommittedLeaderId<NodeId>> {
+        let meta = lock(&self.inner.meta);
+        let (vote, me) = (meta.vote?, meta.node_id?);
+        (vote.is_committed() && vote.leader_id().node_id == me).then_some(*vote.leader_id())
+    }
+}
+
+/// The log id of the last entry: the last record's, or the purge point when that is
+/// past it (after a snapshot was installed).
+fn last_log_id(log: &SegmentLog, last_purged: Option<LogId<NodeId>>) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+    let last = match log.last_index() {
+        Some(i) => log.read(i, i + 1).map_err(log_read_err)?.pop(),
+        None => None,
+    };
+    let last_entry = match last {
+        Some((i, b)) => Some(decode_entry(i, &b)?.log_id),
+        None => None,
+    };
+    Ok(std::cmp::max(last_entry, last_purged))
 }
 
 impl RaftLogReader<TypeConfig> for LogStore {
@@ -589,20 +646,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
         let last_purged_log_id = self.last_purged();
-        let last = {
-            let log = lock(&self.inner.log);
-            match log.last_index() {
-                Some(i) => log.read(i, i + 1).map_err(log_read_err)?.pop(),
-                None => None,
-            }
-        };
-        let last_entry = match last {
-            Some((i, b)) => Some(decode_entry(i, &b)?.log_id),
-            None => None,
-        };
-        // `max`: the purge point can be past the last entry (after a snapshot was
-        // installed), and then it is the last log id.
-        let last_log_id = std::cmp::max(last_entry, last_purged_log_id);
+        let last_log_id = last_log_id(&lock(&self.inner.log), last_purged_log_id)?;
         Ok(LogState { last_purged_log_id, last_log_id })
     }
 
@@ -653,7 +697,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        let leading = self.leading_as();
+        let mut own = true;
         let mut first = None;
+        let mut last = None;
         let mut payloads = Vec::new();
         for entry in entries {
             let want = first.map(|f: u64| f + payloads.len() as u64);
@@ -663,12 +710,42 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 return Err(e);
             }
             first.get_or_insert(entry.log_id.index);
+            own &= leading == Some(entry.log_id.leader_id);
+            last = Some(entry.log_id);
             payloads.push(crate::wire::entry_to(&entry).encode_to_vec());
         }
-        let Some(first) = first else {
+        let (Some(first), Some(last)) = (first, last) else {
             callback.log_io_completed(Ok(()));
             return Ok(());
         };
+        if own {
+            // This node's own entries as the leader of its committed vote: write them
+            // here (into the page cache), hand the sync to the flusher and acknowledge,
+            // so openraft replicates while the disk syncs. Safe because nothing applies
+            // them, here or on a follower, before the sync is done (`flush`). A write
+            // that starts a segment (a create, a rename, syncs) goes the slow way.
+            let written = {
+                let mut log = lock(&self.inner.log);
+                if log.needs_new_segment(first) {
+                    None
+                } else {
+                    Some(log.append(first, &payloads).map_err(|e| e.to_string()))
+                }
+            };
+            if let Some(written) = written {
+                let queued = written.and_then(|file| self.inner.flush.queue(last, file));
+                return match queued {
+                    Ok(()) => {
+                        callback.log_io_completed(Ok(()));
+                        Ok(())
+                    }
+                    Err(e) => {
+                        callback.log_io_completed(Err(io::Error::other(e.clone())));
+                        Err(log_write_err(e))
+                    }
+                };
+            }
+        }
         // One write, then one fdatasync of that file, then the acknowledgement: openraft
         // counts this node towards the quorum as soon as the callback fires.
         let inner = Arc::clone(&self.inner);
@@ -681,6 +758,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         .and_then(|r| r);
         match done {
             Ok(()) => {
+                self.inner.flush.synced(last);
                 callback.log_io_completed(Ok(()));
                 Ok(())
             }
@@ -692,8 +770,20 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        // Wait for any sync of the old tail first, so it cannot move the durable mark
+        // past the cut once it finishes; the mark then ends at the entry before the cut.
         let inner = Arc::clone(&self.inner);
-        blocking(move || lock(&inner.log).truncate(log_id.index)).await.map_err(log_write_err)?.map_err(log_write_err)
+        let purged = self.last_purged();
+        let upto = blocking(move || -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+            inner.flush.idle().map_err(log_write_err)?;
+            let mut log = lock(&inner.log);
+            log.truncate(log_id.index).map_err(log_write_err)?;
+            last_log_id(&log, purged)
+        })
+        .await
+        .map_err(log_write_err)??;
+        self.inner.flush.reset(upto);
+        Ok(())
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
@@ -701,7 +791,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // gone, the log state is still right (and `open` removes the leftovers).
         self.update_meta(ErrorSubject::Logs, move |m| m.last_purged = Some(log_id)).await?;
         let inner = Arc::clone(&self.inner);
-        blocking(move || lock(&inner.log).purge(log_id.index)).await.map_err(log_write_err)?.map_err(log_write_err)
+        blocking(move || lock(&inner.log).purge(log_id.index)).await.map_err(log_write_err)?.map_err(log_write_err)?;
+        // What is purged is in a durable snapshot.
+        self.inner.flush.synced(log_id);
+        Ok(())
     }
 }
 
@@ -710,6 +803,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 /// Holds: the current snapshot file, when there is one, is the state a restart loads;
 /// `current` is its meta.
 pub struct StateMachineStore {
+    /// How far the log is durable: an entry is applied only once it is (see [`flush`]).
+    durable: tokio::sync::watch::Receiver<Durable>,
     dir: Arc<Dir>,
     data: Arc<RwLock<StateMachineData>>,
     /// The current snapshot's meta. Its lock serialises writes of the snapshot file
@@ -784,6 +879,21 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        let entries: Vec<Entry> = entries.into_iter().collect();
+        if let Some(last) = entries.last() {
+            let last = last.log_id.index;
+            // The leader acknowledged its own append before syncing it (`flush`): wait
+            // for the sync, so no entry is applied (answered, granted, read) before this
+            // node holds it durably. A no-op on followers, which sync before acknowledging.
+            let ready = self.durable.wait_for(|d| d.failed.is_some() || d.may_apply(last)).await.map(|d| d.failed.clone());
+            let failed = match ready {
+                Ok(failed) => failed,
+                Err(_) => Some("the Raft log store was closed".to_string()),
+            };
+            if let Some(why) = failed {
+                return Err(StorageIOError::write_logs(openraft::AnyError::error(why)).into());
+            }
+        }
         let mut replies = Vec::new();
         {
             let mut data = self.data.write().await;

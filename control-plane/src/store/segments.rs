@@ -288,8 +288,10 @@ pub struct Opened {
 /// Holds: every record in `locs` is in the segment it names, at its offset; each
 /// segment holds consecutive indexes from its start; a segment starts where the one
 /// before it ends, or past that end when its header is flagged [`FLAG_AFTER_GAP`];
-/// every record before the last `append`'s was synced before it returned (the caller
-/// syncs the file [`SegmentLog::append`] hands back before acknowledging).
+/// every segment but the last is synced; the last one's records are durable once the
+/// file [`SegmentLog::append`] handed back is synced (the caller does that before it
+/// acknowledges a follower's append, or has the flusher do it for the leader's: see
+/// `super::flush`), and all of it once [`SegmentLog::open`] returns.
 #[derive(Debug)]
 pub struct SegmentLog {
     dir: PathBuf,
@@ -356,8 +358,13 @@ impl SegmentLog {
             if s.good_len < bytes.len() as u64 {
                 // A torn tail of the last segment: never acknowledged, so cut it.
                 file.set_len(s.good_len).map_err(io("cut the torn tail of", &path))?;
-                file.sync_data().map_err(io("fdatasync", &path))?;
                 opened.cut = bytes.len() as u64 - s.good_len;
+            }
+            if last {
+                // Records a killed process wrote but had not synced are still in the
+                // page cache and read back as part of the log: make them durable before
+                // this node votes or acknowledges on the strength of them.
+                file.sync_data().map_err(io("fdatasync", &path))?;
             }
             for (k, (offset, len)) in s.records.iter().enumerate() {
                 log.locs.insert(start + k as u64, Loc { segment: start, offset: *offset, len: *len });
@@ -411,6 +418,17 @@ impl SegmentLog {
         Ok(())
     }
 
+    /// Whether an append at `first` starts a new segment (creating a file, syncing the
+    /// directory), rather than writing at the end of the active one.
+    pub fn needs_new_segment(&self, first: u64) -> bool {
+        match self.segments.last_key_value() {
+            None => true,
+            Some((&start, seg)) => {
+                (seg.count == 0 && start != first) || self.next_index().is_some_and(|n| first > n) || seg.len >= SEGMENT_BYTES
+            }
+        }
+    }
+
     /// Writes `payloads` as the records of indexes `first..`, in one write at the end of
     /// the active segment (a new one when it is full, or when `first` is past its end:
     /// Raft never appends past the end, but the storage contract allows it, and such a
@@ -443,6 +461,12 @@ impl SegmentLog {
         let after_gap = next.is_some_and(|n| first > n);
         let full = self.segments.last_key_value().is_none_or(|(_, s)| s.len >= SEGMENT_BYTES);
         if after_gap || full {
+            // The segment left behind may hold writes acknowledged before their sync (the
+            // leader's: see `flush`), and its sync is queued for the file it leaves:
+            // sync it now, since later syncs are of the new one.
+            if let Some((_, seg)) = self.segments.last_key_value() {
+                seg.file.sync_data().map_err(io("fdatasync", &seg.path))?;
+            }
             self.create_segment(first, after_gap)?;
         }
         let Some((&start, seg)) = self.segments.iter_mut().next_back() else {
