@@ -150,3 +150,33 @@ async fn a_cut_leaves_the_mark_at_the_entry_before_it() {
     let d = log.durable().borrow().clone();
     assert!(d.covers(6) && d.acked_ahead.is_none(), "{d:?}");
 }
+
+/// The committed log id saved to disk never runs past the durable log: the leader
+/// commits entries whose own sync may still be running, and a power cut could lose them
+/// while the file survives. One found past the log's end on open is ignored.
+#[tokio::test]
+async fn the_saved_commit_index_stays_within_the_durable_log() {
+    let dir = TempDir::new().unwrap();
+    let entries = log_of(1);
+    {
+        let (mut log, _sm) = open_as(&dir, 1, Vote::new_committed(1, 2)).await;
+        log.blocking_append(log_of(2)[..4].to_vec()).await.unwrap();
+        log.save_vote(&Vote::new_committed(2, 1)).await.unwrap();
+        let _held = log.hold_flushes_for_test();
+        log.blocking_append(entries[4..].to_vec()).await.unwrap();
+        assert!(!log.durable().borrow().covers(5));
+        log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();
+        assert_eq!(log.read_committed().await.unwrap(), Some(log_id(2, 1, 8)), "in memory, the commit as openraft gave it");
+    }
+    {
+        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        assert_eq!(log.read_committed().await.unwrap(), Some(log_id(1, 2, 4)), "saved: only as far as the log was durable");
+        assert_eq!(log.try_get_log_entries(..).await.unwrap().len(), 8, "the held syncs ran when the store closed");
+        // A saved id past the log's end (the log lost its tail) is ignored on open.
+        std::thread::sleep(Duration::from_millis(1_100));
+        log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();
+        log.truncate(log_id(2, 1, 6)).await.unwrap();
+    }
+    let (mut log, _sm) = store::open(dir.path()).unwrap();
+    assert_eq!(log.read_committed().await.unwrap(), None);
+}

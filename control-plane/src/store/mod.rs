@@ -323,6 +323,16 @@ pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachine
     // Everything the log holds now was synced (`SegmentLog::open` syncs the last
     // segment, which a killed process may have written without syncing).
     let durable_upto = last_log_id(&log, meta.last_purged).map_err(|e| StoreError::Corrupt { what: "Raft log", why: e.to_string() })?;
+    let committed = match committed {
+        Some(c) if durable_upto.is_none_or(|d| d.index < c.index) => {
+            // Saved committed ids stay within the durable log; one past it means the log
+            // lost its tail (a power cut, a damaged disk): start from the snapshot and let
+            // the leader tell what is committed.
+            tracing::warn!(dir = %path.display(), committed = %c, last = ?durable_upto, "the saved committed log id is past the end of the Raft log; ignoring it");
+            None
+        }
+        c => c,
+    };
     let flush = Flusher::new(durable_upto);
     let durable = flush.subscribe();
     let dir = Arc::new(Dir { path: path.to_path_buf(), _lock: lock });
@@ -678,6 +688,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             c.written_index = index;
             c.written_at = Some(std::time::Instant::now());
         }
+        // Never past this node's durable log: the leader commits entries whose own sync
+        // may still be running (`flush`), and a power cut could lose those while this
+        // file survives; a restart would then look for committed entries it lacks.
+        let committed = flush::clamp_commit(committed, &self.inner.flush.now());
         let bytes = serde_json::to_vec(&CommittedFile { committed }).map_err(|e| {
             StorageIOError::new(ErrorSubject::Store, openraft::ErrorVerb::Write, openraft::AnyError::error(&e))
         })?;
