@@ -67,6 +67,9 @@ pub struct Network {
     /// How far this node's log is durable ([`crate::store::LogStore::durable`]): the
     /// commit index sent to followers goes no further (see [`crate::store::flush`]).
     pub durable: tokio::sync::watch::Receiver<Durable>,
+    /// Set when a commit index sent was held back by the durable log; the node sends a
+    /// heartbeat once the log's sync moves on (`server.rs`).
+    pub held_back: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -79,6 +82,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             client: None,
             tls: self.tls.clone(),
             durable: self.durable.clone(),
+            held_back: std::sync::Arc::clone(&self.held_back),
         }
     }
 }
@@ -91,6 +95,7 @@ pub struct PeerClient {
     client: Option<RaftClient<Channel>>,
     tls: Option<kvota_client::tls::GrpcTls>,
     durable: tokio::sync::watch::Receiver<Durable>,
+    held_back: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 type RpcResult<T, E> = Result<T, RPCError<NodeId, Node, E>>;
@@ -179,18 +184,15 @@ impl RaftNetwork<TypeConfig> for PeerClient {
             entries.push(pe);
         }
         let sent_to = (entries.len() < rpc.entries.len()).then(|| entries.len().checked_sub(1).map(|i| rpc.entries[i].log_id)).flatten();
-        let head = AppendEntriesRequest {
-            vote: rpc.vote,
-            prev_log_id: rpc.prev_log_id,
-            leader_commit: clamp_commit(
-                match sent_to {
-                    Some(last) => std::cmp::min(rpc.leader_commit, Some(last)),
-                    None => rpc.leader_commit,
-                },
-                &self.durable.borrow(),
-            ),
-            entries: Vec::new(),
+        let committed = match sent_to {
+            Some(last) => std::cmp::min(rpc.leader_commit, Some(last)),
+            None => rpc.leader_commit,
         };
+        let leader_commit = clamp_commit(committed, &self.durable.borrow());
+        if leader_commit != committed {
+            self.held_back.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        let head = AppendEntriesRequest { vote: rpc.vote, prev_log_id: rpc.prev_log_id, leader_commit, entries: Vec::new() };
         let mut msg = wire::append_to(&head);
         msg.entries = entries;
         let req = with_deadline(msg, &option);

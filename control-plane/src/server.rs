@@ -336,7 +336,8 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
         .await
         .with_context(|| format!("data directory {}", cfg.data_dir.display()))?;
     let state = sm_store.shared();
-    let network = Network { tls: cfg.tls.clone(), durable: log_store.durable() };
+    let held_back = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let network = Network { tls: cfg.tls.clone(), durable: log_store.durable(), held_back: Arc::clone(&held_back) };
     let log = log_store.clone();
     let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), network, log_store, sm_store)
         .await
@@ -432,6 +433,29 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
             tracing::error!(error = %e, "Raft server stopped");
         }
     });
+
+    // A commit index held back for the leader's sync (`store::flush`) goes out as soon
+    // as the sync is done, not with the next write or heartbeat.
+    {
+        let raft = raft.clone();
+        let mut durable = log.durable();
+        let mut stop = rx.clone();
+        tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    changed = durable.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        if held_back.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                            let _ = raft.trigger().heartbeat().await;
+                        }
+                    }
+                    () = async { let _ = stop.wait_for(|s| *s).await; } => return,
+                }
+            }
+        });
+    }
 
     // Fast failover when the leader's process is gone (see `watchdog`).
     tasks.spawn(crate::watchdog::run(

@@ -232,7 +232,10 @@ async fn a_layout_1_directory_is_migrated_whole() {
     for round in 0..2 {
         let (mut logs, mut sm) = open_retrying(dir.path()).unwrap();
         assert_eq!(logs.try_get_log_entries(..).await.unwrap(), log, "round {round}");
-        assert_eq!(logs.read_vote().await.unwrap(), Some(vote));
+        // Node 2's own leadership vote, read back uncommitted: a restarted leader must
+        // win a new term (`store::flush`).
+        assert_eq!(logs.read_vote().await.unwrap(), Some(openraft::Vote::new(vote.leader_id().term, 2)));
+        assert!(vote.is_committed());
         assert!(matches!(logs.claim_for_node(1).await, Err(StoreError::OtherNode { stored: 2, requested: 1 })));
         logs.claim_for_node(2).await.unwrap();
         assert_eq!(*sm.shared().read().await, want);

@@ -180,3 +180,24 @@ async fn the_saved_commit_index_stays_within_the_durable_log() {
     let (mut log, _sm) = store::open(dir.path()).unwrap();
     assert_eq!(log.read_committed().await.unwrap(), None);
 }
+
+/// A vote that made this node leader reads back uncommitted after a restart, so openraft
+/// does not restore the leadership in the same term: the leader's log may have lost
+/// entries it acknowledged before their sync while its followers hold them, and it would
+/// make new ones under the same log ids. Other votes read back as saved.
+#[tokio::test]
+async fn a_restarted_leader_does_not_lead_its_old_term_again() {
+    for (vote, back) in [
+        (Vote::new_committed(4, 1), Vote::new(4, 1)),
+        (Vote::new_committed(4, 2), Vote::new_committed(4, 2)),
+        (Vote::new(5, 1), Vote::new(5, 1)),
+    ] {
+        let dir = TempDir::new().unwrap();
+        {
+            let (mut log, _sm) = open_as(&dir, 1, vote).await;
+            assert_eq!(log.read_vote().await.unwrap(), Some(back));
+        }
+        let (mut log, _sm) = store::open(dir.path()).unwrap();
+        assert_eq!(log.read_vote().await.unwrap(), Some(back), "saved {vote}");
+    }
+}

@@ -142,26 +142,30 @@ impl Flusher {
         if let Some(e) = self.now().failed {
             return Err(e);
         }
-        self.shared.durable.send_modify(|d| d.acked_ahead = Some(upto.index));
         let mut st = lock(&self.shared.state);
-        st.want = Some((upto, file));
         if !st.started {
             let shared = Arc::clone(&self.shared);
-            std::thread::Builder::new()
-                .name("kvota-log-flush".into())
-                .spawn(move || run(&shared))
-                .map_err(|e| format!("start the Raft log's flusher thread: {e}"))?;
+            let started = std::thread::Builder::new().name("kvota-log-flush".into()).spawn(move || run(&shared));
+            if let Err(e) = started {
+                let why = format!("start the Raft log's flusher thread: {e}");
+                self.shared.durable.send_modify(|d| d.failed = Some(why.clone()));
+                return Err(why);
+            }
             st.started = true;
         }
+        self.shared.durable.send_modify(|d| d.acked_ahead = Some(upto.index));
+        st.want = Some((upto, file));
         drop(st);
         self.shared.changed.notify_all();
         Ok(())
     }
 
-    /// Records that the caller synced everything through `upto` itself.
+    /// Records that the caller synced everything through `upto` itself. Ignored once a
+    /// sync failed: after a failed `fdatasync` a later one can succeed although the
+    /// pages the failed one held are gone (the kernel may have marked them clean).
     pub(crate) fn synced(&self, upto: LogId<NodeId>) {
         self.shared.durable.send_if_modified(|d| {
-            let newer = d.upto.is_none_or(|u| u.index < upto.index);
+            let newer = d.failed.is_none() && d.upto.is_none_or(|u| u.index < upto.index);
             if newer {
                 d.upto = Some(upto);
             }
@@ -170,9 +174,11 @@ impl Flusher {
     }
 
     /// Sets the mark after the log was cut back, with every sync done (see
-    /// [`Flusher::idle`]): nothing is acknowledged ahead of its sync any more.
+    /// [`Flusher::idle`]): nothing is acknowledged ahead of its sync any more. Only
+    /// lowers the mark once a sync failed.
     pub(crate) fn reset(&self, upto: Option<LogId<NodeId>>) {
         self.shared.durable.send_if_modified(|d| {
+            let upto = if d.failed.is_some() { std::cmp::min(upto, d.upto) } else { upto };
             let changed = d.upto != upto || d.acked_ahead.is_some();
             d.upto = upto;
             d.acked_ahead = None;
@@ -328,6 +334,27 @@ mod tests {
         f.reset(Some(id(1, 5)));
         assert_eq!(f.now().upto, Some(id(1, 5)));
         assert_eq!(f.now().acked_ahead, None);
+        f.stop();
+    }
+
+    /// A failed sync (`fdatasync` of /dev/null is refused) is recorded; after it the
+    /// mark never moves forward and nothing more is queued.
+    #[test]
+    fn after_a_failed_sync_the_mark_stays() {
+        let null = Arc::new(std::fs::OpenOptions::new().write(true).open("/dev/null").unwrap());
+        let f = Flusher::new(Some(id(1, 4)));
+        f.queue(id(1, 6), null).unwrap();
+        f.idle().unwrap_err();
+        let d = f.now();
+        assert!(d.failed.as_deref().is_some_and(|e| e.contains("through entry")), "{d:?}");
+        assert_eq!(d.upto, Some(id(1, 4)));
+        assert!(!d.may_apply(6) && d.may_apply(4));
+        f.synced(id(1, 9));
+        f.reset(Some(id(1, 8)));
+        assert_eq!(f.now().upto, Some(id(1, 4)));
+        let dir = tempfile::tempdir().unwrap();
+        let file = Arc::new(File::create(dir.path().join("f")).unwrap());
+        assert!(f.queue(id(1, 10), file).is_err());
         f.stop();
     }
 }

@@ -669,8 +669,18 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.update_meta(ErrorSubject::Vote, move |m| m.vote = Some(vote)).await
     }
 
+    /// The saved vote; one that made this node leader comes back uncommitted. openraft
+    /// would otherwise restore the leadership in the same term at startup, and a leader's
+    /// log may have lost entries it acknowledged before their sync (`flush`) while its
+    /// followers hold them: it would then make new entries under the same log ids. As
+    /// a candidate it must win a new term, whose entries replace those. The vote for
+    /// itself stays, so it still votes for nobody else in the old term.
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
-        Ok(lock(&self.inner.meta).vote)
+        let meta = lock(&self.inner.meta);
+        Ok(meta.vote.map(|v| match meta.node_id {
+            Some(me) if v.is_committed() && v.leader_id().node_id == me => Vote::new(v.leader_id().term, me),
+            _ => v,
+        }))
     }
 
     async fn save_committed(&mut self, committed: Option<LogId<NodeId>>) -> Result<(), StorageError<NodeId>> {
@@ -711,6 +721,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        if let Some(why) = self.inner.flush.now().failed {
+            // A sync failed: what this log holds may not be on disk; take nothing more.
+            callback.log_io_completed(Err(io::Error::other(why.clone())));
+            return Err(log_write_err(why));
+        }
         let leading = self.leading_as();
         let mut own = true;
         let mut first = None;
@@ -805,10 +820,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // gone, the log state is still right (and `open` removes the leftovers).
         self.update_meta(ErrorSubject::Logs, move |m| m.last_purged = Some(log_id)).await?;
         let inner = Arc::clone(&self.inner);
-        blocking(move || lock(&inner.log).purge(log_id.index)).await.map_err(log_write_err)?.map_err(log_write_err)?;
-        // What is purged is in a durable snapshot.
-        self.inner.flush.synced(log_id);
-        Ok(())
+        blocking(move || lock(&inner.log).purge(log_id.index)).await.map_err(log_write_err)?.map_err(log_write_err)
     }
 }
 
