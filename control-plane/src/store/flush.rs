@@ -22,14 +22,26 @@
 //!   the commit index the leader sends its followers goes no further than its durable log
 //!   ([`clamp_commit`], in the Raft network), so no follower applies it earlier either.
 //!
+//! - **The commit index saved to disk stays within the durable log** (`save_committed`),
+//!   so a restart never looks for committed entries a power cut took.
+//! - **A restarted leader campaigns for a new term.** Its vote reads back uncommitted
+//!   (`read_vote`): openraft 0.9 would otherwise restore the leadership in the same term,
+//!   and a leader whose disk lost entries it had already sent would make new entries
+//!   under log ids its followers hold with other contents (they skip entries whose ids
+//!   they have).
+//! - **A commit index held back goes out once the sync is done**, by a heartbeat
+//!   (`server.rs`), not only with the next write.
+//!
 //! So when an entry is first seen as committed, the leader and the follower whose
 //! acknowledgement completed the quorum have both synced it: a quorum of durable copies,
 //! as Raft requires. If the leader dies before its sync, the entry may be lost, but then
 //! nobody was told it was committed, and the client's call failed (an outcome every Raft
 //! client must already handle). A failed sync stops the node: the state machine refuses
-//! to apply past it and openraft shuts the Raft core down (the sync error is logged), as
-//! etcd and PostgreSQL stop on a failed WAL sync rather than carry on with a log that may
-//! not be on disk.
+//! to apply past it and openraft shuts the Raft core down (the sync error is logged), the
+//! log takes no more appends and the durable mark moves no further (a later sync can
+//! succeed although the kernel dropped the pages the failed one held), as etcd and
+//! PostgreSQL stop on a failed WAL sync rather than carry on with a log that may not be
+//! on disk.
 
 use std::fs::File;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
