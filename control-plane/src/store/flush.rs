@@ -21,7 +21,6 @@
 //!   once this node's log is durable through it ([`Durable`], awaited in `apply`), and
 //!   the commit index the leader sends its followers goes no further than its durable log
 //!   ([`clamp_commit`], in the Raft network), so no follower applies it earlier either.
-//!
 //! - **The commit index saved to disk stays within the durable log** (`save_committed`),
 //!   so a restart never looks for committed entries a power cut took.
 //! - **A restarted leader campaigns for a new term.** Its vote reads back uncommitted
@@ -176,13 +175,7 @@ impl Flusher {
     /// sync failed: after a failed `fdatasync` a later one can succeed although the
     /// pages the failed one held are gone (the kernel may have marked them clean).
     pub(crate) fn synced(&self, upto: LogId<NodeId>) {
-        self.shared.durable.send_if_modified(|d| {
-            let newer = d.failed.is_none() && d.upto.is_none_or(|u| u.index < upto.index);
-            if newer {
-                d.upto = Some(upto);
-            }
-            newer
-        });
+        advance(&self.shared.durable, upto);
     }
 
     /// Sets the mark after the log was cut back, with every sync done (see
@@ -246,6 +239,17 @@ impl Drop for FlushHold {
     }
 }
 
+/// Moves the mark forward to `upto` (never back, and not at all once a sync failed).
+fn advance(durable: &watch::Sender<Durable>, upto: LogId<NodeId>) {
+    durable.send_if_modified(|d| {
+        let newer = d.failed.is_none() && d.upto.is_none_or(|u| u.index < upto.index);
+        if newer {
+            d.upto = Some(upto);
+        }
+        newer
+    });
+}
+
 fn run(shared: &Shared) {
     let mut st = lock(&shared.state);
     loop {
@@ -262,15 +266,7 @@ fn run(shared: &Shared) {
         let result = file.sync_data();
         drop(file);
         match result {
-            Ok(()) => {
-                shared.durable.send_if_modified(|d| {
-                    let newer = d.failed.is_none() && d.upto.is_none_or(|u| u.index < upto.index);
-                    if newer {
-                        d.upto = Some(upto);
-                    }
-                    newer
-                });
-            }
+            Ok(()) => advance(&shared.durable, upto),
             Err(e) => {
                 let why = format!("fdatasync the Raft log through entry {upto}: {e}; this node stops applying entries");
                 tracing::error!(error = %why, "the Raft log could not be synced");
