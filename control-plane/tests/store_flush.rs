@@ -46,11 +46,19 @@ async fn open_as(dir: &TempDir, node: u64, vote: Vote<u64>) -> (LogStore, StateM
     (log, sm)
 }
 
-/// Whether a thread of this process is named `name` (Linux).
+/// Whether a thread of this process is named `name` (Linux) within 5 s: a new thread
+/// names itself once it runs, a moment after it was spawned.
 fn thread_named(name: &str) -> bool {
-    std::fs::read_dir("/proc/self/task").unwrap().any(|t| {
-        std::fs::read_to_string(t.unwrap().path().join("comm")).is_ok_and(|c| c.trim() == name)
-    })
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let found = std::fs::read_dir("/proc/self/task").unwrap().any(|t| {
+            std::fs::read_to_string(t.unwrap().path().join("comm")).is_ok_and(|c| c.trim() == name)
+        });
+        if found || std::time::Instant::now() >= deadline {
+            return found;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// A follower's append is on disk when openraft hears it is done: the leader counts that
