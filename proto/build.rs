@@ -10,7 +10,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     config.protoc_executable(&protoc);
     // Maps as BTreeMap: the same message encodes to the same bytes on every node.
     config.btree_map(["."]);
-    tonic_prost_build::configure().compile_with_config(config, &["kvota/v1/kvota.proto", "kvota/raft/v1/raft.proto"], &["."])?;
+    tonic_prost_build::configure().compile_with_config(
+        config,
+        &["kvota/v1/kvota.proto", "kvota/raft/v1/raft.proto"],
+        &["."],
+    )?;
     // Client only: the benchmark drives etcd with it.
     let mut config = prost_build::Config::new();
     config.protoc_executable(&protoc);

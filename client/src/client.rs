@@ -35,7 +35,10 @@ pub struct Client {
 }
 
 fn retriable(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled)
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled
+    )
 }
 
 fn normalize(addr: &str) -> String {
@@ -51,7 +54,11 @@ impl Client {
 
     /// A client for these `host:port` gRPC addresses, over mutual TLS if `tls` is given.
     pub fn with_tls(endpoints: &[String], tls: Option<crate::tls::GrpcTls>) -> Result<Client, Status> {
-        let eps: Vec<String> = endpoints.iter().map(|e| normalize(e)).filter(|e| !e.is_empty()).collect();
+        let eps: Vec<String> = endpoints
+            .iter()
+            .map(|e| normalize(e))
+            .filter(|e| !e.is_empty())
+            .collect();
         if eps.is_empty() {
             return Err(Status::invalid_argument("no control-plane address given"));
         }
@@ -86,8 +93,14 @@ impl Client {
         if let Some(Some(c)) = chans.get(i) {
             return Ok((addr, c.clone()));
         }
-        let c = crate::tls::channel(&addr, self.tls.as_ref(), kvota_tls::Expect::AnyNode, Duration::from_millis(800), CALL_TIMEOUT)
-            .map_err(Status::invalid_argument)?;
+        let c = crate::tls::channel(
+            &addr,
+            self.tls.as_ref(),
+            kvota_tls::Expect::AnyNode,
+            Duration::from_millis(800),
+            CALL_TIMEOUT,
+        )
+        .map_err(Status::invalid_argument)?;
         if let Some(slot) = chans.get_mut(i) {
             *slot = Some(c.clone());
         }
@@ -194,7 +207,9 @@ mod tests {
         let c = Client::new(&[addr]).expect("client");
         c.set_call_timeout(MIN_CALL_TIMEOUT);
         let t0 = std::time::Instant::now();
-        let r = c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }).await;
+        let r = c
+            .call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) })
+            .await;
         let e = r.expect_err("nobody answers");
         // 6 attempts of 300 ms plus at most 4.7 s of jittered backoff between them: less
         // than one attempt at the default deadline.

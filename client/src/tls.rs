@@ -29,7 +29,11 @@ impl GrpcTls {
     /// Reads and checks the three PEM files: `ca` (the CA bundle to trust), `cert` (this
     /// party's certificate chain, which must name a kvota identity) and `key`.
     pub fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<GrpcTls, TlsError> {
-        let source = TlsSource::load(TlsPaths { ca: Some(ca.to_path_buf()), cert: cert.to_path_buf(), key: key.to_path_buf() })?;
+        let source = TlsSource::load(TlsPaths {
+            ca: Some(ca.to_path_buf()),
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+        })?;
         if source.identity().is_none() {
             return Err(TlsError::Invalid {
                 what: "certificate",
@@ -64,7 +68,13 @@ impl GrpcTls {
 
 /// A lazily connecting channel to the gRPC address `addr` (`host:port`): mutual TLS
 /// accepting only `expect` with `tls`, plain text without.
-pub fn channel(addr: &str, tls: Option<&GrpcTls>, expect: Expect, connect_timeout: Duration, request_timeout: Duration) -> Result<Channel, String> {
+pub fn channel(
+    addr: &str,
+    tls: Option<&GrpcTls>,
+    expect: Expect,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+) -> Result<Channel, String> {
     let connector = match tls {
         Some(t) => t.connector(expect),
         None => Connector::new(None),

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 
 use kvota_fairness::admission::Verdict;
 use kvota_fairness::federation::{
-    EvictionNote, PodDecision, TenantReport, UsageReport, UsageWindow, MAX_CAPACITY_RESOURCES,
-    MAX_REPORT_DECISIONS, MAX_REPORT_EVICTIONS, MAX_REPORT_TENANTS,
+    ClusterStatus, EvictionNote, PodDecision, TenantReport, UsageReport, UsageWindow, MAX_CAPACITY_RESOURCES,
+    MAX_REPORT_DECISIONS, MAX_REPORT_EVICTIONS, MAX_REPORT_TENANTS, MAX_VERSION_LEN,
 };
 use kvota_fairness::lease::{Lease, TenantBudget};
 use kvota_fairness::names::{ClusterName, TenantName};
@@ -29,7 +29,7 @@ pub struct Invalid {
     pub why: String,
 }
 
-fn invalid(field: impl Into<String>, why: impl Into<String>) -> Invalid {
+pub(crate) fn invalid(field: impl Into<String>, why: impl Into<String>) -> Invalid {
     Invalid {
         field: field.into(),
         why: why.into(),
@@ -41,7 +41,11 @@ pub fn cluster_id(field: &str, id: &str) -> Result<ClusterName, Invalid> {
     ClusterName::parse(id).map_err(|_| {
         invalid(
             field,
-            format!("`{}` is not a cluster id ({})", truncate(id), kvota_fairness::names::DNS_LABEL_RULE),
+            format!(
+                "`{}` is not a cluster id ({})",
+                truncate(id),
+                kvota_fairness::names::DNS_LABEL_RULE
+            ),
         )
     })
 }
@@ -56,8 +60,16 @@ fn truncate(s: &str) -> String {
 
 /// Parses a tenant name (DNS label).
 pub fn tenant_name(field: &str, name: &str) -> Result<TenantName, Invalid> {
-    TenantName::parse(name)
-        .map_err(|_| invalid(field, format!("`{}` is not a tenant name ({})", truncate(name), kvota_fairness::names::DNS_LABEL_RULE)))
+    TenantName::parse(name).map_err(|_| {
+        invalid(
+            field,
+            format!(
+                "`{}` is not a tenant name ({})",
+                truncate(name),
+                kvota_fairness::names::DNS_LABEL_RULE
+            ),
+        )
+    })
 }
 
 /// A list of resources as a map, refusing duplicates and empty names.
@@ -74,7 +86,10 @@ pub fn capacity(field: &str, list: &[v1::Resource]) -> Result<BTreeMap<String, u
             return Err(invalid(format!("{field}[{i}].name"), "must be 1-253 characters"));
         }
         if out.insert(r.name.clone(), r.quantity_milli).is_some() {
-            return Err(invalid(format!("{field}[{i}].name"), format!("`{}` appears twice", r.name)));
+            return Err(invalid(
+                format!("{field}[{i}].name"),
+                format!("`{}` appears twice", r.name),
+            ));
         }
     }
     Ok(out)
@@ -105,7 +120,10 @@ impl TryFrom<v1::RegisterRequest> for Registration {
     type Error = Invalid;
     fn try_from(r: v1::RegisterRequest) -> Result<Self, Invalid> {
         if r.labels.len() > MAX_LABELS {
-            return Err(invalid("labels", format!("{} labels; at most {MAX_LABELS}", r.labels.len())));
+            return Err(invalid(
+                "labels",
+                format!("{} labels; at most {MAX_LABELS}", r.labels.len()),
+            ));
         }
         if let Some((k, _)) = r.labels.iter().find(|(k, v)| k.len() > 317 || v.len() > 63) {
             return Err(invalid("labels", format!("label `{}` is too long", truncate(k))));
@@ -143,11 +161,21 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
                     ),
                 ));
             }
+            if t.borrowed_milli_gpue > t.inuse_milli_gpue {
+                return Err(invalid(
+                    format!("tenants[{i}].borrowed_milli_gpue"),
+                    format!(
+                        "{} is more than the {} in use (borrowed pods are part of what is in use)",
+                        t.borrowed_milli_gpue, t.inuse_milli_gpue
+                    ),
+                ));
+            }
             let row = TenantReport {
                 used_milli_gpue_ms: t.used_milli_gpue_ms,
                 inuse: t.inuse_milli_gpue,
                 pending: t.pending_milli_gpue,
                 largest: t.largest_pending_milli_gpue,
+                borrowed: t.borrowed_milli_gpue,
             };
             if tenants.insert(name, row).is_some() {
                 return Err(invalid(
@@ -169,11 +197,7 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
         }
         // Text sizes and outcomes are checked where the report is applied (one rule
         // for every way a report arrives).
-        let evictions = r
-            .evictions
-            .into_iter()
-            .map(EvictionNote::from)
-            .collect();
+        let evictions = r.evictions.into_iter().map(EvictionNote::from).collect();
         if r.decisions.len() > MAX_REPORT_DECISIONS {
             return Err(invalid(
                 "decisions",
@@ -186,6 +210,7 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
             .enumerate()
             .map(|(i, d)| PodDecision::try_from(d).map_err(|e| invalid(format!("decisions[{i}].{}", e.field), e.why)))
             .collect::<Result<Vec<_>, _>>()?;
+        let status = r.status.map(ClusterStatus::try_from).transpose()?;
         Ok(UsageReport {
             cluster,
             seq: r.seq,
@@ -194,9 +219,58 @@ impl TryFrom<v1::ReportRequest> for UsageReport {
             tenants,
             evictions,
             decisions,
-            window: (r.window_start_ms != 0 || r.window_end_ms != 0)
-                .then_some(UsageWindow { start_ms: r.window_start_ms, end_ms: r.window_end_ms }),
+            window: (r.window_start_ms != 0 || r.window_end_ms != 0).then_some(UsageWindow {
+                start_ms: r.window_start_ms,
+                end_ms: r.window_end_ms,
+            }),
+            status,
         })
+    }
+}
+
+impl TryFrom<v1::ClusterStatus> for ClusterStatus {
+    type Error = Invalid;
+    /// Checks the version's length and characters and each tenant's name; what runs is
+    /// capped at in-use where the report is applied.
+    fn try_from(s: v1::ClusterStatus) -> Result<Self, Invalid> {
+        if s.agent_version.len() > MAX_VERSION_LEN || !s.agent_version.chars().all(|c| c.is_ascii_graphic()) {
+            return Err(invalid(
+                "status.agent_version",
+                format!(
+                    "`{}`: at most {MAX_VERSION_LEN} printable ASCII characters",
+                    truncate(&s.agent_version)
+                ),
+            ));
+        }
+        if s.running_milli_gpue.len() > MAX_REPORT_TENANTS {
+            return Err(invalid(
+                "status.running_milli_gpue",
+                format!("{} tenants; at most {MAX_REPORT_TENANTS}", s.running_milli_gpue.len()),
+            ));
+        }
+        let mut running = BTreeMap::new();
+        for (t, g) in s.running_milli_gpue {
+            running.insert(tenant_name(&format!("status.running_milli_gpue[{t}]"), &t)?, g);
+        }
+        Ok(ClusterStatus {
+            agent_version: s.agent_version,
+            feature_level: s.feature_level,
+            policy_revision: s.policy_revision,
+            report_interval_ms: s.report_interval_ms,
+            running,
+        })
+    }
+}
+
+impl From<&ClusterStatus> for v1::ClusterStatus {
+    fn from(s: &ClusterStatus) -> Self {
+        v1::ClusterStatus {
+            agent_version: s.agent_version.clone(),
+            feature_level: s.feature_level,
+            policy_revision: s.policy_revision,
+            report_interval_ms: s.report_interval_ms,
+            running_milli_gpue: s.running.iter().map(|(t, g)| (t.to_string(), *g)).collect(),
+        }
     }
 }
 
@@ -215,17 +289,16 @@ impl From<&UsageReport> for v1::ReportRequest {
                     inuse_milli_gpue: u.inuse,
                     pending_milli_gpue: u.pending,
                     largest_pending_milli_gpue: u.largest,
+                    borrowed_milli_gpue: u.borrowed,
                 })
                 .collect(),
             capacity: r.capacity.as_ref().map(resources).unwrap_or_default(),
-            evictions: r
-                .evictions
-                .iter()
-                .map(v1::Eviction::from)
-                .collect(),
+            evictions: r.evictions.iter().map(v1::Eviction::from).collect(),
             window_start_ms: r.window.map_or(0, |w| w.start_ms),
             window_end_ms: r.window.map_or(0, |w| w.end_ms),
             decisions: r.decisions.iter().map(v1::PodDecision::from).collect(),
+            gap_in_reply: false,
+            status: r.status.as_ref().map(v1::ClusterStatus::from),
         }
     }
 }
@@ -235,12 +308,33 @@ impl TryFrom<v1::PodDecision> for PodDecision {
     fn try_from(d: v1::PodDecision) -> Result<Self, Invalid> {
         let verdict = Verdict::parse(&d.verdict)
             .ok_or_else(|| invalid("verdict", format!("`{}`: allow, queue or deny", truncate(&d.verdict))))?;
-        let out = PodDecision { pod: d.pod, tenant: d.tenant, verdict, milli_gpue: d.milli_gpue, at_ms: d.at_ms, text: d.text };
+        let out = PodDecision {
+            pod: d.pod,
+            tenant: d.tenant,
+            verdict,
+            milli_gpue: d.milli_gpue,
+            at_ms: d.at_ms,
+            text: d.text,
+        };
         if out.text.len() > kvota_fairness::federation::MAX_DECISION_TEXT {
-            return Err(invalid("text", format!("{} bytes; at most {}", out.text.len(), kvota_fairness::federation::MAX_DECISION_TEXT)));
+            return Err(invalid(
+                "text",
+                format!(
+                    "{} bytes; at most {}",
+                    out.text.len(),
+                    kvota_fairness::federation::MAX_DECISION_TEXT
+                ),
+            ));
         }
         if !out.is_valid() {
-            return Err(invalid("pod", format!("`{}` of tenant `{}`: not a namespace/name of DNS names and a tenant name", truncate(&out.pod), truncate(&out.tenant))));
+            return Err(invalid(
+                "pod",
+                format!(
+                    "`{}` of tenant `{}`: not a namespace/name of DNS names and a tenant name",
+                    truncate(&out.pod),
+                    truncate(&out.tenant)
+                ),
+            ));
         }
         Ok(out)
     }
@@ -287,21 +381,9 @@ impl TryFrom<v1::Lease> for Lease {
     type Error = Invalid;
     fn try_from(l: v1::Lease) -> Result<Self, Invalid> {
         let cluster = cluster_id("lease.cluster", &l.cluster)?;
-        if l.epoch == 0 {
-            return Err(invalid("lease.epoch", "epochs start at 1"));
-        }
-        if l.margin_ms.saturating_mul(2) > l.duration_ms {
-            return Err(invalid("lease.margin_ms", "more than half the duration"));
-        }
         let mut budgets = BTreeMap::new();
         for (i, b) in l.budgets.iter().enumerate() {
             let name = tenant_name(&format!("lease.budgets[{i}].tenant"), &b.tenant)?;
-            if b.fallback_milli_gpue > b.budget_milli_gpue {
-                return Err(invalid(
-                    format!("lease.budgets[{i}].fallback_milli_gpue"),
-                    "fallback exceeds the budget",
-                ));
-            }
             let v = TenantBudget {
                 budget: b.budget_milli_gpue,
                 fallback: b.fallback_milli_gpue,
@@ -313,14 +395,18 @@ impl TryFrom<v1::Lease> for Lease {
                 return Err(invalid(format!("lease.budgets[{i}].tenant"), "appears twice"));
             }
         }
-        Ok(Lease {
+        let lease = Lease {
             cluster,
             epoch: l.epoch,
             duration_ms: l.duration_ms,
             margin_ms: l.margin_ms,
             issued_at_ms: l.issued_at_ms,
             budgets,
-        })
+        };
+        lease
+            .validate()
+            .map_err(|e| invalid(format!("lease.{}", e.field), e.why))?;
+        Ok(lease)
     }
 }
 
@@ -339,6 +425,7 @@ mod tests {
                 inuse_milli_gpue: 2000,
                 pending_milli_gpue: 1000,
                 largest_pending_milli_gpue: 1000,
+                borrowed_milli_gpue: 0,
             }],
             capacity: vec![],
             evictions: vec![v1::Eviction {
@@ -353,6 +440,14 @@ mod tests {
             decisions: vec![],
             window_start_ms: 0,
             window_end_ms: 0,
+            gap_in_reply: false,
+            status: Some(v1::ClusterStatus {
+                agent_version: "0.9.0".into(),
+                feature_level: 6,
+                policy_revision: 4,
+                report_interval_ms: 5_000,
+                running_milli_gpue: [("training".to_string(), 1_500)].into(),
+            }),
         }
     }
 
@@ -379,16 +474,47 @@ mod tests {
     #[test]
     fn decisions_round_trip_and_bad_ones_name_their_field() {
         let mut r = report();
-        let d = v1::PodDecision { pod: "ml/job-1".into(), tenant: "training".into(), verdict: "queue".into(), milli_gpue: 2_000, at_ms: 7, text: "why".into() };
+        let d = v1::PodDecision {
+            pod: "ml/job-1".into(),
+            tenant: "training".into(),
+            verdict: "queue".into(),
+            milli_gpue: 2_000,
+            at_ms: 7,
+            text: "why".into(),
+        };
         r.decisions = vec![d.clone()];
         let core = UsageReport::try_from(r.clone()).expect("valid");
         assert_eq!(core.decisions[0].verdict, kvota_fairness::admission::Verdict::Queue);
         assert_eq!(v1::ReportRequest::from(&core), r);
         for (field, edit) in [
-            ("decisions[0].verdict", v1::PodDecision { verdict: "maybe".into(), ..d.clone() }),
-            ("decisions[0].pod", v1::PodDecision { pod: "no-slash".into(), ..d.clone() }),
-            ("decisions[0].pod", v1::PodDecision { tenant: "T".into(), ..d.clone() }),
-            ("decisions[0].text", v1::PodDecision { text: "x".repeat(kvota_fairness::federation::MAX_DECISION_TEXT + 1), ..d.clone() }),
+            (
+                "decisions[0].verdict",
+                v1::PodDecision {
+                    verdict: "maybe".into(),
+                    ..d.clone()
+                },
+            ),
+            (
+                "decisions[0].pod",
+                v1::PodDecision {
+                    pod: "no-slash".into(),
+                    ..d.clone()
+                },
+            ),
+            (
+                "decisions[0].pod",
+                v1::PodDecision {
+                    tenant: "T".into(),
+                    ..d.clone()
+                },
+            ),
+            (
+                "decisions[0].text",
+                v1::PodDecision {
+                    text: "x".repeat(kvota_fairness::federation::MAX_DECISION_TEXT + 1),
+                    ..d.clone()
+                },
+            ),
         ] {
             let mut bad = report();
             bad.decisions = vec![edit];
@@ -396,21 +522,30 @@ mod tests {
         }
         let mut many = report();
         many.decisions = vec![d; MAX_REPORT_DECISIONS + 1];
-        assert_eq!(UsageReport::try_from(many).map_err(|e| e.field), Err("decisions".to_string()));
+        assert_eq!(
+            UsageReport::try_from(many).map_err(|e| e.field),
+            Err("decisions".to_string())
+        );
     }
 
     #[test]
     fn too_many_evictions_are_refused() {
         let mut r = report();
         r.evictions = vec![r.evictions[0].clone(); MAX_REPORT_EVICTIONS + 1];
-        assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("evictions".to_string()));
+        assert_eq!(
+            UsageReport::try_from(r).map_err(|e| e.field),
+            Err("evictions".to_string())
+        );
     }
 
     #[test]
     fn bad_reports_name_the_field() {
         let mut r = report();
         r.cluster = "East_1".into();
-        assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("cluster".to_string()));
+        assert_eq!(
+            UsageReport::try_from(r).map_err(|e| e.field),
+            Err("cluster".to_string())
+        );
         let mut r = report();
         r.seq = 0;
         assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("seq".to_string()));
@@ -423,10 +558,19 @@ mod tests {
         assert!(UsageReport::try_from(r).is_err());
         let mut r = report();
         r.capacity = vec![
-            v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 1 },
-            v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 2 },
+            v1::Resource {
+                name: "nvidia.com/gpu".into(),
+                quantity_milli: 1,
+            },
+            v1::Resource {
+                name: "nvidia.com/gpu".into(),
+                quantity_milli: 2,
+            },
         ];
-        assert_eq!(UsageReport::try_from(r).map_err(|e| e.field), Err("capacity[1].name".to_string()));
+        assert_eq!(
+            UsageReport::try_from(r).map_err(|e| e.field),
+            Err("capacity[1].name".to_string())
+        );
     }
 
     #[test]
@@ -437,7 +581,17 @@ mod tests {
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 99,
-            budgets: [(TenantName::from_static("training"), TenantBudget { budget: 5, fallback: 2, entitlement: 9, borrow: 0, ceiling: 0 })].into(),
+            budgets: [(
+                TenantName::from_static("training"),
+                TenantBudget {
+                    budget: 5,
+                    fallback: 2,
+                    entitlement: 9,
+                    borrow: 0,
+                    ceiling: 0,
+                },
+            )]
+            .into(),
         };
         let wire = v1::Lease::from(&lease);
         assert_eq!(Lease::try_from(wire.clone()), Ok(lease));
@@ -451,8 +605,8 @@ mod tests {
 
     mod fuzz {
         use super::super::*;
-        use prost::Message;
         use proptest::prelude::*;
+        use prost::Message;
 
         fn name() -> impl Strategy<Value = String> {
             prop_oneof![
@@ -477,17 +631,20 @@ mod tests {
                 capacity in proptest::collection::vec((name(), number()), 0..3),
                 window in (number(), number()),
                 decisions in proptest::collection::vec((prop_oneof![Just("ml/a".to_string()), name()], name(), prop_oneof![Just("deny".to_string()), name()], number(), ".{0,40}"), 0..3),
+                status in proptest::option::of((".{0,70}", any::<u32>(), number(), number(), proptest::collection::btree_map(name(), number(), 0..4))),
             ) -> v1::ReportRequest {
                 v1::ReportRequest {
                     cluster,
                     seq,
                     held_epoch: held,
-                    tenants: tenants.into_iter().map(|(tenant, u, i, p, l)| v1::TenantUsage { tenant, used_milli_gpue_ms: u, inuse_milli_gpue: i, pending_milli_gpue: p, largest_pending_milli_gpue: l }).collect(),
+                    tenants: tenants.into_iter().map(|(tenant, u, i, p, l)| v1::TenantUsage { tenant, used_milli_gpue_ms: u, inuse_milli_gpue: i, pending_milli_gpue: p, largest_pending_milli_gpue: l, borrowed_milli_gpue: 0 }).collect(),
                     capacity: capacity.into_iter().map(|(name, q)| v1::Resource { name, quantity_milli: q }).collect(),
                     evictions: vec![],
                     decisions: decisions.into_iter().map(|(pod, tenant, verdict, n, text)| v1::PodDecision { pod, tenant, verdict, milli_gpue: n, at_ms: n, text }).collect(),
                     window_start_ms: window.0,
                     window_end_ms: window.1,
+                    gap_in_reply: false,
+                    status: status.map(|(agent_version, feature_level, policy_revision, report_interval_ms, running_milli_gpue)| v1::ClusterStatus { agent_version, feature_level, policy_revision, report_interval_ms, running_milli_gpue }),
                 }
             }
         }

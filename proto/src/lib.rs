@@ -4,10 +4,18 @@
 //! Generated code lives in [`v1`]; [`convert`] turns the member service's messages into
 //! the fairness core's types with validation (and back), so nothing unvalidated crosses
 //! into the core; [`answers`] does the same for the admin service's read answers
-//! (explanations, audit records).
+//! (explanations, audit records); [`log`] turns the replicated log's commands
+//! (`kvota.raft.v1`'s `Log*` messages) into the core's types and back, checking their
+//! structure only (a log entry must read the same on every node).
 
 /// Generated protobuf types and gRPC stubs for `kvota.v1`.
-#[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
+#[allow(
+    missing_docs,
+    missing_debug_implementations,
+    clippy::all,
+    clippy::pedantic,
+    unreachable_pub
+)]
 pub mod v1 {
     tonic::include_proto!("kvota.v1");
 }
@@ -16,7 +24,13 @@ pub mod v1 {
 /// between control-plane nodes and the replicated log's schema.
 pub mod raft {
     /// Version 1.
-    #[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
+    #[allow(
+        missing_docs,
+        missing_debug_implementations,
+        clippy::all,
+        clippy::pedantic,
+        unreachable_pub
+    )]
     pub mod v1 {
         tonic::include_proto!("kvota.raft.v1");
     }
@@ -24,6 +38,7 @@ pub mod raft {
 
 pub mod answers;
 pub mod convert;
+pub mod log;
 
 /// Metadata key on a request a follower forwarded, so it is never forwarded twice.
 pub const FORWARDED_HEADER: &str = "kvota-forwarded";
@@ -34,7 +49,13 @@ pub const LEADER_HEADER: &str = "kvota-leader";
 pub const MAX_API_MESSAGE_BYTES: usize = 4 << 20;
 
 /// A client for etcd's `KV.Put`, for the benchmark that compares kvota with etcd.
-#[allow(missing_docs, missing_debug_implementations, clippy::all, clippy::pedantic, unreachable_pub)]
+#[allow(
+    missing_docs,
+    missing_debug_implementations,
+    clippy::all,
+    clippy::pedantic,
+    unreachable_pub
+)]
 pub mod etcd {
     tonic::include_proto!("etcdserverpb");
 }

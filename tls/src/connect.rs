@@ -107,11 +107,20 @@ impl Connector {
     pub async fn dial(&self, addr: &str) -> io::Result<ClientIo> {
         let stream = TcpStream::connect(addr).await?;
         let _ = stream.set_nodelay(true);
-        let Some(cfg) = &self.tls else { return Ok(ClientIo::Plain(stream)) };
-        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+        let Some(cfg) = &self.tls else {
+            return Ok(ClientIo::Plain(stream));
+        };
+        let host = addr
+            .rsplit_once(':')
+            .map_or(addr, |(h, _)| h)
+            .trim_start_matches('[')
+            .trim_end_matches(']');
         // The name is sent as SNI only; the verifier checks identities, not names.
-        let name = ServerName::try_from(host.to_string()).unwrap_or_else(|_| ServerName::try_from("kvota").expect("a valid DNS name"));
-        let tls = tokio_rustls::TlsConnector::from(cfg.clone()).connect(name, stream).await?;
+        let name = ServerName::try_from(host.to_string())
+            .unwrap_or_else(|_| ServerName::try_from("kvota").expect("a valid DNS name"));
+        let tls = tokio_rustls::TlsConnector::from(cfg.clone())
+            .connect(name, stream)
+            .await?;
         Ok(ClientIo::Tls(Box::new(tls)))
     }
 }
@@ -128,7 +137,9 @@ impl tower::Service<Uri> for Connector {
     fn call(&mut self, uri: Uri) -> Self::Future {
         let this = self.clone();
         Box::pin(async move {
-            let auth = uri.authority().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no host:port in {uri}")))?;
+            let auth = uri
+                .authority()
+                .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no host:port in {uri}")))?;
             let addr = match auth.port_u16() {
                 Some(_) => auth.as_str().to_string(),
                 None => format!("{}:443", auth.host()),
@@ -149,7 +160,12 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A lazily connecting gRPC channel to `addr` (`host:port`) through `connector`, with
 /// the given connect timeout and per-request timeout, pinging its connection (see
 /// [`KEEPALIVE_INTERVAL`]).
-pub fn channel(addr: &str, connector: &Connector, connect_timeout: Duration, request_timeout: Duration) -> Result<Channel, String> {
+pub fn channel(
+    addr: &str,
+    connector: &Connector,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+) -> Result<Channel, String> {
     let ep = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| format!("bad address {addr}: {e}"))?;
     Ok(ep
         .connect_timeout(connect_timeout)
@@ -171,7 +187,9 @@ pub async fn probe(addr: &str, source: Arc<TlsSource>, expect: Expect, timeout: 
         Ok(Err(e)) => return Err(format!("{addr}: {e}")),
         Ok(Ok(io)) => io,
     };
-    let ClientIo::Tls(tls) = io else { return Err("no TLS configured".to_string()) };
+    let ClientIo::Tls(tls) = io else {
+        return Err("no TLS configured".to_string());
+    };
     let leaf = tls.get_ref().1.peer_certificates().and_then(|c| c.first().cloned());
     let leaf = leaf.ok_or_else(|| format!("{addr} presented no certificate"))?;
     crate::identity::from_certificate(&leaf)

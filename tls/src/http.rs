@@ -118,6 +118,13 @@ pub mod answer {
 
     /// Metrics in the OpenMetrics text format, as Prometheus asks for them.
     pub fn openmetrics(text: String) -> Response {
-        ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response()
     }
 }

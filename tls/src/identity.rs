@@ -58,10 +58,12 @@ impl fmt::Display for Role {
 impl FromStr for Role {
     type Err = IdentityError;
     fn from_str(s: &str) -> Result<Role, IdentityError> {
-        Role::ALL
-            .into_iter()
-            .find(|r| r.as_str() == s)
-            .ok_or_else(|| IdentityError(format!("unknown role `{}` (node, cluster, operator or viewer)", clip(s))))
+        Role::ALL.into_iter().find(|r| r.as_str() == s).ok_or_else(|| {
+            IdentityError(format!(
+                "unknown role `{}` (node, cluster, operator or viewer)",
+                clip(s)
+            ))
+        })
     }
 }
 
@@ -85,9 +87,14 @@ fn clip(s: &str) -> String {
 /// A SPIFFE trust domain: 1-255 of lowercase letters, digits, `.`, `-`, `_`.
 pub fn check_trust_domain(td: &str) -> Result<(), IdentityError> {
     if td.is_empty() || td.len() > MAX_TRUST_DOMAIN {
-        return Err(IdentityError(format!("trust domain must be 1 to {MAX_TRUST_DOMAIN} bytes")));
+        return Err(IdentityError(format!(
+            "trust domain must be 1 to {MAX_TRUST_DOMAIN} bytes"
+        )));
     }
-    if !td.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'-' | b'_')) {
+    if !td
+        .bytes()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'-' | b'_'))
+    {
         return Err(IdentityError(format!(
             "trust domain `{}`: use lowercase letters, digits, '.', '-' and '_'",
             clip(td)
@@ -104,7 +111,9 @@ pub fn check_name(role: Role, name: &str) -> Result<(), IdentityError> {
         Role::Operator | Role::Viewer => {
             !name.is_empty()
                 && name.len() <= MAX_PERSON_NAME
-                && name.bytes().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_' | b'@'))
+                && name
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'-' | b'_' | b'@'))
         }
     };
     if ok {
@@ -123,7 +132,11 @@ impl Identity {
     pub fn new(trust_domain: &str, role: Role, name: &str) -> Result<Identity, IdentityError> {
         check_trust_domain(trust_domain)?;
         check_name(role, name)?;
-        Ok(Identity { trust_domain: trust_domain.to_string(), role, name: name.to_string() })
+        Ok(Identity {
+            trust_domain: trust_domain.to_string(),
+            role,
+            name: name.to_string(),
+        })
     }
 
     /// The node identity `node/<id>`.
@@ -172,7 +185,9 @@ impl FromStr for Identity {
         if uri.len() > MAX_TRUST_DOMAIN + MAX_PERSON_NAME + 32 {
             return Err(bad("too long"));
         }
-        let rest = uri.strip_prefix("spiffe://").ok_or_else(|| bad("it must start with spiffe://"))?;
+        let rest = uri
+            .strip_prefix("spiffe://")
+            .ok_or_else(|| bad("it must start with spiffe://"))?;
         let mut parts = rest.split('/');
         let (td, role, name) = match (parts.next(), parts.next(), parts.next(), parts.next()) {
             (Some(td), Some(role), Some(name), None) => (td, role, name),
@@ -201,7 +216,9 @@ pub fn from_certificate(der: &[u8]) -> Result<Option<Identity>, IdentityError> {
             }
             let id: Identity = u.parse()?;
             if found.is_some() {
-                return Err(IdentityError("certificate carries more than one spiffe:// URI".to_string()));
+                return Err(IdentityError(
+                    "certificate carries more than one spiffe:// URI".to_string(),
+                ));
             }
             found = Some(id);
         }
@@ -217,12 +234,17 @@ mod tests {
     #[test]
     fn identities_round_trip_and_name_their_parts() {
         let id: Identity = "spiffe://prod.gpu/node/3".parse().expect("parse");
-        assert_eq!((id.trust_domain(), id.role(), id.name(), id.node_id()), ("prod.gpu", Role::Node, "3", Some(3)));
+        assert_eq!(
+            (id.trust_domain(), id.role(), id.name(), id.node_id()),
+            ("prod.gpu", Role::Node, "3", Some(3))
+        );
         assert_eq!(id.uri(), "spiffe://prod.gpu/node/3");
         let c = Identity::new("kvota", Role::Cluster, "gpu-east").expect("ok");
         assert_eq!(c.to_string().parse::<Identity>().expect("back"), c);
         assert_eq!(c.node_id(), None);
-        let o: Identity = "spiffe://kvota/operator/alice@example.com".parse().expect("email-like name");
+        let o: Identity = "spiffe://kvota/operator/alice@example.com"
+            .parse()
+            .expect("email-like name");
         assert_eq!(o.role(), Role::Operator);
     }
 

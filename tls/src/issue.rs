@@ -8,8 +8,8 @@
 use std::net::IpAddr;
 
 use rcgen::{
-    BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
-    KeyUsagePurpose, SanType,
+    BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose, SanType,
 };
 
 use crate::identity::{check_trust_domain, Identity, Role};
@@ -73,12 +73,19 @@ pub fn new_ca(trust_domain: &str, days: u32) -> Result<Issued, IssueError> {
     dn.push(DnType::OrganizationName, "kvota");
     params.distinguished_name = dn;
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     params.subject_alt_names = vec![SanType::URI(format!("spiffe://{trust_domain}").try_into()?)];
     validity(&mut params, days);
     let key = KeyPair::generate()?;
     let cert = params.self_signed(&key)?;
-    Ok(Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+    Ok(Issued {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
 }
 
 /// A loaded CA that can sign.
@@ -90,7 +97,9 @@ pub struct Ca {
 
 impl std::fmt::Debug for Ca {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ca").field("trust_domain", &self.trust_domain).finish_non_exhaustive()
+        f.debug_struct("Ca")
+            .field("trust_domain", &self.trust_domain)
+            .finish_non_exhaustive()
     }
 }
 
@@ -98,7 +107,8 @@ impl Ca {
     /// Loads a CA made by [`new_ca`] from its PEM certificate and key.
     pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Ca, IssueError> {
         let key = KeyPair::from_pem(key_pem).map_err(|e| IssueError::Ca(format!("key: {e}")))?;
-        let params = CertificateParams::from_ca_cert_pem(cert_pem).map_err(|e| IssueError::Ca(format!("certificate: {e}")))?;
+        let params =
+            CertificateParams::from_ca_cert_pem(cert_pem).map_err(|e| IssueError::Ca(format!("certificate: {e}")))?;
         let td = params
             .subject_alt_names
             .iter()
@@ -109,8 +119,14 @@ impl Ca {
             .ok_or_else(|| IssueError::Ca("certificate names no trust domain (a spiffe://<trust-domain> URI); make it with `kvota certs init`".into()))?;
         check_trust_domain(&td).map_err(|e| IssueError::Ca(e.0))?;
         // Rebuilt from the same subject and key, it signs exactly as the file's certificate.
-        let cert = params.self_signed(&key).map_err(|e| IssueError::Ca(format!("key does not sign: {e}")))?;
-        Ok(Ca { cert, key, trust_domain: td })
+        let cert = params
+            .self_signed(&key)
+            .map_err(|e| IssueError::Ca(format!("key does not sign: {e}")))?;
+        Ok(Ca {
+            cert,
+            key,
+            trust_domain: td,
+        })
     }
 
     /// The federation's trust domain.
@@ -120,10 +136,24 @@ impl Ca {
 
     /// A certificate for `name` of `kind`, valid `days`, with extra DNS names and IP
     /// addresses (for tools that check host names; kvota itself checks identities).
-    pub fn issue(&self, kind: &Kind, name: &str, dns: &[String], ips: &[IpAddr], days: u32) -> Result<Issued, IssueError> {
+    pub fn issue(
+        &self,
+        kind: &Kind,
+        name: &str,
+        dns: &[String],
+        ips: &[IpAddr],
+        days: u32,
+    ) -> Result<Issued, IssueError> {
         let now = time::OffsetDateTime::now_utc();
         // Five minutes of slack for clocks a little behind the issuer's.
-        self.issue_between(kind, name, dns, ips, now - time::Duration::minutes(5), now + time::Duration::days(i64::from(days)))
+        self.issue_between(
+            kind,
+            name,
+            dns,
+            ips,
+            now - time::Duration::minutes(5),
+            now + time::Duration::days(i64::from(days)),
+        )
     }
 
     /// [`Ca::issue`] with an explicit validity period (tests make expired and
@@ -156,7 +186,9 @@ impl Ca {
             }
             Kind::Webhook => {
                 if name.is_empty() || name.len() > 253 {
-                    return Err(IssueError::Name(format!("webhook name `{name}`: a DNS name (e.g. kvota-agent.kvota-system.svc)")));
+                    return Err(IssueError::Name(format!(
+                        "webhook name `{name}`: a DNS name (e.g. kvota-agent.kvota-system.svc)"
+                    )));
                 }
                 sans.push(SanType::DnsName(name.try_into()?));
                 params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
@@ -173,6 +205,9 @@ impl Ca {
         params.not_after = not_after;
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.cert, &self.key)?;
-        Ok(Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+        Ok(Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
     }
 }

@@ -11,6 +11,7 @@ pub mod identity;
 pub mod issue;
 pub mod listen;
 pub mod material;
+pub mod p12;
 pub mod verify;
 
 pub use identity::{Identity, Role};
@@ -23,5 +24,6 @@ use std::sync::{Arc, OnceLock};
 /// The one crypto provider kvota uses (ring), shared by every configuration.
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     static P: OnceLock<Arc<rustls::crypto::CryptoProvider>> = OnceLock::new();
-    P.get_or_init(|| Arc::new(rustls::crypto::ring::default_provider())).clone()
+    P.get_or_init(|| Arc::new(rustls::crypto::ring::default_provider()))
+        .clone()
 }

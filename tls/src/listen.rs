@@ -224,7 +224,10 @@ impl AsyncRead for Conn {
                 if let Some((name, on)) = this.on_silent.take() {
                     on(name, Refusal::Silent);
                 }
-                return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "no request within the first-byte timeout")));
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no request within the first-byte timeout",
+                )));
             }
         }
         let before = buf.filled().len();
@@ -251,7 +254,11 @@ impl AsyncWrite for Conn {
         }
     }
 
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         match &mut self.io {
             Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
@@ -322,7 +329,10 @@ pub struct Listener {
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Listener").field("name", &self.name).field("limits", &self.limits).finish_non_exhaustive()
+        f.debug_struct("Listener")
+            .field("name", &self.name)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
     }
 }
 
@@ -340,8 +350,20 @@ fn normalize(ip: IpAddr) -> IpAddr {
 impl Listener {
     /// `name` names the listener in logs and metrics (`grpc`, `raft`, `http`, `webhook`);
     /// `tls` `None` serves plain TCP (loopback or `--insecure` only; the caller checks).
-    pub fn new(name: &'static str, inner: TcpListener, tls: Option<ServerTls>, limits: Limits, on_refusal: OnRefusal) -> Listener {
-        Listener { name, inner, tls, limits, on_refusal }
+    pub fn new(
+        name: &'static str,
+        inner: TcpListener,
+        tls: Option<ServerTls>,
+        limits: Limits,
+        on_refusal: OnRefusal,
+    ) -> Listener {
+        Listener {
+            name,
+            inner,
+            tls,
+            limits,
+            on_refusal,
+        }
     }
 
     /// The bound address.
@@ -354,12 +376,25 @@ impl Listener {
     /// hold up others.
     pub fn incoming(self, mut stop: watch::Receiver<bool>) -> impl Stream<Item = io::Result<Conn>> + Send + 'static {
         let (tx, rx) = mpsc::channel::<io::Result<Conn>>(ACCEPTED_QUEUE);
-        let Listener { name, inner, tls, limits, on_refusal } = self;
-        let config = tls.as_ref().map(|t| tokio_rustls::TlsAcceptor::from(t.config()));
-        let tls = tls.map(Arc::new);
-        let counts = Arc::new(PeerCounts::default());
-        let total = Arc::new(Semaphore::new(limits.max_connections));
-        let log = Arc::new(RefusalLog { last: Mutex::new((None, 0)) });
+        let Listener {
+            name,
+            inner,
+            tls,
+            limits,
+            on_refusal,
+        } = self;
+        let gate = Arc::new(Gate {
+            name,
+            config: tls.as_ref().map(|t| tokio_rustls::TlsAcceptor::from(t.config())),
+            tls,
+            counts: Arc::new(PeerCounts::default()),
+            total: Arc::new(Semaphore::new(limits.max_connections)),
+            limits,
+            on_refusal,
+            log: RefusalLog {
+                last: Mutex::new((None, 0)),
+            },
+        });
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -375,66 +410,117 @@ impl Listener {
                         continue;
                     }
                 };
-                let refuse = |reason: Refusal, detail: &str| {
-                    on_refusal(name, reason);
-                    log.note(name, addr, reason, detail);
-                };
-                let Ok(permit) = total.clone().try_acquire_owned() else {
-                    refuse(Refusal::TooManyConnections, "listener at its connection limit");
+                let Some(slot) = gate.slot(addr) else {
                     continue;
                 };
-                let ip = normalize(addr.ip());
-                {
-                    let mut m = counts.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                    let n = m.entry(ip).or_insert(0);
-                    if *n >= limits.max_connections_per_peer {
-                        drop(m);
-                        refuse(Refusal::TooManyFromPeer, "peer at its connection limit");
-                        continue;
-                    }
-                    *n += 1;
-                }
-                let slot = Slot { counts: counts.clone(), ip, _permit: permit };
                 let _ = stream.set_nodelay(true);
-                let (tx, config, tls, limits, on_refusal, log) =
-                    (tx.clone(), config.clone(), tls.clone(), limits.clone(), on_refusal.clone(), log.clone());
-                tokio::spawn(async move {
-                    let refuse = |reason: Refusal, detail: &str| {
-                        on_refusal(name, reason);
-                        log.note(name, addr, reason, detail);
-                    };
-                    let (io, peer) = match (config, tls) {
-                        (Some(acceptor), Some(tls)) => {
-                            let s = match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(stream)).await {
-                                Err(_) => return refuse(Refusal::HandshakeTimeout, "no TLS handshake in time"),
-                                Ok(Err(e)) => return refuse(Refusal::HandshakeFailed, &handshake_error(&e)),
-                                Ok(Ok(s)) => s,
-                            };
-                            let chain = s.get_ref().1.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
-                            let (trusted_by, identity) = if chain.is_empty() { (Vec::new(), None) } else { classify(&chain, &tls.groups) };
-                            if let Some(roles) = &tls.roles {
-                                if !identity.as_ref().is_some_and(|i| admits(i, roles)) {
-                                    let who = identity.map_or_else(|| "no kvota identity".to_string(), |i| i.to_string());
-                                    return refuse(Refusal::WrongRole, &format!("{who} may not use this port"));
-                                }
-                            }
-                            (Io::Tls(Box::new(s)), PeerInfo { addr, tls: true, trusted_by, identity })
-                        }
-                        _ => (Io::Plain(stream), PeerInfo { addr, tls: false, trusted_by: Vec::new(), identity: None }),
-                    };
-                    let conn = Conn {
-                        io,
-                        peer,
-                        silent: Some(Box::pin(tokio::time::sleep(limits.first_byte_timeout))),
-                        on_silent: Some((name, on_refusal.clone())),
-                        read_so_far: 0,
-                        _slot: slot,
-                    };
-                    let _ = tx.send(Ok(conn)).await;
-                });
+                tokio::spawn(gate.clone().handshake(stream, addr, slot, tx.clone()));
             }
         });
         tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+}
+
+/// What a listener's accept loop checks each connection with.
+struct Gate {
+    name: &'static str,
+    config: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<ServerTls>,
+    limits: Limits,
+    on_refusal: OnRefusal,
+    log: RefusalLog,
+    counts: Arc<PeerCounts>,
+    total: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn refuse(&self, addr: SocketAddr, reason: Refusal, detail: &str) {
+        (self.on_refusal)(self.name, reason);
+        self.log.note(self.name, addr, reason, detail);
+    }
+
+    /// A place for a connection from `addr` within the listener's and the peer's
+    /// connection limits, or `None` (refused and logged).
+    fn slot(&self, addr: SocketAddr) -> Option<Slot> {
+        let Ok(permit) = self.total.clone().try_acquire_owned() else {
+            self.refuse(addr, Refusal::TooManyConnections, "listener at its connection limit");
+            return None;
+        };
+        let ip = normalize(addr.ip());
+        {
+            let mut m = self.counts.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let n = m.entry(ip).or_insert(0);
+            if *n >= self.limits.max_connections_per_peer {
+                drop(m);
+                self.refuse(addr, Refusal::TooManyFromPeer, "peer at its connection limit");
+                return None;
+            }
+            *n += 1;
+        }
+        Some(Slot {
+            counts: self.counts.clone(),
+            ip,
+            _permit: permit,
+        })
+    }
+
+    /// Runs the TLS handshake and the role check (if TLS), then hands the connection
+    /// to the server.
+    async fn handshake(
+        self: Arc<Self>,
+        stream: TcpStream,
+        addr: SocketAddr,
+        slot: Slot,
+        tx: mpsc::Sender<io::Result<Conn>>,
+    ) {
+        let (io, peer) = match (&self.config, &self.tls) {
+            (Some(acceptor), Some(tls)) => {
+                let s = match tokio::time::timeout(self.limits.handshake_timeout, acceptor.accept(stream)).await {
+                    Err(_) => return self.refuse(addr, Refusal::HandshakeTimeout, "no TLS handshake in time"),
+                    Ok(Err(e)) => return self.refuse(addr, Refusal::HandshakeFailed, &handshake_error(&e)),
+                    Ok(Ok(s)) => s,
+                };
+                let chain = s.get_ref().1.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
+                let (trusted_by, identity) = if chain.is_empty() {
+                    (Vec::new(), None)
+                } else {
+                    classify(&chain, &tls.groups)
+                };
+                if let Some(roles) = &tls.roles {
+                    if !identity.as_ref().is_some_and(|i| admits(i, roles)) {
+                        let who = identity.map_or_else(|| "no kvota identity".to_string(), |i| i.to_string());
+                        return self.refuse(addr, Refusal::WrongRole, &format!("{who} may not use this port"));
+                    }
+                }
+                (
+                    Io::Tls(Box::new(s)),
+                    PeerInfo {
+                        addr,
+                        tls: true,
+                        trusted_by,
+                        identity,
+                    },
+                )
+            }
+            _ => (
+                Io::Plain(stream),
+                PeerInfo {
+                    addr,
+                    tls: false,
+                    trusted_by: Vec::new(),
+                    identity: None,
+                },
+            ),
+        };
+        let conn = Conn {
+            io,
+            peer,
+            silent: Some(Box::pin(tokio::time::sleep(self.limits.first_byte_timeout))),
+            on_silent: Some((self.name, self.on_refusal.clone())),
+            read_so_far: 0,
+            _slot: slot,
+        };
+        let _ = tx.send(Ok(conn)).await;
     }
 }
 
@@ -463,15 +549,89 @@ pub fn is_loopback(addr: &SocketAddr) -> bool {
 }
 
 /// Raises this process's soft limit on open files to its hard limit, and returns the
-/// limit in force. The connection limits of every listener are set below it, so a flood
-/// on one port cannot take the descriptors the others and the data files need.
+/// limit in force (`None`: unlimited). Give it to [`fit_to_file_limit`], so a flood on
+/// one port cannot take the descriptors the others and the data files need.
 pub fn raise_file_limit() -> Option<u64> {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let cur = getrlimit(Resource::Nofile);
     if cur.current != cur.maximum {
-        if let Err(e) = setrlimit(Resource::Nofile, Rlimit { current: cur.maximum, maximum: cur.maximum }) {
+        if let Err(e) = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: cur.maximum,
+                maximum: cur.maximum,
+            },
+        ) {
             tracing::debug!(error = %e, "could not raise the open-files limit");
         }
     }
-    getrlimit(Resource::Nofile).current
+    file_limit()
+}
+
+/// This process's soft limit on open files (`None`: unlimited).
+pub fn file_limit() -> Option<u64> {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
+/// Descriptors kept out of every listener's reach: the data files (the Raft log's
+/// segments, the snapshot, the journal, the kept state), connections this process
+/// opens (to the peers, the control plane, the API server), and the runtime's own. At
+/// least 256, or an eighth of the limit.
+pub fn file_reserve(limit: u64) -> u64 {
+    std::cmp::max(256, limit / 8)
+}
+
+/// Fewest connections a listener is given however low the limit: enough for a probe, a
+/// scrape and a few clients.
+pub const MIN_LISTENER_CONNECTIONS: usize = 16;
+
+/// Sizes listeners' connection limits to the open-files limit `limit` (soft): what is
+/// left after [`file_reserve`] is shared by weight, and no listener gets more than it
+/// was configured with. One address may hold at most a quarter of a listener's
+/// connections, so a flood from a few addresses leaves room for everyone else. Returns
+/// whether the limits had to shrink.
+pub fn fit_to_file_limit(limit: Option<u64>, listeners: &mut [(&mut Limits, u64)]) -> bool {
+    let Some(limit) = limit else { return false };
+    let available = limit.saturating_sub(file_reserve(limit));
+    let total: u64 = listeners.iter().map(|(_, w)| *w).sum::<u64>().max(1);
+    let mut shrunk = false;
+    for (l, weight) in listeners.iter_mut() {
+        let share = usize::try_from(available.saturating_mul(*weight) / total).unwrap_or(usize::MAX);
+        let max = share.max(MIN_LISTENER_CONNECTIONS).min(l.max_connections);
+        if max < l.max_connections {
+            shrunk = true;
+            l.max_connections = max;
+        }
+        let per_peer = (l.max_connections / 4).max(1);
+        if l.max_connections_per_peer > per_peer {
+            l.max_connections_per_peer = per_peer;
+        }
+    }
+    shrunk
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_follow_the_file_limit_and_leave_a_reserve() {
+        let big = || Limits {
+            max_connections: 4_096,
+            max_connections_per_peer: 512,
+            ..Limits::default()
+        };
+        let (mut a, mut b) = (big(), big());
+        assert!(!fit_to_file_limit(None, &mut [(&mut a, 1)]), "unlimited");
+        assert_eq!(a.max_connections, 4_096);
+        assert!(!fit_to_file_limit(Some(1 << 20), &mut [(&mut a, 1)]), "plenty");
+        assert_eq!((a.max_connections, a.max_connections_per_peer), (4_096, 512));
+        assert!(fit_to_file_limit(Some(1_024), &mut [(&mut a, 3), (&mut b, 1)]));
+        assert_eq!(a.max_connections + b.max_connections, 1_024 - 256);
+        assert_eq!((a.max_connections, b.max_connections), (576, 192));
+        assert_eq!((a.max_connections_per_peer, b.max_connections_per_peer), (144, 48));
+        let mut c = big();
+        fit_to_file_limit(Some(100), &mut [(&mut c, 1)]);
+        assert_eq!(c.max_connections, MIN_LISTENER_CONNECTIONS);
+    }
 }

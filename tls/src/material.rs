@@ -18,7 +18,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::sign::CertifiedKey;
 use rustls::RootCertStore;
 
-use crate::identity::{self, Identity};
+use crate::identity::{self, Identity, Role};
 
 /// Largest PEM file read (a bundle of a few hundred CA certificates fits easily).
 pub const MAX_PEM_BYTES: u64 = 1 << 20;
@@ -80,7 +80,11 @@ pub struct Loaded {
 }
 
 fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
-    let err = |source| TlsError::Read { what, path: path.to_path_buf(), source };
+    let err = |source| TlsError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    };
     let meta = std::fs::metadata(path).map_err(err)?;
     if meta.len() > MAX_PEM_BYTES {
         return Err(TlsError::Invalid {
@@ -95,13 +99,19 @@ fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
 /// Every certificate in a PEM file (at least one).
 pub fn read_certificates(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let pem = read(what, path)?;
-    let invalid = |why: String| TlsError::Invalid { what, path: path.to_path_buf(), why };
+    let invalid = |why: String| TlsError::Invalid {
+        what,
+        path: path.to_path_buf(),
+        why,
+    };
     let mut out = Vec::new();
     for c in CertificateDer::pem_slice_iter(&pem) {
         out.push(c.map_err(|e| invalid(format!("not a PEM certificate: {e}")))?);
     }
     if out.is_empty() {
-        return Err(invalid("holds no PEM certificate (-----BEGIN CERTIFICATE-----)".to_string()));
+        return Err(invalid(
+            "holds no PEM certificate (-----BEGIN CERTIFICATE-----)".to_string(),
+        ));
     }
     Ok(out)
 }
@@ -133,9 +143,26 @@ fn unix_now() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
+/// Whether `chain` (leaf first) leads to one of `roots` at `now` for what a certificate
+/// of `role` is used for: a node's serves and dials, every other role only dials.
+fn chains_to(roots: &RootCertStore, chain: &[CertificateDer<'static>], role: Role, now: i64) -> Result<(), String> {
+    let at = rustls::pki_types::UnixTime::since_unix_epoch(Duration::from_secs(u64::try_from(now).unwrap_or(0)));
+    let usages = match role {
+        Role::Node => vec![webpki::KeyUsage::server_auth(), webpki::KeyUsage::client_auth()],
+        _ => vec![webpki::KeyUsage::client_auth()],
+    };
+    for usage in usages {
+        crate::verify::verify_chain(roots, chain, usage, at)
+            .map_err(|e| format!("does not chain to the CA bundle ({e})"))?;
+    }
+    Ok(())
+}
+
 /// Reads and checks one set of files: the chain parses, the key matches its leaf, the
-/// leaf is valid now and names at most one kvota identity, and the CA bundle (if any)
-/// holds only usable CA certificates.
+/// leaf is valid now and names at most one kvota identity, the CA bundle (if any) holds
+/// only usable CA certificates, and a certificate that names a federation identity
+/// (node, cluster, operator, viewer) chains to that bundle: one from another CA would
+/// be served or presented while every peer refuses it.
 pub fn load(paths: &TlsPaths, generation: u64) -> Result<Loaded, TlsError> {
     let roots = match &paths.ca {
         Some(ca) => read_roots(ca)?,
@@ -148,30 +175,58 @@ pub fn load(paths: &TlsPaths, generation: u64) -> Result<Loaded, TlsError> {
         path: paths.key.clone(),
         why: format!("no usable PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"),
     })?;
-    let cert_err = |why: String| TlsError::Invalid { what: "certificate", path: paths.cert.clone(), why };
+    let cert_err = |why: String| TlsError::Invalid {
+        what: "certificate",
+        path: paths.cert.clone(),
+        why,
+    };
     let leaf = chain.first().ok_or_else(|| cert_err("empty chain".to_string()))?;
     let (not_before, not_after) = validity(leaf).map_err(cert_err)?;
     let now = unix_now();
     if now < not_before {
-        return Err(cert_err(format!("is not valid yet (valid from Unix time {not_before}; now {now}): check this machine's clock")));
+        return Err(cert_err(format!(
+            "is not valid yet (valid from Unix time {not_before}; now {now}): check this machine's clock"
+        )));
     }
     if now > not_after {
-        return Err(cert_err(format!("expired (valid until Unix time {not_after}; now {now}): issue a new one")));
+        return Err(cert_err(format!(
+            "expired (valid until Unix time {not_after}; now {now}): issue a new one"
+        )));
     }
     let identity = identity::from_certificate(leaf).map_err(|e| cert_err(e.0))?;
     let provider = crate::provider();
-    let signer = provider.key_provider.load_private_key(key).map_err(|e| TlsError::Invalid {
-        what: "private key",
-        path: paths.key.clone(),
-        why: format!("not a key this build can sign with: {e}"),
-    })?;
+    let signer = provider
+        .key_provider
+        .load_private_key(key)
+        .map_err(|e| TlsError::Invalid {
+            what: "private key",
+            path: paths.key.clone(),
+            why: format!("not a key this build can sign with: {e}"),
+        })?;
+    if let Some(id) = &identity {
+        chains_to(&roots, &chain, id.role(), now).map_err(|why| {
+            cert_err(format!(
+                "names {id} but {why}: a federation identity must be issued by the federation's CA ({})",
+                paths
+                    .ca
+                    .as_ref()
+                    .map_or_else(|| "no CA bundle given".to_string(), |p| p.display().to_string())
+            ))
+        })?;
+    }
     let certified = CertifiedKey::new(chain, signer);
     certified.keys_match().map_err(|e| TlsError::Invalid {
         what: "private key",
         path: paths.key.clone(),
         why: format!("does not belong to the certificate {}: {e}", paths.cert.display()),
     })?;
-    Ok(Loaded { generation, roots: Arc::new(roots), certified: Arc::new(certified), identity, not_after_unix: not_after })
+    Ok(Loaded {
+        generation,
+        roots: Arc::new(roots),
+        certified: Arc::new(certified),
+        identity,
+        not_after_unix: not_after,
+    })
 }
 
 /// What tells a file changed: modification time, length and inode (a file replaced
@@ -198,11 +253,19 @@ impl TlsSource {
     pub fn load(paths: TlsPaths) -> Result<Arc<TlsSource>, TlsError> {
         let times = Self::times(&paths);
         let loaded = load(&paths, 1)?;
-        Ok(Arc::new(TlsSource { paths, current: RwLock::new((Arc::new(loaded), times)), generation: AtomicU64::new(1) }))
+        Ok(Arc::new(TlsSource {
+            paths,
+            current: RwLock::new((Arc::new(loaded), times)),
+            generation: AtomicU64::new(1),
+        }))
     }
 
     fn times(paths: &TlsPaths) -> [Stamp; 3] {
-        [paths.ca.as_deref().and_then(stamp), stamp(&paths.cert), stamp(&paths.key)]
+        [
+            paths.ca.as_deref().and_then(stamp),
+            stamp(&paths.cert),
+            stamp(&paths.key),
+        ]
     }
 
     /// The files this source reads.
@@ -212,7 +275,22 @@ impl TlsSource {
 
     /// What is in force now.
     pub fn current(&self) -> Arc<Loaded> {
-        self.current.read().unwrap_or_else(std::sync::PoisonError::into_inner).0.clone()
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            .clone()
+    }
+
+    /// Whether the set in force can complete a handshake with the CA bundle in force:
+    /// its certificate (if it names a federation identity) chains to the bundle and is
+    /// valid now. It may stop being so while the process runs: the certificate expires,
+    /// or its files were last loaded before this check existed in the bundle's form.
+    pub fn check_served(&self) -> Result<(), String> {
+        let cur = self.current();
+        let Some(id) = &cur.identity else { return Ok(()) };
+        chains_to(&cur.roots, &cur.certified.cert, id.role(), unix_now())
+            .map_err(|why| format!("the certificate in force ({id}) {why}"))
     }
 
     /// This party's kvota identity (from its certificate in force).
@@ -272,7 +350,12 @@ impl TlsSource {
                 Ok(false) => {}
                 Ok(true) => {
                     let cur = self.current();
-                    tracing::info!(what, generation = cur.generation, not_after_unix = cur.not_after_unix, "TLS files reloaded");
+                    tracing::info!(
+                        what,
+                        generation = cur.generation,
+                        not_after_unix = cur.not_after_unix,
+                        "TLS files reloaded"
+                    );
                     on_reload(true);
                 }
                 Err(e) => {

@@ -28,7 +28,9 @@ fn pki_error(e: webpki::Error) -> Error {
         W::CertExpired { .. } => CertificateError::Expired,
         W::CertNotValidYet { .. } => CertificateError::NotValidYet,
         W::UnknownIssuer => CertificateError::UnknownIssuer,
-        W::InvalidSignatureForPublicKey | W::UnsupportedSignatureAlgorithmForPublicKeyContext(_) => CertificateError::BadSignature,
+        W::InvalidSignatureForPublicKey | W::UnsupportedSignatureAlgorithmForPublicKeyContext(_) => {
+            CertificateError::BadSignature
+        }
         W::RequiredEkuNotFoundContext(_) => CertificateError::InvalidPurpose,
         W::BadDer | W::BadDerTime | W::TrailingData(_) => CertificateError::BadEncoding,
         other => CertificateError::Other(rustls::OtherError(Arc::new(PkiError(other.to_string())))),
@@ -46,7 +48,12 @@ impl std::fmt::Display for PkiError {
 impl std::error::Error for PkiError {}
 
 /// Whether the chain (leaf first) leads to one of `roots`, valid at `now`, for `usage`.
-pub fn verify_chain(roots: &RootCertStore, chain: &[CertificateDer<'_>], usage: webpki::KeyUsage, now: UnixTime) -> Result<(), Error> {
+pub fn verify_chain(
+    roots: &RootCertStore,
+    chain: &[CertificateDer<'_>],
+    usage: webpki::KeyUsage,
+    now: UnixTime,
+) -> Result<(), Error> {
     let (leaf, intermediates) = chain.split_first().ok_or(Error::NoCertificatesPresented)?;
     if roots.is_empty() {
         return Err(Error::InvalidCertificate(CertificateError::UnknownIssuer));
@@ -85,13 +92,24 @@ impl std::fmt::Display for Expect {
 
 /// The identity check a client makes after the chain verified: the leaf names a node
 /// of `trust_domain`, and the node `expect` names.
-pub fn check_server_identity(leaf: &CertificateDer<'_>, trust_domain: &str, expect: &Expect) -> Result<Identity, Error> {
-    let refuse = |why: String| Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(Arc::new(PkiError(why)))));
+pub fn check_server_identity(
+    leaf: &CertificateDer<'_>,
+    trust_domain: &str,
+    expect: &Expect,
+) -> Result<Identity, Error> {
+    let refuse =
+        |why: String| Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(Arc::new(PkiError(why)))));
     let id = crate::identity::from_certificate(leaf)
         .map_err(|e| refuse(e.0))?
-        .ok_or_else(|| refuse(format!("the server's certificate names no kvota identity; expected {expect}")))?;
+        .ok_or_else(|| {
+            refuse(format!(
+                "the server's certificate names no kvota identity; expected {expect}"
+            ))
+        })?;
     if id.trust_domain() != trust_domain {
-        return Err(refuse(format!("the server is {id}, of another trust domain than ours ({trust_domain})")));
+        return Err(refuse(format!(
+            "the server is {id}, of another trust domain than ours ({trust_domain})"
+        )));
     }
     match (expect, id.node_id()) {
         (Expect::AnyNode, Some(_)) => Ok(id),
@@ -133,16 +151,30 @@ impl ServerCertVerifier for ServerIdentityVerifier {
             .identity
             .as_ref()
             .map(|i| i.trust_domain().to_string())
-            .ok_or_else(|| Error::General("our own certificate names no kvota identity, so no trust domain to check against".into()))?;
+            .ok_or_else(|| {
+                Error::General(
+                    "our own certificate names no kvota identity, so no trust domain to check against".into(),
+                )
+            })?;
         check_server_identity(end_entity, &td, &self.expect)?;
         Ok(ServerCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, Error> {
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
         rustls::crypto::verify_tls12_signature(message, cert, dss, &crate::provider().signature_verification_algorithms)
     }
 
-    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, Error> {
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
         rustls::crypto::verify_tls13_signature(message, cert, dss, &crate::provider().signature_verification_algorithms)
     }
 
@@ -196,7 +228,12 @@ impl ClientCertVerifier for ClientVerifier {
         &[]
     }
 
-    fn verify_client_cert(&self, end_entity: &CertificateDer<'_>, intermediates: &[CertificateDer<'_>], now: UnixTime) -> Result<ClientCertVerified, Error> {
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, Error> {
         let mut chain = Vec::with_capacity(1 + intermediates.len());
         chain.push(end_entity.clone());
         chain.extend(intermediates.iter().cloned());
@@ -205,7 +242,9 @@ impl ClientCertVerifier for ClientVerifier {
             match verify_chain(&g.source.current().roots, &chain, webpki::KeyUsage::client_auth(), now) {
                 Ok(()) => return Ok(ClientCertVerified::assertion()),
                 // Expired or not yet valid says more than "unknown issuer" from another group.
-                Err(e @ Error::InvalidCertificate(CertificateError::Expired | CertificateError::NotValidYet)) => last = e,
+                Err(e @ Error::InvalidCertificate(CertificateError::Expired | CertificateError::NotValidYet)) => {
+                    last = e
+                }
                 Err(e) if matches!(last, Error::InvalidCertificate(CertificateError::UnknownIssuer)) => last = e,
                 Err(_) => {}
             }
@@ -213,11 +252,21 @@ impl ClientCertVerifier for ClientVerifier {
         Err(last)
     }
 
-    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, Error> {
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
         rustls::crypto::verify_tls12_signature(message, cert, dss, &crate::provider().signature_verification_algorithms)
     }
 
-    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, Error> {
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
         rustls::crypto::verify_tls13_signature(message, cert, dss, &crate::provider().signature_verification_algorithms)
     }
 

@@ -27,7 +27,11 @@ impl Pki {
         let dir = tempfile::tempdir().expect("tmp");
         let ca = new_ca(td, 30).expect("ca");
         std::fs::write(dir.path().join("ca.crt"), &ca.cert_pem).expect("write");
-        Pki { ca: Ca::from_pem(&ca.cert_pem, &ca.key_pem).expect("load ca"), ca_pem: ca.cert_pem, dir }
+        Pki {
+            ca: Ca::from_pem(&ca.cert_pem, &ca.key_pem).expect("load ca"),
+            ca_pem: ca.cert_pem,
+            dir,
+        }
     }
 
     fn write(&self, file: &str, kind: Kind, name: &str) -> TlsPaths {
@@ -36,10 +40,17 @@ impl Pki {
     }
 
     fn write_pem(&self, file: &str, cert: &str, key: &str) -> TlsPaths {
-        let (c, k) = (self.dir.path().join(format!("{file}.crt")), self.dir.path().join(format!("{file}.key")));
+        let (c, k) = (
+            self.dir.path().join(format!("{file}.crt")),
+            self.dir.path().join(format!("{file}.key")),
+        );
         std::fs::write(&c, cert).expect("write");
         std::fs::write(&k, key).expect("write");
-        TlsPaths { ca: Some(self.dir.path().join("ca.crt")), cert: c, key: k }
+        TlsPaths {
+            ca: Some(self.dir.path().join("ca.crt")),
+            cert: c,
+            key: k,
+        }
     }
 
     fn party(&self, role: Role, name: &str) -> Arc<TlsSource> {
@@ -60,7 +71,13 @@ async fn serve(tls: Option<ServerTls>, limits: Limits) -> Server {
     let addr = tcp.local_addr().expect("addr");
     let refused = Arc::new(Mutex::new(Vec::new()));
     let r = refused.clone();
-    let listener = Listener::new("test", tcp, tls, limits, Arc::new(move |_, why| r.lock().expect("lock").push(why)));
+    let listener = Listener::new(
+        "test",
+        tcp,
+        tls,
+        limits,
+        Arc::new(move |_, why| r.lock().expect("lock").push(why)),
+    );
     let (stop, rx) = watch::channel(false);
     let (tx, peers) = mpsc::unbounded_channel();
     let mut incoming = Box::pin(listener.incoming(rx));
@@ -79,14 +96,23 @@ async fn serve(tls: Option<ServerTls>, limits: Limits) -> Server {
             });
         }
     });
-    Server { addr, peers, refused, _stop: stop }
+    Server {
+        addr,
+        peers,
+        refused,
+        _stop: stop,
+    }
 }
 
 fn node_server(pki: &Pki, roles: Option<Vec<Role>>, mandatory: bool) -> ServerTls {
     let serving = pki.party(Role::Node, "1");
     ServerTls {
         serving: serving.clone(),
-        groups: vec![TrustGroup { label: "federation", source: serving, names_identities: true }],
+        groups: vec![TrustGroup {
+            label: "federation",
+            source: serving,
+            names_identities: true,
+        }],
         mandatory,
         roles,
         alpn: Vec::new(),
@@ -113,7 +139,9 @@ fn connector(source: Arc<TlsSource>, expect: Expect) -> Connector {
 /// A client configuration presenting any PEM pair, without the checks `TlsSource` makes
 /// (so a test can present an expired certificate).
 fn raw_connector(cert_pem: &str, key_pem: &str) -> Connector {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes()).map(|c| c.expect("pem")).collect();
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .map(|c| c.expect("pem"))
+        .collect();
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).expect("key");
     let cfg = rustls::ClientConfig::builder_with_provider(kvota_tls::provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -157,12 +185,17 @@ impl rustls::client::danger::ServerCertVerifier for AcceptAny {
         rustls::crypto::verify_tls13_signature(m, c, d, &kvota_tls::provider().signature_verification_algorithms)
     }
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        kvota_tls::provider().signature_verification_algorithms.supported_schemes()
+        kvota_tls::provider()
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
 async fn next_peer(s: &mut Server) -> PeerInfo {
-    tokio::time::timeout(Duration::from_secs(5), s.peers.recv()).await.expect("a connection").expect("open")
+    tokio::time::timeout(Duration::from_secs(5), s.peers.recv())
+        .await
+        .expect("a connection")
+        .expect("open")
 }
 
 fn refused(s: &Server) -> Vec<Refusal> {
@@ -173,7 +206,12 @@ fn refused(s: &Server) -> Vec<Refusal> {
 async fn each_role_is_identified_and_the_server_is_verified_as_a_node() {
     let pki = Pki::new("prod.gpu");
     let mut s = serve(Some(node_server(&pki, None, true)), Limits::default()).await;
-    for (role, name) in [(Role::Cluster, "gpu-east"), (Role::Operator, "alice"), (Role::Viewer, "grafana"), (Role::Node, "2")] {
+    for (role, name) in [
+        (Role::Cluster, "gpu-east"),
+        (Role::Operator, "alice"),
+        (Role::Viewer, "grafana"),
+        (Role::Node, "2"),
+    ] {
         let c = connector(pki.party(role, name), Expect::AnyNode);
         ping(&c, s.addr).await.unwrap_or_else(|e| panic!("{role}: {e}"));
         let peer = next_peer(&mut s).await;
@@ -183,8 +221,12 @@ async fn each_role_is_identified_and_the_server_is_verified_as_a_node() {
     }
     // Expecting node 1 (the server) works; expecting node 2 refuses it.
     let viewer = pki.party(Role::Viewer, "v");
-    ping(&connector(viewer.clone(), Expect::Node(1)), s.addr).await.expect("node 1");
-    let e = ping(&connector(viewer, Expect::Node(2)), s.addr).await.expect_err("not node 2");
+    ping(&connector(viewer.clone(), Expect::Node(1)), s.addr)
+        .await
+        .expect("node 1");
+    let e = ping(&connector(viewer, Expect::Node(2)), s.addr)
+        .await
+        .expect_err("not node 2");
     assert!(e.contains("spiffe://prod.gpu/node/1, not node 2"), "{e}");
 }
 
@@ -192,15 +234,28 @@ async fn each_role_is_identified_and_the_server_is_verified_as_a_node() {
 async fn a_server_that_is_no_node_or_of_another_federation_is_refused_by_clients() {
     let pki = Pki::new("kvota");
     let serving = pki.party(Role::Cluster, "imposter");
-    let tls = ServerTls { serving: serving.clone(), groups: Vec::new(), mandatory: false, roles: None, alpn: Vec::new() };
+    let tls = ServerTls {
+        serving: serving.clone(),
+        groups: Vec::new(),
+        mandatory: false,
+        roles: None,
+        alpn: Vec::new(),
+    };
     let s = serve(Some(tls), Limits::default()).await;
-    let e = ping(&connector(pki.party(Role::Viewer, "v"), Expect::AnyNode), s.addr).await.expect_err("a cluster is no node");
+    let e = ping(&connector(pki.party(Role::Viewer, "v"), Expect::AnyNode), s.addr)
+        .await
+        .expect_err("a cluster is no node");
     // Refused for its key usage (client only) or, failing that, for its identity.
-    assert!(e.contains("InvalidPurpose") || e.contains("not a control-plane node"), "{e}");
+    assert!(
+        e.contains("InvalidPurpose") || e.contains("not a control-plane node"),
+        "{e}"
+    );
 
     let other = Pki::new("other");
     let s = serve(Some(node_server(&other, None, false)), Limits::default()).await;
-    let e = ping(&connector(pki.party(Role::Viewer, "v"), Expect::AnyNode), s.addr).await.expect_err("another CA");
+    let e = ping(&connector(pki.party(Role::Viewer, "v"), Expect::AnyNode), s.addr)
+        .await
+        .expect_err("another CA");
     assert!(e.contains("UnknownIssuer"), "{e}");
 }
 
@@ -218,19 +273,36 @@ async fn no_certificate_another_ca_expired_and_future_certificates_are_refused_i
     assert!(ping(&Connector::new(Some(Arc::new(anon))), s.addr).await.is_err());
     // A certificate from another CA.
     let other = Pki::new("kvota");
-    let foreign = other.ca.issue(&Kind::Party(Role::Operator), "mallory", &[], &[], 30).expect("issue");
-    assert!(ping(&raw_connector(&foreign.cert_pem, &foreign.key_pem), s.addr).await.is_err());
+    let foreign = other
+        .ca
+        .issue(&Kind::Party(Role::Operator), "mallory", &[], &[], 30)
+        .expect("issue");
+    assert!(ping(&raw_connector(&foreign.cert_pem, &foreign.key_pem), s.addr)
+        .await
+        .is_err());
     // Expired, and not valid yet, from the right CA.
     let now = time::OffsetDateTime::now_utc();
     let day = time::Duration::days(1);
-    let expired = pki.ca.issue_between(&Kind::Party(Role::Operator), "old", &[], &[], now - 3 * day, now - day).expect("issue");
-    assert!(ping(&raw_connector(&expired.cert_pem, &expired.key_pem), s.addr).await.is_err());
-    let future = pki.ca.issue_between(&Kind::Party(Role::Operator), "soon", &[], &[], now + day, now + 3 * day).expect("issue");
-    assert!(ping(&raw_connector(&future.cert_pem, &future.key_pem), s.addr).await.is_err());
+    let expired = pki
+        .ca
+        .issue_between(&Kind::Party(Role::Operator), "old", &[], &[], now - 3 * day, now - day)
+        .expect("issue");
+    assert!(ping(&raw_connector(&expired.cert_pem, &expired.key_pem), s.addr)
+        .await
+        .is_err());
+    let future = pki
+        .ca
+        .issue_between(&Kind::Party(Role::Operator), "soon", &[], &[], now + day, now + 3 * day)
+        .expect("issue");
+    assert!(ping(&raw_connector(&future.cert_pem, &future.key_pem), s.addr)
+        .await
+        .is_err());
     // Each was a refused handshake, and a good client still gets through.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(refused(&s), vec![Refusal::HandshakeFailed; 4]);
-    ping(&connector(pki.party(Role::Operator, "alice"), Expect::AnyNode), s.addr).await.expect("good client");
+    ping(&connector(pki.party(Role::Operator, "alice"), Expect::AnyNode), s.addr)
+        .await
+        .expect("good client");
     // Loading an expired certificate of one's own is refused with the reason.
     let paths = pki.write_pem("expired", &expired.cert_pem, &expired.key_pem);
     let e = TlsSource::load(paths).expect_err("expired");
@@ -242,9 +314,16 @@ async fn a_port_for_nodes_drops_other_roles_after_the_handshake() {
     let pki = Pki::new("kvota");
     let mut s = serve(Some(node_server(&pki, Some(vec![Role::Node]), true)), Limits::default()).await;
     for (role, name) in [(Role::Cluster, "east"), (Role::Operator, "alice")] {
-        assert!(ping(&connector(pki.party(role, name), Expect::AnyNode), s.addr).await.is_err(), "{role}");
+        assert!(
+            ping(&connector(pki.party(role, name), Expect::AnyNode), s.addr)
+                .await
+                .is_err(),
+            "{role}"
+        );
     }
-    ping(&connector(pki.party(Role::Node, "2"), Expect::AnyNode), s.addr).await.expect("a node");
+    ping(&connector(pki.party(Role::Node, "2"), Expect::AnyNode), s.addr)
+        .await
+        .expect("a node");
     assert_eq!(next_peer(&mut s).await.identity.and_then(|i| i.node_id()), Some(2));
     assert_eq!(refused(&s), vec![Refusal::WrongRole; 2]);
 }
@@ -288,15 +367,22 @@ async fn connection_limits_bite_per_peer_and_silent_connections_are_closed() {
     let mut raw = tokio::net::TcpStream::connect(s.addr).await.expect("connect");
     let mut buf = [0u8; 1];
     let t0 = std::time::Instant::now();
-    let r = tokio::time::timeout(Duration::from_secs(3), raw.read(&mut buf)).await.expect("closed in time");
+    let r = tokio::time::timeout(Duration::from_secs(3), raw.read(&mut buf))
+        .await
+        .expect("closed in time");
     assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
     assert!(t0.elapsed() < Duration::from_secs(2));
     let mut silent = c.dial(&s.addr.to_string()).await.expect("dial");
-    let r = tokio::time::timeout(Duration::from_secs(3), silent.read(&mut buf)).await.expect("closed in time");
+    let r = tokio::time::timeout(Duration::from_secs(3), silent.read(&mut buf))
+        .await
+        .expect("closed in time");
     assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got = refused(&s);
-    assert!(got.contains(&Refusal::HandshakeTimeout) && got.contains(&Refusal::Silent), "{got:?}");
+    assert!(
+        got.contains(&Refusal::HandshakeTimeout) && got.contains(&Refusal::Silent),
+        "{got:?}"
+    );
 }
 
 fn leaf_of(io: &kvota_tls::connect::ClientIo) -> Vec<u8> {
@@ -323,7 +409,10 @@ async fn certificates_and_the_ca_rotate_on_disk_without_a_restart() {
     let before = leaf_of(&c.dial(&s.addr.to_string()).await.expect("dial"));
 
     // A new certificate for the same node: served from the next connection on.
-    let renewed = pki.ca.issue(&Kind::Party(Role::Node), "1", &[], &[], 60).expect("issue");
+    let renewed = pki
+        .ca
+        .issue(&Kind::Party(Role::Node), "1", &[], &[], 60)
+        .expect("issue");
     std::thread::sleep(Duration::from_millis(20));
     rewrite(&serving.paths().cert, &renewed.cert_pem);
     rewrite(&serving.paths().key, &renewed.key_pem);
@@ -333,7 +422,10 @@ async fn certificates_and_the_ca_rotate_on_disk_without_a_restart() {
     ping(&c, s.addr).await.expect("works after the reload");
 
     // A certificate naming another node is refused; the old one stays in force.
-    let other = pki.ca.issue(&Kind::Party(Role::Node), "9", &[], &[], 60).expect("issue");
+    let other = pki
+        .ca
+        .issue(&Kind::Party(Role::Node), "9", &[], &[], 60)
+        .expect("issue");
     std::thread::sleep(Duration::from_millis(20));
     rewrite(&serving.paths().cert, &other.cert_pem);
     rewrite(&serving.paths().key, &other.key_pem);
@@ -351,7 +443,9 @@ async fn certificates_and_the_ca_rotate_on_disk_without_a_restart() {
     // CA rotation: a client of a new CA is refused until the server's bundle holds both.
     let new_ca = new_ca("kvota", 30).expect("ca2");
     let new = Ca::from_pem(&new_ca.cert_pem, &new_ca.key_pem).expect("load");
-    let op = new.issue(&Kind::Party(Role::Operator), "bob", &[], &[], 30).expect("issue");
+    let op = new
+        .issue(&Kind::Party(Role::Operator), "bob", &[], &[], 30)
+        .expect("issue");
     let dir = tempfile::tempdir().expect("tmp");
     let both = format!("{}{}", pki.ca_pem, new_ca.cert_pem);
     std::fs::write(dir.path().join("ca.crt"), &both).expect("w");
@@ -364,11 +458,13 @@ async fn certificates_and_the_ca_rotate_on_disk_without_a_restart() {
     })
     .expect("bob");
     let cb = connector(bob, Expect::AnyNode);
-    assert!(ping(&cb, s.addr).await.is_err(), "the server does not trust the new CA yet");
+    assert!(
+        ping(&cb, s.addr).await.is_err(),
+        "the server does not trust the new CA yet"
+    );
     std::thread::sleep(Duration::from_millis(20));
     rewrite(serving.paths().ca.as_deref().expect("ca"), &both);
     assert!(serving.reload_if_changed().expect("reload"));
     ping(&cb, s.addr).await.expect("trusted through the bundle");
     ping(&c, s.addr).await.expect("the old CA's clients too");
 }
-
