@@ -15,7 +15,10 @@ use kvota_fairness::split::{split_tenant, Cell};
 struct Lcg(u64);
 impl Lcg {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
         self.0 >> 33
     }
     fn below(&mut self, n: u64) -> u64 {
@@ -61,7 +64,12 @@ fn input(tenants: usize, clusters: usize) -> Input {
             usage: rng.below(1 << 40),
         });
     }
-    Input { capacity, tenants: ts, cells, clusters }
+    Input {
+        capacity,
+        tenants: ts,
+        cells,
+        clusters,
+    }
 }
 
 /// Entitlements, then every tenant's budget in every cluster.
@@ -69,7 +77,11 @@ fn plan(inp: &Input, budgets: &mut [u64]) {
     let ent = compute(inp.capacity, &inp.tenants);
     let c = inp.clusters;
     for (t, e) in ent.iter().enumerate() {
-        split_tenant(e.total, &inp.cells[t * c..(t + 1) * c], &mut budgets[t * c..(t + 1) * c]);
+        split_tenant(
+            e.total,
+            &inp.cells[t * c..(t + 1) * c],
+            &mut budgets[t * c..(t + 1) * c],
+        );
     }
 }
 

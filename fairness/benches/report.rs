@@ -31,7 +31,12 @@ fn policy(t: usize) -> Policy {
     let mut y = String::from("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: bench\nspec:\n  decayHalfLife: \"24h\"\n  tenants:\n");
     for i in 0..t {
         let w = 1 + mix(i as u64) % 4;
-        y.push_str(&format!("  - {{name: {}, weight: {w}, minShare: {}.{:02}}}\n", tenant(i), min_bp / 100, min_bp % 100));
+        y.push_str(&format!(
+            "  - {{name: {}, weight: {w}, minShare: {}.{:02}}}\n",
+            tenant(i),
+            min_bp / 100,
+            min_bp % 100
+        ));
     }
     Policy::from_yaml(&y).unwrap_or_else(|e| panic!("generated policy: {e}"))
 }
@@ -50,7 +55,16 @@ fn report(c: usize, seq: u64, epoch: u64, t: usize, now: u64) -> Command {
             let jitter = mix(seq ^ (((c * 7_919 + i) as u64) << 20)) % 200;
             let inuse = (busy * weights[i] / total.max(1)) * (900 + jitter) / 1_000;
             let pending = inuse * (mix(seq.wrapping_add(i as u64)) % 60) / 100;
-            (tenant(i), TenantReport { used_milli_gpue_ms: inuse * INTERVAL_MS, inuse, pending, largest: pending.min(1_000) })
+            (
+                tenant(i),
+                TenantReport {
+                    used_milli_gpue_ms: inuse * INTERVAL_MS,
+                    inuse,
+                    pending,
+                    largest: pending.min(1_000),
+                    borrowed: 0,
+                },
+            )
         })
         .collect();
     Command::Report(UsageReport {
@@ -61,7 +75,11 @@ fn report(c: usize, seq: u64, epoch: u64, t: usize, now: u64) -> Command {
         tenants,
         evictions: Vec::new(),
         decisions: Vec::new(),
-        window: Some(UsageWindow { start_ms: now.saturating_sub(INTERVAL_MS), end_ms: now }),
+        window: Some(UsageWindow {
+            start_ms: now.saturating_sub(INTERVAL_MS),
+            end_ms: now,
+        }),
+        status: None,
     })
 }
 
@@ -71,13 +89,22 @@ fn federation(t: usize, c: usize) -> (Federation, Vec<(u64, u64)>, u64) {
     let mut fed = Federation::default();
     fed.enable_records();
     fed.enable_lending();
+    fed.enable_borrow_cap();
     fed.enable_sized_budgets();
     let mut now = 1_000;
-    fed.apply(now, Command::ApplyPolicy(policy(t))).unwrap_or_else(|e| panic!("policy: {e}"));
+    fed.apply(now, Command::ApplyPolicy(policy(t)))
+        .unwrap_or_else(|e| panic!("policy: {e}"));
     let mut next = Vec::new();
     for i in 0..c {
         let capacity = [("nvidia.com/gpu".to_string(), GPUS_PER_CLUSTER * 1000)].into();
-        let epoch = match fed.apply(now, Command::RegisterCluster { cluster: ClusterName::parse(format!("c{i:03}")).expect("name"), capacity, labels: BTreeMap::new() }) {
+        let epoch = match fed.apply(
+            now,
+            Command::RegisterCluster {
+                cluster: ClusterName::parse(format!("c{i:03}")).expect("name"),
+                capacity,
+                labels: BTreeMap::new(),
+            },
+        ) {
             Ok(Applied::Registered(lease)) => lease.epoch,
             other => panic!("register: {other:?}"),
         };
@@ -106,7 +133,12 @@ fn bench(c: &mut Criterion) {
     for (t, cl) in [(100, 8), (1_000, 16), (1_000, 64), (1_000, 256)] {
         let (mut fed, mut next, mut now) = federation(t, cl);
         let open: usize = fed.clusters().values().map(|r| r.leases.open.len()).sum();
-        let entries: usize = fed.clusters().values().flat_map(|r| r.leases.open.iter()).map(|l| l.budgets.len()).sum();
+        let entries: usize = fed
+            .clusters()
+            .values()
+            .flat_map(|r| r.leases.open.iter())
+            .map(|l| l.budgets.len())
+            .sum();
         // What a snapshot of this state costs: its size, and decoding it (most of
         // installing one on a new node, besides the transfer and one file write).
         let json = serde_json::to_vec(&fed).unwrap_or_default();
@@ -155,7 +187,14 @@ fn bench(c: &mut Criterion) {
             if let kvota_fairness::federation::AuditEvent::BudgetsChanged { changes: c, .. } = &r.event {
                 records += 1;
                 changes += c.len();
-                notable += c.iter().filter(|x| x.from.abs_diff(x.to) >= kvota_fairness::federation::AUDIT_MIN_CHANGE || x.from == 0 || x.to == 0).count();
+                notable += c
+                    .iter()
+                    .filter(|x| {
+                        x.from.abs_diff(x.to) >= kvota_fairness::federation::AUDIT_MIN_CHANGE
+                            || x.from == 0
+                            || x.to == 0
+                    })
+                    .count();
                 bytes += serde_json::to_vec(r).map_or(0, |v| v.len());
             }
         }

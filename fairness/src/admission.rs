@@ -7,10 +7,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::lease::LeaseStatus;
+use crate::names::{ClusterName, PodKey, TenantName};
 use crate::policy::AdmissionMode;
 use crate::units::Gpue;
 use crate::MilliGpue;
-use crate::names::{ClusterName, PodKey, TenantName};
 
 /// GPUe as messages write them ([`format_gpue`](crate::units::format_gpue)'s text).
 fn g(milli: MilliGpue) -> Gpue {
@@ -84,7 +84,9 @@ impl Verdict {
 
     /// The verdict named by `word`, if any.
     pub fn parse(word: &str) -> Option<Verdict> {
-        [Verdict::Allow, Verdict::Queue, Verdict::Deny].into_iter().find(|v| v.as_str() == word)
+        [Verdict::Allow, Verdict::Queue, Verdict::Deny]
+            .into_iter()
+            .find(|v| v.as_str() == word)
     }
 }
 
@@ -157,6 +159,20 @@ pub fn judge(pod: &PodRequest, view: &LocalView) -> (Verdict, Reason) {
 pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
     let (verdict, reason) = judge(pod, view);
     let after = view.inuse.saturating_add(pod.gpue);
+    let message = decision_message(pod, view, verdict, reason, after);
+    // A pod without GPUs adds nothing.
+    let after = if reason == Reason::NoGpu { view.inuse } else { after };
+    Decision {
+        verdict,
+        reason,
+        message,
+        after,
+    }
+}
+
+/// What the answer to the pod says: the verdict, why, and the numbers behind it
+/// (`after`: what the tenant would hold with the pod).
+fn decision_message(pod: &PodRequest, view: &LocalView, verdict: Verdict, reason: Reason, after: MilliGpue) -> String {
     let target = pod_ref(pod);
     let tenant = view.tenant.as_deref().unwrap_or_default();
     let numbers = || {
@@ -171,73 +187,51 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
             view.lease
         )
     };
-    let (message, after) = match (reason, verdict) {
-        (Reason::NoGpu, _) => ("kvota: pod requests no GPUs; not judged".to_string(), view.inuse),
-        (Reason::Ungoverned, _) => (
-            format!(
-                "kvota: namespace `{}` belongs to no tenant and the policy has no defaultTenant; not judged",
-                pod.namespace
-            ),
-            after,
+    match (reason, verdict) {
+        (Reason::NoGpu, _) => "kvota: pod requests no GPUs; not judged".to_string(),
+        (Reason::Ungoverned, _) => format!(
+            "kvota: namespace `{}` belongs to no tenant and the policy has no defaultTenant; not judged",
+            pod.namespace
         ),
-        (Reason::WithinBudget, _) => (
-            format!(
-                "kvota: admitted: tenant `{tenant}` holds {} + {} = {} of its {} GPUe budget in cluster `{}`",
-                g(view.inuse),
-                g(pod.gpue),
-                g(after),
-                g(view.budget),
-                view.cluster
-            ),
-            after,
+        (Reason::WithinBudget, _) => format!(
+            "kvota: admitted: tenant `{tenant}` holds {} + {} = {} of its {} GPUe budget in cluster `{}`",
+            g(view.inuse),
+            g(pod.gpue),
+            g(after),
+            g(view.budget),
+            view.cluster
         ),
-        (Reason::Borrowed, _) => (
-            format!(
-                "kvota: admitted on borrowed GPUs: tenant `{tenant}` holds {} + {} = {} GPUe in cluster `{}`, above its budget of {} GPUe, on GPUs no budget here needs now (borrowable {} GPUe); a tenant within its budget may take them back by evicting this pod",
-                g(view.inuse),
-                g(pod.gpue),
-                g(after),
-                view.cluster,
-                g(view.budget),
-                g(view.borrow)
-            ),
-            after,
+        (Reason::Borrowed, _) => format!(
+            "kvota: admitted on borrowed GPUs: tenant `{tenant}` holds {} + {} = {} GPUe in cluster `{}`, above its budget of {} GPUe, on GPUs no budget here needs now (borrowable {} GPUe); a tenant within its budget may take them back by evicting this pod",
+            g(view.inuse),
+            g(pod.gpue),
+            g(after),
+            view.cluster,
+            g(view.budget),
+            g(view.borrow)
         ),
-        (Reason::NeverFits, _) => (
-            format!(
-                "kvota: denied: the pod requests {} GPUe but tenant `{tenant}` can never hold more than {} GPUe in cluster `{}` (the cluster's capacity or the tenant's maxShare of the federation, whichever is less). Request fewer GPUs, use a larger cluster, or ask for a larger maxShare. Details: kvota explain pod {target}",
-                g(pod.gpue),
-                g(view.ceiling.unwrap_or_default()),
-                view.cluster
-            ),
-            after,
+        (Reason::NeverFits, _) => format!(
+            "kvota: denied: the pod requests {} GPUe but tenant `{tenant}` can never hold more than {} GPUe in cluster `{}` (the cluster's capacity or the tenant's maxShare of the federation, whichever is less). Request fewer GPUs, use a larger cluster, or ask for a larger maxShare. Details: kvota explain pod {target}",
+            g(pod.gpue),
+            g(view.ceiling.unwrap_or_default()),
+            view.cluster
         ),
-        (Reason::OverBudget, Verdict::Queue) => (
-            format!(
-                "kvota: queued behind scheduling gate {SCHEDULING_GATE}: {}. It starts when budget frees (position {} in the tenant's queue). Details: kvota explain pod {target}",
-                numbers(),
-                view.queued + 1
-            ),
-            after,
+        (Reason::OverBudget, Verdict::Queue) => format!(
+            "kvota: queued behind scheduling gate {SCHEDULING_GATE}: {}. It starts when budget frees (position {} in the tenant's queue). Details: kvota explain pod {target}",
+            numbers(),
+            view.queued + 1
         ),
-        (Reason::QueueFull, _) => (
-            format!(
-                "kvota: denied: {}, and {} of its pods already wait for budget here (maxQueued {}). Retry later. Details: kvota explain pod {target}",
-                numbers(),
-                view.queued,
-                view.max_queued
-            ),
-            after,
+        (Reason::QueueFull, _) => format!(
+            "kvota: denied: {}, and {} of its pods already wait for budget here (maxQueued {}). Retry later. Details: kvota explain pod {target}",
+            numbers(),
+            view.queued,
+            view.max_queued
         ),
-        (Reason::OverBudget, _) => (
-            format!(
-                "kvota: denied: {}. Retry when the tenant's running pods finish, or ask the platform team for a larger share. Details: kvota explain pod {target}",
-                numbers()
-            ),
-            after,
+        (Reason::OverBudget, _) => format!(
+            "kvota: denied: {}. Retry when the tenant's running pods finish, or ask the platform team for a larger share. Details: kvota explain pod {target}",
+            numbers()
         ),
-    };
-    Decision { verdict, reason, message, after }
+    }
 }
 
 /// GPUe of a cluster that no budget needs now, so they may be lent: capacity minus, for
@@ -247,7 +241,10 @@ pub fn decide(pod: &PodRequest, view: &LocalView) -> Decision {
 /// it is smaller than any of its pods (lending such slivers too was measured: it lent
 /// more and lost utilization on the Philly trace, docs/policy-comparison.md). Each item
 /// of `tenants` is `(inuse, pending, budget)` of one tenant in this cluster.
-pub fn lendable(capacity: MilliGpue, tenants: impl IntoIterator<Item = (MilliGpue, MilliGpue, MilliGpue)>) -> MilliGpue {
+pub fn lendable(
+    capacity: MilliGpue,
+    tenants: impl IntoIterator<Item = (MilliGpue, MilliGpue, MilliGpue)>,
+) -> MilliGpue {
     let claimed = tenants.into_iter().fold(0u64, |sum, (inuse, pending, budget)| {
         sum.saturating_add(inuse.saturating_add(pending.min(budget.saturating_sub(inuse))))
     });
@@ -269,6 +266,9 @@ pub fn lendable(capacity: MilliGpue, tenants: impl IntoIterator<Item = (MilliGpu
 pub fn borrow_room(limit: MilliGpue, budget: MilliGpue, inuse: MilliGpue, lendable: MilliGpue) -> MilliGpue {
     if limit == 0 {
         return 0;
+    }
+    if crate::faults::on(|f| f.borrow_past_limit) {
+        return lendable;
     }
     lendable.min(budget.saturating_add(limit).saturating_sub(inuse))
 }
@@ -356,7 +356,11 @@ mod tests {
                 if !tenant {
                     v.tenant = None;
                 }
-                let pod = PodRequest { namespace: "ns".into(), name: "p".into(), gpue };
+                let pod = PodRequest {
+                    namespace: "ns".into(),
+                    name: "p".into(),
+                    gpue,
+                };
                 let d = decide(&pod, &v);
                 assert_eq!(judge(&pod, &v), (d.verdict, d.reason), "{v:?} {gpue}: {}", d.message);
             }
@@ -380,13 +384,20 @@ mod tests {
     }
 
     fn pod(gpue: u64) -> PodRequest {
-        PodRequest { namespace: "ml".into(), name: "trainer-0".into(), gpue }
+        PodRequest {
+            namespace: "ml".into(),
+            name: "trainer-0".into(),
+            gpue,
+        }
     }
 
     #[test]
     fn within_budget_is_allowed_up_to_the_last_milli() {
         let d = decide(&pod(2_000), &view(AdmissionMode::Reject, 32_000, 30_000, 0));
-        assert_eq!((d.verdict, d.reason, d.after), (Verdict::Allow, Reason::WithinBudget, 32_000));
+        assert_eq!(
+            (d.verdict, d.reason, d.after),
+            (Verdict::Allow, Reason::WithinBudget, 32_000)
+        );
         let d = decide(&pod(2_001), &view(AdmissionMode::Reject, 32_000, 30_000, 0));
         assert_eq!(d.verdict, Verdict::Deny);
     }
@@ -395,7 +406,17 @@ mod tests {
     fn denial_message_names_every_number() {
         let d = decide(&pod(4_000), &view(AdmissionMode::Reject, 32_000, 30_000, 0));
         assert_eq!((d.verdict, d.reason), (Verdict::Deny, Reason::OverBudget));
-        for needle in ["`training`", "34 GPUe", "in use 30", "this pod 4", "budget of 32", "entitlement 40", "fresh (21s left)", "kvota explain pod ml/trainer-0", "`east`"] {
+        for needle in [
+            "`training`",
+            "34 GPUe",
+            "in use 30",
+            "this pod 4",
+            "budget of 32",
+            "entitlement 40",
+            "fresh (21s left)",
+            "kvota explain pod ml/trainer-0",
+            "`east`",
+        ] {
             assert!(d.message.contains(needle), "missing {needle:?} in {}", d.message);
         }
     }
@@ -424,10 +445,30 @@ mod tests {
     #[test]
     fn release_by_priority_then_age() {
         let q = vec![
-            QueuedPod { key: PodKey::from_static("ns/a"), priority: 0, queued_at_ms: 1, gpue: 2_000 },
-            QueuedPod { key: PodKey::from_static("ns/b"), priority: 10, queued_at_ms: 5, gpue: 2_000 },
-            QueuedPod { key: PodKey::from_static("ns/c"), priority: 0, queued_at_ms: 0, gpue: 4_000 },
-            QueuedPod { key: PodKey::from_static("ns/d"), priority: 0, queued_at_ms: 2, gpue: 1_000 },
+            QueuedPod {
+                key: PodKey::from_static("ns/a"),
+                priority: 0,
+                queued_at_ms: 1,
+                gpue: 2_000,
+            },
+            QueuedPod {
+                key: PodKey::from_static("ns/b"),
+                priority: 10,
+                queued_at_ms: 5,
+                gpue: 2_000,
+            },
+            QueuedPod {
+                key: PodKey::from_static("ns/c"),
+                priority: 0,
+                queued_at_ms: 0,
+                gpue: 4_000,
+            },
+            QueuedPod {
+                key: PodKey::from_static("ns/d"),
+                priority: 0,
+                queued_at_ms: 2,
+                gpue: 1_000,
+            },
         ];
         // 5 GPUe free: b (prio), then c (oldest) does not fit, a fits, d fits? 5-2-2=1 -> d.
         assert_eq!(release_order(&q, 5_000, 0, false), [1, 0, 3]);

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Millis;
 use crate::names::TenantName;
+use crate::Millis;
 
 /// Fixed-point scale of decay factors: `ONE` represents 1.0.
 pub const FACTOR_BITS: u32 = 62;
@@ -126,7 +126,11 @@ impl Ledger {
     pub fn add(&mut self, tenant: &TenantName, used_milli_gpue_ms: u64, now_ms: Millis, half_life_ms: Millis) {
         match self.tenants.get_mut(tenant) {
             Some(entry) => entry.add(used_milli_gpue_ms, now_ms, half_life_ms),
-            None => self.tenants.entry(tenant.clone()).or_default().add(used_milli_gpue_ms, now_ms, half_life_ms),
+            None => self
+                .tenants
+                .entry(tenant.clone())
+                .or_default()
+                .add(used_milli_gpue_ms, now_ms, half_life_ms),
         }
     }
 
@@ -150,9 +154,7 @@ impl Ledger {
 
     /// Decayed usage of `tenant` at `now_ms` (0 for an unknown tenant).
     pub fn usage_at(&self, tenant: &str, now_ms: Millis, half_life_ms: Millis) -> u64 {
-        self.tenants
-            .get(tenant)
-            .map_or(0, |u| u.at(now_ms, half_life_ms))
+        self.tenants.get(tenant).map_or(0, |u| u.at(now_ms, half_life_ms))
     }
 
     /// The raw entries, by tenant name.

@@ -274,6 +274,9 @@ pub struct PolicySpec {
     /// Evictions for a tenant below its guarantee.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reclaim: Option<ReclaimSpec>,
+    /// How long and how much of the audit log is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditSpec>,
     /// GPUe per unit of an extended resource, e.g. `nvidia.com/mig-1g.5gb: "0.15"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource_weights: Option<BTreeMap<String, Quantity>>,
@@ -311,6 +314,24 @@ pub struct ShowbackSpec {
     /// How long hourly buckets are kept, 1h to 3 years (default 100d).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<Duration>,
+    /// Keys the format does not have.
+    #[serde(flatten)]
+    #[cfg_attr(feature = "schema", schemars(skip))]
+    pub unknown: Unknown,
+}
+
+/// `spec.audit`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AuditSpec {
+    /// How long audit records are kept, 1h to 366d (default 14d).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention: Option<Duration>,
+    /// The most the audit log may hold, as a quantity of bytes, 1Mi to 256Mi (default
+    /// 16Mi); budget changes are dropped before other events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_size: Option<Quantity>,
     /// Keys the format does not have.
     #[serde(flatten)]
     #[cfg_attr(feature = "schema", schemars(skip))]
@@ -424,13 +445,23 @@ pub fn known_fields(at: &str) -> &'static [&'static str] {
             "burstFactor",
             "lease",
             "showback",
+            "audit",
             "reclaim",
             "resourceWeights",
             "tenants",
         ],
         "spec.lease" => &["duration", "clockSkewMargin"],
         "spec.showback" => &["retention"],
-        "spec.reclaim" => &["enabled", "starvedFor", "maxEvictionsPerMinute", "maxEvictionsPerMinutePerTenant", "minRuntime", "lendIdle", "lendWhen"],
+        "spec.audit" => &["retention", "maxSize"],
+        "spec.reclaim" => &[
+            "enabled",
+            "starvedFor",
+            "maxEvictionsPerMinute",
+            "maxEvictionsPerMinutePerTenant",
+            "minRuntime",
+            "lendIdle",
+            "lendWhen",
+        ],
         "spec.tenants[]" => &[
             "name",
             "weight",

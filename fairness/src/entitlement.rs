@@ -12,9 +12,9 @@
 //!    tenant's surplus share is ever cut to nothing;
 //! 4. `E_t = g_t + surplus_t`.
 //!
-//! That gives contract properties 1-5 directly; property 6 (determinism) because every
+//! That gives docs/guarantees.md G1-G5 directly; G6 (determinism) because every
 //! step is integer arithmetic in a fixed order (ties broken by input index, and inputs
-//! are sorted by tenant name); property 7 is the admission and reclaim layers' to keep.
+//! are sorted by tenant name); G7 is the admission and reclaim layers' to keep.
 //! Cost: one sort, `O(T log T)`.
 
 use serde::{Deserialize, Serialize};
@@ -78,7 +78,7 @@ pub fn share_of(capacity: MilliGpue, share_bp: u32) -> MilliGpue {
 
 /// Computes every tenant's entitlement out of `capacity` (see the module docs).
 ///
-/// Holds for every output `E` (contract properties 1-5):
+/// Holds for every output `E` (docs/guarantees.md G1-G5):
 /// `E_t >= min(D_t, m_t G)`, `E_t <= min(D_t, M_t G)`, `sum E <= G`, and if any
 /// `E_t < min(D_t, M_t G)` then `sum E = G`. Same inputs, same bits. If the guarantees
 /// of an invalid policy exceed the capacity, guarantees are honoured in input order

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use crate::admission::{Decision, LocalView, PodRequest};
 use crate::federation::{AuditEvent, EvictionOutcome, Federation};
 use crate::measures::{drift_ppm, tenant_score};
-use crate::units::{format_duration_ms, format_gpue as g};
 use crate::names::{ClusterName, TenantName};
+use crate::units::{format_duration_ms, format_gpue as g};
 use crate::{MilliGpue, Millis};
 
 /// One cluster's part of a tenant's explanation.
@@ -115,41 +115,9 @@ impl Federation {
         let weight_kept_ppm = (u128::from(e.effective_weight_q20) * 1_000_000)
             .checked_div(w)
             .map_or(0, |v| u64::try_from(v).unwrap_or(u64::MAX));
-        let clusters = self
-            .clusters()
-            .iter()
-            .map(|(id, rec)| {
-                let u = rec.usage.get(tenant).copied().unwrap_or_default();
-                let newest = rec
-                    .leases
-                    .latest()
-                    .and_then(|l| l.budgets.get(tenant).copied())
-                    .unwrap_or_default();
-                ClusterPart {
-                    cluster: id.clone(),
-                    inuse: u.inuse,
-                    pending: u.pending,
-                    budget: newest.budget,
-                    fallback: newest.fallback,
-                    enforceable: rec.leases.enforceable(tenant, now),
-                    epoch: (rec.leases.last_epoch, rec.leases.acked_epoch),
-                    unreachable: rec.leases.last_epoch > 0 && rec.leases.all_expired(now),
-                }
-            })
-            .collect();
+        let clusters = self.cluster_parts(tenant, now);
         let inuse = plan.inuse.get(i).copied().unwrap_or(0);
-        let mut evictions: Vec<EvictionSeen> = self
-            .audit()
-            .rev()
-            .filter_map(|r| match &r.event {
-                AuditEvent::Eviction { cluster, note } if note.victim_tenant == tenant || note.for_tenant == tenant => {
-                    Some(EvictionSeen { at_ms: r.at_ms, ago_ms: now.saturating_sub(r.at_ms), cluster: cluster.clone(), note: note.clone() })
-                }
-                _ => None,
-            })
-            .take(EXPLAIN_EVICTIONS)
-            .collect();
-        evictions.reverse();
+        let evictions = self.evictions_seen(tenant, now);
         Some(TenantExplanation {
             tenant: tp.name.clone(),
             weight_milli: tp.weight_milli,
@@ -174,6 +142,52 @@ impl Federation {
             clusters,
             evictions,
         })
+    }
+    /// The tenant's numbers in each cluster at `now`.
+    fn cluster_parts(&self, tenant: &str, now: Millis) -> Vec<ClusterPart> {
+        self.clusters()
+            .iter()
+            .map(|(id, rec)| {
+                let u = rec.usage.get(tenant).copied().unwrap_or_default();
+                let newest = rec
+                    .leases
+                    .latest()
+                    .and_then(|l| l.budgets.get(tenant).copied())
+                    .unwrap_or_default();
+                ClusterPart {
+                    cluster: id.clone(),
+                    inuse: u.inuse,
+                    pending: u.pending,
+                    budget: newest.budget,
+                    fallback: newest.fallback,
+                    enforceable: rec.leases.enforceable(tenant, now),
+                    epoch: (rec.leases.last_epoch, rec.leases.acked_epoch),
+                    unreachable: rec.leases.last_epoch > 0 && rec.leases.all_expired(now),
+                }
+            })
+            .collect()
+    }
+
+    /// The latest evictions the tenant lost or gained room by, oldest first.
+    fn evictions_seen(&self, tenant: &str, now: Millis) -> Vec<EvictionSeen> {
+        let mut evictions: Vec<EvictionSeen> = self
+            .audit()
+            .rev()
+            .filter_map(|r| match &r.event {
+                AuditEvent::Eviction { cluster, note } if note.victim_tenant == tenant || note.for_tenant == tenant => {
+                    Some(EvictionSeen {
+                        at_ms: r.at_ms,
+                        ago_ms: now.saturating_sub(r.at_ms),
+                        cluster: cluster.clone(),
+                        note: note.clone(),
+                    })
+                }
+                _ => None,
+            })
+            .take(EXPLAIN_EVICTIONS)
+            .collect();
+        evictions.reverse();
+        evictions
     }
 }
 
@@ -209,9 +223,18 @@ impl fmt::Display for TenantExplanation {
             pct_bp(self.min_share_bp),
             pct_bp(self.max_share_bp),
             format_duration_ms(self.half_life_ms),
-            if self.preemptible { "preemptible" } else { "never preempted" }
+            if self.preemptible {
+                "preemptible"
+            } else {
+                "never preempted"
+            }
         );
-        let _ = writeln!(s, "  capacity:  {} GPUe federation-wide; demand {} GPUe", g(self.capacity), g(self.demand));
+        let _ = writeln!(
+            s,
+            "  capacity:  {} GPUe federation-wide; demand {} GPUe",
+            g(self.capacity),
+            g(self.demand)
+        );
         let _ = writeln!(
             s,
             "  guarantee: min(demand {}, minShare x capacity) = {}",
@@ -224,6 +247,15 @@ impl fmt::Display for TenantExplanation {
             g(self.demand),
             g(self.cap)
         );
+        self.write_shares(&mut s);
+        self.write_places(&mut s);
+        f.write_str(s.trim_end())
+    }
+}
+
+impl TenantExplanation {
+    /// The decay, surplus, target, committed and fairness lines.
+    fn write_shares(&self, s: &mut String) {
         let kept = self.weight_kept_ppm as f64 / 10_000.0;
         let _ = writeln!(
             s,
@@ -263,6 +295,10 @@ impl fmt::Display for TenantExplanation {
             pct_ppm(self.drift_ppm),
             self.fairness_score
         );
+    }
+
+    /// One line per cluster and per recent eviction.
+    fn write_places(&self, s: &mut String) {
         for c in &self.clusters {
             let _ = writeln!(
                 s,
@@ -275,7 +311,11 @@ impl fmt::Display for TenantExplanation {
                 g(c.enforceable),
                 c.epoch.0,
                 c.epoch.1,
-                if c.unreachable { ", UNREACHABLE: lease expired, safe budgets apply" } else { "" }
+                if c.unreachable {
+                    ", UNREACHABLE: lease expired, safe budgets apply"
+                } else {
+                    ""
+                }
             );
         }
         for e in &self.evictions {
@@ -284,7 +324,11 @@ impl fmt::Display for TenantExplanation {
                 EvictionOutcome::Evicted => "evicted",
                 _ => "could not evict (PodDisruptionBudget; retried later)",
             };
-            let side = if n.victim_tenant == self.tenant { "lost" } else { "gained room" };
+            let side = if n.victim_tenant == self.tenant {
+                "lost"
+            } else {
+                "gained room"
+            };
             let _ = writeln!(
                 s,
                 "  reclaim:   {side}, {} ago: cluster {} {what} {} ({} GPUe of {}) for {} pod {}: {}",
@@ -298,7 +342,6 @@ impl fmt::Display for TenantExplanation {
                 n.why
             );
         }
-        f.write_str(s.trim_end())
     }
 }
 
@@ -314,7 +357,11 @@ pub fn explain_pod(pod: &PodRequest, view: &LocalView, decision: &Decision) -> S
     );
     match &view.tenant {
         Some(t) => {
-            let _ = writeln!(s, "  tenant {t} in cluster {} ({} mode, lease {})", view.cluster, view.mode, view.lease);
+            let _ = writeln!(
+                s,
+                "  tenant {t} in cluster {} ({} mode, lease {})",
+                view.cluster, view.mode, view.lease
+            );
         }
         None => {
             let _ = writeln!(s, "  namespace belongs to no tenant");

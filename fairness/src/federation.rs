@@ -14,7 +14,10 @@
 //!   admit (`Ê'_t = min(Ê_t, max(E_t, L_t))`, `L_t` the left side of the safety
 //!   inequality);
 //! - up only into capacity nobody else holds (`sum Ê <= G`), shared in proportion to
-//!   the shortfall.
+//!   the shortfall; or, once [`Federation::enable_small_first`] is on (the control
+//!   plane's feature level 8), filling the smallest shortfalls whole first, so that
+//!   capacity freed a GPU at a time reaches a tenant as a GPU it can use, not as a
+//!   fraction of one spread over every tenant that waits.
 //!
 //! ## Partition safety
 //! For every tenant, at every instant: `sum_c hold_tc <= max(Ê_t, sum_c inuse_tc)` and
@@ -34,14 +37,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::entitlement::{self, Entitlement, TenantInput};
 use crate::lease::{ClusterLeases, Lease, TenantBudget, UnknownEpoch};
+use crate::names::{ClusterName, TenantName};
 use crate::policy::Policy;
 use crate::split::{fit_largest, split_tenant};
 use crate::{MilliGpue, Millis};
-use crate::names::{ClusterName, TenantName};
 
-/// Audit records kept (oldest dropped first). Enough for a day of budget changes in a
-/// small federation; the audit log is for explaining recent decisions, not archival.
-pub const AUDIT_CAPACITY: usize = 1_000;
 /// Smallest budget change recorded in the audit log (0.1 GPUe), unless a budget starts or
 /// stops being zero.
 pub const AUDIT_MIN_CHANGE: MilliGpue = 100;
@@ -74,7 +74,12 @@ pub const DECISIONS_PER_CLUSTER: usize = 512;
 /// Most resource names in a cluster's capacity.
 pub const MAX_CAPACITY_RESOURCES: usize = 64;
 
+mod audit;
 mod grid;
+pub use audit::{
+    parse_kinds, AuditEvent, AuditRecord, BudgetChange, AUDIT_CAPACITY, BUDGET_COALESCE_MS, CONTROL_PLANE_ACTOR, KINDS,
+    KIND_BUDGETS, MAX_ACTOR_LEN, MAX_POLICY_CHANGE_LINES, MAX_VERSION_LEN, POLICY_UNCHANGED,
+};
 use grid::Grid;
 
 /// Looks keys up in a name-keyed map in ascending order, walking the map once: `n`
@@ -117,7 +122,12 @@ impl<'a, K: AsRef<str>, V> Ascending<'a, K, V> {
 
 /// Calls `f(row, value)` for each entry of `map` whose key is `names[row]`, walking the
 /// map and the names in key order together (`order`: the rows sorted by name).
-fn join_sorted<'a, K: AsRef<str>, V>(names: &[K], order: &[usize], map: &'a BTreeMap<K, V>, mut f: impl FnMut(usize, &'a V)) {
+fn join_sorted<'a, K: AsRef<str>, V>(
+    names: &[K],
+    order: &[usize],
+    map: &'a BTreeMap<K, V>,
+    mut f: impl FnMut(usize, &'a V),
+) {
     let mut entries = map.iter();
     let mut entry = entries.next();
     let mut k = 0;
@@ -150,6 +160,10 @@ pub struct TenantUsage {
     /// 0: none waits, or budgets are not sized, see [`Federation::enable_sized_budgets`]).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub largest: MilliGpue,
+    /// Of `inuse`, what pods admitted on borrowed GPUs held, as last reported (0 from
+    /// agents or a group below feature level 7). `bound` leaves it out.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub borrowed: MilliGpue,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -161,6 +175,18 @@ impl TenantUsage {
     /// `max(bound, enforceable)`.
     pub fn hold(&self, enforceable: MilliGpue) -> MilliGpue {
         self.bound.max(self.inuse).max(enforceable)
+    }
+
+    /// [`TenantUsage::hold`] without what borrowed pods hold: the tenant's part of the
+    /// partition-safety inequality (borrowed pods are bounded by the borrow limits
+    /// instead, see docs/fairness-model.md).
+    pub fn held_within_budgets(&self, enforceable: MilliGpue) -> MilliGpue {
+        self.bound.max(self.inuse_within_budgets()).max(enforceable)
+    }
+
+    /// The in-use last reported, without what borrowed pods hold.
+    pub fn inuse_within_budgets(&self) -> MilliGpue {
+        self.inuse.saturating_sub(self.borrowed)
     }
 }
 
@@ -177,6 +203,10 @@ pub struct TenantReport {
     /// from older reports: 0.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub largest: MilliGpue,
+    /// Of `inuse`, GPUe held by pods admitted on borrowed GPUs (at most `inuse`). Absent
+    /// from older reports: 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub borrowed: MilliGpue,
 }
 
 /// An eviction a member's reclaim loop attempted, carried by its next report into the
@@ -267,7 +297,10 @@ impl EvictionNote {
             ("why", self.why.as_str()),
         ] {
             if v.len() > MAX_EVICTION_TEXT {
-                return Err(invalid(format!("{name} is {} bytes; at most {MAX_EVICTION_TEXT}", v.len())));
+                return Err(invalid(format!(
+                    "{name} is {} bytes; at most {MAX_EVICTION_TEXT}",
+                    v.len()
+                )));
             }
         }
         if let EvictionOutcome::Unrecognized(word) = &self.outcome {
@@ -308,9 +341,14 @@ impl PodDecision {
 /// gRPC port) into the log; applying such a report ignored it, as no policy can name it.
 /// Dropping it when the entry is read leaves every replica in the state it reached
 /// then, where refusing it would stop a node replaying that log.
-pub fn tenants_that_are_labels<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<TenantName, TenantReport>, D::Error> {
+pub fn tenants_that_are_labels<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<TenantName, TenantReport>, D::Error> {
     let raw = BTreeMap::<String, TenantReport>::deserialize(d)?;
-    Ok(raw.into_iter().filter_map(|(name, r)| TenantName::parse(name).ok().map(|n| (n, r))).collect())
+    Ok(raw
+        .into_iter()
+        .filter_map(|(name, r)| TenantName::parse(name).ok().map(|n| (n, r)))
+        .collect())
 }
 
 /// A member's usage report; its answer carries the cluster's lease.
@@ -339,6 +377,51 @@ pub struct UsageReport {
     /// `None` (older agents): counted in full. See [`UsageWindow`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<UsageWindow>,
+    /// The agent and its cluster as the agent sees them when it sends the report (none
+    /// from older agents; kept from feature level 6, [`Federation::enable_operator_view`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<ClusterStatus>,
+}
+
+/// What a cluster's agent says about itself and its cluster with each report, for the
+/// people running the federation: its build, the policy revision it enforces, how often
+/// it reports, and what runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ClusterStatus {
+    /// The agent's version (at most [`MAX_VERSION_LEN`] bytes).
+    pub agent_version: String,
+    /// The newest feature level the agent's build supports.
+    pub feature_level: u32,
+    /// The policy revision the agent enforces (0: none it knows the revision of).
+    pub policy_revision: u64,
+    /// How often the agent reports (ms).
+    pub report_interval_ms: u64,
+    /// GPUe of the tenant's pods running: on a node, bound by the scheduler (the rest of
+    /// its in-use is admitted and not yet running: reservations). At most its in-use.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub running: BTreeMap<TenantName, MilliGpue>,
+}
+
+impl ClusterStatus {
+    /// The status as the state keeps it: a version cut to [`MAX_VERSION_LEN`] bytes of
+    /// printable ASCII, each tenant's running at most its in-use in `usage` (a report
+    /// of more is read as all of it running), tenants without in-use left out.
+    fn kept(mut self, usage: &BTreeMap<TenantName, TenantUsage>) -> ClusterStatus {
+        self.agent_version = self
+            .agent_version
+            .chars()
+            .filter(|c| c.is_ascii_graphic())
+            .take(MAX_VERSION_LEN)
+            .collect();
+        self.running = std::mem::take(&mut self.running)
+            .into_iter()
+            .filter_map(|(t, r)| {
+                let inuse = usage.get(&t).map_or(0, |u| u.inuse);
+                (inuse > 0 && r > 0).then(|| (t, r.min(inuse)))
+            })
+            .collect();
+        self
+    }
 }
 
 /// When a report's usage happened (Unix milliseconds on the agent's wall clock).
@@ -456,12 +539,19 @@ pub enum CommandError {
         why: String,
     },
     /// A cluster that may still be enforcing a lease cannot be removed.
-    #[error("cluster `{cluster}` may still enforce a lease until {until_ms} ms; remove it after that")]
+    #[error(
+        "cluster `{cluster}` may still enforce a lease until {} ({} from now); remove it after that",
+        crate::units::format_unix_ms(*until_ms),
+        crate::units::format_duration_ms(*left_ms)
+    )]
     LeaseInForce {
         /// Cluster id.
         cluster: String,
-        /// When its last lease expires (control-plane clock).
+        /// When its last lease expires (control-plane clock, Unix ms).
         until_ms: Millis,
+        /// How long that is from the refusal.
+        #[serde(default)]
+        left_ms: Millis,
     },
 }
 
@@ -487,93 +577,22 @@ pub struct ClusterRecord {
     /// usage up to here is counted. `None` until a report with a window is applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reported_through_ms: Option<u64>,
-}
-
-/// One budget change, for the audit log.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BudgetChange {
-    /// Tenant.
-    pub tenant: String,
-    /// Budget in the previous lease.
-    pub from: MilliGpue,
-    /// Budget in the new lease.
-    pub to: MilliGpue,
-    /// Why, in words.
-    pub why: String,
-}
-
-/// An audit record: why something changed.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AuditRecord {
-    /// Monotonic record number.
-    pub seq: u64,
-    /// Control-plane time.
-    pub at_ms: Millis,
-    /// What happened.
-    pub event: AuditEvent,
-    /// Who made it happen: `operator/NAME` (a policy, a removal), `cluster/NAME` (a
-    /// registration, an eviction), `kvota` (budgets the control plane changed); none
-    /// for records from before feature level 2 or a control plane without TLS.
+    /// The last status its agent sent (from feature level 6; `None` before, and from
+    /// agents that send none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub actor: Option<String>,
+    pub status: Option<ClusterStatus>,
 }
 
-/// The actor of records the control plane makes on its own (new lease budgets).
-pub const CONTROL_PLANE_ACTOR: &str = "kvota";
-/// Longest actor name kept.
-pub const MAX_ACTOR_LEN: usize = 256;
-
-impl AuditEvent {
-    /// Whether the event is about `tenant` (a policy concerns every tenant).
-    pub fn concerns(&self, tenant: &str) -> bool {
-        match self {
-            AuditEvent::PolicyApplied { .. } => true,
-            AuditEvent::ClusterRegistered { .. } | AuditEvent::ClusterRemoved { .. } => false,
-            AuditEvent::Eviction { note, .. } => note.victim_tenant == tenant || note.for_tenant == tenant,
-            AuditEvent::BudgetsChanged { changes, .. } => changes.iter().any(|c| c.tenant == tenant),
+impl ClusterRecord {
+    /// GPUe of `tenant`'s pods running here: as its agent last said, or (an agent that
+    /// says nothing of it) all of its in-use.
+    pub fn running(&self, tenant: &str) -> MilliGpue {
+        let inuse = self.usage.get(tenant).map_or(0, |u| u.inuse);
+        match &self.status {
+            Some(s) => s.running.get(tenant).copied().unwrap_or(0).min(inuse),
+            None => inuse,
         }
     }
-}
-
-/// Kinds of audit records.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum AuditEvent {
-    /// A policy came into force.
-    PolicyApplied {
-        /// Its name.
-        name: String,
-        /// Number of tenants.
-        tenants: usize,
-    },
-    /// A cluster registered or changed capacity.
-    ClusterRegistered {
-        /// Cluster id.
-        cluster: String,
-        /// Capacity in GPUe.
-        capacity_gpue: MilliGpue,
-    },
-    /// A cluster was removed.
-    ClusterRemoved {
-        /// Cluster id.
-        cluster: String,
-    },
-    /// A member's reclaim loop evicted a pod (or a PodDisruptionBudget refused it) to
-    /// restore a starved tenant's guarantee.
-    Eviction {
-        /// Cluster id.
-        cluster: String,
-        /// What the agent reported.
-        note: EvictionNote,
-    },
-    /// A new lease epoch changed budgets.
-    BudgetsChanged {
-        /// Cluster id.
-        cluster: String,
-        /// New epoch.
-        epoch: u64,
-        /// What changed and why.
-        changes: Vec<BudgetChange>,
-    },
 }
 
 /// The numbers behind every tenant's entitlement at one instant.
@@ -638,12 +657,48 @@ pub struct Federation {
     /// plane's feature level 3), absent (off) before, so replicas stay identical.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     lending: bool,
+    /// Whether leases keep lending within maxShare federation-wide: borrow limits come
+    /// from what the tenant may hold (not only its entitlement), and budgets and limits
+    /// leave room for what its other clusters may hold or admit under any open lease.
+    /// Turned on at one point of the log ([`Federation::enable_borrow_cap`], the control
+    /// plane's feature level 7), absent (off) before, so replicas of an older build
+    /// applying the same entries cut the same leases.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    borrow_cap: bool,
     /// Whether budgets are sized to waiting pods: reports' largest waiting pod is kept
     /// and the split makes room for it ([`crate::split::fit_largest`]). Turned on at one
     /// point of the log ([`Federation::enable_sized_budgets`], the control plane's
     /// feature level 4), absent (off) before, so replicas stay identical.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     sized: bool,
+    /// Whether committed entitlement rises into free capacity by filling the smallest
+    /// shortfalls whole first (rather than in proportion to the shortfall). Turned on at
+    /// one point of the log ([`Federation::enable_small_first`], the control plane's
+    /// feature level 8), absent (off) before, so replicas stay identical.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    small_first: bool,
+    /// Whether the state keeps what operators read beyond the plan: the policy's
+    /// revision, each cluster's status, the audit log's new events, coalesced budget
+    /// changes and `spec.audit` retention. Turned on at one point of the log
+    /// ([`Federation::enable_operator_view`], the control plane's feature level 6),
+    /// absent (off) before, so replicas stay identical.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    operator_view: bool,
+    /// The revision of the policy in force: 1 for the policy in force when the operator
+    /// view was turned on (or the first applied after), one more for each policy that
+    /// changed it. 0 without the operator view or a policy.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    policy_revision: u64,
+    /// When that revision came into force (control-plane clock).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    policy_since_ms: Millis,
+    /// Clusters held as cut off (every lease run out), with when their last lease
+    /// expired, until they report again (kept from the operator view on).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    cut_off: BTreeMap<ClusterName, Millis>,
+    /// The audit log's size (derived, never part of the state).
+    #[serde(skip)]
+    audit_size: audit::AuditBytes,
     /// Who the command being applied is from (see [`Federation::apply_as`]); set only
     /// during one apply, never part of the state.
     #[serde(skip)]
@@ -705,6 +760,37 @@ impl Federation {
         self.lending = true;
     }
 
+    /// Starts keeping lending within maxShare federation-wide (see the field
+    /// `borrow_cap`; docs/fairness-model.md, "Lending idle GPUs"). Every replica must
+    /// turn it on at the same point of the log (the control plane does so when its
+    /// feature level reaches 7).
+    pub fn enable_borrow_cap(&mut self) {
+        self.borrow_cap = true;
+    }
+
+    /// Whether lending is kept within maxShare (see [`Self::enable_borrow_cap`]).
+    pub fn caps_borrowing(&self) -> bool {
+        self.borrow_cap
+    }
+
+    /// Starts filling the smallest shortfalls first: from the next plan on, free
+    /// capacity raises committed entitlements toward their targets in ascending order of
+    /// the shortfall (ties in name order), each as far as the capacity goes, instead of
+    /// in proportion to the shortfall. With many tenants short by a pod each, the
+    /// proportional rule hands each a fraction of every GPU that frees, and none a pod
+    /// until as many GPUs have freed as tenants wait. Every replica must turn it on at
+    /// the same point of the log (the control plane does so when its feature level
+    /// reaches 8).
+    pub fn enable_small_first(&mut self) {
+        self.small_first = true;
+    }
+
+    /// Whether free capacity fills the smallest shortfalls first (see
+    /// [`Self::enable_small_first`]).
+    pub fn fills_small_first(&self) -> bool {
+        self.small_first
+    }
+
     /// Starts sizing budgets: from the next report on, each tenant's largest waiting pod
     /// per cluster is kept, and the split across clusters gives the largest one that
     /// fits the tenant's entitlement room in its own cluster. Every replica must turn it
@@ -712,6 +798,35 @@ impl Federation {
     /// reaches 4).
     pub fn enable_sized_budgets(&mut self) {
         self.sized = true;
+    }
+
+    /// Starts the operator view (if not on yet): from now on the policy in force has a
+    /// revision that leases and clusters are measured against, each report's cluster
+    /// status is kept, the audit log records leases running out and coming back (and the
+    /// control plane's own events, [`Self::note`]), coalesces budget changes per cluster
+    /// per minute and is kept by the policy's `spec.audit`. Every replica must turn it on
+    /// at the same point of the log (the control plane does so when its feature level
+    /// reaches 6).
+    pub fn enable_operator_view(&mut self) {
+        if self.operator_view {
+            return;
+        }
+        self.operator_view = true;
+        if self.policy.is_some() {
+            self.policy_revision = 1;
+            self.policy_since_ms = self.now_ms;
+        }
+    }
+
+    /// Whether the operator view is on (see [`Self::enable_operator_view`]).
+    pub fn operator_view(&self) -> bool {
+        self.operator_view
+    }
+
+    /// The revision of the policy in force and since when it is in force (control-plane
+    /// clock); 0 without the operator view or a policy.
+    pub fn policy_revision(&self) -> (u64, Millis) {
+        (self.policy_revision, self.policy_since_ms)
     }
 
     /// Whether budgets are sized to waiting pods (see [`Self::enable_sized_budgets`]).
@@ -819,6 +934,8 @@ impl Federation {
             Command::Tick => {
                 self.now_ms = now;
                 self.prune_showback();
+                self.note_expired_leases();
+                self.prune_audit();
                 if self.policy.is_some() {
                     self.commit_plan();
                 }
@@ -835,9 +952,25 @@ impl Federation {
         }
         let tenants: BTreeSet<&str> = p.tenants.iter().map(|t| t.name.as_str()).collect();
         self.ledger.retain(|t| tenants.contains(t));
+        let (mut revision, mut changes) = (0, Vec::new());
+        if self.operator_view {
+            // The first policy changes no earlier one: its record says nothing more.
+            match &self.policy {
+                Some(old) if *old == p => changes = vec![POLICY_UNCHANGED.to_string()],
+                Some(old) => changes = crate::policy::describe_changes(old, &p, MAX_POLICY_CHANGE_LINES),
+                None => {}
+            }
+            if self.policy.as_ref() != Some(&p) {
+                self.policy_revision += 1;
+                self.policy_since_ms = now;
+            }
+            revision = self.policy_revision;
+        }
         self.record(AuditEvent::PolicyApplied {
             name: p.name.clone(),
             tenants: p.tenants.len(),
+            revision,
+            changes,
         });
         self.policy = Some(p);
         self.commit_plan();
@@ -859,19 +992,18 @@ impl Federation {
         }
         self.now_ms = now;
         let capacity_gpue = self.weights().capacity_gpue_milli(&capacity);
-        let rec = self
-            .clusters
-            .entry(cluster.clone())
-            .or_insert_with(|| ClusterRecord {
-                capacity: BTreeMap::new(),
-                labels: BTreeMap::new(),
-                capacity_gpue: 0,
-                last_seq: 0,
-                last_report_ms: None,
-                usage: Stamped::default(),
-                leases: Stamped::default(),
-                reported_through_ms: None,
-            });
+        let joined = self.operator_view && !self.clusters.contains_key(cluster.as_str());
+        let rec = self.clusters.entry(cluster.clone()).or_insert_with(|| ClusterRecord {
+            capacity: BTreeMap::new(),
+            labels: BTreeMap::new(),
+            capacity_gpue: 0,
+            last_seq: 0,
+            last_report_ms: None,
+            usage: Stamped::default(),
+            leases: Stamped::default(),
+            reported_through_ms: None,
+            status: None,
+        });
         let changed = rec.capacity != capacity || rec.labels != labels;
         rec.capacity = capacity;
         rec.labels = labels;
@@ -880,12 +1012,15 @@ impl Federation {
             self.record(AuditEvent::ClusterRegistered {
                 cluster: cluster.to_string(),
                 capacity_gpue,
+                joined,
             });
         }
         if self.policy.is_some() {
             self.commit_plan();
         }
-        Ok(Applied::Registered(self.grant(&cluster)))
+        let lease = self.grant(&cluster);
+        self.note_renewed_lease(&cluster);
+        Ok(Applied::Registered(lease))
     }
 
     fn remove(&mut self, now: Millis, cluster: &str) -> Result<Applied, CommandError> {
@@ -898,11 +1033,13 @@ impl Federation {
             return Err(CommandError::LeaseInForce {
                 cluster: cluster.to_string(),
                 until_ms,
+                left_ms: until_ms.saturating_sub(now),
             });
         }
         self.now_ms = now;
         self.clusters.remove(cluster);
         self.decisions.remove(cluster);
+        self.cut_off.remove(cluster);
         self.record(AuditEvent::ClusterRemoved {
             cluster: cluster.to_string(),
         });
@@ -912,7 +1049,31 @@ impl Federation {
         Ok(Applied::Removed)
     }
 
-    fn report(&mut self, now: Millis, mut r: UsageReport) -> Result<Applied, CommandError> {
+    fn report(&mut self, now: Millis, r: UsageReport) -> Result<Applied, CommandError> {
+        let expected = self.check_report(&r)?;
+        // Validated: from here on nothing fails.
+        self.now_ms = now;
+        let applied = r.seq == expected || (r.seq < expected && crate::faults::on(|f| f.double_apply_resent));
+        let cluster = r.cluster.clone();
+        if let Some(rec) = self.clusters.get_mut(&cluster) {
+            // An acknowledgement is a fact about the agent whatever the sequence number.
+            let _ = rec.leases.ack(r.held_epoch);
+        }
+        if applied {
+            self.count_report(now, r)?;
+        }
+        // The plan is committed before the grant (a committed plan changes neither
+        // usage nor leases, so the grant reads the same grid).
+        self.commit_plan();
+        let lease = self.grant(&cluster);
+        self.note_renewed_lease(&cluster);
+        Ok(Applied::Reported { applied, lease })
+    }
+
+    /// Checks a report against the state: a policy, a registered cluster, its bounds,
+    /// no gap in the sequence, an epoch that was issued. Returns the sequence number the
+    /// cluster's next report must carry.
+    fn check_report(&self, r: &UsageReport) -> Result<u64, CommandError> {
         if self.policy.is_none() {
             return Err(CommandError::NoPolicy);
         }
@@ -964,109 +1125,65 @@ impl Federation {
                 cluster: r.cluster.to_string(),
                 source,
             })?;
-        // Validated: from here on nothing fails.
-        self.now_ms = now;
-        let applied = r.seq == expected;
+        Ok(expected)
+    }
+
+    /// Counts an applied report: its usage (the ledger and the showback, for the part of
+    /// its window not counted yet), the cluster's numbers, status, evictions and
+    /// decisions.
+    fn count_report(&mut self, now: Millis, mut r: UsageReport) -> Result<(), CommandError> {
         let weights = self.weights().clone();
         let rec = self
             .clusters
             .get_mut(&r.cluster)
             .ok_or_else(|| CommandError::UnknownCluster(r.cluster.to_string()))?;
-        // An acknowledgement is a fact about the agent whatever the sequence number.
-        let _ = rec.leases.ack(r.held_epoch);
-        if applied {
-            rec.last_seq = r.seq;
-            rec.last_report_ms = Some(now);
-            if let Some(cap) = r.capacity {
-                rec.capacity_gpue = weights.capacity_gpue_milli(&cap);
-                rec.capacity = cap;
-            }
-            let covered = rec.reported_through_ms;
-            let window = r.window.filter(|w| w.end_ms <= now.saturating_add(MAX_WINDOW_AHEAD_MS));
-            if let Some(w) = window {
-                rec.reported_through_ms = Some(covered.map_or(w.end_ms, |c| c.max(w.end_ms)));
-            }
-            // The report's tenants and the policy's are both in name order: walk them
-            // together, keep the policy's, and build the usage map from them in order.
-            let tenants = std::mem::take(&mut r.tenants);
-            let mut policy_tenants = self.policy.as_ref().map_or(&[][..], |p| &p.tenants[..]).iter().peekable();
-            let mut usage = Vec::with_capacity(tenants.len());
-            let mut ledger = Vec::with_capacity(tenants.len());
-            for (tenant, tr) in tenants {
-                while policy_tenants.next_if(|t| t.name < tenant).is_some() {}
-                let Some(t) = policy_tenants.next_if(|t| t.name == tenant) else { continue };
-                let used = window.map_or(tr.used_milli_gpue_ms, |w| w.uncovered(tr.used_milli_gpue_ms, covered));
-                if let Some(sb) = &mut self.showback {
-                    // The uncovered part of the window, on the agent's clock (checked
-                    // above not to run ahead of ours); without one, now.
-                    let (start, end) = window.map_or((now, now), |w| (w.start_ms.max(covered.unwrap_or(0)), w.end_ms));
-                    sb.record(&tenant, &r.cluster, used, start, end);
-                }
-                ledger.push((used, t.decay_half_life_ms));
-                usage.push((
-                    tenant,
-                    TenantUsage {
-                        inuse: tr.inuse,
-                        pending: tr.pending,
-                        bound: tr.inuse,
-                        // Kept only once every replica sizes budgets (older ones drop
-                        // the field when they decode the entry).
-                        largest: if self.sized { tr.largest.min(tr.pending) } else { 0 },
-                    },
-                ));
-            }
-            self.ledger.add_ascending(usage.iter().map(|(t, _)| t).zip(ledger), now);
-            *rec.usage = usage.into_iter().collect();
-            // The snapshot is from when the report was written; since then the agent may
-            // have admitted up to any lease it may hold (epoch >= its acknowledgement).
-            raise_bounds(rec);
-            for note in r.evictions {
-                self.record(AuditEvent::Eviction {
-                    cluster: r.cluster.to_string(),
-                    note,
-                });
-            }
-            self.keep_decisions(&r.cluster, r.decisions);
+        rec.last_seq = r.seq;
+        rec.last_report_ms = Some(now);
+        if let Some(cap) = r.capacity {
+            rec.capacity_gpue = weights.capacity_gpue_milli(&cap);
+            rec.capacity = cap;
         }
-        // The plan is committed before the grant (a committed plan changes neither
-        // usage nor leases, so the grant reads the same grid).
-        self.commit_plan();
-        let lease = self.grant(&r.cluster);
-        Ok(Applied::Reported { applied, lease })
+        let covered = rec.reported_through_ms;
+        let window = r.window.filter(|w| w.end_ms <= now.saturating_add(MAX_WINDOW_AHEAD_MS));
+        if let Some(w) = window {
+            rec.reported_through_ms = Some(covered.map_or(w.end_ms, |c| c.max(w.end_ms)));
+        }
+        let tenants = std::mem::take(&mut r.tenants);
+        let policy_tenants = self.policy.as_ref().map_or(&[][..], |p| &p.tenants[..]);
+        let counted = Counted {
+            cluster: &r.cluster,
+            window,
+            covered,
+            now,
+            sized: self.sized,
+        };
+        let (usage, ledger) = counted.tenants(tenants, policy_tenants, self.showback.as_mut());
+        self.ledger.add_ascending(usage.iter().map(|(t, _)| t).zip(ledger), now);
+        *rec.usage = usage.into_iter().collect();
+        if self.operator_view {
+            if let Some(status) = r.status.take() {
+                rec.status = Some(status.kept(&rec.usage));
+            }
+        }
+        // The snapshot is from when the report was written; since then the agent may
+        // have admitted up to any lease it may hold (epoch >= its acknowledgement).
+        raise_bounds(rec);
+        for note in r.evictions {
+            self.record(AuditEvent::Eviction {
+                cluster: r.cluster.to_string(),
+                note,
+            });
+        }
+        self.keep_decisions(&r.cluster, r.decisions);
+        Ok(())
     }
 
     fn weights(&self) -> &crate::resources::ResourceWeights {
-        static DEFAULT: std::sync::OnceLock<crate::resources::ResourceWeights> =
-            std::sync::OnceLock::new();
+        static DEFAULT: std::sync::OnceLock<crate::resources::ResourceWeights> = std::sync::OnceLock::new();
         match &self.policy {
             Some(p) => &p.resource_weights,
             None => DEFAULT.get_or_init(crate::resources::ResourceWeights::new),
         }
-    }
-
-    fn record(&mut self, event: AuditEvent) {
-        self.audit_seq += 1;
-        if self.audit.len() >= AUDIT_CAPACITY {
-            self.audit.pop_front();
-        }
-        // Who: the caller the control plane names (an operator's certificate), else
-        // the party the event implies. Kept with the records (feature level 2) only, so
-        // a group below it writes the records every member writes.
-        let actor = if self.keeps_records() {
-            self.actor.clone().or_else(|| match &event {
-                AuditEvent::ClusterRegistered { cluster, .. } | AuditEvent::Eviction { cluster, .. } => Some(format!("cluster/{cluster}")),
-                AuditEvent::BudgetsChanged { .. } => Some(CONTROL_PLANE_ACTOR.to_string()),
-                AuditEvent::PolicyApplied { .. } | AuditEvent::ClusterRemoved { .. } => None,
-            })
-        } else {
-            None
-        };
-        self.audit.push_back(std::sync::Arc::new(AuditRecord {
-            seq: self.audit_seq,
-            at_ms: self.now_ms,
-            event,
-            actor,
-        }));
     }
 
     /// Applies `cmd` on behalf of `actor` (`role/name` of the caller's certificate, as
@@ -1080,7 +1197,12 @@ impl Federation {
 
     /// The audit records (oldest first) that concern `tenant`, were made by `actor` and
     /// are not older than `since_ms`; each filter only when given.
-    pub fn audit_filtered<'a>(&'a self, tenant: Option<&'a str>, actor: Option<&'a str>, since_ms: Option<Millis>) -> impl Iterator<Item = &'a AuditRecord> + 'a {
+    pub fn audit_filtered<'a>(
+        &'a self,
+        tenant: Option<&'a str>,
+        actor: Option<&'a str>,
+        since_ms: Option<Millis>,
+    ) -> impl Iterator<Item = &'a AuditRecord> + 'a {
         self.audit.iter().map(|r| &**r).filter(move |r| {
             since_ms.is_none_or(|s| r.at_ms >= s)
                 && actor.is_none_or(|a| r.actor.as_deref() == Some(a))
@@ -1146,6 +1268,57 @@ impl Federation {
         f(grid)
     }
 
+    /// The committed entitlement of each of `names` (the policy's `policy_tenants`
+    /// first, then retiring ones): down at once (not below what leases still hold in
+    /// `held`), then up into free capacity in proportion to the shortfall.
+    fn committed_entitlements(
+        &self,
+        names: &[TenantName],
+        policy_tenants: usize,
+        entitlements: &[Entitlement],
+        held: &[u64],
+        capacity: MilliGpue,
+    ) -> Vec<u64> {
+        // Committed entitlement: down at once (not below what leases still hold), then up
+        // into free capacity in proportion to the shortfall (smallest shortfalls whole
+        // first from feature level 8, see `fill_small_first`).
+        // Names come in two ascending runs: the policy's tenants, then retiring ones.
+        let mut run = Ascending::new(&self.committed);
+        let mut committed: Vec<u64> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                if i == policy_tenants {
+                    run = Ascending::new(&self.committed);
+                }
+                let prev = run.get(n).copied().unwrap_or(0);
+                prev.min(entitlements[i].total.max(held[i]))
+            })
+            .collect();
+        let used_total: u128 = committed.iter().map(|&c| u128::from(c)).sum();
+        let free = u128::from(capacity).saturating_sub(used_total);
+        let shortfall: Vec<u64> = committed
+            .iter()
+            .zip(entitlements)
+            .map(|(&c, e)| e.total.saturating_sub(c))
+            .collect();
+        let short_total: u128 = shortfall.iter().map(|&s| u128::from(s)).sum();
+        if short_total > 0 && free > 0 && self.small_first {
+            fill_small_first(&mut committed, &shortfall, free);
+        } else if short_total > 0 && free > 0 {
+            let give = free.min(short_total);
+            let mut cum: u128 = 0;
+            let mut before: u128 = 0;
+            for (c, s) in committed.iter_mut().zip(&shortfall) {
+                cum += u128::from(*s);
+                let through = give * cum / short_total;
+                *c += u64::try_from(through - before).unwrap_or(0);
+                before = through;
+            }
+        }
+        committed
+    }
+
     /// Computes the plan at the state's clock without changing anything.
     pub fn plan(&self) -> Plan {
         self.with_grid(|grid| self.plan_with(grid))
@@ -1197,40 +1370,7 @@ impl Federation {
         let mut entitlements = entitlement::compute(capacity, &inputs);
         entitlements.resize(names.len(), Entitlement::default());
 
-        // Committed entitlement: down at once (not below what leases still hold), then up
-        // into free capacity in proportion to the shortfall.
-        // Names come in two ascending runs: the policy's tenants, then retiring ones.
-        let mut run = Ascending::new(&self.committed);
-        let mut committed: Vec<u64> = names
-            .iter()
-            .enumerate()
-            .map(|(i, n)| {
-                if i == policy.tenants.len() {
-                    run = Ascending::new(&self.committed);
-                }
-                let prev = run.get(n).copied().unwrap_or(0);
-                prev.min(entitlements[i].total.max(held[i]))
-            })
-            .collect();
-        let used_total: u128 = committed.iter().map(|&c| u128::from(c)).sum();
-        let free = u128::from(capacity).saturating_sub(used_total);
-        let shortfall: Vec<u64> = committed
-            .iter()
-            .zip(&entitlements)
-            .map(|(&c, e)| e.total.saturating_sub(c))
-            .collect();
-        let short_total: u128 = shortfall.iter().map(|&s| u128::from(s)).sum();
-        if short_total > 0 && free > 0 {
-            let give = free.min(short_total);
-            let mut cum: u128 = 0;
-            let mut before: u128 = 0;
-            for (c, s) in committed.iter_mut().zip(&shortfall) {
-                cum += u128::from(*s);
-                let through = give * cum / short_total;
-                *c += u64::try_from(through - before).unwrap_or(0);
-                before = through;
-            }
-        }
+        let committed = self.committed_entitlements(&names, policy.tenants.len(), &entitlements, &held, capacity);
         Plan {
             capacity,
             tenants: names,
@@ -1303,7 +1443,11 @@ impl Federation {
                 }
                 // Cut from min(committed, target): a committed entitlement above target
                 // must be able to fall, which it does only once budgets stop holding it up.
-                let amount = committed_of.get(&t.name).copied().unwrap_or(0).min(target_of.get(&t.name).copied().unwrap_or(0));
+                let amount = committed_of
+                    .get(&t.name)
+                    .copied()
+                    .unwrap_or(0)
+                    .min(target_of.get(&t.name).copied().unwrap_or(0));
                 split_tenant(amount, cells, &mut split);
                 if largest.iter().any(|&b| b > 0) {
                     fit_largest(amount, cells, largest, &mut split);
@@ -1329,13 +1473,18 @@ impl Federation {
     /// borrowed capacity never take the tenant past its maxShare under the leases of one
     /// plan. 0 for a non-preemptible tenant: borrowed pods must be evictable.
     pub fn borrow_limit(&self, tenant: &str, cluster: &str, committed: MilliGpue) -> MilliGpue {
-        let (Some(p), Some(rec)) = (&self.policy, self.clusters.get(cluster)) else { return 0 };
-        p.tenant(tenant).map_or(0, |t| borrow_of(p, t, rec.capacity_gpue, self.capacity(), committed))
+        let (Some(p), Some(rec)) = (&self.policy, self.clusters.get(cluster)) else {
+            return 0;
+        };
+        p.tenant(tenant)
+            .map_or(0, |t| borrow_of(p, t, rec.capacity_gpue, self.capacity(), committed))
     }
 
     /// `maxShare x G` of `tenant`: more than it may ever hold anywhere (0 without a policy).
     pub fn ceiling(&self, tenant: &str) -> MilliGpue {
-        let Some(t) = self.policy.as_ref().and_then(|p| p.tenant(tenant)) else { return 0 };
+        let Some(t) = self.policy.as_ref().and_then(|p| p.tenant(tenant)) else {
+            return 0;
+        };
         entitlement::share_of(self.capacity(), t.max_share_bp)
     }
 
@@ -1344,57 +1493,38 @@ impl Federation {
     /// what the tenant's other clusters may hold comes from the grid's row sums.
     fn grant(&mut self, cluster: &ClusterName) -> Lease {
         let now = self.now_ms;
-        let (duration_ms, margin_ms) = self
-            .policy
-            .as_ref()
-            .map_or((crate::policy::defaults::LEASE_DURATION_MS, crate::policy::defaults::CLOCK_SKEW_MARGIN_MS), |p| {
-                (p.lease.duration_ms, p.lease.clock_skew_margin_ms)
-            });
-        // Per policy tenant: (desired budget, what its other clusters may hold, its
-        // in-use here).
-        let rows: Vec<(MilliGpue, MilliGpue, MilliGpue)> = match self.clusters.keys().position(|c| c == cluster) {
-            Some(pos) => self.with_grid(|grid| {
-                let want = self.desired_budgets_with(pos, grid);
-                want.into_iter()
-                    .enumerate()
-                    .map(|(i, w)| (w, grid.hold_except(i, pos), grid.cell(i, pos).usage.inuse))
-                    .collect()
-            }),
-            None => Vec::new(),
-        };
+        let (duration_ms, margin_ms) = self.policy.as_ref().map_or(
+            (
+                crate::policy::defaults::LEASE_DURATION_MS,
+                crate::policy::defaults::CLOCK_SKEW_MARGIN_MS,
+            ),
+            |p| (p.lease.duration_ms, p.lease.clock_skew_margin_ms),
+        );
+        let rows = self.grant_rows(cluster);
         let total = self.capacity();
         let capacity_here = self.clusters.get(cluster).map_or(0, |r| r.capacity_gpue);
         let mut budgets = BTreeMap::new();
         // Changes as numbers; their explanations are written only if the audit log takes
         // them (budgets drift a little at every report, and formatting a sentence per
         // tenant per report was a large part of a report's cost with many tenants).
-        let mut changes: Vec<(&TenantName, u64, u64, u64, u64, u64, u64)> = Vec::new();
-        let prev = self.clusters.get(cluster).and_then(|r| r.leases.latest()).map(|l| &l.budgets);
+        let mut changes: Vec<BudgetDelta<'_>> = Vec::new();
+        let prev = self
+            .clusters
+            .get(cluster)
+            .and_then(|r| r.leases.latest())
+            .map(|l| &l.budgets);
         let tenants = self.policy.as_ref().map_or(&[][..], |p| &p.tenants[..]);
         // The policy's tenants are in name order, as are these maps.
         let (mut committed_of, mut target_of) = (Ascending::new(&self.committed), Ascending::new(&self.targets));
         let mut prev_of = prev.map(Ascending::new);
-        for (t, &(want, rest, own_inuse)) in tenants.iter().zip(&rows) {
+        for (t, row) in tenants.iter().zip(&rows) {
             let tenant = &t.name;
             let committed = committed_of.get(tenant).copied().unwrap_or(0);
-            // A new budget never lets the tenant's clusters together reach past
-            // min(committed, target). Not `max(committed, inuse_sum)`: the reported
-            // in-use is stale (pods finished since), and a tenant already above its
-            // entitlement (a policy lowered its maxShare, or demand moved) would refill
-            // up to what it last reported, above its entitlement and cap.
             let target = target_of.get(tenant).copied().unwrap_or(0);
-            let bound = committed.min(target).saturating_sub(rest);
-            let budget = want.min(bound);
-            // The safe budget (see `safe_budget`).
-            let fallback = entitlement::share_of(capacity_here, t.min_share_bp).min(budget);
-            let (borrow, ceiling) = match (&self.policy, self.lending) {
-                (Some(p), true) => (borrow_of(p, t, capacity_here, total, committed), entitlement::share_of(total, t.max_share_bp)),
-                _ => (0, 0),
-            };
-            let b = TenantBudget { budget, fallback, entitlement: committed, borrow, ceiling };
+            let (b, bound) = self.tenant_budget(t, row, committed, target, (total, capacity_here));
             let old = prev_of.as_mut().and_then(|p| p.get(tenant)).map_or(0, |p| p.budget);
-            if old != budget {
-                changes.push((tenant, old, budget, want, bound, own_inuse, committed));
+            if old != b.budget {
+                changes.push((tenant, old, b.budget, row.want, bound, row.inuse_here, committed));
             }
             budgets.insert(tenant.clone(), b);
         }
@@ -1413,28 +1543,95 @@ impl Federation {
         let lease = rec.leases.issue(cluster, budgets, now, duration_ms, margin_ms);
         // Whatever any open lease allows may be admitted from now until the next report.
         raise_bounds(rec);
-        // Budgets follow decayed usage, so they drift by a few milli-GPUe between reports;
-        // only changes a person would care about go into the audit log.
-        let notable = changes
-            .iter()
-            .any(|&(_, from, to, ..)| from.abs_diff(to) >= AUDIT_MIN_CHANGE || from == 0 || to == 0);
-        if lease.epoch > before && notable {
-            let changes = changes
-                .into_iter()
-                .map(|(tenant, from, to, want, bound, inuse, committed)| BudgetChange {
-                    tenant: tenant.to_string(),
-                    from,
-                    to,
-                    why: explain_change(from, to, want, bound, inuse, committed),
-                })
-                .collect();
-            self.record(AuditEvent::BudgetsChanged {
-                cluster: cluster.to_string(),
-                epoch: lease.epoch,
-                changes,
-            });
+        if lease.epoch > before {
+            if let Some(changes) = notable_changes(changes) {
+                self.record_budgets(cluster, lease.epoch, changes);
+            }
         }
         lease
+    }
+
+    /// Per policy tenant, what [`Federation::grant`] needs of the grid for `cluster`
+    /// (empty for an unknown cluster).
+    fn grant_rows(&self, cluster: &ClusterName) -> Vec<GrantRow> {
+        match self.clusters.keys().position(|c| c == cluster) {
+            Some(pos) => self.with_grid(|grid| {
+                let want = self.desired_budgets_with(pos, grid);
+                want.into_iter()
+                    .enumerate()
+                    .map(|(i, w)| GrantRow {
+                        want: w,
+                        rest: grid.hold_except(i, pos),
+                        inuse_here: grid.cell(i, pos).usage.inuse,
+                        held: grid.hold_total(i),
+                        reach: grid.reach_except(i, pos),
+                    })
+                    .collect()
+            }),
+            None => Vec::new(),
+        }
+    }
+
+    /// Tenant `t`'s budget in a new lease (and the bound that held it back), given its
+    /// committed entitlement and target and `(total, capacity_here)` capacities.
+    fn tenant_budget(
+        &self,
+        t: &crate::policy::TenantPolicy,
+        row: &GrantRow,
+        committed: MilliGpue,
+        target: MilliGpue,
+        (total, capacity_here): (MilliGpue, MilliGpue),
+    ) -> (TenantBudget, MilliGpue) {
+        let GrantRow {
+            want,
+            rest,
+            held,
+            reach,
+            ..
+        } = *row;
+        // A new budget never lets the tenant's clusters together reach past
+        // min(committed, target). Not `max(committed, inuse_sum)`: the reported
+        // in-use is stale (pods finished since), and a tenant already above its
+        // entitlement (a policy lowered its maxShare, or demand moved) would refill
+        // up to what it last reported, above its entitlement and cap.
+        let bound = committed.min(target).saturating_sub(rest);
+        // And the tenant's clusters together, borrowing included, never past its
+        // maxShare: a borrow limit of an older lease still standing elsewhere holds
+        // budget increases back here until it is superseded (break before make).
+        let cap_room = entitlement::share_of(total, t.max_share_bp).saturating_sub(reach);
+        let budget = if crate::faults::on(|f| f.make_before_break) {
+            want
+        } else {
+            want.min(bound).min(if self.lending && self.borrow_cap {
+                cap_room
+            } else {
+                u64::MAX
+            })
+        };
+        // The safe budget (see `safe_budget`).
+        let fallback = entitlement::share_of(capacity_here, t.min_share_bp).min(budget);
+        let (borrow, ceiling) = match (&self.policy, self.lending) {
+            (Some(p), true) => (
+                // From what the tenant may hold, if that is more than its
+                // entitlement (pods above budgets moved elsewhere): borrowing
+                // never takes it past its maxShare.
+                if self.borrow_cap {
+                    borrow_of(p, t, capacity_here, total, committed.max(held)).min(cap_room.saturating_sub(budget))
+                } else {
+                    borrow_of(p, t, capacity_here, total, committed)
+                },
+                entitlement::share_of(total, t.max_share_bp),
+            ),
+            _ => (0, 0),
+        };
+        let b = TenantBudget {
+            budget,
+            fallback,
+            entitlement: committed,
+            borrow,
+            ceiling,
+        };
+        (b, bound)
     }
 
     /// Checks the partition-safety invariant at the state's clock; empty when it holds.
@@ -1451,9 +1648,11 @@ impl Federation {
             let mut held = 0u64;
             let mut inuse = 0u64;
             for rec in self.clusters.values() {
+                // Borrowed pods are left out: they stand outside the inequality,
+                // bounded by the borrow limits (docs/fairness-model.md).
                 let tu = rec.usage.get(name).copied().unwrap_or_default();
-                held = held.saturating_add(tu.hold(rec.leases.enforceable(name, now)));
-                inuse = inuse.saturating_add(tu.inuse);
+                held = held.saturating_add(tu.held_within_budgets(rec.leases.enforceable(name, now)));
+                inuse = inuse.saturating_add(tu.inuse_within_budgets());
             }
             let bound = self.committed.get(name).copied().unwrap_or(0).max(inuse);
             if held > bound {
@@ -1476,14 +1675,137 @@ impl Federation {
     }
 }
 
+/// Per policy tenant, what the grid says for a lease on one cluster: the desired
+/// budget, what its other clusters may hold, its in-use here, what it may hold
+/// everywhere, and what its other clusters may hold or admit with borrowing.
+#[derive(Clone, Copy)]
+struct GrantRow {
+    want: MilliGpue,
+    rest: MilliGpue,
+    inuse_here: MilliGpue,
+    held: MilliGpue,
+    reach: MilliGpue,
+}
+
+/// A budget change as numbers: (tenant, from, to, want, bound, in-use, committed).
+type BudgetDelta<'a> = (&'a TenantName, u64, u64, u64, u64, u64, u64);
+
+/// The changes with their explanations, if any is one a person would care about:
+/// budgets follow decayed usage, so they drift by a few milli-GPUe between reports, and
+/// only notable changes go into the audit log.
+fn notable_changes(changes: Vec<BudgetDelta<'_>>) -> Option<Vec<BudgetChange>> {
+    let notable = changes
+        .iter()
+        .any(|&(_, from, to, ..)| from.abs_diff(to) >= AUDIT_MIN_CHANGE || from == 0 || to == 0);
+    notable.then(|| {
+        changes
+            .into_iter()
+            .map(|(tenant, from, to, want, bound, inuse, committed)| BudgetChange {
+                tenant: tenant.to_string(),
+                from,
+                to,
+                why: explain_change(from, to, want, bound, inuse, committed),
+            })
+            .collect()
+    })
+}
+
+/// What [`Federation::count_report`] counts a report's tenants with: the cluster, the
+/// report's window (if not ahead of the clock), how far the cluster's usage was
+/// counted before it, the clock, and whether budgets are sized.
+struct Counted<'a> {
+    cluster: &'a ClusterName,
+    window: Option<UsageWindow>,
+    covered: Option<Millis>,
+    now: Millis,
+    sized: bool,
+}
+
+impl Counted<'_> {
+    /// The report's tenants that the policy has, as usage (in name order) and as ledger
+    /// entries (usage not counted before, half-life); the usage goes into the showback
+    /// too.
+    #[allow(clippy::type_complexity)]
+    fn tenants(
+        &self,
+        tenants: BTreeMap<TenantName, TenantReport>,
+        policy_tenants: &[crate::policy::TenantPolicy],
+        mut showback: Option<&mut crate::showback::Showback>,
+    ) -> (Vec<(TenantName, TenantUsage)>, Vec<(u64, Millis)>) {
+        // The report's tenants and the policy's are both in name order: walk them
+        // together, keep the policy's, and build the usage map from them in order.
+        let mut policy_tenants = policy_tenants.iter().peekable();
+        let mut usage = Vec::with_capacity(tenants.len());
+        let mut ledger = Vec::with_capacity(tenants.len());
+        for (tenant, tr) in tenants {
+            while policy_tenants.next_if(|t| t.name < tenant).is_some() {}
+            let Some(t) = policy_tenants.next_if(|t| t.name == tenant) else {
+                continue;
+            };
+            let used = self.window.map_or(tr.used_milli_gpue_ms, |w| {
+                w.uncovered(tr.used_milli_gpue_ms, self.covered)
+            });
+            if let Some(sb) = showback.as_deref_mut() {
+                // The uncovered part of the window, on the agent's clock (checked
+                // above not to run ahead of ours); without one, now.
+                let (start, end) = self.window.map_or((self.now, self.now), |w| {
+                    (w.start_ms.max(self.covered.unwrap_or(0)), w.end_ms)
+                });
+                sb.record(&tenant, self.cluster, used, start, end);
+            }
+            ledger.push((used, t.decay_half_life_ms));
+            usage.push((
+                tenant,
+                TenantUsage {
+                    inuse: tr.inuse,
+                    pending: tr.pending,
+                    // Borrowed pods stand outside the budgets (see
+                    // `TenantUsage::held_within_budgets`); the in-use still counts them,
+                    // so what a grant leaves room for is unchanged.
+                    bound: tr.inuse - tr.borrowed.min(tr.inuse),
+                    // Kept only once every replica sizes budgets (older ones drop
+                    // the field when they decode the entry).
+                    largest: if self.sized { tr.largest.min(tr.pending) } else { 0 },
+                    borrowed: tr.borrowed.min(tr.inuse),
+                },
+            ));
+        }
+        (usage, ledger)
+    }
+}
+
+/// Raises `committed` into `free` capacity smallest shortfall first, ties by position
+/// (name order): each filled whole while capacity lasts, the last one in part.
+fn fill_small_first(committed: &mut [u64], shortfall: &[u64], free: u128) {
+    let mut order: Vec<usize> = (0..shortfall.len()).filter(|&i| shortfall[i] > 0).collect();
+    order.sort_unstable_by_key(|&i| (shortfall[i], i));
+    let mut left = free;
+    for i in order {
+        let take = u128::from(shortfall[i]).min(left);
+        if take == 0 {
+            break;
+        }
+        committed[i] += u64::try_from(take).unwrap_or(0);
+        left -= take;
+    }
+}
+
 /// A preemptible tenant's borrow limit in a cluster of `capacity` out of `total` (see
 /// [`Federation::borrow_limit`]).
-fn borrow_of(p: &Policy, t: &crate::policy::TenantPolicy, capacity: MilliGpue, total: MilliGpue, committed: MilliGpue) -> MilliGpue {
+fn borrow_of(
+    p: &Policy,
+    t: &crate::policy::TenantPolicy,
+    capacity: MilliGpue,
+    total: MilliGpue,
+    committed: MilliGpue,
+) -> MilliGpue {
     if !(p.reclaim.enabled && p.reclaim.lend_idle && t.preemptible) {
         return 0; // lent GPUs could never be taken back; borrowed pods must be evictable
     }
     let room = entitlement::share_of(total, t.max_share_bp).saturating_sub(committed);
-    let part = (u128::from(room) * u128::from(capacity)).checked_div(u128::from(total)).unwrap_or(0);
+    let part = (u128::from(room) * u128::from(capacity))
+        .checked_div(u128::from(total))
+        .unwrap_or(0);
     u64::try_from(part).unwrap_or(0)
 }
 
@@ -1567,11 +1889,22 @@ mod grid_tests {
     /// the cluster may enforce), and the row's sums (demand, in-use, hold) and split
     /// cells computed from those lookups.
     #[allow(clippy::type_complexity)]
-    fn naive(fed: &Federation, names: &[TenantName]) -> (Vec<(TenantUsage, MilliGpue)>, Vec<(u64, u64, u64)>, Vec<(Cell, MilliGpue)>) {
+    fn naive(
+        fed: &Federation,
+        names: &[TenantName],
+    ) -> (
+        Vec<(TenantUsage, MilliGpue)>,
+        Vec<(u64, u64, u64)>,
+        Vec<(Cell, MilliGpue)>,
+    ) {
         let now = fed.now_ms;
         let (mut cells, mut sums, mut split) = (Vec::new(), Vec::new(), Vec::new());
         for name in names {
-            let burst = fed.policy.as_ref().and_then(|p| p.tenant(name)).map_or(1_000, |t| t.burst_factor_milli);
+            let burst = fed
+                .policy
+                .as_ref()
+                .and_then(|p| p.tenant(name))
+                .map_or(1_000, |t| t.burst_factor_milli);
             let (mut d, mut u, mut h) = (0u64, 0u64, 0u64);
             for rec in fed.clusters.values() {
                 let tu = rec.usage.get(name.as_str()).copied().unwrap_or_default();
@@ -1585,8 +1918,16 @@ mod grid_tests {
                 d = d.saturating_add(cd);
                 u = u.saturating_add(tu.inuse);
                 h = h.saturating_add(tu.hold(enf));
-                let cell = if unreachable { Cell::pinned(tu.hold(enf)) } else { Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, burst)) };
-                let big = if unreachable || tu.largest > rec.capacity_gpue { 0 } else { tu.largest };
+                let cell = if unreachable {
+                    Cell::pinned(tu.hold(enf))
+                } else {
+                    Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, burst))
+                };
+                let big = if unreachable || tu.largest > rec.capacity_gpue {
+                    0
+                } else {
+                    tu.largest
+                };
                 split.push((cell, big));
             }
             sums.push((d, u, h));
@@ -1624,10 +1965,11 @@ mod grid_tests {
                     seq: seqs[c].0,
                     held_epoch: seqs[c].1,
                     capacity: if dt % 7 == 0 { Some([("nvidia.com/gpu".to_string(), 8_000 + dt % 16_000)].into()) } else { None },
-                    tenants: usage.iter().map(|(t, inuse, pending)| (TenantName::from_static(tenants[*t]), TenantReport { used_milli_gpue_ms: 0, inuse: *inuse, pending: *pending, largest: (*pending).min(1_000 + inuse % 16_000) })).collect(),
+                    tenants: usage.iter().map(|(t, inuse, pending)| (TenantName::from_static(tenants[*t]), TenantReport { used_milli_gpue_ms: 0, inuse: *inuse, pending: *pending, largest: (*pending).min(1_000 + inuse % 16_000), borrowed: 0 })).collect(),
                     evictions: Vec::new(),
                     decisions: Vec::new(),
                     window: None,
+                    status: None,
                 };
                 if let Ok(Applied::Reported { lease, .. }) = fed.apply(now, Command::Report(r)) {
                     seqs[c] = (seqs[c].0 + 1, lease.epoch);
@@ -1687,7 +2029,10 @@ mod grid_tests {
     fn a_stored_report_reads_without_a_tenant_that_is_no_label() {
         let json = r#"{"cluster":"east","seq":3,"held_epoch":1,"capacity":null,"tenants":{"team-":{"used_milli_gpue_ms":5,"inuse":1000,"pending":0},"training":{"used_milli_gpue_ms":7,"inuse":2000,"pending":0}}}"#;
         let r: UsageReport = serde_json::from_str(json).expect("read");
-        assert_eq!(r.tenants.keys().map(TenantName::as_str).collect::<Vec<_>>(), ["training"]);
+        assert_eq!(
+            r.tenants.keys().map(TenantName::as_str).collect::<Vec<_>>(),
+            ["training"]
+        );
         assert_eq!(r.tenants["training"].used_milli_gpue_ms, 7);
         // The cluster's name is checked strictly: every build checked it.
         assert!(serde_json::from_str::<UsageReport>(&json.replace("\"east\"", "\"east-\"")).is_err());

@@ -15,8 +15,8 @@
 //!   these: an upper bound on what the cluster can admit right now, as long as clock
 //!   rates differ by less than `margin / duration`.
 //!
-//! The fallback of a tenant is `min(safe budget, budget)`: the static safe budget of the
-//! contract, but never more than the lease itself granted. Taking the minimum keeps the
+//! The fallback of a tenant is `min(safe budget, budget)`: the guarantee-sized safe budget
+//! (docs/guarantees.md D1), but never more than the lease itself granted. Taking the minimum keeps the
 //! partition-safety inequality true even for a tenant whose entitlement is below its safe
 //! budgets (see `docs/fairness-model.md`, "Why the fallback is capped").
 
@@ -25,8 +25,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{MilliGpue, Millis};
 use crate::names::{ClusterName, TenantName};
+use crate::{MilliGpue, Millis};
 
 /// Most leases the control plane keeps open (issued, not yet superseded by an
 /// acknowledgement) per cluster. Past it, the newest lease is renewed instead of a new
@@ -80,7 +80,39 @@ pub struct Lease {
     pub budgets: BTreeMap<TenantName, TenantBudget>,
 }
 
+/// Why a lease cannot be enforced as it stands (read from the network, the journal or
+/// the state kept in the cluster): the field and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {why}")]
+pub struct InvalidLease {
+    /// The field, as `budgets[TENANT].fallback`.
+    pub field: String,
+    /// What is wrong.
+    pub why: String,
+}
+
 impl Lease {
+    /// Checks what every reader of a lease relies on: epochs start at 1, the margin is at
+    /// most half the duration (so a lease is enforceable for some time after its request
+    /// was sent), and no tenant's fallback exceeds its budget (the fallback is the part
+    /// of the budget kept after expiry). Every decoder of a lease calls this.
+    pub fn validate(&self) -> Result<(), InvalidLease> {
+        let bad = |field: String, why: &str| InvalidLease {
+            field,
+            why: why.to_string(),
+        };
+        if self.epoch == 0 {
+            return Err(bad("epoch".into(), "epochs start at 1"));
+        }
+        if self.margin_ms.saturating_mul(2) > self.duration_ms {
+            return Err(bad("margin_ms".into(), "more than half the duration"));
+        }
+        if let Some((t, _)) = self.budgets.iter().find(|(_, b)| b.fallback > b.budget) {
+            return Err(bad(format!("budgets[{t}].fallback"), "fallback exceeds the budget"));
+        }
+        Ok(())
+    }
+
     /// Budget of `tenant` while in force.
     pub fn budget(&self, tenant: &str) -> MilliGpue {
         self.budgets.get(tenant).map_or(0, |b| b.budget)
@@ -182,8 +214,7 @@ impl AgentLease {
         if lease.cluster != self.cluster {
             return LeaseUpdate::Rejected;
         }
-        let until = request_sent_ms
-            .saturating_add(lease.duration_ms.saturating_sub(lease.margin_ms));
+        let until = request_sent_ms.saturating_add(lease.duration_ms.saturating_sub(lease.margin_ms));
         match &self.held {
             Some(h) if lease.epoch < h.epoch => LeaseUpdate::Stale,
             Some(h) if lease.epoch == h.epoch => {
@@ -279,7 +310,7 @@ impl AgentLease {
     pub fn budget(&self, tenant: &str, now_ms: Millis) -> MilliGpue {
         match (&self.held, self.status(now_ms)) {
             (None, _) => 0,
-            (Some(l), LeaseStatus::Safe) => l.fallback(tenant),
+            (Some(l), LeaseStatus::Safe) if !crate::faults::on(|f| f.ignore_expiry) => l.fallback(tenant),
             (Some(l), _) => l.budget(tenant),
         }
     }
@@ -427,7 +458,17 @@ mod tests {
     use super::*;
 
     fn budgets(b: u64, f: u64) -> BTreeMap<TenantName, TenantBudget> {
-        [(TenantName::from_static("t"), TenantBudget { budget: b, fallback: f, entitlement: b, borrow: 0, ceiling: 0 })].into()
+        [(
+            TenantName::from_static("t"),
+            TenantBudget {
+                budget: b,
+                fallback: f,
+                entitlement: b,
+                borrow: 0,
+                ceiling: 0,
+            },
+        )]
+        .into()
     }
 
     fn lease(epoch: u64, b: u64, f: u64) -> Lease {
@@ -450,7 +491,10 @@ mod tests {
         assert_eq!(a.budget("t", 27_999), 10);
         assert_eq!(a.budget("t", 28_000), 4);
         assert_eq!(a.status(28_000), LeaseStatus::Safe);
-        assert!(matches!(a.status(25_000), LeaseStatus::Expiring { remaining_ms: 3_000 }));
+        assert!(matches!(
+            a.status(25_000),
+            LeaseStatus::Expiring { remaining_ms: 3_000 }
+        ));
         assert!(matches!(a.status(2_000), LeaseStatus::Fresh { remaining_ms: 26_000 }));
     }
 
@@ -493,7 +537,11 @@ mod tests {
         if let Some(b) = changed.budgets.get_mut("t") {
             b.borrow = 1_000;
         }
-        assert_eq!(a.on_lease(changed, 0), LeaseUpdate::Rejected, "limits differ from limits held");
+        assert_eq!(
+            a.on_lease(changed, 0),
+            LeaseUpdate::Rejected,
+            "limits differ from limits held"
+        );
     }
 
     #[test]
@@ -530,7 +578,11 @@ mod tests {
         let l1 = b.issue(&ClusterName::from_static("c1"), budgets(10, 4), 0, 30_000, 3_000);
         assert_eq!(l1.epoch, 1);
         // Same budgets: a renewal, not a new epoch.
-        assert_eq!(b.issue(&ClusterName::from_static("c1"), budgets(10, 4), 5_000, 30_000, 3_000).epoch, 1);
+        assert_eq!(
+            b.issue(&ClusterName::from_static("c1"), budgets(10, 4), 5_000, 30_000, 3_000)
+                .epoch,
+            1
+        );
         assert_eq!(b.open[0].expires_at_ms, 35_000);
         // A decrease: both epochs may be held until the agent acknowledges 2.
         let l2 = b.issue(&ClusterName::from_static("c1"), budgets(6, 4), 6_000, 30_000, 3_000);

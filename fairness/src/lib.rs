@@ -16,7 +16,7 @@
 //!   Kubernetes computes its requests.
 //! - [`policy`]: the `FairnessPolicy` YAML, validated with every problem reported.
 //! - [`decay`]: deterministic `2^(-t/h)` and the decayed usage ledger.
-//! - [`entitlement`]: the fairness model (contract properties 1-7).
+//! - [`entitlement`]: the fairness model (docs/guarantees.md G1-G7).
 //! - [`split`]: an entitlement split into per-cluster budgets.
 //! - [`lease`]: leases, the agent-side lease rules and the control plane's lease book.
 //! - [`federation`]: the control plane's state machine (commands in, leases and audit
@@ -31,6 +31,7 @@ pub mod decay;
 pub mod document;
 pub mod entitlement;
 pub mod explain;
+pub mod faults;
 pub mod federation;
 pub mod lease;
 pub mod measures;

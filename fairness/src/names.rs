@@ -15,11 +15,11 @@ pub fn is_dns_label(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() <= MAX_DNS_LABEL
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
         && b[0] != b'-'
         && b[b.len() - 1] != b'-'
 }
-
 
 /// A name that is not a DNS label, with what it was to name.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -38,7 +38,11 @@ fn checked(what: &'static str, name: String) -> Result<String, NameError> {
         Ok(name)
     } else {
         let shown: String = name.chars().take(80).collect();
-        Err(NameError { what, name: shown, rule: DNS_LABEL_RULE })
+        Err(NameError {
+            what,
+            name: shown,
+            rule: DNS_LABEL_RULE,
+        })
     }
 }
 
@@ -222,18 +226,25 @@ pub const POD_KEY_RULE: &str = "NAMESPACE/NAME: the namespace a DNS label, the n
 
 /// Whether `s` is a pod name as Kubernetes allows it (a DNS subdomain's characters).
 fn is_pod_name(s: &str) -> bool {
-    !s.is_empty() && s.len() <= MAX_POD_NAME && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
+    !s.is_empty()
+        && s.len() <= MAX_POD_NAME
+        && s.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
 }
 
 /// Whether `s` is the `PREFIX*UID` a pod has before the API server names it: the
 /// prefix (its `generateName`, possibly empty) with a name's characters, the uid 1-64
 /// lowercase letters, digits and '-'.
 fn is_provisional_name(s: &str) -> bool {
-    let Some((prefix, uid)) = s.split_once('*') else { return false };
+    let Some((prefix, uid)) = s.split_once('*') else {
+        return false;
+    };
     (prefix.is_empty() || is_pod_name(prefix))
         && !uid.is_empty()
         && uid.len() <= MAX_UID
-        && uid.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+        && uid
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
 }
 
 /// A pod's key, `namespace/name` (see [`POD_KEY_RULE`]): how the agent's admission
@@ -252,7 +263,11 @@ impl PodKey {
         if ok {
             Ok(PodKey(key))
         } else {
-            Err(NameError { what: "pod key", name: key.chars().take(80).collect(), rule: POD_KEY_RULE })
+            Err(NameError {
+                what: "pod key",
+                name: key.chars().take(80).collect(),
+                rule: POD_KEY_RULE,
+            })
         }
     }
 
@@ -264,7 +279,11 @@ impl PodKey {
     /// The key of pod `name` in `namespace`.
     pub fn new(namespace: &str, name: &str) -> Result<PodKey, NameError> {
         if name.contains('*') {
-            return Err(NameError { what: "pod key", name: format!("{namespace}/{name}").chars().take(80).collect(), rule: POD_KEY_RULE });
+            return Err(NameError {
+                what: "pod key",
+                name: format!("{namespace}/{name}").chars().take(80).collect(),
+                rule: POD_KEY_RULE,
+            });
         }
         PodKey::checked(format!("{namespace}/{name}"))
     }
@@ -314,11 +333,17 @@ mod tests {
         assert_eq!(&*t, "training");
         assert_eq!(format!("{t} {t:?}"), "training \"training\"");
         assert_eq!(serde_json::to_string(&t).expect("json"), "\"training\"");
-        let map: std::collections::BTreeMap<ClusterName, u32> = serde_json::from_str(r#"{"east":1,"west":2}"#).expect("keys");
+        let map: std::collections::BTreeMap<ClusterName, u32> =
+            serde_json::from_str(r#"{"east":1,"west":2}"#).expect("keys");
         assert_eq!(map.get("west"), Some(&2));
         let e = serde_json::from_str::<TenantName>("\"Not_A_Label\"").expect_err("refused");
-        assert!(e.to_string().contains("tenant name \"Not_A_Label\" is not valid: 1-63 lowercase"), "{e}");
-        let e = serde_json::from_str::<std::collections::BTreeMap<ClusterName, u32>>(r#"{"a.b":1}"#).expect_err("refused");
+        assert!(
+            e.to_string()
+                .contains("tenant name \"Not_A_Label\" is not valid: 1-63 lowercase"),
+            "{e}"
+        );
+        let e =
+            serde_json::from_str::<std::collections::BTreeMap<ClusterName, u32>>(r#"{"a.b":1}"#).expect_err("refused");
         assert!(e.to_string().contains("cluster name \"a.b\""), "{e}");
         assert_eq!(ClusterName::parse("x".repeat(64)).map_err(|e| e.name.len()), Err(64));
         assert_eq!(TenantName::parse("y".repeat(500)).map_err(|e| e.name.len()), Err(80));
@@ -327,12 +352,31 @@ mod tests {
     #[test]
     fn pod_keys_are_a_namespace_and_a_name_or_a_provisional_prefix_and_uid() {
         let k = PodKey::new("ml", "train-0.worker").expect("valid");
-        assert_eq!((k.namespace(), k.name(), k.is_provisional(), k.as_str()), ("ml", "train-0.worker", false, "ml/train-0.worker"));
+        assert_eq!(
+            (k.namespace(), k.name(), k.is_provisional(), k.as_str()),
+            ("ml", "train-0.worker", false, "ml/train-0.worker")
+        );
         let p = PodKey::provisional("ml", "job-", "4f1c-9a").expect("valid");
         assert_eq!((p.as_str(), p.is_provisional()), ("ml/job-*4f1c-9a", true));
-        assert_eq!(PodKey::provisional("ml", "", "abc").map(PodKey::into_string), Ok("ml/*abc".to_string()));
+        assert_eq!(
+            PodKey::provisional("ml", "", "abc").map(PodKey::into_string),
+            Ok("ml/*abc".to_string())
+        );
         assert_eq!(PodKey::parse("ml/job-*4f1c-9a"), Ok(p));
-        for bad in ["", "ml", "/x", "ml/", "ML/x", "ml/X", "ml/a b", "ml/a/b", "ml/job-*", "ml/job-*UID", "ml/**a", &format!("ml/{}", "x".repeat(254))] {
+        for bad in [
+            "",
+            "ml",
+            "/x",
+            "ml/",
+            "ML/x",
+            "ml/X",
+            "ml/a b",
+            "ml/a/b",
+            "ml/job-*",
+            "ml/job-*UID",
+            "ml/**a",
+            &format!("ml/{}", "x".repeat(254)),
+        ] {
             let e = PodKey::parse(bad).expect_err(bad);
             assert_eq!(e.what, "pod key");
             assert!(e.to_string().contains("NAMESPACE/NAME"), "{e}");

@@ -11,16 +11,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use serde::{Deserialize, Serialize};
 use crate::document::{
-    known_fields, Count, Duration, Flag, LeaseSpec, Metadata, Number, PolicyDocument, PolicySpec, Quantity, ReclaimSpec,
-    Scalar, SelectorSpec, ShowbackSpec, TenantSpec, Text, Unknown,
+    known_fields, AuditSpec, Count, Duration, Flag, LeaseSpec, Metadata, Number, PolicyDocument, PolicySpec, Quantity,
+    ReclaimSpec, Scalar, SelectorSpec, ShowbackSpec, TenantSpec, Text, Unknown,
 };
+use serde::{Deserialize, Serialize};
 
+use crate::names::TenantName;
 use crate::resources::ResourceWeights;
 use crate::units::{parse_duration_ms, parse_quantity_milli};
 use crate::Millis;
-use crate::names::TenantName;
 
 /// The API version kvota writes.
 pub const API_VERSION: &str = "kvota.dev/v1alpha1";
@@ -67,6 +67,12 @@ pub mod defaults {
     pub const RECLAIM_PER_MINUTE_PER_TENANT: u32 = 5;
     /// Pods younger than this are evicted only if nothing else frees enough.
     pub const RECLAIM_MIN_RUNTIME_MS: Millis = 5 * 60_000;
+    /// How long audit records are kept: two weeks covers "what happened last week" and
+    /// a holiday; a longer record belongs in a log pipeline.
+    pub const AUDIT_RETENTION_MS: Millis = 14 * 24 * 3_600_000;
+    /// Most bytes the audit log may take in the replicated state (every snapshot carries
+    /// it): 16 MiB is tens of thousands of events beside the rest of the state.
+    pub const AUDIT_MAX_BYTES: u64 = 16 << 20;
 }
 
 /// How an agent reclaims GPUs from preemptible tenants over their entitlement for a
@@ -167,9 +173,46 @@ impl ShowbackConfig {
 
 impl Default for ShowbackConfig {
     fn default() -> Self {
-        ShowbackConfig { retention_ms: defaults::SHOWBACK_RETENTION_MS }
+        ShowbackConfig {
+            retention_ms: defaults::SHOWBACK_RETENTION_MS,
+        }
     }
 }
+
+/// How long and how much of the audit log is kept (`spec.audit`); records past either
+/// bound are dropped oldest first (budget changes before other events, see
+/// [`crate::federation`]). Kept in the replicated state from feature level 6.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditConfig {
+    /// Records older than this are dropped.
+    pub retention_ms: Millis,
+    /// The records' size bound, in bytes as [`crate::federation::AuditRecord::size`]
+    /// counts them.
+    pub max_bytes: u64,
+}
+
+impl AuditConfig {
+    /// The defaults.
+    pub fn is_default(&self) -> bool {
+        *self == AuditConfig::default()
+    }
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        AuditConfig {
+            retention_ms: defaults::AUDIT_RETENTION_MS,
+            max_bytes: defaults::AUDIT_MAX_BYTES,
+        }
+    }
+}
+
+/// Shortest and longest audit retention a policy may ask for.
+pub const AUDIT_RETENTION_RANGE_MS: (Millis, Millis) = (3_600_000, 366 * 24 * 3_600_000);
+/// Smallest and largest audit size bound a policy may ask for (bytes): below 1 MiB a
+/// burst of budget changes would push out the events an operator looks for; above
+/// 256 MiB every snapshot drags the history along.
+pub const AUDIT_SIZE_RANGE: (u64, u64) = (1 << 20, 256 << 20);
 
 /// Shortest and longest showback retention a policy may ask for.
 pub const SHOWBACK_RETENTION_RANGE_MS: (Millis, Millis) = (3_600_000, 3 * 366 * 24 * 3_600_000);
@@ -259,6 +302,10 @@ pub struct Policy {
     /// written only when set, so a state without it is the same bytes as before).
     #[serde(default, skip_serializing_if = "ShowbackConfig::is_default")]
     pub showback: ShowbackConfig,
+    /// Audit log retention (absent from policies replicated before it existed: defaults;
+    /// written only when set, as `showback`).
+    #[serde(default, skip_serializing_if = "AuditConfig::is_default")]
+    pub audit: AuditConfig,
     /// GPUe per resource name (explicit ones; built-in defaults apply to the rest).
     pub resource_weights: ResourceWeights,
     /// Tenants, sorted by name.
@@ -302,6 +349,33 @@ impl fmt::Display for PolicyError {
     }
 }
 
+/// One tenant of [`Policy::to_yaml`]'s `spec.tenants`, every field written out.
+fn write_tenant_yaml(y: &mut String, t: &TenantPolicy) {
+    use std::fmt::Write as _;
+    let q = yaml_quote;
+    let _ = writeln!(y, "  - name: {}", q(&t.name));
+    let _ = writeln!(y, "    weight: {}", fmt_scaled(i128::from(t.weight_milli), 3));
+    let _ = writeln!(y, "    minShare: {}", fmt_scaled(i128::from(t.min_share_bp), 2));
+    let _ = writeln!(y, "    maxShare: {}", fmt_scaled(i128::from(t.max_share_bp), 2));
+    let _ = writeln!(y, "    preemptible: {}", t.preemptible);
+    let _ = writeln!(y, "    decayHalfLife: {}", q(&duration_text(t.decay_half_life_ms)));
+    let _ = writeln!(y, "    admission: {}", q(&t.admission.to_string()));
+    let _ = writeln!(y, "    maxQueued: {}", t.max_queued);
+    let _ = writeln!(
+        y,
+        "    burstFactor: {}",
+        fmt_scaled(i128::from(t.burst_factor_milli), 3)
+    );
+    let list: Vec<String> = t.namespaces.iter().map(|n| q(n)).collect();
+    let _ = writeln!(y, "    namespaces: [{}]", list.join(", "));
+    if !t.namespace_selector.is_empty() {
+        let _ = writeln!(y, "    namespaceSelector:\n      matchLabels:");
+        for (k, v) in &t.namespace_selector {
+            let _ = writeln!(y, "        {}: {}", q(k), q(v));
+        }
+    }
+}
+
 impl Policy {
     /// Parse and validate a `FairnessPolicy` YAML document.
     ///
@@ -312,21 +386,24 @@ impl Policy {
             return Err(PolicyError {
                 issues: vec![issue(
                     "(document)",
-                    format!(
-                        "document is {} bytes; the limit is {MAX_POLICY_BYTES}",
-                        text.len()
-                    ),
+                    format!("document is {} bytes; the limit is {MAX_POLICY_BYTES}", text.len()),
                 )],
             });
         }
         // Syntax first (serde would meet a shape mistake before a syntax error later on
         // the same line), then the shape, with paths.
         if let Err(e) = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text) {
-            return Err(PolicyError { issues: vec![parse_issue(&e)] });
+            return Err(PolicyError {
+                issues: vec![parse_issue(&e)],
+            });
         }
         let doc: PolicyDocument = match serde_yaml_ng::from_str(text) {
             Ok(d) => d,
-            Err(e) => return Err(PolicyError { issues: vec![parse_issue(&e)] }),
+            Err(e) => {
+                return Err(PolicyError {
+                    issues: vec![parse_issue(&e)],
+                })
+            }
         };
         Policy::from_document(&doc)
     }
@@ -387,7 +464,19 @@ impl Policy {
         }
         // Written only when set: a build that predates it reads the document unchanged.
         if self.showback != ShowbackConfig::default() {
-            let _ = writeln!(y, "  showback:\n    retention: {}", q(&duration_text(self.showback.retention_ms)));
+            let _ = writeln!(
+                y,
+                "  showback:\n    retention: {}",
+                q(&duration_text(self.showback.retention_ms))
+            );
+        }
+        if !self.audit.is_default() {
+            let _ = writeln!(
+                y,
+                "  audit:\n    retention: {}\n    maxSize: {}",
+                q(&duration_text(self.audit.retention_ms)),
+                q(&bytes_text(self.audit.max_bytes))
+            );
         }
         if !self.resource_weights.explicit().is_empty() {
             let _ = writeln!(y, "  resourceWeights:");
@@ -397,25 +486,21 @@ impl Policy {
         }
         let _ = writeln!(y, "  tenants:");
         for t in &self.tenants {
-            let _ = writeln!(y, "  - name: {}", q(&t.name));
-            let _ = writeln!(y, "    weight: {}", fmt_scaled(i128::from(t.weight_milli), 3));
-            let _ = writeln!(y, "    minShare: {}", fmt_scaled(i128::from(t.min_share_bp), 2));
-            let _ = writeln!(y, "    maxShare: {}", fmt_scaled(i128::from(t.max_share_bp), 2));
-            let _ = writeln!(y, "    preemptible: {}", t.preemptible);
-            let _ = writeln!(y, "    decayHalfLife: {}", q(&duration_text(t.decay_half_life_ms)));
-            let _ = writeln!(y, "    admission: {}", q(&t.admission.to_string()));
-            let _ = writeln!(y, "    maxQueued: {}", t.max_queued);
-            let _ = writeln!(y, "    burstFactor: {}", fmt_scaled(i128::from(t.burst_factor_milli), 3));
-            let list: Vec<String> = t.namespaces.iter().map(|n| q(n)).collect();
-            let _ = writeln!(y, "    namespaces: [{}]", list.join(", "));
-            if !t.namespace_selector.is_empty() {
-                let _ = writeln!(y, "    namespaceSelector:\n      matchLabels:");
-                for (k, v) in &t.namespace_selector {
-                    let _ = writeln!(y, "        {}: {}", q(k), q(v));
-                }
-            }
+            write_tenant_yaml(&mut y, t);
         }
         y
+    }
+
+    /// Whether no namespace can belong to a tenant but through its label: no tenant lists
+    /// a namespace or a selector, and there is no default tenant. Then only pods in
+    /// namespaces labelled `kvota.dev/tenant=<tenant>` are governed (the article's policy
+    /// is such a one), which a newcomer does not expect.
+    pub fn maps_no_namespace(&self) -> bool {
+        self.default_tenant.is_none()
+            && self
+                .tenants
+                .iter()
+                .all(|t| t.namespaces.is_empty() && t.namespace_selector.is_empty())
     }
 
     /// The article's three-tenant policy (training / inference / research), as YAML.
@@ -425,9 +510,7 @@ impl Policy {
 
     /// Index of a tenant by name (tenants are sorted, so this is a binary search).
     pub fn tenant_index(&self, name: &str) -> Option<usize> {
-        self.tenants
-            .binary_search_by(|t| t.name.as_str().cmp(name))
-            .ok()
+        self.tenants.binary_search_by(|t| t.name.as_str().cmp(name)).ok()
     }
 
     /// A tenant by name.
@@ -440,11 +523,7 @@ impl Policy {
     /// Order: the `kvota.dev/tenant` label (if it names a known tenant), an explicit
     /// `namespaces` entry, the first tenant (by name) whose selector matches, then the
     /// default tenant. `None`: the namespace's pods are not governed by kvota.
-    pub fn tenant_for_namespace(
-        &self,
-        namespace: &str,
-        labels: &BTreeMap<String, String>,
-    ) -> Option<&TenantPolicy> {
+    pub fn tenant_for_namespace(&self, namespace: &str, labels: &BTreeMap<String, String>) -> Option<&TenantPolicy> {
         if let Some(t) = labels.get(TENANT_LABEL).and_then(|n| self.tenant(n)) {
             return Some(t);
         }
@@ -456,11 +535,7 @@ impl Policy {
             return Some(t);
         }
         if let Some(t) = self.tenants.iter().find(|t| {
-            !t.namespace_selector.is_empty()
-                && t
-                    .namespace_selector
-                    .iter()
-                    .all(|(k, v)| labels.get(k) == Some(v))
+            !t.namespace_selector.is_empty() && t.namespace_selector.iter().all(|(k, v)| labels.get(k) == Some(v))
         }) {
             return Some(t);
         }
@@ -544,21 +619,35 @@ fn parse_issue(e: &serde_yaml_ng::Error) -> PolicyIssue {
     if body.starts_with("invalid type") {
         let body = plain_types(&body);
         let found = body.rsplit(", found ").next().unwrap_or(&body);
-        return issue("(document)", format!("expected a FairnessPolicy mapping, found {found}"));
+        return issue(
+            "(document)",
+            format!("expected a FairnessPolicy mapping, found {found}"),
+        );
     }
-    issue(at.unwrap_or_else(|| "(document)".to_string()), format!("not valid YAML: {body}"))
+    issue(
+        at.unwrap_or_else(|| "(document)".to_string()),
+        format!("not valid YAML: {body}"),
+    )
 }
 
 /// serde's type names in the words of a policy's author.
 fn plain_types(what: &str) -> String {
-    let mut out = what.replace("sequence", "a list").replace("a a list", "a list").replace("map,", "a mapping,");
+    let mut out = what
+        .replace("sequence", "a list")
+        .replace("a a list", "a list")
+        .replace("map,", "a mapping,");
     // "expected struct TenantSpec" -> "expected a mapping"
     while let Some(i) = out.find("struct ") {
-        let end = out[i + 7..].find(|c: char| !c.is_ascii_alphanumeric()).map_or(out.len(), |e| i + 7 + e);
+        let end = out[i + 7..]
+            .find(|c: char| !c.is_ascii_alphanumeric())
+            .map_or(out.len(), |e| i + 7 + e);
         out.replace_range(i..end, "a mapping");
     }
     // "invalid type: X, expected Y" -> "expected Y, found X"
-    if let Some((found, expected)) = out.strip_prefix("invalid type: ").and_then(|r| r.split_once(", expected ")) {
+    if let Some((found, expected)) = out
+        .strip_prefix("invalid type: ")
+        .and_then(|r| r.split_once(", expected "))
+    {
         out = format!("expected {expected}, found {found}");
     }
     out
@@ -639,11 +728,17 @@ impl Checker {
             Scalar::Str(s) => s,
             n @ (Scalar::Int(_) | Scalar::Float(_)) => {
                 let n = n.number_text().unwrap_or_default();
-                self.push(path, format!("`{n}` has no unit; write a duration such as \"24h\", \"90m\" or \"30s\""));
+                self.push(
+                    path,
+                    format!("`{n}` has no unit; write a duration such as \"24h\", \"90m\" or \"30s\""),
+                );
                 return None;
             }
             other => {
-                self.push(path, format!("expected a duration such as \"24h\", found {}", other.kind()));
+                self.push(
+                    path,
+                    format!("expected a duration such as \"24h\", found {}", other.kind()),
+                );
                 return None;
             }
         };
@@ -660,7 +755,10 @@ impl Checker {
         let Some(v) = v else { return Some(default_bp) };
         let bp = self.decimal(path, &v.0, 2)?;
         if !(0..=i128::from(FULL_SHARE_BP)).contains(&bp) {
-            self.push(path, format!("must be a percentage between 0 and 100, found {}", fmt_scaled(bp, 2)));
+            self.push(
+                path,
+                format!("must be a percentage between 0 and 100, found {}", fmt_scaled(bp, 2)),
+            );
             return None;
         }
         u32::try_from(bp).ok()
@@ -712,7 +810,13 @@ impl Checker {
     fn burst_factor(&mut self, path: &str, v: &Number) -> Option<u32> {
         let milli = self.decimal(path, &v.0, 3)?;
         if !(1_000..=10_000).contains(&milli) {
-            self.push(path, format!("must be between 1.0 (no headroom) and 10.0, found {}", fmt_scaled(milli, 3)));
+            self.push(
+                path,
+                format!(
+                    "must be between 1.0 (no headroom) and 10.0, found {}",
+                    fmt_scaled(milli, 3)
+                ),
+            );
             return None;
         }
         u32::try_from(milli).ok()
@@ -755,7 +859,7 @@ impl Checker {
             }
             Some(s) => self.spec(s),
         };
-        let (default_tenant, lease, reclaim, showback, resource_weights, tenants) = spec?;
+        let (default_tenant, lease, reclaim, (showback, audit), resource_weights, tenants) = spec?;
         Some(Policy {
             name: name?,
             api_version: api_version?,
@@ -763,6 +867,7 @@ impl Checker {
             lease,
             reclaim,
             showback,
+            audit,
             resource_weights,
             tenants,
         })
@@ -786,8 +891,59 @@ impl Checker {
     fn spec(
         &mut self,
         s: &PolicySpec,
-    ) -> Option<(Option<TenantName>, LeaseConfig, ReclaimConfig, ShowbackConfig, ResourceWeights, Vec<TenantPolicy>)> {
+    ) -> Option<(
+        Option<TenantName>,
+        LeaseConfig,
+        ReclaimConfig,
+        (ShowbackConfig, AuditConfig),
+        ResourceWeights,
+        Vec<TenantPolicy>,
+    )> {
         self.unknown_keys("spec", "spec", &s.unknown);
+        let (defaults, defaults_ok) = self.spec_defaults(s);
+        let lease = match &s.lease {
+            None => Some(LeaseConfig::default()),
+            Some(v) => self.lease(v),
+        };
+        let reclaim = match &s.reclaim {
+            None => Some(ReclaimConfig::default()),
+            Some(v) => self.reclaim(v),
+        };
+        let showback = match &s.showback {
+            None => Some(ShowbackConfig::default()),
+            Some(v) => self.showback(v),
+        };
+        let audit = match &s.audit {
+            None => Some(AuditConfig::default()),
+            Some(v) => self.audit(v),
+        };
+        let weights = match &s.resource_weights {
+            None => Some(ResourceWeights::new()),
+            Some(v) => self.resource_weights(v),
+        };
+        let tenants = match &s.tenants {
+            None => {
+                self.push("spec.tenants", "missing; list at least one tenant".to_string());
+                None
+            }
+            Some(v) => self.tenants(v, &defaults),
+        };
+        let default_tenant = self.default_tenant(s, tenants.as_deref());
+        // Every piece must be valid for the policy to exist at all.
+        defaults_ok.then_some(())?;
+        Some((
+            default_tenant?,
+            lease?,
+            reclaim?,
+            (showback?, audit?),
+            weights?,
+            tenants?,
+        ))
+    }
+
+    /// The spec-wide defaults of tenant fields (each invalid one reported and replaced
+    /// by the built-in default), and whether all were valid.
+    fn spec_defaults(&mut self, s: &PolicySpec) -> (SpecDefaults, bool) {
         let half_life_ms = match &s.decay_half_life {
             None => Some(defaults::DECAY_HALF_LIFE_MS),
             Some(v) => self.positive_duration("spec.decayHalfLife", v),
@@ -804,45 +960,31 @@ impl Checker {
             None => Some(defaults::BURST_FACTOR_MILLI),
             Some(v) => self.burst_factor("spec.burstFactor", v),
         };
-        let lease = match &s.lease {
-            None => Some(LeaseConfig::default()),
-            Some(v) => self.lease(v),
-        };
-        let reclaim = match &s.reclaim {
-            None => Some(ReclaimConfig::default()),
-            Some(v) => self.reclaim(v),
-        };
-        let showback = match &s.showback {
-            None => Some(ShowbackConfig::default()),
-            Some(v) => self.showback(v),
-        };
-        let weights = match &s.resource_weights {
-            None => Some(ResourceWeights::new()),
-            Some(v) => self.resource_weights(v),
-        };
+        let ok = half_life_ms.is_some() && admission.is_some() && max_queued.is_some() && burst.is_some();
         let defaults = SpecDefaults {
             half_life_ms: half_life_ms.unwrap_or(defaults::DECAY_HALF_LIFE_MS),
             admission: admission.unwrap_or_default(),
             max_queued: max_queued.unwrap_or(defaults::MAX_QUEUED),
             burst_factor_milli: burst.unwrap_or(defaults::BURST_FACTOR_MILLI),
         };
-        let tenants = match &s.tenants {
-            None => {
-                self.push("spec.tenants", "missing; list at least one tenant".to_string());
-                None
-            }
-            Some(v) => self.tenants(v, &defaults),
-        };
-        let default_tenant = match &s.default_tenant {
+        (defaults, ok)
+    }
+
+    /// `spec.defaultTenant`, which must name one of the (valid) tenants.
+    fn default_tenant(&mut self, s: &PolicySpec, tenants: Option<&[TenantPolicy]>) -> Option<Option<TenantName>> {
+        match &s.default_tenant {
             None => Some(None),
             Some(v) => {
                 // Only a tenant's own name is taken: it was parsed with the tenant.
                 let name = self.string("spec.defaultTenant", v);
-                match (&name, &tenants) {
+                match (&name, tenants) {
                     (Some(n), Some(ts)) => match ts.iter().find(|t| t.name == *n) {
                         Some(t) => Some(Some(t.name.clone())),
                         None => {
-                            self.push("spec.defaultTenant", format!("`{n}` is not one of the tenants in spec.tenants"));
+                            self.push(
+                                "spec.defaultTenant",
+                                format!("`{n}` is not one of the tenants in spec.tenants"),
+                            );
                             None
                         }
                     },
@@ -850,13 +992,7 @@ impl Checker {
                     _ => None,
                 }
             }
-        };
-        // Every piece must be valid for the policy to exist at all.
-        half_life_ms?;
-        admission?;
-        max_queued?;
-        burst?;
-        Some((default_tenant?, lease?, reclaim?, showback?, weights?, tenants?))
+        }
     }
 
     fn lease(&mut self, l: &LeaseSpec) -> Option<LeaseConfig> {
@@ -885,12 +1021,17 @@ impl Checker {
             );
             return None;
         }
-        Some(LeaseConfig { duration_ms: d, clock_skew_margin_ms: mg })
+        Some(LeaseConfig {
+            duration_ms: d,
+            clock_skew_margin_ms: mg,
+        })
     }
 
     fn showback(&mut self, s: &ShowbackSpec) -> Option<ShowbackConfig> {
         self.unknown_keys("spec.showback", "spec.showback", &s.unknown);
-        let Some(v) = &s.retention else { return Some(ShowbackConfig::default()) };
+        let Some(v) = &s.retention else {
+            return Some(ShowbackConfig::default());
+        };
         let ms = self.duration("spec.showback.retention", v)?;
         let (lo, hi) = SHOWBACK_RETENTION_RANGE_MS;
         if !(lo..=hi).contains(&ms) {
@@ -908,26 +1049,122 @@ impl Checker {
         Some(ShowbackConfig { retention_ms: ms })
     }
 
+    fn audit(&mut self, a: &AuditSpec) -> Option<AuditConfig> {
+        self.unknown_keys("spec.audit", "spec.audit", &a.unknown);
+        let d = AuditConfig::default();
+        let retention = match &a.retention {
+            None => Some(d.retention_ms),
+            Some(v) => self.duration("spec.audit.retention", v).and_then(|ms| {
+                let (lo, hi) = AUDIT_RETENTION_RANGE_MS;
+                if (lo..=hi).contains(&ms) {
+                    return Some(ms);
+                }
+                let f = crate::units::format_duration_ms;
+                self.push(
+                    "spec.audit.retention",
+                    format!("must be from {} to {}, found {}", f(lo), f(hi), f(ms)),
+                );
+                None
+            }),
+        };
+        let max_bytes = match &a.max_size {
+            None => Some(d.max_bytes),
+            Some(v) => self.byte_size("spec.audit.maxSize", v, AUDIT_SIZE_RANGE),
+        };
+        Some(AuditConfig {
+            retention_ms: retention?,
+            max_bytes: max_bytes?,
+        })
+    }
+
+    /// A size in bytes written as a Kubernetes quantity (`64Mi`, `100M`, or a whole
+    /// number of bytes), within `range`.
+    fn byte_size(&mut self, path: &str, v: &Quantity, range: (u64, u64)) -> Option<u64> {
+        let text = match &v.0 {
+            Scalar::Str(s) => s.clone(),
+            Scalar::Int(i) => i.to_string(),
+            other => {
+                self.push(
+                    path,
+                    format!("expected a size such as \"64Mi\", found {}", other.kind()),
+                );
+                return None;
+            }
+        };
+        let bytes = match parse_quantity_milli(&text) {
+            Ok(milli) => milli / 1000,
+            Err(e) => {
+                self.push(path, format!("`{text}`: {e}; write a size such as \"64Mi\""));
+                return None;
+            }
+        };
+        if !(range.0..=range.1).contains(&bytes) {
+            self.push(
+                path,
+                format!(
+                    "must be from {} to {}, found {}",
+                    bytes_text(range.0),
+                    bytes_text(range.1),
+                    bytes_text(bytes)
+                ),
+            );
+            return None;
+        }
+        Some(bytes)
+    }
+
     fn reclaim(&mut self, r: &ReclaimSpec) -> Option<ReclaimConfig> {
         self.unknown_keys("spec.reclaim", "spec.reclaim", &r.unknown);
         let d = ReclaimConfig::default();
-        let enabled = r.enabled.as_ref().map_or(Some(d.enabled), |v| self.boolean("spec.reclaim.enabled", v));
-        let starved = r.starved_for.as_ref().map_or(Some(d.starved_for_ms), |v| self.duration("spec.reclaim.starvedFor", v));
-        let per_minute = r.max_evictions_per_minute.as_ref().map_or(Some(d.max_evictions_per_minute), |v| {
-            self.count("spec.reclaim.maxEvictionsPerMinute", v, 1_000, " (never evict)")
-        });
-        let per_tenant = r.max_evictions_per_minute_per_tenant.as_ref().map_or(Some(d.max_evictions_per_minute_per_tenant), |v| {
-            self.count("spec.reclaim.maxEvictionsPerMinutePerTenant", v, 1_000, " (never evict)")
-        });
-        let min_runtime = r.min_runtime.as_ref().map_or(Some(d.min_runtime_ms), |v| self.duration("spec.reclaim.minRuntime", v));
-        let lend_idle = r.lend_idle.as_ref().map_or(Some(d.lend_idle), |v| self.boolean("spec.reclaim.lendIdle", v));
-        let lend_when = r.lend_when.as_ref().map_or(Some(d.lend_when), |v| self.lend_when("spec.reclaim.lendWhen", v));
+        let enabled = r
+            .enabled
+            .as_ref()
+            .map_or(Some(d.enabled), |v| self.boolean("spec.reclaim.enabled", v));
+        let starved = r
+            .starved_for
+            .as_ref()
+            .map_or(Some(d.starved_for_ms), |v| self.duration("spec.reclaim.starvedFor", v));
+        let per_minute = r
+            .max_evictions_per_minute
+            .as_ref()
+            .map_or(Some(d.max_evictions_per_minute), |v| {
+                self.count("spec.reclaim.maxEvictionsPerMinute", v, 1_000, " (never evict)")
+            });
+        let per_tenant =
+            r.max_evictions_per_minute_per_tenant
+                .as_ref()
+                .map_or(Some(d.max_evictions_per_minute_per_tenant), |v| {
+                    self.count(
+                        "spec.reclaim.maxEvictionsPerMinutePerTenant",
+                        v,
+                        1_000,
+                        " (never evict)",
+                    )
+                });
+        let min_runtime = r
+            .min_runtime
+            .as_ref()
+            .map_or(Some(d.min_runtime_ms), |v| self.duration("spec.reclaim.minRuntime", v));
+        let lend_idle = r
+            .lend_idle
+            .as_ref()
+            .map_or(Some(d.lend_idle), |v| self.boolean("spec.reclaim.lendIdle", v));
+        let lend_when = r
+            .lend_when
+            .as_ref()
+            .map_or(Some(d.lend_when), |v| self.lend_when("spec.reclaim.lendWhen", v));
         // A setting that could do nothing is refused rather than kept silently.
         if lend_when == Some(LendWhen::CutOff) && (enabled == Some(false) || lend_idle == Some(false)) {
-            let why = if enabled == Some(false) { "spec.reclaim.enabled is false" } else { "spec.reclaim.lendIdle is false" };
+            let why = if enabled == Some(false) {
+                "spec.reclaim.enabled is false"
+            } else {
+                "spec.reclaim.lendIdle is false"
+            };
             self.push(
                 "spec.reclaim.lendWhen",
-                format!("`cutOff` says when to lend, but {why}, so nothing is lent; remove lendWhen or turn lending on"),
+                format!(
+                    "`cutOff` says when to lend, but {why}, so nothing is lent; remove lendWhen or turn lending on"
+                ),
             );
             return None;
         }
@@ -968,7 +1205,10 @@ impl Checker {
                     continue;
                 }
                 other => {
-                    self.push(&path, format!("expected a number of GPUe per unit, found {}", other.kind()));
+                    self.push(
+                        &path,
+                        format!("expected a number of GPUe per unit, found {}", other.kind()),
+                    );
                     ok = false;
                     continue;
                 }
@@ -976,7 +1216,10 @@ impl Checker {
             match parse_quantity_milli(&text) {
                 Ok(milli) if milli <= 1_000_000 => w.set(name, milli),
                 Ok(_) => {
-                    self.push(&path, format!("`{text}` GPUe per unit is implausibly large (limit 1000)"));
+                    self.push(
+                        &path,
+                        format!("`{text}` GPUe per unit is implausibly large (limit 1000)"),
+                    );
                     ok = false;
                 }
                 Err(e) => {
@@ -994,7 +1237,10 @@ impl Checker {
             return None;
         }
         if seq.len() > MAX_TENANTS {
-            self.push("spec.tenants", format!("{} tenants; at most {MAX_TENANTS} are supported", seq.len()));
+            self.push(
+                "spec.tenants",
+                format!("{} tenants; at most {MAX_TENANTS} are supported", seq.len()),
+            );
             return None;
         }
         let mut out = Vec::with_capacity(seq.len());
@@ -1008,7 +1254,10 @@ impl Checker {
             // still counts as the first holder of its name.
             if let Some(Text(Scalar::Str(name))) = &tv.name {
                 if let Some(first) = seen.insert(name.clone(), i) {
-                    self.push(&format!("{path}.name"), format!("duplicate tenant `{name}` (first at spec.tenants[{first}])"));
+                    self.push(
+                        &format!("{path}.name"),
+                        format!("duplicate tenant `{name}` (first at spec.tenants[{first}])"),
+                    );
                     all_ok = false;
                     seen.insert(name.clone(), first);
                 }
@@ -1051,50 +1300,12 @@ impl Checker {
 
     fn tenant(&mut self, path: &str, t: &TenantSpec, d: &SpecDefaults) -> Option<TenantPolicy> {
         self.unknown_keys(path, "spec.tenants[]", &t.unknown);
-        let name = match &t.name {
-            None => {
-                self.push(&join(path, "name"), "missing".to_string());
-                None
-            }
-            Some(v) => self.string(&join(path, "name"), v).and_then(|n| match TenantName::parse(n.as_str()) {
-                Ok(name) => Some(name),
-                Err(_) => {
-                    self.push(&join(path, "name"), format!("`{n}` is not a valid tenant name ({})", crate::names::DNS_LABEL_RULE));
-                    None
-                }
-            }),
-        };
-        let weight = match &t.weight {
-            None => Some(defaults::WEIGHT_MILLI),
-            Some(v) => self.decimal(&join(path, "weight"), &v.0, 3).and_then(|w| {
-                if w <= 0 {
-                    self.push(&join(path, "weight"), format!("must be greater than 0, found {}", fmt_scaled(w, 3)));
-                    None
-                } else if w > 1_000_000_000 {
-                    self.push(&join(path, "weight"), "must be at most 1000000".to_string());
-                    None
-                } else {
-                    u64::try_from(w).ok()
-                }
-            }),
-        };
+        let name = self.tenant_name(path, t);
+        let weight = self.tenant_weight(path, t);
         let min = self.share(&join(path, "minShare"), t.min_share.as_ref(), 0);
         let max = self.share(&join(path, "maxShare"), t.max_share.as_ref(), FULL_SHARE_BP);
         // Reported, and the tenant's other fields are still checked.
-        let shares_ordered = match (min, max) {
-            (Some(lo), Some(hi)) if lo > hi => {
-                self.push(
-                    &join(path, "minShare"),
-                    format!(
-                        "minShare {}% is greater than maxShare {}%",
-                        fmt_scaled(i128::from(lo), 2),
-                        fmt_scaled(i128::from(hi), 2)
-                    ),
-                );
-                None
-            }
-            _ => Some(()),
-        };
+        let shares_ordered = self.shares_ordered(path, min, max);
         let preemptible = match &t.preemptible {
             None => Some(false),
             Some(v) => self.boolean(&join(path, "preemptible"), v),
@@ -1139,6 +1350,65 @@ impl Checker {
         })
     }
 
+    fn tenant_name(&mut self, path: &str, t: &TenantSpec) -> Option<TenantName> {
+        match &t.name {
+            None => {
+                self.push(&join(path, "name"), "missing".to_string());
+                None
+            }
+            Some(v) => self
+                .string(&join(path, "name"), v)
+                .and_then(|n| match TenantName::parse(n.as_str()) {
+                    Ok(name) => Some(name),
+                    Err(_) => {
+                        self.push(
+                            &join(path, "name"),
+                            format!("`{n}` is not a valid tenant name ({})", crate::names::DNS_LABEL_RULE),
+                        );
+                        None
+                    }
+                }),
+        }
+    }
+
+    fn tenant_weight(&mut self, path: &str, t: &TenantSpec) -> Option<u64> {
+        match &t.weight {
+            None => Some(defaults::WEIGHT_MILLI),
+            Some(v) => self.decimal(&join(path, "weight"), &v.0, 3).and_then(|w| {
+                if w <= 0 {
+                    self.push(
+                        &join(path, "weight"),
+                        format!("must be greater than 0, found {}", fmt_scaled(w, 3)),
+                    );
+                    None
+                } else if w > 1_000_000_000 {
+                    self.push(&join(path, "weight"), "must be at most 1000000".to_string());
+                    None
+                } else {
+                    u64::try_from(w).ok()
+                }
+            }),
+        }
+    }
+
+    /// `Some` unless minShare is above maxShare (then reported).
+    fn shares_ordered(&mut self, path: &str, min: Option<u32>, max: Option<u32>) -> Option<()> {
+        match (min, max) {
+            (Some(lo), Some(hi)) if lo > hi => {
+                self.push(
+                    &join(path, "minShare"),
+                    format!(
+                        "minShare {}% is greater than maxShare {}%",
+                        fmt_scaled(i128::from(lo), 2),
+                        fmt_scaled(i128::from(hi), 2)
+                    ),
+                );
+                None
+            }
+            _ => Some(()),
+        }
+    }
+
     fn namespaces(&mut self, path: &str, seq: &[Text]) -> Option<Vec<String>> {
         let mut out = Vec::new();
         let mut ok = true;
@@ -1170,13 +1440,19 @@ impl Checker {
                     out.insert(k.clone(), s.clone());
                 }
                 other => {
-                    self.push(&format!("{path}.matchLabels[{k}]"), format!("label values must be strings, found {}", other.kind()));
+                    self.push(
+                        &format!("{path}.matchLabels[{k}]"),
+                        format!("label values must be strings, found {}", other.kind()),
+                    );
                     ok = false;
                 }
             }
         }
         if out.is_empty() && ok {
-            self.push(&join(path, "matchLabels"), "is empty; it would match every namespace".to_string());
+            self.push(
+                &join(path, "matchLabels"),
+                "is empty; it would match every namespace".to_string(),
+            );
             return None;
         }
         ok.then_some(out)
@@ -1254,6 +1530,89 @@ fn duration_text(ms: Millis) -> String {
         }
     }
     format!("{ms}ms")
+}
+
+/// What changes from `old` to `new`, in the policy's own words and units: one line per
+/// field of the document [`Policy::to_yaml`] writes, `path: old -> new`
+/// (`spec.lease.duration: 30s -> 10s`, `spec.tenants[research].weight: 10 -> 20`), tenants
+/// by name (`spec.tenants[ops]: added`), at most `max_lines` lines (the rest counted in a
+/// last line). Empty when nothing changes. Deterministic: the audit log keeps it.
+pub fn describe_changes(old: &Policy, new: &Policy, max_lines: usize) -> Vec<String> {
+    use serde_yaml_ng::Value;
+    fn doc(p: &Policy) -> Value {
+        let mut v: Value = serde_yaml_ng::from_str(&p.to_yaml()).unwrap_or(Value::Null);
+        // Tenants by name rather than by place in the list.
+        if let Some(list) = v.get_mut("spec").and_then(|s| s.get_mut("tenants")) {
+            let by_name: serde_yaml_ng::Mapping = list
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| Some((t.get("name")?.clone(), t.clone())))
+                .collect();
+            *list = Value::Mapping(by_name);
+        }
+        v
+    }
+    fn text(v: &Value) -> String {
+        match v {
+            Value::Null => "(unset)".to_string(),
+            Value::Bool(b) => b.to_string(),
+            Value::Number(n) => n.to_string(),
+            Value::String(s) => s.clone(),
+            Value::Sequence(items) => format!("[{}]", items.iter().map(text).collect::<Vec<_>>().join(", ")),
+            Value::Mapping(m) => format!(
+                "{{{}}}",
+                m.iter()
+                    .map(|(k, v)| format!("{}: {}", text(k), text(v)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Value::Tagged(t) => text(&t.value),
+        }
+    }
+    fn walk(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
+        match (a, b) {
+            (Value::Mapping(x), Value::Mapping(y)) => {
+                let tenants = path.ends_with(".tenants");
+                let keys = x.keys().chain(y.keys().filter(|k| !x.contains_key(*k)));
+                for k in keys {
+                    let child = if tenants {
+                        format!("{path}[{}]", text(k))
+                    } else if path.is_empty() {
+                        text(k)
+                    } else {
+                        format!("{path}.{}", text(k))
+                    };
+                    match (x.get(k), y.get(k)) {
+                        (Some(p), Some(q)) => walk(&child, p, q, out),
+                        (None, Some(_)) if tenants => out.push(format!("{child}: added")),
+                        (Some(_), None) if tenants => out.push(format!("{child}: removed")),
+                        (p, q) => walk(&child, p.unwrap_or(&Value::Null), q.unwrap_or(&Value::Null), out),
+                    }
+                }
+            }
+            _ if a != b => out.push(format!("{path}: {} -> {}", text(a), text(b))),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk("", &doc(old), &doc(new), &mut out);
+    if out.len() > max_lines {
+        let more = out.len() - max_lines.saturating_sub(1);
+        out.truncate(max_lines.saturating_sub(1));
+        out.push(format!("and {more} more changes"));
+    }
+    out
+}
+
+/// A byte count as the largest binary unit that divides it (`16Mi`), as a policy writes it.
+fn bytes_text(bytes: u64) -> String {
+    for (unit, size) in [("Gi", 1u64 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)] {
+        if bytes != 0 && bytes % size == 0 {
+            return format!("{}{unit}", bytes / size);
+        }
+    }
+    bytes.to_string()
 }
 
 fn fmt_scaled(v: i128, decimals: u32) -> String {
@@ -1359,7 +1718,11 @@ spec:
         assert!(paths.contains(&"spec.tenants[0].weight"), "{err}");
         assert!(paths.contains(&"spec.tenants[0].minShare"), "{err}");
         assert!(paths.contains(&"spec.tenants[2].minshare"), "{err}");
-        let typo = err.issues.iter().find(|i| i.path == "spec.tenants[2].minshare").expect("typo");
+        let typo = err
+            .issues
+            .iter()
+            .find(|i| i.path == "spec.tenants[2].minshare")
+            .expect("typo");
         assert!(typo.message.contains("did you mean `minShare`"), "{typo}");
         assert!(paths.contains(&"spec.tenants[2].name"), "duplicate: {err}");
         assert!(err.to_string().contains("nothing was changed"));
@@ -1422,10 +1785,22 @@ spec:
         let none = BTreeMap::new();
         let labelled: BTreeMap<String, String> = [("team".to_string(), "research".to_string())].into();
         let by_label: BTreeMap<String, String> = [(TENANT_LABEL.to_string(), "inference".to_string())].into();
-        assert_eq!(p.tenant_for_namespace("serving", &none).map(|t| t.name.as_str()), Some("inference"));
-        assert_eq!(p.tenant_for_namespace("x", &labelled).map(|t| t.name.as_str()), Some("research"));
-        assert_eq!(p.tenant_for_namespace("x", &by_label).map(|t| t.name.as_str()), Some("inference"));
-        assert_eq!(p.tenant_for_namespace("other", &none).map(|t| t.name.as_str()), Some("research"));
+        assert_eq!(
+            p.tenant_for_namespace("serving", &none).map(|t| t.name.as_str()),
+            Some("inference")
+        );
+        assert_eq!(
+            p.tenant_for_namespace("x", &labelled).map(|t| t.name.as_str()),
+            Some("research")
+        );
+        assert_eq!(
+            p.tenant_for_namespace("x", &by_label).map(|t| t.name.as_str()),
+            Some("inference")
+        );
+        assert_eq!(
+            p.tenant_for_namespace("other", &none).map(|t| t.name.as_str()),
+            Some("research")
+        );
     }
 
     #[test]
@@ -1445,13 +1820,21 @@ spec:
         let base = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: x}\nspec:\n  tenants:\n  - {name: a}\n";
         let p = Policy::from_yaml(base).expect("valid");
         assert_eq!(p.showback, ShowbackConfig::default());
-        assert!(!p.to_yaml().contains("showback"), "the default is not written: older builds read the document");
+        assert!(
+            !p.to_yaml().contains("showback"),
+            "the default is not written: older builds read the document"
+        );
         let set = base.replace("spec:\n", "spec:\n  showback: {retention: 30d}\n");
         let p = Policy::from_yaml(&set).expect("valid");
         assert_eq!(p.showback.retention_ms, 30 * 24 * 3_600_000);
         assert_eq!(Policy::from_yaml(&p.to_yaml()).expect("round trip"), p);
-        for (bad, want) in [("{retention: 10m}", "must be from 1h"), ("{retention: 9999d}", "must be from 1h"), ("{keep: 1d}", "keep")] {
-            let err = Policy::from_yaml(&base.replace("spec:\n", &format!("spec:\n  showback: {bad}\n"))).expect_err(bad);
+        for (bad, want) in [
+            ("{retention: 10m}", "must be from 1h"),
+            ("{retention: 9999d}", "must be from 1h"),
+            ("{keep: 1d}", "keep"),
+        ] {
+            let err =
+                Policy::from_yaml(&base.replace("spec:\n", &format!("spec:\n  showback: {bad}\n"))).expect_err(bad);
             assert!(err.issues.iter().any(|i| i.path.starts_with("spec.showback") && (i.message.contains(want) || i.path.contains(want))), "{bad}: {err}");
         }
     }

@@ -43,8 +43,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::entitlement::share_of;
-use crate::policy::ReclaimConfig;
 use crate::names::{PodKey, TenantName};
+use crate::policy::ReclaimConfig;
 use crate::units::format_gpue as g;
 use crate::{MilliGpue, Millis};
 
@@ -217,7 +217,11 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
         // Owed: the guarantee, or what its budget here covers of its demand, whichever
         // is more (a pod within the budget takes back GPUs lent to others, so only while
         // some are lent).
-        let owed = if lent { guarantee.max(demand.min(t.budget)) } else { guarantee };
+        let owed = if lent {
+            guarantee.max(demand.min(t.budget))
+        } else {
+            guarantee
+        };
         if t.inuse >= owed {
             continue;
         }
@@ -226,7 +230,12 @@ pub fn starved(view: &ClusterView<'_>) -> Vec<Starved> {
         let pod = mine
             .iter()
             .filter(|w| below_guarantee || t.inuse.saturating_add(w.gpue) <= t.budget)
-            .min_by(|a, b| b.priority.cmp(&a.priority).then(a.since_ms.cmp(&b.since_ms)).then(a.key.cmp(&b.key)));
+            .min_by(|a, b| {
+                b.priority
+                    .cmp(&a.priority)
+                    .then(a.since_ms.cmp(&b.since_ms))
+                    .then(a.key.cmp(&b.key))
+            });
         if let Some(pod) = pod {
             out.push(Starved {
                 tenant: t.name.clone(),
@@ -270,6 +279,7 @@ fn cands_all<'v>(
         p.node == n
             && p.resource == resource
             && (p.borrowed || !only_borrowed)
+            && !(p.borrowed && crate::faults::on(|f| f.borrowed_not_evictable))
             && over.contains_key(p.tenant.as_str())
             && (!spare_young || now.saturating_sub(p.started_ms) >= cfg.min_runtime_ms)
     })
@@ -304,8 +314,20 @@ pub fn plan(
     let preemptible = |name: &str| view.tenants.iter().any(|t| t.name == name && t.preemptible);
     let waited = |since: Millis| view.now_ms.saturating_sub(since) >= cfg.starved_for_ms;
     ready.sort_by(|a, b| {
-        (!waited(a.1), a.0.within_budget, preemptible(&a.0.tenant), a.1, &a.0.tenant)
-            .cmp(&(!waited(b.1), b.0.within_budget, preemptible(&b.0.tenant), b.1, &b.0.tenant))
+        (
+            !waited(a.1),
+            a.0.within_budget,
+            preemptible(&a.0.tenant),
+            a.1,
+            &a.0.tenant,
+        )
+            .cmp(&(
+                !waited(b.1),
+                b.0.within_budget,
+                preemptible(&b.0.tenant),
+                b.1,
+                &b.0.tenant,
+            ))
     });
     let Some(&(s, since)) = ready.first() else {
         return Decision::Idle(if hungry.is_empty() {
@@ -359,116 +381,195 @@ fn plan_for(
             s.tenant
         ));
     }
-    let budget_of = |name: &str| view.tenants.iter().find(|t| t.name == name).map_or(0, |t| t.budget);
+    let claim = Claim {
+        view,
+        cfg,
+        s,
+        over: &over,
+        per_tenant,
+        cluster_left,
+    };
     for spare_young in [true, false] {
         let mut best: Option<(MilliGpue, usize, Vec<&RunningPod>, u128)> = None;
         for (n, free) in view.node_free.iter().enumerate() {
             if !s.pod.may_use(n) {
                 continue;
             }
-            let mut room = free.get(&s.pod.resource).copied().unwrap_or(0);
-            let mut cands: Vec<&RunningPod> = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg, s.within_budget).collect();
-            cands.sort_by(|a, b| {
-                b.borrowed
-                    .cmp(&a.borrowed)
-                    .then(over[b.tenant.as_str()].cmp(&over[a.tenant.as_str()]))
-                    .then(a.priority.cmp(&b.priority))
-                    .then(b.started_ms.cmp(&a.started_ms))
-                    .then(b.key.cmp(&a.key)) // same start: the later name first
-            });
-            let mut left_over = over.clone();
-            let mut taken_per: BTreeMap<&str, u32> = BTreeMap::new();
-            let mut taken = Vec::new();
-            let mut cost = 0;
-            for p in cands {
-                if room >= s.pod.count {
-                    break;
-                }
-                let t = p.tenant.as_str();
-                let used = per_tenant.get(t).copied().unwrap_or(0) + taken_per.get(t).copied().unwrap_or(0);
-                // Never below its budget: a pod larger than the tenant's excess stays (evicting
-                // a whole-node pod to seat a small one fragments the cluster).
-                let still_over = left_over.get(t).copied().unwrap_or(0) >= p.gpue;
-                let fits_limits = u32::try_from(taken.len()).unwrap_or(u32::MAX) < cluster_left
-                    && used < cfg.max_evictions_per_minute_per_tenant;
-                if !still_over || !fits_limits {
-                    continue;
-                }
-                room += p.count;
-                cost += p.gpue;
-                if let Some(o) = left_over.get_mut(t) {
-                    *o = o.saturating_sub(p.gpue);
-                }
-                *taken_per.entry(t).or_insert(0) += 1;
-                taken.push(p);
-            }
-            if room < s.pod.count {
-                // The greedy order ran into a limit: one pod that frees enough on its own
-                // (the smallest such) may still do.
-                room = free.get(&s.pod.resource).copied().unwrap_or(0);
-                let single = cands_all(view, n, &s.pod.resource, &over, spare_young, cfg, s.within_budget)
-                    .filter(|p| room + p.count >= s.pod.count)
-                    .filter(|p| over.get(p.tenant.as_str()).copied().unwrap_or(0) >= p.gpue)
-                    .filter(|p| per_tenant.get(p.tenant.as_str()).copied().unwrap_or(0) < cfg.max_evictions_per_minute_per_tenant)
-                    .min_by(|a, b| a.gpue.cmp(&b.gpue).then(b.started_ms.cmp(&a.started_ms)).then(a.key.cmp(&b.key)));
-                if let Some(p) = single {
-                    room += p.count;
-                    cost = p.gpue;
-                    taken = vec![p];
-                }
-            }
+            let Some((cost, taken, lost)) = claim.on_node(n, free, spare_young) else {
+                continue;
+            };
             // Ties between nodes go to the one whose victims have run least (least work
             // lost), then to the lower index.
-            let lost: u128 =
-                taken.iter().map(|p| u128::from(p.gpue) * u128::from(view.now_ms.saturating_sub(p.started_ms))).sum();
-            if room >= s.pod.count && best.as_ref().is_none_or(|b| (cost, taken.len(), lost) < (b.0, b.2.len(), b.3)) {
+            if best
+                .as_ref()
+                .is_none_or(|b| (cost, taken.len(), lost) < (b.0, b.2.len(), b.3))
+            {
                 best = Some((cost, n, taken, lost));
             }
         }
         if let Some((cost, node, taken, _)) = best {
-            let victims: Vec<Victim> = taken
-                .iter()
-                .map(|p| Victim {
-                    key: p.key.clone(),
-                    tenant: p.tenant.clone(),
-                    gpue: p.gpue,
-                    why: format!(
-                        "{}tenant `{}` holds {} GPUe above its budget of {} GPUe here; pod priority {}, running {} s{}",
-                        if p.borrowed { "admitted on borrowed GPUs, lent while idle; " } else { "" },
-                        p.tenant,
-                        g(over[p.tenant.as_str()]),
-                        g(budget_of(&p.tenant)),
-                        p.priority,
-                        view.now_ms.saturating_sub(p.started_ms) / 1000,
-                        if view.now_ms.saturating_sub(p.started_ms) < cfg.min_runtime_ms {
-                            " (younger than minRuntime: nothing older frees enough)"
-                        } else {
-                            ""
-                        }
-                    ),
-                })
-                .collect();
-            let summary = format!(
-                "tenant `{}` starved for {} s: holds {} of the {} GPUe its {} here and pod {} ({} GPUe) has no room; evicting {} pod(s) ({} GPUe) on node {}: {}",
-                s.tenant,
-                starved_for / 1000,
-                g(s.inuse),
-                g(s.guarantee),
-                if s.within_budget { "budget covers" } else { "guarantee gives it" },
-                s.pod.key,
-                g(s.pod.gpue),
-                victims.len(),
-                g(cost),
-                node,
-                victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>().join(", ")
-            );
-            return Decision::Evict { for_tenant: s.tenant.clone(), for_pod: s.pod.key.clone(), node, victims, summary };
+            return claim.evict(starved_for, cost, node, &taken);
         }
     }
     Decision::Idle(format!(
         "tenant `{}` is starved but no node can make room for {} within the eviction limits (cluster {} left this minute, {} per tenant)",
         s.tenant, s.pod.key, cluster_left, cfg.max_evictions_per_minute_per_tenant
     ))
+}
+
+/// What [`plan_for`] searches with: the claim, the tenants above their budget (by how
+/// much) and the eviction limits left.
+struct Claim<'v, 'a> {
+    view: &'v ClusterView<'a>,
+    cfg: &'v ReclaimConfig,
+    s: &'v Starved,
+    over: &'v BTreeMap<&'v str, MilliGpue>,
+    per_tenant: &'v BTreeMap<&'v str, u32>,
+    cluster_left: u32,
+}
+
+impl<'v> Claim<'v, '_> {
+    /// The victims on node `n` (with `free` idle) that make room for the pod: their
+    /// GPUe, the pods and the work lost (GPUe x ms run), or `None` if none do.
+    fn on_node(
+        &self,
+        n: usize,
+        free: &BTreeMap<String, u64>,
+        spare_young: bool,
+    ) -> Option<(MilliGpue, Vec<&'v RunningPod>, u128)> {
+        let (view, cfg, s, over) = (self.view, self.cfg, self.s, self.over);
+        let mut room = free.get(&s.pod.resource).copied().unwrap_or(0);
+        let mut cands: Vec<&RunningPod> =
+            cands_all(view, n, &s.pod.resource, over, spare_young, cfg, s.within_budget).collect();
+        cands.sort_by(|a, b| {
+            b.borrowed
+                .cmp(&a.borrowed)
+                .then(over[b.tenant.as_str()].cmp(&over[a.tenant.as_str()]))
+                .then(a.priority.cmp(&b.priority))
+                .then(b.started_ms.cmp(&a.started_ms))
+                .then(b.key.cmp(&a.key)) // same start: the later name first
+        });
+        let mut left_over = over.clone();
+        let mut taken_per: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut taken = Vec::new();
+        let mut cost = 0;
+        for p in cands {
+            if room >= s.pod.count {
+                break;
+            }
+            let t = p.tenant.as_str();
+            let used = self.per_tenant.get(t).copied().unwrap_or(0) + taken_per.get(t).copied().unwrap_or(0);
+            // Never below its budget: a pod larger than the tenant's excess stays (evicting
+            // a whole-node pod to seat a small one fragments the cluster).
+            let still_over = left_over.get(t).copied().unwrap_or(0) >= p.gpue;
+            let fits_limits = u32::try_from(taken.len()).unwrap_or(u32::MAX) < self.cluster_left
+                && used < cfg.max_evictions_per_minute_per_tenant;
+            if !still_over || !fits_limits {
+                continue;
+            }
+            room += p.count;
+            cost += p.gpue;
+            if let Some(o) = left_over.get_mut(t) {
+                *o = o.saturating_sub(p.gpue);
+            }
+            *taken_per.entry(t).or_insert(0) += 1;
+            taken.push(p);
+        }
+        if room < s.pod.count {
+            // The greedy order ran into a limit: one pod that frees enough on its own
+            // (the smallest such) may still do.
+            room = free.get(&s.pod.resource).copied().unwrap_or(0);
+            if let Some(p) = self.single_victim(n, room, spare_young) {
+                room += p.count;
+                cost = p.gpue;
+                taken = vec![p];
+            }
+        }
+        let lost: u128 = taken
+            .iter()
+            .map(|p| u128::from(p.gpue) * u128::from(view.now_ms.saturating_sub(p.started_ms)))
+            .sum();
+        (room >= s.pod.count).then_some((cost, taken, lost))
+    }
+
+    /// The smallest single pod on node `n` that frees enough on its own (with `room`
+    /// idle) within the per-tenant limit.
+    fn single_victim(&self, n: usize, room: u64, spare_young: bool) -> Option<&'v RunningPod> {
+        let (s, over) = (self.s, self.over);
+        cands_all(
+            self.view,
+            n,
+            &s.pod.resource,
+            over,
+            spare_young,
+            self.cfg,
+            s.within_budget,
+        )
+        .filter(|p| room + p.count >= s.pod.count)
+        .filter(|p| over.get(p.tenant.as_str()).copied().unwrap_or(0) >= p.gpue)
+        .filter(|p| {
+            self.per_tenant.get(p.tenant.as_str()).copied().unwrap_or(0) < self.cfg.max_evictions_per_minute_per_tenant
+        })
+        .min_by(|a, b| {
+            a.gpue
+                .cmp(&b.gpue)
+                .then(b.started_ms.cmp(&a.started_ms))
+                .then(a.key.cmp(&b.key))
+        })
+    }
+
+    /// The eviction of `taken` (costing `cost` GPUe) on `node`, with its reasons.
+    fn evict(&self, starved_for: Millis, cost: MilliGpue, node: usize, taken: &[&RunningPod]) -> Decision {
+        let (view, cfg, s, over) = (self.view, self.cfg, self.s, self.over);
+        let budget_of = |name: &str| view.tenants.iter().find(|t| t.name == name).map_or(0, |t| t.budget);
+        let victims: Vec<Victim> = taken
+            .iter()
+            .map(|p| Victim {
+                key: p.key.clone(),
+                tenant: p.tenant.clone(),
+                gpue: p.gpue,
+                why: format!(
+                    "{}tenant `{}` holds {} GPUe above its budget of {} GPUe here; pod priority {}, running {} s{}",
+                    if p.borrowed {
+                        "admitted on borrowed GPUs, lent while idle; "
+                    } else {
+                        ""
+                    },
+                    p.tenant,
+                    g(over[p.tenant.as_str()]),
+                    g(budget_of(&p.tenant)),
+                    p.priority,
+                    view.now_ms.saturating_sub(p.started_ms) / 1000,
+                    if view.now_ms.saturating_sub(p.started_ms) < cfg.min_runtime_ms {
+                        " (younger than minRuntime: nothing older frees enough)"
+                    } else {
+                        ""
+                    }
+                ),
+            })
+            .collect();
+        let summary = format!(
+            "tenant `{}` starved for {} s: holds {} of the {} GPUe its {} here and pod {} ({} GPUe) has no room; evicting {} pod(s) ({} GPUe) on node {}: {}",
+            s.tenant,
+            starved_for / 1000,
+            g(s.inuse),
+            g(s.guarantee),
+            if s.within_budget { "budget covers" } else { "guarantee gives it" },
+            s.pod.key,
+            g(s.pod.gpue),
+            victims.len(),
+            g(cost),
+            node,
+            victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>().join(", ")
+        );
+        Decision::Evict {
+            for_tenant: s.tenant.clone(),
+            for_pod: s.pod.key.clone(),
+            node,
+            victims,
+            summary,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -494,11 +595,26 @@ mod tests {
     }
 
     fn wait(key: &str, tenant: &str, gpus: u64) -> WaitingPod {
-        WaitingPod { key: PodKey::parse(key).expect("a pod key"), tenant: TenantName::parse(tenant).expect("name"), gpue: gpus * 1000, priority: 0, since_ms: 0, resource: "nvidia.com/gpu".into(), count: gpus, nodes: None }
+        WaitingPod {
+            key: PodKey::parse(key).expect("a pod key"),
+            tenant: TenantName::parse(tenant).expect("name"),
+            gpue: gpus * 1000,
+            priority: 0,
+            since_ms: 0,
+            resource: "nvidia.com/gpu".into(),
+            count: gpus,
+            nodes: None,
+        }
     }
 
     fn tenant(name: &str, preemptible: bool, min_pct: u32, budget: u64, inuse: u64) -> TenantHere {
-        TenantHere { name: TenantName::parse(name).expect("name"), preemptible, min_share_bp: min_pct * 100, budget: budget * 1000, inuse: inuse * 1000 }
+        TenantHere {
+            name: TenantName::parse(name).expect("name"),
+            preemptible,
+            min_share_bp: min_pct * 100,
+            budget: budget * 1000,
+            inuse: inuse * 1000,
+        }
     }
 
     #[test]
@@ -515,13 +631,29 @@ mod tests {
             run("t/d", "training", 4, 0, 3_000, 1),
         ];
         let waiting = [wait("i/x", "inference", 2)];
-        let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 1_000_000,
+            capacity: 8000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let cfg = ReclaimConfig::default();
         let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
-        let Decision::Evict { victims, node, for_pod, .. } = plan(&view, &cfg, &since, &[]) else { panic!("expected evictions") };
+        let Decision::Evict {
+            victims, node, for_pod, ..
+        } = plan(&view, &cfg, &since, &[])
+        else {
+            panic!("expected evictions")
+        };
         // Node 0 needs 2 GPUe of victims (the two youngest 1-GPU pods), node 1 needs 4.
         assert_eq!(node, 0);
-        assert_eq!(victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(), ["t/c", "t/b"]);
+        assert_eq!(
+            victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(),
+            ["t/c", "t/b"]
+        );
         assert_eq!(for_pod, "i/x");
     }
 
@@ -533,7 +665,15 @@ mod tests {
         let tenants = [tenant("inference", false, 40, 1, 4), tenant("training", true, 50, 3, 0)];
         let running = [run("i/a", "inference", 4, 0, 0, 0)];
         let waiting = [wait("t/x", "training", 1)];
-        let view = ClusterView { now_ms: 100_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 100_000,
+            capacity: 4000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let since = BTreeMap::from([(TenantName::from_static("training"), 0)]);
         match plan(&view, &ReclaimConfig::default(), &since, &[]) {
             Decision::Idle(why) => assert!(why.contains("no preemptible tenant is above its budget"), "{why}"),
@@ -542,7 +682,12 @@ mod tests {
         let tenants = [tenant("inference", false, 40, 4, 0), tenant("training", true, 50, 0, 4)];
         let running = [run("t/a", "training", 4, 0, 0, 0)];
         let waiting = [wait("i/x", "inference", 1)];
-        let view = ClusterView { tenants: &tenants, running: &running, waiting: &waiting, ..view };
+        let view = ClusterView {
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+            ..view
+        };
         let since = BTreeMap::from([(TenantName::from_static("inference"), 90_000)]);
         match plan(&view, &ReclaimConfig::default(), &since, &[]) {
             Decision::Idle(why) => assert!(why.contains("less than starvedFor"), "{why}"),
@@ -557,7 +702,11 @@ mod tests {
         // below its guarantee with a pod waiting too: it goes first.
         let free = [node(0)];
         let total = [node(8)];
-        let tenants = [tenant("inference", false, 40, 2, 0), tenant("research", true, 0, 0, 6), tenant("training", true, 20, 6, 2)];
+        let tenants = [
+            tenant("inference", false, 40, 2, 0),
+            tenant("research", true, 0, 0, 6),
+            tenant("training", true, 20, 6, 2),
+        ];
         let lent = |p: RunningPod| RunningPod { borrowed: true, ..p };
         let running = [
             lent(run("r/a", "research", 2, 0, 0, 0)),
@@ -566,26 +715,74 @@ mod tests {
             run("t/a", "training", 2, 0, 0, 0),
         ];
         let waiting = [wait("t/x", "training", 2), wait("i/x", "inference", 1)];
-        let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 1_000_000,
+            capacity: 8000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let hungry = starved(&view);
-        assert_eq!(hungry.iter().map(|s| (s.tenant.as_str(), s.within_budget, s.guarantee)).collect::<Vec<_>>(), [("inference", false, 1000), ("training", true, 4000)]);
-        let since = BTreeMap::from([(TenantName::from_static("inference"), 0), (TenantName::from_static("training"), 0)]);
-        let Decision::Evict { for_tenant, victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected evictions") };
+        assert_eq!(
+            hungry
+                .iter()
+                .map(|s| (s.tenant.as_str(), s.within_budget, s.guarantee))
+                .collect::<Vec<_>>(),
+            [("inference", false, 1000), ("training", true, 4000)]
+        );
+        let since = BTreeMap::from([
+            (TenantName::from_static("inference"), 0),
+            (TenantName::from_static("training"), 0),
+        ]);
+        let Decision::Evict {
+            for_tenant, victims, ..
+        } = plan(&view, &ReclaimConfig::default(), &since, &[])
+        else {
+            panic!("expected evictions")
+        };
         assert_eq!((for_tenant.as_str(), victims.len()), ("inference", 1));
         // Without inference waiting, training's pod within its budget evicts research's
         // youngest borrowed pod; a pod its budget does not cover claims nothing.
         let waiting = [wait("t/x", "training", 2)];
-        let view = ClusterView { waiting: &waiting, ..view };
-        let Decision::Evict { for_tenant, victims, summary, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected evictions") };
+        let view = ClusterView {
+            waiting: &waiting,
+            ..view
+        };
+        let Decision::Evict {
+            for_tenant,
+            victims,
+            summary,
+            ..
+        } = plan(&view, &ReclaimConfig::default(), &since, &[])
+        else {
+            panic!("expected evictions")
+        };
         assert_eq!((for_tenant.as_str(), victims[0].key.as_str()), ("training", "r/c"));
         assert!(summary.contains("budget covers"), "{summary}");
         // Pods over budget that were not borrowed (their tenant's entitlement fell) are
         // left to finish: a pod within its budget takes back lent GPUs only.
-        let unmarked: Vec<RunningPod> = running.iter().map(|p| RunningPod { borrowed: false, ..p.clone() }).collect();
-        let view2 = ClusterView { running: &unmarked, ..view.clone() };
-        assert!(matches!(plan(&view2, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
+        let unmarked: Vec<RunningPod> = running
+            .iter()
+            .map(|p| RunningPod {
+                borrowed: false,
+                ..p.clone()
+            })
+            .collect();
+        let view2 = ClusterView {
+            running: &unmarked,
+            ..view.clone()
+        };
+        assert!(matches!(
+            plan(&view2, &ReclaimConfig::default(), &since, &[]),
+            Decision::Idle(_)
+        ));
         let waiting = [wait("t/y", "training", 5)];
-        let view = ClusterView { waiting: &waiting, ..view };
+        let view = ClusterView {
+            waiting: &waiting,
+            ..view
+        };
         assert!(starved(&view).is_empty());
     }
 
@@ -603,24 +800,59 @@ mod tests {
             tenant("research", true, 0, 0, 4),
             tenant("training", true, 50, 4, 4),
         ];
-        let running = [RunningPod { borrowed: true, ..run("r/a", "research", 4, 0, 0, 0) }, run("t/a", "training", 4, 0, 0, 1)];
-        let only_node_1 = WaitingPod { nodes: Some(vec![1]), ..wait("i/x", "inference", 4) };
+        let running = [
+            RunningPod {
+                borrowed: true,
+                ..run("r/a", "research", 4, 0, 0, 0)
+            },
+            run("t/a", "training", 4, 0, 0, 1),
+        ];
+        let only_node_1 = WaitingPod {
+            nodes: Some(vec![1]),
+            ..wait("i/x", "inference", 4)
+        };
         let waiting = [only_node_1, wait("b/x", "batch", 1)];
-        let view = ClusterView { now_ms: 1_000_000, capacity: 8000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 1_000_000,
+            capacity: 8000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let hungry: Vec<TenantName> = starved(&view).into_iter().map(|s| s.tenant).collect();
         assert_eq!(hungry, ["batch", "inference"]);
         // Inference only just started waiting: batch, which waited long, is served.
-        let since = BTreeMap::from([(TenantName::from_static("inference"), 999_000), (TenantName::from_static("batch"), 0)]);
-        let Decision::Evict { for_tenant, victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("held up by a fresh claim") };
+        let since = BTreeMap::from([
+            (TenantName::from_static("inference"), 999_000),
+            (TenantName::from_static("batch"), 0),
+        ]);
+        let Decision::Evict {
+            for_tenant, victims, ..
+        } = plan(&view, &ReclaimConfig::default(), &since, &[])
+        else {
+            panic!("held up by a fresh claim")
+        };
         assert_eq!((for_tenant.as_str(), victims[0].key.as_str()), ("batch", "r/a"));
         // Both waited long: inference's claim comes first and cannot be served; one claim
         // per step, so batch waits (a limitation the comparison page states).
-        let since = BTreeMap::from([(TenantName::from_static("inference"), 0), (TenantName::from_static("batch"), 0)]);
-        let Decision::Idle(why) = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("more than one claim per step") };
+        let since = BTreeMap::from([
+            (TenantName::from_static("inference"), 0),
+            (TenantName::from_static("batch"), 0),
+        ]);
+        let Decision::Idle(why) = plan(&view, &ReclaimConfig::default(), &since, &[]) else {
+            panic!("more than one claim per step")
+        };
         assert!(why.contains("`inference`"), "{why}");
         // Only inference waiting, and for less than starvedFor: nothing yet, and it says so.
-        let since = BTreeMap::from([(TenantName::from_static("inference"), 999_000), (TenantName::from_static("batch"), 999_000)]);
-        let Decision::Idle(why) = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("evicted before starvedFor") };
+        let since = BTreeMap::from([
+            (TenantName::from_static("inference"), 999_000),
+            (TenantName::from_static("batch"), 999_000),
+        ]);
+        let Decision::Idle(why) = plan(&view, &ReclaimConfig::default(), &since, &[]) else {
+            panic!("evicted before starvedFor")
+        };
         assert!(why.contains("less than starvedFor"), "{why}");
     }
 
@@ -629,13 +861,30 @@ mod tests {
         let free = [node(0)];
         let total = [node(4)];
         let tenants = [tenant("inference", false, 50, 4, 0), tenant("training", true, 0, 0, 4)];
-        let running = [run("t/a", "training", 1, 0, 0, 0), run("t/b", "training", 1, 0, 0, 0), run("t/c", "training", 2, 0, 0, 0)];
+        let running = [
+            run("t/a", "training", 1, 0, 0, 0),
+            run("t/b", "training", 1, 0, 0, 0),
+            run("t/c", "training", 2, 0, 0, 0),
+        ];
         let waiting = [wait("i/x", "inference", 2)];
-        let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 1_000_000,
+            capacity: 4000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
-        let cfg = ReclaimConfig { max_evictions_per_minute_per_tenant: 1, ..ReclaimConfig::default() };
+        let cfg = ReclaimConfig {
+            max_evictions_per_minute_per_tenant: 1,
+            ..ReclaimConfig::default()
+        };
         // One eviction allowed: only the 2-GPU pod alone makes room.
-        let Decision::Evict { victims, .. } = plan(&view, &cfg, &since, &[]) else { panic!("expected an eviction") };
+        let Decision::Evict { victims, .. } = plan(&view, &cfg, &since, &[]) else {
+            panic!("expected an eviction")
+        };
         assert_eq!(victims.iter().map(|v| v.key.as_str()).collect::<Vec<_>>(), ["t/c"]);
         // That one spent: nothing more this minute.
         let recent = [(990_000, TenantName::from_static("training"))];
@@ -643,8 +892,15 @@ mod tests {
         // A pod larger than any node never evicts anyone.
         let waiting = [wait("i/huge", "inference", 8)];
         let tenants = [tenant("inference", false, 100, 8, 0), tenant("training", true, 0, 0, 4)];
-        let view = ClusterView { waiting: &waiting, tenants: &tenants, ..view };
-        assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
+        let view = ClusterView {
+            waiting: &waiting,
+            tenants: &tenants,
+            ..view
+        };
+        assert!(matches!(
+            plan(&view, &ReclaimConfig::default(), &since, &[]),
+            Decision::Idle(_)
+        ));
     }
 
     #[test]
@@ -660,21 +916,40 @@ mod tests {
         let mut w = wait("i/x", "inference", 2);
         w.nodes = Some(vec![1]);
         let waiting = [w.clone()];
-        let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 1_000_000,
+            capacity: 4000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
-        let Decision::Evict { victims, node: at, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!("expected an eviction") };
+        let Decision::Evict { victims, node: at, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else {
+            panic!("expected an eviction")
+        };
         assert_eq!((at, victims[0].key.as_str()), (1, "t/n1"));
         // Room already free on a node it may not use does not count as room.
         let free = [node(2), node(0)];
-        let view = ClusterView { node_free: &free, ..view };
+        let view = ClusterView {
+            node_free: &free,
+            ..view
+        };
         let starving = starved(&view);
         assert!(!starving[0].room, "node 0 is free but not for this pod");
         // A pod no node admits (a selector nobody satisfies) evicts no one.
         w.nodes = Some(vec![]);
         let waiting = [w];
-        let view = ClusterView { waiting: &waiting, ..view };
+        let view = ClusterView {
+            waiting: &waiting,
+            ..view
+        };
         assert!(starved(&view).is_empty());
-        assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
+        assert!(matches!(
+            plan(&view, &ReclaimConfig::default(), &since, &[]),
+            Decision::Idle(_)
+        ));
     }
 
     #[test]
@@ -682,15 +957,36 @@ mod tests {
         let free = [node(0)];
         let total = [node(2)];
         let tenants = [tenant("inference", false, 50, 1, 0), tenant("training", true, 0, 0, 2)];
-        let running = [run("t/old", "training", 1, 0, 0, 0), run("t/new", "training", 1, 0, 990_000, 0)];
+        let running = [
+            run("t/old", "training", 1, 0, 0, 0),
+            run("t/new", "training", 1, 0, 990_000, 0),
+        ];
         let waiting = [wait("i/x", "inference", 1)];
-        let view = ClusterView { now_ms: 1_000_000, capacity: 2000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 1_000_000,
+            capacity: 2000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
-        let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!() };
-        assert_eq!(victims[0].key, "t/old", "the young pod is spared while an older one frees enough");
+        let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else {
+            panic!()
+        };
+        assert_eq!(
+            victims[0].key, "t/old",
+            "the young pod is spared while an older one frees enough"
+        );
         let running = [run("t/new", "training", 2, 0, 990_000, 0)];
-        let view = ClusterView { running: &running, ..view };
-        let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else { panic!() };
+        let view = ClusterView {
+            running: &running,
+            ..view
+        };
+        let Decision::Evict { victims, .. } = plan(&view, &ReclaimConfig::default(), &since, &[]) else {
+            panic!()
+        };
         assert!(victims[0].why.contains("younger than minRuntime"), "{}", victims[0].why);
     }
 
@@ -703,8 +999,19 @@ mod tests {
         let tenants = [tenant("inference", false, 50, 2, 0), tenant("training", true, 0, 3, 4)];
         let running = [run("t/big", "training", 4, 0, 0, 0)];
         let waiting = [wait("i/x", "inference", 1)];
-        let view = ClusterView { now_ms: 1_000_000, capacity: 4000, node_free: &free, node_total: &total, tenants: &tenants, running: &running, waiting: &waiting };
+        let view = ClusterView {
+            now_ms: 1_000_000,
+            capacity: 4000,
+            node_free: &free,
+            node_total: &total,
+            tenants: &tenants,
+            running: &running,
+            waiting: &waiting,
+        };
         let since = BTreeMap::from([(TenantName::from_static("inference"), 0)]);
-        assert!(matches!(plan(&view, &ReclaimConfig::default(), &since, &[]), Decision::Idle(_)));
+        assert!(matches!(
+            plan(&view, &ReclaimConfig::default(), &since, &[]),
+            Decision::Idle(_)
+        ));
     }
 }

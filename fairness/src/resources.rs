@@ -51,8 +51,7 @@ impl ResourceWeights {
     /// replacing any earlier explicit weight and overriding the default. A weight of 0
     /// marks the resource as not a GPU resource.
     pub fn set(&mut self, resource: &str, milli_gpue_per_unit: u64) {
-        self.explicit
-            .insert(resource.to_owned(), milli_gpue_per_unit);
+        self.explicit.insert(resource.to_owned(), milli_gpue_per_unit);
     }
 
     /// The explicitly set weights (milli-GPUe per one unit), by resource name. Defaults
@@ -250,19 +249,12 @@ fn container_requests_milli(
 /// [`ResourceError::BadQuantity`] for the first quantity string (containers in spec
 /// order: init containers, app containers, then overhead) that
 /// [`parse_quantity_milli`] rejects, naming the container, the map and the resource.
-pub fn effective_requests_milli(
-    pod: &PodResources,
-) -> Result<BTreeMap<String, u64>, ResourceError> {
+pub fn effective_requests_milli(pod: &PodResources) -> Result<BTreeMap<String, u64>, ResourceError> {
     let init = pod
         .init_containers
         .iter()
         .enumerate()
-        .map(|(i, c)| {
-            Ok((
-                c.restartable,
-                container_requests_milli(c, "initContainers", i)?,
-            ))
-        })
+        .map(|(i, c)| Ok((c.restartable, container_requests_milli(c, "initContainers", i)?)))
         .collect::<Result<Vec<_>, ResourceError>>()?;
     let app = pod
         .containers
@@ -270,11 +262,7 @@ pub fn effective_requests_milli(
         .enumerate()
         .map(|(i, c)| container_requests_milli(c, "containers", i))
         .collect::<Result<Vec<_>, ResourceError>>()?;
-    let overhead = parse_map(
-        &pod.overhead,
-        &|| "spec".to_owned(),
-        QuantityField::Overhead,
-    )?;
+    let overhead = parse_map(&pod.overhead, &|| "spec".to_owned(), QuantityField::Overhead)?;
 
     let names: BTreeSet<&String> = init
         .iter()
@@ -357,9 +345,7 @@ pub fn pod_gpue(pod: &PodResources, weights: &ResourceWeights) -> Result<PodGpue
             (resource, gpue)
         })
         .collect();
-    let total_milli = per_resource_milli
-        .values()
-        .fold(0u64, |sum, &v| sum.saturating_add(v));
+    let total_milli = per_resource_milli.values().fold(0u64, |sum, &v| sum.saturating_add(v));
     Ok(PodGpue {
         total_milli,
         per_resource_milli,
@@ -389,17 +375,10 @@ mod tests {
     const MIG_1G: &str = "nvidia.com/mig-1g.5gb";
 
     fn map(entries: &[(&str, &str)]) -> BTreeMap<String, String> {
-        entries
-            .iter()
-            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
-            .collect()
+        entries.iter().map(|&(k, v)| (k.to_owned(), v.to_owned())).collect()
     }
 
-    fn container(
-        name: &str,
-        requests: &[(&str, &str)],
-        limits: &[(&str, &str)],
-    ) -> ContainerResources {
+    fn container(name: &str, requests: &[(&str, &str)], limits: &[(&str, &str)]) -> ContainerResources {
         ContainerResources {
             name: name.to_owned(),
             requests: map(requests),
@@ -458,11 +437,7 @@ mod tests {
         ];
         for &(resource, want) in cases {
             assert_eq!(w.weight_milli(resource), want, "resource {resource:?}");
-            assert_eq!(
-                w.is_gpu_resource(resource),
-                want.is_some(),
-                "resource {resource:?}"
-            );
+            assert_eq!(w.is_gpu_resource(resource), want.is_some(), "resource {resource:?}");
         }
     }
 
@@ -546,11 +521,9 @@ mod tests {
         let requests = effective_requests_milli(&pod);
         assert_eq!(
             requests,
-            Ok(
-                [("cpu".to_owned(), 500), ("nvidia.com/gpu".to_owned(), 1000)]
-                    .into_iter()
-                    .collect()
-            )
+            Ok([("cpu".to_owned(), 500), ("nvidia.com/gpu".to_owned(), 1000)]
+                .into_iter()
+                .collect())
         );
     }
 
@@ -622,23 +595,16 @@ mod tests {
     fn overhead_adds() {
         let pod = PodResources {
             init_containers: vec![container("warmup", &[], &[("nvidia.com/gpu", "3")])],
-            containers: vec![container(
-                "trainer",
-                &[],
-                &[("nvidia.com/gpu", "2"), ("cpu", "1")],
-            )],
+            containers: vec![container("trainer", &[], &[("nvidia.com/gpu", "2"), ("cpu", "1")])],
             overhead: map(&[("nvidia.com/gpu", "500m"), ("cpu", "250m")]),
         };
         assert_eq!(total(&pod), Ok(3500));
         let requests = effective_requests_milli(&pod);
         assert_eq!(
             requests,
-            Ok([
-                ("cpu".to_owned(), 1250),
-                ("nvidia.com/gpu".to_owned(), 3500)
-            ]
-            .into_iter()
-            .collect())
+            Ok([("cpu".to_owned(), 1250), ("nvidia.com/gpu".to_owned(), 3500)]
+                .into_iter()
+                .collect())
         );
     }
 
@@ -666,17 +632,10 @@ mod tests {
     fn cpu_and_memory_are_ignored() {
         let pod = app_pod(vec![container(
             "web",
-            &[
-                ("cpu", "4"),
-                ("memory", "16Gi"),
-                ("ephemeral-storage", "10Gi"),
-            ],
+            &[("cpu", "4"), ("memory", "16Gi"), ("ephemeral-storage", "10Gi")],
             &[("cpu", "8"), ("memory", "32Gi"), ("example.com/fpga", "1")],
         )]);
-        assert_eq!(
-            pod_gpue(&pod, &ResourceWeights::new()),
-            Ok(PodGpue::default())
-        );
+        assert_eq!(pod_gpue(&pod, &ResourceWeights::new()), Ok(PodGpue::default()));
 
         let with_gpu = app_pod(vec![container(
             "trainer",
@@ -748,10 +707,7 @@ mod tests {
 
     #[test]
     fn empty_pod_has_no_gpue() {
-        assert_eq!(
-            effective_requests_milli(&PodResources::default()),
-            Ok(BTreeMap::new())
-        );
+        assert_eq!(effective_requests_milli(&PodResources::default()), Ok(BTreeMap::new()));
         assert_eq!(
             pod_gpue(&PodResources::default(), &ResourceWeights::new()),
             Ok(PodGpue::default())
@@ -765,15 +721,11 @@ mod tests {
             container("b", &[], &[("nvidia.com/gpu", "18446744073709551615m")]),
         ]);
         let requests = effective_requests_milli(&pod);
-        assert_eq!(
-            requests.map(|r| r.get("nvidia.com/gpu").copied()),
-            Ok(Some(u64::MAX))
-        );
+        assert_eq!(requests.map(|r| r.get("nvidia.com/gpu").copied()), Ok(Some(u64::MAX)));
         let mut w = ResourceWeights::new();
         w.set("amd.com/gpu", u64::MAX);
         let mut both = pod;
-        both.containers
-            .push(container("c", &[], &[("amd.com/gpu", "1")]));
+        both.containers.push(container("c", &[], &[("amd.com/gpu", "1")]));
         assert_eq!(pod_gpue(&both, &w).map(|g| g.total_milli), Ok(u64::MAX));
     }
 
@@ -784,12 +736,8 @@ mod tests {
         w.set(MIG_1G, 150);
         assert_eq!(w.weight_milli(MIG_1G), Some(150));
         let json = serde_json::to_string(&w).map_err(|e| e.to_string());
-        assert_eq!(
-            json.as_deref(),
-            Ok(r#"{"explicit":{"nvidia.com/mig-1g.5gb":150}}"#)
-        );
-        let back: Result<ResourceWeights, _> =
-            serde_json::from_str(r#"{"explicit":{"nvidia.com/mig-1g.5gb":150}}"#);
+        assert_eq!(json.as_deref(), Ok(r#"{"explicit":{"nvidia.com/mig-1g.5gb":150}}"#));
+        let back: Result<ResourceWeights, _> = serde_json::from_str(r#"{"explicit":{"nvidia.com/mig-1g.5gb":150}}"#);
         assert_eq!(back.map_err(|e| e.to_string()), Ok(w));
         let empty: Result<ResourceWeights, _> = serde_json::from_str("{}");
         assert_eq!(empty.map_err(|e| e.to_string()), Ok(ResourceWeights::new()));
@@ -826,33 +774,26 @@ mod tests {
 
     fn containers(q: BoxedStrategy<String>) -> impl Strategy<Value = Vec<ContainerResources>> {
         prop::collection::vec(
-            (
-                "[a-z]{0,5}",
-                resource_map(q.clone()),
-                resource_map(q),
-                any::<bool>(),
-            )
-                .prop_map(|(name, requests, limits, restartable)| ContainerResources {
+            ("[a-z]{0,5}", resource_map(q.clone()), resource_map(q), any::<bool>()).prop_map(
+                |(name, requests, limits, restartable)| ContainerResources {
                     name,
                     requests,
                     limits,
                     restartable,
-                }),
+                },
+            ),
             0..4,
         )
     }
 
     fn pods(q: BoxedStrategy<String>) -> impl Strategy<Value = PodResources> {
-        (
-            containers(q.clone()),
-            containers(q.clone()),
-            resource_map(q),
-        )
-            .prop_map(|(init_containers, containers, overhead)| PodResources {
+        (containers(q.clone()), containers(q.clone()), resource_map(q)).prop_map(
+            |(init_containers, containers, overhead)| PodResources {
                 init_containers,
                 containers,
                 overhead,
-            })
+            },
+        )
     }
 
     proptest! {

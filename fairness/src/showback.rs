@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Millis;
 use crate::names::{ClusterName, TenantName};
+use crate::Millis;
 
 /// One hour in milliseconds.
 pub const HOUR_MS: Millis = 3_600_000;
@@ -147,13 +147,20 @@ impl Showback {
         for (_, tenants) in self.hours.range(first..=last) {
             for (tenant, clusters) in tenants {
                 for (cluster, v) in clusters {
-                    let key = (by.tenant.then_some(tenant.as_str()), by.cluster.then_some(cluster.as_str()));
+                    let key = (
+                        by.tenant.then_some(tenant.as_str()),
+                        by.cluster.then_some(cluster.as_str()),
+                    );
                     *rows.entry(key).or_default() += u128::from(*v);
                 }
             }
         }
         rows.into_iter()
-            .map(|((t, c), v)| UsageRow { tenant: t.map(str::to_string), cluster: c.map(str::to_string), milli_gpue_ms: v })
+            .map(|((t, c), v)| UsageRow {
+                tenant: t.map(str::to_string),
+                cluster: c.map(str::to_string),
+                milli_gpue_ms: v,
+            })
             .collect()
     }
 }
@@ -163,7 +170,9 @@ mod tests {
     use super::*;
 
     fn total(s: &Showback) -> u128 {
-        s.query(0, u64::MAX, GroupBy::default()).first().map_or(0, |r| r.milli_gpue_ms)
+        s.query(0, u64::MAX, GroupBy::default())
+            .first()
+            .map_or(0, |r| r.milli_gpue_ms)
     }
 
     #[test]
@@ -171,11 +180,25 @@ mod tests {
         let mut s = Showback::new();
         // 30 minutes before 10:00 and 90 after: a quarter, a half, a quarter.
         let ten = 10 * HOUR_MS;
-        s.record(&TenantName::from_static("a"), &ClusterName::from_static("east"), 1_000_001, ten - HOUR_MS / 2, ten + HOUR_MS + HOUR_MS / 2);
+        s.record(
+            &TenantName::from_static("a"),
+            &ClusterName::from_static("east"),
+            1_000_001,
+            ten - HOUR_MS / 2,
+            ten + HOUR_MS + HOUR_MS / 2,
+        );
         let hours: Vec<u128> = (9..12)
-            .map(|h| s.query(h * HOUR_MS, (h + 1) * HOUR_MS, GroupBy::default()).first().map_or(0, |r| r.milli_gpue_ms))
+            .map(|h| {
+                s.query(h * HOUR_MS, (h + 1) * HOUR_MS, GroupBy::default())
+                    .first()
+                    .map_or(0, |r| r.milli_gpue_ms)
+            })
             .collect();
-        assert_eq!(hours, vec![250_000, 500_000, 250_001], "the remainder goes to the last hour");
+        assert_eq!(
+            hours,
+            vec![250_000, 500_000, 250_001],
+            "the remainder goes to the last hour"
+        );
         assert_eq!(total(&s), 1_000_001);
         assert_eq!(s.cells(), 3);
     }
@@ -183,15 +206,71 @@ mod tests {
     #[test]
     fn a_report_without_a_span_counts_in_its_hour_and_queries_group() {
         let mut s = Showback::new();
-        s.record(&TenantName::from_static("a"), &ClusterName::from_static("east"), 10, 5 * HOUR_MS + 7, 5 * HOUR_MS + 7);
-        s.record(&TenantName::from_static("a"), &ClusterName::from_static("west"), 20, 5 * HOUR_MS + 9, 5 * HOUR_MS + 1);
-        s.record(&TenantName::from_static("b"), &ClusterName::from_static("east"), 30, 6 * HOUR_MS, 6 * HOUR_MS + 10);
-        s.record(&TenantName::from_static("b"), &ClusterName::from_static("east"), 0, 0, 6 * HOUR_MS);
-        let by_tenant = s.query(0, 7 * HOUR_MS, GroupBy { tenant: true, cluster: false });
-        assert_eq!(by_tenant.iter().map(|r| (r.tenant.clone(), r.milli_gpue_ms)).collect::<Vec<_>>(), vec![(Some("a".into()), 30), (Some("b".into()), 30)]);
-        let both = s.query(0, 7 * HOUR_MS, GroupBy { tenant: true, cluster: true });
+        s.record(
+            &TenantName::from_static("a"),
+            &ClusterName::from_static("east"),
+            10,
+            5 * HOUR_MS + 7,
+            5 * HOUR_MS + 7,
+        );
+        s.record(
+            &TenantName::from_static("a"),
+            &ClusterName::from_static("west"),
+            20,
+            5 * HOUR_MS + 9,
+            5 * HOUR_MS + 1,
+        );
+        s.record(
+            &TenantName::from_static("b"),
+            &ClusterName::from_static("east"),
+            30,
+            6 * HOUR_MS,
+            6 * HOUR_MS + 10,
+        );
+        s.record(
+            &TenantName::from_static("b"),
+            &ClusterName::from_static("east"),
+            0,
+            0,
+            6 * HOUR_MS,
+        );
+        let by_tenant = s.query(
+            0,
+            7 * HOUR_MS,
+            GroupBy {
+                tenant: true,
+                cluster: false,
+            },
+        );
+        assert_eq!(
+            by_tenant
+                .iter()
+                .map(|r| (r.tenant.clone(), r.milli_gpue_ms))
+                .collect::<Vec<_>>(),
+            vec![(Some("a".into()), 30), (Some("b".into()), 30)]
+        );
+        let both = s.query(
+            0,
+            7 * HOUR_MS,
+            GroupBy {
+                tenant: true,
+                cluster: true,
+            },
+        );
         assert_eq!(both.len(), 3);
-        assert_eq!(s.query(6 * HOUR_MS, 7 * HOUR_MS, GroupBy { tenant: false, cluster: true })[0].cluster.as_deref(), Some("east"));
+        assert_eq!(
+            s.query(
+                6 * HOUR_MS,
+                7 * HOUR_MS,
+                GroupBy {
+                    tenant: false,
+                    cluster: true
+                }
+            )[0]
+            .cluster
+            .as_deref(),
+            Some("east")
+        );
         assert!(s.query(7 * HOUR_MS, 7 * HOUR_MS, GroupBy::default()).is_empty());
     }
 
@@ -199,7 +278,13 @@ mod tests {
     fn retention_and_the_cell_cap_drop_the_oldest_hours() {
         let mut s = Showback::new();
         for h in 0..10 {
-            s.record(&TenantName::from_static("a"), &ClusterName::from_static("east"), 5, h * HOUR_MS, h * HOUR_MS + 1);
+            s.record(
+                &TenantName::from_static("a"),
+                &ClusterName::from_static("east"),
+                5,
+                h * HOUR_MS,
+                h * HOUR_MS + 1,
+            );
         }
         s.prune(10 * HOUR_MS, 3 * HOUR_MS);
         assert_eq!(s.oldest_ms(), Some(7 * HOUR_MS));
@@ -207,7 +292,13 @@ mod tests {
         assert_eq!(total(&s), 15);
         let mut big = Showback::new();
         for i in 0..(MAX_CELLS as u64 + 2) {
-            big.record(&TenantName::parse(format!("t{}", i % 1000)).expect("name"), &ClusterName::parse(format!("c{}", i / 1000 % 1000)).expect("name"), 1, (i / 1_000_000) * HOUR_MS, (i / 1_000_000) * HOUR_MS);
+            big.record(
+                &TenantName::parse(format!("t{}", i % 1000)).expect("name"),
+                &ClusterName::parse(format!("c{}", i / 1000 % 1000)).expect("name"),
+                1,
+                (i / 1_000_000) * HOUR_MS,
+                (i / 1_000_000) * HOUR_MS,
+            );
         }
         big.prune(HOUR_MS, 365 * 24 * HOUR_MS);
         assert!(big.cells() <= MAX_CELLS, "{} cells", big.cells());

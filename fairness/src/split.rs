@@ -39,12 +39,18 @@ impl Cell {
 
     /// A reachable cluster's cell (demand is clamped below the pinned marker).
     pub fn new(inuse: MilliGpue, demand: MilliGpue) -> Cell {
-        Cell { inuse, demand: demand.min(Self::PINNED - 1) }
+        Cell {
+            inuse,
+            demand: demand.min(Self::PINNED - 1),
+        }
     }
 
     /// An unreachable cluster that may hold `hold`: its budget is exactly that.
     pub fn pinned(hold: MilliGpue) -> Cell {
-        Cell { inuse: hold, demand: Self::PINNED }
+        Cell {
+            inuse: hold,
+            demand: Self::PINNED,
+        }
     }
 
     /// `Some(hold)` for a pinned cell.
@@ -245,7 +251,11 @@ impl Divisor {
     pub fn new(d: u64) -> Divisor {
         let d = d.max(1);
         // For d = 1 the reciprocal 2^64 does not fit; `divide` handles it.
-        let m = if d == 1 { 0 } else { u64::try_from((1u128 << 64) / u128::from(d)).unwrap_or(u64::MAX) };
+        let m = if d == 1 {
+            0
+        } else {
+            u64::try_from((1u128 << 64) / u128::from(d)).unwrap_or(u64::MAX)
+        };
         Divisor { d, m }
     }
 

@@ -76,7 +76,10 @@ impl<T: Clone> Clone for Stamped<T> {
     /// The copy keeps the stamp: it holds the same value, and either one's next change
     /// takes a new stamp.
     fn clone(&self) -> Self {
-        Stamped { value: self.value.clone(), stamp: self.stamp }
+        Stamped {
+            value: self.value.clone(),
+            stamp: self.stamp,
+        }
     }
 }
 
@@ -113,7 +116,13 @@ mod tests {
         assert_eq!(json, "[1,2,3]", "serialized as the bare value");
         let c: Stamped<Vec<i32>> = serde_json::from_str(&json).unwrap_or_default();
         assert_eq!(c, a, "equal values compare equal whatever their stamps");
-        assert!(c.stamp() != s1 && c.stamp() != s0, "a decoded value has a stamp of its own");
-        assert_ne!(Stamped::<Vec<i32>>::default().stamp(), Stamped::<Vec<i32>>::default().stamp());
+        assert!(
+            c.stamp() != s1 && c.stamp() != s0,
+            "a decoded value has a stamp of its own"
+        );
+        assert_ne!(
+            Stamped::<Vec<i32>>::default().stamp(),
+            Stamped::<Vec<i32>>::default().stamp()
+        );
     }
 }

@@ -42,9 +42,7 @@ pub enum QuantityError {
         max: usize,
     },
     /// The string contains whitespace (Kubernetes rejects surrounding spaces too).
-    #[error(
-        "quantity {input:?} contains whitespace; write it without spaces, e.g. \"500m\" or \"2Gi\""
-    )]
+    #[error("quantity {input:?} contains whitespace; write it without spaces, e.g. \"500m\" or \"2Gi\"")]
     Whitespace {
         /// The rejected input.
         input: String,
@@ -207,9 +205,10 @@ impl Digits {
 
     /// The value as `u64`, or `None` if it does not fit.
     fn to_u64(&self) -> Option<u64> {
-        self.0.iter().rev().try_fold(0u64, |acc, &d| {
-            acc.checked_mul(10)?.checked_add(u64::from(d))
-        })
+        self.0
+            .iter()
+            .rev()
+            .try_fold(0u64, |acc, &d| acc.checked_mul(10)?.checked_add(u64::from(d)))
     }
 }
 
@@ -358,9 +357,7 @@ fn parse_quantity_milli_general(s: &str) -> Result<u64, QuantityError> {
         });
     }
     if s.chars().any(char::is_whitespace) {
-        return Err(QuantityError::Whitespace {
-            input: s.to_owned(),
-        });
+        return Err(QuantityError::Whitespace { input: s.to_owned() });
     }
     let bad_number = |reason| QuantityError::BadNumber {
         input: s.to_owned(),
@@ -394,9 +391,7 @@ fn parse_quantity_milli_general(s: &str) -> Result<u64, QuantityError> {
     let scale = parse_suffix(s, suffix)?;
     let mut digits = Digits::from_ascii(int, frac);
     if negative && !digits.is_zero() {
-        return Err(QuantityError::Negative {
-            input: s.to_owned(),
-        });
+        return Err(QuantityError::Negative { input: s.to_owned() });
     }
 
     // value = digits * 10^(exp10 - frac_len) * 1024^binary, in thousandths: * 10^3.
@@ -411,9 +406,7 @@ fn parse_quantity_milli_general(s: &str) -> Result<u64, QuantityError> {
         }
     };
     let shift = exp10.saturating_add(3).saturating_sub(frac_len);
-    scaled_to_u64(digits, shift).ok_or_else(|| QuantityError::TooLarge {
-        input: s.to_owned(),
-    })
+    scaled_to_u64(digits, shift).ok_or_else(|| QuantityError::TooLarge { input: s.to_owned() })
 }
 
 /// `ceil(digits * 10^shift)` as `u64`, or `None` if it does not fit.
@@ -489,9 +482,7 @@ pub fn parse_duration_ms(s: &str) -> Result<u64, DurationError> {
     }
     match result {
         Ok(0) => Ok(0),
-        Ok(_) | Err(DurationError::Overflow { .. }) => Err(DurationError::Negative {
-            input: s.to_owned(),
-        }),
+        Ok(_) | Err(DurationError::Overflow { .. }) => Err(DurationError::Negative { input: s.to_owned() }),
         Err(e) => Err(e),
     }
 }
@@ -551,23 +542,25 @@ fn parse_unsigned_duration(input: &str, body: &str) -> Result<u64, DurationError
             unit: unit.to_owned(),
         })?;
 
-        let int_ms = Digits::from_ascii(int, "")
-            .to_u64()
-            .and_then(|v| v.checked_mul(u64::from(per_unit_ms)))
-            .ok_or_else(overflow)?;
-        // floor(0.<frac> * per_unit_ms), exactly.
-        let mut frac_digits = Digits::from_ascii(frac, "");
-        frac_digits.mul_small(per_unit_ms);
-        frac_digits.shift_down(frac.len());
-        let frac_ms = frac_digits.to_u64().ok_or_else(overflow)?;
-
-        total_ms = total_ms
-            .checked_add(int_ms)
-            .and_then(|t| t.checked_add(frac_ms))
+        total_ms = part_ms(int, frac, per_unit_ms)
+            .and_then(|part| total_ms.checked_add(part))
             .ok_or_else(overflow)?;
         rest = after_unit;
     }
     Ok(total_ms)
+}
+
+/// `<int>.<frac>` units of `per_unit_ms` each, in ms (the fraction floored, exactly);
+/// `None` on overflow.
+fn part_ms(int: &str, frac: &str, per_unit_ms: u32) -> Option<u64> {
+    let int_ms = Digits::from_ascii(int, "")
+        .to_u64()
+        .and_then(|v| v.checked_mul(u64::from(per_unit_ms)))?;
+    // floor(0.<frac> * per_unit_ms), exactly.
+    let mut frac_digits = Digits::from_ascii(frac, "");
+    frac_digits.mul_small(per_unit_ms);
+    frac_digits.shift_down(frac.len());
+    int_ms.checked_add(frac_digits.to_u64()?)
 }
 
 /// `whole` followed by `.` and the thousandths `frac_milli` (0..1000) without trailing
@@ -644,9 +637,52 @@ pub fn format_duration_ms(ms: crate::Millis) -> String {
     out
 }
 
+/// Formats milliseconds since the Unix epoch as an RFC 3339 time in UTC, to the second
+/// (`2026-12-07T04:50:53Z`): how the audit log and refusals name an instant of the
+/// control plane's clock. The calendar is the proleptic Gregorian one, computed from the
+/// day count with integers only (no clock, no time-zone data).
+#[must_use]
+pub fn format_unix_ms(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Year, month (1-12) and day (1-31) of the day `days` after 1970-01-01: days counted
+/// in 400-year eras of 146,097 days from 0000-03-01, so February comes last in a year.
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unix_times_format_as_rfc_3339() {
+        assert_eq!(format_unix_ms(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_unix_ms(86_999), "1970-01-01T00:01:26Z");
+        assert_eq!(format_unix_ms(1_796_086_800_000), "2026-12-01T01:00:00Z");
+        assert_eq!(format_unix_ms(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(format_unix_ms(4_107_542_399_999), "2100-02-28T23:59:59Z");
+        assert_eq!(format_unix_ms(4_107_542_400_000), "2100-03-01T00:00:00Z");
+        assert_eq!(format_unix_ms(1_704_067_199_000), "2023-12-31T23:59:59Z");
+    }
     use proptest::prelude::*;
 
     #[test]
@@ -727,10 +763,7 @@ mod tests {
     }
 
     fn bad_number(input: &str) -> bool {
-        matches!(
-            parse_quantity_milli(input),
-            Err(QuantityError::BadNumber { .. })
-        )
+        matches!(parse_quantity_milli(input), Err(QuantityError::BadNumber { .. }))
     }
 
     #[test]
@@ -742,8 +775,7 @@ mod tests {
             parse_quantity_milli(&long),
             Err(QuantityError::TooLong { len: 65, max: 64 })
         );
-        assert!(parse_quantity_milli(&"1".repeat(64))
-            .is_err_and(|e| matches!(e, QuantityError::TooLarge { .. })));
+        assert!(parse_quantity_milli(&"1".repeat(64)).is_err_and(|e| matches!(e, QuantityError::TooLarge { .. })));
 
         for input in [" 1", "1 ", "1 Gi", "\t500m", "1\n", "1\u{a0}"] {
             assert_eq!(
@@ -768,11 +800,7 @@ mod tests {
         for input in [
             "abc", ".", "+", "-", "m", "Ki", "--1", "+-1", "1.2.3", "1..", "..5", ".m", "e3",
         ] {
-            assert!(
-                bad_number(input),
-                "input {input:?}: {:?}",
-                parse_quantity_milli(input)
-            );
+            assert!(bad_number(input), "input {input:?}: {:?}", parse_quantity_milli(input));
         }
 
         for (input, suffix) in [
@@ -952,10 +980,7 @@ mod tests {
             "h", "ms", "-", "+", "--1s", " 1h", ".s", ".", "1.2.3s", "1h.m", "1h..5m",
         ] {
             assert!(
-                matches!(
-                    parse_duration_ms(input),
-                    Err(DurationError::BadNumber { .. })
-                ),
+                matches!(parse_duration_ms(input), Err(DurationError::BadNumber { .. })),
                 "input {input:?}: {:?}",
                 parse_duration_ms(input)
             );

@@ -14,7 +14,14 @@ use kvota_fairness::policy::{AdmissionMode, LendWhen, Policy};
 
 fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
     let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();
-    match fed.apply(0, Command::RegisterCluster { cluster: ClusterName::parse(cluster).expect("name"), capacity, labels: BTreeMap::new() }) {
+    match fed.apply(
+        0,
+        Command::RegisterCluster {
+            cluster: ClusterName::parse(cluster).expect("name"),
+            capacity,
+            labels: BTreeMap::new(),
+        },
+    ) {
         Ok(Applied::Registered(l)) => l,
         other => panic!("{other:?}"),
     }
@@ -23,9 +30,30 @@ fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
 fn report(fed: &mut Federation, cluster: &str, seq: u64, epoch: u64, demand: &[(&str, u64, u64)]) -> Lease {
     let tenants = demand
         .iter()
-        .map(|&(t, inuse, pending)| (TenantName::parse(t).expect("name"), TenantReport { used_milli_gpue_ms: 0, inuse: inuse * 1000, pending: pending * 1000, largest: 0 }))
+        .map(|&(t, inuse, pending)| {
+            (
+                TenantName::parse(t).expect("name"),
+                TenantReport {
+                    used_milli_gpue_ms: 0,
+                    inuse: inuse * 1000,
+                    pending: pending * 1000,
+                    largest: 0,
+                    borrowed: 0,
+                },
+            )
+        })
         .collect();
-    let r = UsageReport { cluster: ClusterName::parse(cluster).expect("name"), seq, held_epoch: epoch, capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
+    let r = UsageReport {
+        cluster: ClusterName::parse(cluster).expect("name"),
+        seq,
+        held_epoch: epoch,
+        capacity: None,
+        tenants,
+        evictions: Vec::new(),
+        decisions: Vec::new(),
+        window: None,
+        status: None,
+    };
     match fed.apply(1_000 * seq, Command::Report(r)) {
         Ok(Applied::Reported { lease, .. }) => lease,
         other => panic!("{other:?}"),
@@ -36,9 +64,11 @@ fn report(fed: &mut Federation, cluster: &str, seq: u64, epoch: u64, demand: &[(
 /// one report from each: training wants more than it gets, research less than its maxShare.
 fn federation(lend: bool, policy: &str) -> (Federation, Lease, Lease) {
     let mut fed = Federation::new();
-    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(policy).expect("policy"))).expect("policy");
+    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(policy).expect("policy")))
+        .expect("policy");
     if lend {
         fed.enable_lending();
+        fed.enable_borrow_cap();
     }
     let east = register(&mut fed, "east", 64);
     let west = register(&mut fed, "west", 32);
@@ -58,27 +88,53 @@ fn limits_keep_budgets_and_borrowing_within_max_share() {
     for t in &policy.tenants {
         let (e, w) = (&east.budgets[&t.name], &west.budgets[&t.name]);
         let max = share_of(g, t.max_share_bp);
-        assert_eq!((e.ceiling, w.ceiling), (max, max), "{}: ceiling is maxShare x G", t.name);
+        assert_eq!(
+            (e.ceiling, w.ceiling),
+            (max, max),
+            "{}: ceiling is maxShare x G",
+            t.name
+        );
         if !t.preemptible {
-            assert_eq!((e.borrow, w.borrow), (0, 0), "{} is not preemptible: it never borrows", t.name);
+            assert_eq!(
+                (e.borrow, w.borrow),
+                (0, 0),
+                "{} is not preemptible: it never borrows",
+                t.name
+            );
             continue;
         }
         // Each limit is the cluster's part (by capacity) of maxShare x G - entitlement.
         let room = max - e.entitlement;
         assert_eq!(e.borrow, room * 64 / 96, "{}", t.name);
-        assert!(e.budget + w.budget + e.borrow + w.borrow <= max, "{}: {e:?} {w:?} above maxShare {max}", t.name);
+        assert!(
+            e.budget + w.budget + e.borrow + w.borrow <= max,
+            "{}: {e:?} {w:?} above maxShare {max}",
+            t.name
+        );
         lent_somewhere |= e.borrow > 0;
     }
-    assert!(lent_somewhere, "some preemptible tenant is below its maxShare: {east:?}");
+    assert!(
+        lent_somewhere,
+        "some preemptible tenant is below its maxShare: {east:?}"
+    );
 }
 
 #[test]
 fn nothing_is_lent_before_the_feature_level_or_when_the_policy_says_no() {
     let (_, east, west) = federation(false, Policy::article_example_yaml());
-    assert!(east.budgets.values().chain(west.budgets.values()).all(|b| b.borrow == 0 && b.ceiling == 0), "{east:?}");
+    assert!(
+        east.budgets
+            .values()
+            .chain(west.budgets.values())
+            .all(|b| b.borrow == 0 && b.ceiling == 0),
+        "{east:?}"
+    );
     let off = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendIdle: false}\n", 1);
     let (_, east, _) = federation(true, &off);
-    assert!(east.budgets.values().all(|b| b.borrow == 0 && b.ceiling > 0), "{east:?}");
+    assert!(
+        east.budgets.values().all(|b| b.borrow == 0 && b.ceiling > 0),
+        "{east:?}"
+    );
     // Without reclaim, lent GPUs could never be taken back: nothing is lent.
     let no_reclaim = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {enabled: false}\n", 1);
     let (_, east, _) = federation(true, &no_reclaim);
@@ -90,7 +146,9 @@ fn nothing_is_lent_before_the_feature_level_or_when_the_policy_says_no() {
 /// unknown word are refused with the field's path.
 #[test]
 fn lend_when_cut_off_lends_only_on_an_expired_lease() {
-    let with = |reclaim: &str| Policy::article_example_yaml().replacen("spec:\n", &format!("spec:\n  reclaim: {{{reclaim}}}\n"), 1);
+    let with = |reclaim: &str| {
+        Policy::article_example_yaml().replacen("spec:\n", &format!("spec:\n  reclaim: {{{reclaim}}}\n"), 1)
+    };
     let always = Policy::from_yaml(Policy::article_example_yaml()).expect("default");
     assert_eq!(always.reclaim.lend_when, LendWhen::Always);
     assert!(!always.to_yaml().contains("lendWhen"), "the default is not written");
@@ -103,8 +161,13 @@ fn lend_when_cut_off_lends_only_on_an_expired_lease() {
     // nothing at all for the default (what a build before the field wrote).
     let json = serde_json::to_string(&p.reclaim).expect("encode");
     assert!(json.contains(r#""lend_when":"cutOff""#), "{json}");
-    assert!(!serde_json::to_string(&always.reclaim).expect("encode").contains("lend_when"));
-    assert_eq!(serde_json::from_str::<kvota_fairness::policy::ReclaimConfig>(&json).expect("decode"), p.reclaim);
+    assert!(!serde_json::to_string(&always.reclaim)
+        .expect("encode")
+        .contains("lend_when"));
+    assert_eq!(
+        serde_json::from_str::<kvota_fairness::policy::ReclaimConfig>(&json).expect("decode"),
+        p.reclaim
+    );
     let fresh = LeaseStatus::Fresh { remaining_ms: 20_000 };
     let expiring = LeaseStatus::Expiring { remaining_ms: 1_000 };
     let standings = [LeaseStatus::None, fresh, expiring, LeaseStatus::Safe];
@@ -122,7 +185,10 @@ fn lend_when_cut_off_lends_only_on_an_expired_lease() {
         ("lendWhen: true", "spec.reclaim.lendWhen"),
     ] {
         let e = Policy::from_yaml(&with(reclaim)).expect_err(reclaim).to_string();
-        assert!(e.contains("spec.reclaim.lendWhen") && e.contains(says), "{reclaim}: {e}");
+        assert!(
+            e.contains("spec.reclaim.lendWhen") && e.contains(says),
+            "{reclaim}: {e}"
+        );
     }
 }
 
@@ -133,7 +199,12 @@ fn the_switch_survives_the_policy_text_and_refuses_nonsense() {
     assert!(!p.reclaim.lend_idle);
     let again = Policy::from_yaml(&p.to_yaml()).expect("its own text");
     assert_eq!(again, p);
-    assert!(Policy::from_yaml(Policy::article_example_yaml()).expect("default").reclaim.lend_idle);
+    assert!(
+        Policy::from_yaml(Policy::article_example_yaml())
+            .expect("default")
+            .reclaim
+            .lend_idle
+    );
     let bad = Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendIdle: sometimes}\n", 1);
     let e = Policy::from_yaml(&bad).expect_err("not a boolean").to_string();
     assert!(e.contains("spec.reclaim.lendIdle"), "{e}");
@@ -167,9 +238,16 @@ fn a_pod_over_budget_is_admitted_on_borrowed_gpus_only_within_the_room() {
     assert_eq!(lendable(8_000, [(2_000, 1_500, 6_000)]), 4_500);
     let room = borrow_room(5_000, 6_000, 6_000, lend);
     assert_eq!(room, 2_000);
-    let pod = |gpue| PodRequest { namespace: "ml".into(), name: "trainer-7".into(), gpue };
+    let pod = |gpue| PodRequest {
+        namespace: "ml".into(),
+        name: "trainer-7".into(),
+        gpue,
+    };
     let d = decide(&pod(2_000), &view(6_000, 6_000, room));
-    assert_eq!((d.verdict, d.reason, d.after), (Verdict::Allow, Reason::Borrowed, 8_000));
+    assert_eq!(
+        (d.verdict, d.reason, d.after),
+        (Verdict::Allow, Reason::Borrowed, 8_000)
+    );
     for needle in ["borrowed", "8 GPUe", "budget of 6", "borrowable 2", "evicting this pod"] {
         assert!(d.message.contains(needle), "missing {needle:?} in {}", d.message);
     }

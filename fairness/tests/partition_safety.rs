@@ -86,8 +86,17 @@ impl Agent {
 }
 
 enum Msg {
-    Report { agent: usize, report: UsageReport, sent_agent_ms: u64 },
-    Lease { agent: usize, lease: Lease, request_sent_agent_ms: u64, seq: u64 },
+    Report {
+        agent: usize,
+        report: UsageReport,
+        sent_agent_ms: u64,
+    },
+    Lease {
+        agent: usize,
+        lease: Lease,
+        request_sent_agent_ms: u64,
+        seq: u64,
+    },
 }
 
 struct World {
@@ -146,7 +155,11 @@ impl World {
             let mut lease = AgentLease::new(id.clone());
             if let Ok(Applied::Registered(l)) = fed.apply(
                 0,
-                Command::RegisterCluster { cluster: id.clone(), capacity, labels: BTreeMap::new() },
+                Command::RegisterCluster {
+                    cluster: id.clone(),
+                    capacity,
+                    labels: BTreeMap::new(),
+                },
             ) {
                 lease.on_lease(l, 0);
             }
@@ -199,14 +212,17 @@ impl World {
             let inuse = a.inuse(t);
             let used = inuse * dt;
             a.produced_usage += used;
-            tenants.insert(
-                TenantName::from_static(t),
-                {
-                    // What waits is one pod (`Op::Pending`): it is also the largest.
-                    let pending = a.pending.get(t).copied().unwrap_or(0);
-                    TenantReport { used_milli_gpue_ms: used, inuse, pending, largest: pending }
-                },
-            );
+            tenants.insert(TenantName::from_static(t), {
+                // What waits is one pod (`Op::Pending`): it is also the largest.
+                let pending = a.pending.get(t).copied().unwrap_or(0);
+                TenantReport {
+                    used_milli_gpue_ms: used,
+                    inuse,
+                    pending,
+                    largest: pending,
+                    borrowed: 0,
+                }
+            });
         }
         let report = UsageReport {
             cluster: a.id.clone(),
@@ -217,6 +233,7 @@ impl World {
             evictions: Vec::new(),
             decisions: Vec::new(),
             window: None,
+            status: None,
         };
         a.next_seq += 1;
         a.journal.push_back(report);
@@ -229,7 +246,14 @@ impl World {
         let sent = self.agents[i].clock(self.now);
         let reports: Vec<UsageReport> = self.agents[i].journal.iter().cloned().collect();
         for report in reports {
-            self.post(Msg::Report { agent: i, report, sent_agent_ms: sent }, true);
+            self.post(
+                Msg::Report {
+                    agent: i,
+                    report,
+                    sent_agent_ms: sent,
+                },
+                true,
+            );
         }
     }
 
@@ -238,13 +262,21 @@ impl World {
         let mut due: Vec<(u64, u64, Msg)> = Vec::new();
         let mut keep = Vec::new();
         for m in self.net.drain(..) {
-            if m.0 <= now { due.push(m) } else { keep.push(m) }
+            if m.0 <= now {
+                due.push(m)
+            } else {
+                keep.push(m)
+            }
         }
         self.net = keep;
         due.sort_by_key(|m| (m.0, m.1));
         for (_, _, msg) in due {
             match msg {
-                Msg::Report { agent, report, sent_agent_ms } => {
+                Msg::Report {
+                    agent,
+                    report,
+                    sent_agent_ms,
+                } => {
                     if self.agents[agent].cut {
                         continue;
                     }
@@ -256,13 +288,26 @@ impl World {
                             if applied {
                                 *self.applied_usage.entry(id).or_default() += used;
                             }
-                            self.post(Msg::Lease { agent, lease, request_sent_agent_ms: sent_agent_ms, seq }, true);
+                            self.post(
+                                Msg::Lease {
+                                    agent,
+                                    lease,
+                                    request_sent_agent_ms: sent_agent_ms,
+                                    seq,
+                                },
+                                true,
+                            );
                         }
                         Err(CommandError::SequenceGap { .. }) => {}
                         other => panic!("unexpected answer to a report: {other:?}"),
                     }
                 }
-                Msg::Lease { agent, lease, request_sent_agent_ms, seq } => {
+                Msg::Lease {
+                    agent,
+                    lease,
+                    request_sent_agent_ms,
+                    seq,
+                } => {
                     let a = &mut self.agents[agent];
                     if a.cut {
                         continue;
@@ -298,7 +343,11 @@ impl World {
                     lease: a.lease.status(at),
                     borrow: 0,
                 };
-                let pod = PodRequest { namespace: tenant.into(), name: String::new(), gpue };
+                let pod = PodRequest {
+                    namespace: tenant.into(),
+                    name: String::new(),
+                    gpue,
+                };
                 if decide(&pod, &view).verdict == Verdict::Allow {
                     a.pods.entry(tenant).or_default().push(gpue);
                 }
@@ -361,13 +410,21 @@ impl World {
                 reported += u.inuse;
             }
             let bound = committed.get(t).copied().unwrap_or(0).max(reported);
-            assert!(truth <= bound, "{context}: tenant {t}: clusters may hold {truth} > {bound}");
+            assert!(
+                truth <= bound,
+                "{context}: tenant {t}: clusters may hold {truth} > {bound}"
+            );
         }
         let total: u64 = committed.values().sum();
         assert!(total <= self.fed.capacity(), "{context}: committed {total} > capacity");
         for (i, a) in self.agents.iter().enumerate() {
             let e = a.lease.held_epoch();
-            assert!(e >= self.last_epoch[i], "{context}: {} went back from epoch {} to {e}", a.id, self.last_epoch[i]);
+            assert!(
+                e >= self.last_epoch[i],
+                "{context}: {} went back from epoch {} to {e}",
+                a.id,
+                self.last_epoch[i]
+            );
             self.last_epoch[i] = e;
         }
     }
@@ -410,7 +467,12 @@ fn run(seed: u64, ops: &[Op], rates: [i64; 3], loss_pct: u64) {
         .map(|i| plan.entitlements[i].total.max(plan.inuse[i]))
         .collect();
     for (i, name) in plan.tenants.iter().enumerate() {
-        assert!(plan.committed[i] <= want[i], "seed {seed}: {name} committed {} > {}", plan.committed[i], want[i]);
+        assert!(
+            plan.committed[i] <= want[i],
+            "seed {seed}: {name} committed {} > {}",
+            plan.committed[i],
+            want[i]
+        );
         if want.iter().sum::<u64>() <= plan.capacity {
             assert_eq!(
                 plan.committed[i], want[i],
@@ -425,8 +487,17 @@ fn run(seed: u64, ops: &[Op], rates: [i64; 3], loss_pct: u64) {
         }
     }
     for a in &w.agents {
-        assert!(a.journal.is_empty(), "seed {seed}: {} still has unacknowledged reports", a.id);
-        assert_eq!(w.fed.clusters()[&a.id].last_seq, a.next_seq - 1, "seed {seed}: {} reports lost", a.id);
+        assert!(
+            a.journal.is_empty(),
+            "seed {seed}: {} still has unacknowledged reports",
+            a.id
+        );
+        assert_eq!(
+            w.fed.clusters()[&a.id].last_seq,
+            a.next_seq - 1,
+            "seed {seed}: {} reports lost",
+            a.id
+        );
         assert_eq!(
             w.applied_usage.get(&a.id).copied().unwrap_or(0),
             a.produced_usage,
@@ -468,10 +539,7 @@ fn checker_catches_a_clock_beyond_the_margin() {
         }
     });
     let err = result.expect_err("a 40% slow clock must be caught");
-    let msg = err
-        .downcast_ref::<String>()
-        .cloned()
-        .unwrap_or_default();
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("enforces"), "unexpected failure: {msg}");
 }
 
@@ -502,6 +570,8 @@ fn unacknowledged_decrease_still_counts() {
     // West may not yet have what east may still use: together within the entitlement.
     let west_budget = w.agents[1].lease.budget("inference", w.agents[1].clock(w.now));
     let committed = w.fed.committed()["inference"];
-    assert!(east_budget + west_budget <= committed, "{east_budget} + {west_budget} > {committed}");
+    assert!(
+        east_budget + west_budget <= committed,
+        "{east_budget} + {west_budget} > {committed}"
+    );
 }
-

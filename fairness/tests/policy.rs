@@ -12,26 +12,58 @@ fn load(path: &str) -> String {
 #[test]
 fn shipped_policies_load() {
     let article = Policy::from_yaml(&load("deploy/policies/article.yaml")).expect("article");
-    assert_eq!(article, Policy::from_yaml(Policy::article_example_yaml()).expect("built-in"));
+    assert_eq!(
+        article,
+        Policy::from_yaml(Policy::article_example_yaml()).expect("built-in")
+    );
     let ext = Policy::from_yaml(&load("deploy/policies/extended.yaml")).expect("extended");
     assert_eq!(ext.tenant("training").map(|t| t.admission), Some(AdmissionMode::Queue));
     assert_eq!(ext.default_tenant.as_deref(), Some("research"));
-    assert_eq!(ext.reclaim, kvota_fairness::policy::ReclaimConfig::default(), "extended.yaml shows the defaults");
-    assert_eq!(ext.showback, kvota_fairness::policy::ShowbackConfig::default(), "extended.yaml shows the defaults");
+    assert_eq!(
+        ext.reclaim,
+        kvota_fairness::policy::ReclaimConfig::default(),
+        "extended.yaml shows the defaults"
+    );
+    assert_eq!(
+        ext.showback,
+        kvota_fairness::policy::ShowbackConfig::default(),
+        "extended.yaml shows the defaults"
+    );
     assert!(article.reclaim.enabled, "reclaim is on by default");
 }
 
 #[test]
 fn reclaim_settings_are_validated_with_paths() {
-    let head = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: [{name: a}]\n";
-    let p = Policy::from_yaml(&format!("{head}  reclaim: {{enabled: false, starvedFor: 1m, maxEvictionsPerMinute: 0, minRuntime: 0s}}\n")).expect("valid");
+    let head =
+        "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: [{name: a}]\n";
+    let p = Policy::from_yaml(&format!(
+        "{head}  reclaim: {{enabled: false, starvedFor: 1m, maxEvictionsPerMinute: 0, minRuntime: 0s}}\n"
+    ))
+    .expect("valid");
     assert!(!p.reclaim.enabled);
-    assert_eq!((p.reclaim.starved_for_ms, p.reclaim.max_evictions_per_minute, p.reclaim.min_runtime_ms), (60_000, 0, 0));
-    assert_eq!(p.reclaim.max_evictions_per_minute_per_tenant, 5, "unset keys keep their defaults");
-    let e = Policy::from_yaml(&format!("{head}  reclaim: {{enabled: yes please, maxEvictionsPerMinute: -3, starvedFor: soon, evictAll: true}}\n"))
-        .expect_err("invalid");
+    assert_eq!(
+        (
+            p.reclaim.starved_for_ms,
+            p.reclaim.max_evictions_per_minute,
+            p.reclaim.min_runtime_ms
+        ),
+        (60_000, 0, 0)
+    );
+    assert_eq!(
+        p.reclaim.max_evictions_per_minute_per_tenant, 5,
+        "unset keys keep their defaults"
+    );
+    let e = Policy::from_yaml(&format!(
+        "{head}  reclaim: {{enabled: yes please, maxEvictionsPerMinute: -3, starvedFor: soon, evictAll: true}}\n"
+    ))
+    .expect_err("invalid");
     let paths: Vec<&str> = e.issues.iter().map(|i| i.path.as_str()).collect();
-    for want in ["spec.reclaim.enabled", "spec.reclaim.maxEvictionsPerMinute", "spec.reclaim.starvedFor", "spec.reclaim.evictAll"] {
+    for want in [
+        "spec.reclaim.enabled",
+        "spec.reclaim.maxEvictionsPerMinute",
+        "spec.reclaim.starvedFor",
+        "spec.reclaim.evictAll",
+    ] {
         assert!(paths.contains(&want), "no issue at {want}: {e}");
     }
 }
@@ -52,7 +84,11 @@ spec:
   - {name: inference, weight: 10, minShare: 45}
 "#;
     let err = Policy::from_yaml(yaml).expect_err("broken policy must be rejected");
-    let got: Vec<(&str, &str)> = err.issues.iter().map(|i| (i.path.as_str(), i.message.as_str())).collect();
+    let got: Vec<(&str, &str)> = err
+        .issues
+        .iter()
+        .map(|i| (i.path.as_str(), i.message.as_str()))
+        .collect();
     let expect = [
         ("spec.decayHalfLife", "unknown unit"),
         ("spec.tenants[0].weight", "greater than 0"),
@@ -119,7 +155,11 @@ proptest! {
 /// examples, and (below) any valid policy.
 #[test]
 fn a_policy_written_out_loads_back_unchanged() {
-    for file in ["deploy/policies/article.yaml", "deploy/policies/extended.yaml", "deploy/policies/philly-vc.yaml"] {
+    for file in [
+        "deploy/policies/article.yaml",
+        "deploy/policies/extended.yaml",
+        "deploy/policies/philly-vc.yaml",
+    ] {
         let p = Policy::from_yaml(&load(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
         let text = p.to_yaml();
         let back = Policy::from_yaml(&text).unwrap_or_else(|e| panic!("{file} written out does not load: {e}\n{text}"));
@@ -130,7 +170,17 @@ fn a_policy_written_out_loads_back_unchanged() {
 
 /// One tenant of a generated policy, each field as the test varies it.
 #[allow(clippy::too_many_arguments)]
-fn tenant_yaml(i: usize, weight_milli: u64, min_bp: u32, extra_bp: u32, half_life_ms: u64, queue: bool, max_queued: u32, burst: u32, label: &str) -> String {
+fn tenant_yaml(
+    i: usize,
+    weight_milli: u64,
+    min_bp: u32,
+    extra_bp: u32,
+    half_life_ms: u64,
+    queue: bool,
+    max_queued: u32,
+    burst: u32,
+    label: &str,
+) -> String {
     format!(
         "  - name: t{i}\n    weight: {}.{:03}\n    minShare: {}.{:02}\n    maxShare: {}.{:02}\n    preemptible: {}\n    decayHalfLife: {}ms\n    admission: {}\n    maxQueued: {max_queued}\n    burstFactor: {}.{:03}\n    namespaces: [\"ns-{i}\", \"{i}{i}\"]\n    namespaceSelector: {{matchLabels: {{\"team\": {label:?}}}}}\n",
         weight_milli / 1000,
@@ -189,16 +239,56 @@ proptest! {
 fn types_follow_the_resource_schema() {
     let head = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n";
     for (spec, path, needle) in [
-        ("  tenants: [{name: a, weight: \"40\"}]\n", "spec.tenants[0].weight", "without quotes"),
-        ("  tenants: [{name: a, minShare: \"20\"}]\n", "spec.tenants[0].minShare", "without quotes"),
-        ("  burstFactor: \"2\"\n  tenants: [{name: a}]\n", "spec.burstFactor", "without quotes"),
-        ("  resourceWeights: {example.com/mig: 0.15}\n  tenants: [{name: a}]\n", "spec.resourceWeights[example.com/mig]", "quantity string"),
-        ("  maxQueued: 1.5\n  tenants: [{name: a}]\n", "spec.maxQueued", "whole number"),
-        ("  tenants: [{name: a, namespaces: [ok, 7]}]\n", "spec.tenants[0].namespaces[1]", "expected a string"),
-        ("  tenants: [{name: a, namespaceSelector: {matchLabels: {team: x}, matchExpressions: []}}]\n", "spec.tenants[0].namespaceSelector.matchExpressions", "unknown field"),
-        ("  tenants: [{name: a}]\n  lease: {duraton: 30s}\n", "spec.lease.duraton", "did you mean `duration`"),
-        ("  tenants: [{name: a, weight: 99999999999999999999999}]\n", "spec.tenants[0].weight", "number out of range"),
-        ("  tenants: [{name: a, weight: 1e400}]\n", "spec.tenants[0].weight", "too large"),
+        (
+            "  tenants: [{name: a, weight: \"40\"}]\n",
+            "spec.tenants[0].weight",
+            "without quotes",
+        ),
+        (
+            "  tenants: [{name: a, minShare: \"20\"}]\n",
+            "spec.tenants[0].minShare",
+            "without quotes",
+        ),
+        (
+            "  burstFactor: \"2\"\n  tenants: [{name: a}]\n",
+            "spec.burstFactor",
+            "without quotes",
+        ),
+        (
+            "  resourceWeights: {example.com/mig: 0.15}\n  tenants: [{name: a}]\n",
+            "spec.resourceWeights[example.com/mig]",
+            "quantity string",
+        ),
+        (
+            "  maxQueued: 1.5\n  tenants: [{name: a}]\n",
+            "spec.maxQueued",
+            "whole number",
+        ),
+        (
+            "  tenants: [{name: a, namespaces: [ok, 7]}]\n",
+            "spec.tenants[0].namespaces[1]",
+            "expected a string",
+        ),
+        (
+            "  tenants: [{name: a, namespaceSelector: {matchLabels: {team: x}, matchExpressions: []}}]\n",
+            "spec.tenants[0].namespaceSelector.matchExpressions",
+            "unknown field",
+        ),
+        (
+            "  tenants: [{name: a}]\n  lease: {duraton: 30s}\n",
+            "spec.lease.duraton",
+            "did you mean `duration`",
+        ),
+        (
+            "  tenants: [{name: a, weight: 99999999999999999999999}]\n",
+            "spec.tenants[0].weight",
+            "number out of range",
+        ),
+        (
+            "  tenants: [{name: a, weight: 1e400}]\n",
+            "spec.tenants[0].weight",
+            "too large",
+        ),
     ] {
         let err = Policy::from_yaml(&format!("{head}{spec}")).expect_err(spec);
         assert!(
@@ -216,10 +306,18 @@ fn types_follow_the_resource_schema() {
     // What `kubectl get fairnesspolicy -o yaml` prints loads as the policy it holds.
     let from_cluster = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: r\n  generation: 3\n  labels: {team: platform}\n  resourceVersion: \"812\"\nspec:\n  tenants: [{name: a}]\nstatus:\n  observedGeneration: 3\n  conditions: [{type: Accepted, status: \"True\"}]\n";
     let q = Policy::from_yaml(from_cluster).expect("a resource as the cluster returns it");
-    assert_eq!(q, Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\n")).expect("valid"));
+    assert_eq!(
+        q,
+        Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\n")).expect("valid")
+    );
     // Still refused: anything else at the top.
     let err = Policy::from_yaml(&format!("{head}  tenants: [{{name: a}}]\nstats: {{}}\n")).expect_err("unknown");
-    assert!(err.issues.iter().any(|i| i.path == "stats" && i.message.contains("did you mean `status`")), "{err}");
+    assert!(
+        err.issues
+            .iter()
+            .any(|i| i.path == "stats" && i.message.contains("did you mean `status`")),
+        "{err}"
+    );
 }
 
 /// minShare above maxShare does not hide the tenant's other problems.
@@ -228,15 +326,28 @@ fn a_share_conflict_does_not_hide_the_rest_of_the_tenant() {
     let err = Policy::from_yaml("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: [{name: a, minShare: 50, maxShare: 10, preemptible: maybe, maxQueued: -1}]\n")
         .expect_err("invalid");
     let paths: Vec<&str> = err.issues.iter().map(|i| i.path.as_str()).collect();
-    assert_eq!(paths, ["spec.tenants[0].minShare", "spec.tenants[0].preemptible", "spec.tenants[0].maxQueued"], "{err}");
+    assert_eq!(
+        paths,
+        [
+            "spec.tenants[0].minShare",
+            "spec.tenants[0].preemptible",
+            "spec.tenants[0].maxQueued"
+        ],
+        "{err}"
+    );
 }
 
 /// A shape mistake (a mapping where a list belongs) is reported with its path and line.
 #[test]
 fn shape_mistakes_name_their_path() {
-    let err = Policy::from_yaml("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: {name: a}\n")
-        .expect_err("shape");
+    let err = Policy::from_yaml(
+        "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: r}\nspec:\n  tenants: {name: a}\n",
+    )
+    .expect_err("shape");
     assert_eq!(err.issues.len(), 1, "{err}");
     assert_eq!(err.issues[0].path, "spec.tenants");
-    assert!(err.issues[0].message.contains("expected a list, found a mapping") && err.issues[0].message.contains("line 5"), "{err}");
+    assert!(
+        err.issues[0].message.contains("expected a list, found a mapping") && err.issues[0].message.contains("line 5"),
+        "{err}"
+    );
 }

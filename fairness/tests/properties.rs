@@ -1,11 +1,11 @@
-//! Property tests for the fairness model: one test per property of the contract
-//! (`CONTRACT.md`, "Entitlement"), plus the budget split and the admission decision.
+//! Property tests for the fairness model: one test per guarantee of
+//! `docs/guarantees.md`, "Entitlement" (G1-G7), plus the budget split and the admission decision.
 
-use kvota_fairness::names::TenantName;
-use kvota_fairness::names::ClusterName;
 use kvota_fairness::admission::{borrow_room, decide, lendable, LocalView, PodRequest, Reason, Verdict};
 use kvota_fairness::entitlement::{compute, share_of, water_fill, TenantInput};
 use kvota_fairness::lease::LeaseStatus;
+use kvota_fairness::names::ClusterName;
+use kvota_fairness::names::TenantName;
 use kvota_fairness::policy::AdmissionMode;
 use kvota_fairness::split::{split_tenant, Cell};
 use proptest::prelude::*;
@@ -13,7 +13,14 @@ use proptest::prelude::*;
 /// A valid set of tenants: weights > 0, min <= max, sum of mins <= 100 %.
 fn tenants(max_n: usize) -> impl Strategy<Value = Vec<TenantInput>> {
     prop::collection::vec(
-        (1u64..200_000, 0u32..=10_000, 0u32..=10_000, 0u64..200_000, 0u64..(1 << 40), any::<bool>()),
+        (
+            1u64..200_000,
+            0u32..=10_000,
+            0u32..=10_000,
+            0u64..200_000,
+            0u64..(1 << 40),
+            any::<bool>(),
+        ),
         1..max_n,
     )
     .prop_map(|raw| {
@@ -228,12 +235,22 @@ fn article_worked_example_across_three_clusters() {
     use std::collections::BTreeMap;
 
     let mut fed = Federation::new();
-    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")))
-        .expect("apply");
+    fed.apply(
+        0,
+        Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")),
+    )
+    .expect("apply");
     let mut epochs = BTreeMap::new();
     for c in ["c1", "c2", "c3"] {
         let capacity = [("nvidia.com/gpu".to_string(), 32_000)].into();
-        match fed.apply(0, Command::RegisterCluster { cluster: ClusterName::parse(c).expect("name"), capacity, labels: BTreeMap::new() }) {
+        match fed.apply(
+            0,
+            Command::RegisterCluster {
+                cluster: ClusterName::parse(c).expect("name"),
+                capacity,
+                labels: BTreeMap::new(),
+            },
+        ) {
             Ok(Applied::Registered(l)) => epochs.insert(c, l.epoch),
             other => panic!("{other:?}"),
         };
@@ -250,9 +267,30 @@ fn article_worked_example_across_three_clusters() {
         for (c, rows) in &want {
             let tenants = rows
                 .iter()
-                .map(|&(t, inuse, pending)| (TenantName::from_static(t), TenantReport { used_milli_gpue_ms: 0, inuse, pending, largest: 0 }))
+                .map(|&(t, inuse, pending)| {
+                    (
+                        TenantName::from_static(t),
+                        TenantReport {
+                            used_milli_gpue_ms: 0,
+                            inuse,
+                            pending,
+                            largest: 0,
+                            borrowed: 0,
+                        },
+                    )
+                })
                 .collect();
-            let r = UsageReport { cluster: ClusterName::from_static(c), seq, held_epoch: epochs[c], capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
+            let r = UsageReport {
+                cluster: ClusterName::from_static(c),
+                seq,
+                held_epoch: epochs[c],
+                capacity: None,
+                tenants,
+                evictions: Vec::new(),
+                decisions: Vec::new(),
+                window: None,
+                status: None,
+            };
             match fed.apply(seq * 1000, Command::Report(r)) {
                 Ok(Applied::Reported { lease, applied: true }) => {
                     epochs.insert(c, lease.epoch);
@@ -285,7 +323,10 @@ fn article_worked_example_across_three_clusters() {
     assert_eq!(fallback("c1", "training"), 6_400);
     // The explanation carries the same numbers.
     let e = fed.explain_tenant("training").expect("explain");
-    assert_eq!((e.guarantee, e.cap, e.target, e.committed), (19_200, 57_600, 57_600, 57_600));
+    assert_eq!(
+        (e.guarantee, e.cap, e.target, e.committed),
+        (19_200, 57_600, 57_600, 57_600)
+    );
     let text = e.to_string();
     assert!(text.contains("guarantee 19.2 + surplus 38.4 = 57.6"), "{text}");
 }

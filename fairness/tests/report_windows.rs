@@ -5,10 +5,10 @@
 
 mod common;
 
-use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::federation::{
     Applied, Command, Federation, TenantReport, UsageReport, UsageWindow, MAX_WINDOW_AHEAD_MS,
 };
+use kvota_fairness::names::{ClusterName, TenantName};
 use kvota_fairness::showback::GroupBy;
 use proptest::prelude::*;
 
@@ -18,7 +18,17 @@ const RATE: u64 = 4_000;
 use common::east_federation as federation;
 
 fn report(seq: u64, epoch: u64, used: u64, window: Option<(u64, u64)>) -> Command {
-    let tenants = [(TenantName::from_static("training"), TenantReport { used_milli_gpue_ms: used, inuse: 4_000, pending: 0, largest: 0 })].into();
+    let tenants = [(
+        TenantName::from_static("training"),
+        TenantReport {
+            used_milli_gpue_ms: used,
+            inuse: 4_000,
+            pending: 0,
+            largest: 0,
+            borrowed: 0,
+        },
+    )]
+    .into();
     Command::Report(UsageReport {
         cluster: ClusterName::from_static("east"),
         seq,
@@ -28,11 +38,15 @@ fn report(seq: u64, epoch: u64, used: u64, window: Option<(u64, u64)>) -> Comman
         evictions: Vec::new(),
         decisions: Vec::new(),
         window: window.map(|(start_ms, end_ms)| UsageWindow { start_ms, end_ms }),
+        status: None,
     })
 }
 
 fn counted(fed: &Federation) -> u64 {
-    fed.ledger().entries().get("training").map_or(0, |u| u.value_milli_gpue_ms)
+    fed.ledger()
+        .entries()
+        .get("training")
+        .map_or(0, |u| u.value_milli_gpue_ms)
 }
 
 /// The control plane's clock when the reports arrive: after every window's end.
@@ -48,7 +62,10 @@ fn apply(fed: &mut Federation, cmd: Command) {
 
 #[test]
 fn uncovered_cuts_the_covered_part_pro_rata() {
-    let w = UsageWindow { start_ms: 1_000, end_ms: 2_000 };
+    let w = UsageWindow {
+        start_ms: 1_000,
+        end_ms: 2_000,
+    };
     assert_eq!(w.uncovered(10_000, None), 10_000, "nothing counted yet");
     assert_eq!(w.uncovered(10_000, Some(1_000)), 10_000, "back to back");
     assert_eq!(w.uncovered(10_000, Some(500)), 10_000, "starts after");
@@ -57,10 +74,31 @@ fn uncovered_cuts_the_covered_part_pro_rata() {
     assert_eq!(w.uncovered(10_000, Some(9_000)), 0, "all counted, long ago");
     // A clock stepped back: the window is empty or reversed; counted unless it ends by
     // what is counted already.
-    assert_eq!(UsageWindow { start_ms: 3_000, end_ms: 2_500 }.uncovered(10_000, Some(2_000)), 10_000);
-    assert_eq!(UsageWindow { start_ms: 3_000, end_ms: 1_500 }.uncovered(10_000, Some(2_000)), 0);
+    assert_eq!(
+        UsageWindow {
+            start_ms: 3_000,
+            end_ms: 2_500
+        }
+        .uncovered(10_000, Some(2_000)),
+        10_000
+    );
+    assert_eq!(
+        UsageWindow {
+            start_ms: 3_000,
+            end_ms: 1_500
+        }
+        .uncovered(10_000, Some(2_000)),
+        0
+    );
     // No overflow at the extremes.
-    assert_eq!(UsageWindow { start_ms: 0, end_ms: u64::MAX }.uncovered(u64::MAX, Some(u64::MAX / 2)), u64::MAX / 2 + 1);
+    assert_eq!(
+        UsageWindow {
+            start_ms: 0,
+            end_ms: u64::MAX
+        }
+        .uncovered(u64::MAX, Some(u64::MAX / 2)),
+        u64::MAX / 2 + 1
+    );
 }
 
 #[test]
@@ -75,12 +113,20 @@ fn a_takeover_report_counts_only_what_the_old_leader_did_not() {
     // It dies at 27 s; the standby takes over at 35 s and reports from its reading at
     // 15 s (its latest before 20 s): 15-35 s, of which 20-35 s is new.
     apply(&mut fed, report(3, epoch, RATE * 20_000, Some((15_000, 35_000))));
-    assert_eq!(counted(&fed), RATE * 35_000, "the 20-35 s gap is counted, 15-20 s is not counted twice");
+    assert_eq!(
+        counted(&fed),
+        RATE * 35_000,
+        "the 20-35 s gap is counted, 15-20 s is not counted twice"
+    );
     // A late report from the old leader (written at 26 s, sent after it came back) covers
     // nothing new.
     apply(&mut fed, report(4, epoch, RATE * 6_000, Some((20_000, 26_000))));
     assert_eq!(counted(&fed), RATE * 35_000);
-    assert_eq!(fed.clusters()["east"].reported_through_ms, Some(35_000), "never moves back");
+    assert_eq!(
+        fed.clusters()["east"].reported_through_ms,
+        Some(35_000),
+        "never moves back"
+    );
     // Reports without a window (older agents) count in full and move nothing.
     apply(&mut fed, report(5, epoch, 7, None));
     assert_eq!(counted(&fed), RATE * 35_000 + 7);
@@ -94,9 +140,19 @@ fn a_takeover_report_counts_only_what_the_old_leader_did_not() {
     apply(&mut fed, report(7, epoch, RATE * 1_000, Some((35_000, 36_000))));
     assert_eq!(counted(&fed), RATE * 36_000 + 18, "later reports still count");
     // The showback: the same amounts, by tenant and cluster.
-    let rows = fed.showback().expect("kept").query(0, u64::MAX, GroupBy { tenant: true, cluster: true });
+    let rows = fed.showback().expect("kept").query(
+        0,
+        u64::MAX,
+        GroupBy {
+            tenant: true,
+            cluster: true,
+        },
+    );
     assert_eq!(rows.len(), 1);
-    assert_eq!((rows[0].tenant.as_deref(), rows[0].cluster.as_deref()), (Some("training"), Some("east")));
+    assert_eq!(
+        (rows[0].tenant.as_deref(), rows[0].cluster.as_deref()),
+        (Some("training"), Some("east"))
+    );
     assert_eq!(rows[0].milli_gpue_ms, u128::from(RATE * 36_000 + 18));
 }
 
@@ -118,8 +174,16 @@ fn showback_is_kept_only_once_turned_on_and_a_late_report_lands_in_its_own_hour(
         }
     }
     let sb = fed.showback().expect("kept");
-    let hour = |h: u64| sb.query(h * H, (h + 1) * H, GroupBy::default()).first().map_or(0, |r| r.milli_gpue_ms);
-    assert_eq!((hour(0), hour(1), hour(2)), (20, 10, 10), "each report in the hours it was metered");
+    let hour = |h: u64| {
+        sb.query(h * H, (h + 1) * H, GroupBy::default())
+            .first()
+            .map_or(0, |r| r.milli_gpue_ms)
+    };
+    assert_eq!(
+        (hour(0), hour(1), hour(2)),
+        (20, 10, 10),
+        "each report in the hours it was metered"
+    );
 }
 
 proptest! {

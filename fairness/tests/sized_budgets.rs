@@ -18,17 +18,46 @@ const POLICY: &str = include_str!("fixtures/sized.yaml");
 
 fn register(fed: &mut Federation, cluster: &str, gpus: u64) -> Lease {
     let capacity = [("nvidia.com/gpu".to_string(), gpus * 1000)].into();
-    match fed.apply(0, Command::RegisterCluster { cluster: ClusterName::parse(cluster).expect("name"), capacity, labels: BTreeMap::new() }) {
+    match fed.apply(
+        0,
+        Command::RegisterCluster {
+            cluster: ClusterName::parse(cluster).expect("name"),
+            capacity,
+            labels: BTreeMap::new(),
+        },
+    ) {
         Ok(Applied::Registered(l)) => l,
         other => panic!("{other:?}"),
     }
 }
 
 /// One report of `train`'s numbers in GPUs: (in use, pending, largest waiting pod).
-fn report(fed: &mut Federation, cluster: &str, seq: u64, epoch: u64, (inuse, pending, largest): (u64, u64, u64)) -> Lease {
-    let row = TenantReport { used_milli_gpue_ms: 0, inuse: inuse * 1000, pending: pending * 1000, largest: largest * 1000 };
+fn report(
+    fed: &mut Federation,
+    cluster: &str,
+    seq: u64,
+    epoch: u64,
+    (inuse, pending, largest): (u64, u64, u64),
+) -> Lease {
+    let row = TenantReport {
+        used_milli_gpue_ms: 0,
+        inuse: inuse * 1000,
+        pending: pending * 1000,
+        largest: largest * 1000,
+        borrowed: 0,
+    };
     let tenants = [(TenantName::from_static("train"), row)].into();
-    let r = UsageReport { cluster: ClusterName::parse(cluster).expect("name"), seq, held_epoch: epoch, capacity: None, tenants, evictions: Vec::new(), decisions: Vec::new(), window: None };
+    let r = UsageReport {
+        cluster: ClusterName::parse(cluster).expect("name"),
+        seq,
+        held_epoch: epoch,
+        capacity: None,
+        tenants,
+        evictions: Vec::new(),
+        decisions: Vec::new(),
+        window: None,
+        status: None,
+    };
     match fed.apply(1_000 * seq, Command::Report(r)) {
         Ok(Applied::Reported { lease, .. }) => lease,
         other => panic!("{other:?}"),
@@ -39,7 +68,8 @@ fn report(fed: &mut Federation, cluster: &str, seq: u64, epoch: u64, (inuse, pen
 /// pending, largest waiting pod; GPUs) three times.
 fn run(sized: bool, gpus: (u64, u64), east_row: (u64, u64, u64), west_row: (u64, u64, u64)) -> (Federation, u64, u64) {
     let mut fed = Federation::new();
-    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(POLICY).expect("policy"))).expect("policy");
+    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(POLICY).expect("policy")))
+        .expect("policy");
     if sized {
         fed.enable_sized_budgets();
     }
@@ -90,13 +120,17 @@ fn a_pod_above_the_room_or_its_cluster_moves_nothing() {
 #[test]
 fn before_the_switch_the_largest_pod_is_not_even_kept() {
     let (fed, ..) = budgets(false);
-    assert!(fed.clusters().values().all(|c| c.usage.values().all(|u| u.largest == 0)));
+    assert!(fed
+        .clusters()
+        .values()
+        .all(|c| c.usage.values().all(|u| u.largest == 0)));
     let (fed, ..) = budgets(true);
     assert_eq!(fed.clusters()["east"].usage["train"].largest, 8_000);
     // The state says it sizes, in its own encoding, so a replica restored from it does too.
     let text = serde_json::to_string(&fed).expect("encode");
     let back: Federation = serde_json::from_str(&text).expect("decode");
     assert!(back.sizes_budgets());
-    let old: Federation = serde_json::from_str(&serde_json::to_string(&budgets(false).0).expect("encode")).expect("decode");
+    let old: Federation =
+        serde_json::from_str(&serde_json::to_string(&budgets(false).0).expect("encode")).expect("decode");
     assert!(!old.sizes_budgets());
 }

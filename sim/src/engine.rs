@@ -12,8 +12,8 @@ use std::collections::{BinaryHeap, VecDeque};
 use kvota_fairness::decay::Ledger;
 use kvota_fairness::entitlement::{self, TenantInput};
 use kvota_fairness::measures::{percentile, tenant_score, ShareClock};
-use kvota_fairness::policy::Policy;
 use kvota_fairness::names::{ClusterName, TenantName};
+use kvota_fairness::policy::Policy;
 use kvota_fairness::MilliGpue;
 
 use crate::sched::Scheduler;
@@ -206,7 +206,13 @@ impl ClusterRt {
 
     fn refresh(&mut self) {
         self.max_node_free = self.node_free.iter().copied().max().unwrap_or(0);
-        self.whole_free = self.node_free.iter().zip(&self.node_cap).filter(|(f, c)| f == c).map(|(f, _)| *f).sum();
+        self.whole_free = self
+            .node_free
+            .iter()
+            .zip(&self.node_cap)
+            .filter(|(f, c)| f == c)
+            .map(|(f, _)| *f)
+            .sum();
     }
 
     /// Whether a pod of `g` GPUe can be placed now: on one node if it fits a node,
@@ -229,7 +235,9 @@ impl ClusterRt {
         let mut out = Vec::new();
         if self.node_cap.is_empty() {
         } else if g <= self.node_size {
-            let best = (0..self.node_free.len()).filter(|&n| self.node_free[n] >= g).min_by_key(|&n| (self.node_free[n], n));
+            let best = (0..self.node_free.len())
+                .filter(|&n| self.node_free[n] >= g)
+                .min_by_key(|&n| (self.node_free[n], n));
             if let Some(n) = best {
                 self.node_free[n] -= g;
                 out.push((n, g));
@@ -334,7 +342,10 @@ impl World {
         j.run_start = Some(now);
         j.first_start.get_or_insert(now);
         j.generation = j.generation.wrapping_add(1);
-        let ev = Ev::Finish { job, generation: j.generation };
+        let ev = Ev::Finish {
+            job,
+            generation: j.generation,
+        };
         self.events.push(Reverse((now.saturating_add(j.remaining_ms), ev)));
         true
     }
@@ -369,12 +380,13 @@ impl World {
         cl.queue[t].push_back(job);
     }
 
-    /// Chooses which running pods to preempt so that a pod of `g` GPUe fits in cluster
-    /// `c`, as the Kubernetes scheduler does: only pods of tenants for which
-    /// `victim_rank` is `Some` may go (lower rank first, then the youngest), and the
-    /// node (or, for a pod larger than a node, the set of whole nodes) that needs the
-    /// fewest GPUe of victims is chosen. `None`: no preemption can make it fit.
-    pub fn plan_preemption(&self, c: usize, g: MilliGpue, victim_rank: impl Fn(usize) -> Option<u64>) -> Option<Vec<usize>> {
+    /// Cluster `c`'s pods that may be preempted, by node, each node's list in eviction
+    /// order; and per node whether it holds a pod that may not go.
+    fn victims_by_node(
+        &self,
+        c: usize,
+        victim_rank: &impl Fn(usize) -> Option<u64>,
+    ) -> (Vec<Vec<EvictKey>>, Vec<bool>) {
         let cl = &self.clusters[c];
         // Victim pods by node, each node's list in eviction order.
         let mut by_node: Vec<Vec<EvictKey>> = vec![Vec::new(); cl.node_cap.len().max(1)];
@@ -384,8 +396,11 @@ impl World {
             for &j in running {
                 // Youngest first: latest start, then the later of pods started together.
                 let key = (rank.unwrap_or(0), Reverse((self.jobs[j].run_start.unwrap_or(0), j)), j);
-                let nodes: Vec<usize> =
-                    if cl.node_cap.is_empty() { vec![0] } else { self.jobs[j].placement.iter().map(|p| p.0).collect() };
+                let nodes: Vec<usize> = if cl.node_cap.is_empty() {
+                    vec![0]
+                } else {
+                    self.jobs[j].placement.iter().map(|p| p.0).collect()
+                };
                 for n in nodes {
                     match rank {
                         Some(_) => by_node[n].push(key),
@@ -397,6 +412,22 @@ impl World {
         for v in &mut by_node {
             v.sort_unstable();
         }
+        (by_node, blocked)
+    }
+
+    /// Chooses which running pods to preempt so that a pod of `g` GPUe fits in cluster
+    /// `c`, as the Kubernetes scheduler does: only pods of tenants for which
+    /// `victim_rank` is `Some` may go (lower rank first, then the youngest), and the
+    /// node (or, for a pod larger than a node, the set of whole nodes) that needs the
+    /// fewest GPUe of victims is chosen. `None`: no preemption can make it fit.
+    pub fn plan_preemption(
+        &self,
+        c: usize,
+        g: MilliGpue,
+        victim_rank: impl Fn(usize) -> Option<u64>,
+    ) -> Option<Vec<usize>> {
+        let cl = &self.clusters[c];
+        let (by_node, blocked) = self.victims_by_node(c, &victim_rank);
         let pool = cl.node_cap.is_empty();
         let node_free = |n: usize| if pool { cl.free } else { cl.node_free[n] };
         let node_cap = |n: usize| if pool { cl.capacity } else { cl.node_cap[n] };
@@ -412,7 +443,11 @@ impl World {
                         break;
                     }
                     // A gang pod frees only its share of this node here.
-                    let here = if pool { self.jobs[j].gpue } else { self.jobs[j].placement.iter().filter(|p| p.0 == n).map(|p| p.1).sum() };
+                    let here = if pool {
+                        self.jobs[j].gpue
+                    } else {
+                        self.jobs[j].placement.iter().filter(|p| p.0 == n).map(|p| p.1).sum()
+                    };
                     free += here;
                     cost += self.jobs[j].gpue;
                     taken.push(j);
@@ -610,53 +645,75 @@ pub fn run_with_progress(
     sched: &mut dyn Scheduler,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<RunResult, SimError> {
+    let mut w = build_world(trace, policy, cfg)?;
+    let start_ms = w.jobs.first().map_or(0, |j| j.submit_ms);
+    let last_arrival = w.jobs.last().map_or(0, |j| j.submit_ms);
+    for (i, j) in w.jobs.iter().enumerate() {
+        w.events.push(Reverse((j.submit_ms, Ev::Arrive { job: i })));
+    }
+    w.now = start_ms;
+    w.events.push(Reverse((start_ms, Ev::Tick)));
+    sched.init(&mut w);
+
+    let mut m = Meter::new(&w, cfg, last_arrival.saturating_sub(start_ms));
+    let planned_end_ms = w
+        .jobs
+        .iter()
+        .map(|j| j.submit_ms.saturating_add(j.remaining_ms))
+        .max()
+        .unwrap_or(start_ms);
+    let mut events = 0u64;
+    let mut arrived = 0usize;
+    let mut stuck = 0u32;
+    while let Some(Reverse((at, _))) = w.events.peek().copied() {
+        m.advance(&w, at);
+        let dt = u128::from(at - w.now);
+        for cl in &mut w.clusters {
+            for (used, &inuse) in cl.used_since.iter_mut().zip(&cl.inuse) {
+                *used += u128::from(inuse) * dt;
+            }
+        }
+        w.now = at;
+        let tick = w.handle_events_at(at, &mut events, &mut arrived);
+        if tick {
+            m.sample(&w);
+            sched.tick(&mut w);
+            let reached_ms = at - start_ms;
+            progress(Progress {
+                reached_ms,
+                end_ms: planned_end_ms.saturating_sub(start_ms).max(reached_ms),
+            });
+        }
+        sched.schedule(&mut w);
+        if tick {
+            w.schedule_next_tick(at, cfg.tick_ms, arrived, &mut stuck);
+        }
+    }
+    Ok(m.finish(&w, sched.name(), events, start_ms))
+}
+
+/// The world before the first event: the policy's tenants, every trace job placed on
+/// a cluster (weighted by capacity, drawn from the seeded generator), no events yet.
+fn build_world(trace: &Trace, policy: &Policy, cfg: &SimConfig) -> Result<World, SimError> {
     if cfg.clusters.is_empty() || cfg.clusters.iter().any(|c| c.1 == 0) {
         return Err(SimError::Config("every cluster needs a capacity above 0".into()));
     }
     if cfg.tick_ms == 0 {
         return Err(SimError::Config("the tick must be longer than 0 ms".into()));
     }
-    let mut tenants: Vec<TenantRt> = policy
-        .tenants
-        .iter()
-        .map(|t| TenantRt {
-            name: t.name.clone(),
-            weight_milli: t.weight_milli,
-            min_share_bp: t.min_share_bp,
-            max_share_bp: t.max_share_bp,
-            preemptible: t.preemptible,
-            half_life_ms: t.decay_half_life_ms,
-            serves: false,
-        })
-        .collect();
+    let mut tenants: Vec<TenantRt> = policy.tenants.iter().map(TenantRt::from_policy).collect();
     let nt = tenants.len();
     let total_cap: u128 = cfg.clusters.iter().map(|c| u128::from(c.1)).sum();
     let mut rng = Rng::new(cfg.seed);
     let mut jobs = Vec::with_capacity(trace.jobs.len());
     for j in &trace.jobs {
         let Some(t) = policy.tenant_index(&j.tenant) else {
-            return Err(SimError::UnknownTenant {
-                tenant: j.tenant.clone(),
-                known: policy.tenants.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", "),
-            });
+            return Err(unknown_tenant(policy, &j.tenant));
         };
         if j.kind == Kind::Inference {
             tenants[t].serves = true;
         }
-        let cluster = if cfg.clusters.len() == 1 {
-            0
-        } else {
-            let mut x = u128::from(rng.next_u64()) % total_cap;
-            let mut pick = 0;
-            for (i, c) in cfg.clusters.iter().enumerate() {
-                if x < u128::from(c.1) {
-                    pick = i;
-                    break;
-                }
-                x -= u128::from(c.1);
-            }
-            pick
-        };
+        let cluster = pick_cluster(&mut rng, &cfg.clusters, total_cap);
         jobs.push(JobRt {
             tenant: t,
             cluster,
@@ -671,11 +728,18 @@ pub fn run_with_progress(
             done: false,
             placement: Vec::new(),
             borrowed: false,
-            beyond_policy: j.gpue > cfg.clusters[cluster].1.min(policy_ceiling(total_cap, tenants[t].max_share_bp)),
+            beyond_policy: j.gpue
+                > cfg.clusters[cluster]
+                    .1
+                    .min(policy_ceiling(total_cap, tenants[t].max_share_bp)),
         });
     }
-    let clusters = cfg.clusters.iter().map(|(name, cap)| ClusterRt::new(name, *cap, cfg.node_gpue, nt)).collect();
-    let mut w = World {
+    let clusters = cfg
+        .clusters
+        .iter()
+        .map(|(name, cap)| ClusterRt::new(name, *cap, cfg.node_gpue, nt))
+        .collect();
+    Ok(World {
         now: 0,
         jobs,
         tenants,
@@ -685,77 +749,101 @@ pub fn run_with_progress(
         events: BinaryHeap::new(),
         preempted: vec![0; nt],
         lost: vec![0; nt],
-    };
-    let start_ms = w.jobs.first().map_or(0, |j| j.submit_ms);
-    let last_arrival = w.jobs.last().map_or(0, |j| j.submit_ms);
-    for (i, j) in w.jobs.iter().enumerate() {
-        w.events.push(Reverse((j.submit_ms, Ev::Arrive { job: i })));
-    }
-    w.now = start_ms;
-    w.events.push(Reverse((start_ms, Ev::Tick)));
-    sched.init(&mut w);
+    })
+}
 
-    let mut m = Meter::new(&w, cfg, last_arrival.saturating_sub(start_ms));
-    let planned_end_ms = w.jobs.iter().map(|j| j.submit_ms.saturating_add(j.remaining_ms)).max().unwrap_or(start_ms);
-    let mut events = 0u64;
-    let mut arrived = 0usize;
-    let mut stuck = 0u32;
-    while let Some(Reverse((at, _))) = w.events.peek().copied() {
-        m.advance(&w, at);
-        let dt = u128::from(at - w.now);
-        for cl in &mut w.clusters {
-            for (used, &inuse) in cl.used_since.iter_mut().zip(&cl.inuse) {
-                *used += u128::from(inuse) * dt;
-            }
+/// The error for a trace tenant the policy does not have.
+fn unknown_tenant(policy: &Policy, tenant: &str) -> SimError {
+    SimError::UnknownTenant {
+        tenant: tenant.to_owned(),
+        known: policy
+            .tenants
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
+}
+
+impl TenantRt {
+    /// A policy tenant at the start of a run (serving nothing yet).
+    fn from_policy(t: &kvota_fairness::policy::TenantPolicy) -> TenantRt {
+        TenantRt {
+            name: t.name.clone(),
+            weight_milli: t.weight_milli,
+            min_share_bp: t.min_share_bp,
+            max_share_bp: t.max_share_bp,
+            preemptible: t.preemptible,
+            half_life_ms: t.decay_half_life_ms,
+            serves: false,
         }
-        w.now = at;
+    }
+}
+
+/// A cluster drawn with probability proportional to its capacity (no draw when there
+/// is one cluster).
+fn pick_cluster(rng: &mut Rng, clusters: &[(ClusterName, MilliGpue)], total_cap: u128) -> usize {
+    if clusters.len() == 1 {
+        return 0;
+    }
+    let mut x = u128::from(rng.next_u64()) % total_cap;
+    for (i, c) in clusters.iter().enumerate() {
+        if x < u128::from(c.1) {
+            return i;
+        }
+        x -= u128::from(c.1);
+    }
+    0
+}
+
+impl World {
+    /// Handles every event due at `at`; true if one of them was a tick.
+    fn handle_events_at(&mut self, at: u64, events: &mut u64, arrived: &mut usize) -> bool {
         let mut tick = false;
-        while let Some(Reverse((t, ev))) = w.events.peek().copied() {
+        while let Some(Reverse((t, ev))) = self.events.peek().copied() {
             if t != at {
                 break;
             }
-            w.events.pop();
-            events += 1;
+            self.events.pop();
+            *events += 1;
             match ev {
                 Ev::Finish { job, generation } => {
-                    if w.jobs[job].generation == generation && w.jobs[job].run_start.is_some() {
-                        w.finish(job);
+                    if self.jobs[job].generation == generation && self.jobs[job].run_start.is_some() {
+                        self.finish(job);
                     }
                 }
                 Ev::Arrive { job } => {
-                    let (t, c, g) = (w.jobs[job].tenant, w.jobs[job].cluster, w.jobs[job].gpue);
-                    w.clusters[c].pending[t] += g;
-                    if w.jobs[job].beyond_policy {
-                        w.clusters[c].pending_beyond[t] += g;
+                    let (t, c, g) = (self.jobs[job].tenant, self.jobs[job].cluster, self.jobs[job].gpue);
+                    self.clusters[c].pending[t] += g;
+                    if self.jobs[job].beyond_policy {
+                        self.clusters[c].pending_beyond[t] += g;
                     }
-                    w.clusters[c].queue[t].push_back(job);
-                    arrived += 1;
+                    self.clusters[c].queue[t].push_back(job);
+                    *arrived += 1;
                 }
                 Ev::Tick => tick = true,
             }
         }
-        if tick {
-            m.sample(&w);
-            sched.tick(&mut w);
-            let reached_ms = at - start_ms;
-            progress(Progress { reached_ms, end_ms: planned_end_ms.saturating_sub(start_ms).max(reached_ms) });
-        }
-        sched.schedule(&mut w);
-        if tick {
-            let busy = w.clusters.iter().any(|c| c.inuse.iter().any(|&u| u > 0) || c.pending.iter().any(|&p| p > 0));
-            if arrived < w.jobs.len() || busy {
-                // Stop once everything left waits for capacity that never comes (e.g. a
-                // job larger than its static pool): nothing runs and nothing arrives
-                // for STUCK_TICKS ticks in a row.
-                let idle = arrived == w.jobs.len() && w.clusters.iter().all(|c| c.inuse.iter().all(|&u| u == 0));
-                stuck = if idle { stuck + 1 } else { 0 };
-                if stuck < STUCK_TICKS {
-                    w.events.push(Reverse((at + cfg.tick_ms, Ev::Tick)));
-                }
+        tick
+    }
+
+    /// Queues the next tick while work remains, unless the run is stuck.
+    fn schedule_next_tick(&mut self, at: u64, tick_ms: u64, arrived: usize, stuck: &mut u32) {
+        let busy = self
+            .clusters
+            .iter()
+            .any(|c| c.inuse.iter().any(|&u| u > 0) || c.pending.iter().any(|&p| p > 0));
+        if arrived < self.jobs.len() || busy {
+            // Stop once everything left waits for capacity that never comes (e.g. a
+            // job larger than its static pool): nothing runs and nothing arrives
+            // for STUCK_TICKS ticks in a row.
+            let idle = arrived == self.jobs.len() && self.clusters.iter().all(|c| c.inuse.iter().all(|&u| u == 0));
+            *stuck = if idle { *stuck + 1 } else { 0 };
+            if *stuck < STUCK_TICKS {
+                self.events.push(Reverse((at + tick_ms, Ev::Tick)));
             }
         }
     }
-    Ok(m.finish(&w, sched.name(), events, start_ms))
 }
 
 /// Measures as the run goes.
@@ -831,9 +919,16 @@ impl Meter {
                 *sum += u128::from(u) * u128::from(dt);
             }
         }
-        let busy = w.clusters.iter().any(|c| c.inuse.iter().any(|&u| u > 0) || c.pending.iter().any(|&p| p > 0));
+        let busy = w
+            .clusters
+            .iter()
+            .any(|c| c.inuse.iter().any(|&u| u > 0) || c.pending.iter().any(|&p| p > 0));
         if busy {
-            let inuse: u128 = w.clusters.iter().map(|c| c.inuse.iter().map(|&u| u128::from(u)).sum::<u128>()).sum();
+            let inuse: u128 = w
+                .clusters
+                .iter()
+                .map(|c| c.inuse.iter().map(|&u| u128::from(u)).sum::<u128>())
+                .sum();
             self.used += inuse * u128::from(dt);
             self.cap_ms += u128::from(w.capacity()) * u128::from(dt);
             self.busy_ms += dt;
@@ -848,11 +943,14 @@ impl Meter {
         let cap = w.capacity();
         let inuse: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.inuse[t]).sum()).collect();
         // Demand as kvota's own model counts it: a waiting job beyond the policy is none.
-        let pending: Vec<MilliGpue> = (0..nt).map(|t| w.clusters.iter().map(|c| c.pending_owed(t)).sum()).collect();
+        let pending: Vec<MilliGpue> = (0..nt)
+            .map(|t| w.clusters.iter().map(|c| c.pending_owed(t)).sum())
+            .collect();
         if let Some(prev) = self.last_sample_ms {
             let dt = now.saturating_sub(prev);
             for (t, tr) in w.tenants.iter().enumerate() {
-                self.ledger.add(&tr.name, inuse[t].saturating_mul(dt), now, tr.half_life_ms);
+                self.ledger
+                    .add(&tr.name, inuse[t].saturating_mul(dt), now, tr.half_life_ms);
             }
         }
         self.last_sample_ms = Some(now);
@@ -885,26 +983,8 @@ impl Meter {
                 n += 1;
             }
             if w.tenants[t].serves {
-                let (run, dem) = w.clusters.iter().fold((0, 0), |(r, d), c| {
-                    let (ri, di) = c.running[t].iter().fold((0, 0), |(r, d), &j| {
-                        if w.jobs[j].kind == Kind::Inference {
-                            (r + w.jobs[j].gpue, d + w.jobs[j].gpue)
-                        } else {
-                            (r, d)
-                        }
-                    });
-                    let wi: MilliGpue =
-                        c.queue[t].iter().filter(|&&j| w.jobs[j].kind == Kind::Inference).map(|&j| w.jobs[j].gpue).sum();
-                    (r + ri, d + di + wi)
-                });
-                if dem > 0 {
-                    let f = latency_factor(run, dem, self.load);
-                    self.lat[t].push(to_milli(f));
-                    self.sla_n[t] += 1;
-                    if f <= self.slo {
-                        self.sla_ok[t] += 1;
-                    }
-                }
+                let (run, dem) = inference_load(w, t);
+                self.record_latency(t, run, dem);
             }
         }
         let mean = if n == 0 { 1.0 } else { sum / f64::from(n) };
@@ -917,9 +997,66 @@ impl Meter {
             self.episodes.push(now - s);
         }
         if self.n_samples % self.every == 0 {
-            self.series.push(Sample { t_ms: now, score: mean, shares: inuse.iter().map(|&u| u as f64 / cap as f64).collect() });
+            self.series.push(Sample {
+                t_ms: now,
+                score: mean,
+                shares: inuse.iter().map(|&u| u as f64 / cap as f64).collect(),
+            });
         }
         self.n_samples += 1;
+    }
+
+    /// Tenant `t`'s results: its `(jobs, never started)`, its admission `delays` and
+    /// the number of samples `n`.
+    fn tenant_result(
+        &mut self,
+        w: &World,
+        t: usize,
+        (jobs, never): (usize, usize),
+        delays: &mut [u64],
+        n: f64,
+    ) -> TenantResult {
+        let c = &self.clocks[t];
+        let frac = |x: u64| {
+            if c.observed_ms == 0 {
+                0.0
+            } else {
+                x as f64 / c.observed_ms as f64
+            }
+        };
+        let serves = w.tenants[t].serves;
+        TenantResult {
+            tenant: w.tenants[t].name.to_string(),
+            jobs,
+            never_started: never,
+            delay_p50_ms: percentile(delays, 50).unwrap_or(0),
+            delay_p99_ms: percentile(delays, 99).unwrap_or(0),
+            violation: frac(c.violation_ms),
+            starved: frac(c.starved_ms),
+            mean_score: if self.score_n[t] == 0 {
+                1.0
+            } else {
+                self.score_sum[t] / self.score_n[t] as f64
+            },
+            sla: (serves && self.sla_n[t] > 0).then(|| self.sla_ok[t] as f64 / self.sla_n[t] as f64),
+            latency_p99: (serves && !self.lat[t].is_empty())
+                .then(|| percentile(&mut self.lat[t], 99).unwrap_or(1000) as f64 / 1000.0),
+            preemptions: w.preempted[t],
+            lost_gpu_hours: w.lost[t] as f64 / 1000.0 / 3_600_000.0,
+            mean_share: self.share_sum[t] / n,
+        }
+    }
+
+    /// The latency factor of tenant `t`'s inference at this sample, against its SLO.
+    fn record_latency(&mut self, t: usize, run: MilliGpue, dem: MilliGpue) {
+        if dem > 0 {
+            let f = latency_factor(run, dem, self.load);
+            self.lat[t].push(to_milli(f));
+            self.sla_n[t] += 1;
+            if f <= self.slo {
+                self.sla_ok[t] += 1;
+            }
+        }
     }
 
     fn finish(mut self, w: &World, name: &str, events: u64, start_ms: u64) -> RunResult {
@@ -943,35 +1080,27 @@ impl Meter {
         }
         let n = self.n_samples.max(1) as f64;
         let tenants = (0..nt)
-            .map(|t| {
-                let c = &self.clocks[t];
-                let frac = |x: u64| if c.observed_ms == 0 { 0.0 } else { x as f64 / c.observed_ms as f64 };
-                let serves = w.tenants[t].serves;
-                TenantResult {
-                    tenant: w.tenants[t].name.to_string(),
-                    jobs: jobs[t],
-                    never_started: never[t],
-                    delay_p50_ms: percentile(&mut delays[t], 50).unwrap_or(0),
-                    delay_p99_ms: percentile(&mut delays[t], 99).unwrap_or(0),
-                    violation: frac(c.violation_ms),
-                    starved: frac(c.starved_ms),
-                    mean_score: if self.score_n[t] == 0 { 1.0 } else { self.score_sum[t] / self.score_n[t] as f64 },
-                    sla: (serves && self.sla_n[t] > 0).then(|| self.sla_ok[t] as f64 / self.sla_n[t] as f64),
-                    latency_p99: (serves && !self.lat[t].is_empty())
-                        .then(|| percentile(&mut self.lat[t], 99).unwrap_or(1000) as f64 / 1000.0),
-                    preemptions: w.preempted[t],
-                    lost_gpu_hours: w.lost[t] as f64 / 1000.0 / 3_600_000.0,
-                    mean_share: self.share_sum[t] / n,
-                }
-            })
+            .map(|t| self.tenant_result(w, t, (jobs[t], never[t]), &mut delays[t], n))
             .collect();
         let mut eps = self.episodes.clone();
         RunResult {
             scheduler: name.to_string(),
             tenants,
-            utilization: if self.cap_ms == 0 { 0.0 } else { self.used as f64 / self.cap_ms as f64 },
-            mean_score: if self.mean_score_n == 0 { 1.0 } else { self.mean_score_sum / self.mean_score_n as f64 },
-            unfair: if self.mean_score_n == 0 { 0.0 } else { self.unfair_samples as f64 / self.mean_score_n as f64 },
+            utilization: if self.cap_ms == 0 {
+                0.0
+            } else {
+                self.used as f64 / self.cap_ms as f64
+            },
+            mean_score: if self.mean_score_n == 0 {
+                1.0
+            } else {
+                self.mean_score_sum / self.mean_score_n as f64
+            },
+            unfair: if self.mean_score_n == 0 {
+                0.0
+            } else {
+                self.unfair_samples as f64 / self.mean_score_n as f64
+            },
             episodes: eps.len(),
             recovery_p50_ms: percentile(&mut eps, 50).unwrap_or(0),
             recovery_max_ms: eps.iter().copied().max().unwrap_or(0),
@@ -984,6 +1113,25 @@ impl Meter {
             used_gpue_ms: self.used_by,
         }
     }
+}
+
+/// Tenant `t`'s inference jobs: GPUe running, and GPUe running or waiting.
+fn inference_load(w: &World, t: usize) -> (MilliGpue, MilliGpue) {
+    w.clusters.iter().fold((0, 0), |(r, d), c| {
+        let (ri, di) = c.running[t].iter().fold((0, 0), |(r, d), &j| {
+            if w.jobs[j].kind == Kind::Inference {
+                (r + w.jobs[j].gpue, d + w.jobs[j].gpue)
+            } else {
+                (r, d)
+            }
+        });
+        let wi: MilliGpue = c.queue[t]
+            .iter()
+            .filter(|&&j| w.jobs[j].kind == Kind::Inference)
+            .map(|&j| w.jobs[j].gpue)
+            .sum();
+        (r + ri, d + di + wi)
+    })
 }
 
 fn to_milli(f: f64) -> u64 {

@@ -38,6 +38,7 @@ pub mod report;
 pub mod sched;
 pub mod synth;
 pub mod trace;
+pub mod waits;
 
 use std::time::{Duration, Instant};
 
@@ -72,11 +73,17 @@ pub fn compare_with_progress(
     let mut out = Vec::new();
     for (i, name) in schedulers.iter().enumerate() {
         let Some(mut s) = sched::by_name(name, policy, cfg.tick_ms, cfg.partition.clone()) else {
-            return Err(SimError::Config(format!("unknown scheduler `{name}`; known: {}", sched::ALL.join(", "))));
+            return Err(SimError::Config(format!(
+                "unknown scheduler `{name}`; known: {}",
+                sched::ALL.join(", ")
+            )));
         };
         let t0 = Instant::now();
         let result = run_with_progress(trace, policy, cfg, s.as_mut(), &mut |p| progress(i, p))?;
-        out.push(Timed { result, wall: t0.elapsed() });
+        out.push(Timed {
+            result,
+            wall: t0.elapsed(),
+        });
     }
     Ok(out)
 }

@@ -146,11 +146,38 @@ fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
+/// The axes' labels and the plot's frame (`(left, top, plot width, plot height, chart
+/// height)`).
+fn axis_labels(s: &mut String, (l, t, pw, ph, h): (f64, f64, f64, f64, f64), x_label: &str, y_label: &str) {
+    let _ = writeln!(
+        s,
+        "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>",
+        l + pw / 2.0,
+        h - 8.0,
+        esc(x_label)
+    );
+    let _ = writeln!(
+        s,
+        "<text x=\"14\" y=\"{:.1}\" transform=\"rotate(-90 14 {:.1})\" text-anchor=\"middle\">{}</text>",
+        t + ph / 2.0,
+        t + ph / 2.0,
+        esc(y_label)
+    );
+    let _ = writeln!(
+        s,
+        "<rect x=\"{l}\" y=\"{t}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>"
+    );
+}
+
 /// A self-contained SVG line chart, y from 0 to `y_max`.
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_max: f64, lines: &[Line<'_>]) -> String {
     let (w, h, l, r, t, b) = (900.0, 420.0, 60.0, 190.0, 40.0, 50.0);
     let (pw, ph) = (w - l - r, h - t - b);
-    let x_max = lines.iter().flat_map(|ln| ln.points.iter().map(|p| p.0)).fold(0.0_f64, f64::max).max(1e-9);
+    let x_max = lines
+        .iter()
+        .flat_map(|ln| ln.points.iter().map(|p| p.0))
+        .fold(0.0_f64, f64::max)
+        .max(1e-9);
     let y_max = if y_max > 0.0 { y_max } else { 1.0 };
     let px = |x: f64| l + pw * (x / x_max);
     let py = |y: f64| t + ph * (1.0 - (y / y_max).clamp(0.0, 1.0));
@@ -170,15 +197,26 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, y_max: f64, lines: 
             py(y) + 4.0
         );
         let x = x_max * f64::from(i) / 4.0;
-        let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{x:.0}</text>", px(x), t + ph + 18.0);
+        let _ = writeln!(
+            s,
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{x:.0}</text>",
+            px(x),
+            t + ph + 18.0
+        );
     }
-    let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>", l + pw / 2.0, h - 8.0, esc(x_label));
-    let _ = writeln!(s, "<text x=\"14\" y=\"{:.1}\" transform=\"rotate(-90 14 {:.1})\" text-anchor=\"middle\">{}</text>", t + ph / 2.0, t + ph / 2.0, esc(y_label));
-    let _ = writeln!(s, "<rect x=\"{l}\" y=\"{t}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#888\"/>");
+    axis_labels(&mut s, (l, t, pw, ph, h), x_label, y_label);
     for (i, ln) in lines.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
-        let pts: Vec<String> = ln.points.iter().map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y))).collect();
-        let _ = writeln!(s, "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.4\" points=\"{}\"/>", pts.join(" "));
+        let pts: Vec<String> = ln
+            .points
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.4\" points=\"{}\"/>",
+            pts.join(" ")
+        );
         let ly = t + 14.0 + 18.0 * i as f64;
         let _ = writeln!(
             s,
@@ -208,7 +246,12 @@ pub fn smooth(points: &[(f64, f64)], k: usize) -> Vec<(f64, f64)> {
 
 /// Hours for spans up to four days, else days: (ms per unit, axis label).
 fn time_unit(results: &[RunResult]) -> (f64, &'static str) {
-    let last = results.iter().filter_map(|r| r.series.last()).map(|p| p.t_ms).max().unwrap_or(0);
+    let last = results
+        .iter()
+        .filter_map(|r| r.series.last())
+        .map(|p| p.t_ms)
+        .max()
+        .unwrap_or(0);
     if last > 4 * 86_400_000 {
         (86_400_000.0, "trace time (days)")
     } else {
@@ -223,7 +266,13 @@ pub fn fairness_chart(title: &str, results: &[RunResult]) -> String {
         .iter()
         .map(|r| Line {
             name: &r.scheduler,
-            points: smooth(&r.series.iter().map(|p| (p.t_ms as f64 / unit, p.score)).collect::<Vec<_>>(), 2),
+            points: smooth(
+                &r.series
+                    .iter()
+                    .map(|p| (p.t_ms as f64 / unit, p.score))
+                    .collect::<Vec<_>>(),
+                2,
+            ),
         })
         .collect();
     line_chart(title, label, "mean fairness score", 1.0, &lines)
@@ -243,22 +292,42 @@ pub fn share_chart(title: &str, r: &RunResult) -> String {
     let mut rest = Vec::new();
     if with_jobs > SHARE_CHART_TENANTS {
         // Largest first; ties by policy order, so a chart is the same on every run.
-        shown.sort_by(|&a, &b| r.tenants[b].mean_share.total_cmp(&r.tenants[a].mean_share).then(a.cmp(&b)));
+        shown.sort_by(|&a, &b| {
+            r.tenants[b]
+                .mean_share
+                .total_cmp(&r.tenants[a].mean_share)
+                .then(a.cmp(&b))
+        });
         rest = shown.split_off(SHARE_CHART_TENANTS);
         shown.sort_unstable();
     }
-    let share_of = |idx: &[usize], p: &crate::engine::Sample| idx.iter().map(|&i| p.shares.get(i).copied().unwrap_or(0.0)).sum::<f64>();
+    let share_of = |idx: &[usize], p: &crate::engine::Sample| {
+        idx.iter()
+            .map(|&i| p.shares.get(i).copied().unwrap_or(0.0))
+            .sum::<f64>()
+    };
     let mut lines: Vec<Line<'_>> = shown
         .iter()
         .map(|&i| Line {
             name: &r.tenants[i].tenant,
-            points: r.series.iter().map(|p| (p.t_ms as f64 / unit, share_of(&[i], p))).collect(),
+            points: r
+                .series
+                .iter()
+                .map(|p| (p.t_ms as f64 / unit, share_of(&[i], p)))
+                .collect(),
         })
         .collect();
     let others_name = format!("others ({} tenants)", rest.len());
     let mut title = title.to_string();
     if !rest.is_empty() {
-        lines.push(Line { name: &others_name, points: r.series.iter().map(|p| (p.t_ms as f64 / unit, share_of(&rest, p))).collect() });
+        lines.push(Line {
+            name: &others_name,
+            points: r
+                .series
+                .iter()
+                .map(|p| (p.t_ms as f64 / unit, share_of(&rest, p)))
+                .collect(),
+        });
         title = format!("{title} ({SHARE_CHART_TENANTS} largest of {with_jobs} tenants; others summed)");
     }
     line_chart(&title, label, "share of GPUs held", 1.0, &lines)
@@ -279,7 +348,16 @@ mod tests {
 
     #[test]
     fn charts_are_well_formed_and_escape_names() {
-        let svg = line_chart("a <b>", "x", "y", 1.0, &[Line { name: "p&q", points: vec![(0.0, 0.5), (2.0, 1.0)] }]);
+        let svg = line_chart(
+            "a <b>",
+            "x",
+            "y",
+            1.0,
+            &[Line {
+                name: "p&q",
+                points: vec![(0.0, 0.5), (2.0, 1.0)],
+            }],
+        );
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("a &lt;b&gt;") && svg.contains("p&amp;q"));
         assert_eq!(svg.matches("<polyline").count(), 1);
@@ -289,9 +367,32 @@ mod tests {
     fn share_charts_of_many_tenants_draw_the_largest_and_sum_the_others() {
         use crate::engine::{Sample, TenantResult};
         let n = 150;
-        let tenants = (0..n).map(|i| TenantResult { tenant: format!("t{i:03}"), jobs: 1, mean_share: i as f64, ..Default::default() }).collect();
-        let series = vec![Sample { t_ms: 0, score: 1.0, shares: vec![0.001; n] }, Sample { t_ms: 3_600_000, score: 1.0, shares: vec![0.002; n] }];
-        let r = RunResult { scheduler: "x".into(), tenants, series, ..Default::default() };
+        let tenants = (0..n)
+            .map(|i| TenantResult {
+                tenant: format!("t{i:03}"),
+                jobs: 1,
+                mean_share: i as f64,
+                ..Default::default()
+            })
+            .collect();
+        let series = vec![
+            Sample {
+                t_ms: 0,
+                score: 1.0,
+                shares: vec![0.001; n],
+            },
+            Sample {
+                t_ms: 3_600_000,
+                score: 1.0,
+                shares: vec![0.002; n],
+            },
+        ];
+        let r = RunResult {
+            scheduler: "x".into(),
+            tenants,
+            series,
+            ..Default::default()
+        };
         let svg = share_chart("x: shares", &r);
         assert_eq!(svg.matches("<polyline").count(), SHARE_CHART_TENANTS + 1);
         assert!(svg.contains("12 largest of 150 tenants; others summed"), "{svg}");

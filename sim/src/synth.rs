@@ -12,6 +12,18 @@
 //!   peak, sized for 3,072 GPUs (one cluster, or three of 1,024). The trace carries its policy
 //!   ([`Trace::policy_yaml`]): weight 1 per service and 3 per batch team, guarantees of
 //!   half the weight share, services non-preemptible.
+//! - **`many-services`**: 150 inference services (`svc-000`..`svc-149`), no batch. Each
+//!   service has a size `N` (replicas it keeps), Zipf over a seeded ranking: the
+//!   service of rank `r` (1..=150) keeps `600 / r` one-GPU replicas (600, 300, 200, ...,
+//!   down to 4; 3,294 in all, 7 % above 3,072 GPUs, so the largest services are held
+//!   below their demand while most services' demand is below their fair share). Each service starts with a backlog of `N` pods submitted at time 0 (pods
+//!   already running, or waiting, when the trace starts), then a stream of new pods at
+//!   a rate that keeps about `N` running, drifting day by day between half and one and a
+//!   half times that. Every pod is one GPU and lives 1 hour to 4 days (log-uniform by
+//!   octave, mean about 25 hours). Its policy: every service
+//!   non-preemptible, minShare 0, maxShare 100 (no cap), weight the square root of its
+//!   size (to a thousandth), half-life 6 h. Sized for 3,072 GPUs (one cluster, or three
+//!   of 1,024).
 //! - **`mixed-sizes`**: the seed article's three tenants (its policy is `kvota sim`'s
 //!   default) with pod sizes from a quarter of a GPU to 32 GPUs: `inference` replicas of
 //!   0.25, 0.5, 1 or 2 GPUs living hours to days, `training` jobs of 1 to 32 GPUs (powers
@@ -19,7 +31,7 @@
 //!   to 6 hours. Offered load (seed 7) is about 315 GPUs on average and up to 500, sized
 //!   for 384 (three clusters of 128).
 //!
-//! Default: 14 days (`many-tenants`) or 30 days (`mixed-sizes`), seed 1. A trace is a
+//! Default: 14 days (`many-tenants`, `many-services`) or 30 days (`mixed-sizes`), seed 1. A trace is a
 //! pure function of (kind, seed, days): the generator draws only from
 //! [`kvota_fairness::rng::Rng`] and integer arithmetic (no floating-point functions
 //! whose last bit could differ between platforms), one forked stream per tenant so a
@@ -45,19 +57,36 @@ pub const BATCH_TEAMS: usize = 30;
 
 /// Share of a service's diurnal peak wanted at each hour of its day, percent: night
 /// trough, morning ramp, afternoon peak, evening fall.
-const DIURNAL_PCT: [u64; 24] = [5, 0, 0, 0, 0, 5, 15, 35, 55, 70, 80, 90, 95, 100, 100, 95, 85, 70, 55, 40, 30, 20, 15, 10];
+const DIURNAL_PCT: [u64; 24] = [
+    5, 0, 0, 0, 0, 5, 15, 35, 55, 70, 80, 90, 95, 100, 100, 95, 85, 70, 55, 40, 30, 20, 15, 10,
+];
 
 /// The kinds `synth:` knows.
-pub const KINDS: [&str; 2] = ["many-tenants", "mixed-sizes"];
+pub const KINDS: [&str; 3] = ["many-tenants", "mixed-sizes", "many-services"];
+
+/// Services of `many-services`.
+pub const MANY_SERVICES: usize = 150;
+/// Replicas of the largest `many-services` service; the one of rank `r` keeps
+/// `LARGEST_SERVICE / r`.
+pub const LARGEST_SERVICE: u64 = 600;
+/// Mean life of a `many-services` pod, hours (log-uniform by octave, 1 h to 4 d).
+const MEAN_LIFE_H: u64 = 25;
 
 /// Parses `KIND[:seed=N][:days=D]` (the part after `synth:`) and generates the trace.
 pub fn load(spec: &str) -> Result<Trace, TraceError> {
-    let bad = |why: String| TraceError::Spec(format!("synth:{spec}: {why}; expected synth:KIND[:seed=N][:days=D], KIND one of {}", KINDS.join(", ")));
+    let bad = |why: String| {
+        TraceError::Spec(format!(
+            "synth:{spec}: {why}; expected synth:KIND[:seed=N][:days=D], KIND one of {}",
+            KINDS.join(", ")
+        ))
+    };
     let mut parts = spec.split(':');
     let kind = parts.next().unwrap_or("");
     let (mut seed, mut days) = (1u64, None);
     for p in parts {
-        let (k, v) = p.split_once('=').ok_or_else(|| bad(format!("`{p}` is not KEY=VALUE")))?;
+        let (k, v) = p
+            .split_once('=')
+            .ok_or_else(|| bad(format!("`{p}` is not KEY=VALUE")))?;
         let n: u64 = v.parse().map_err(|_| bad(format!("{k} `{v}` is not a whole number")))?;
         match k {
             "seed" => seed = n,
@@ -69,6 +98,7 @@ pub fn load(spec: &str) -> Result<Trace, TraceError> {
     match kind {
         "many-tenants" => Ok(many_tenants(seed, days.unwrap_or(14))),
         "mixed-sizes" => Ok(mixed_sizes(seed, days.unwrap_or(30))),
+        "many-services" => Ok(many_services(seed, days.unwrap_or(14))),
         other => Err(bad(format!("unknown kind `{other}`"))),
     }
 }
@@ -102,7 +132,13 @@ pub fn many_tenants(seed: u64, days: u64) -> Trace {
     for s in 0..SERVICES {
         let mut rng = root.fork();
         let tenant = format!("svc-{s:03}");
-        let replica = |submit_ms: u64, duration_ms: u64| Job { tenant: tenant.clone(), kind: Kind::Inference, submit_ms, gpue: 1000, duration_ms };
+        let replica = |submit_ms: u64, duration_ms: u64| Job {
+            tenant: tenant.clone(),
+            kind: Kind::Inference,
+            submit_ms,
+            gpue: 1000,
+            duration_ms,
+        };
         // Long-lived base replicas, each replaced when it ends (first ones within the
         // first hour, so the services come up together as after a cluster rebuild).
         for _ in 0..rng.range(8, 20) {
@@ -171,10 +207,99 @@ pub fn many_tenants_policy() -> String {
         "# Generated by kvota sim for synth:many-tenants.\napiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: synth-many-tenants\nspec:\n  decayHalfLife: 24h\n  tenants:\n",
     );
     for s in 0..SERVICES {
-        let _ = writeln!(y, "  - {{name: svc-{s:03}, weight: 1, minShare: {}, maxShare: 5, preemptible: false}}", pct(min_bp(1)));
+        let _ = writeln!(
+            y,
+            "  - {{name: svc-{s:03}, weight: 1, minShare: {}, maxShare: 5, preemptible: false}}",
+            pct(min_bp(1))
+        );
     }
     for b in 0..BATCH_TEAMS {
-        let _ = writeln!(y, "  - {{name: batch-{b:02}, weight: 3, minShare: {}, maxShare: 10, preemptible: true}}", pct(min_bp(3)));
+        let _ = writeln!(
+            y,
+            "  - {{name: batch-{b:02}, weight: 3, minShare: {}, maxShare: 10, preemptible: true}}",
+            pct(min_bp(3))
+        );
+    }
+    y
+}
+
+/// Replicas each `many-services` service keeps, in service order (`svc-000` first):
+/// `LARGEST_SERVICE / r` for the rank `r` a seeded shuffle gives it.
+pub fn many_services_sizes(seed: u64) -> Vec<u64> {
+    let mut rng = Rng::new(seed ^ 0x5e5_1ce5);
+    let mut rank: Vec<u64> = (1u64..).take(MANY_SERVICES).collect();
+    for i in (1..rank.len()).rev() {
+        rank.swap(i, rng.index(i + 1));
+    }
+    rank.iter().map(|&r| (LARGEST_SERVICE / r).max(1)).collect()
+}
+
+/// The `many-services` trace (see the module docs).
+pub fn many_services(seed: u64, days: u64) -> Trace {
+    let horizon = days.min(MAX_DAYS) * DAY_MS;
+    let sizes = many_services_sizes(seed);
+    let mut root = Rng::new(seed);
+    let mut jobs = Vec::new();
+    for (s, &n) in sizes.iter().enumerate() {
+        let mut rng = root.fork();
+        let tenant = format!("svc-{s:03}");
+        let pod = |rng: &mut Rng, at: u64| Job {
+            tenant: tenant.clone(),
+            kind: Kind::Inference,
+            submit_ms: at,
+            gpue: 1000,
+            duration_ms: log_between(rng, HOUR_MS, 4 * DAY_MS).min(horizon - at),
+        };
+        // The backlog: as many pods as the service keeps, there when the trace starts.
+        for _ in 0..n {
+            jobs.push(pod(&mut rng, 0));
+        }
+        // Then a stream of new pods, about `n` running on average (a pod lives about
+        // MEAN_LIFE_H hours), at a rate that drifts day by day between half and one and
+        // a half times the mean.
+        let mut owed_milli = 0;
+        let mut rate_pct = 100;
+        for h in 0..horizon / HOUR_MS {
+            if h % 24 == 0 {
+                rate_pct = rng.range(50, 150);
+            }
+            owed_milli += n * 1000 * rate_pct / 100 / MEAN_LIFE_H;
+            while owed_milli >= 1000 {
+                owed_milli -= 1000;
+                let at = h * HOUR_MS + rng.below(HOUR_MS);
+                jobs.push(pod(&mut rng, at));
+            }
+        }
+    }
+    let total: u64 = sizes.iter().sum();
+    let mut trace = Trace {
+        source: format!("synth:many-services:seed={seed}:days={days}"),
+        jobs,
+        notes: vec![format!(
+            "synthetic (seed {seed}, {days} days): {MANY_SERVICES} inference services of one-GPU pods living 1 h to 4 d, \
+             {total} replicas in all (Zipf sizes, largest {LARGEST_SERVICE}), all submitted at time 0 as a backlog and replaced as they end; \
+             its own policy (non-preemptible, minShare 0, no cap, weight sqrt(size), half-life 6 h)"
+        )],
+        policy_yaml: Some(many_services_policy(&sizes)),
+    };
+    trace.sort();
+    trace
+}
+
+/// The policy of `many-services` for the given sizes: weight `sqrt(size)` to a
+/// thousandth, minShare 0, maxShare 100, non-preemptible, half-life 6 h.
+pub fn many_services_policy(sizes: &[u64]) -> String {
+    let mut y = String::from(
+        "# Generated by kvota sim for synth:many-services.\napiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: synth-many-services\nspec:\n  decayHalfLife: 6h\n  tenants:\n",
+    );
+    for (s, &n) in sizes.iter().enumerate() {
+        let w = (n * 1_000_000).isqrt();
+        let _ = writeln!(
+            y,
+            "  - {{name: svc-{s:03}, weight: {}.{:03}, minShare: 0, maxShare: 100, preemptible: false}}",
+            w / 1000,
+            w % 1000
+        );
     }
     y
 }
@@ -191,7 +316,13 @@ pub fn mixed_sizes(seed: u64, days: u64) -> Trace {
     while at < horizon {
         let gpue = pick(&mut rng, &[250, 500, 500, 1000, 1000, 2000]);
         let life = log_between(&mut rng, 2 * HOUR_MS, 96 * HOUR_MS);
-        jobs.push(Job { tenant: "inference".into(), kind: Kind::Inference, submit_ms: at, gpue, duration_ms: life.min(horizon - at) });
+        jobs.push(Job {
+            tenant: "inference".into(),
+            kind: Kind::Inference,
+            submit_ms: at,
+            gpue,
+            duration_ms: life.min(horizon - at),
+        });
         at += rng.below(16 * 60_000);
     }
     // Training: 1 to 32 GPUs, one job every 1.5 hours, running 1 to 48 hours.
@@ -245,8 +376,14 @@ mod tests {
             let c = load(&format!("{kind}:seed=8:days=3")).expect("c");
             assert_eq!(a.jobs, b.jobs, "{kind}");
             assert_ne!(a.jobs, c.jobs, "{kind}");
-            assert!(a.jobs.windows(2).all(|w| w[0].submit_ms <= w[1].submit_ms), "{kind}: sorted");
-            assert!(a.jobs.iter().all(|j| j.submit_ms < 3 * DAY_MS && j.duration_ms > 0), "{kind}");
+            assert!(
+                a.jobs.windows(2).all(|w| w[0].submit_ms <= w[1].submit_ms),
+                "{kind}: sorted"
+            );
+            assert!(
+                a.jobs.iter().all(|j| j.submit_ms < 3 * DAY_MS && j.duration_ms > 0),
+                "{kind}"
+            );
         }
     }
 
@@ -258,12 +395,25 @@ mod tests {
         for j in &t.jobs {
             match j.kind {
                 Kind::Inference => assert!(j.tenant.starts_with("svc-") && j.gpue == 1000, "{j:?}"),
-                Kind::Training => assert!(j.tenant.starts_with("batch-") && [1000, 2000, 4000, 8000].contains(&j.gpue), "{j:?}"),
+                Kind::Training => assert!(
+                    j.tenant.starts_with("batch-") && [1000, 2000, 4000, 8000].contains(&j.gpue),
+                    "{j:?}"
+                ),
             }
         }
         // Diurnal: more replicas start in the afternoon than at night (day 3, all services).
-        let starts = |h: u64| t.jobs.iter().filter(|j| j.kind == Kind::Inference && j.submit_ms / HOUR_MS == 72 + h).count();
-        assert!(starts(14) > 3 * starts(2).max(1), "afternoon {} night {}", starts(14), starts(2));
+        let starts = |h: u64| {
+            t.jobs
+                .iter()
+                .filter(|j| j.kind == Kind::Inference && j.submit_ms / HOUR_MS == 72 + h)
+                .count()
+        };
+        assert!(
+            starts(14) > 3 * starts(2).max(1),
+            "afternoon {} night {}",
+            starts(14),
+            starts(2)
+        );
         // Long-lived: the base replicas live at least a day.
         assert!(t.jobs.iter().filter(|j| j.duration_ms >= DAY_MS).count() > 1000);
         let policy = Policy::from_yaml(t.policy_yaml.as_deref().expect("policy")).expect("valid policy");
@@ -275,6 +425,37 @@ mod tests {
     }
 
     #[test]
+    fn many_services_is_150_non_preemptible_services_with_a_backlog_and_sqrt_weights() {
+        let t = many_services(7, 14);
+        let names = t.tenants();
+        assert_eq!(names.len(), MANY_SERVICES);
+        assert!(t
+            .jobs
+            .iter()
+            .all(|j| j.kind == Kind::Inference && j.gpue == 1000 && j.tenant.starts_with("svc-")));
+        let sizes = many_services_sizes(7);
+        let total: u64 = sizes.iter().sum();
+        let backlog = t.jobs.iter().filter(|j| j.submit_ms == 0).count();
+        assert_eq!(u64::try_from(backlog).ok(), Some(total));
+        assert!((3_072..4_000).contains(&total), "{total}");
+        assert_eq!(sizes.iter().max(), Some(&LARGEST_SERVICE));
+        assert_eq!(sizes.iter().min(), Some(&4));
+        // Hours to days.
+        assert!(t.jobs.iter().all(|j| j.duration_ms <= 4 * DAY_MS));
+        assert!(t.jobs.iter().filter(|j| j.duration_ms >= DAY_MS).count() > 5_000);
+        assert!(t.jobs.iter().filter(|j| j.duration_ms < 4 * HOUR_MS).count() > 5_000);
+        let policy = Policy::from_yaml(t.policy_yaml.as_deref().expect("policy")).expect("valid policy");
+        for (s, &n) in sizes.iter().enumerate() {
+            let tp = &policy.tenants[policy.tenant_index(&format!("svc-{s:03}")).expect("named")];
+            assert!(!tp.preemptible && tp.min_share_bp == 0 && tp.max_share_bp == 10_000);
+            assert_eq!(tp.decay_half_life_ms, 6 * HOUR_MS);
+            let w = tp.weight_milli;
+            assert!(w * w <= n * 1_000_000 && (w + 1) * (w + 1) > n * 1_000_000, "{n}: {w}");
+        }
+        assert_ne!(many_services_sizes(7), many_services_sizes(8));
+    }
+
+    #[test]
     fn mixed_sizes_spans_a_quarter_gpu_to_32_gpus() {
         let t = mixed_sizes(7, 30);
         assert_eq!(t.tenants(), ["inference", "research", "training"]);
@@ -283,14 +464,29 @@ mod tests {
         assert_eq!((min, max), (Some(250), Some(32_000)));
         assert!(t.jobs.iter().any(|j| j.gpue < 1000 && j.kind == Kind::Inference));
         assert!(t.jobs.iter().filter(|j| j.gpue >= 16_000).count() > 20);
-        assert!(t.policy_yaml.is_none(), "uses the article's policy, kvota sim's default");
+        assert!(
+            t.policy_yaml.is_none(),
+            "uses the article's policy, kvota sim's default"
+        );
     }
 
     #[test]
     fn bad_specs_say_what_is_wrong() {
-        assert!(load("nope").expect_err("kind").to_string().contains("unknown kind `nope`"));
-        assert!(load("many-tenants:seed=x").expect_err("seed").to_string().contains("seed `x`"));
-        assert!(load("many-tenants:days=0").expect_err("days").to_string().contains("out of range"));
-        assert!(load("many-tenants:colour=3").expect_err("key").to_string().contains("unknown key"));
+        assert!(load("nope")
+            .expect_err("kind")
+            .to_string()
+            .contains("unknown kind `nope`"));
+        assert!(load("many-tenants:seed=x")
+            .expect_err("seed")
+            .to_string()
+            .contains("seed `x`"));
+        assert!(load("many-tenants:days=0")
+            .expect_err("days")
+            .to_string()
+            .contains("out of range"));
+        assert!(load("many-tenants:colour=3")
+            .expect_err("key")
+            .to_string()
+            .contains("unknown key"));
     }
 }

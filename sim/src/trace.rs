@@ -103,11 +103,18 @@ pub enum TraceError {
 }
 
 fn read(path: &Path) -> Result<String, TraceError> {
-    std::fs::read_to_string(path).map_err(|error| TraceError::Io { path: path.to_path_buf(), error })
+    std::fs::read_to_string(path).map_err(|error| TraceError::Io {
+        path: path.to_path_buf(),
+        error,
+    })
 }
 
 fn perr(path: &str, line: usize, why: impl Into<String>) -> TraceError {
-    TraceError::Parse { path: path.to_string(), line, why: why.into() }
+    TraceError::Parse {
+        path: path.to_string(),
+        line,
+        why: why.into(),
+    }
 }
 
 impl Trace {
@@ -215,7 +222,9 @@ pub type Throughputs = BTreeMap<String, BTreeMap<String, f64>>;
 /// Parses Gavel's `throughputs.json`, keeping only the `"null"` (job alone) figure.
 pub fn parse_throughputs(path: &str, text: &str) -> Result<Throughputs, TraceError> {
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| perr(path, e.line(), e.to_string()))?;
-    let obj = v.as_object().ok_or_else(|| perr(path, 0, "expected an object keyed by GPU type"))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| perr(path, 0, "expected an object keyed by GPU type"))?;
     let mut out = Throughputs::new();
     for (gpu, jobs) in obj {
         let Some(jobs) = jobs.as_object() else { continue };
@@ -244,7 +253,10 @@ pub fn load_philly(dir: &Path, gpu: &str) -> Result<Trace, TraceError> {
         )));
     };
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|error| TraceError::Io { path: dir.to_path_buf(), error })?
+        .map_err(|error| TraceError::Io {
+            path: dir.to_path_buf(),
+            error,
+        })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "trace"))
         .collect();
@@ -252,7 +264,10 @@ pub fn load_philly(dir: &Path, gpu: &str) -> Result<Trace, TraceError> {
     if files.is_empty() {
         return Err(TraceError::Spec(format!("{} holds no <vc>.trace files", dir.display())));
     }
-    let mut trace = Trace { source: format!("philly:{}:{gpu}", dir.display()), ..Trace::default() };
+    let mut trace = Trace {
+        source: format!("philly:{}:{gpu}", dir.display()),
+        ..Trace::default()
+    };
     let mut scaled = 0usize;
     for f in files {
         let vc = f.file_stem().and_then(|s| s.to_str()).unwrap_or("vc").to_string();
@@ -284,22 +299,48 @@ pub fn parse_philly_vc(
         }
         let f: Vec<&str> = line.split('\t').collect();
         if f.len() != 7 {
-            return Err(perr(path, n, format!("expected 7 tab-separated fields, found {}", f.len())));
+            return Err(perr(
+                path,
+                n,
+                format!("expected 7 tab-separated fields, found {}", f.len()),
+            ));
         }
-        let steps: f64 = f[4].trim().parse().map_err(|_| perr(path, n, format!("total_steps `{}` is not a number", f[4])))?;
-        let arrival: f64 = f[5].trim().parse().map_err(|_| perr(path, n, format!("arrival_time `{}` is not a number", f[5])))?;
-        let gpus: u32 = f[6].trim().parse().map_err(|_| perr(path, n, format!("gpus `{}` is not a whole number", f[6])))?;
+        let steps: f64 = f[4]
+            .trim()
+            .parse()
+            .map_err(|_| perr(path, n, format!("total_steps `{}` is not a number", f[4])))?;
+        let arrival: f64 = f[5]
+            .trim()
+            .parse()
+            .map_err(|_| perr(path, n, format!("arrival_time `{}` is not a number", f[5])))?;
+        let gpus: u32 = f[6]
+            .trim()
+            .parse()
+            .map_err(|_| perr(path, n, format!("gpus `{}` is not a whole number", f[6])))?;
         if gpus == 0 || gpus > 4096 {
             return Err(perr(path, n, format!("gpus {gpus} is out of range 1..=4096")));
         }
         let job_type = f[0].trim();
-        let (rate, was_scaled) = philly_rate(table, job_type, gpus)
-            .ok_or_else(|| perr(path, n, format!("no throughput for job type `{job_type}` at any GPU count")))?;
+        let (rate, was_scaled) = philly_rate(table, job_type, gpus).ok_or_else(|| {
+            perr(
+                path,
+                n,
+                format!("no throughput for job type `{job_type}` at any GPU count"),
+            )
+        })?;
         scaled += usize::from(was_scaled);
         let secs = steps / rate;
         let submit_ms = secs_to_ms(arrival).ok_or_else(|| perr(path, n, "arrival time out of range"))?;
-        let duration_ms = secs_to_ms(secs).ok_or_else(|| perr(path, n, "duration out of range"))?.max(1);
-        jobs.push(Job { tenant: tenant.clone(), kind: Kind::Training, submit_ms, gpue: u64::from(gpus) * 1000, duration_ms });
+        let duration_ms = secs_to_ms(secs)
+            .ok_or_else(|| perr(path, n, "duration out of range"))?
+            .max(1);
+        jobs.push(Job {
+            tenant: tenant.clone(),
+            kind: Kind::Training,
+            submit_ms,
+            gpue: u64::from(gpus) * 1000,
+            duration_ms,
+        });
     }
     Ok((jobs, scaled))
 }
@@ -323,15 +364,69 @@ fn csv_fields(line: &str) -> Vec<&str> {
     line.split(',').map(str::trim).collect()
 }
 
+/// The tenant of an Alibaba QoS class.
+fn alibaba_tenant(qos: &str) -> Option<&'static str> {
+    match qos {
+        "LS" => Some("inference"),
+        "BE" => Some("training"),
+        "Burstable" | "Guaranteed" => Some("research"),
+        _ => None,
+    }
+}
+
+/// One Alibaba pod (line `n`) as a job: `(gpus, milli)` its request, created at
+/// `create_s()` (read once the request is known good), run for `run_s` seconds.
+fn alibaba_job(
+    path: &str,
+    n: usize,
+    tenant: &str,
+    (gpus, milli): (f64, f64),
+    create_s: impl FnOnce() -> Result<f64, TraceError>,
+    run_s: f64,
+) -> Result<Job, TraceError> {
+    let gpue = gpus * milli;
+    if !(gpue > 0.0 && gpue <= 4_096_000.0) {
+        return Err(perr(
+            path,
+            n,
+            format!("GPU request {gpus} x {milli} milli is out of range"),
+        ));
+    }
+    Ok(Job {
+        tenant: tenant.to_string(),
+        kind: if tenant == "inference" {
+            Kind::Inference
+        } else {
+            Kind::Training
+        },
+        submit_ms: secs_to_ms(create_s()?).ok_or_else(|| perr(path, n, "creation_time out of range"))?,
+        gpue: scale(1, gpue),
+        duration_ms: secs_to_ms(run_s.max(1.0)).ok_or_else(|| perr(path, n, "run time out of range"))?,
+    })
+}
+
 /// Parses an Alibaba 2023 `openb_pod_list_*.csv`.
 pub fn parse_alibaba(path: &str, text: &str) -> Result<Trace, TraceError> {
     let mut lines = text.lines().enumerate();
     let (_, header) = lines.next().ok_or_else(|| perr(path, 1, "empty file"))?;
     let cols = csv_fields(header);
-    let col = |name: &str| cols.iter().position(|c| *c == name).ok_or_else(|| perr(path, 1, format!("missing column `{name}`")));
-    let (c_gpu, c_milli, c_qos, c_create, c_delete, c_sched) =
-        (col("num_gpu")?, col("gpu_milli")?, col("qos")?, col("creation_time")?, col("deletion_time")?, col("scheduled_time")?);
-    let mut trace = Trace { source: format!("alibaba:{path}"), ..Trace::default() };
+    let col = |name: &str| {
+        cols.iter()
+            .position(|c| *c == name)
+            .ok_or_else(|| perr(path, 1, format!("missing column `{name}`")))
+    };
+    let (c_gpu, c_milli, c_qos, c_create, c_delete, c_sched) = (
+        col("num_gpu")?,
+        col("gpu_milli")?,
+        col("qos")?,
+        col("creation_time")?,
+        col("deletion_time")?,
+        col("scheduled_time")?,
+    );
+    let mut trace = Trace {
+        source: format!("alibaba:{path}"),
+        ..Trace::default()
+    };
     let (mut no_gpu, mut never_ran) = (0usize, 0usize);
     for (i, line) in lines {
         let n = i + 1;
@@ -340,10 +435,15 @@ pub fn parse_alibaba(path: &str, text: &str) -> Result<Trace, TraceError> {
         }
         let f = csv_fields(line);
         if f.len() != cols.len() {
-            return Err(perr(path, n, format!("expected {} fields, found {}", cols.len(), f.len())));
+            return Err(perr(
+                path,
+                n,
+                format!("expected {} fields, found {}", cols.len(), f.len()),
+            ));
         }
         let num = |c: usize, what: &str| -> Result<f64, TraceError> {
-            f[c].parse::<f64>().map_err(|_| perr(path, n, format!("{what} `{}` is not a number", f[c])))
+            f[c].parse::<f64>()
+                .map_err(|_| perr(path, n, format!("{what} `{}` is not a number", f[c])))
         };
         let gpus = num(c_gpu, "num_gpu")?;
         if gpus <= 0.0 {
@@ -356,23 +456,17 @@ pub fn parse_alibaba(path: &str, text: &str) -> Result<Trace, TraceError> {
         }
         let milli = num(c_milli, "gpu_milli")?;
         let (start, end) = (num(c_sched, "scheduled_time")?, num(c_delete, "deletion_time")?);
-        let tenant = match f[c_qos] {
-            "LS" => "inference",
-            "BE" => "training",
-            "Burstable" | "Guaranteed" => "research",
-            other => return Err(perr(path, n, format!("unknown qos `{other}` (expected LS, BE, Burstable or Guaranteed)"))),
-        };
-        let gpue = gpus * milli;
-        if !(gpue > 0.0 && gpue <= 4_096_000.0) {
-            return Err(perr(path, n, format!("GPU request {gpus} x {milli} milli is out of range")));
-        }
-        trace.jobs.push(Job {
-            tenant: tenant.to_string(),
-            kind: if tenant == "inference" { Kind::Inference } else { Kind::Training },
-            submit_ms: secs_to_ms(num(c_create, "creation_time")?).ok_or_else(|| perr(path, n, "creation_time out of range"))?,
-            gpue: scale(1, gpue),
-            duration_ms: secs_to_ms((end - start).max(1.0)).ok_or_else(|| perr(path, n, "run time out of range"))?,
-        });
+        let tenant = alibaba_tenant(f[c_qos]).ok_or_else(|| {
+            perr(
+                path,
+                n,
+                format!("unknown qos `{}` (expected LS, BE, Burstable or Guaranteed)", f[c_qos]),
+            )
+        })?;
+        let create = || num(c_create, "creation_time");
+        trace
+            .jobs
+            .push(alibaba_job(path, n, tenant, (gpus, milli), create, end - start)?);
     }
     trace.notes.push(format!(
         "Alibaba: LS = inference, BE = training, Burstable/Guaranteed = research; left out {no_gpu} pods without GPUs and {never_ran} that never ran"
@@ -385,10 +479,21 @@ pub fn parse_csv(path: &str, text: &str) -> Result<Trace, TraceError> {
     let mut lines = text.lines().enumerate();
     let (_, header) = lines.next().ok_or_else(|| perr(path, 1, "empty file"))?;
     let cols = csv_fields(header);
-    if cols.len() < 4 || cols[..4] != ["tenant", "submit_s", "gpus", "duration_s"] || (cols.len() == 5 && cols[4] != "kind") || cols.len() > 5 {
-        return Err(perr(path, 1, "header must be `tenant,submit_s,gpus,duration_s` or `tenant,submit_s,gpus,duration_s,kind`"));
+    if cols.len() < 4
+        || cols[..4] != ["tenant", "submit_s", "gpus", "duration_s"]
+        || (cols.len() == 5 && cols[4] != "kind")
+        || cols.len() > 5
+    {
+        return Err(perr(
+            path,
+            1,
+            "header must be `tenant,submit_s,gpus,duration_s` or `tenant,submit_s,gpus,duration_s,kind`",
+        ));
     }
-    let mut trace = Trace { source: format!("csv:{path}"), ..Trace::default() };
+    let mut trace = Trace {
+        source: format!("csv:{path}"),
+        ..Trace::default()
+    };
     for (i, line) in lines {
         let n = i + 1;
         if line.trim().is_empty() || line.starts_with('#') {
@@ -396,7 +501,11 @@ pub fn parse_csv(path: &str, text: &str) -> Result<Trace, TraceError> {
         }
         let f = csv_fields(line);
         if f.len() != cols.len() && f.len() != 4 {
-            return Err(perr(path, n, format!("expected {} fields, found {}", cols.len(), f.len())));
+            return Err(perr(
+                path,
+                n,
+                format!("expected {} fields, found {}", cols.len(), f.len()),
+            ));
         }
         let num = |c: usize, what: &str| -> Result<f64, TraceError> {
             match f[c].parse::<f64>() {
@@ -411,7 +520,13 @@ pub fn parse_csv(path: &str, text: &str) -> Result<Trace, TraceError> {
         let kind = match f.get(4).copied().unwrap_or("training") {
             "training" | "" => Kind::Training,
             "inference" => Kind::Inference,
-            other => return Err(perr(path, n, format!("kind `{other}` is neither training nor inference"))),
+            other => {
+                return Err(perr(
+                    path,
+                    n,
+                    format!("kind `{other}` is neither training nor inference"),
+                ))
+            }
         };
         if f[0].is_empty() {
             return Err(perr(path, n, "tenant is empty"));
@@ -421,7 +536,9 @@ pub fn parse_csv(path: &str, text: &str) -> Result<Trace, TraceError> {
             kind,
             submit_ms: secs_to_ms(num(1, "submit_s")?).ok_or_else(|| perr(path, n, "submit_s out of range"))?,
             gpue: scale(1000, gpus),
-            duration_ms: secs_to_ms(num(3, "duration_s")?).ok_or_else(|| perr(path, n, "duration_s out of range"))?.max(1),
+            duration_ms: secs_to_ms(num(3, "duration_s")?)
+                .ok_or_else(|| perr(path, n, "duration_s out of range"))?
+                .max(1),
         });
     }
     Ok(trace.finish())
@@ -433,9 +550,22 @@ mod tests {
 
     #[test]
     fn generic_csv_parses_and_sorts() {
-        let t = parse_csv("t.csv", "tenant,submit_s,gpus,duration_s,kind\nb,10,0.5,60,inference\na,0,2,30\n").expect("parse");
+        let t = parse_csv(
+            "t.csv",
+            "tenant,submit_s,gpus,duration_s,kind\nb,10,0.5,60,inference\na,0,2,30\n",
+        )
+        .expect("parse");
         assert_eq!(t.jobs.len(), 2);
-        assert_eq!(t.jobs[0], Job { tenant: "a".into(), kind: Kind::Training, submit_ms: 0, gpue: 2000, duration_ms: 30_000 });
+        assert_eq!(
+            t.jobs[0],
+            Job {
+                tenant: "a".into(),
+                kind: Kind::Training,
+                submit_ms: 0,
+                gpue: 2000,
+                duration_ms: 30_000
+            }
+        );
         assert_eq!(t.jobs[1].gpue, 500);
         assert_eq!(t.jobs[1].kind, Kind::Inference);
     }
@@ -462,7 +592,10 @@ mod tests {
         let (jobs, scaled) = parse_philly_vc("x.trace", "abc", text, table).expect("parse");
         assert_eq!(scaled, 1);
         assert_eq!(jobs[0].tenant, "vc-abc");
-        assert_eq!((jobs[0].submit_ms, jobs[0].duration_ms, jobs[0].gpue), (6000, 50_000, 1000));
+        assert_eq!(
+            (jobs[0].submit_ms, jobs[0].duration_ms, jobs[0].gpue),
+            (6000, 50_000, 1000)
+        );
         // 16 GPUs: 10 steps/s at 8 GPUs scaled to 20 steps/s.
         assert_eq!((jobs[1].duration_ms, jobs[1].gpue), (5000, 16_000));
         let e = parse_philly_vc("x.trace", "abc", "A3C\t1\t2\n", table).expect_err("short");
@@ -480,8 +613,11 @@ mod tests {
             p3,1,1,1,1000,,BE,Pending,5,50,\n\
             p4,1,1,1,1000,,Burstable,Running,1,2,1\n";
         let t = parse_alibaba("a.csv", text).expect("parse");
-        let got: Vec<(&str, Kind, u64, u64, u64)> =
-            t.jobs.iter().map(|j| (j.tenant.as_str(), j.kind, j.submit_ms, j.gpue, j.duration_ms)).collect();
+        let got: Vec<(&str, Kind, u64, u64, u64)> = t
+            .jobs
+            .iter()
+            .map(|j| (j.tenant.as_str(), j.kind, j.submit_ms, j.gpue, j.duration_ms))
+            .collect();
         assert_eq!(
             got,
             [
@@ -490,7 +626,11 @@ mod tests {
                 ("inference", Kind::Inference, 10_000, 460, 90_000),
             ]
         );
-        assert!(t.notes[0].contains("1 pods without GPUs and 1 that never ran"), "{:?}", t.notes);
+        assert!(
+            t.notes[0].contains("1 pods without GPUs and 1 that never ran"),
+            "{:?}",
+            t.notes
+        );
         let e = parse_alibaba("a.csv", "name,num_gpu\n").expect_err("columns");
         assert!(e.to_string().contains("missing column `gpu_milli`"), "{e}");
     }

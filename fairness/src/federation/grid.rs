@@ -23,8 +23,8 @@ use std::collections::BTreeMap;
 
 use super::{join_sorted, ClusterRecord, TenantUsage};
 use crate::entitlement::effective_demand;
-use crate::split::Cell;
 use crate::names::{ClusterName, TenantName};
+use crate::split::Cell;
 use crate::{MilliGpue, Millis};
 
 /// One (tenant, cluster) pair as the plan reads it.
@@ -32,6 +32,12 @@ use crate::{MilliGpue, Millis};
 pub(super) struct GridCell {
     pub usage: TenantUsage,
     pub enforceable: MilliGpue,
+    /// The most any open lease lets the cluster admit for the tenant, borrowing
+    /// included: its budget plus its borrow limit. Pods admitted while a lease was live
+    /// keep running after it expires, so expiry does not lower this (as it does not
+    /// lower [`TenantUsage::bound`]); a report acknowledging a newer lease closes the
+    /// older ones.
+    pub allowance: MilliGpue,
 }
 
 /// A row's sums over every cluster.
@@ -42,25 +48,33 @@ struct RowSums {
     demand: u128,
     inuse: u128,
     hold: u128,
+    /// What the clusters may hold or admit, borrowing included (`max(hold, allowance)`).
+    reach: u128,
 }
 
 impl RowSums {
-    fn add(&mut self, c: (u64, u64, u64)) {
+    fn add(&mut self, c: (u64, u64, u64, u64)) {
         self.demand += u128::from(c.0);
         self.inuse += u128::from(c.1);
         self.hold += u128::from(c.2);
+        self.reach += u128::from(c.3);
     }
 
-    fn sub(&mut self, c: (u64, u64, u64)) {
+    fn sub(&mut self, c: (u64, u64, u64, u64)) {
         self.demand -= u128::from(c.0);
         self.inuse -= u128::from(c.1);
         self.hold -= u128::from(c.2);
+        self.reach -= u128::from(c.3);
     }
 }
 
 fn capped(v: u128) -> u64 {
     u64::try_from(v).unwrap_or(u64::MAX)
 }
+
+/// One row of an open lease: what the cluster may enforce while it is live, after, and
+/// its borrow limit.
+type LeaseRow = (MilliGpue, MilliGpue, MilliGpue);
 
 /// What one column was computed from.
 #[derive(Clone, Debug, Default)]
@@ -73,8 +87,8 @@ struct Column {
     expired: u64,
     capacity: MilliGpue,
     /// Per open lease: when it expires, and per row what the cluster may enforce while
-    /// it is live and after.
-    leases: Vec<(Millis, Vec<(MilliGpue, MilliGpue)>)>,
+    /// it is live and after, and the borrow limit.
+    leases: Vec<(Millis, Vec<LeaseRow>)>,
 }
 
 /// See the module docs.
@@ -125,7 +139,10 @@ impl Grid {
     /// or it could never start there).
     pub fn split_row(&self, i: usize) -> (&[Cell], &[MilliGpue]) {
         let c = self.ids.len();
-        (self.split.get(i * c..(i + 1) * c).unwrap_or(&[]), self.big.get(i * c..(i + 1) * c).unwrap_or(&[]))
+        (
+            self.split.get(i * c..(i + 1) * c).unwrap_or(&[]),
+            self.big.get(i * c..(i + 1) * c).unwrap_or(&[]),
+        )
     }
 
     /// One cell (default outside the grid).
@@ -145,6 +162,19 @@ impl Grid {
     }
 
     /// What row `i` may hold in every cluster but column `j`, capped at `u64::MAX`.
+    /// What row `i`'s tenant may hold across every cluster (the sum of its holds).
+    pub fn hold_total(&self, i: usize) -> MilliGpue {
+        capped(self.sums.get(i).copied().unwrap_or_default().hold)
+    }
+
+    /// What row `i`'s tenant may hold or admit (borrowing included) in every cluster
+    /// but `j`.
+    pub fn reach_except(&self, i: usize, j: usize) -> MilliGpue {
+        let s = self.sums.get(i).copied().unwrap_or_default();
+        let own = self.cell(i, j);
+        capped(s.reach - u128::from(own.usage.hold(own.enforceable).max(own.allowance)))
+    }
+
     pub fn hold_except(&self, i: usize, j: usize) -> MilliGpue {
         let s = self.sums.get(i).copied().unwrap_or_default();
         let own = self.cell(i, j);
@@ -154,9 +184,17 @@ impl Grid {
     /// Brings the grid up to date with `rows` (name and burst factor per row, in row
     /// order), `clusters` and the clock `now`, recomputing only the columns whose inputs
     /// moved.
-    pub fn refresh<'a>(&mut self, rows: impl Iterator<Item = (&'a TenantName, u32)> + Clone, clusters: &BTreeMap<ClusterName, ClusterRecord>, now: Millis) {
+    pub fn refresh<'a>(
+        &mut self,
+        rows: impl Iterator<Item = (&'a TenantName, u32)> + Clone,
+        clusters: &BTreeMap<ClusterName, ClusterRecord>,
+        now: Millis,
+    ) {
         let same_rows = rows.clone().count() == self.names.len()
-            && rows.clone().zip(self.names.iter().zip(&self.bursts)).all(|((n, b), (have, hb))| n == have && b == *hb);
+            && rows
+                .clone()
+                .zip(self.names.iter().zip(&self.bursts))
+                .all(|((n, b), (have, hb))| n == have && b == *hb);
         let same_columns = clusters.len() == self.ids.len() && clusters.keys().zip(&self.ids).all(|(a, b)| a == b);
         if !same_rows || !same_columns {
             if !same_rows {
@@ -192,8 +230,8 @@ impl Grid {
         }
     }
 
-    /// `(demand, inuse, hold)` of cell `(i, j)` for the row sums.
-    fn part(&self, i: usize, j: usize) -> (u64, u64, u64) {
+    /// `(demand, inuse, hold, reach)` of cell `(i, j)` for the row sums.
+    fn part(&self, i: usize, j: usize) -> (u64, u64, u64, u64) {
         let g = self.cell(i, j);
         let tu = g.usage;
         let burst = self.bursts.get(i).copied().unwrap_or(1_000);
@@ -202,7 +240,7 @@ impl Grid {
         if self.unreachable(j) {
             demand = demand.max(hold);
         }
-        (demand, tu.inuse, hold)
+        (demand, tu.inuse, hold, hold.max(g.allowance))
     }
 
     fn recompute(&mut self, j: usize, rec: &ClusterRecord, now: Millis, expired: u64, order: &[usize]) {
@@ -228,21 +266,7 @@ impl Grid {
             col.usage_stamp = rec.usage.stamp();
         }
         if !col.counted || col.leases_stamp != rec.leases.stamp() {
-            let names = &self.names;
-            col.leases = rec
-                .leases
-                .open
-                .iter()
-                .map(|lease| {
-                    let mut by_row = vec![(0, 0); rows];
-                    join_sorted(names, order, &lease.budgets, |i, b| {
-                        if let Some(r) = by_row.get_mut(i) {
-                            *r = (b.budget.max(b.fallback), b.fallback);
-                        }
-                    });
-                    (lease.expires_at_ms, by_row)
-                })
-                .collect();
+            col.leases = lease_rows(&self.names, order, rec);
             col.leases_stamp = rec.leases.stamp();
         }
         col.expired = expired;
@@ -253,22 +277,22 @@ impl Grid {
         let col = &self.columns[j];
         for i in 0..rows {
             let at = i * c + j;
-            // What `ClusterLeases::enforceable` gives: the most any open lease allows.
-            let enforceable = col
+            // What `ClusterLeases::enforceable` gives: the most any open lease allows;
+            // and the most it ever let the cluster admit, borrowing included: pods
+            // admitted under its budget and borrow limit while it was live outlast it
+            // (a cut-off cluster lends on top of its fallback, which is never more).
+            let (enforceable, allowance) = col
                 .leases
                 .iter()
                 .map(|(expires, by_row)| {
-                    let (live, after) = by_row.get(i).copied().unwrap_or((0, 0));
-                    if now < *expires {
-                        live
-                    } else {
-                        after
-                    }
+                    let (live, after, borrow) = by_row.get(i).copied().unwrap_or((0, 0, 0));
+                    let e = if now < *expires { live } else { after };
+                    (e, live.max(after).saturating_add(borrow))
                 })
-                .max()
-                .unwrap_or(0);
+                .fold((0, 0), |(e, a), (x, y)| (e.max(x), a.max(y)));
             let tu = self.cells[at].usage;
             self.cells[at].enforceable = enforceable;
+            self.cells[at].allowance = allowance;
             let burst = self.bursts.get(i).copied().unwrap_or(1_000);
             self.split[at] = if unreachable {
                 Cell::pinned(tu.hold(enforceable))
@@ -276,11 +300,34 @@ impl Grid {
                 Cell::new(tu.inuse, effective_demand(tu.inuse, tu.pending, burst))
             };
             // A pod larger than its cluster can never start there: no room for it.
-            self.big[at] = if unreachable || tu.largest > rec.capacity_gpue { 0 } else { tu.largest };
+            self.big[at] = if unreachable || tu.largest > rec.capacity_gpue {
+                0
+            } else {
+                tu.largest
+            };
         }
         for i in 0..rows {
             let part = self.part(i, j);
             self.sums[i].add(part);
         }
     }
+}
+
+/// Each open lease of `rec`: when it expires, and per row (tenant) what it allows while
+/// live, after it expires (the fallback), and its borrow limit.
+fn lease_rows(names: &[TenantName], order: &[usize], rec: &ClusterRecord) -> Vec<(Millis, Vec<LeaseRow>)> {
+    let rows = names.len();
+    rec.leases
+        .open
+        .iter()
+        .map(|lease| {
+            let mut by_row = vec![(0, 0, 0); rows];
+            join_sorted(names, order, &lease.budgets, |i, b| {
+                if let Some(r) = by_row.get_mut(i) {
+                    *r = (b.budget.max(b.fallback), b.fallback, b.borrow);
+                }
+            });
+            (lease.expires_at_ms, by_row)
+        })
+        .collect()
 }

@@ -10,10 +10,20 @@ use kvota_fairness::policy::Policy;
 /// registered; and the epoch of the lease its registration was answered with.
 pub fn east_federation() -> (Federation, u64) {
     let mut fed = Federation::new();
-    fed.apply(0, Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")))
-        .expect("policy");
+    fed.apply(
+        0,
+        Command::ApplyPolicy(Policy::from_yaml(Policy::article_example_yaml()).expect("policy")),
+    )
+    .expect("policy");
     let capacity = [("nvidia.com/gpu".to_string(), 32_000)].into();
-    let epoch = match fed.apply(0, Command::RegisterCluster { cluster: ClusterName::from_static("east"), capacity, labels: BTreeMap::new() }) {
+    let epoch = match fed.apply(
+        0,
+        Command::RegisterCluster {
+            cluster: ClusterName::from_static("east"),
+            capacity,
+            labels: BTreeMap::new(),
+        },
+    ) {
         Ok(Applied::Registered(l)) => l.epoch,
         other => panic!("{other:?}"),
     };
