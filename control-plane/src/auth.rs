@@ -67,7 +67,11 @@ const LOG_EVERY: Duration = Duration::from_secs(5);
 impl Authz {
     /// `enabled`: TLS is on and identities are checked.
     pub fn new(enabled: bool, metrics: Metrics) -> Self {
-        Authz { enabled, metrics, log: Mutex::new((None, 0)) }
+        Authz {
+            enabled,
+            metrics,
+            log: Mutex::new((None, 0)),
+        }
     }
 
     /// Whether identities are checked.
@@ -93,7 +97,15 @@ impl Authz {
             let suppressed = std::mem::take(&mut g.1);
             g.0 = Some(now);
             drop(g);
-            tracing::warn!(service, method, reason, caller = who, suppressed, message, "call refused");
+            tracing::warn!(
+                service,
+                method,
+                reason,
+                caller = who,
+                suppressed,
+                message,
+                "call refused"
+            );
         }
     }
 
@@ -107,7 +119,13 @@ impl Authz {
         let peer = req.extensions().get::<PeerInfo>();
         let Some(id) = peer.and_then(|p| p.identity.clone()) else {
             let who = peer.map_or_else(|| "unknown".to_string(), |p| p.addr.to_string());
-            return Err(self.deny(service, method, "unauthenticated", &who, Status::unauthenticated("a client certificate naming a kvota identity is required")));
+            return Err(self.deny(
+                service,
+                method,
+                "unauthenticated",
+                &who,
+                Status::unauthenticated("a client certificate naming a kvota identity is required"),
+            ));
         };
         if kvota_tls::verify::admits(&id, roles) {
             return Ok(Caller::Party(id));
@@ -130,7 +148,10 @@ impl Authz {
             method,
             "role",
             &id.to_string(),
-            Status::permission_denied(format!("{id} may not call {service}.{method} (allowed: {})", allowed.join(", "))),
+            Status::permission_denied(format!(
+                "{id} may not call {service}.{method} (allowed: {})",
+                allowed.join(", ")
+            )),
         ))
     }
 

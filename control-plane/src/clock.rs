@@ -25,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use crate::feature::FeatureLevel;
 use crate::types::NodeId;
 
 /// A wall clock: Unix milliseconds. Tests give nodes wrong ones.
@@ -55,14 +56,16 @@ pub struct TimeKeeper {
     /// Per node: its wall clock at `Instant` (half the round trip after it answered).
     readings: Mutex<HashMap<NodeId, (u64, Instant)>>,
     /// Per node: the newest feature level it supports, as it said at `Instant`.
-    supports: Mutex<HashMap<NodeId, (u32, Instant)>>,
+    supports: Mutex<HashMap<NodeId, (FeatureLevel, Instant)>>,
     /// The newest feature level this node supports.
     own_feature_max: AtomicU32,
 }
 
 impl std::fmt::Debug for TimeKeeper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TimeKeeper").field("me", &self.me).finish_non_exhaustive()
+        f.debug_struct("TimeKeeper")
+            .field("me", &self.me)
+            .finish_non_exhaustive()
     }
 }
 
@@ -84,26 +87,28 @@ impl TimeKeeper {
             wall,
             readings: Mutex::new(HashMap::new()),
             supports: Mutex::new(HashMap::new()),
-            own_feature_max: AtomicU32::new(crate::types::FEATURE_LEVEL),
+            own_feature_max: AtomicU32::new(FeatureLevel::NEWEST.get()),
         }
     }
 
     /// The newest feature level this node supports.
-    pub fn own_feature_max(&self) -> u32 {
-        self.own_feature_max.load(Ordering::Relaxed)
+    pub fn own_feature_max(&self) -> FeatureLevel {
+        FeatureLevel::new(self.own_feature_max.load(Ordering::Relaxed))
     }
 
-    /// Poses as a build that supports feature levels up to `level` (tests of the
-    /// upgrade gate only).
-    #[doc(hidden)]
-    pub fn set_own_feature_max(&self, level: u32) {
-        self.own_feature_max.store(level, Ordering::Relaxed);
+    /// Supports feature levels up to `level` (below [`FeatureLevel::NEWEST`] only when
+    /// a test poses as an older build, `ServerConfig::feature_level_max`).
+    pub(crate) fn set_own_feature_max(&self, level: FeatureLevel) {
+        self.own_feature_max.store(level.get(), Ordering::Relaxed);
     }
 
     /// Records that node `node` said it supports feature levels up to `max` (0, from a
     /// node that predates feature levels, is level 1).
     pub fn record_support(&self, node: NodeId, max: u32) {
-        self.supports.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(node, (max.max(1), Instant::now()));
+        self.supports
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(node, (FeatureLevel::new(max), Instant::now()));
     }
 
     /// The newest feature level every one of `members` supports (the leader passes
@@ -112,10 +117,10 @@ impl TimeKeeper {
     /// restarted, holds the level where it is). A member rolled back to an old build
     /// within that window still counts with its last answer: it then stops, saying so,
     /// when it meets the raise (fail-safe, not divergence).
-    pub fn voters_support(&self, voters: &BTreeSet<NodeId>) -> Option<u32> {
+    pub fn voters_support(&self, voters: &BTreeSet<NodeId>) -> Option<FeatureLevel> {
         let now = Instant::now();
         let supports = self.supports.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut level = u32::MAX;
+        let mut level: Option<FeatureLevel> = None;
         for v in voters {
             let max = if *v == self.me {
                 self.own_feature_max()
@@ -125,9 +130,9 @@ impl TimeKeeper {
                     _ => return None,
                 }
             };
-            level = level.min(max);
+            level = Some(level.map_or(max, |l| l.min(max)));
         }
-        (level != u32::MAX).then_some(level)
+        level
     }
 
     /// This node's wall clock, Unix milliseconds.
@@ -142,7 +147,10 @@ impl TimeKeeper {
         }
         // Its clock read `wall_ms` about half a round trip ago.
         let at = Instant::now().checked_sub(rtt / 2).unwrap_or_else(Instant::now);
-        self.readings.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(node, (wall_ms, at));
+        self.readings
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(node, (wall_ms, at));
     }
 
     /// The median of the voters' clocks now, if this node has a reading younger than

@@ -43,8 +43,14 @@ pub fn router(ctx: Arc<NodeCtx>) -> Router {
         .route("/", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui", get(|| async { axum::response::Redirect::to("/ui/") }))
         .route("/ui/", get(|| async { asset("text/html; charset=utf-8", UI_HTML) }))
-        .route("/ui/app.js", get(|| async { asset("text/javascript; charset=utf-8", UI_JS) }))
-        .route("/ui/app.css", get(|| async { asset("text/css; charset=utf-8", UI_CSS) }))
+        .route(
+            "/ui/app.js",
+            get(|| async { asset("text/javascript; charset=utf-8", UI_JS) }),
+        )
+        .route(
+            "/ui/app.css",
+            get(|| async { asset("text/css; charset=utf-8", UI_CSS) }),
+        )
         .layer(axum::middleware::from_fn(no_store))
         .layer(axum::middleware::from_fn_with_state(ctx.clone(), guard))
         .with_state(ctx)
@@ -59,8 +65,21 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
     let id = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.clone());
     // Routes are few and fixed: the label set stays bounded (unknown paths are "other").
     let route = match path {
-        "/metrics" | "/api/v1/status" | "/api/v1/tenants" | "/api/v1/clusters" | "/api/v1/audit" | "/api/v1/overview"
-        | "/api/v1/history" | "/api/v1/usage" | "/api/v1/decisions" | "/api/v1/explain/tenant" | "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/app.css" => path.to_string(),
+        "/metrics"
+        | "/api/v1/status"
+        | "/api/v1/tenants"
+        | "/api/v1/clusters"
+        | "/api/v1/audit"
+        | "/api/v1/overview"
+        | "/api/v1/history"
+        | "/api/v1/usage"
+        | "/api/v1/decisions"
+        | "/api/v1/explain/tenant"
+        | "/"
+        | "/ui"
+        | "/ui/"
+        | "/ui/app.js"
+        | "/ui/app.css" => path.to_string(),
         _ => "other".to_string(),
     };
     match id {
@@ -71,7 +90,10 @@ async fn guard(State(ctx): State<Arc<NodeCtx>>, req: Request, next: Next) -> Res
             (StatusCode::FORBIDDEN, format!("{msg}\n")).into_response()
         }
         None => {
-            let who = req.extensions().get::<PeerInfo>().map_or_else(|| "unknown".to_string(), |p| p.addr.to_string());
+            let who = req
+                .extensions()
+                .get::<PeerInfo>()
+                .map_or_else(|| "unknown".to_string(), |p| p.addr.to_string());
             let msg = "a client certificate of a viewer, operator or node is required";
             ctx.authz.note("http", &route, "unauthenticated", &who, msg);
             (StatusCode::UNAUTHORIZED, format!("{msg}\n")).into_response()
@@ -86,7 +108,8 @@ const UI_CSS: &str = include_str!("ui/app.css");
 
 /// The dashboard loads nothing from elsewhere and runs no inline script: a tenant or
 /// cluster name (or anything else the page shows) can never become code.
-const UI_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; \
+const UI_CSP: &str =
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; \
                       base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
@@ -108,7 +131,10 @@ async fn no_store(req: Request, next: Next) -> Response {
     let mut res = next.run(req).await;
     let h = res.headers_mut();
     h.insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-store"));
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
+    );
     res
 }
 
@@ -170,7 +196,12 @@ pub fn parse_group_by(by: &str) -> Result<(bool, bool), String> {
         match part {
             "tenant" => tenant = true,
             "cluster" => cluster = true,
-            other => return Err(format!("by: `{}` is not tenant or cluster", other.chars().take(32).collect::<String>())),
+            other => {
+                return Err(format!(
+                    "by: `{}` is not tenant or cluster",
+                    other.chars().take(32).collect::<String>()
+                ))
+            }
         }
     }
     Ok((tenant, cluster))
@@ -210,7 +241,10 @@ async fn explain_tenant(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<TenantQ
         Some(e) => Json(e).into_response(),
         None => (
             StatusCode::NOT_FOUND,
-            format!("the policy in force has no tenant `{}`\n", q.tenant.chars().take(64).collect::<String>()),
+            format!(
+                "the policy in force has no tenant `{}`\n",
+                q.tenant.chars().take(64).collect::<String>()
+            ),
         )
             .into_response(),
     }
@@ -226,13 +260,18 @@ struct DecisionsQuery {
 
 async fn decisions(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<DecisionsQuery>) -> Response {
     let read = ctx.read_barrier().await;
-    let req = kvota_proto::v1::ExplainPodRequest { pod: q.pod, cluster: q.cluster.unwrap_or_default() };
+    let req = kvota_proto::v1::ExplainPodRequest {
+        pod: q.pod,
+        cluster: q.cluster.unwrap_or_default(),
+    };
     let state = ctx.state.read().await;
     match crate::service::explain_pod_reply(&state.federation, &req) {
         Ok(r) => {
             let mut res = Json(crate::view::DecisionsView::from(&r)).into_response();
             if let Some(note) = read.note {
-                if let Ok(v) = header::HeaderValue::from_str(&note.replace(|c: char| !c.is_ascii() || c.is_ascii_control(), " ")) {
+                if let Ok(v) =
+                    header::HeaderValue::from_str(&note.replace(|c: char| !c.is_ascii() || c.is_ascii_control(), " "))
+                {
                     res.headers_mut().insert("kvota-stale-read", v);
                 }
             }
@@ -252,27 +291,41 @@ struct Filter {
 async fn history(State(ctx): State<Arc<NodeCtx>>, Query(f): Query<Filter>) -> Response {
     if let Some(t) = &f.tenant {
         if !kvota_fairness::names::is_dns_label(t) {
-            return (StatusCode::BAD_REQUEST, "tenant: not a tenant name (a DNS label of at most 63 characters)\n").into_response();
+            return (
+                StatusCode::BAD_REQUEST,
+                "tenant: not a tenant name (a DNS label of at most 63 characters)\n",
+            )
+                .into_response();
         }
     }
-    let h = ctx.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).view(f.tenant.as_deref());
+    let h = ctx
+        .history
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .view(f.tenant.as_deref());
     Json(h).into_response()
 }
 
 async fn tenants(State(ctx): State<Arc<NodeCtx>>) -> Response {
     let state = ctx.state.read().await;
-    Json(crate::view::TenantsView::from(&crate::service::tenants_reply(&state.federation))).into_response()
+    Json(crate::view::TenantsView::from(&crate::service::tenants_reply(
+        &state.federation,
+    )))
+    .into_response()
 }
 
 async fn clusters(State(ctx): State<Arc<NodeCtx>>) -> Response {
     let state = ctx.state.read().await;
-    let list: Vec<crate::view::ClusterView> = crate::service::clusters_reply(&state.federation).clusters.iter().map(Into::into).collect();
+    let list: Vec<crate::view::ClusterView> = crate::service::clusters_reply(&state.federation)
+        .clusters
+        .iter()
+        .map(Into::into)
+        .collect();
     Json(list).into_response()
 }
 
-/// The audit log, oldest first; `?limit=N` keeps the newest N.
-/// Query of `/api/v1/audit`: `limit` (the newest N), `tenant`, `actor` (e.g.
-/// `operator/alice`), `since_ms` (control-plane clock); each optional.
+/// Query of `/api/v1/audit` (oldest first): `limit` (the newest N), `tenant`, `actor`
+/// (e.g. `operator/alice`), `since_ms` (control-plane clock), `kind`; each optional.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AuditQuery {
@@ -280,6 +333,8 @@ struct AuditQuery {
     tenant: Option<String>,
     actor: Option<String>,
     since_ms: Option<u64>,
+    /// Comma-separated kinds (`lease,policy`; `all`); default: every kind but budgets.
+    kind: Option<String>,
 }
 
 async fn audit(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<AuditQuery>) -> Response {
@@ -288,6 +343,10 @@ async fn audit(State(ctx): State<Arc<NodeCtx>>, Query(q): Query<AuditQuery>) -> 
         tenant: q.tenant.unwrap_or_default(),
         actor: q.actor.unwrap_or_default(),
         since_ms: q.since_ms.unwrap_or(0),
+        kinds: q
+            .kind
+            .map(|k| k.split(',').take(16).map(str::to_string).collect())
+            .unwrap_or_default(),
     };
     let state = ctx.state.read().await;
     match crate::service::audit_records(&state.federation, &req) {

@@ -6,14 +6,25 @@
 //! `hard_ttl`); a node that cannot be reached, or whose Raft core has stopped, is
 //! reported as `Unreachable` so openraft backs off instead of hammering it.
 //!
-//! What enters openraft is checked first ([`check_append`], [`check_vote`],
-//! [`check_snapshot`]): with TLS, the sender named in the message must be the node of
-//! the caller's certificate (node 2 cannot speak for node 3); and terms, log indexes and
-//! snapshot offsets must lie in ranges the engine handles. openraft increments terms and
-//! indexes without overflow checks, so one message with term `u64::MAX` used to move
-//! the group to that term and make the next election panic every node's Raft core.
+//! What enters openraft is checked first ([`crate::guard`]): with TLS, the sender named
+//! in a message must be the node of the caller's certificate (node 2 cannot speak for
+//! node 3) and a member of the group; terms, log indexes and snapshot offsets must lie
+//! in ranges the engine handles, with headroom; and every reply must answer the request
+//! that was sent. A reply that does not is counted
+//! (`kvota_raft_replies_refused_total`) and reported to openraft as an unreachable peer.
+//!
+//! A snapshot arrives in chunks, in order, into memory here, and reaches openraft only
+//! whole and only once it decodes as a snapshot this build reads: a bad one is refused
+//! and cannot stop the node's Raft core (openraft stops it on any storage error).
+//!
+//! Log entries of a format this node does not read (or a raise to a feature level it
+//! does not support) are refused, never applied; sent by its leader, they make the node
+//! unready with a message naming the leader and the format until entries it reads
+//! arrive. No message from a peer stops a node.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use prost::Message as _;
 
@@ -22,7 +33,7 @@ use kvota_proto::raft::v1::raft_client::RaftClient;
 use kvota_proto::raft::v1::raft_server::Raft as RaftService;
 use kvota_proto::raft::v1::{ClockReply, Empty};
 use kvota_tls::{Expect, PeerInfo};
-use openraft::error::{Fatal, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
+use openraft::error::{Fatal, InstallSnapshotError, RPCError, RaftError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
@@ -30,7 +41,10 @@ use openraft::raft::{
 };
 use openraft::{LogId, Vote};
 use tonic::transport::Channel;
+use tracing::Instrument as _;
 
+use crate::guard::{self, Guard, Refused, SentAppend, SentChunk, MAX_SNAPSHOT_BYTES};
+use crate::metrics::Metrics;
 use crate::store::flush::{clamp_commit, Durable};
 use crate::types::{Node, NodeId, Raft, TypeConfig};
 use crate::wire::{self, WireError};
@@ -46,15 +60,6 @@ pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 << 20;
 /// entry) was sent 6-9 MiB at a time, never made it, and never caught up.
 pub const MAX_APPEND_BYTES: usize = 128 << 10;
 
-/// Largest term or log index accepted from a peer: 2^48. A group that holds an
-/// election every second reaches it in nine million years; far below `u64::MAX`, so
-/// the engine's `term + 1` and `index + 1` never overflow.
-pub const MAX_TERM_OR_INDEX: u64 = 1 << 48;
-
-/// Largest snapshot received (offset plus chunk): 1 GiB. It is held in memory while it
-/// arrives; a state machine of the documented limits is far smaller.
-pub const MAX_SNAPSHOT_BYTES: u64 = 1 << 30;
-
 /// Connection timeout to a peer: long enough for a loaded loopback, short enough that an
 /// election is not held up by a dead peer.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -69,7 +74,42 @@ pub struct Network {
     pub durable: tokio::sync::watch::Receiver<Durable>,
     /// Set when a commit index sent was held back by the durable log; the node sends a
     /// heartbeat once the log's sync moves on (`server.rs`).
-    pub held_back: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub held_back: Arc<std::sync::atomic::AtomicBool>,
+    /// The checks' view of this node (replies are checked against it).
+    pub guard: Arc<Guard>,
+    /// Where refused replies are counted.
+    pub metrics: Metrics,
+    /// What each peer acknowledged holding, under which vote (see [`Acked`]).
+    pub acked: Acked,
+}
+
+/// The last log id each peer acknowledged holding (a success, a partial success, an
+/// installed snapshot), under the leader vote it was acknowledged to. openraft keeps
+/// the same record per leadership and asserts that it never goes back; it outlives one
+/// [`PeerClient`] (openraft makes a client per replication stream and per leadership
+/// check), so it is kept here.
+#[derive(Clone, Debug, Default)]
+pub struct Acked(Arc<Mutex<AckedMap>>);
+
+/// Per peer: the leader vote, and the last log id acknowledged under it.
+type AckedMap = HashMap<NodeId, (Vote<NodeId>, LogId<NodeId>)>;
+
+impl Acked {
+    fn get(&self, target: NodeId, vote: &Vote<NodeId>) -> Option<LogId<NodeId>> {
+        let m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        m.get(&target).filter(|(v, _)| v == vote).map(|(_, l)| *l)
+    }
+
+    fn record(&self, target: NodeId, vote: &Vote<NodeId>, id: Option<LogId<NodeId>>) {
+        let Some(id) = id else { return };
+        let mut m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match m.get_mut(&target) {
+            Some((v, l)) if v == vote => *l = std::cmp::max(*l, id),
+            _ => {
+                m.insert(target, (*vote, id));
+            }
+        }
+    }
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -82,7 +122,10 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             client: None,
             tls: self.tls.clone(),
             durable: self.durable.clone(),
-            held_back: std::sync::Arc::clone(&self.held_back),
+            held_back: Arc::clone(&self.held_back),
+            guard: Arc::clone(&self.guard),
+            metrics: self.metrics.clone(),
+            acked: self.acked.clone(),
         }
     }
 }
@@ -95,13 +138,21 @@ pub struct PeerClient {
     client: Option<RaftClient<Channel>>,
     tls: Option<kvota_client::tls::GrpcTls>,
     durable: tokio::sync::watch::Receiver<Durable>,
-    held_back: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    held_back: Arc<std::sync::atomic::AtomicBool>,
+    guard: Arc<Guard>,
+    metrics: Metrics,
+    acked: Acked,
 }
 
 type RpcResult<T, E> = Result<T, RPCError<NodeId, Node, E>>;
 
 /// A Raft client to `addr`, which must be node `target` (with TLS).
-pub fn raft_client(addr: &str, target: NodeId, tls: Option<&kvota_client::tls::GrpcTls>, timeout: Duration) -> Result<RaftClient<Channel>, String> {
+pub fn raft_client(
+    addr: &str,
+    target: NodeId,
+    tls: Option<&kvota_client::tls::GrpcTls>,
+    timeout: Duration,
+) -> Result<RaftClient<Channel>, String> {
     if addr.is_empty() {
         return Err(format!(
             "node {target} has no Raft address in the membership (it was added by a kvota that served Raft on the API port); add it again with its --advertise-raft address"
@@ -155,13 +206,89 @@ fn with_deadline<T>(msg: T, option: &RPCOption) -> tonic::Request<T> {
     r
 }
 
-/// A reply that did not decode: the peer speaks another version of the schema.
-fn undecodable<E: std::error::Error>(e: &WireError) -> RPCError<NodeId, Node, RaftError<NodeId, E>> {
-    RPCError::Network(NetworkError::new(e))
+/// How often a refused reply from one peer is logged (the metric counts them all).
+const REPLY_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// When each peer's refused reply was last logged, and how many were not logged since.
+static REPLY_LOG: Mutex<Option<HashMap<NodeId, (Instant, u64)>>> = Mutex::new(None);
+
+impl PeerClient {
+    /// A reply that does not answer what was sent (or does not decode): counted, logged
+    /// (at most every [`REPLY_LOG_EVERY`] per peer) and reported to openraft as an
+    /// unreachable peer, so it backs off and never acts on it.
+    fn refuse_reply<E: std::error::Error>(&self, method: &'static str, r: &Refused) -> RPCError<NodeId, Node, E> {
+        self.metrics.reply_refused(method, r.reason);
+        let now = Instant::now();
+        let suppressed = {
+            let mut g = REPLY_LOG.lock().unwrap_or_else(PoisonError::into_inner);
+            let m = g.get_or_insert_with(HashMap::new);
+            match m.get_mut(&self.target) {
+                Some((at, n)) if now.duration_since(*at) < REPLY_LOG_EVERY => {
+                    *n += 1;
+                    None
+                }
+                _ => m.insert(self.target, (now, 0)).map_or(Some(0), |(_, n)| Some(n)),
+            }
+        };
+        if let Some(suppressed) = suppressed {
+            tracing::warn!(peer = self.target, method, reason = r.reason, why = %r.why, suppressed, "a peer's Raft reply was refused: it does not answer what was sent");
+        }
+        RPCError::Unreachable(Unreachable::new(&std::io::Error::other(format!(
+            "node {} answered {method} with {}",
+            self.target, r.why
+        ))))
+    }
+
+    fn undecodable<E: std::error::Error>(&self, method: &'static str, e: &WireError) -> RPCError<NodeId, Node, E> {
+        self.refuse_reply(
+            method,
+            &Refused {
+                reason: "undecodable",
+                why: format!("a reply that does not decode: {e}"),
+            },
+        )
+    }
 }
 
+/// Each call runs in a `raft_send` span: the method, the peer, the term of the vote
+/// it carries (the leader's or the candidate's), so a write can be followed from the
+/// leader to each follower with `--log-format json`.
 impl RaftNetwork<TypeConfig> for PeerClient {
     async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<AppendEntriesResponse<NodeId>, RaftError<NodeId>> {
+        let span = send_span("AppendEntries", self.target, &rpc.vote);
+        self.send_append(rpc, option).instrument(span).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>> {
+        let span = send_span("InstallSnapshot", self.target, &rpc.vote);
+        self.send_snapshot(rpc, option).instrument(span).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> RpcResult<VoteResponse<NodeId>, RaftError<NodeId>> {
+        let span = send_span("Vote", self.target, &rpc.vote);
+        self.send_vote(rpc, option).instrument(span).await
+    }
+}
+
+/// The span of one Raft call to `peer`.
+fn send_span(method: &'static str, peer: NodeId, vote: &Vote<NodeId>) -> tracing::Span {
+    tracing::info_span!("raft_send", method, peer, term = vote.leader_id().get_term())
+}
+
+impl PeerClient {
+    async fn send_append(
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
@@ -183,7 +310,14 @@ impl RaftNetwork<TypeConfig> for PeerClient {
             }
             entries.push(pe);
         }
-        let sent_to = (entries.len() < rpc.entries.len()).then(|| entries.len().checked_sub(1).map(|i| rpc.entries[i].log_id)).flatten();
+        let sent = SentAppend {
+            vote: rpc.vote,
+            prev_log_id: rpc.prev_log_id,
+            entries: rpc.entries[..entries.len()].iter().map(|e| e.log_id).collect(),
+        };
+        let sent_to = (entries.len() < rpc.entries.len())
+            .then(|| sent.entries.last().copied())
+            .flatten();
         let committed = match sent_to {
             Some(last) => std::cmp::min(rpc.leader_commit, Some(last)),
             None => rpc.leader_commit,
@@ -192,139 +326,115 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         if leader_commit != committed {
             self.held_back.store(true, std::sync::atomic::Ordering::Relaxed);
         }
-        let head = AppendEntriesRequest { vote: rpc.vote, prev_log_id: rpc.prev_log_id, leader_commit, entries: Vec::new() };
+        let head = AppendEntriesRequest {
+            vote: rpc.vote,
+            prev_log_id: rpc.prev_log_id,
+            leader_commit,
+            entries: Vec::new(),
+        };
         let mut msg = wire::append_to(&head);
         msg.entries = entries;
         let req = with_deadline(msg, &option);
-        let reply = self.call(&option, |mut c| async move { c.append_entries(req).await }).await?;
-        match wire::append_reply_from(reply).map_err(|e| undecodable(&e))? {
-            AppendEntriesResponse::Success if sent_to.is_some() => Ok(AppendEntriesResponse::PartialSuccess(sent_to)),
+        let reply = self
+            .call(&option, |mut c| async move { c.append_entries(req).await })
+            .await?;
+        let reply = wire::append_reply_from(reply).map_err(|e| self.undecodable("AppendEntries", &e))?;
+        let acked = self.acked.get(self.target, &sent.vote);
+        guard::check_append_reply(&sent, &reply, acked, &self.guard.local(), &self.guard)
+            .map_err(|r| self.refuse_reply("AppendEntries", &r))?;
+        match reply {
+            AppendEntriesResponse::Success => {
+                let last = sent.entries.last().copied().or(sent.prev_log_id);
+                self.acked.record(self.target, &sent.vote, last);
+                Ok(match sent_to {
+                    Some(_) => AppendEntriesResponse::PartialSuccess(sent_to),
+                    None => AppendEntriesResponse::Success,
+                })
+            }
+            AppendEntriesResponse::PartialSuccess(m) => {
+                self.acked.record(self.target, &sent.vote, m);
+                Ok(AppendEntriesResponse::PartialSuccess(m))
+            }
             other => Ok(other),
         }
     }
 
-    async fn install_snapshot(
+    async fn send_snapshot(
         &mut self,
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>> {
+        let sent = SentChunk {
+            vote: rpc.vote,
+            snapshot_id: rpc.meta.snapshot_id.clone(),
+            offset: rpc.offset,
+        };
+        let (done, last) = (rpc.done, rpc.meta.last_log_id);
         let req = with_deadline(wire::snapshot_to(&rpc), &option);
-        let reply = self.call(&option, |mut c| async move { c.install_snapshot(req).await }).await?;
-        match wire::snapshot_reply_from(reply).map_err(|e| undecodable(&e))? {
-            Ok(r) => Ok(r),
-            Err(e) => Err(RPCError::RemoteError(RemoteError::new(self.target, RaftError::APIError(e)))),
+        let reply = self
+            .call(&option, |mut c| async move { c.install_snapshot(req).await })
+            .await?;
+        let reply = wire::snapshot_reply_from(reply).map_err(|e| self.undecodable("InstallSnapshot", &e))?;
+        let reply = reply.map_err(|e| match e {
+            InstallSnapshotError::SnapshotMismatch(m) => m,
+        });
+        guard::check_snapshot_reply(&sent, &reply, &self.guard.local(), &self.guard)
+            .map_err(|r| self.refuse_reply("InstallSnapshot", &r))?;
+        match reply {
+            Ok(r) => {
+                if done && r.vote <= sent.vote {
+                    // Installed: openraft counts the peer as holding the snapshot's log.
+                    self.acked.record(self.target, &sent.vote, last);
+                }
+                Ok(r)
+            }
+            Err(m) => Err(RPCError::RemoteError(RemoteError::new(
+                self.target,
+                RaftError::APIError(InstallSnapshotError::SnapshotMismatch(m)),
+            ))),
         }
     }
 
-    async fn vote(
+    async fn send_vote(
         &mut self,
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, RaftError<NodeId>> {
         let req = with_deadline(wire::vote_request_to(&rpc), &option);
         let reply = self.call(&option, |mut c| async move { c.vote(req).await }).await?;
-        wire::vote_reply_from(reply).map_err(|e| undecodable(&e))
+        let reply = wire::vote_reply_from(reply).map_err(|e| self.undecodable("Vote", &e))?;
+        guard::check_vote_reply(&rpc, &reply, &self.guard.local(), &self.guard)
+            .map_err(|r| self.refuse_reply("Vote", &r))?;
+        Ok(reply)
     }
 }
 
-/// Why a Raft message was refused before it reached openraft.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Refused {
-    /// `sender_mismatch` or `out_of_range` (the metric's reason).
-    pub reason: &'static str,
-    /// In words.
-    pub why: String,
+/// The span of one Raft request received; `peer` is recorded by
+/// [`RaftTransport::sender`].
+fn receive_span(method: &'static str, vote: Option<&pb::RaftVote>) -> tracing::Span {
+    tracing::info_span!(
+        "raft_receive",
+        method,
+        term = vote.map_or(0, |v| v.term),
+        peer = tracing::field::Empty
+    )
 }
 
-fn out_of_range(why: String) -> Refused {
-    Refused { reason: "out_of_range", why }
-}
-
-fn check_term(what: &str, term: u64) -> Result<(), Refused> {
-    if term > MAX_TERM_OR_INDEX {
-        return Err(out_of_range(format!("{what} term {term} is above the largest accepted ({MAX_TERM_OR_INDEX})")));
-    }
-    Ok(())
-}
-
-fn check_log_id(what: &str, id: Option<&LogId<NodeId>>, max_term: u64) -> Result<(), Refused> {
-    let Some(id) = id else { return Ok(()) };
-    check_term(what, id.leader_id.term)?;
-    if id.leader_id.term > max_term {
-        return Err(out_of_range(format!("{what} {id} is of a term after the sender's ({max_term})")));
-    }
-    if id.index > MAX_TERM_OR_INDEX {
-        return Err(out_of_range(format!("{what} index {} is above the largest accepted ({MAX_TERM_OR_INDEX})", id.index)));
-    }
-    Ok(())
-}
-
-/// The vote a message carries: in range, and (with `sender`, the caller's certificate)
-/// the sender's own.
-fn check_sender(vote: &Vote<NodeId>, sender: Option<NodeId>) -> Result<(), Refused> {
-    check_term("vote", vote.leader_id().get_term())?;
-    if let Some(sender) = sender {
-        let claimed = vote.leader_id().voted_for();
-        if claimed != Some(sender) {
-            return Err(Refused {
-                reason: "sender_mismatch",
-                why: format!("node {sender} sent a message as node {}", claimed.map_or_else(|| "?".to_string(), |c| c.to_string())),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// AppendEntries: the leader's vote, then the log ids: in range, of no later term than
-/// the vote, entries numbered one after another from `prev_log_id`.
-pub fn check_append(rpc: &AppendEntriesRequest<TypeConfig>, sender: Option<NodeId>) -> Result<(), Refused> {
-    check_sender(&rpc.vote, sender)?;
-    let term = rpc.vote.leader_id().get_term();
-    check_log_id("prev_log_id", rpc.prev_log_id.as_ref(), term)?;
-    check_log_id("leader_commit", rpc.leader_commit.as_ref(), term)?;
-    let mut last_term = rpc.prev_log_id.map_or(0, |l| l.leader_id.term);
-    for (next, e) in (rpc.prev_log_id.map_or(0, |l| l.index + 1)..).zip(&rpc.entries) {
-        check_log_id("entry", Some(&e.log_id), term)?;
-        if e.log_id.index != next {
-            return Err(out_of_range(format!("entry {} where entry index {next} belongs", e.log_id)));
-        }
-        if e.log_id.leader_id.term < last_term {
-            return Err(out_of_range(format!("entry {} is of an earlier term than the one before it", e.log_id)));
-        }
-        last_term = e.log_id.leader_id.term;
-    }
-    Ok(())
-}
-
-/// Vote: the candidate's vote, and its last log id no later than it.
-pub fn check_vote(rpc: &VoteRequest<NodeId>, sender: Option<NodeId>) -> Result<(), Refused> {
-    check_sender(&rpc.vote, sender)?;
-    check_log_id("last_log_id", rpc.last_log_id.as_ref(), rpc.vote.leader_id().get_term())
-}
-
-/// InstallSnapshot: the leader's vote, the snapshot's last log id, and the chunk within
-/// [`MAX_SNAPSHOT_BYTES`].
-pub fn check_snapshot(rpc: &InstallSnapshotRequest<TypeConfig>, sender: Option<NodeId>) -> Result<(), Refused> {
-    check_sender(&rpc.vote, sender)?;
-    let term = rpc.vote.leader_id().get_term();
-    check_log_id("snapshot last_log_id", rpc.meta.last_log_id.as_ref(), term)?;
-    let end = rpc.offset.checked_add(rpc.data.len() as u64);
-    if end.is_none_or(|e| e > MAX_SNAPSHOT_BYTES) {
-        return Err(out_of_range(format!(
-            "snapshot chunk at offset {} of {} bytes ends past the largest snapshot accepted ({MAX_SNAPSHOT_BYTES} bytes)",
-            rpc.offset,
-            rpc.data.len()
-        )));
-    }
-    Ok(())
+/// A snapshot being received: its chunks so far, in order.
+#[derive(Debug)]
+struct Receiving {
+    vote: Vote<NodeId>,
+    meta: openraft::SnapshotMeta<NodeId, Node>,
+    data: Vec<u8>,
 }
 
 /// The receiving side: checks each payload, then hands it to the local Raft node.
 #[derive(Clone)]
 pub struct RaftTransport {
     raft: Raft,
-    contact: std::sync::Arc<crate::watchdog::LeaderContact>,
-    ctx: std::sync::Arc<crate::node::NodeCtx>,
+    contact: Arc<crate::watchdog::LeaderContact>,
+    ctx: Arc<crate::node::NodeCtx>,
+    receiving: Arc<tokio::sync::Mutex<Option<Receiving>>>,
 }
 
 impl std::fmt::Debug for RaftTransport {
@@ -336,19 +446,28 @@ impl std::fmt::Debug for RaftTransport {
 impl RaftTransport {
     /// Serves Raft traffic for the node of `ctx`, noting in `contact` when a leader was
     /// last heard.
-    pub fn new(ctx: std::sync::Arc<crate::node::NodeCtx>, contact: std::sync::Arc<crate::watchdog::LeaderContact>) -> Self {
-        RaftTransport { raft: ctx.raft.clone(), contact, ctx }
+    pub fn new(ctx: Arc<crate::node::NodeCtx>, contact: Arc<crate::watchdog::LeaderContact>) -> Self {
+        RaftTransport {
+            raft: ctx.raft.clone(),
+            contact,
+            ctx,
+            receiving: Arc::default(),
+        }
     }
 
-    /// The caller's node id from its certificate (`None` without TLS); a caller without
-    /// a node identity never gets here with TLS (the listener drops it).
+    /// The caller's node id from its certificate (`None` without TLS), recorded as the
+    /// `peer` of the handler's span; a caller without a node identity never gets here
+    /// with TLS (the listener drops it).
     fn sender<T>(&self, method: &str, req: &tonic::Request<T>) -> Result<Option<NodeId>, tonic::Status> {
         if !self.ctx.authz.enabled() {
             return Ok(None);
         }
         let id = req.extensions().get::<PeerInfo>().and_then(|p| p.identity.clone());
         match id.as_ref().and_then(|i| i.node_id()) {
-            Some(n) => Ok(Some(n)),
+            Some(n) => {
+                tracing::Span::current().record("peer", n);
+                Ok(Some(n))
+            }
             None => Err(self.ctx.authz.deny(
                 "raft",
                 method,
@@ -359,27 +478,74 @@ impl RaftTransport {
         }
     }
 
-    /// Why this node must stop, if an AppendEntries that carries log entries of a
-    /// format newer than this build reads (`format`) comes from `from` as the leader of a
-    /// term at least this node's, and `from` is a member of the group as this node knows
-    /// it. Anything else that does not decode is only refused: a removed node, a stale
-    /// leader or a node of another group with a certificate from the same CA cannot stop
-    /// a node this way.
-    fn newer_from_leader(&self, vote: Option<&pb::RaftVote>, format: u32, from: NodeId) -> Option<String> {
-        let vote = vote?;
-        // A term the engine could not handle is refused like any other such message.
-        check_term("vote", vote.term).ok()?;
-        let m = self.raft.metrics().borrow().clone();
-        let member = m.membership_config.membership().nodes().any(|(id, _)| *id == from);
-        if vote.node_id != from || vote.term < m.current_term || !member || format <= crate::types::LOG_FORMAT {
-            return None;
-        }
-        Some(format!("replicated from node {from}, leader in term {}: {}", vote.term, crate::types::newer_entry_format(format)))
-    }
-
     fn refuse(&self, method: &str, sender: Option<NodeId>, r: Refused) -> tonic::Status {
         let who = sender.map_or_else(|| "unauthenticated peer".to_string(), |s| format!("node {s}"));
-        self.ctx.authz.deny("raft", method, r.reason, &who, tonic::Status::invalid_argument(r.why))
+        self.ctx
+            .authz
+            .deny("raft", method, r.reason, &who, tonic::Status::invalid_argument(r.why))
+    }
+
+    /// An AppendEntries carries entries this node cannot read (`what`: a newer format, a
+    /// raise to a feature level it does not support): refused, never applied. If it
+    /// comes from the leader this node follows, in its term (with TLS, as itself), the
+    /// node is unready while that lasts: it was left behind by an upgrade, or its leader
+    /// is not to be trusted. Anyone else's (a removed node, a stale leader, another
+    /// group's node with a certificate of the same CA, a member not leading) is only
+    /// refused.
+    fn cannot_read(
+        &self,
+        sender: Option<NodeId>,
+        vote: Option<(u64, NodeId)>,
+        what: String,
+        refusal: String,
+    ) -> tonic::Status {
+        let local = self.ctx.guard.local();
+        let from = sender.or(vote.map(|v| v.1));
+        if let (Some(from), Some((term, claimed))) = (from, vote) {
+            let leader = claimed == from && from != self.ctx.id && local.leader == Some(from) && term == local.term;
+            if leader {
+                self.ctx.set_stalled(
+                    from,
+                    term,
+                    format!("node {from}, leader in term {term}, sent {what}: upgrade this node's kvota, or remove node {from} from the group"),
+                );
+            }
+        }
+        let why = format!(
+            "{refusal}; nothing of it was applied (sent by {})",
+            from.map_or_else(|| "an unknown node".to_string(), |f| format!("node {f}"))
+        );
+        let who = sender.map_or_else(|| "unauthenticated peer".to_string(), |s| format!("node {s}"));
+        self.ctx.authz.deny(
+            "raft",
+            "AppendEntries",
+            "newer_format",
+            &who,
+            tonic::Status::failed_precondition(why),
+        )
+    }
+
+    /// The largest feature level an entry raises the group to, if this node does not
+    /// support it: what it is, and the refusal.
+    fn unsupported_raise(&self, rpc: &AppendEntriesRequest<TypeConfig>) -> Option<(String, String)> {
+        let supported = self.ctx.clock.own_feature_max();
+        let to = rpc
+            .entries
+            .iter()
+            .filter_map(|e| match &e.payload {
+                openraft::EntryPayload::Normal(r) => r.raise_feature_level,
+                _ => None,
+            })
+            .max()?;
+        (to > supported.get()).then(|| {
+            (
+                format!("a raise to feature level {to} (this node supports up to {})", supported.get()),
+                format!(
+                    "a log entry that raises the group to feature level {to}, and this node supports up to {}: upgrade this node's kvota",
+                    supported.get()
+                ),
+            )
+        })
     }
 }
 
@@ -392,43 +558,154 @@ fn core_failed(e: &Fatal<NodeId>) -> tonic::Status {
     tonic::Status::unavailable(format!("this node's Raft core has stopped: {e}"))
 }
 
-#[tonic::async_trait]
-impl RaftService for RaftTransport {
-    async fn append_entries(
+fn snapshot_reply(vote: &Vote<NodeId>) -> tonic::Response<pb::InstallSnapshotReply> {
+    tonic::Response::new(wire::snapshot_reply_to(Ok(&InstallSnapshotResponse { vote: *vote })))
+}
+
+fn snapshot_mismatch(id: &str, expect: u64, got: u64) -> tonic::Response<pb::InstallSnapshotReply> {
+    let m = openraft::error::SnapshotMismatch {
+        expect: openraft::SnapshotSegmentId {
+            id: id.to_string(),
+            offset: expect,
+        },
+        got: openraft::SnapshotSegmentId {
+            id: id.to_string(),
+            offset: got,
+        },
+    };
+    tonic::Response::new(wire::snapshot_reply_to(Err(&m)))
+}
+
+impl RaftTransport {
+    /// One checked snapshot chunk: appended to the snapshot being received (the first
+    /// chunk of a snapshot starts it; one out of order is answered with the offset
+    /// expected); the last one hands the whole snapshot to openraft once it decodes.
+    async fn receive_chunk(
+        &self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        sender: Option<NodeId>,
+    ) -> Result<tonic::Response<pb::InstallSnapshotReply>, tonic::Status> {
+        let mine = self.ctx.guard.local().vote;
+        // As openraft does: a chunk of an older leader is answered with this node's vote.
+        if !matches!(
+            rpc.vote.partial_cmp(&mine),
+            Some(std::cmp::Ordering::Greater | std::cmp::Ordering::Equal)
+        ) {
+            return Ok(snapshot_reply(&mine));
+        }
+        let mut receiving = self.receiving.lock().await;
+        let same = receiving
+            .as_ref()
+            .is_some_and(|r| r.vote == rpc.vote && r.meta == rpc.meta);
+        if !same {
+            if rpc.offset != 0 {
+                return Ok(snapshot_mismatch(&rpc.meta.snapshot_id, 0, rpc.offset));
+            }
+            *receiving = Some(Receiving {
+                vote: rpc.vote,
+                meta: rpc.meta.clone(),
+                data: Vec::new(),
+            });
+        }
+        let Some(r) = receiving.as_mut() else {
+            return Err(tonic::Status::internal("no snapshot being received"));
+        };
+        let have = r.data.len() as u64;
+        if rpc.offset != have {
+            return Ok(snapshot_mismatch(&rpc.meta.snapshot_id, have, rpc.offset));
+        }
+        r.data.extend_from_slice(&rpc.data);
+        if !rpc.done {
+            return Ok(snapshot_reply(&mine));
+        }
+        let Some(whole) = receiving.take() else {
+            return Err(tonic::Status::internal("no snapshot being received"));
+        };
+        drop(receiving);
+        crate::store::check_snapshot_data(&whole.meta, &whole.data, self.ctx.clock.own_feature_max()).map_err(
+            |why| {
+                self.refuse(
+                    "InstallSnapshot",
+                    sender,
+                    Refused {
+                        reason: "bad_snapshot",
+                        why: format!("snapshot {} does not read: {why}", whole.meta.snapshot_id),
+                    },
+                )
+            },
+        )?;
+        let snapshot = openraft::storage::Snapshot {
+            meta: whole.meta,
+            snapshot: Box::new(std::io::Cursor::new(whole.data)),
+        };
+        let last = snapshot.meta.last_log_id;
+        match self.raft.install_full_snapshot(whole.vote, snapshot).await {
+            Ok(r) => {
+                if r.vote == whole.vote {
+                    self.ctx.guard.committed(last);
+                }
+                Ok(snapshot_reply(&r.vote))
+            }
+            Err(f) => Err(core_failed(&f)),
+        }
+    }
+}
+
+impl RaftTransport {
+    async fn take_append(
         &self,
         request: tonic::Request<pb::AppendEntriesRequest>,
     ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
         let sender = self.sender("AppendEntries", &request)?;
         let msg = request.into_inner();
-        // The group's leader sent entries of a format this build cannot read: the group
-        // runs at a feature level this node does not support (it was added, or
-        // restarted, as an older build). Stop rather than lag forever.
-        if let (Some(from), Some(format)) = (sender, wire::newest_entry_format(&msg)) {
-            if let Some(why) = self.newer_from_leader(msg.vote.as_ref(), format, from) {
-                self.ctx.set_fatal(why.clone());
-                let raft = self.raft.clone();
-                tokio::spawn(async move {
-                    let _ = raft.shutdown().await;
-                });
-                return Err(tonic::Status::failed_precondition(why));
-            }
+        let vote = msg.vote.as_ref().map(|v| (v.term, v.node_id));
+        if let Some(format) = wire::newest_entry_format(&msg).filter(|f| *f > crate::types::LOG_FORMAT) {
+            let what = format!(
+                "log entries of format {format} (this node reads up to {})",
+                crate::types::LOG_FORMAT
+            );
+            return Err(self.cannot_read(sender, vote, what, crate::types::newer_entry_format(format)));
         }
         let rpc = wire::append_from(msg).map_err(|e| bad_payload(&e))?;
-        check_append(&rpc, sender).map_err(|r| self.refuse("AppendEntries", sender, r))?;
+        if let Some((what, refusal)) = self.unsupported_raise(&rpc) {
+            return Err(self.cannot_read(sender, vote, what, refusal));
+        }
+        let local = self.ctx.guard.local();
+        guard::check_append(&rpc, sender, &local, &self.ctx.guard)
+            .map_err(|r| self.refuse("AppendEntries", sender, r))?;
         if let Some(leader) = rpc.vote.leader_id().voted_for() {
             self.contact.heard(leader);
         }
+        let mut rpc = rpc;
+        rpc.leader_commit = guard::check_leader_commit(&rpc).map_err(|r| self.refuse("AppendEntries", sender, r))?;
+        let last = rpc.entries.last().map(|e| e.log_id).or(rpc.prev_log_id);
+        let committing = std::cmp::min(rpc.leader_commit, last);
+        let carries_entries = !rpc.entries.is_empty();
         match self.raft.append_entries(rpc).await {
-            Ok(r) => Ok(tonic::Response::new(wire::append_reply_to(&r))),
+            Ok(r) => {
+                if matches!(r, AppendEntriesResponse::Success) {
+                    // openraft commits at least this much for it, right after answering.
+                    self.ctx.guard.committed(committing);
+                    if carries_entries {
+                        // Entries it reads: whatever it could not read before is behind it.
+                        self.ctx.clear_stalled();
+                    }
+                }
+                Ok(tonic::Response::new(wire::append_reply_to(&r)))
+            }
             Err(RaftError::Fatal(f)) => Err(core_failed(&f)),
             Err(RaftError::APIError(e)) => match e {},
         }
     }
 
-    async fn vote(&self, request: tonic::Request<pb::VoteRequest>) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
+    async fn take_vote(
+        &self,
+        request: tonic::Request<pb::VoteRequest>,
+    ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
         let sender = self.sender("Vote", &request)?;
         let rpc = wire::vote_request_from(request.into_inner()).map_err(|e| bad_payload(&e))?;
-        check_vote(&rpc, sender).map_err(|r| self.refuse("Vote", sender, r))?;
+        guard::check_vote(&rpc, sender, &self.ctx.guard.local(), &self.ctx.guard)
+            .map_err(|r| self.refuse("Vote", sender, r))?;
         match self.raft.vote(rpc).await {
             Ok(r) => Ok(tonic::Response::new(wire::vote_reply_to(&r))),
             Err(RaftError::Fatal(f)) => Err(core_failed(&f)),
@@ -436,145 +713,60 @@ impl RaftService for RaftTransport {
         }
     }
 
-    async fn install_snapshot(
+    async fn take_snapshot(
         &self,
         request: tonic::Request<pb::InstallSnapshotRequest>,
     ) -> Result<tonic::Response<pb::InstallSnapshotReply>, tonic::Status> {
         let sender = self.sender("InstallSnapshot", &request)?;
         let rpc = wire::snapshot_from(request.into_inner()).map_err(|e| bad_payload(&e))?;
-        check_snapshot(&rpc, sender).map_err(|r| self.refuse("InstallSnapshot", sender, r))?;
-        match self.raft.install_snapshot(rpc).await {
-            Ok(r) => Ok(tonic::Response::new(wire::snapshot_reply_to(Ok(&r)))),
-            Err(RaftError::APIError(InstallSnapshotError::SnapshotMismatch(m))) => {
-                Ok(tonic::Response::new(wire::snapshot_reply_to(Err(&m))))
-            }
-            Err(RaftError::Fatal(f)) => Err(core_failed(&f)),
+        guard::check_snapshot(&rpc.vote, &rpc.meta, sender, &self.ctx.guard.local(), &self.ctx.guard)
+            .map_err(|r| self.refuse("InstallSnapshot", sender, r))?;
+        let end = rpc.offset.checked_add(rpc.data.len() as u64);
+        if end.is_none_or(|e| e > MAX_SNAPSHOT_BYTES) {
+            let why = format!(
+                "snapshot chunk at offset {} of {} bytes ends past the largest snapshot accepted ({MAX_SNAPSHOT_BYTES} bytes)",
+                rpc.offset,
+                rpc.data.len()
+            );
+            return Err(self.refuse("InstallSnapshot", sender, guard::out_of_range(why)));
         }
+        self.receive_chunk(rpc, sender).await
+    }
+}
+
+/// Each handler runs in a `raft_receive` span: the method, the term of the vote the
+/// request carries, and the sending peer (filled in once its certificate is read).
+#[tonic::async_trait]
+impl RaftService for RaftTransport {
+    async fn append_entries(
+        &self,
+        request: tonic::Request<pb::AppendEntriesRequest>,
+    ) -> Result<tonic::Response<pb::AppendEntriesReply>, tonic::Status> {
+        let span = receive_span("AppendEntries", request.get_ref().vote.as_ref());
+        self.take_append(request).instrument(span).await
+    }
+
+    async fn vote(
+        &self,
+        request: tonic::Request<pb::VoteRequest>,
+    ) -> Result<tonic::Response<pb::VoteReply>, tonic::Status> {
+        let span = receive_span("Vote", request.get_ref().vote.as_ref());
+        self.take_vote(request).instrument(span).await
+    }
+
+    async fn install_snapshot(
+        &self,
+        request: tonic::Request<pb::InstallSnapshotRequest>,
+    ) -> Result<tonic::Response<pb::InstallSnapshotReply>, tonic::Status> {
+        let span = receive_span("InstallSnapshot", request.get_ref().vote.as_ref());
+        self.take_snapshot(request).instrument(span).await
     }
 
     async fn clock(&self, request: tonic::Request<Empty>) -> Result<tonic::Response<ClockReply>, tonic::Status> {
         self.sender("Clock", &request)?;
-        Ok(tonic::Response::new(ClockReply { wall_ms: self.ctx.clock.wall_ms(), feature_level_max: self.ctx.clock.own_feature_max() }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use openraft::{CommittedLeaderId, EntryPayload};
-    use proptest::prelude::*;
-
-    type Entry = openraft::Entry<TypeConfig>;
-
-    fn log_id(term: u64, node: u64, index: u64) -> LogId<NodeId> {
-        LogId::new(CommittedLeaderId::new(term, node), index)
-    }
-
-    fn append(term: u64, leader: u64, prev: Option<(u64, u64)>, entries: &[(u64, u64)]) -> AppendEntriesRequest<TypeConfig> {
-        AppendEntriesRequest {
-            vote: Vote::new_committed(term, leader),
-            prev_log_id: prev.map(|(t, i)| log_id(t, leader, i)),
-            entries: entries.iter().map(|&(t, i)| Entry { log_id: log_id(t, leader, i), payload: EntryPayload::Blank }).collect(),
-            leader_commit: None,
-        }
-    }
-
-    #[test]
-    fn ordinary_appends_votes_and_snapshots_pass() {
-        assert_eq!(check_append(&append(3, 1, Some((2, 9)), &[(2, 10), (3, 11)]), Some(1)), Ok(()));
-        assert_eq!(check_append(&append(3, 1, None, &[(1, 0), (3, 1)]), Some(1)), Ok(()));
-        assert_eq!(check_append(&append(3, 1, None, &[]), None), Ok(()), "a heartbeat, without TLS");
-        let vote = VoteRequest { vote: Vote::new(5, 2), last_log_id: Some(log_id(4, 1, 100)) };
-        assert_eq!(check_vote(&vote, Some(2)), Ok(()));
-    }
-
-    #[test]
-    fn terms_and_indexes_the_engine_cannot_increment_are_refused() {
-        let e = check_append(&append(u64::MAX, 1, None, &[]), Some(1)).expect_err("u64::MAX term");
-        assert_eq!(e.reason, "out_of_range");
-        assert!(e.why.contains("above the largest accepted"), "{}", e.why);
-        assert!(check_append(&append(MAX_TERM_OR_INDEX + 1, 1, None, &[]), None).is_err());
-        assert!(check_append(&append(MAX_TERM_OR_INDEX, 1, None, &[]), None).is_ok(), "the bound itself is fine");
-        assert!(check_append(&append(3, 1, Some((3, u64::MAX)), &[]), Some(1)).is_err(), "index");
-        assert!(check_vote(&VoteRequest { vote: Vote::new(u64::MAX, 2), last_log_id: None }, Some(2)).is_err());
-        // An entry of a later term than the leader's vote, or a last log id after the
-        // candidate's term: inconsistent, refused.
-        assert!(check_append(&append(3, 1, None, &[(4, 0)]), Some(1)).is_err());
-        assert!(check_vote(&VoteRequest { vote: Vote::new(5, 2), last_log_id: Some(log_id(6, 1, 1)) }, Some(2)).is_err());
-        // Entries out of order, with a gap, or going back in term.
-        assert!(check_append(&append(3, 1, Some((1, 4)), &[(1, 6)]), Some(1)).is_err(), "gap");
-        assert!(check_append(&append(3, 1, Some((1, 4)), &[(1, 5), (1, 5)]), Some(1)).is_err(), "repeat");
-        assert!(check_append(&append(3, 1, Some((2, 4)), &[(1, 5)]), Some(1)).is_err(), "term goes back");
-    }
-
-    #[test]
-    fn a_node_may_speak_only_as_itself() {
-        let e = check_append(&append(3, 1, None, &[]), Some(2)).expect_err("node 2 as leader 1");
-        assert_eq!(e.reason, "sender_mismatch");
-        assert!(e.why.contains("node 2 sent a message as node 1"), "{}", e.why);
-        assert!(check_vote(&VoteRequest { vote: Vote::new(5, 3), last_log_id: None }, Some(2)).is_err());
-    }
-
-    #[test]
-    fn a_snapshot_chunk_past_the_limit_is_refused() {
-        let rpc = |offset: u64, len: usize| InstallSnapshotRequest::<TypeConfig> {
-            vote: Vote::new_committed(2, 1),
-            meta: openraft::SnapshotMeta { last_log_id: Some(log_id(2, 1, 50)), last_membership: Default::default(), snapshot_id: "s".into() },
-            offset,
-            data: vec![0; len],
-            done: false,
-        };
-        assert!(check_snapshot(&rpc(0, 1024), Some(1)).is_ok());
-        assert!(check_snapshot(&rpc(MAX_SNAPSHOT_BYTES - 10, 10), Some(1)).is_ok());
-        assert!(check_snapshot(&rpc(MAX_SNAPSHOT_BYTES - 10, 11), Some(1)).is_err());
-        assert!(check_snapshot(&rpc(u64::MAX, 1), Some(1)).is_err(), "offset + len overflows");
-    }
-
-    proptest! {
-        /// Arbitrary bytes as any of the three requests: protobuf decoding, then the
-        /// conversion, then the check, each answers with an error or a value (no panic).
-        #[test]
-        fn any_payload_decodes_or_is_refused_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            use prost::Message;
-            if let Ok(m) = pb::AppendEntriesRequest::decode(bytes.as_slice()) {
-                let _ = wire::newest_entry_format(&m);
-                if let Ok(r) = wire::append_from(m) {
-                    let _ = check_append(&r, Some(1));
-                }
-            }
-            if let Ok(Ok(r)) = pb::VoteRequest::decode(bytes.as_slice()).map(wire::vote_request_from) {
-                let _ = check_vote(&r, Some(1));
-            }
-            if let Ok(Ok(r)) = pb::InstallSnapshotRequest::decode(bytes.as_slice()).map(wire::snapshot_from) {
-                let _ = check_snapshot(&r, Some(1));
-            }
-            if let Ok(m) = pb::AppendEntriesReply::decode(bytes.as_slice()) {
-                let _ = wire::append_reply_from(m);
-            }
-            if let Ok(m) = pb::VoteReply::decode(bytes.as_slice()) {
-                let _ = wire::vote_reply_from(m);
-            }
-            if let Ok(m) = pb::InstallSnapshotReply::decode(bytes.as_slice()) {
-                let _ = wire::snapshot_reply_from(m);
-            }
-        }
-
-        /// Well-formed appends with random terms and indexes: whatever passes the check is
-        /// within the engine's range and consistent.
-        #[test]
-        fn what_passes_is_in_range_and_consistent(
-            term in prop_oneof![0u64..10, Just(u64::MAX), Just(MAX_TERM_OR_INDEX), Just(MAX_TERM_OR_INDEX + 1)],
-            prev in proptest::option::of((0u64..10, prop_oneof![0u64..100, Just(u64::MAX - 1)])),
-            entries in proptest::collection::vec((0u64..12, 0u64..120), 0..5),
-        ) {
-            let r = append(term, 1, prev, &entries);
-            if check_append(&r, Some(1)).is_ok() {
-                prop_assert!(term <= MAX_TERM_OR_INDEX);
-                for (next, e) in (prev.map_or(0, |p| p.1 + 1)..).zip(&r.entries) {
-                    prop_assert!(e.log_id.leader_id.term <= term);
-                    prop_assert_eq!(e.log_id.index, next);
-                }
-            }
-        }
+        Ok(tonic::Response::new(ClockReply {
+            wall_ms: self.ctx.clock.wall_ms(),
+            feature_level_max: self.ctx.clock.own_feature_max().get(),
+        }))
     }
 }

@@ -15,7 +15,7 @@ use crate::metrics::Metrics;
 use tracing::Instrument as _;
 
 use crate::store::StateMachineData;
-use crate::types::{Node as NodeAddr, NodeId, Raft, Request};
+use crate::types::{Node as NodeAddr, NodeId, Raft};
 
 pub use kvota_proto::{FORWARDED_HEADER, LEADER_HEADER};
 
@@ -80,6 +80,12 @@ pub struct NodeCtx {
     disk_low: std::sync::atomic::AtomicBool,
     /// Samples of the federation for the dashboard's charts (see [`crate::view`]).
     pub history: std::sync::Mutex<crate::view::History>,
+    /// What the Raft port and the clients to the peers check messages against.
+    pub guard: Arc<crate::guard::Guard>,
+    /// Why the node cannot follow its group for now (its leader, in a term, sent
+    /// entries it cannot read); cleared when it is sent entries it reads, or follows
+    /// another leader or term.
+    stalled: std::sync::Mutex<Option<(NodeId, u64, String)>>,
 }
 
 /// How far the applied index may trail the last log index for a starting node to count
@@ -111,7 +117,9 @@ pub fn readiness(
     match (state, leader) {
         (ServerState::Leader, _) => match millis_since_quorum_ack {
             Some(ms) if ms < 3_000 && replayed => Ok(()),
-            Some(ms) if ms < 3_000 => Err(format!("leader still applying its log: applied {applied} of {log} log entries")),
+            Some(ms) if ms < 3_000 => Err(format!(
+                "leader still applying its log: applied {applied} of {log} log entries"
+            )),
             Some(ms) => Err(format!("leader without a quorum ack for {ms} ms")),
             None => Err("leader that has not yet heard from a quorum".to_string()),
         },
@@ -159,6 +167,7 @@ impl NodeCtx {
         metrics: Metrics,
         tls: Option<kvota_client::tls::GrpcTls>,
         clock: Arc<crate::clock::TimeKeeper>,
+        guard: Arc<crate::guard::Guard>,
     ) -> Self {
         let (writes, queue) = mpsc::channel(WRITE_QUEUE);
         tokio::spawn(batcher(raft.clone(), clock.clone(), state.clone(), queue));
@@ -176,6 +185,8 @@ impl NodeCtx {
             fatal: std::sync::OnceLock::new(),
             disk_low: std::sync::atomic::AtomicBool::new(false),
             history: std::sync::Mutex::new(crate::view::History::default()),
+            guard,
+            stalled: std::sync::Mutex::new(None),
         }
     }
 
@@ -198,6 +209,43 @@ impl NodeCtx {
         self.fatal.get().map(String::as_str)
     }
 
+    /// The node cannot follow its group for now, and why (logged once per change): its
+    /// leader `from`, in `term`, sent entries it cannot read. It stays up, refuses what it
+    /// cannot read, and is not ready while it follows that leader in that term.
+    pub fn set_stalled(&self, from: NodeId, term: u64, why: String) {
+        let mut s = self.stalled.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if s.as_ref().map(|(_, _, w)| w.as_str()) != Some(why.as_str()) {
+            tracing::error!(reason = %why, "this node cannot follow its group: it refuses what it cannot read and is not ready");
+            self.metrics.set_stalled(true);
+            *s = Some((from, term, why));
+        }
+    }
+
+    /// The node follows its group again.
+    pub fn clear_stalled(&self) {
+        let mut s = self.stalled.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if s.take().is_some() {
+            self.metrics.set_stalled(false);
+            tracing::info!("this node follows its group again");
+        }
+    }
+
+    /// Why the node cannot follow its group for now, if it cannot: only while it still
+    /// follows the leader, in the term, that sent what it cannot read.
+    pub fn stalled(&self) -> Option<String> {
+        let (from, term, why) = self
+            .stalled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()?;
+        let m = self.raft.metrics().borrow().clone();
+        if m.current_leader == Some(from) && m.current_term == term {
+            return Some(why);
+        }
+        self.clear_stalled();
+        None
+    }
+
     /// Records whether the data directory's file system is below its reserve.
     pub fn set_disk_low(&self, low: bool) {
         self.disk_low.store(low, std::sync::atomic::Ordering::Relaxed);
@@ -205,7 +253,13 @@ impl NodeCtx {
 
     /// The voters of the membership in force.
     pub fn voters(&self) -> BTreeSet<NodeId> {
-        self.raft.metrics().borrow().membership_config.membership().voter_ids().collect()
+        self.raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .collect()
     }
 
     /// Proposes `command` if this node leads; otherwise says where the leader is.
@@ -219,12 +273,19 @@ impl NodeCtx {
     pub async fn propose_as(&self, command: Command, actor: Option<String>) -> Result<Proposed, tonic::Status> {
         let started = Instant::now();
         let (reply, answer) = oneshot::channel();
-        self.writes.try_send(Pending { command, actor, reply, span: tracing::Span::current() }).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => tonic::Status::resource_exhausted(
-                "the control plane has too many writes queued; retry with backoff",
-            ),
-            mpsc::error::TrySendError::Closed(_) => tonic::Status::unavailable("this node is shutting down"),
-        })?;
+        self.writes
+            .try_send(Pending {
+                command,
+                actor,
+                reply,
+                span: tracing::Span::current(),
+            })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => tonic::Status::resource_exhausted(
+                    "the control plane has too many writes queued; retry with backoff",
+                ),
+                mpsc::error::TrySendError::Closed(_) => tonic::Status::unavailable("this node is shutting down"),
+            })?;
         let result = match tokio::time::timeout(WRITE_TIMEOUT, answer).await {
             Err(_) => Err(tonic::Status::unavailable(
                 "the write was not committed in time; the control plane may have lost its quorum",
@@ -244,8 +305,14 @@ impl NodeCtx {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let c = kvota_client::tls::channel(addr, self.tls.as_ref(), kvota_tls::Expect::AnyNode, Duration::from_millis(500), WRITE_TIMEOUT)
-            .map_err(|e| tonic::Status::internal(format!("leader address: {e}")))?;
+        let c = kvota_client::tls::channel(
+            addr,
+            self.tls.as_ref(),
+            kvota_tls::Expect::AnyNode,
+            Duration::from_millis(500),
+            WRITE_TIMEOUT,
+        )
+        .map_err(|e| tonic::Status::internal(format!("leader address: {e}")))?;
         map.insert(addr.to_string(), c.clone());
         Ok(c)
     }
@@ -273,6 +340,14 @@ impl NodeCtx {
         if self.disk_low.load(Ordering::Relaxed) {
             return Err("the data directory's file system is below its free-space reserve".to_string());
         }
+        if let Some(why) = self.stalled() {
+            return Err(why);
+        }
+        if let Some(tls) = &self.tls {
+            tls.source().check_served().map_err(|why| {
+                format!("this node's certificate cannot complete a handshake with the federation's CA: {why}")
+            })?;
+        }
         let m = self.raft.metrics().borrow().clone();
         let caught_up = self.caught_up.load(Ordering::Relaxed);
         let r = readiness(
@@ -298,6 +373,7 @@ impl NodeCtx {
     pub async fn ready_checked(&self) -> Result<(), String> {
         use std::sync::atomic::Ordering;
         self.ready()?;
+        self.no_raise_pending().await?;
         if self.caught_up.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -308,18 +384,55 @@ impl NodeCtx {
         let ask = async {
             let ch = self.channel(&node.rpc_addr).await?;
             Ok::<_, tonic::Status>(
-                kvota_proto::v1::admin_client::AdminClient::new(ch).status(kvota_proto::v1::Empty {}).await?.into_inner(),
+                kvota_proto::v1::admin_client::AdminClient::new(ch)
+                    .status(kvota_proto::v1::Empty {})
+                    .await?
+                    .into_inner(),
             )
         };
         let leaders = match tokio::time::timeout(READY_PROBE_LEADER_TIMEOUT, ask).await {
             Ok(Ok(st)) => st.last_applied_index,
-            Ok(Err(e)) => return Err(format!("cannot compare logs with the leader (node {id} at {}): {}", node.rpc_addr, e.message())),
-            Err(_) => return Err(format!("cannot compare logs with the leader (node {id} at {}): no answer in time", node.rpc_addr)),
+            Ok(Err(e)) => {
+                return Err(format!(
+                    "cannot compare logs with the leader (node {id} at {}): {}",
+                    node.rpc_addr,
+                    e.message()
+                ))
+            }
+            Err(_) => {
+                return Err(format!(
+                    "cannot compare logs with the leader (node {id} at {}): no answer in time",
+                    node.rpc_addr
+                ))
+            }
         };
         let mine = self.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
         caught_up_with_leader(mine, leaders)?;
         self.caught_up.store(true, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+impl NodeCtx {
+    /// A leader is not ready while every member supports a newer feature level than the
+    /// group runs at: the raise rides on its next entry (a tick within a fraction of a
+    /// second), and until then a policy that needs the newer level would be refused. So
+    /// `kvota server --init` reports ready only with the group at the newest level its
+    /// members share. A member that has not answered a clock reading lately leaves the
+    /// level unknown: no raise is due then, and that does not hold readiness back.
+    async fn no_raise_pending(&self) -> Result<(), String> {
+        let m = self.raft.metrics().borrow().clone();
+        if m.state != ServerState::Leader {
+            return Ok(());
+        }
+        let members: BTreeSet<NodeId> = m.membership_config.membership().nodes().map(|(id, _)| *id).collect();
+        let level = self.state.read().await.feature_level;
+        match self.clock.voters_support(&members) {
+            Some(support) if support > level => Err(format!(
+                "raising the feature level from {level} to {support} (every member supports it)"
+            )),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -352,9 +465,16 @@ impl NodeCtx {
         let note = match outcome {
             Ok(Ok(())) => None,
             Ok(Err(why)) => Some(why),
-            Err(_) => Some(format!("could not catch up with the leader within {} s", READ_BARRIER_TIMEOUT.as_secs())),
+            Err(_) => Some(format!(
+                "could not catch up with the leader within {} s",
+                READ_BARRIER_TIMEOUT.as_secs()
+            )),
         };
-        ReadFreshness { follows_leader: note.is_none(), applied_index, note }
+        ReadFreshness {
+            follows_leader: note.is_none(),
+            applied_index,
+            note,
+        }
     }
 
     async fn catch_up_with_leader(&self) -> Result<(), String> {
@@ -367,11 +487,20 @@ impl NodeCtx {
                 .map(|_| ())
                 .map_err(|e| format!("leadership not confirmed by a quorum: {e}"));
         }
-        let ch = self.channel(&node.rpc_addr).await.map_err(|e| e.message().to_string())?;
+        let ch = self
+            .channel(&node.rpc_addr)
+            .await
+            .map_err(|e| e.message().to_string())?;
         let leaders = kvota_proto::v1::admin_client::AdminClient::new(ch)
             .status(kvota_proto::v1::Empty {})
             .await
-            .map_err(|e| format!("the leader (node {id} at {}) did not answer: {}", node.rpc_addr, e.message()))?
+            .map_err(|e| {
+                format!(
+                    "the leader (node {id} at {}) did not answer: {}",
+                    node.rpc_addr,
+                    e.message()
+                )
+            })?
             .into_inner()
             .last_applied_index;
         self.raft
@@ -394,7 +523,9 @@ async fn batcher(
 ) {
     let in_flight = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
     while let Some(first) = queue.recv().await {
-        let Ok(permit) = in_flight.clone().acquire_owned().await else { return };
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
         // Take what queued while we waited for the permit: the fuller the pipe, the
         // bigger the batch.
         let mut w = weight(&first.command);
@@ -435,30 +566,14 @@ async fn batcher(
                 return;
             };
             let level = state.read().await.feature_level;
-            // Below the sized-budgets level no replica reads a report's largest waiting
-            // pod: the log does not carry it.
-            if level < crate::types::SIZED_LEVEL {
-                for c in &mut commands {
-                    if let Command::Report(r) = c {
-                        r.tenants.values_mut().for_each(|t| t.largest = 0);
-                    }
-                }
-            }
-            let mut req = Request::new(now_ms, commands);
-            req.format = crate::types::entry_format_for(level);
-            // Below the records level an older member may read this entry: no actors.
-            if level >= crate::types::RECORDS_LEVEL {
-                req.actors = actors;
-            }
             // Every member (voters and learners) supports a newer feature level than the
             // group runs at: this entry raises it (entries in flight may carry the same
             // raise; applying it again changes nothing).
             let members: BTreeSet<NodeId> = raft.metrics().borrow().membership_config.membership().nodes().map(|(id, _)| *id).collect();
-            if let Some(support) = clock.voters_support(&members) {
-                if support > level {
-                    tracing::info!(from = level, to = support, "every voter supports a newer feature level; raising it");
-                    req.raise_feature_level = Some(support);
-                }
+            let support = clock.voters_support(&members);
+            let req = crate::entry::prepare(level, now_ms, commands, actors, support);
+            if let Some(to) = req.raise_feature_level {
+                tracing::info!(from = level.get(), to, "every voter supports a newer feature level; raising it");
             }
             let outcome = raft.client_write(req).await;
             drop(permit);
@@ -526,7 +641,31 @@ async fn stamp(
 
 /// The status every caller gets when no leader is known.
 pub fn no_leader() -> tonic::Status {
-    tonic::Status::unavailable("no control-plane leader is known right now (election in progress or no quorum); retry shortly")
+    tonic::Status::unavailable(
+        "no control-plane leader is known right now (election in progress or no quorum); retry shortly",
+    )
+}
+
+/// The metadata key of a sequence gap's expected number, for agents that do not read
+/// it from the reply (`ReportRequest.gap_in_reply` unset).
+pub const EXPECTED_SEQ_KEY: &str = "kvota-expected-seq";
+
+/// A sequence gap as the error older agents read: `FAILED_PRECONDITION` with the
+/// expected number in [`EXPECTED_SEQ_KEY`].
+pub fn sequence_gap(expected: u64, message: String) -> tonic::Status {
+    let mut s = tonic::Status::failed_precondition(message);
+    if let Ok(v) = expected.to_string().parse() {
+        s.metadata_mut().insert(EXPECTED_SEQ_KEY, v);
+    }
+    s
+}
+
+/// The expected number of a sequence gap in the error form ([`sequence_gap`]).
+pub fn gap_of(s: &tonic::Status) -> Option<u64> {
+    if s.code() != tonic::Code::FailedPrecondition {
+        return None;
+    }
+    s.metadata().get(EXPECTED_SEQ_KEY)?.to_str().ok()?.parse().ok()
 }
 
 /// Turns a state-machine refusal into a gRPC status.
@@ -534,13 +673,7 @@ pub fn refusal(e: CommandError) -> tonic::Status {
     match &e {
         CommandError::NoPolicy => tonic::Status::failed_precondition(e.to_string()),
         CommandError::UnknownCluster(_) => tonic::Status::not_found(e.to_string()),
-        CommandError::SequenceGap { expected, .. } => {
-            let mut s = tonic::Status::failed_precondition(e.to_string());
-            if let Ok(v) = expected.to_string().parse() {
-                s.metadata_mut().insert("kvota-expected-seq", v);
-            }
-            s
-        }
+        CommandError::SequenceGap { expected, .. } => sequence_gap(*expected, e.to_string()),
         CommandError::UnknownEpoch { .. } | CommandError::Invalid { .. } => {
             tonic::Status::invalid_argument(e.to_string())
         }
@@ -562,15 +695,30 @@ mod tests {
         let keeper = Arc::new(crate::clock::TimeKeeper::new(1, Arc::new(|| 5_000_000)));
         let state = RwLock::new(StateMachineData::default());
         let short = Duration::from_millis(100);
-        assert_eq!(stamp(&keeper, &voters, &state, short).await, None, "no time yet: refused");
-        state.write().await.federation.apply(4_000_000, Command::Tick).expect("tick");
-        assert_eq!(stamp(&keeper, &voters, &state, short).await, Some(0), "a time exists: standstill");
+        assert_eq!(
+            stamp(&keeper, &voters, &state, short).await,
+            None,
+            "no time yet: refused"
+        );
+        state
+            .write()
+            .await
+            .federation
+            .apply(4_000_000, Command::Tick)
+            .expect("tick");
+        assert_eq!(
+            stamp(&keeper, &voters, &state, short).await,
+            Some(0),
+            "a time exists: standstill"
+        );
         let late = keeper.clone();
         let reader = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(200)).await;
             late.record(2, 5_000_000, Duration::ZERO);
         });
-        let t = stamp(&keeper, &voters, &state, Duration::from_secs(5)).await.expect("a majority");
+        let t = stamp(&keeper, &voters, &state, Duration::from_secs(5))
+            .await
+            .expect("a majority");
         assert!((5_000_000..5_001_000).contains(&t), "{t}");
         reader.await.expect("reader");
     }
@@ -579,16 +727,24 @@ mod tests {
     fn a_follower_replaying_its_log_is_not_ready_until_it_catches_up_then_stays_ready() {
         let f = ServerState::Follower;
         // Restarted: knows the leader, 9,000 entries still to apply.
-        let err = readiness(f, Some(1), None, Some(10_000), Some(1_000), false).err().unwrap_or_default();
+        let err = readiness(f, Some(1), None, Some(10_000), Some(1_000), false)
+            .err()
+            .unwrap_or_default();
         assert!(err.contains("catching up: applied 1000 of 10000"), "{err}");
         // Within the slack: ready.
-        assert_eq!(readiness(f, Some(1), None, Some(10_000), Some(10_000 - CATCH_UP_SLACK), false), Ok(()));
+        assert_eq!(
+            readiness(f, Some(1), None, Some(10_000), Some(10_000 - CATCH_UP_SLACK), false),
+            Ok(())
+        );
         // Once caught up, a lag under load does not make it flap.
         assert_eq!(readiness(f, Some(1), None, Some(10_000), Some(1_000), true), Ok(()));
         // No leader: never ready, caught up or not.
         assert!(readiness(f, None, None, Some(5), Some(5), true).is_err());
         // An empty log (a new node) is caught up.
-        assert_eq!(readiness(ServerState::Learner, Some(1), None, None, None, false), Ok(()));
+        assert_eq!(
+            readiness(ServerState::Learner, Some(1), None, None, None, false),
+            Ok(())
+        );
     }
 
     #[test]
@@ -607,11 +763,21 @@ mod tests {
     fn a_leader_is_ready_only_with_a_recent_quorum_and_its_log_applied() {
         let l = ServerState::Leader;
         // Elected while still applying its log: writes would wait for the replay.
-        let err = readiness(l, Some(1), Some(100), Some(10_000), Some(1_000), false).err().unwrap_or_default();
-        assert!(err.contains("leader still applying its log: applied 1000 of 10000"), "{err}");
-        assert_eq!(readiness(l, Some(1), Some(100), Some(10_000), Some(1_000), true), Ok(()));
+        let err = readiness(l, Some(1), Some(100), Some(10_000), Some(1_000), false)
+            .err()
+            .unwrap_or_default();
+        assert!(
+            err.contains("leader still applying its log: applied 1000 of 10000"),
+            "{err}"
+        );
+        assert_eq!(
+            readiness(l, Some(1), Some(100), Some(10_000), Some(1_000), true),
+            Ok(())
+        );
         assert_eq!(readiness(l, Some(1), Some(100), Some(9), Some(9), true), Ok(()));
-        let err = readiness(l, Some(1), Some(3_000), Some(9), Some(9), true).err().unwrap_or_default();
+        let err = readiness(l, Some(1), Some(3_000), Some(9), Some(9), true)
+            .err()
+            .unwrap_or_default();
         assert!(err.contains("3000 ms"), "{err}");
         assert!(readiness(l, Some(1), None, Some(9), Some(9), true).is_err());
     }

@@ -67,9 +67,21 @@ pub struct PortLimits {
 impl Default for PortLimits {
     fn default() -> Self {
         PortLimits {
-            api: Limits { max_connections: 4_096, max_connections_per_peer: 256, ..Limits::default() },
-            raft: Limits { max_connections: 256, max_connections_per_peer: 32, ..Limits::default() },
-            http: Limits { max_connections: 1_024, max_connections_per_peer: 64, ..Limits::default() },
+            api: Limits {
+                max_connections: 4_096,
+                max_connections_per_peer: 256,
+                ..Limits::default()
+            },
+            raft: Limits {
+                max_connections: 256,
+                max_connections_per_peer: 32,
+                ..Limits::default()
+            },
+            http: Limits {
+                max_connections: 1_024,
+                max_connections_per_peer: 64,
+                ..Limits::default()
+            },
             http_requests: HttpLimits::default(),
         }
     }
@@ -115,10 +127,11 @@ pub struct ServerConfig {
     /// Below this many free bytes on the data directory's file system the node is not
     /// ready.
     pub min_free_disk_bytes: u64,
-    /// The newest feature level this node supports: [`crate::types::FEATURE_LEVEL`].
-    /// Tests of the upgrade gate set it higher to pose as a newer build.
-    #[doc(hidden)]
-    pub feature_level_max: u32,
+    /// The newest feature level this node supports ([`crate::feature::FeatureLevel::NEWEST`]
+    /// in every build): tests of the upgrade gate set it lower to pose as an older build.
+    /// Only with the `test-hooks` feature, which no release build enables.
+    #[cfg(feature = "test-hooks")]
+    pub feature_level_max: crate::feature::FeatureLevel,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -134,8 +147,26 @@ impl std::fmt::Debug for ServerConfig {
 }
 
 impl ServerConfig {
+    /// The newest feature level this node supports.
+    fn feature_max(&self) -> crate::feature::FeatureLevel {
+        #[cfg(feature = "test-hooks")]
+        {
+            self.feature_level_max
+        }
+        #[cfg(not(feature = "test-hooks"))]
+        {
+            crate::feature::FeatureLevel::NEWEST
+        }
+    }
+
     /// A configuration with the defaults for everything but identity and addresses.
-    pub fn new(id: NodeId, data_dir: PathBuf, advertise_rpc: String, advertise_http: String, advertise_raft: String) -> Self {
+    pub fn new(
+        id: NodeId,
+        data_dir: PathBuf,
+        advertise_rpc: String,
+        advertise_http: String,
+        advertise_raft: String,
+    ) -> Self {
         ServerConfig {
             id,
             data_dir,
@@ -157,7 +188,8 @@ impl ServerConfig {
             limits: PortLimits::default(),
             wall_clock: crate::clock::system_wall_clock(),
             min_free_disk_bytes: DEFAULT_MIN_FREE_DISK_BYTES,
-            feature_level_max: crate::types::FEATURE_LEVEL,
+            #[cfg(feature = "test-hooks")]
+            feature_level_max: crate::feature::FeatureLevel::NEWEST,
         }
     }
 
@@ -183,7 +215,8 @@ impl ServerConfig {
             max_payload_entries: MAX_ENTRIES_PER_APPEND,
             ..Default::default()
         };
-        c.validate().context("check Raft timing (heartbeat must be below the election timeout range)")
+        c.validate()
+            .context("check Raft timing (heartbeat must be below the election timeout range)")
     }
 }
 
@@ -255,8 +288,8 @@ impl ServerHandle {
     }
 
     /// Holds back the syncs of this node's early-acknowledged appends (as leader) until
-    /// the guard goes: for tests. Not for use outside tests.
-    #[doc(hidden)]
+    /// the guard goes: for tests (the `test-hooks` feature).
+    #[cfg(feature = "test-hooks")]
     pub fn hold_flushes_for_test(&self) -> crate::store::flush::FlushHold {
         self.log.hold_flushes_for_test()
     }
@@ -303,217 +336,138 @@ fn check_plain_text(cfg: &ServerConfig, addrs: &[(&str, SocketAddr)]) -> Result<
     Ok(())
 }
 
-/// Starts a node on the given listeners.
-pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHandle> {
-    if cfg.id == 0 {
-        anyhow::bail!("node id must be greater than 0");
-    }
-    let rpc_addr = listeners.api.local_addr().context("read gRPC listen address")?;
-    let raft_addr = listeners.raft.local_addr().context("read Raft listen address")?;
-    let http_addr = listeners.http.local_addr().context("read HTTP listen address")?;
-    check_plain_text(&cfg, &[("gRPC", rpc_addr), ("Raft", raft_addr), ("HTTP", http_addr)])?;
-    if let Some(tls) = &cfg.tls {
-        let me = tls.identity();
-        if me.as_ref().and_then(|i| i.node_id()) != Some(cfg.id) {
-            anyhow::bail!(
-                "the certificate {} names {}, not node {}: give this node a certificate of its own (`kvota certs issue --role node --name {}`)",
-                tls.source().paths().cert.display(),
-                me.map_or_else(|| "no kvota identity".to_string(), |i| i.to_string()),
-                cfg.id,
-                cfg.id
-            );
-        }
-    }
-    if cfg.advertise_raft.is_empty() {
-        anyhow::bail!("the node needs a Raft address others can reach (--advertise-raft)");
-    }
+/// What [`start`] opened before serving: the node's context and its log store, and the
+/// flag the network sets when a commit index it sent was held back for the log's sync.
+struct Opened {
+    ctx: Arc<NodeCtx>,
+    log: crate::store::LogStore,
+    held_back: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Opens the data directory and starts Raft on it; a saved state out of range gives the
+/// listeners back in [`Parked`] instead (see [`crate::saved`]).
+async fn open_node(cfg: &ServerConfig, listeners: Listeners) -> Result<(Opened, Listeners)> {
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("create data directory {}", cfg.data_dir.display()))?;
-    let (log_store, sm_store) = crate::store::open_for(&cfg.data_dir.join("raft"), cfg.feature_level_max)
+    let (log_store, mut sm_store) = crate::store::open_for(&cfg.data_dir.join("raft"), cfg.feature_max())
         .with_context(|| format!("open data directory {}", cfg.data_dir.display()))?;
     log_store
         .claim_for_node(cfg.id)
         .await
         .with_context(|| format!("data directory {}", cfg.data_dir.display()))?;
+    let mut log_check = log_store.clone();
+    let saved = crate::saved::check(&mut log_check, &mut sm_store, cfg.id, &cfg.data_dir)
+        .await
+        .with_context(|| format!("read data directory {}", cfg.data_dir.display()))?;
+    if let Err(why) = saved {
+        return Err(anyhow::Error::new(Parked { why, listeners }));
+    }
     let state = sm_store.shared();
     let held_back = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let network = Network { tls: cfg.tls.clone(), durable: log_store.durable(), held_back: Arc::clone(&held_back) };
+    let metrics = Metrics::new();
+    let guard = Arc::new(crate::guard::Guard::default());
+    let network = Network {
+        tls: cfg.tls.clone(),
+        durable: log_store.durable(),
+        held_back: Arc::clone(&held_back),
+        guard: Arc::clone(&guard),
+        metrics: metrics.clone(),
+        acked: crate::network::Acked::default(),
+    };
     let log = log_store.clone();
     let raft = Raft::new(cfg.id, Arc::new(cfg.raft_config()?), network, log_store, sm_store)
         .await
         .context("start Raft")?;
-    let metrics = Metrics::new();
+    guard.attach(raft.metrics());
     let clock = Arc::new(TimeKeeper::new(cfg.id, cfg.wall_clock.clone()));
-    clock.set_own_feature_max(cfg.feature_level_max);
-    let ctx = Arc::new(NodeCtx::new(cfg.id, raft.clone(), state, metrics.clone(), cfg.tls.clone(), clock.clone()));
+    clock.set_own_feature_max(cfg.feature_max());
+    metrics.connection_limits(
+        kvota_tls::listen::file_limit(),
+        &[
+            ("grpc", cfg.limits.api.max_connections),
+            ("raft", cfg.limits.raft.max_connections),
+            ("http", cfg.limits.http.max_connections),
+        ],
+    );
+    let ctx = Arc::new(NodeCtx::new(
+        cfg.id,
+        raft,
+        state,
+        metrics,
+        cfg.tls.clone(),
+        clock,
+        guard,
+    ));
+    Ok((Opened { ctx, log, held_back }, listeners))
+}
 
-    if let Some(members) = &cfg.initial_members {
-        if raft.is_initialized().await.context("read Raft state")? {
-            tracing::info!("data directory already holds a group; --init ignored");
-        } else {
-            if !members.contains_key(&cfg.id) {
-                anyhow::bail!("--init members must include this node (id {})", cfg.id);
-            }
-            if let Some((id, _)) = members.iter().find(|(_, n)| n.raft_addr.is_empty()) {
-                anyhow::bail!("--init member {id} has no Raft address");
-            }
-            raft.initialize(members.clone())
-                .await
-                .context("initialize the group")?;
-            tracing::info!(members = members.len(), "initialized a new control-plane group");
-        }
+/// Initializes a new group with `cfg.initial_members` (`--init`) if the data directory
+/// holds none yet.
+async fn initialize_if_asked(cfg: &ServerConfig, raft: &Raft) -> Result<()> {
+    let Some(members) = &cfg.initial_members else {
+        return Ok(());
+    };
+    if raft.is_initialized().await.context("read Raft state")? {
+        tracing::info!("data directory already holds a group; --init ignored");
+        return Ok(());
     }
+    if !members.contains_key(&cfg.id) {
+        anyhow::bail!("--init members must include this node (id {})", cfg.id);
+    }
+    if let Some((id, _)) = members.iter().find(|(_, n)| n.raft_addr.is_empty()) {
+        anyhow::bail!("--init member {id} has no Raft address");
+    }
+    raft.initialize(members.clone()).await.context("initialize the group")?;
+    tracing::info!(members = members.len(), "initialized a new control-plane group");
+    Ok(())
+}
+
+/// Starts a node on the given listeners.
+pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHandle> {
+    let rpc_addr = listeners.api.local_addr().context("read gRPC listen address")?;
+    let raft_addr = listeners.raft.local_addr().context("read Raft listen address")?;
+    let http_addr = listeners.http.local_addr().context("read HTTP listen address")?;
+    check_start(&cfg, &[("gRPC", rpc_addr), ("Raft", raft_addr), ("HTTP", http_addr)])?;
+    let (opened, listeners) = open_node(&cfg, listeners).await?;
+    let Opened { ctx, log, held_back } = opened;
+    let raft = ctx.raft.clone();
+    initialize_if_asked(&cfg, &raft).await?;
 
     let (shutdown, rx) = watch::channel(false);
     let (broken_tx, broken) = watch::channel(false);
     let mut tasks = JoinSet::new();
-    let refusal = on_refusal(&metrics);
-    let federation_group = |source: &Arc<kvota_tls::TlsSource>| TrustGroup { label: "federation", source: source.clone(), names_identities: true };
-
-    // gRPC API: member and admin services. With TLS every client needs a certificate.
-    let api_tls = cfg.tls.as_ref().map(|t| ServerTls {
-        serving: t.source().clone(),
-        groups: vec![federation_group(t.source())],
-        mandatory: true,
-        roles: None,
-        alpn: vec![b"h2".to_vec()],
-    });
-    let api = Listener::new("grpc", listeners.api, api_tls, cfg.limits.api.clone(), refusal.clone());
-    let grpc = tonic::transport::Server::builder()
-        .timeout(API_REQUEST_TIMEOUT)
-        .concurrency_limit_per_connection(MAX_CONCURRENT_PER_CONNECTION)
-        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .http2_max_header_list_size(MAX_GRPC_HEADER_BYTES)
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        .tcp_nodelay(true)
-        // One span per call, named by its method, so that what a handler logs (and the
-        // write it proposes) can be followed back to the call.
-        .trace_fn(|req| tracing::info_span!("grpc", method = req.uri().path()))
-        .add_service(MemberServer::new(MemberSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES))
-        .add_service(AdminServer::new(AdminSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES));
-    let mut stop = rx.clone();
-    let incoming = api.incoming(rx.clone());
-    tasks.spawn(async move {
-        let until = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        if let Err(e) = grpc.serve_with_incoming_shutdown(incoming, until).await {
-            tracing::error!(error = %e, "gRPC server stopped");
-        }
-    });
-
-    // Raft: its own port, node certificates only (dropped after the handshake otherwise).
     let contact = Arc::new(crate::watchdog::LeaderContact::default());
-    let raft_tls = cfg.tls.as_ref().map(|t| ServerTls {
-        serving: t.source().clone(),
-        groups: vec![federation_group(t.source())],
-        mandatory: true,
-        roles: Some(vec![Role::Node]),
-        alpn: vec![b"h2".to_vec()],
-    });
-    let raft_listener = Listener::new("raft", listeners.raft, raft_tls, cfg.limits.raft.clone(), refusal.clone());
-    let raft_server = tonic::transport::Server::builder()
-        .timeout(RAFT_REQUEST_TIMEOUT)
-        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .http2_max_header_list_size(MAX_GRPC_HEADER_BYTES)
-        .tcp_nodelay(true)
-        .add_service(
-            RaftServer::new(RaftTransport::new(ctx.clone(), contact.clone()))
-                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
-        );
-    let mut stop = rx.clone();
-    let incoming = raft_listener.incoming(rx.clone());
-    tasks.spawn(async move {
-        let until = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        if let Err(e) = raft_server.serve_with_incoming_shutdown(incoming, until).await {
-            tracing::error!(error = %e, "Raft server stopped");
-        }
-    });
-
+    spawn_servers(&cfg, &ctx, listeners, contact.clone(), &mut tasks, &rx);
     // A commit index held back for the leader's sync (`store::flush`) goes out as soon
     // as the sync is done, not with the next write or heartbeat.
-    {
-        let raft = raft.clone();
-        let mut durable = log.durable();
-        let mut stop = rx.clone();
-        tasks.spawn(async move {
-            loop {
-                tokio::select! {
-                    changed = durable.changed() => {
-                        if changed.is_err() {
-                            return;
-                        }
-                        if held_back.swap(false, std::sync::atomic::Ordering::Relaxed) {
-                            let _ = raft.trigger().heartbeat().await;
-                        }
-                    }
-                    () = async { let _ = stop.wait_for(|s| *s).await; } => return,
-                }
-            }
-        });
-    }
+    tasks.spawn(push_held_back_commits(
+        raft.clone(),
+        log.durable(),
+        held_back,
+        rx.clone(),
+    ));
 
     // Fast failover when the leader's process is gone (see `watchdog`).
+    let (heartbeat, election_max) = (cfg.heartbeat_ms, cfg.election_timeout_max_ms);
+    let (heartbeat, election_max) = (Duration::from_millis(heartbeat), Duration::from_millis(election_max));
     tasks.spawn(crate::watchdog::run(
         raft.clone(),
         contact,
         cfg.id,
-        Duration::from_millis(cfg.heartbeat_ms),
-        Duration::from_millis(cfg.election_timeout_max_ms),
+        heartbeat,
+        election_max,
         rx.clone(),
     ));
 
-    // HTTP: client certificates optional (probes carry none); routes authorize.
-    let http_tls = cfg.tls.as_ref().map(|t| ServerTls {
-        serving: t.source().clone(),
-        groups: vec![federation_group(t.source())],
-        mandatory: false,
-        roles: None,
-        alpn: vec![b"h2".to_vec(), b"http/1.1".to_vec()],
-    });
-    let http = Listener::new("http", listeners.http, http_tls, cfg.limits.http.clone(), refusal);
-    tasks.spawn(kvota_tls::http::serve(http.incoming(rx.clone()), crate::http::router(ctx.clone()), cfg.limits.http_requests.clone(), rx.clone()));
-
-    // Certificates, key and CA bundle reread when they change.
-    if let Some(tls) = &cfg.tls {
-        let m = metrics.clone();
-        tasks.spawn(tls.source().clone().watch("node certificate", move |ok| m.tls_reload(ok), rx.clone()));
-    }
-
-    // A Raft core that stops (a storage error, a panic) cannot come back in this process.
-    tasks.spawn(watch_raft_core(ctx.clone(), rx.clone(), broken_tx));
-
-    // The data directory's free space.
-    tasks.spawn(watch_disk(ctx.clone(), cfg.data_dir.clone(), cfg.min_free_disk_bytes, rx.clone()));
+    spawn_watchers(&cfg, &ctx, &mut tasks, &rx, broken_tx);
 
     // Every node reads the voters' clocks; the leader recomputes on a timer so budgets
     // move as leases expire and usage decays.
-    let tick_ctx = ctx.clone();
-    let tick = Duration::from_millis(cfg.tick_ms.max(50));
-    let mut stop = rx.clone();
-    tasks.spawn(async move {
-        let mut clients = ClockClients::default();
-        let mut every = tokio::time::interval(tick);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = every.tick() => {}
-                _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
-            }
-            read_clocks(&tick_ctx, &mut clients).await;
-            let leading = tick_ctx.raft.metrics().borrow().state == openraft::ServerState::Leader;
-            if leading {
-                match tick_ctx.propose(Command::Tick).await {
-                    Ok(Proposed::Done(_)) | Ok(Proposed::Forward(_)) => {}
-                    Err(e) => tracing::debug!(error = %e, "leader tick not committed"),
-                }
-            }
-        }
-    });
+    tasks.spawn(tick_loop(
+        ctx.clone(),
+        Duration::from_millis(cfg.tick_ms.max(50)),
+        rx.clone(),
+    ));
 
     // Samples of the federation for the dashboard's charts.
     tasks.spawn(sample_history(ctx.clone(), rx));
@@ -532,6 +486,300 @@ pub async fn start(cfg: ServerConfig, listeners: Listeners) -> Result<ServerHand
     })
 }
 
+/// Serves the gRPC API, Raft and HTTP on their listeners until `rx` turns true.
+fn spawn_servers(
+    cfg: &ServerConfig,
+    ctx: &Arc<NodeCtx>,
+    listeners: Listeners,
+    contact: Arc<crate::watchdog::LeaderContact>,
+    tasks: &mut JoinSet<()>,
+    rx: &watch::Receiver<bool>,
+) {
+    let refusal = on_refusal(&ctx.metrics);
+
+    // gRPC API: member and admin services. With TLS every client needs a certificate.
+    let api = Listener::new(
+        "grpc",
+        listeners.api,
+        node_tls(cfg, None),
+        cfg.limits.api.clone(),
+        refusal.clone(),
+    );
+    tasks.spawn(serve_api(ctx.clone(), api, rx.clone()));
+
+    // Raft: its own port, node certificates only (dropped after the handshake otherwise).
+    let raft_tls = node_tls(cfg, Some(vec![Role::Node]));
+    let raft_listener = Listener::new(
+        "raft",
+        listeners.raft,
+        raft_tls,
+        cfg.limits.raft.clone(),
+        refusal.clone(),
+    );
+    tasks.spawn(serve_raft(ctx.clone(), contact, raft_listener, rx.clone()));
+
+    // HTTP: client certificates optional (probes carry none); routes authorize.
+    let http = Listener::new("http", listeners.http, http_tls(cfg), cfg.limits.http.clone(), refusal);
+    tasks.spawn(kvota_tls::http::serve(
+        http.incoming(rx.clone()),
+        crate::http::router(ctx.clone()),
+        cfg.limits.http_requests.clone(),
+        rx.clone(),
+    ));
+}
+
+/// The watchers of a running node: certificate files, the Raft core, free disk space.
+fn spawn_watchers(
+    cfg: &ServerConfig,
+    ctx: &Arc<NodeCtx>,
+    tasks: &mut JoinSet<()>,
+    rx: &watch::Receiver<bool>,
+    broken_tx: watch::Sender<bool>,
+) {
+    // Certificates, key and CA bundle reread when they change.
+    if let Some(tls) = &cfg.tls {
+        let (m, source) = (ctx.metrics.clone(), tls.source().clone());
+        certificate_expiry(&m, &source);
+        tasks.spawn(tls.source().clone().watch(
+            "node certificate",
+            move |ok| {
+                m.tls_reload(ok);
+                certificate_expiry(&m, &source);
+            },
+            rx.clone(),
+        ));
+    }
+
+    // A Raft core that stops (a storage error, a panic) cannot come back in this process.
+    tasks.spawn(watch_raft_core(ctx.clone(), rx.clone(), broken_tx));
+
+    // The data directory's free space.
+    tasks.spawn(watch_disk(
+        ctx.clone(),
+        cfg.data_dir.clone(),
+        cfg.min_free_disk_bytes,
+        rx.clone(),
+    ));
+}
+
+/// Refuses a configuration the node cannot start with: id 0, plain text off loopback,
+/// a certificate naming another node, no advertised Raft address.
+fn check_start(cfg: &ServerConfig, addrs: &[(&str, SocketAddr)]) -> Result<()> {
+    if cfg.id == 0 {
+        anyhow::bail!("node id must be greater than 0");
+    }
+    check_plain_text(cfg, addrs)?;
+    if let Some(tls) = &cfg.tls {
+        let me = tls.identity();
+        if me.as_ref().and_then(|i| i.node_id()) != Some(cfg.id) {
+            anyhow::bail!(
+                "the certificate {} names {}, not node {}: give this node a certificate of its own (`kvota certs issue --role node --name {}`)",
+                tls.source().paths().cert.display(),
+                me.map_or_else(|| "no kvota identity".to_string(), |i| i.to_string()),
+                cfg.id,
+                cfg.id
+            );
+        }
+    }
+    if cfg.advertise_raft.is_empty() {
+        anyhow::bail!("the node needs a Raft address others can reach (--advertise-raft)");
+    }
+    Ok(())
+}
+
+/// TLS of the gRPC and Raft ports: a federation certificate is mandatory, and `roles`
+/// (if any) limits who may connect.
+fn node_tls(cfg: &ServerConfig, roles: Option<Vec<Role>>) -> Option<ServerTls> {
+    cfg.tls.as_ref().map(|t| ServerTls {
+        serving: t.source().clone(),
+        groups: vec![TrustGroup {
+            label: "federation",
+            source: t.source().clone(),
+            names_identities: true,
+        }],
+        mandatory: true,
+        roles,
+        alpn: vec![b"h2".to_vec()],
+    })
+}
+
+/// Serves the member and admin gRPC services until `stop` turns true.
+async fn serve_api(ctx: Arc<NodeCtx>, api: Listener, stop: watch::Receiver<bool>) {
+    let grpc = tonic::transport::Server::builder()
+        .timeout(API_REQUEST_TIMEOUT)
+        .concurrency_limit_per_connection(MAX_CONCURRENT_PER_CONNECTION)
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(MAX_GRPC_HEADER_BYTES)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .tcp_nodelay(true)
+        // One span per call, named by its method, so that what a handler logs (and the
+        // write it proposes) can be followed back to the call.
+        .trace_fn(|req| tracing::info_span!("grpc", method = req.uri().path()))
+        .add_service(MemberServer::new(MemberSvc::new(ctx.clone())).max_decoding_message_size(MAX_API_MESSAGE_BYTES))
+        .add_service(AdminServer::new(AdminSvc::new(ctx)).max_decoding_message_size(MAX_API_MESSAGE_BYTES));
+    let incoming = api.incoming(stop.clone());
+    if let Err(e) = grpc.serve_with_incoming_shutdown(incoming, stopped(stop)).await {
+        tracing::error!(error = %e, "gRPC server stopped");
+    }
+}
+
+/// Serves Raft between nodes until `stop` turns true.
+async fn serve_raft(
+    ctx: Arc<NodeCtx>,
+    contact: Arc<crate::watchdog::LeaderContact>,
+    listener: Listener,
+    stop: watch::Receiver<bool>,
+) {
+    let raft_server = tonic::transport::Server::builder()
+        .timeout(RAFT_REQUEST_TIMEOUT)
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(MAX_GRPC_HEADER_BYTES)
+        .tcp_nodelay(true)
+        .add_service(
+            RaftServer::new(RaftTransport::new(ctx, contact))
+                .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES),
+        );
+    let incoming = listener.incoming(stop.clone());
+    if let Err(e) = raft_server.serve_with_incoming_shutdown(incoming, stopped(stop)).await {
+        tracing::error!(error = %e, "Raft server stopped");
+    }
+}
+
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Sends a heartbeat as soon as the log is durable if a commit index was held back
+/// for the sync, so followers learn it without waiting for the next write.
+async fn push_held_back_commits(
+    raft: Raft,
+    mut durable: watch::Receiver<crate::store::flush::Durable>,
+    held_back: Arc<std::sync::atomic::AtomicBool>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            changed = durable.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                if held_back.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                    let _ = raft.trigger().heartbeat().await;
+                }
+            }
+            () = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        }
+    }
+}
+
+/// Every `tick`: reads the voters' clocks and, on the leader, proposes a recompute.
+async fn tick_loop(ctx: Arc<NodeCtx>, tick: Duration, mut stop: watch::Receiver<bool>) {
+    let mut clients = ClockClients::default();
+    let mut every = tokio::time::interval(tick);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+        }
+        read_clocks(&ctx, &mut clients).await;
+        let leading = ctx.raft.metrics().borrow().state == openraft::ServerState::Leader;
+        if leading {
+            match ctx.propose(Command::Tick).await {
+                Ok(Proposed::Done(_)) | Ok(Proposed::Forward(_)) => {}
+                Err(e) => tracing::debug!(error = %e, "leader tick not committed"),
+            }
+        }
+    }
+}
+
+/// TLS of the HTTP port: client certificates optional (probes carry none); routes
+/// authorize.
+fn http_tls(cfg: &ServerConfig) -> Option<ServerTls> {
+    cfg.tls.as_ref().map(|t| ServerTls {
+        serving: t.source().clone(),
+        groups: vec![TrustGroup {
+            label: "federation",
+            source: t.source().clone(),
+            names_identities: true,
+        }],
+        mandatory: false,
+        roles: None,
+        alpn: vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+    })
+}
+
+/// [`start`] found the data directory's saved state out of range
+/// ([`crate::saved::OutOfRange`]): no Raft core was started. The listeners come back,
+/// for [`serve_parked`].
+#[derive(Debug, thiserror::Error)]
+#[error("{why}")]
+pub struct Parked {
+    /// What is wrong, and how to recover.
+    pub why: crate::saved::OutOfRange,
+    /// The listeners [`start`] was given.
+    pub listeners: Listeners,
+}
+
+/// How often a parked node says again why it does not serve.
+pub const PARKED_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Serves a node that cannot start its Raft core ([`Parked`]) until `stop` turns true:
+/// `/healthz` answers 200 (restarting it changes nothing, so a liveness probe must not
+/// keep doing that), `/readyz` and everything else 503 with why and the recovery; the
+/// gRPC and Raft ports are closed (clients and peers go to the other nodes). The reason
+/// is logged as an error now and every [`PARKED_LOG_EVERY`].
+pub async fn serve_parked(cfg: &ServerConfig, parked: Parked, mut stop: watch::Receiver<bool>) {
+    let Parked { why, listeners } = parked;
+    let why = why.to_string();
+    drop(listeners.api);
+    drop(listeners.raft);
+    let metrics = Metrics::new();
+    let http = Listener::new(
+        "http",
+        listeners.http,
+        http_tls(cfg),
+        cfg.limits.http.clone(),
+        on_refusal(&metrics),
+    );
+    let probe = why.clone();
+    let ready = why.clone();
+    let router = axum::Router::new()
+        .route(
+            "/healthz",
+            axum::routing::get(move || {
+                let probe = probe.clone();
+                async move { format!("ok (not serving: {probe})\n") }
+            }),
+        )
+        .fallback(move || {
+            let ready = ready.clone();
+            async move {
+                (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: {ready}\n"),
+                )
+            }
+        });
+    let server = tokio::spawn(kvota_tls::http::serve(
+        http.incoming(stop.clone()),
+        router,
+        cfg.limits.http_requests.clone(),
+        stop.clone(),
+    ));
+    let mut every = tokio::time::interval(PARKED_LOG_EVERY);
+    loop {
+        tokio::select! {
+            _ = every.tick() => tracing::error!(reason = %why, "this node does not start its Raft core: it stays up, not ready"),
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    let _ = server.await;
+}
+
 /// Samples this node's applied state into its history every
 /// [`crate::view::HISTORY_INTERVAL`], the first at once, and counts each tenant's time
 /// above its entitlement and below its guarantee (`kvota_tenant_*_seconds_total`).
@@ -545,7 +793,10 @@ async fn sample_history(ctx: Arc<NodeCtx>, mut stop: watch::Receiver<bool>) {
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
         }
         let view = crate::view::FederationView::summary(&ctx.state.read().await.federation);
-        ctx.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample(&view);
+        ctx.history
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .sample(&view);
         if view.state_time_ms > 0 {
             share.observe(&view, |t, v, s| ctx.metrics.add_share_time(t, v, s));
         }
@@ -554,7 +805,10 @@ async fn sample_history(ctx: Arc<NodeCtx>, mut stop: watch::Receiver<bool>) {
 
 /// Raft clients for reading the voters' clocks, by node and address (kept: a new TLS
 /// connection every tick would cost each pair of nodes a handshake per second).
-type ClockClients = std::collections::HashMap<(NodeId, String), kvota_proto::raft::v1::raft_client::RaftClient<tonic::transport::Channel>>;
+type ClockClients = std::collections::HashMap<
+    (NodeId, String),
+    kvota_proto::raft::v1::raft_client::RaftClient<tonic::transport::Channel>,
+>;
 
 /// Asks every other voter for its wall clock (at most 500 ms each, all at once) and
 /// records the answers (see [`crate::clock`]).
@@ -582,7 +836,12 @@ async fn read_clocks(ctx: &Arc<NodeCtx>, clients: &mut ClockClients) {
         Some(async move {
             let mut client = client;
             let sent = Instant::now();
-            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_millis(500), client.clock(kvota_proto::raft::v1::Empty {})).await {
+            if let Ok(Ok(r)) = tokio::time::timeout(
+                Duration::from_millis(500),
+                client.clock(kvota_proto::raft::v1::Empty {}),
+            )
+            .await
+            {
                 let r = r.into_inner();
                 ctx.clock.record(id, r.wall_ms, sent.elapsed());
                 ctx.clock.record_support(id, r.feature_level_max);
@@ -649,5 +908,15 @@ async fn watch_disk(ctx: Arc<NodeCtx>, dir: PathBuf, min_free: u64, mut stop: wa
             tracing::info!(free_bytes = free, dir = %dir.display(), "the data directory's disk has room again");
         }
         low = now_low;
+    }
+}
+
+/// Exports when the node's certificate expires: it serves the gRPC, HTTP and Raft ports
+/// and is the client certificate of its calls to peers, so one file, two uses.
+fn certificate_expiry(metrics: &Metrics, source: &kvota_tls::TlsSource) {
+    let loaded = source.current();
+    let identity = loaded.identity.as_ref().map_or_else(String::new, ToString::to_string);
+    for r#use in ["served", "client"] {
+        metrics.certificate(r#use, &identity, loaded.not_after_unix);
     }
 }

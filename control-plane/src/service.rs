@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use kvota_fairness::federation::{Applied, Command, UsageReport};
-use kvota_fairness::policy::Policy;
 use kvota_fairness::names::TenantName;
+use kvota_fairness::policy::Policy;
 use kvota_proto::convert::{self, Registration};
 use kvota_proto::v1::{self, admin_client::AdminClient, member_client::MemberClient};
 use openraft::error::{ClientWriteError, RaftError};
@@ -67,7 +67,8 @@ fn not_leader(addr: &str) -> Status {
 
 fn forwarded<T>(msg: T) -> Request<T> {
     let mut r = Request::new(msg);
-    r.metadata_mut().insert(FORWARDED_HEADER, tonic::metadata::MetadataValue::from_static("1"));
+    r.metadata_mut()
+        .insert(FORWARDED_HEADER, tonic::metadata::MetadataValue::from_static("1"));
     r
 }
 
@@ -78,7 +79,9 @@ const ACTOR_HEADER: &str = "kvota-actor";
 /// call a follower forwarded (nodes forward only what they authorized), the party it
 /// names; none without TLS.
 fn actor_of<T>(caller: &crate::auth::Caller, req: &Request<T>) -> Option<String> {
-    let crate::auth::Caller::Party(id) = caller else { return None };
+    let crate::auth::Caller::Party(id) = caller else {
+        return None;
+    };
     if id.role() == kvota_tls::Role::Node {
         return req
             .metadata()
@@ -95,6 +98,16 @@ fn unexpected(what: &str, got: &Applied) -> Status {
 }
 
 impl NodeCtx {
+    /// The policy revision a member's call is answered with: the leader's answer when
+    /// the call was forwarded (`leaders`, 0 if not), else this node's state, which has
+    /// applied the call.
+    async fn revision_answered(&self, leaders: &std::sync::atomic::AtomicU64) -> u64 {
+        match leaders.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => self.state.read().await.federation.policy_revision().0,
+            r => r,
+        }
+    }
+
     /// Proposes, or forwards to the leader through `via` (once).
     async fn write_or_forward<M: Clone>(
         self: &Arc<Self>,
@@ -128,6 +141,26 @@ impl NodeCtx {
     }
 }
 
+/// What the leader answered a forwarded report, as this node's own write would.
+fn leaders_report_answer(r: v1::ReportReply) -> Result<Response<Applied>, Status> {
+    if r.expected_seq > 0 {
+        // The leader answered a gap in the reply form: carry it back as
+        // the error form, which the end of this handler turns back.
+        return Err(crate::node::sequence_gap(
+            r.expected_seq,
+            format!("sequence gap: the control plane expects report {}", r.expected_seq),
+        ));
+    }
+    let lease = r
+        .lease
+        .ok_or_else(|| Status::internal("leader answered without a lease"))?;
+    let lease = kvota_fairness::lease::Lease::try_from(lease).map_err(invalid)?;
+    Ok(Response::new(Applied::Reported {
+        applied: r.applied,
+        lease,
+    }))
+}
+
 #[tonic::async_trait]
 impl v1::member_server::Member for MemberSvc {
     async fn register(&self, request: Request<v1::RegisterRequest>) -> Result<Response<v1::LeaseReply>, Status> {
@@ -141,18 +174,24 @@ impl v1::member_server::Member for MemberSvc {
             capacity: reg.capacity,
             labels: reg.labels,
         };
+        let leaders_revision = std::sync::atomic::AtomicU64::new(0);
         let applied = self
             .ctx
             .write_or_forward(cmd, None, fwd, msg, async |ch, req| {
-                let lease = MemberClient::new(ch).register(req).await?.into_inner().lease;
-                let lease = lease.ok_or_else(|| Status::internal("leader answered without a lease"))?;
+                let reply = MemberClient::new(ch).register(req).await?.into_inner();
+                leaders_revision.store(reply.policy_revision, std::sync::atomic::Ordering::Relaxed);
+                let lease = reply
+                    .lease
+                    .ok_or_else(|| Status::internal("leader answered without a lease"))?;
                 let lease = kvota_fairness::lease::Lease::try_from(lease).map_err(invalid)?;
                 Ok(Response::new(Applied::Registered(lease)))
             })
             .await?;
+        let policy_revision = self.ctx.revision_answered(&leaders_revision).await;
         match applied {
             Applied::Registered(lease) => Ok(Response::new(v1::LeaseReply {
                 lease: Some(v1::Lease::from(&lease)),
+                policy_revision,
             })),
             other => Err(unexpected("a registration", &other)),
         }
@@ -162,6 +201,7 @@ impl v1::member_server::Member for MemberSvc {
         let caller = self.ctx.authz.check(&request, "member", "Report", MEMBER)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
+        let gap_in_reply = msg.gap_in_reply;
         let report = match UsageReport::try_from(msg.clone()) {
             Ok(r) => r,
             Err(e) => {
@@ -171,33 +211,46 @@ impl v1::member_server::Member for MemberSvc {
         };
         self.ctx.authz.for_cluster(&caller, "Report", &report.cluster)?;
         let span = tracing::info_span!("report", cluster = %report.cluster, seq = report.seq, tenants = report.tenants.len(), forwarded = fwd);
+        let leaders_revision = std::sync::atomic::AtomicU64::new(0);
         let result = self
             .ctx
             .write_or_forward(Command::Report(report), None, fwd, msg, async |ch, req| {
                 let r = MemberClient::new(ch).report(req).await?.into_inner();
-                let lease = r.lease.ok_or_else(|| Status::internal("leader answered without a lease"))?;
-                let lease = kvota_fairness::lease::Lease::try_from(lease).map_err(invalid)?;
-                Ok(Response::new(Applied::Reported {
-                    applied: r.applied,
-                    lease,
-                }))
+                leaders_revision.store(r.policy_revision, std::sync::atomic::Ordering::Relaxed);
+                leaders_report_answer(r)
             })
             .instrument(span.clone())
             .await;
+        let policy_revision = self.ctx.revision_answered(&leaders_revision).await;
         let _entered = span.enter();
         match result {
             Ok(Applied::Reported { applied, lease }) => {
                 self.ctx.metrics.report(if applied { "applied" } else { "duplicate" });
-                tracing::debug!(applied, epoch = lease.epoch, budgets = lease.budgets.len(), "lease sent");
+                tracing::debug!(
+                    applied,
+                    epoch = lease.epoch,
+                    budgets = lease.budgets.len(),
+                    "lease sent"
+                );
                 Ok(Response::new(v1::ReportReply {
                     applied,
                     lease: Some(v1::Lease::from(&lease)),
+                    expected_seq: 0,
+                    policy_revision,
                 }))
             }
             Ok(other) => Err(unexpected("a report", &other)),
             Err(s) => {
                 self.ctx.metrics.report("rejected");
-                Err(s)
+                match crate::node::gap_of(&s).filter(|_| gap_in_reply) {
+                    Some(expected) => Ok(Response::new(v1::ReportReply {
+                        applied: false,
+                        lease: None,
+                        expected_seq: expected,
+                        policy_revision,
+                    })),
+                    None => Err(s),
+                }
             }
         }
     }
@@ -232,6 +285,7 @@ pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> O
             let b = newest.and_then(|l| l.budgets.get(t)).copied().unwrap_or_default();
             v1::ClusterTenant {
                 tenant: t.to_string(),
+                running_milli_gpue: rec.running(t),
                 inuse_milli_gpue: u.inuse,
                 pending_milli_gpue: u.pending,
                 budget_milli_gpue: b.budget,
@@ -252,19 +306,34 @@ pub fn cluster_info(fed: &kvota_fairness::federation::Federation, id: &str) -> O
         acked_epoch: rec.leases.acked_epoch,
         unreachable: rec.leases.last_epoch > 0 && rec.leases.all_expired(now),
         tenants,
+        status: rec.status.as_ref().map(v1::ClusterStatus::from),
+        cut_off_since_ms: fed.cut_off().get(id).copied().unwrap_or(0),
     })
 }
 
 /// The kept decisions about `req.pod` (the gRPC `ExplainPod` call and the HTTP
 /// `/api/v1/decisions` both answer with it).
-pub fn explain_pod_reply(fed: &kvota_fairness::federation::Federation, req: &v1::ExplainPodRequest) -> Result<v1::ExplainPodReply, Status> {
+pub fn explain_pod_reply(
+    fed: &kvota_fairness::federation::Federation,
+    req: &v1::ExplainPodRequest,
+) -> Result<v1::ExplainPodReply, Status> {
     let shown = |s: &str| s.chars().take(64).collect::<String>();
-    let ok = req.pod.len() <= 317 && req.pod.split_once('/').is_some_and(|(ns, name)| !ns.is_empty() && !name.is_empty());
+    let ok = req.pod.len() <= 317
+        && req
+            .pod
+            .split_once('/')
+            .is_some_and(|(ns, name)| !ns.is_empty() && !name.is_empty());
     if !ok {
-        return Err(Status::invalid_argument(format!("pod: `{}` is not namespace/name", shown(&req.pod))));
+        return Err(Status::invalid_argument(format!(
+            "pod: `{}` is not namespace/name",
+            shown(&req.pod)
+        )));
     }
     if !req.cluster.is_empty() && !kvota_fairness::names::is_dns_label(&req.cluster) {
-        return Err(Status::invalid_argument(format!("cluster: `{}` is not a cluster name", shown(&req.cluster))));
+        return Err(Status::invalid_argument(format!(
+            "cluster: `{}` is not a cluster name",
+            shown(&req.cluster)
+        )));
     }
     let cluster = (!req.cluster.is_empty()).then_some(req.cluster.as_str());
     Ok(v1::ExplainPodReply {
@@ -272,7 +341,10 @@ pub fn explain_pod_reply(fed: &kvota_fairness::federation::Federation, req: &v1:
         decisions: fed
             .pod_decisions(&req.pod, cluster)
             .into_iter()
-            .map(|(c, d)| v1::ClusterDecision { cluster: c.to_string(), decision: Some(d.into()) })
+            .map(|(c, d)| v1::ClusterDecision {
+                cluster: c.to_string(),
+                decision: Some(d.into()),
+            })
             .collect(),
     })
 }
@@ -306,12 +378,12 @@ pub async fn status_reply(ctx: &NodeCtx) -> v1::StatusReply {
         state_time_ms: state.federation.now_ms(),
         policy: state.federation.policy().map(|p| p.name.clone()).unwrap_or_default(),
         clusters: u32::try_from(state.federation.clusters().len()).unwrap_or(u32::MAX),
-        feature_level: state.feature_level,
-        feature_level_max: ctx.clock.own_feature_max(),
+        feature_level: state.feature_level.get(),
+        feature_level_max: ctx.clock.own_feature_max().get(),
         ready,
+        policy_revision: state.federation.policy_revision().0,
     }
 }
-
 
 /// The policy's tenants with their numbers (the gRPC `ListTenants` call and the HTTP
 /// `/api/v1/tenants` both answer with it).
@@ -320,6 +392,7 @@ pub fn tenants_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListTe
         return v1::ListTenantsReply::default();
     };
     let plan = fed.plan();
+    let split = crate::view::in_use_split(fed, &plan.tenants);
     let tenants = policy
         .tenants
         .iter()
@@ -327,7 +400,11 @@ pub fn tenants_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListTe
         .map(|(i, t)| {
             let committed = fed.committed().get(&t.name).copied().unwrap_or(0);
             let inuse = plan.inuse.get(i).copied().unwrap_or(0);
+            let (running, waiting) = split.get(i).copied().unwrap_or_default();
             v1::TenantInfo {
+                running_milli_gpue: running.min(inuse),
+                admitted_milli_gpue: inuse.saturating_sub(running),
+                waiting_milli_gpue: waiting,
                 tenant: t.name.to_string(),
                 weight_milli: t.weight_milli,
                 min_share_bp: t.min_share_bp,
@@ -349,11 +426,16 @@ pub fn tenants_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListTe
     }
 }
 
-
 /// Every registered cluster (the gRPC `ListClusters` call and the HTTP
 /// `/api/v1/clusters` both answer with it).
 pub fn clusters_reply(fed: &kvota_fairness::federation::Federation) -> v1::ListClustersReply {
-    v1::ListClustersReply { clusters: fed.clusters().keys().filter_map(|id| cluster_info(fed, id)).collect() }
+    let (policy_revision, policy_since_ms) = fed.policy_revision();
+    v1::ListClustersReply {
+        clusters: fed.clusters().keys().filter_map(|id| cluster_info(fed, id)).collect(),
+        policy_revision,
+        policy_since_ms,
+        state_time_ms: fed.now_ms(),
+    }
 }
 
 /// The audit records `req` asks for, oldest first: those about its tenant, by its
@@ -365,20 +447,42 @@ pub fn audit_records<'a>(
 ) -> Result<Vec<&'a kvota_fairness::federation::AuditRecord>, Status> {
     let shown = |s: &str| s.chars().take(64).collect::<String>();
     if !req.tenant.is_empty() && !kvota_fairness::names::is_dns_label(&req.tenant) {
-        return Err(Status::invalid_argument(format!("tenant: `{}` is not a tenant name", shown(&req.tenant))));
+        return Err(Status::invalid_argument(format!(
+            "tenant: `{}` is not a tenant name",
+            shown(&req.tenant)
+        )));
     }
     if req.actor.len() > kvota_fairness::federation::MAX_ACTOR_LEN {
         return Err(Status::invalid_argument("actor: too long"));
     }
+    if req.kinds.len() > kvota_fairness::federation::KINDS.len() {
+        return Err(Status::invalid_argument("kinds: too many"));
+    }
+    let kinds = kvota_fairness::federation::parse_kinds(&req.kinds.join(","))
+        .map_err(|e| Status::invalid_argument(format!("kinds: {e}")))?;
     let text = |s: &'a str| (!s.is_empty()).then_some(s);
-    let all: Vec<_> = fed.audit_filtered(text(&req.tenant), text(&req.actor), (req.since_ms > 0).then_some(req.since_ms)).collect();
-    let skip = if req.limit == 0 { 0 } else { all.len().saturating_sub(req.limit as usize) };
+    let all: Vec<_> = fed
+        .audit_filtered(
+            text(&req.tenant),
+            text(&req.actor),
+            (req.since_ms > 0).then_some(req.since_ms),
+        )
+        .filter(|r| kinds.contains(&r.event.kind()))
+        .collect();
+    let skip = if req.limit == 0 {
+        0
+    } else {
+        all.len().saturating_sub(req.limit as usize)
+    };
     Ok(all.into_iter().skip(skip).collect())
 }
 
 /// Showback over `req`'s period (see [`kvota_fairness::showback`]); the gRPC `Usage`
 /// call and the HTTP `/api/v1/usage` both answer with it.
-pub fn usage_reply(fed: &kvota_fairness::federation::Federation, req: &v1::UsageRequest) -> Result<v1::UsageReply, Status> {
+pub fn usage_reply(
+    fed: &kvota_fairness::federation::Federation,
+    req: &v1::UsageRequest,
+) -> Result<v1::UsageReply, Status> {
     use kvota_fairness::showback::{GroupBy, HOUR_MS};
     let until = if req.until_ms == 0 { fed.now_ms() } else { req.until_ms };
     if req.since_ms >= until {
@@ -388,9 +492,15 @@ pub fn usage_reply(fed: &kvota_fairness::federation::Federation, req: &v1::Usage
         )));
     }
     let Some(sb) = fed.showback() else {
-        return Ok(v1::UsageReply { kept: false, ..Default::default() });
+        return Ok(v1::UsageReply {
+            kept: false,
+            ..Default::default()
+        });
     };
-    let by = GroupBy { tenant: req.by_tenant, cluster: req.by_cluster };
+    let by = GroupBy {
+        tenant: req.by_tenant,
+        cluster: req.by_cluster,
+    };
     let rows = sb
         .query(req.since_ms, until, by)
         .into_iter()
@@ -411,12 +521,14 @@ pub fn usage_reply(fed: &kvota_fairness::federation::Federation, req: &v1::Usage
     })
 }
 
-fn policy_reply(p: &Policy) -> v1::PolicyReply {
+fn policy_reply(p: &Policy, (revision, since_ms): (u64, u64)) -> v1::PolicyReply {
     v1::PolicyReply {
         name: p.name.clone(),
         tenants: u32::try_from(p.tenants.len()).unwrap_or(u32::MAX),
         problems: Vec::new(),
         yaml: p.to_yaml(),
+        revision,
+        since_ms,
     }
 }
 
@@ -456,10 +568,18 @@ fn member_addr(m: &v1::NodeInfo) -> Result<NodeAddr, Status> {
     }
     for a in [&m.rpc_addr, &m.http_addr, &m.raft_addr] {
         if a.len() > MAX_ADDR || a.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(Status::invalid_argument(format!("node {}: `{}` is not a host:port address", m.id, a.chars().take(64).collect::<String>())));
+            return Err(Status::invalid_argument(format!(
+                "node {}: `{}` is not a host:port address",
+                m.id,
+                a.chars().take(64).collect::<String>()
+            )));
         }
     }
-    Ok(NodeAddr { rpc_addr: m.rpc_addr.clone(), http_addr: m.http_addr.clone(), raft_addr: m.raft_addr.clone() })
+    Ok(NodeAddr {
+        rpc_addr: m.rpc_addr.clone(),
+        http_addr: m.http_addr.clone(),
+        raft_addr: m.raft_addr.clone(),
+    })
 }
 
 impl AdminSvc {
@@ -468,10 +588,15 @@ impl AdminSvc {
     /// to dial (and stream the federation's log to) whatever address it is given.
     async fn verify_member(&self, id: u64, raft_addr: &str) -> Result<(), Status> {
         let Some(tls) = self.ctx.tls() else { return Ok(()) };
-        kvota_tls::connect::probe(raft_addr, tls.source().clone(), kvota_tls::Expect::Node(id), std::time::Duration::from_secs(5))
-            .await
-            .map(|_| ())
-            .map_err(|e| Status::failed_precondition(format!("node {id} at {raft_addr} is not verified: {e}")))
+        kvota_tls::connect::probe(
+            raft_addr,
+            tls.source().clone(),
+            kvota_tls::Expect::Node(id),
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| Status::failed_precondition(format!("node {id} at {raft_addr} is not verified: {e}")))
     }
 
     /// Runs a membership call on the leader, forwarding once if needed.
@@ -508,26 +633,30 @@ impl v1::admin_server::Admin for AdminSvc {
         let msg = request.into_inner();
         let policy = Policy::from_yaml(&msg.yaml).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let level = self.ctx.state.read().await.feature_level;
-        // Each setting a node below its feature level would drop from the replicated policy.
-        let gated = [
-            (!policy.showback.is_default(), "spec.showback", crate::types::SHOWBACK_LEVEL),
-            (!policy.reclaim.lend_idle, "spec.reclaim.lendIdle", crate::types::LENDING_LEVEL),
-            (!policy.reclaim.lend_when.is_always(), "spec.reclaim.lendWhen", crate::types::LEND_WHEN_LEVEL),
-        ];
-        if let Some((_, what, needs)) = gated.into_iter().find(|&(set, _, needs)| set && level < needs) {
+        // A setting a node below its feature level would drop from the replicated policy.
+        if let Some((what, needs)) = level.policy_refusal(&policy) {
             return Err(Status::failed_precondition(format!(
                 "{what} needs feature level {needs} and the group runs at {level}: every node must run a kvota that \
                  supports it first (see docs/operations.md, \"Upgrades\"); nothing was changed"
             )));
         }
-        let reply = policy_reply(&policy);
+        let mut reply = policy_reply(&policy, (0, 0));
+        let leaders = std::sync::Mutex::new(None);
         let applied = self
             .ctx
             .write_or_forward(Command::ApplyPolicy(policy), actor, fwd, msg, async |ch, req| {
-                AdminClient::new(ch).apply_policy(req).await?;
+                let r = AdminClient::new(ch).apply_policy(req).await?.into_inner();
+                *leaders.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((r.revision, r.since_ms));
                 Ok(Response::new(Applied::PolicyApplied))
             })
             .await?;
+        // The revision in force once applied: the leader's answer when forwarded, else
+        // this node's state, which has applied it.
+        let forwarded = *leaders.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        (reply.revision, reply.since_ms) = match forwarded {
+            Some(r) => r,
+            None => self.ctx.state.read().await.federation.policy_revision(),
+        };
         match applied {
             Applied::PolicyApplied => Ok(Response::new(reply)),
             other => Err(unexpected("a policy", &other)),
@@ -537,7 +666,7 @@ impl v1::admin_server::Admin for AdminSvc {
     async fn validate_policy(&self, request: Request<v1::PolicyRequest>) -> Result<Response<v1::PolicyReply>, Status> {
         self.ctx.authz.check(&request, "admin", "ValidatePolicy", READ)?;
         Ok(Response::new(match Policy::from_yaml(&request.into_inner().yaml) {
-            Ok(p) => policy_reply(&p),
+            Ok(p) => policy_reply(&p, (0, 0)),
             Err(e) => v1::PolicyReply {
                 problems: problems(&e),
                 ..Default::default()
@@ -548,8 +677,13 @@ impl v1::admin_server::Admin for AdminSvc {
     async fn get_policy(&self, request: Request<v1::Empty>) -> Result<Response<v1::PolicyReply>, Status> {
         self.ctx.authz.check(&request, "admin", "GetPolicy", READ_POLICY)?;
         let state = self.ctx.state.read().await;
+        let revision = state.federation.policy_revision();
         Ok(Response::new(
-            state.federation.policy().map(policy_reply).unwrap_or_default(),
+            state
+                .federation
+                .policy()
+                .map(|p| policy_reply(p, revision))
+                .unwrap_or_default(),
         ))
     }
 
@@ -578,12 +712,21 @@ impl v1::admin_server::Admin for AdminSvc {
         let name = request.into_inner().tenant;
         let state = self.ctx.state.read().await;
         let e = state.federation.explain_tenant(&name).ok_or_else(|| {
-            Status::not_found(format!("the policy in force has no tenant `{}`", name.chars().take(64).collect::<String>()))
+            Status::not_found(format!(
+                "the policy in force has no tenant `{}`",
+                name.chars().take(64).collect::<String>()
+            ))
         })?;
-        Ok(Response::new(v1::ExplainTenantReply { text: e.to_string(), explanation: Some((&e).into()) }))
+        Ok(Response::new(v1::ExplainTenantReply {
+            text: e.to_string(),
+            explanation: Some((&e).into()),
+        }))
     }
 
-    async fn explain_pod(&self, request: Request<v1::ExplainPodRequest>) -> Result<Response<v1::ExplainPodReply>, Status> {
+    async fn explain_pod(
+        &self,
+        request: Request<v1::ExplainPodRequest>,
+    ) -> Result<Response<v1::ExplainPodReply>, Status> {
         self.ctx.authz.check(&request, "admin", "ExplainPod", READ)?;
         let req = request.into_inner();
         let state = self.ctx.state.read().await;
@@ -597,8 +740,16 @@ impl v1::admin_server::Admin for AdminSvc {
             let state = self.ctx.state.read().await;
             crate::backup::encode(&state, self.ctx.id, self.ctx.clock.wall_ms()).map_err(Status::internal)?
         };
-        tracing::info!(bytes = backup.len(), follows_leader = read.follows_leader, "backup taken");
-        Ok(Response::new(v1::SnapshotReply { backup, follows_leader: read.follows_leader, note: read.note.unwrap_or_default() }))
+        tracing::info!(
+            bytes = backup.len(),
+            follows_leader = read.follows_leader,
+            "backup taken"
+        );
+        Ok(Response::new(v1::SnapshotReply {
+            backup,
+            follows_leader: read.follows_leader,
+            note: read.note.unwrap_or_default(),
+        }))
     }
 
     async fn usage(&self, request: Request<v1::UsageRequest>) -> Result<Response<v1::UsageReply>, Status> {
@@ -612,30 +763,49 @@ impl v1::admin_server::Admin for AdminSvc {
         self.ctx.authz.check(&request, "admin", "AuditLog", READ)?;
         let req = request.into_inner();
         let state = self.ctx.state.read().await;
-        let entries = audit_records(&state.federation, &req)?.into_iter().map(v1::AuditRecord::from).collect();
+        let entries = audit_records(&state.federation, &req)?
+            .into_iter()
+            .map(v1::AuditRecord::from)
+            .collect();
         Ok(Response::new(v1::AuditLogReply { entries }))
     }
 
-    async fn remove_cluster(&self, request: Request<v1::DescribeClusterRequest>) -> Result<Response<v1::Empty>, Status> {
+    async fn remove_cluster(
+        &self,
+        request: Request<v1::DescribeClusterRequest>,
+    ) -> Result<Response<v1::Empty>, Status> {
         let caller = self.ctx.authz.check(&request, "admin", "RemoveCluster", OPERATE)?;
         let actor = actor_of(&caller, &request);
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
         let id = convert::cluster_id("cluster", &msg.cluster).map_err(invalid)?;
         self.ctx
-            .write_or_forward(Command::RemoveCluster { cluster: id }, actor, fwd, msg, async |ch, req| {
-                AdminClient::new(ch).remove_cluster(req).await?;
-                Ok(Response::new(Applied::Removed))
-            })
+            .write_or_forward(
+                Command::RemoveCluster { cluster: id },
+                actor,
+                fwd,
+                msg,
+                async |ch, req| {
+                    AdminClient::new(ch).remove_cluster(req).await?;
+                    Ok(Response::new(Applied::Removed))
+                },
+            )
             .await?;
         Ok(Response::new(v1::Empty {}))
+    }
+
+    async fn browse(&self, request: Request<v1::BrowseRequest>) -> Result<Response<v1::BrowseReply>, Status> {
+        self.ctx.authz.check(&request, "admin", "Browse", READ)?;
+        crate::browse::answer(&self.ctx, request).await.map(Response::new)
     }
 
     async fn initialize(&self, request: Request<v1::InitializeRequest>) -> Result<Response<v1::StatusReply>, Status> {
         self.ctx.authz.check(&request, "admin", "Initialize", OPERATE)?;
         let msg = request.into_inner();
         if msg.members.is_empty() {
-            return Err(Status::invalid_argument("initialize needs at least this node as a member"));
+            return Err(Status::invalid_argument(
+                "initialize needs at least this node as a member",
+            ));
         }
         if msg.members.len() > MAX_MEMBERS {
             return Err(Status::invalid_argument(format!("at most {MAX_MEMBERS} members")));
@@ -666,7 +836,10 @@ impl v1::admin_server::Admin for AdminSvc {
         self.ctx.authz.check(&request, "admin", "AddLearner", OPERATE)?;
         let fwd = was_forwarded(&request);
         let msg = request.into_inner();
-        let node = msg.node.clone().ok_or_else(|| Status::invalid_argument("node is required"))?;
+        let node = msg
+            .node
+            .clone()
+            .ok_or_else(|| Status::invalid_argument("node is required"))?;
         let addr = member_addr(&node)?;
         // Only the leader dials the learner; a follower forwards first.
         if self.ctx.raft.metrics().borrow().state == openraft::ServerState::Leader {
@@ -682,8 +855,11 @@ impl v1::admin_server::Admin for AdminSvc {
             self.ctx.raft.add_learner(node.id, addr, true),
         )
         .await
-        .map_err(|_| Status::deadline_exceeded("the learner did not catch up within 60 s; is it running and reachable?"))?;
-        self.leader_only(fwd, result, async |mut c| c.add_learner(forwarded(msg)).await).await
+        .map_err(|_| {
+            Status::deadline_exceeded("the learner did not catch up within 60 s; is it running and reachable?")
+        })?;
+        self.leader_only(fwd, result, async |mut c| c.add_learner(forwarded(msg)).await)
+            .await
     }
 
     async fn change_membership(

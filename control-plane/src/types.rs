@@ -27,7 +27,11 @@ pub struct Node {
 
 impl fmt::Display for Node {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rpc={} http={} raft={}", self.rpc_addr, self.http_addr, self.raft_addr)
+        write!(
+            f,
+            "rpc={} http={} raft={}",
+            self.rpc_addr, self.http_addr, self.raft_addr
+        )
     }
 }
 
@@ -35,39 +39,6 @@ impl fmt::Display for Node {
 /// [`Request`]; entries written before formats were stamped carry no `format` field and
 /// are format 1.
 pub const LOG_FORMAT: u32 = 1;
-
-/// The newest feature level this build supports. The replicated state carries the
-/// level the group runs at ([`crate::store::StateMachineData::feature_level`]); the
-/// leader raises it only once every voter reports support for the new level over the
-/// Raft port, so a group in a rolling upgrade keeps writing what its oldest voter
-/// reads. Level 1: log entries of format 1, snapshots of format 1. Level 2: the same
-/// formats, and the state keeps records (showback: undecayed usage in hourly buckets;
-/// the agents' reported admission decisions), turned on by the entry that raises the
-/// level; a policy may set `spec.showback` only from then. Level 3: the same formats,
-/// and leases lend (each preemptible tenant's budget comes with a borrow limit, a new
-/// protobuf field older agents ignore), turned on by the entry that raises the level.
-/// Level 4: the same formats, and budgets are sized to waiting pods (the state keeps
-/// each report's largest waiting pod per tenant, a protobuf field older nodes drop, and
-/// the split makes room for it), turned on by the entry that raises the level.
-/// Level 5: the same formats, and a policy may set `spec.reclaim.lendWhen` (a protobuf
-/// field of the replicated policy that older nodes drop).
-pub const FEATURE_LEVEL: u32 = 5;
-
-/// The feature level from which the replicated state keeps records: showback, the
-/// agents' reported decisions, and the actors of audit records (log entries name who
-/// asked for each command).
-pub const RECORDS_LEVEL: u32 = 2;
-/// The feature level from which leases lend idle GPUs to preemptible tenants
-/// ([`kvota_fairness::federation::Federation::enable_lending`]).
-pub const LENDING_LEVEL: u32 = 3;
-/// The feature level from which budgets are sized to the tenants' waiting pods
-/// ([`kvota_fairness::federation::Federation::enable_sized_budgets`]).
-pub const SIZED_LEVEL: u32 = 4;
-/// The feature level from which a policy may set `spec.reclaim.lendWhen` (agents then
-/// lend only at the lease standing it names, [`kvota_fairness::admission::lends_now`]).
-pub const LEND_WHEN_LEVEL: u32 = 5;
-/// The feature level from which a policy may set `spec.showback` (see [`RECORDS_LEVEL`]).
-pub const SHOWBACK_LEVEL: u32 = RECORDS_LEVEL;
 
 /// A log entry's payload: state-machine commands stamped by the leader that proposed
 /// them, applied in order. Time enters the state machine only through this stamp, so
@@ -87,14 +58,14 @@ pub struct Request {
     pub now_ms: u64,
     /// The commands, applied in this order.
     pub commands: Vec<Command>,
-    /// Raises the group's feature level to this, once applied (the leader adds it when
-    /// every voter has said it supports that level). A node that does not support it
+    /// Raises the group's feature level ([`crate::feature::FeatureLevel`]) to this, once
+    /// applied (the leader adds it when every voter has said it supports that level). A node that does not support it
     /// stops when it applies the entry, with an error that says to upgrade it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raise_feature_level: Option<u32>,
     /// Who asked for each command, by its index in `commands` (`role/name` of the
     /// caller's certificate), for the audit log. Written from feature level 2 only
-    /// ([`RECORDS_LEVEL`]): an older node refuses an entry with this field.
+    /// ([`crate::feature::FeatureLevel::RECORDS`]): an older node refuses an entry with this field.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub actors: BTreeMap<u32, String>,
 }
@@ -102,18 +73,13 @@ pub struct Request {
 impl Request {
     /// An entry of the current format carrying `commands` stamped `now_ms`.
     pub fn new(now_ms: u64, commands: Vec<Command>) -> Request {
-        Request { format: LOG_FORMAT, now_ms, commands, raise_feature_level: None, actors: BTreeMap::new() }
-    }
-}
-
-/// The log-entry format a group at feature level `level` writes: format 1 at level 1,
-/// the newest this build writes above it. A format newer than 1 may be written only
-/// once the level says every member reads it.
-pub fn entry_format_for(level: u32) -> u32 {
-    if level <= 1 {
-        1
-    } else {
-        LOG_FORMAT
+        Request {
+            format: LOG_FORMAT,
+            now_ms,
+            commands,
+            raise_feature_level: None,
+            actors: BTreeMap::new(),
+        }
     }
 }
 

@@ -25,6 +25,29 @@ pub fn gpus(milli: u64) -> f64 {
     milli as f64 / 1000.0
 }
 
+/// What the score shown beside each tenant means, in the words the dashboard, the CLI
+/// and the demo print with it: one definition everywhere
+/// ([`kvota_fairness::measures::tenant_score`]).
+pub const SCORE_DEFINITION: &str = "fairness score: in use (running + admitted) against entitled, as shares of \
+     capacity; 1.00 within 20 % of the entitlement, falling to 0.00 at 40 % off (the article's score)";
+
+/// Per tenant (in `tenants`' order): GPUe running (on a node, as the agents report it)
+/// and GPUe waiting, over every cluster.
+pub fn in_use_split(fed: &Federation, tenants: &[kvota_fairness::names::TenantName]) -> Vec<(u64, u64)> {
+    let row: std::collections::HashMap<&str, usize> =
+        tenants.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+    let mut out = vec![(0u64, 0u64); tenants.len()];
+    for rec in fed.clusters().values() {
+        for (t, u) in rec.usage.iter() {
+            if let Some(o) = row.get(t.as_str()).and_then(|&i| out.get_mut(i)) {
+                o.0 = o.0.saturating_add(rec.running(t));
+                o.1 = o.1.saturating_add(u.pending);
+            }
+        }
+    }
+    out
+}
+
 /// One tenant's row.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TenantRow {
@@ -37,9 +60,13 @@ pub struct TenantRow {
     pub entitlement_gpus: f64,
     /// The plan's target (where the entitlement converges).
     pub target_gpus: f64,
-    /// Bound GPUs in every cluster.
+    /// In use in every cluster: running plus admitted, what its budgets count.
     pub inuse_gpus: f64,
-    /// Reported waiting demand in every cluster.
+    /// Of in use: running, on a node.
+    pub running_gpus: f64,
+    /// Of in use: admitted, not yet running (reservations, pods not yet bound).
+    pub admitted_gpus: f64,
+    /// Reported waiting demand in every cluster (queued, or denied recently).
     pub pending_gpus: f64,
     /// The minimum share it can claim now (its min share, capped at what it asks for).
     pub guarantee_gpus: f64,
@@ -47,7 +74,7 @@ pub struct TenantRow {
     pub decayed_usage_gpu_seconds: f64,
     /// `(in use - entitlement) / capacity`, -1 to 1.
     pub drift_ratio: f64,
-    /// 1 when in use matches the entitlement, lower the further it strays.
+    /// [`SCORE_DEFINITION`].
     pub fairness_score: f64,
     /// Budget per cluster in the cluster's newest lease (clusters without one omitted).
     pub budgets: BTreeMap<String, f64>,
@@ -74,8 +101,14 @@ pub struct ClusterRow {
     pub cluster: String,
     /// Capacity under the policy's GPU weights.
     pub capacity_gpus: f64,
-    /// Bound GPUs it last reported.
+    /// In use it last reported: running plus admitted.
     pub inuse_gpus: f64,
+    /// Of in use: running, on a node.
+    pub running_gpus: f64,
+    /// Of in use: admitted, not yet running.
+    pub admitted_gpus: f64,
+    /// Waiting it last reported.
+    pub pending_gpus: f64,
     /// Seconds since its last report was applied (control-plane clock); none before one.
     pub report_age_seconds: Option<f64>,
     /// Its lease's state.
@@ -84,6 +117,14 @@ pub struct ClusterRow {
     pub lease_epoch: u64,
     /// Seconds the newest lease has left (0 once run out); none without a lease.
     pub lease_remaining_seconds: Option<f64>,
+    /// The policy revision its agent enforces (none: its agent has not said).
+    pub policy_revision: Option<u64>,
+    /// Its agent's version, as the agent said.
+    pub agent_version: Option<String>,
+    /// The newest feature level its agent's build supports.
+    pub agent_feature_level: Option<u32>,
+    /// How often its agent reports (seconds).
+    pub report_interval_seconds: Option<f64>,
 }
 
 /// The whole federation at one instant of the replicated clock.
@@ -93,14 +134,24 @@ pub struct FederationView {
     pub state_time_ms: u64,
     /// Name of the policy in force.
     pub policy: Option<String>,
+    /// Its revision (0: below feature level 6, or no policy).
+    pub policy_revision: u64,
     /// Federation capacity.
     pub capacity_gpus: f64,
-    /// Bound GPUs over every cluster.
+    /// In use over every cluster: running plus admitted.
     pub inuse_gpus: f64,
-    /// `inuse / capacity` (0 without capacity).
+    /// Of in use: running, on a node.
+    pub running_gpus: f64,
+    /// Of in use: admitted, not yet running.
+    pub admitted_gpus: f64,
+    /// Waiting over every cluster.
+    pub pending_gpus: f64,
+    /// `running / capacity` (0 without capacity): what the GPUs do, not what is promised.
     pub utilization: f64,
     /// The lowest tenant fairness score (1 without tenants).
     pub fairness_score: f64,
+    /// [`SCORE_DEFINITION`], for whoever shows the score.
+    pub score_definition: String,
     /// Tenants: the policy's, by name (the order the policy keeps them in), then any that left it but hold leases.
     pub tenants: Vec<TenantRow>,
     /// Clusters in name order.
@@ -122,100 +173,123 @@ impl FederationView {
 
     fn read(fed: &Federation, with_budgets: bool) -> FederationView {
         let plan = fed.plan();
-        let now = fed.now_ms();
-        let policy = fed.policy();
-        let row: std::collections::HashMap<&str, usize> = plan.tenants.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
-        // Reported waiting demand per tenant, over every cluster.
-        let mut pending = vec![0u64; plan.tenants.len()];
-        for rec in fed.clusters().values() {
-            for (t, u) in &rec.usage {
-                if let Some(p) = row.get(t.as_str()).and_then(|&i| pending.get_mut(i)) {
-                    *p = p.saturating_add(u.pending);
-                }
-            }
-        }
-        // Each tenant's budget in the newest lease of every cluster that has one.
-        let mut budgets: Vec<BTreeMap<String, f64>> = vec![BTreeMap::new(); if with_budgets { plan.tenants.len() } else { 0 }];
-        if with_budgets {
-            for (c, rec) in fed.clusters() {
-                let Some(l) = rec.leases.latest() else { continue };
-                for (i, name) in plan.tenants.iter().enumerate() {
-                    budgets[i].insert(c.to_string(), gpus(l.budgets.get(name).map_or(0, |b| b.budget)));
-                }
-            }
-        }
-        let mut budgets = budgets.into_iter();
-        let mut lowest = 1.0f64;
-        let mut tenants = Vec::with_capacity(plan.tenants.len());
-        for (i, name) in plan.tenants.iter().enumerate() {
-            let committed = fed.committed().get(name).copied().unwrap_or(0);
-            let inuse = plan.inuse.get(i).copied().unwrap_or(0);
-            let waiting = pending.get(i).copied().unwrap_or(0);
-            // The plan lists the policy's tenants first, by name (the policy sorts them).
-            let spec = policy.and_then(|p| p.tenants.get(i)).filter(|t| &t.name == name);
-            let min_share = spec.map_or(0, |t| {
-                u64::try_from(u128::from(plan.capacity) * u128::from(t.min_share_bp) / 10_000).unwrap_or(u64::MAX)
-            });
-            let score = kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity);
-            lowest = lowest.min(score);
-            let budgets = budgets.next().unwrap_or_default();
-            tenants.push(TenantRow {
-                tenant: name.to_string(),
-                weight: spec.map_or(0.0, |t| t.weight_milli as f64 / 1000.0),
-                entitlement_gpus: gpus(committed),
-                target_gpus: gpus(plan.entitlements.get(i).map_or(0, |e| e.total)),
-                inuse_gpus: gpus(inuse),
-                pending_gpus: gpus(waiting),
-                guarantee_gpus: gpus(min_share.min(inuse.saturating_add(waiting))),
-                // The ledger keeps milli-GPUe x ms.
-                decayed_usage_gpu_seconds: plan.usage.get(i).copied().unwrap_or(0) as f64 / 1e6,
-                drift_ratio: kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity) as f64 / 1e6,
-                fairness_score: score,
-                budgets,
-            });
-        }
-        let mut total_inuse = 0u64;
-        let clusters = fed
-            .clusters()
-            .iter()
-            .map(|(name, rec)| {
-                let inuse = rec.usage.values().fold(0u64, |a, u| a.saturating_add(u.inuse));
-                total_inuse = total_inuse.saturating_add(inuse);
-                let newest = rec.leases.latest();
-                let lease = match newest {
-                    None if rec.leases.last_epoch == 0 => LeaseState::None,
-                    _ if fed.cluster_unreachable(rec) => LeaseState::Fallback,
-                    None => LeaseState::None,
-                    Some(l) => {
-                        let life = l.expires_at_ms.saturating_sub(l.issued_at_ms);
-                        if l.expires_at_ms.saturating_sub(now).saturating_mul(5) <= life {
-                            LeaseState::Expiring
-                        } else {
-                            LeaseState::Fresh
-                        }
-                    }
-                };
-                ClusterRow {
-                    cluster: name.to_string(),
-                    capacity_gpus: gpus(rec.capacity_gpue),
-                    inuse_gpus: gpus(inuse),
-                    report_age_seconds: rec.last_report_ms.map(|at| now.saturating_sub(at) as f64 / 1000.0),
-                    lease,
-                    lease_epoch: rec.leases.last_epoch,
-                    lease_remaining_seconds: newest.map(|l| l.expires_at_ms.saturating_sub(now) as f64 / 1000.0),
-                }
-            })
-            .collect();
+        let tenants = tenant_rows(fed, &plan, with_budgets);
+        let clusters: Vec<ClusterRow> = fed.clusters().iter().map(|(n, rec)| cluster_row(fed, n, rec)).collect();
+        let sum = |f: fn(&ClusterRow) -> f64| clusters.iter().map(f).sum::<f64>();
+        let (inuse, running) = (sum(|c| c.inuse_gpus), sum(|c| c.running_gpus));
+        let capacity = gpus(plan.capacity);
         FederationView {
-            state_time_ms: now,
-            policy: policy.map(|p| p.name.clone()),
-            capacity_gpus: gpus(plan.capacity),
-            inuse_gpus: gpus(total_inuse),
-            utilization: if plan.capacity == 0 { 0.0 } else { (total_inuse as f64 / plan.capacity as f64).min(1.0) },
-            fairness_score: lowest,
+            state_time_ms: fed.now_ms(),
+            policy: fed.policy().map(|p| p.name.clone()),
+            policy_revision: fed.policy_revision().0,
+            capacity_gpus: capacity,
+            inuse_gpus: inuse,
+            running_gpus: running,
+            admitted_gpus: sum(|c| c.admitted_gpus),
+            pending_gpus: sum(|c| c.pending_gpus),
+            utilization: if plan.capacity == 0 {
+                0.0
+            } else {
+                (running / capacity).min(1.0)
+            },
+            fairness_score: tenants.iter().map(|t| t.fairness_score).fold(1.0, f64::min),
+            score_definition: SCORE_DEFINITION.to_string(),
             tenants,
             clusters,
         }
+    }
+}
+
+/// Every tenant's row of the plan.
+fn tenant_rows(fed: &Federation, plan: &kvota_fairness::federation::Plan, with_budgets: bool) -> Vec<TenantRow> {
+    let policy = fed.policy();
+    let split = in_use_split(fed, &plan.tenants);
+    // Each tenant's budget in the newest lease of every cluster that has one.
+    let mut budgets: Vec<BTreeMap<String, f64>> =
+        vec![BTreeMap::new(); if with_budgets { plan.tenants.len() } else { 0 }];
+    if with_budgets {
+        for (c, rec) in fed.clusters() {
+            let Some(l) = rec.leases.latest() else { continue };
+            for (i, name) in plan.tenants.iter().enumerate() {
+                budgets[i].insert(c.to_string(), gpus(l.budgets.get(name).map_or(0, |b| b.budget)));
+            }
+        }
+    }
+    let mut budgets = budgets.into_iter();
+    let mut rows = Vec::with_capacity(plan.tenants.len());
+    for (i, name) in plan.tenants.iter().enumerate() {
+        let committed = fed.committed().get(name).copied().unwrap_or(0);
+        let inuse = plan.inuse.get(i).copied().unwrap_or(0);
+        let (running, waiting) = split.get(i).copied().unwrap_or_default();
+        let running = running.min(inuse);
+        // The plan lists the policy's tenants first, by name (the policy sorts them).
+        let spec = policy.and_then(|p| p.tenants.get(i)).filter(|t| &t.name == name);
+        let min_share = spec.map_or(0, |t| {
+            u64::try_from(u128::from(plan.capacity) * u128::from(t.min_share_bp) / 10_000).unwrap_or(u64::MAX)
+        });
+        rows.push(TenantRow {
+            tenant: name.to_string(),
+            weight: spec.map_or(0.0, |t| t.weight_milli as f64 / 1000.0),
+            entitlement_gpus: gpus(committed),
+            target_gpus: gpus(plan.entitlements.get(i).map_or(0, |e| e.total)),
+            inuse_gpus: gpus(inuse),
+            running_gpus: gpus(running),
+            admitted_gpus: gpus(inuse - running),
+            pending_gpus: gpus(waiting),
+            guarantee_gpus: gpus(min_share.min(inuse.saturating_add(waiting))),
+            // The ledger keeps milli-GPUe x ms.
+            decayed_usage_gpu_seconds: plan.usage.get(i).copied().unwrap_or(0) as f64 / 1e6,
+            drift_ratio: kvota_fairness::measures::drift_ppm(inuse, committed, plan.capacity) as f64 / 1e6,
+            fairness_score: kvota_fairness::measures::tenant_score(inuse, committed, plan.capacity),
+            budgets: budgets.next().unwrap_or_default(),
+        });
+    }
+    rows
+}
+
+/// One cluster's row.
+fn cluster_row(
+    fed: &Federation,
+    name: &kvota_fairness::names::ClusterName,
+    rec: &kvota_fairness::federation::ClusterRecord,
+) -> ClusterRow {
+    let now = fed.now_ms();
+    let (mut inuse, mut running, mut pending) = (0u64, 0u64, 0u64);
+    for (t, u) in rec.usage.iter() {
+        inuse = inuse.saturating_add(u.inuse);
+        running = running.saturating_add(rec.running(t));
+        pending = pending.saturating_add(u.pending);
+    }
+    let newest = rec.leases.latest();
+    let lease = match newest {
+        None if rec.leases.last_epoch == 0 => LeaseState::None,
+        _ if fed.cluster_unreachable(rec) => LeaseState::Fallback,
+        None => LeaseState::None,
+        Some(l) => {
+            let life = l.expires_at_ms.saturating_sub(l.issued_at_ms);
+            if l.expires_at_ms.saturating_sub(now).saturating_mul(5) <= life {
+                LeaseState::Expiring
+            } else {
+                LeaseState::Fresh
+            }
+        }
+    };
+    let status = rec.status.as_ref();
+    ClusterRow {
+        cluster: name.to_string(),
+        capacity_gpus: gpus(rec.capacity_gpue),
+        inuse_gpus: gpus(inuse),
+        running_gpus: gpus(running),
+        admitted_gpus: gpus(inuse.saturating_sub(running)),
+        pending_gpus: gpus(pending),
+        report_age_seconds: rec.last_report_ms.map(|at| now.saturating_sub(at) as f64 / 1000.0),
+        lease,
+        lease_epoch: rec.leases.last_epoch,
+        lease_remaining_seconds: newest.map(|l| l.expires_at_ms.saturating_sub(now) as f64 / 1000.0),
+        policy_revision: status.map(|s| s.policy_revision),
+        agent_version: status.map(|s| s.agent_version.clone()),
+        agent_feature_level: status.map(|s| s.feature_level),
+        report_interval_seconds: status.map(|s| s.report_interval_ms as f64 / 1000.0),
     }
 }
 
@@ -241,7 +315,13 @@ impl ShareTimes {
             let (v0, s0) = (clock.violation_ms, clock.starved_ms);
             // Starved: in use below min(demand, guarantee), where the view's guarantee
             // is already min(min share, in use + waiting).
-            clock.observe(view.state_time_ms, milli(t.inuse_gpus), milli(t.entitlement_gpus), u64::MAX, milli(t.guarantee_gpus));
+            clock.observe(
+                view.state_time_ms,
+                milli(t.inuse_gpus),
+                milli(t.entitlement_gpus),
+                u64::MAX,
+                milli(t.guarantee_gpus),
+            );
             let (dv, ds) = (clock.violation_ms - v0, clock.starved_ms - s0);
             if dv > 0 || ds > 0 || clock.observed_ms == 0 {
                 add(&t.tenant, dv as f64 / 1000.0, ds as f64 / 1000.0);
@@ -442,6 +522,8 @@ pub struct StatusView {
     pub feature_level: u32,
     /// The newest feature level the answering node supports.
     pub feature_level_max: u32,
+    /// The revision of the policy in force (0: below feature level 6, or none).
+    pub policy_revision: u64,
     /// The group's members.
     pub members: Vec<MemberView>,
 }
@@ -466,10 +548,18 @@ impl From<&v1::StatusReply> for StatusView {
             clusters: s.clusters,
             feature_level: s.feature_level,
             feature_level_max: s.feature_level_max,
+            policy_revision: s.policy_revision,
             members: s
                 .members
                 .iter()
-                .map(|m| MemberView { id: m.id, voter: m.voter, leader: Some(m.id) == leader, rpc: m.rpc_addr.clone(), raft: m.raft_addr.clone(), http: m.http_addr.clone() })
+                .map(|m| MemberView {
+                    id: m.id,
+                    voter: m.voter,
+                    leader: Some(m.id) == leader,
+                    rpc: m.rpc_addr.clone(),
+                    raft: m.raft_addr.clone(),
+                    http: m.http_addr.clone(),
+                })
                 .collect(),
         }
     }
@@ -491,8 +581,14 @@ pub struct TenantView {
     pub preemptible: bool,
     /// Demand the plan used.
     pub demand_milli_gpue: u64,
-    /// In use in every cluster.
+    /// In use in every cluster: running plus admitted.
     pub inuse_milli_gpue: u64,
+    /// Of in use: running, on a node.
+    pub running_milli_gpue: u64,
+    /// Of in use: admitted, not yet running.
+    pub admitted_milli_gpue: u64,
+    /// Waiting in every cluster (queued, or denied recently).
+    pub waiting_milli_gpue: u64,
     /// The plan's target.
     pub target_milli_gpue: u64,
     /// Committed entitlement.
@@ -529,6 +625,9 @@ impl From<&v1::ListTenantsReply> for TenantsView {
                     preemptible: t.preemptible,
                     demand_milli_gpue: t.demand_milli_gpue,
                     inuse_milli_gpue: t.inuse_milli_gpue,
+                    running_milli_gpue: t.running_milli_gpue,
+                    admitted_milli_gpue: t.admitted_milli_gpue,
+                    waiting_milli_gpue: t.waiting_milli_gpue,
                     target_milli_gpue: t.target_milli_gpue,
                     entitlement_milli_gpue: t.entitlement_milli_gpue,
                     drift_ppm: t.drift_ppm,
@@ -545,8 +644,10 @@ impl From<&v1::ListTenantsReply> for TenantsView {
 pub struct ClusterTenantView {
     /// Tenant.
     pub tenant: String,
-    /// In use there (last report).
+    /// In use there (last report): running plus admitted.
     pub inuse_milli_gpue: u64,
+    /// Of in use: running, on a node.
+    pub running_milli_gpue: u64,
     /// Waiting there (last report).
     pub pending_milli_gpue: u64,
     /// Budget in the newest lease.
@@ -578,8 +679,25 @@ pub struct ClusterView {
     pub acked_epoch: u64,
     /// Every lease has run out: the cluster enforces its safe budgets.
     pub unreachable: bool,
+    /// When the control plane noted it cut off (none: connected, or below level 6).
+    pub cut_off_since_ms: Option<u64>,
+    /// Its agent's last status (none: not reported, or below level 6).
+    pub agent: Option<AgentView>,
     /// Per tenant.
     pub tenants: Vec<ClusterTenantView>,
+}
+
+/// What a cluster's agent last said of itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentView {
+    /// Its version.
+    pub version: String,
+    /// The newest feature level its build supports.
+    pub feature_level: u32,
+    /// The policy revision it enforces.
+    pub policy_revision: u64,
+    /// How often it reports (ms).
+    pub report_interval_ms: u64,
 }
 
 impl From<&v1::ClusterInfo> for ClusterView {
@@ -594,12 +712,20 @@ impl From<&v1::ClusterInfo> for ClusterView {
             last_epoch: c.last_epoch,
             acked_epoch: c.acked_epoch,
             unreachable: c.unreachable,
+            cut_off_since_ms: (c.cut_off_since_ms > 0).then_some(c.cut_off_since_ms),
+            agent: c.status.as_ref().map(|s| AgentView {
+                version: s.agent_version.clone(),
+                feature_level: s.feature_level,
+                policy_revision: s.policy_revision,
+                report_interval_ms: s.report_interval_ms,
+            }),
             tenants: c
                 .tenants
                 .iter()
                 .map(|t| ClusterTenantView {
                     tenant: t.tenant.clone(),
                     inuse_milli_gpue: t.inuse_milli_gpue,
+                    running_milli_gpue: t.running_milli_gpue,
                     pending_milli_gpue: t.pending_milli_gpue,
                     budget_milli_gpue: t.budget_milli_gpue,
                     fallback_milli_gpue: t.fallback_milli_gpue,
@@ -651,11 +777,18 @@ impl From<&kvota_proto::v1::UsageReply> for UsageView {
             since_ms: r.since_ms,
             until_ms: r.until_ms,
             kept_from_ms: (r.kept_from_ms > 0).then_some(r.kept_from_ms),
-            total_gpu_hours: r.rows.iter().map(|x| x.gpu_hours).sum(),
+            // Folded from +0.0: a sum of no rows is 0, not the -0.0 `Iterator::sum`
+            // starts from (which prints as `-0.000`).
+            total_gpu_hours: r.rows.iter().map(|x| x.gpu_hours).fold(0.0, |a, b| a + b),
             rows: r
                 .rows
                 .iter()
-                .map(|x| UsageViewRow { tenant: text(&x.tenant), cluster: text(&x.cluster), gpu_hours: x.gpu_hours, milli_gpue_ms: x.milli_gpue_ms })
+                .map(|x| UsageViewRow {
+                    tenant: text(&x.tenant),
+                    cluster: text(&x.cluster),
+                    gpu_hours: x.gpu_hours,
+                    milli_gpue_ms: x.milli_gpue_ms,
+                })
                 .collect(),
         }
     }
@@ -726,18 +859,61 @@ mod tests {
         use kvota_fairness::federation::{Applied, Command, TenantReport, UsageReport};
         let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: p}\nspec:\n  tenants:\n  - {name: b, weight: 1}\n  - {name: a, weight: 2}\n";
         let mut fed = Federation::default();
-        fed.apply(1, Command::ApplyPolicy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy"))).expect("policy");
+        fed.apply(
+            1,
+            Command::ApplyPolicy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy")),
+        )
+        .expect("policy");
         let mut epochs = BTreeMap::new();
         for c in ["x", "y"] {
             let capacity = [("nvidia.com/gpu".to_string(), 8_000)].into();
-            if let Ok(Applied::Registered(l)) = fed.apply(1, Command::RegisterCluster { cluster: ClusterName::parse(c).expect("name"), capacity, labels: BTreeMap::new() }) {
+            if let Ok(Applied::Registered(l)) = fed.apply(
+                1,
+                Command::RegisterCluster {
+                    cluster: ClusterName::parse(c).expect("name"),
+                    capacity,
+                    labels: BTreeMap::new(),
+                },
+            ) {
                 epochs.insert(c, l.epoch);
             }
         }
         let mut leases = BTreeMap::new();
         for (c, pending) in [("x", 3_000), ("y", 1_000)] {
-            let tenants = [(TenantName::from_static("a"), TenantReport { used_milli_gpue_ms: 0, inuse: 1_000, pending, largest: 0 }), (TenantName::from_static("zz"), TenantReport { used_milli_gpue_ms: 0, inuse: 0, pending: 5_000, largest: 0 })].into();
-            let r = UsageReport { cluster: ClusterName::parse(c).expect("name"), seq: 1, held_epoch: epochs[c], capacity: None, tenants, evictions: vec![], decisions: vec![], window: None };
+            let tenants = [
+                (
+                    TenantName::from_static("a"),
+                    TenantReport {
+                        used_milli_gpue_ms: 0,
+                        inuse: 1_000,
+                        pending,
+                        largest: 0,
+                        borrowed: 0,
+                    },
+                ),
+                (
+                    TenantName::from_static("zz"),
+                    TenantReport {
+                        used_milli_gpue_ms: 0,
+                        inuse: 0,
+                        pending: 5_000,
+                        largest: 0,
+                        borrowed: 0,
+                    },
+                ),
+            ]
+            .into();
+            let r = UsageReport {
+                cluster: ClusterName::parse(c).expect("name"),
+                seq: 1,
+                held_epoch: epochs[c],
+                capacity: None,
+                tenants,
+                evictions: vec![],
+                decisions: vec![],
+                window: None,
+                status: None,
+            };
             match fed.apply(2, Command::Report(r)) {
                 Ok(Applied::Reported { lease, .. }) => leases.insert(c, lease),
                 other => panic!("report: {other:?}"),
@@ -745,24 +921,39 @@ mod tests {
         }
         let full = FederationView::of(&fed);
         let a = full.tenants.iter().find(|t| t.tenant == "a").expect("tenant a");
-        assert_eq!(a.pending_gpus, 4.0, "3 + 1 waiting; an unknown tenant's are not counted");
+        assert_eq!(
+            a.pending_gpus, 4.0,
+            "3 + 1 waiting; an unknown tenant's are not counted"
+        );
         for (c, lease) in &leases {
-            assert_eq!(a.budgets.get(*c).copied(), Some(gpus(lease.budgets["a"].budget)), "cluster {c}");
+            assert_eq!(
+                a.budgets.get(*c).copied(),
+                Some(gpus(lease.budgets["a"].budget)),
+                "cluster {c}"
+            );
         }
         assert!(a.budgets.values().any(|&b| b > 0.0), "{:?}", a.budgets);
         let mut without = full.clone();
         without.tenants.iter_mut().for_each(|t| t.budgets.clear());
-        assert_eq!(serde_json::to_value(FederationView::summary(&fed)).ok(), serde_json::to_value(without).ok());
+        assert_eq!(
+            serde_json::to_value(FederationView::summary(&fed)).ok(),
+            serde_json::to_value(without).ok()
+        );
     }
 
     fn view(at: u64, tenants: usize) -> FederationView {
         FederationView {
             state_time_ms: at,
             policy: Some("p".into()),
+            policy_revision: 1,
             capacity_gpus: 8.0,
             inuse_gpus: 2.0,
+            running_gpus: 2.0,
+            admitted_gpus: 0.0,
+            pending_gpus: 0.0,
             utilization: 0.25,
             fairness_score: 1.0,
+            score_definition: SCORE_DEFINITION.to_string(),
             tenants: (0..tenants)
                 .map(|i| TenantRow {
                     tenant: format!("t{i}"),
@@ -770,6 +961,8 @@ mod tests {
                     entitlement_gpus: i as f64,
                     target_gpus: 1.0,
                     inuse_gpus: 0.5,
+                    running_gpus: 0.5,
+                    admitted_gpus: 0.0,
                     pending_gpus: 0.0,
                     guarantee_gpus: 0.0,
                     decayed_usage_gpu_seconds: 0.0,
@@ -780,6 +973,17 @@ mod tests {
                 .collect(),
             clusters: vec![],
         }
+    }
+
+    /// `kvota usage` on an empty federation totals `0.000`, not `-0.000`.
+    #[test]
+    fn an_empty_usage_totals_zero_not_minus_zero() {
+        let v = UsageView::from(&v1::UsageReply {
+            kept: true,
+            ..Default::default()
+        });
+        assert!(v.total_gpu_hours.is_sign_positive(), "{}", v.total_gpu_hours);
+        assert_eq!(format!("{:.3}", v.total_gpu_hours), "0.000");
     }
 
     #[test]
@@ -804,7 +1008,11 @@ mod tests {
         add(&v);
         v.state_time_ms = 40_000;
         add(&v);
-        assert_eq!(seen["t0"], (10.0, 20.0), "10 s over, then 20 s starved; a clock that stands adds nothing");
+        assert_eq!(
+            seen["t0"],
+            (10.0, 20.0),
+            "10 s over, then 20 s starved; a clock that stands adds nothing"
+        );
     }
 
     #[test]
@@ -820,13 +1028,26 @@ mod tests {
         }
         assert_eq!(h.len(), HISTORY_POINTS);
         let v = h.view(Some("t3"));
-        assert_eq!(v.points.first().map(|p| p.at_ms), Some(2_000 + 10), "the oldest fell out");
-        assert_eq!(v.points.last().and_then(|p| p.tenant).map(|t| t.entitlement_gpus), Some(3.0));
+        assert_eq!(
+            v.points.first().map(|p| p.at_ms),
+            Some(2_000 + 10),
+            "the oldest fell out"
+        );
+        assert_eq!(
+            v.points.last().and_then(|p| p.tenant).map(|t| t.entitlement_gpus),
+            Some(3.0)
+        );
         let beyond = format!("t{}", HISTORY_TENANTS + 1);
-        assert!(h.view(Some(&beyond)).points.iter().all(|p| p.tenant.is_none()), "tenants past the cap are not kept");
+        assert!(
+            h.view(Some(&beyond)).points.iter().all(|p| p.tenant.is_none()),
+            "tenants past the cap are not kept"
+        );
         assert!(h.view(None).points.iter().all(|p| p.tenant.is_none()));
         let mut names = h.samples.iter().map(|s| std::sync::Arc::as_ptr(&s.names));
         let first = names.next();
-        assert!(names.all(|p| Some(p) == first), "unchanged names are shared, not copied");
+        assert!(
+            names.all(|p| Some(p) == first),
+            "unchanged names are shared, not copied"
+        );
     }
 }

@@ -66,8 +66,38 @@ pub fn election_due(lease: Duration, rank: usize) -> Duration {
     lease + Duration::from_millis(20) + (lease / 3) * u32::try_from(rank).unwrap_or(u32::MAX)
 }
 
+/// What this node's Raft metrics say: whether it follows, the leader it knows, the
+/// voters other than `leader` (ascending), and `leader`'s Raft address.
+fn view_of(raft: &Raft, leader: NodeId) -> (bool, Option<NodeId>, Vec<NodeId>, Option<String>) {
+    let m = raft.metrics();
+    let m = m.borrow();
+    let membership = m.membership_config.membership();
+    let mut voters: Vec<NodeId> = membership.voter_ids().filter(|&v| v != leader).collect();
+    voters.sort_unstable();
+    let addr = membership.get_node(&leader).map(|n| {
+        if n.raft_addr.is_empty() {
+            n.rpc_addr.clone()
+        } else {
+            n.raft_addr.clone()
+        }
+    });
+    (
+        m.state == openraft::ServerState::Follower,
+        m.current_leader,
+        voters,
+        addr,
+    )
+}
+
 /// Runs until `stop` turns true.
-pub async fn run(raft: Raft, contact: Arc<LeaderContact>, me: NodeId, heartbeat: Duration, lease: Duration, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    raft: Raft,
+    contact: Arc<LeaderContact>,
+    me: NodeId,
+    heartbeat: Duration,
+    lease: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
     let every = (heartbeat / 5).clamp(Duration::from_millis(5), Duration::from_millis(25));
     // The silence (leader, last heard) already probed, its finding, and whether this node
     // already called an election for it.
@@ -78,23 +108,15 @@ pub async fn run(raft: Raft, contact: Arc<LeaderContact>, me: NodeId, heartbeat:
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
         }
         let Some((leader, at)) = contact.last() else { continue };
-        let (follower, current, voters, addr) = {
-            let m = raft.metrics();
-            let m = m.borrow();
-            let membership = m.membership_config.membership();
-            let mut voters: Vec<NodeId> = membership.voter_ids().filter(|&v| v != leader).collect();
-            voters.sort_unstable();
-            let addr = membership
-                .get_node(&leader)
-                .map(|n| if n.raft_addr.is_empty() { n.rpc_addr.clone() } else { n.raft_addr.clone() });
-            (m.state == openraft::ServerState::Follower, m.current_leader, voters, addr)
-        };
+        let (follower, current, voters, addr) = view_of(&raft, leader);
         let silent = at.elapsed();
         if !follower || current.is_some_and(|c| c != leader) || silent < heartbeat * 3 {
             continue;
         }
         let Some(addr) = addr else { continue };
-        let Some(rank) = voters.iter().position(|&v| v == me) else { continue };
+        let Some(rank) = voters.iter().position(|&v| v == me) else {
+            continue;
+        };
         let finding = match episode {
             Some((e, p, _)) if e == (leader, at) => p,
             _ => {
@@ -111,7 +133,12 @@ pub async fn run(raft: Raft, contact: Arc<LeaderContact>, me: NodeId, heartbeat:
             if let Some(e) = episode.as_mut() {
                 e.2 = true;
             }
-            tracing::info!(leader, rank, after_ms = u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX), "calling an election");
+            tracing::info!(
+                leader,
+                rank,
+                after_ms = u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX),
+                "calling an election"
+            );
             if let Err(e) = raft.trigger().elect().await {
                 tracing::warn!(error = %e, "could not call an election");
             }
@@ -128,14 +155,21 @@ mod tests {
         let lease = Duration::from_millis(300);
         assert_eq!(election_due(lease, 0), Duration::from_millis(320));
         assert_eq!(election_due(lease, 1), Duration::from_millis(420));
-        assert!(election_due(lease, 0) > lease, "never before every follower's lease has run out");
+        assert!(
+            election_due(lease, 0) > lease,
+            "never before every follower's lease has run out"
+        );
     }
 
     #[tokio::test]
     async fn a_closed_port_is_gone_and_a_listening_one_is_not() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr").to_string();
-        assert_eq!(probe(&addr, Duration::from_millis(200)).await, Probe::Unsure, "something listens");
+        assert_eq!(
+            probe(&addr, Duration::from_millis(200)).await,
+            Probe::Unsure,
+            "something listens"
+        );
         drop(l);
         assert_eq!(probe(&addr, Duration::from_millis(200)).await, Probe::Gone);
     }

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use kvota_client::client::Client;
 use kvota_control_plane::server::{start, Listeners};
-use kvota_testkit::{config, node_of, Cluster};
+use kvota_fairness::federation::AuditEvent;
 use kvota_fairness::policy::Policy;
 use kvota_proto::v1;
+use kvota_testkit::{config, node_of, Cluster};
 use tonic::Code;
 
 fn idx(id: u64) -> usize {
@@ -20,7 +21,12 @@ async fn apply_policy(c: &Client, yaml: &str) -> Result<v1::PolicyReply, tonic::
     let yaml = yaml.to_string();
     c.call(|ch| {
         let yaml = yaml.clone();
-        async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+        async move {
+            Ok(Client::admin(ch)
+                .apply_policy(v1::PolicyRequest { yaml })
+                .await?
+                .into_inner())
+        }
     })
     .await
 }
@@ -28,7 +34,10 @@ async fn apply_policy(c: &Client, yaml: &str) -> Result<v1::PolicyReply, tonic::
 async fn register(c: &Client, cluster: &str, gpus: u64) -> v1::Lease {
     let req = v1::RegisterRequest {
         cluster: cluster.to_string(),
-        capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: gpus * 1000 }],
+        capacity: vec![v1::Resource {
+            name: "nvidia.com/gpu".into(),
+            quantity_milli: gpus * 1000,
+        }],
         labels: Default::default(),
     };
     c.call(|ch| {
@@ -47,14 +56,30 @@ fn report(cluster: &str, seq: u64, held: u64, used: u64) -> v1::ReportRequest {
         seq,
         held_epoch: held,
         tenants: vec![
-            v1::TenantUsage { tenant: "training".into(), used_milli_gpue_ms: used, inuse_milli_gpue: 4000, pending_milli_gpue: 8000, largest_pending_milli_gpue: 0 },
-            v1::TenantUsage { tenant: "inference".into(), used_milli_gpue_ms: used / 2, inuse_milli_gpue: 2000, pending_milli_gpue: 0, largest_pending_milli_gpue: 0 },
+            v1::TenantUsage {
+                tenant: "training".into(),
+                used_milli_gpue_ms: used,
+                inuse_milli_gpue: 4000,
+                pending_milli_gpue: 8000,
+                largest_pending_milli_gpue: 0,
+                borrowed_milli_gpue: 0,
+            },
+            v1::TenantUsage {
+                tenant: "inference".into(),
+                used_milli_gpue_ms: used / 2,
+                inuse_milli_gpue: 2000,
+                pending_milli_gpue: 0,
+                largest_pending_milli_gpue: 0,
+                borrowed_milli_gpue: 0,
+            },
         ],
         capacity: vec![],
         evictions: vec![],
         decisions: vec![],
         window_start_ms: 0,
         window_end_ms: 0,
+        gap_in_reply: false,
+        status: None,
     }
 }
 
@@ -70,9 +95,16 @@ async fn send(c: &Client, r: &v1::ReportRequest) -> Result<v1::ReportReply, toni
 async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
     let mut cl = Cluster::start(3).await;
     cl.leader(Duration::from_secs(10)).await;
+    cl.feature_level(
+        kvota_control_plane::feature::FeatureLevel::OPERATOR_VIEW,
+        Duration::from_secs(20),
+    )
+    .await;
     let client = Client::new(&cl.endpoints()).expect("client");
 
-    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    apply_policy(&client, Policy::article_example_yaml())
+        .await
+        .expect("policy");
     let mut held = BTreeMap::new();
     for (c, g) in [("east", 32), ("west", 32), ("edge", 16)] {
         held.insert(c, register(&client, c, g).await.epoch);
@@ -92,7 +124,9 @@ async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
             let s = seq.entry(c).or_insert(0);
             *s += 1;
             let r = report(c, *s, held[c], 1_000 * round);
-            let reply = send(&client, &r).await.unwrap_or_else(|e| panic!("report {c} #{s}: {e}"));
+            let reply = send(&client, &r)
+                .await
+                .unwrap_or_else(|e| panic!("report {c} #{s}: {e}"));
             assert!(reply.applied, "{c} #{s} must be applied once");
             held.insert(c, reply.lease.expect("lease").epoch);
             *acked_usage.entry(c).or_default() += 1_000 * round + 500 * round;
@@ -114,7 +148,10 @@ async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
     // few seconds of a 24 h half-life is below one part in 10^4).
     let total: u64 = acked_usage.values().sum();
     let ledger: u64 = fed.ledger().entries().values().map(|u| u.value_milli_gpue_ms).sum();
-    assert!(ledger <= total && ledger * 10_000 >= total * 9_999, "ledger {ledger} vs reported {total}");
+    assert!(
+        ledger <= total && ledger * 10_000 >= total * 9_999,
+        "ledger {ledger} vs reported {total}"
+    );
     assert!(fed.check_safety().is_empty());
 
     // The killed node restarts from its directory and catches up to the same state.
@@ -122,6 +159,18 @@ async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
     cl.restart(killed).await;
     let feds = cl.converged(Duration::from_secs(15)).await;
     assert_eq!(feds.len(), 3);
+    // The audit log tells the failover: a leader other than the killed node took over.
+    let leaders: Vec<u64> = feds[0]
+        .audit()
+        .filter_map(|r| match r.event {
+            AuditEvent::LeaderChanged { node, .. } => Some(node),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        leaders.last().is_some_and(|l| *l != killed),
+        "leader changes {leaders:?} after {killed} was killed"
+    );
 
     // Every node answers reads with the same numbers.
     for m in cl.members.values() {
@@ -152,11 +201,17 @@ async fn three_nodes_replicate_identical_state_and_survive_leader_loss() {
         if feds[0].now_ms() >= before.now_ms() {
             break feds;
         }
-        assert!(std::time::Instant::now() < deadline, "the restarted nodes never caught up with the state before the restart");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restarted nodes never caught up with the state before the restart"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     // Ticks after the restart may advance the clock; compare what was there before.
-    assert_eq!(after[0].clusters().keys().collect::<Vec<_>>(), before.clusters().keys().collect::<Vec<_>>());
+    assert_eq!(
+        after[0].clusters().keys().collect::<Vec<_>>(),
+        before.clusters().keys().collect::<Vec<_>>()
+    );
     assert_eq!(
         after[0].ledger(),
         before.ledger(),
@@ -186,8 +241,14 @@ async fn bad_input_gets_a_clear_status_and_changes_nothing() {
         .await
         .expect_err("invalid");
     assert_eq!(e.code(), Code::InvalidArgument);
-    assert!(e.message().contains("spec.tenants[0].weight") && e.message().contains("duplicate"), "{}", e.message());
-    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    assert!(
+        e.message().contains("spec.tenants[0].weight") && e.message().contains("duplicate"),
+        "{}",
+        e.message()
+    );
+    apply_policy(&client, Policy::article_example_yaml())
+        .await
+        .expect("policy");
     let held = register(&client, "east", 8).await.epoch;
     let before = cl.converged(Duration::from_secs(5)).await.remove(0);
 
@@ -204,20 +265,49 @@ async fn bad_input_gets_a_clear_status_and_changes_nothing() {
     // A gap in sequence numbers says where to resume.
     let e = send(&client, &report("east", 3, held, 1)).await.expect_err("gap");
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
-    assert_eq!(e.metadata().get("kvota-expected-seq").and_then(|v| v.to_str().ok()), Some("1"));
+    assert_eq!(
+        e.metadata().get("kvota-expected-seq").and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    // An agent that reads gaps from the reply gets it there, from the leader and from a
+    // follower that forwards the report alike.
+    for endpoint in cl.endpoints() {
+        let one = Client::new(std::slice::from_ref(&endpoint)).expect("client");
+        let mut r = report("east", 3, held, 1);
+        r.gap_in_reply = true;
+        let reply = send(&one, &r).await.expect("a gap in the reply");
+        assert_eq!(
+            (reply.expected_seq, reply.applied, reply.lease.is_none()),
+            (1, false, true),
+            "{endpoint}"
+        );
+    }
     // An acknowledgement of an epoch never issued.
     let e = send(&client, &report("east", 1, 999, 1)).await.expect_err("epoch");
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     // Oversized: more than the 4 MiB message limit.
     let mut huge = report("east", 1, held, 1);
     huge.tenants = (0..200_000)
-        .map(|i| v1::TenantUsage { tenant: format!("tenant-{i:08}"), ..Default::default() })
+        .map(|i| v1::TenantUsage {
+            tenant: format!("tenant-{i:08}"),
+            ..Default::default()
+        })
         .collect();
     let e = send(&client, &huge).await.expect_err("oversized");
-    assert!(matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted | Code::InvalidArgument), "{e}");
+    assert!(
+        matches!(
+            e.code(),
+            Code::OutOfRange | Code::ResourceExhausted | Code::InvalidArgument
+        ),
+        "{e}"
+    );
 
     let after = cl.converged(Duration::from_secs(5)).await.remove(0);
-    assert_eq!(before.clusters()["east"], after.clusters()["east"], "refused reports changed nothing");
+    assert_eq!(
+        before.clusters()["east"],
+        after.clusters()["east"],
+        "refused reports changed nothing"
+    );
     assert_eq!(before.ledger(), after.ledger());
 
     // Duplicate sequence numbers are answered but not applied.
@@ -236,7 +326,11 @@ async fn bad_input_gets_a_clear_status_and_changes_nothing() {
     let started = Instant::now();
     let e = send(&lone, &report("east", 2, held, 1)).await.expect_err("no quorum");
     assert!(matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded), "{e}");
-    assert!(started.elapsed() < Duration::from_secs(60), "gave up after {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "gave up after {:?}",
+        started.elapsed()
+    );
     cl.shutdown().await;
 }
 
@@ -250,7 +344,10 @@ async fn http_get(addr: &str, path: &str) -> (u16, String) {
     s.read_to_end(&mut buf).await.expect("read");
     let text = String::from_utf8_lossy(&buf).into_owned();
     let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (code, body)
 }
 
@@ -259,7 +356,9 @@ async fn membership_changes_and_admin_http() {
     let mut cl = Cluster::start(3).await;
     cl.leader(Duration::from_secs(10)).await;
     let client = Client::new(&cl.endpoints()).expect("client");
-    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    apply_policy(&client, Policy::article_example_yaml())
+        .await
+        .expect("policy");
     register(&client, "east", 8).await;
     // Followers serve their applied state: wait until every node has the policy.
     cl.converged(Duration::from_secs(10)).await;
@@ -271,8 +370,17 @@ async fn membership_changes_and_admin_http() {
         assert_eq!(code, 200, "{body}");
         let (code, metrics) = http_get(&m.http_addr, "/metrics").await;
         assert_eq!(code, 200);
-        for name in ["kvota_raft_term", "kvota_raft_role", "kvota_tenant_entitlement_gpus", "kvota_apply_duration_seconds"] {
-            assert!(metrics.contains(name), "{name} missing from /metrics of {}", m.http_addr);
+        for name in [
+            "kvota_raft_term",
+            "kvota_raft_role",
+            "kvota_tenant_entitlement_gpus",
+            "kvota_apply_duration_seconds",
+        ] {
+            assert!(
+                metrics.contains(name),
+                "{name} missing from /metrics of {}",
+                m.http_addr
+            );
         }
         let (code, json) = http_get(&m.http_addr, "/api/v1/tenants").await;
         assert_eq!(code, 200);
@@ -312,7 +420,13 @@ async fn membership_changes_and_admin_http() {
     // own log cannot show what it has not received), and says why until then.
     let leader_applied = {
         let l = cl.leader(Duration::from_secs(5)).await;
-        let m = cl.nodes[idx(l)].as_ref().expect("leader runs").raft().metrics().borrow().clone();
+        let m = cl.nodes[idx(l)]
+            .as_ref()
+            .expect("leader runs")
+            .raft()
+            .metrics()
+            .borrow()
+            .clone();
         m.last_applied.map_or(0, |l| l.index)
     };
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -326,8 +440,14 @@ async fn membership_changes_and_admin_http() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let applied = n4.ctx.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
-    assert!(applied + kvota_control_plane::node::CATCH_UP_SLACK >= leader_applied, "ready at {applied} of {leader_applied}");
-    let promote = v1::ChangeMembershipRequest { voters: vec![1, 2, 3, 4], retain: false };
+    assert!(
+        applied + kvota_control_plane::node::CATCH_UP_SLACK >= leader_applied,
+        "ready at {applied} of {leader_applied}"
+    );
+    let promote = v1::ChangeMembershipRequest {
+        voters: vec![1, 2, 3, 4],
+        retain: false,
+    };
     let st = client
         .call(|ch| {
             let r = promote.clone();
@@ -336,7 +456,10 @@ async fn membership_changes_and_admin_http() {
         .await
         .expect("promote");
     assert_eq!(st.members.iter().filter(|m| m.voter).count(), 4, "{:?}", st.members);
-    let shrink = v1::ChangeMembershipRequest { voters: vec![2, 3, 4], retain: false };
+    let shrink = v1::ChangeMembershipRequest {
+        voters: vec![2, 3, 4],
+        retain: false,
+    };
     let st = client
         .call(|ch| {
             let r = shrink.clone();
@@ -350,7 +473,10 @@ async fn membership_changes_and_admin_http() {
     cl.stop(1).await;
     let c234 = Client::new(&[cl.members[&2].rpc_addr.clone(), fourth.rpc_addr.clone()]).expect("client");
     register(&c234, "west", 8).await;
-    let bad = v1::ChangeMembershipRequest { voters: vec![], retain: false };
+    let bad = v1::ChangeMembershipRequest {
+        voters: vec![],
+        retain: false,
+    };
     let e = c234
         .call(|ch| {
             let r = bad.clone();
@@ -385,8 +511,14 @@ async fn survivors_of_a_dead_leader_elect_when_the_lease_ends_not_after_their_ti
     let new = c.leader(Duration::from_secs(15)).await;
     let took = stopped.elapsed();
     assert_ne!(new, old);
-    assert!(took >= Duration::from_millis(3_700), "elected {took:?} after the stop: before the old leader's lease ran out");
-    assert!(took < Duration::from_millis(5_500), "elected {took:?} after the stop: no sooner than openraft's own timers would");
+    assert!(
+        took >= Duration::from_millis(3_700),
+        "elected {took:?} after the stop: before the old leader's lease ran out"
+    );
+    assert!(
+        took < Duration::from_millis(5_500),
+        "elected {took:?} after the stop: no sooner than openraft's own timers would"
+    );
     c.shutdown().await;
 }
 
@@ -398,7 +530,13 @@ fn a_year_ahead() -> kvota_control_plane::clock::WallClock {
 }
 
 fn unix_ms() -> u64 {
-    u64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis()).expect("ms")
+    u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis(),
+    )
+    .expect("ms")
 }
 
 /// The federation's time is the median of the voters' clocks: node 1, a year ahead, is
@@ -421,7 +559,9 @@ async fn a_leader_with_a_clock_far_ahead_cannot_move_the_federations_time() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let client = Client::new(&cl.endpoints()).expect("client");
-    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    apply_policy(&client, Policy::article_example_yaml())
+        .await
+        .expect("policy");
     register(&client, "east", 8).await;
     // Ticks and writes, stamped by node 1, for a few seconds.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -431,7 +571,11 @@ async fn a_leader_with_a_clock_far_ahead_cannot_move_the_federations_time() {
     assert_eq!(cl.leader(Duration::from_secs(5)).await, 1, "node 1 still leads");
     let later = cl.federation(1).await.now_ms();
     let real = unix_ms();
-    assert!(later.abs_diff(real) < 10_000, "the federation's clock is {} ms off real time", i128::from(later) - i128::from(real));
+    assert!(
+        later.abs_diff(real) < 10_000,
+        "the federation's clock is {} ms off real time",
+        i128::from(later) - i128::from(real)
+    );
     assert!(later > first, "time stood still: {first} -> {later}");
     cl.shutdown().await;
 }
@@ -446,20 +590,39 @@ async fn a_raft_core_that_stops_fails_health_and_the_node_says_it_is_broken() {
     let victim = if leader == 3 { 2 } else { 3 };
     let http = cl.members[&victim].http_addr.clone();
     let plain = kvota_tls::connect::Connector::new(None);
-    assert_eq!(kvota_testkit::http_get(&plain, &http, "/healthz").await.expect("healthz").0, 200);
+    assert_eq!(
+        kvota_testkit::http_get(&plain, &http, "/healthz")
+            .await
+            .expect("healthz")
+            .0,
+        200
+    );
     // Stop the core behind the node's back.
     cl.node(victim).raft().shutdown().await.expect("stop the core");
-    let why = tokio::time::timeout(Duration::from_secs(5), cl.node(victim).broken()).await.expect("noticed within 5 s");
+    let why = tokio::time::timeout(Duration::from_secs(5), cl.node(victim).broken())
+        .await
+        .expect("noticed within 5 s");
     assert!(why.contains("Raft core"), "{why}");
-    let (code, body) = kvota_testkit::http_get(&plain, &http, "/healthz").await.expect("healthz");
+    let (code, body) = kvota_testkit::http_get(&plain, &http, "/healthz")
+        .await
+        .expect("healthz");
     assert!(code == 503 && body.contains("broken"), "{code} {body}");
     let (code, body) = kvota_testkit::http_get(&plain, &http, "/readyz").await.expect("readyz");
     assert!(code == 503 && body.contains("broken"), "{code} {body}");
-    let (_, metrics) = kvota_testkit::http_get(&plain, &http, "/metrics").await.expect("metrics");
+    let (_, metrics) = kvota_testkit::http_get(&plain, &http, "/metrics")
+        .await
+        .expect("metrics");
     assert!(metrics.contains("kvota_raft_fatal 1"), "{metrics}");
     // The others go on.
-    let others: Vec<String> = cl.members.iter().filter(|(id, _)| **id != victim).map(|(_, m)| m.rpc_addr.clone()).collect();
-    apply_policy(&Client::new(&others).expect("client"), Policy::article_example_yaml()).await.expect("the others take writes");
+    let others: Vec<String> = cl
+        .members
+        .iter()
+        .filter(|(id, _)| **id != victim)
+        .map(|(_, m)| m.rpc_addr.clone())
+        .collect();
+    apply_policy(&Client::new(&others).expect("client"), Policy::article_example_yaml())
+        .await
+        .expect("the others take writes");
     cl.shutdown().await;
 }
 
@@ -470,19 +633,36 @@ async fn a_raft_core_that_stops_fails_health_and_the_node_says_it_is_broken() {
 async fn leases_carry_borrow_limits_once_the_group_lends() {
     let cl = Cluster::start(3).await;
     cl.leader(Duration::from_secs(10)).await;
-    cl.feature_level(3, Duration::from_secs(20)).await;
+    cl.feature_level(
+        kvota_control_plane::feature::FeatureLevel::LENDING,
+        Duration::from_secs(20),
+    )
+    .await;
     let client = Client::new(&cl.endpoints()).expect("client");
-    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    apply_policy(&client, Policy::article_example_yaml())
+        .await
+        .expect("policy");
     let held = register(&client, "east", 32).await.epoch;
-    let lease = send(&client, &report("east", 1, held, 0)).await.expect("report").lease.expect("lease");
+    let lease = send(&client, &report("east", 1, held, 0))
+        .await
+        .expect("report")
+        .lease
+        .expect("lease");
     let by: BTreeMap<&str, &v1::TenantBudget> = lease.budgets.iter().map(|b| (b.tenant.as_str(), b)).collect();
     // 32 GPUs: training's maxShare is 60 % (19.2), its demand 12; inference is not
     // preemptible and never borrows.
     let training = by["training"];
     assert_eq!(training.ceiling_milli_gpue, 19_200);
-    assert_eq!(training.borrow_milli_gpue, 19_200 - training.entitlement_milli_gpue, "{training:?}");
+    assert_eq!(
+        training.borrow_milli_gpue,
+        19_200 - training.entitlement_milli_gpue,
+        "{training:?}"
+    );
     assert!(training.borrow_milli_gpue > 0);
-    assert_eq!((by["inference"].borrow_milli_gpue, by["inference"].ceiling_milli_gpue), (0, 25_600));
+    assert_eq!(
+        (by["inference"].borrow_milli_gpue, by["inference"].ceiling_milli_gpue),
+        (0, 25_600)
+    );
     for id in 1..=3 {
         assert!(cl.federation(id).await.lends(), "node {id} lends");
     }
@@ -493,7 +673,7 @@ async fn leases_carry_borrow_limits_once_the_group_lends() {
 const SIZED_POLICY: &str = include_str!("../../fairness/tests/fixtures/sized.yaml");
 
 fn supports_3(c: &mut kvota_control_plane::server::ServerConfig) {
-    c.feature_level_max = 3;
+    c.feature_level_max = kvota_control_plane::feature::FeatureLevel::LENDING;
 }
 
 /// `train` waits with one 8-GPU job in `east` and 2-GPU pods in `west` (8 GPUs pending
@@ -502,15 +682,33 @@ fn supports_3(c: &mut kvota_control_plane::server::ServerConfig) {
 async fn sized_round(cl: &Cluster) -> ((u64, u64), Vec<u64>) {
     let client = Client::new(&cl.endpoints()).expect("client");
     apply_policy(&client, SIZED_POLICY).await.expect("policy");
-    let mut held = [register(&client, "east", 16).await.epoch, register(&client, "west", 16).await.epoch];
+    let mut held = [
+        register(&client, "east", 16).await.epoch,
+        register(&client, "west", 16).await.epoch,
+    ];
     let mut budgets = [0u64; 2];
     for seq in 1..=3 {
         for (i, (cluster, largest)) in [("east", 8_000), ("west", 2_000)].into_iter().enumerate() {
-            let usage = v1::TenantUsage { tenant: "train".into(), pending_milli_gpue: 8_000, largest_pending_milli_gpue: largest, ..Default::default() };
-            let r = v1::ReportRequest { cluster: cluster.into(), seq, held_epoch: held[i], tenants: vec![usage], ..Default::default() };
+            let usage = v1::TenantUsage {
+                tenant: "train".into(),
+                pending_milli_gpue: 8_000,
+                largest_pending_milli_gpue: largest,
+                ..Default::default()
+            };
+            let r = v1::ReportRequest {
+                cluster: cluster.into(),
+                seq,
+                held_epoch: held[i],
+                tenants: vec![usage],
+                ..Default::default()
+            };
             let lease = send(&client, &r).await.expect("report").lease.expect("lease");
             held[i] = lease.epoch;
-            budgets[i] = lease.budgets.iter().find(|b| b.tenant == "train").map_or(0, |b| b.budget_milli_gpue);
+            budgets[i] = lease
+                .budgets
+                .iter()
+                .find(|b| b.tenant == "train")
+                .map_or(0, |b| b.budget_milli_gpue);
         }
     }
     let mut kept = Vec::new();
@@ -528,7 +726,11 @@ async fn sized_round(cl: &Cluster) -> ((u64, u64), Vec<u64>) {
 async fn budgets_are_sized_to_the_largest_waiting_pod_once_the_group_runs_level_4() {
     let cl = Cluster::start(3).await;
     cl.leader(Duration::from_secs(10)).await;
-    cl.feature_level(4, Duration::from_secs(20)).await;
+    cl.feature_level(
+        kvota_control_plane::feature::FeatureLevel::SIZED,
+        Duration::from_secs(20),
+    )
+    .await;
     let (budgets, kept) = sized_round(&cl).await;
     assert_eq!(budgets, (8_000, 0), "the job's cluster holds train's whole entitlement");
     assert_eq!(kept, [8_000; 3], "every node keeps the largest waiting pod");
@@ -539,7 +741,11 @@ async fn budgets_are_sized_to_the_largest_waiting_pod_once_the_group_runs_level_
 
     let cl = Cluster::start_with(3, None, supports_3).await;
     cl.leader(Duration::from_secs(10)).await;
-    cl.feature_level(3, Duration::from_secs(20)).await;
+    cl.feature_level(
+        kvota_control_plane::feature::FeatureLevel::LENDING,
+        Duration::from_secs(20),
+    )
+    .await;
     let (budgets, kept) = sized_round(&cl).await;
     assert_eq!(budgets, (4_000, 4_000), "level 3: in proportion to pending demand");
     assert_eq!(kept, [0; 3], "level 3: not kept");
@@ -558,7 +764,9 @@ async fn a_follower_behind_on_large_reports_catches_up() {
     let mut cl = Cluster::start(3).await;
     let leader = cl.leader(Duration::from_secs(10)).await;
     let client = Client::new(&cl.endpoints()).expect("client");
-    let mut yaml = String::from("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: big}\nspec:\n  tenants:\n");
+    let mut yaml = String::from(
+        "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: big}\nspec:\n  tenants:\n",
+    );
     for i in 0..TENANTS {
         yaml.push_str(&format!("  - {{name: team-{i:04}, weight: 1}}\n"));
     }
@@ -570,20 +778,41 @@ async fn a_follower_behind_on_large_reports_catches_up() {
         tenants: (0..TENANTS)
             .map(|i| {
                 let u = 1_000 + ((i as u64 * 7 + seq * 13) % 2_000);
-                v1::TenantUsage { tenant: format!("team-{i:04}"), used_milli_gpue_ms: u * 5_000, inuse_milli_gpue: u, pending_milli_gpue: u / 2, largest_pending_milli_gpue: 0 }
+                v1::TenantUsage {
+                    tenant: format!("team-{i:04}"),
+                    used_milli_gpue_ms: u * 5_000,
+                    inuse_milli_gpue: u,
+                    pending_milli_gpue: u / 2,
+                    largest_pending_milli_gpue: 0,
+                    borrowed_milli_gpue: 0,
+                }
             })
             .collect(),
         ..report("east", seq, held, 0)
     };
     for seq in 1..=400 {
-        let reply = send(&client, &big(seq, held)).await.unwrap_or_else(|e| panic!("report {seq} with one follower down: {e}"));
+        let reply = send(&client, &big(seq, held))
+            .await
+            .unwrap_or_else(|e| panic!("report {seq} with one follower down: {e}"));
         held = reply.lease.map_or(held, |l| l.epoch);
     }
-    let target = cl.node(leader).raft().metrics().borrow().last_applied.map_or(0, |l| l.index);
+    let target = cl
+        .node(leader)
+        .raft()
+        .metrics()
+        .borrow()
+        .last_applied
+        .map_or(0, |l| l.index);
     cl.restart(behind).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let applied = cl.node(behind).raft().metrics().borrow().last_applied.map_or(0, |l| l.index);
+        let applied = cl
+            .node(behind)
+            .raft()
+            .metrics()
+            .borrow()
+            .last_applied
+            .map_or(0, |l| l.index);
         if applied >= target {
             break;
         }
@@ -598,7 +827,9 @@ async fn a_follower_behind_on_large_reports_catches_up() {
     // the quorum.
     let other = (1..=3).find(|n| *n != leader && *n != behind).expect("a third node");
     cl.stop(other).await;
-    send(&client, &big(401, held)).await.expect("a report committed by the leader and the caught-up follower");
+    send(&client, &big(401, held))
+        .await
+        .expect("a report committed by the leader and the caught-up follower");
     cl.shutdown().await;
 }
 
@@ -612,7 +843,9 @@ async fn followers_receive_an_entry_during_the_leaders_sync_and_apply_it_after()
     let cl = Cluster::start(3).await;
     let leader = cl.leader(Duration::from_secs(10)).await;
     let client = Client::new(&cl.endpoints()).expect("client");
-    apply_policy(&client, Policy::article_example_yaml()).await.expect("policy");
+    apply_policy(&client, Policy::article_example_yaml())
+        .await
+        .expect("policy");
     let held = register(&client, "east", 64).await.epoch;
     send(&client, &report("east", 1, held, 1_000)).await.expect("report 1");
     let followers: Vec<u64> = (1..=3).filter(|n| *n != leader).collect();
@@ -627,8 +860,14 @@ async fn followers_receive_an_entry_during_the_leaders_sync_and_apply_it_after()
         async move { send(&client, &report("east", 2, held, 2_000)).await }
     });
     let deadline = Instant::now() + Duration::from_secs(10);
-    while followers.iter().any(|f| metrics(*f).last_log_index.unwrap_or(0) <= durable) {
-        assert!(Instant::now() < deadline, "the followers did not receive entries past {durable} while the leader's sync was held");
+    while followers
+        .iter()
+        .any(|f| metrics(*f).last_log_index.unwrap_or(0) <= durable)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the followers did not receive entries past {durable} while the leader's sync was held"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -636,17 +875,31 @@ async fn followers_receive_an_entry_during_the_leaders_sync_and_apply_it_after()
     // Read again: on a loaded machine a sync begun before the hold may have ended late.
     // Entries appended under the hold are past it either way.
     let durable = cl.node(leader).durable().borrow().upto.map_or(0, |l| l.index);
-    assert!(followers.iter().all(|f| metrics(*f).last_log_index.unwrap_or(0) > durable));
+    assert!(followers
+        .iter()
+        .all(|f| metrics(*f).last_log_index.unwrap_or(0) > durable));
     for n in (1..=3).chain([leader]) {
         let applied = metrics(n).last_applied.map_or(0, |l| l.index);
-        assert!(applied <= durable, "node {n} applied entry {applied}, past the leader's durable log ({durable})");
+        assert!(
+            applied <= durable,
+            "node {n} applied entry {applied}, past the leader's durable log ({durable})"
+        );
     }
     hold.release();
-    let reply = tokio::time::timeout(Duration::from_secs(10), write).await.expect("answered once synced").expect("task");
+    let reply = tokio::time::timeout(Duration::from_secs(10), write)
+        .await
+        .expect("answered once synced")
+        .expect("task");
     reply.expect("report 2 committed");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while followers.iter().any(|f| metrics(*f).last_applied.map_or(0, |l| l.index) <= durable) {
-        assert!(Instant::now() < deadline, "the followers did not apply past {durable} after the sync");
+    while followers
+        .iter()
+        .any(|f| metrics(*f).last_applied.map_or(0, |l| l.index) <= durable)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the followers did not apply past {durable} after the sync"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     cl.shutdown().await;

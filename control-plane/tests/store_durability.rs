@@ -18,10 +18,7 @@ use kvota_control_plane::types::{Response, TypeConfig};
 use kvota_fairness::federation::{Applied, Command};
 use openraft::storage::{RaftLogStorage, RaftLogStorageExt, RaftStateMachine};
 use openraft::testing::log_id;
-use openraft::{
-    Entry, RaftLogReader, RaftSnapshotBuilder, SnapshotMeta,
-    StoredMembership, Vote,
-};
+use openraft::{Entry, RaftLogReader, RaftSnapshotBuilder, SnapshotMeta, StoredMembership, Vote};
 use tempfile::TempDir;
 
 mod common;
@@ -69,23 +66,11 @@ async fn restart_keeps_vote_log_state_machine_and_snapshot() {
         assert_eq!(replies[0], Response(None), "membership");
         assert_eq!(replies[1], Response(None), "blank");
         assert_eq!(replies[2], Response(Some(vec![Ok(Applied::PolicyApplied)])));
-        assert!(matches!(
-            replies[3].0.as_deref(),
-            Some([Ok(Applied::Registered(_))])
-        ));
-        assert!(
-            matches!(replies[6].0.as_deref(), Some([Err(_)])),
-            "{:?}",
-            replies[6]
-        );
+        assert!(matches!(replies[3].0.as_deref(), Some([Ok(Applied::Registered(_))])));
+        assert!(matches!(replies[6].0.as_deref(), Some([Err(_)])), "{:?}", replies[6]);
         assert_eq!(replies[7], Response(Some(vec![Ok(Applied::Ticked)])));
 
-        let snapshot = sm
-            .get_snapshot_builder()
-            .await
-            .build_snapshot()
-            .await
-            .unwrap();
+        let snapshot = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
         log.purge(log_id(1, 1, 2)).await.unwrap();
 
         let data = sm.shared().read().await.clone();
@@ -104,10 +89,7 @@ async fn restart_keeps_vote_log_state_machine_and_snapshot() {
     assert_eq!(before_entries, log_entries[2..].to_vec());
 
     let (mut log, mut sm) = open_retrying(dir.path());
-    assert_eq!(
-        log.read_vote().await.unwrap(),
-        Some(Vote::new_committed(2, 1))
-    );
+    assert_eq!(log.read_vote().await.unwrap(), Some(Vote::new_committed(2, 1)));
     assert_eq!(log.read_committed().await.unwrap(), Some(log_id(2, 1, 8)));
     let state = log.get_log_state().await.unwrap();
     assert_eq!(state, before_log_state);
@@ -126,10 +108,7 @@ async fn restart_keeps_vote_log_state_machine_and_snapshot() {
 
     let current = sm.get_current_snapshot().await.unwrap().unwrap();
     assert_eq!(current.meta, before_snapshot.meta);
-    assert_eq!(
-        current.snapshot.into_inner(),
-        before_snapshot.snapshot.into_inner()
-    );
+    assert_eq!(current.snapshot.into_inner(), before_snapshot.snapshot.into_inner());
 }
 
 #[tokio::test]
@@ -138,12 +117,7 @@ async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
     let log_entries = sample_log();
     let (_log_a, mut sm_a) = open_retrying(dir_a.path());
     sm_a.apply(log_entries.clone()).await.unwrap();
-    let snapshot = sm_a
-        .get_snapshot_builder()
-        .await
-        .build_snapshot()
-        .await
-        .unwrap();
+    let snapshot = sm_a.get_snapshot_builder().await.build_snapshot().await.unwrap();
     let want = sm_a.shared().read().await.clone();
     assert_eq!(snapshot.meta.last_log_id, Some(log_id(2, 1, 8)));
 
@@ -152,9 +126,7 @@ async fn snapshot_moves_the_federation_to_another_node_and_survives_restart() {
         let mut received = sm_b.begin_receiving_snapshot().await.unwrap();
         assert!(received.get_ref().is_empty());
         *received = Cursor::new(snapshot.snapshot.get_ref().clone());
-        sm_b.install_snapshot(&snapshot.meta, received)
-            .await
-            .unwrap();
+        sm_b.install_snapshot(&snapshot.meta, received).await.unwrap();
         assert_eq!(*sm_b.shared().read().await, want);
     }
 
@@ -181,12 +153,7 @@ async fn corrupt_snapshot_is_refused_and_changes_nothing() {
     let log_entries = sample_log();
     let (_log, mut sm) = open_retrying(dir.path());
     sm.apply(log_entries[..5].to_vec()).await.unwrap();
-    let good = sm
-        .get_snapshot_builder()
-        .await
-        .build_snapshot()
-        .await
-        .unwrap();
+    let good = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
     let before = sm.shared().read().await.clone();
     let before_applied = sm.applied_state().await.unwrap();
 
@@ -203,26 +170,18 @@ async fn corrupt_snapshot_is_refused_and_changes_nothing() {
     let truncated = Box::new(Cursor::new(bytes[..bytes.len() / 2].to_vec()));
     assert!(sm.install_snapshot(&good.meta, truncated).await.is_err());
     // Well-formed state whose content does not match the meta.
-    let mismatched = Box::new(Cursor::new(
-        serde_json::to_vec(&StateMachineData::default()).unwrap(),
-    ));
+    let mismatched = Box::new(Cursor::new(serde_json::to_vec(&StateMachineData::default()).unwrap()));
     assert!(sm.install_snapshot(&meta, mismatched).await.is_err());
 
     assert_eq!(*sm.shared().read().await, before);
     assert_eq!(sm.applied_state().await.unwrap(), before_applied);
-    assert_eq!(
-        sm.get_current_snapshot().await.unwrap().unwrap().meta,
-        good.meta
-    );
+    assert_eq!(sm.get_current_snapshot().await.unwrap().unwrap().meta, good.meta);
     drop((_log, sm));
 
     // Nothing reached the disk either.
     let (_log, mut sm) = open_retrying(dir.path());
     assert_eq!(*sm.shared().read().await, before);
-    assert_eq!(
-        sm.get_current_snapshot().await.unwrap().unwrap().meta,
-        good.meta
-    );
+    assert_eq!(sm.get_current_snapshot().await.unwrap().unwrap().meta, good.meta);
 }
 
 #[tokio::test]
@@ -248,14 +207,8 @@ async fn truncate_removes_the_tail_durably() {
     }
     let (mut log, _sm) = open_retrying(dir.path());
     assert_eq!(all_entries(&mut log).await, log_entries[..5].to_vec());
-    assert_eq!(
-        log.get_log_state().await.unwrap().last_log_id,
-        Some(log_id(2, 1, 5))
-    );
-    assert_eq!(
-        log.try_get_log_entries(3..5).await.unwrap(),
-        log_entries[2..4].to_vec()
-    );
+    assert_eq!(log.get_log_state().await.unwrap().last_log_id, Some(log_id(2, 1, 5)));
+    assert_eq!(log.try_get_log_entries(3..5).await.unwrap(), log_entries[2..4].to_vec());
     assert!(log.try_get_log_entries(5..5).await.unwrap().is_empty());
     assert!(log.try_get_log_entries(9..).await.unwrap().is_empty());
 }
@@ -282,7 +235,11 @@ async fn committed_id_is_written_lazily_and_never_ahead_of_what_was_saved() {
     {
         let (mut log, _sm) = open_retrying(dir.path());
         assert_eq!(all_entries(&mut log).await, log_entries);
-        let committed = log.read_committed().await.unwrap().expect("the first committed id is always written");
+        let committed = log
+            .read_committed()
+            .await
+            .unwrap()
+            .expect("the first committed id is always written");
         assert!((1..=8).contains(&committed.index), "{committed:?}");
         // A commit after the write interval is written again.
         std::thread::sleep(Duration::from_millis(1_100));
@@ -309,7 +266,10 @@ fn open_reports_the_directory() {
 
 /// The last segment of the log on disk.
 fn last_segment(dir: &Path) -> std::path::PathBuf {
-    let mut segs: Vec<_> = std::fs::read_dir(dir.join("log")).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut segs: Vec<_> = std::fs::read_dir(dir.join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     segs.sort();
     segs.pop().expect("a segment")
 }
@@ -328,7 +288,11 @@ async fn a_torn_tail_is_cut_and_a_damaged_record_is_an_error() {
     }
     let seg = last_segment(dir.path());
     let whole = std::fs::read(&seg).unwrap();
-    for tail in [&whole[whole.len() - 40..whole.len() - 3], &[0u8; 4096][..], &whole[whole.len() - 9..]] {
+    for tail in [
+        &whole[whole.len() - 40..whole.len() - 3],
+        &[0u8; 4096][..],
+        &whole[whole.len() - 9..],
+    ] {
         let mut torn = whole.clone();
         torn.extend_from_slice(tail);
         std::fs::write(&seg, &torn).unwrap();
@@ -359,9 +323,16 @@ async fn a_torn_tail_is_cut_and_a_damaged_record_is_an_error() {
     bad[at] ^= 0x10;
     std::fs::write(&seg, &bad).unwrap();
     let msg = store::open(dir.path()).unwrap_err().to_string();
-    assert!(msg.contains(&seg.display().to_string()) && msg.contains(&format!("offset {}", scanned.records[1].0)), "{msg}");
+    assert!(
+        msg.contains(&seg.display().to_string()) && msg.contains(&format!("offset {}", scanned.records[1].0)),
+        "{msg}"
+    );
     assert!(msg.contains("damage, not a torn write"), "{msg}");
-    assert_eq!(std::fs::read(&seg).unwrap(), bad, "a damaged log is left for the operator");
+    assert_eq!(
+        std::fs::read(&seg).unwrap(),
+        bad,
+        "a damaged log is left for the operator"
+    );
 }
 
 /// The command the crash child writes at `index` (deterministic, so the parent can
@@ -421,7 +392,10 @@ async fn sigkill_child_writer() {
         let last = index + batch.len() as u64 - 1;
         log.blocking_append(batch.clone()).await.unwrap();
         // Past the log's first segment, the leader's appends are acknowledged early.
-        assert!(!leader || index == 1 || log.durable().borrow().acked_ahead.is_some(), "a leader's append was synced in place");
+        assert!(
+            !leader || index == 1 || log.durable().borrow().acked_ahead.is_some(),
+            "a leader's append was synced in place"
+        );
         println!("log {last}");
         for e in batch {
             let i = e.log_id.index;
@@ -460,12 +434,7 @@ async fn sigkill_rounds(leader: bool) {
     let rounds: Vec<u64> = (0..16u64).map(|r| 9 + (r * 37) % 31).collect();
     for kill_after in rounds.iter().copied() {
         let mut child = Process::new(&exe)
-            .args([
-                "sigkill_child_writer",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+            .args(["sigkill_child_writer", "--exact", "--nocapture", "--test-threads=1"])
             .env(CRASH_DIR_ENV, dir.path())
             .envs(leader.then_some((CRASH_AS_LEADER_ENV, "1")))
             .stdout(Stdio::piped())
@@ -506,36 +475,18 @@ async fn sigkill_rounds(leader: bool) {
 
         let (mut log, mut sm) = open_retrying(dir.path());
         let entries = all_entries(&mut log).await;
-        let last = log
-            .get_log_state()
-            .await
-            .unwrap()
-            .last_log_id
-            .unwrap()
-            .index;
-        assert!(
-            last >= max_log,
-            "log lost entries: last {last}, acknowledged {max_log}"
-        );
+        let last = log.get_log_state().await.unwrap().last_log_id.unwrap().index;
+        assert!(last >= max_log, "log lost entries: last {last}, acknowledged {max_log}");
         let want: Vec<_> = (1..=last).map(crash_entry).collect();
         assert_eq!(entries, want, "log is not the contiguous prefix written");
         let vote = log.read_vote().await.unwrap().unwrap();
-        assert!(
-            vote.leader_id().get_term() >= max_vote,
-            "vote {vote} < {max_vote}"
-        );
+        assert!(vote.leader_id().get_term() >= max_vote, "vote {vote} < {max_vote}");
         // The applied state survives through the log: after the startup catch-up it
         // covers every acknowledged apply.
         catch_up(&mut log, &mut sm).await;
         let applied = sm.applied_state().await.unwrap().0.unwrap().index;
-        assert!(
-            applied >= max_applied,
-            "applied {applied} < acknowledged {max_applied}"
-        );
-        assert_eq!(
-            applied,
-            sm.shared().read().await.last_applied.unwrap().index
-        );
+        assert!(applied >= max_applied, "applied {applied} < acknowledged {max_applied}");
+        assert_eq!(applied, sm.shared().read().await.last_applied.unwrap().index);
         assert_eq!(
             sm.shared().read().await.federation,
             replay(&want[..usize::try_from(applied).unwrap()])
@@ -551,7 +502,10 @@ async fn sigkill_rounds(leader: bool) {
 #[test]
 fn mutated_snapshots_are_refused_or_installed_whole() {
     use proptest::prelude::*;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let dir = TempDir::new().unwrap();
     let (good, sm) = rt.block_on(async {
         let (_log, mut sm) = open_retrying(dir.path());
@@ -563,29 +517,36 @@ fn mutated_snapshots_are_refused_or_installed_whole() {
     let bytes = good.snapshot.get_ref().clone();
     let before = rt.block_on(async { sm.shared().read().await.clone() });
     let sm = std::cell::RefCell::new(sm);
-    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config { cases: 64, ..Default::default() });
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        cases: 64,
+        ..Default::default()
+    });
     runner
-        .run(&proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4), |edits| {
-            let mut b = bytes.clone();
-            for (i, v) in edits {
-                let i = i.index(b.len());
-                b[i] = v;
-            }
-            let decoded = serde_json::from_slice::<StateMachineData>(&b).ok();
-            let mut sm = sm.borrow_mut();
-            let r = rt.block_on(sm.install_snapshot(&good.meta, Box::new(Cursor::new(b))));
-            let now = rt.block_on(async { sm.shared().read().await.clone() });
-            match r {
-                Err(_) => prop_assert_eq!(&now, &before),
-                Ok(()) => {
-                    let d = decoded.expect("installed, so it decoded");
-                    prop_assert_eq!(&now, &d);
-                    prop_assert_eq!(d.last_applied, good.meta.last_log_id);
+        .run(
+            &proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+            |edits| {
+                let mut b = bytes.clone();
+                for (i, v) in edits {
+                    let i = i.index(b.len());
+                    b[i] = v;
                 }
-            }
-            // Put the good one back for the next case.
-            rt.block_on(sm.install_snapshot(&good.meta, Box::new(Cursor::new(bytes.clone())))).unwrap();
-            Ok(())
-        })
+                let decoded = serde_json::from_slice::<StateMachineData>(&b).ok();
+                let mut sm = sm.borrow_mut();
+                let r = rt.block_on(sm.install_snapshot(&good.meta, Box::new(Cursor::new(b))));
+                let now = rt.block_on(async { sm.shared().read().await.clone() });
+                match r {
+                    Err(_) => prop_assert_eq!(&now, &before),
+                    Ok(()) => {
+                        let d = decoded.expect("installed, so it decoded");
+                        prop_assert_eq!(&now, &d);
+                        prop_assert_eq!(d.last_applied, good.meta.last_log_id);
+                    }
+                }
+                // Put the good one back for the next case.
+                rt.block_on(sm.install_snapshot(&good.meta, Box::new(Cursor::new(bytes.clone()))))
+                    .unwrap();
+                Ok(())
+            },
+        )
         .unwrap();
 }

@@ -51,9 +51,9 @@ async fn open_as(dir: &TempDir, node: u64, vote: Vote<u64>) -> (LogStore, StateM
 fn thread_named(name: &str) -> bool {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let found = std::fs::read_dir("/proc/self/task").unwrap().any(|t| {
-            std::fs::read_to_string(t.unwrap().path().join("comm")).is_ok_and(|c| c.trim() == name)
-        });
+        let found = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .any(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).is_ok_and(|c| c.trim() == name));
         if found || std::time::Instant::now() >= deadline {
             return found;
         }
@@ -66,7 +66,11 @@ fn thread_named(name: &str) -> bool {
 /// vote is no longer its own (a leader that stepped down and is sent its old entries back).
 #[tokio::test]
 async fn a_follower_acknowledges_only_what_it_synced() {
-    for (vote, made_by) in [(Vote::new_committed(2, 2), 2), (Vote::new_committed(2, 2), 1), (Vote::new(3, 1), 1)] {
+    for (vote, made_by) in [
+        (Vote::new_committed(2, 2), 2),
+        (Vote::new_committed(2, 2), 1),
+        (Vote::new(3, 1), 1),
+    ] {
         let dir = TempDir::new().unwrap();
         let (mut log, _sm) = open_as(&dir, 1, vote).await;
         let entries = log_of(made_by);
@@ -76,7 +80,10 @@ async fn a_follower_acknowledges_only_what_it_synced() {
         log.blocking_append(entries[..1].to_vec()).await.unwrap();
         log.blocking_append(entries[1..5].to_vec()).await.unwrap();
         let now = durable.borrow().clone();
-        assert!(now.covers(5), "vote {vote}, entries by node {made_by}: acknowledged before its sync: {now:?}");
+        assert!(
+            now.covers(5),
+            "vote {vote}, entries by node {made_by}: acknowledged before its sync: {now:?}"
+        );
         assert_eq!(now.acked_ahead, None, "vote {vote}, entries by node {made_by}");
     }
 }
@@ -94,10 +101,17 @@ async fn the_leader_acknowledges_its_own_entries_then_syncs_them() {
         log.blocking_append(entries[..1].to_vec()).await.unwrap();
         assert_eq!(durable.borrow().acked_ahead, None);
         log.blocking_append(entries[1..].to_vec()).await.unwrap();
-        assert_eq!(durable.borrow().acked_ahead, Some(8), "the leader's append did not take the early acknowledgement");
+        assert_eq!(
+            durable.borrow().acked_ahead,
+            Some(8),
+            "the leader's append did not take the early acknowledgement"
+        );
         assert!(thread_named("kvota-log-flush"), "no flusher thread");
         assert_eq!(log.try_get_log_entries(..).await.unwrap(), entries);
-        tokio::time::timeout(Duration::from_secs(10), durable.wait_for(|d| d.covers(8))).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), durable.wait_for(|d| d.covers(8)))
+            .await
+            .unwrap()
+            .unwrap();
         let replies = sm.apply(entries.clone()).await.unwrap();
         assert_eq!(replies.len(), entries.len());
     }
@@ -129,9 +143,15 @@ async fn apply_waits_for_the_sync_of_an_early_acknowledged_entry() {
         sm
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!sm_task.is_finished(), "entry 6 was applied while its sync was held back");
+    assert!(
+        !sm_task.is_finished(),
+        "entry 6 was applied while its sync was held back"
+    );
     held.release();
-    let sm = tokio::time::timeout(Duration::from_secs(10), &mut sm_task).await.unwrap().unwrap();
+    let sm = tokio::time::timeout(Duration::from_secs(10), &mut sm_task)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(sm.shared().read().await.last_applied, Some(log_id(2, 1, 6)));
     assert!(log.durable().borrow().covers(8));
 }
@@ -174,12 +194,24 @@ async fn the_saved_commit_index_stays_within_the_durable_log() {
         log.blocking_append(entries[4..].to_vec()).await.unwrap();
         assert!(!log.durable().borrow().covers(5));
         log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();
-        assert_eq!(log.read_committed().await.unwrap(), Some(log_id(2, 1, 8)), "in memory, the commit as openraft gave it");
+        assert_eq!(
+            log.read_committed().await.unwrap(),
+            Some(log_id(2, 1, 8)),
+            "in memory, the commit as openraft gave it"
+        );
     }
     {
         let (mut log, _sm) = store::open(dir.path()).unwrap();
-        assert_eq!(log.read_committed().await.unwrap(), Some(log_id(1, 2, 4)), "saved: only as far as the log was durable");
-        assert_eq!(log.try_get_log_entries(..).await.unwrap().len(), 8, "the held syncs ran when the store closed");
+        assert_eq!(
+            log.read_committed().await.unwrap(),
+            Some(log_id(1, 2, 4)),
+            "saved: only as far as the log was durable"
+        );
+        assert_eq!(
+            log.try_get_log_entries(..).await.unwrap().len(),
+            8,
+            "the held syncs ran when the store closed"
+        );
         // A saved id past the log's end (the log lost its tail) is ignored on open.
         std::thread::sleep(Duration::from_millis(1_100));
         log.save_committed(Some(log_id(2, 1, 8))).await.unwrap();

@@ -53,7 +53,11 @@ impl Model {
     }
 
     fn range(&self, lo: u64, hi: u64) -> Vec<Entry<TypeConfig>> {
-        self.entries.iter().filter(|e| e.log_id.index >= lo && e.log_id.index < hi).cloned().collect()
+        self.entries
+            .iter()
+            .filter(|e| e.log_id.index >= lo && e.log_id.index < hi)
+            .cloned()
+            .collect()
     }
 }
 
@@ -81,7 +85,10 @@ fn open(path: &Path) -> (LogStore, StateMachineStore) {
 
 async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let dir = TempDir::new().unwrap();
-    let mut model = Model { term: 1, ..Model::default() };
+    let mut model = Model {
+        term: 1,
+        ..Model::default()
+    };
     let mut checks = Vec::new();
     {
         let (mut log, _sm) = open(dir.path());
@@ -92,7 +99,9 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                         model.term += 1;
                     }
                     let from = model.last() + 1;
-                    let batch: Vec<_> = (from..from + u64::from(n)).map(|i| entry(model.term, i, payload(i))).collect();
+                    let batch: Vec<_> = (from..from + u64::from(n))
+                        .map(|i| entry(model.term, i, payload(i)))
+                        .collect();
                     log.blocking_append(batch.clone()).await.unwrap();
                     model.entries.extend(batch);
                 }
@@ -116,7 +125,15 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     let lo = model.purged.saturating_sub(3) + u64::from(a) % span;
                     let hi = lo + u64::from(b) % span;
                     let got = log.try_get_log_entries(lo..hi).await.unwrap();
-                    prop_assert_eq!(&got, &model.range(lo, hi), "read {}..{} (log {}..={})", lo, hi, model.purged + 1, model.last());
+                    prop_assert_eq!(
+                        &got,
+                        &model.range(lo, hi),
+                        "read {}..{} (log {}..={})",
+                        lo,
+                        hi,
+                        model.purged + 1,
+                        model.last()
+                    );
                     checks.push((lo, hi));
                 }
             }
@@ -128,7 +145,13 @@ async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let (mut log, _sm) = open(dir.path());
     prop_assert_eq!(&log.try_get_log_entries(..).await.unwrap(), &model.entries);
     for (lo, hi) in checks {
-        prop_assert_eq!(&log.try_get_log_entries(lo..hi).await.unwrap(), &model.range(lo, hi), "read {}..{} after reopening", lo, hi);
+        prop_assert_eq!(
+            &log.try_get_log_entries(lo..hi).await.unwrap(),
+            &model.range(lo, hi),
+            "read {}..{} after reopening",
+            lo,
+            hi
+        );
     }
     let state = log.get_log_state().await.unwrap();
     prop_assert_eq!(state.last_log_id.map(|l| l.index).unwrap_or(0), model.last());

@@ -14,8 +14,7 @@ struct SledBuilder;
 impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, TempDir> for SledBuilder {
     async fn build(&self) -> Result<(TempDir, LogStore, StateMachineStore), StorageError<u64>> {
         let dir = TempDir::new().map_err(|e| StorageIOError::write(&e))?;
-        let (log_store, sm_store) =
-            store::open(dir.path()).map_err(|e| StorageIOError::write(&e))?;
+        let (log_store, sm_store) = store::open(dir.path()).map_err(|e| StorageIOError::write(&e))?;
         Ok((dir, log_store, sm_store))
     }
 }

@@ -1,8 +1,9 @@
 //! The Raft port's protobuf schema (`proto/kvota/raft/v1/raft.proto`, converted in
-//! `control-plane/src/wire.rs`): every kind of log entry and every Raft message crosses
-//! the wire unchanged; the entries of `tests/golden/raft-entries.format-1.binpb`, encoded
-//! when the schema was introduced, still decode to the golden log; garbled or arbitrary
-//! bytes are refused with an error that names the field, or read whole, never a panic.
+//! `control-plane/src/wire.rs`, the log's commands in `proto/src/log.rs`): every kind of
+//! log entry and every Raft message crosses the wire unchanged; the entries of
+//! `tests/golden/raft-entries.format-1.binpb`, encoded when the schema was introduced,
+//! still decode to the golden log; garbled or arbitrary bytes are refused with an error
+//! that names the field, or read whole, never a panic.
 
 #![allow(clippy::unwrap_used)]
 
@@ -19,17 +20,26 @@ use kvota_fairness::federation::{Command, UsageReport};
 use kvota_fairness::policy::Policy;
 use kvota_proto::raft::v1 as pb;
 use openraft::error::{InstallSnapshotError, SnapshotMismatch};
-use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest, VoteResponse};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
+    VoteResponse,
+};
 use openraft::testing::log_id;
 use openraft::{Entry, EntryPayload, Membership, SnapshotMeta, SnapshotSegmentId, StoredMembership, Vote};
 use prost::Message;
 
 fn golden(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name)
 }
 
 fn node(port: u16) -> Node {
-    Node { rpc_addr: format!("10.0.0.1:{port}"), http_addr: format!("10.0.0.1:{}", port + 1), raft_addr: String::new() }
+    Node {
+        rpc_addr: format!("10.0.0.1:{port}"),
+        http_addr: format!("10.0.0.1:{}", port + 1),
+        raft_addr: String::new(),
+    }
 }
 
 /// What [`full_log`] does not use: a policy with queue admission, resource weights and a
@@ -51,15 +61,37 @@ spec:
 ",
     )
     .unwrap();
-    let Command::Report(mut with_capacity) = report("east", 3, 1_000) else { unreachable!() };
-    with_capacity.capacity = Some([("nvidia.com/gpu".to_string(), 8_000), ("example.com/tpu".to_string(), 4_000)].into());
-    let empty_capacity = UsageReport { capacity: Some(BTreeMap::new()), seq: 4, ..with_capacity.clone() };
+    let Command::Report(mut with_capacity) = report("east", 3, 1_000) else {
+        unreachable!()
+    };
+    with_capacity.capacity = Some(
+        [
+            ("nvidia.com/gpu".to_string(), 8_000),
+            ("example.com/tpu".to_string(), 4_000),
+        ]
+        .into(),
+    );
+    let empty_capacity = UsageReport {
+        capacity: Some(BTreeMap::new()),
+        seq: 4,
+        ..with_capacity.clone()
+    };
     let mut raise = Request::new(9_000, vec![Command::Tick]);
     raise.raise_feature_level = Some(1);
-    let joint = Membership::new(vec![[1u64, 2].into(), [2u64, 3].into()], BTreeMap::from([(1, node(7000)), (2, node(7010)), (3, node(7020)), (4, node(7030))]));
+    let joint = Membership::new(
+        vec![[1u64, 2].into(), [2u64, 3].into()],
+        BTreeMap::from([(1, node(7000)), (2, node(7010)), (3, node(7020)), (4, node(7030))]),
+    );
     vec![
         entry(3, 11, normal(8_500, Command::ApplyPolicy(policy))),
-        entry(3, 12, EntryPayload::Normal(Request::new(8_600, vec![Command::Report(with_capacity), Command::Report(empty_capacity)]))),
+        entry(
+            3,
+            12,
+            EntryPayload::Normal(Request::new(
+                8_600,
+                vec![Command::Report(with_capacity), Command::Report(empty_capacity)],
+            )),
+        ),
         entry(3, 13, EntryPayload::Normal(raise)),
         entry(4, 14, EntryPayload::Membership(joint)),
         entry(4, 15, EntryPayload::Normal(Request::new(9_500, Vec::new()))),
@@ -80,7 +112,9 @@ fn through_the_wire(e: &Entry<TypeConfig>) -> Entry<TypeConfig> {
 #[test]
 fn every_kind_of_entry_crosses_the_wire_unchanged() {
     let log = all_entries();
-    assert!(log.iter().any(|e| matches!(&e.payload, EntryPayload::Normal(r) if r.raise_feature_level.is_some())));
+    assert!(log
+        .iter()
+        .any(|e| matches!(&e.payload, EntryPayload::Normal(r) if r.raise_feature_level.is_some())));
     for e in &log {
         assert_eq!(&through_the_wire(e), e);
     }
@@ -119,11 +153,27 @@ fn the_golden_wire_entries_decode_to_the_golden_log() {
 #[test]
 fn raft_messages_and_answers_cross_the_wire_unchanged() {
     let log = all_entries();
-    let append = AppendEntriesRequest::<TypeConfig> { vote: Vote::new_committed(4, 1), prev_log_id: Some(log_id(2, 1, 10)), entries: log[10..].to_vec(), leader_commit: Some(log_id(2, 1, 9)) };
-    let back = wire::append_from(pb::AppendEntriesRequest::decode(wire::append_to(&append).encode_to_vec().as_slice()).unwrap()).unwrap();
+    let append = AppendEntriesRequest::<TypeConfig> {
+        vote: Vote::new_committed(4, 1),
+        prev_log_id: Some(log_id(2, 1, 10)),
+        entries: log[10..].to_vec(),
+        leader_commit: Some(log_id(2, 1, 9)),
+    };
+    let back = wire::append_from(
+        pb::AppendEntriesRequest::decode(wire::append_to(&append).encode_to_vec().as_slice()).unwrap(),
+    )
+    .unwrap();
     assert_eq!(format!("{back:?}"), format!("{append:?}"));
-    let heartbeat = AppendEntriesRequest::<TypeConfig> { vote: Vote::new_committed(1, 3), prev_log_id: None, entries: Vec::new(), leader_commit: None };
-    assert_eq!(format!("{:?}", wire::append_from(wire::append_to(&heartbeat)).unwrap()), format!("{heartbeat:?}"));
+    let heartbeat = AppendEntriesRequest::<TypeConfig> {
+        vote: Vote::new_committed(1, 3),
+        prev_log_id: None,
+        entries: Vec::new(),
+        leader_commit: None,
+    };
+    assert_eq!(
+        format!("{:?}", wire::append_from(wire::append_to(&heartbeat)).unwrap()),
+        format!("{heartbeat:?}")
+    );
 
     for r in [
         AppendEntriesResponse::Success,
@@ -134,16 +184,35 @@ fn raft_messages_and_answers_cross_the_wire_unchanged() {
     ] {
         assert_eq!(wire::append_reply_from(wire::append_reply_to(&r)).unwrap(), r);
     }
-    for v in [VoteRequest { vote: Vote::new(5, 2), last_log_id: Some(log_id(4, 1, 100)) }, VoteRequest { vote: Vote::new(1, 1), last_log_id: None }] {
+    for v in [
+        VoteRequest {
+            vote: Vote::new(5, 2),
+            last_log_id: Some(log_id(4, 1, 100)),
+        },
+        VoteRequest {
+            vote: Vote::new(1, 1),
+            last_log_id: None,
+        },
+    ] {
         assert_eq!(wire::vote_request_from(wire::vote_request_to(&v)).unwrap(), v);
     }
-    let granted = VoteResponse { vote: Vote::new(5, 2), vote_granted: true, last_log_id: Some(log_id(4, 1, 100)) };
+    let granted = VoteResponse {
+        vote: Vote::new(5, 2),
+        vote_granted: true,
+        last_log_id: Some(log_id(4, 1, 100)),
+    };
     assert_eq!(wire::vote_reply_from(wire::vote_reply_to(&granted)).unwrap(), granted);
 
-    let EntryPayload::Membership(joint) = &log[13].payload else { panic!("entry 14 is the joint membership") };
+    let EntryPayload::Membership(joint) = &log[13].payload else {
+        panic!("entry 14 is the joint membership")
+    };
     let snap = InstallSnapshotRequest::<TypeConfig> {
         vote: Vote::new_committed(4, 1),
-        meta: SnapshotMeta { last_log_id: Some(log_id(4, 1, 15)), last_membership: StoredMembership::new(Some(log_id(4, 1, 14)), joint.clone()), snapshot_id: "4-1-15-7".into() },
+        meta: SnapshotMeta {
+            last_log_id: Some(log_id(4, 1, 15)),
+            last_membership: StoredMembership::new(Some(log_id(4, 1, 14)), joint.clone()),
+            snapshot_id: "4-1-15-7".into(),
+        },
         offset: 1 << 20,
         data: (0..=255u8).collect(),
         done: true,
@@ -153,14 +222,34 @@ fn raft_messages_and_answers_cross_the_wire_unchanged() {
     // A snapshot taken before any membership was applied carries openraft's empty
     // default: it crosses too (an entry's membership may not be empty, below).
     let early = InstallSnapshotRequest::<TypeConfig> {
-        meta: SnapshotMeta { last_log_id: None, last_membership: StoredMembership::default(), snapshot_id: "0".into() },
+        meta: SnapshotMeta {
+            last_log_id: None,
+            last_membership: StoredMembership::default(),
+            snapshot_id: "0".into(),
+        },
         ..snap.clone()
     };
     let back = wire::snapshot_from(wire::snapshot_to(&early)).unwrap();
     assert_eq!(format!("{back:?}"), format!("{early:?}"));
-    let ok = InstallSnapshotResponse { vote: Vote::new_committed(4, 1) };
-    assert_eq!(wire::snapshot_reply_from(wire::snapshot_reply_to(Ok(&ok))).unwrap().unwrap(), ok);
-    let m = SnapshotMismatch { expect: SnapshotSegmentId { id: "a".into(), offset: 0 }, got: SnapshotSegmentId { id: "b".into(), offset: 4096 } };
+    let ok = InstallSnapshotResponse {
+        vote: Vote::new_committed(4, 1),
+    };
+    assert_eq!(
+        wire::snapshot_reply_from(wire::snapshot_reply_to(Ok(&ok)))
+            .unwrap()
+            .unwrap(),
+        ok
+    );
+    let m = SnapshotMismatch {
+        expect: SnapshotSegmentId {
+            id: "a".into(),
+            offset: 0,
+        },
+        got: SnapshotSegmentId {
+            id: "b".into(),
+            offset: 4096,
+        },
+    };
     match wire::snapshot_reply_from(wire::snapshot_reply_to(Err(&m))).unwrap() {
         Err(InstallSnapshotError::SnapshotMismatch(got)) => assert_eq!(got, m),
         other => panic!("{other:?}"),
@@ -169,15 +258,25 @@ fn raft_messages_and_answers_cross_the_wire_unchanged() {
 
 #[test]
 fn what_cannot_be_read_is_refused_naming_the_field() {
-    let good = wire::append_to(&AppendEntriesRequest::<TypeConfig> { vote: Vote::new_committed(2, 1), prev_log_id: None, entries: full_log(), leader_commit: None });
+    let good = wire::append_to(&AppendEntriesRequest::<TypeConfig> {
+        vote: Vote::new_committed(2, 1),
+        prev_log_id: None,
+        entries: full_log(),
+        leader_commit: None,
+    });
     let err = |f: &dyn Fn(&mut pb::AppendEntriesRequest)| {
         let mut m = good.clone();
         f(&mut m);
         wire::append_from(m).expect_err("refused")
     };
     assert_eq!(err(&|m| m.vote = None), WireError::Missing("vote".into()));
-    assert_eq!(err(&|m| m.entries[3].log_id = None), WireError::Missing("entries[3].log_id".into()));
-    assert!(err(&|m| m.entries[1].payload = None).to_string().starts_with("entries[1].payload: absent, or of a kind this build does not know"));
+    assert_eq!(
+        err(&|m| m.entries[3].log_id = None),
+        WireError::Missing("entries[3].log_id".into())
+    );
+    assert!(err(&|m| m.entries[1].payload = None)
+        .to_string()
+        .starts_with("entries[1].payload: absent, or of a kind this build does not know"));
     let normal = |m: &mut pb::AppendEntriesRequest, i: usize| -> pb::LogBatch {
         match m.entries[i].payload.take() {
             Some(pb::raft_entry::Payload::Normal(b)) => b,
@@ -189,20 +288,37 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
         b.format = LOG_FORMAT + 1;
         m.entries[2].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
-    assert_eq!(e, WireError::NewerFormat { field: "entries[2].normal".into(), format: LOG_FORMAT + 1 });
-    assert!(e.to_string().contains("is newer than this node reads") && e.to_string().contains("upgrade this node"), "{e}");
+    assert_eq!(
+        e,
+        WireError::NewerFormat {
+            field: "entries[2].normal".into(),
+            format: LOG_FORMAT + 1
+        }
+    );
+    assert!(
+        e.to_string().contains("is newer than this node reads") && e.to_string().contains("upgrade this node"),
+        "{e}"
+    );
     let e = err(&|m| {
         let mut b = normal(m, 2);
         b.format = 0;
         m.entries[2].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
-    assert!(e.to_string().starts_with("entries[2].normal.format: log entry format 0 does not exist"), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("entries[2].normal.format: log entry format 0 does not exist"),
+        "{e}"
+    );
     let e = err(&|m| {
         let mut b = normal(m, 9);
         b.commands[0].command = None;
         m.entries[9].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
-    assert!(e.to_string().starts_with("entries[9].normal.commands[0]: absent, or a command this build does not know"), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("entries[9].normal.commands[0]: absent, or a command this build does not know"),
+        "{e}"
+    );
     let e = err(&|m| {
         let mut b = normal(m, 2);
         if let Some(pb::log_command::Command::ApplyPolicy(p)) = &mut b.commands[0].command {
@@ -210,7 +326,11 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
         }
         m.entries[2].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
-    assert!(e.to_string().starts_with("entries[2].normal.commands[0].apply_policy.tenants[1].admission: admission mode 7"), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("entries[2].normal.commands[0].apply_policy.tenants[1].admission: admission mode 7"),
+        "{e}"
+    );
     // Names: every writer parsed them before proposing, so a name that is not a DNS
     // label is a damaged or foreign entry, refused where it stands.
     let e = err(&|m| {
@@ -237,7 +357,12 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
         }
         m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
-    assert!(e.to_string().starts_with(&format!("entries[{at}].normal.commands[0].report.cluster: cluster name \"east.example\" is not valid")), "{e}");
+    assert!(
+        e.to_string().starts_with(&format!(
+            "entries[{at}].normal.commands[0].report.cluster: cluster name \"east.example\" is not valid"
+        )),
+        "{e}"
+    );
     // A report's tenant that is no DNS label is dropped, not refused: builds before
     // 2026-12-04 let `team-` into the log, and applying the report ignored it.
     let mut m = good.clone();
@@ -250,11 +375,22 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
     }
     m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
     let read = wire::append_from(m).expect("the entry is read");
-    let EntryPayload::Normal(req) = &read.entries[at].payload else { panic!("a normal entry") };
-    let Command::Report(r) = &req.commands[0] else { panic!("a report") };
-    let EntryPayload::Normal(want) = &full_log()[at].payload else { panic!("a normal entry") };
-    let Command::Report(want) = &want.commands[0] else { panic!("a report") };
-    assert_eq!(r.tenants, want.tenants, "the tenant that is no label is dropped, the others kept");
+    let EntryPayload::Normal(req) = &read.entries[at].payload else {
+        panic!("a normal entry")
+    };
+    let Command::Report(r) = &req.commands[0] else {
+        panic!("a report")
+    };
+    let EntryPayload::Normal(want) = &full_log()[at].payload else {
+        panic!("a normal entry")
+    };
+    let Command::Report(want) = &want.commands[0] else {
+        panic!("a report")
+    };
+    assert_eq!(
+        r.tenants, want.tenants,
+        "the tenant that is no label is dropped, the others kept"
+    );
     let at = find(&good, &|c| matches!(c, pb::log_command::Command::RemoveCluster(_)));
     let e = err(&|m| {
         let mut b = normal(m, at);
@@ -265,24 +401,48 @@ fn what_cannot_be_read_is_refused_naming_the_field() {
         }
         m.entries[at].payload = Some(pb::raft_entry::Payload::Normal(b));
     });
-    assert!(e.to_string().contains(".remove_cluster.cluster: cluster name \"\" is not valid"), "{e}");
+    assert!(
+        e.to_string()
+            .contains(".remove_cluster.cluster: cluster name \"\" is not valid"),
+        "{e}"
+    );
     // Memberships that openraft could not work with.
     let membership = |f: &dyn Fn(&mut pb::RaftMembership)| {
         err(&|m| {
-            let Some(pb::raft_entry::Payload::Membership(mut ms)) = m.entries[0].payload.take() else { panic!("entry 0 is the membership") };
+            let Some(pb::raft_entry::Payload::Membership(mut ms)) = m.entries[0].payload.take() else {
+                panic!("entry 0 is the membership")
+            };
             f(&mut ms);
             m.entries[0].payload = Some(pb::raft_entry::Payload::Membership(ms));
         })
         .to_string()
     };
     assert!(membership(&|ms| ms.configs.clear()).contains("entries[0].membership.configs: 0 voter sets"));
-    assert!(membership(&|ms| ms.configs[0].voters.clear()).contains("entries[0].membership.configs[0]: an empty voter set"));
+    assert!(
+        membership(&|ms| ms.configs[0].voters.clear()).contains("entries[0].membership.configs[0]: an empty voter set")
+    );
     assert!(membership(&|ms| ms.configs[0].voters.push(5)).contains("voter 5 has no entry in nodes"));
     assert!(membership(&|ms| ms.configs = vec![ms.configs[0].clone(); 3]).contains("3 voter sets"));
-    assert_eq!(wire::vote_request_from(pb::VoteRequest::default()).unwrap_err(), WireError::Missing("vote".into()));
-    assert_eq!(wire::snapshot_from(pb::InstallSnapshotRequest { vote: Some(pb::RaftVote::default()), ..Default::default() }).unwrap_err(), WireError::Missing("meta".into()));
-    assert_eq!(wire::append_reply_from(pb::AppendEntriesReply::default()).unwrap_err(), WireError::Missing("result".into()));
-    assert_eq!(wire::snapshot_reply_from(pb::InstallSnapshotReply::default()).unwrap_err(), WireError::Missing("result".into()));
+    assert_eq!(
+        wire::vote_request_from(pb::VoteRequest::default()).unwrap_err(),
+        WireError::Missing("vote".into())
+    );
+    assert_eq!(
+        wire::snapshot_from(pb::InstallSnapshotRequest {
+            vote: Some(pb::RaftVote::default()),
+            ..Default::default()
+        })
+        .unwrap_err(),
+        WireError::Missing("meta".into())
+    );
+    assert_eq!(
+        wire::append_reply_from(pb::AppendEntriesReply::default()).unwrap_err(),
+        WireError::Missing("result".into())
+    );
+    assert_eq!(
+        wire::snapshot_reply_from(pb::InstallSnapshotReply::default()).unwrap_err(),
+        WireError::Missing("result".into())
+    );
 }
 
 /// A policy's showback retention crosses the wire (and its default is no bytes at all,
@@ -296,7 +456,11 @@ fn a_showback_retention_crosses_the_wire_and_its_default_costs_nothing() {
         let e = entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())));
         assert_eq!(through_the_wire(&e), e);
     }
-    let size = |p: &Policy| wire::entry_to(&entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())))).encode_to_vec().len();
+    let size = |p: &Policy| {
+        wire::entry_to(&entry(1, 1, normal(1, Command::ApplyPolicy(p.clone()))))
+            .encode_to_vec()
+            .len()
+    };
     assert!(size(&set) > size(&base), "the retention is written when set");
 }
 
@@ -306,23 +470,94 @@ fn a_showback_retention_crosses_the_wire_and_its_default_costs_nothing() {
 #[test]
 fn lend_when_crosses_the_wire_and_its_default_costs_nothing() {
     let base = Policy::from_yaml(Policy::article_example_yaml()).unwrap();
-    let cut_off = Policy::from_yaml(&Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1)).unwrap();
+    let cut_off = Policy::from_yaml(&Policy::article_example_yaml().replacen(
+        "spec:\n",
+        "spec:\n  reclaim: {lendWhen: cutOff}\n",
+        1,
+    ))
+    .unwrap();
     assert_eq!(cut_off.reclaim.lend_when, kvota_fairness::policy::LendWhen::CutOff);
-    let off = Policy::from_yaml(&Policy::article_example_yaml().replacen("spec:\n", "spec:\n  reclaim: {lendIdle: false}\n", 1)).unwrap();
+    let off = Policy::from_yaml(&Policy::article_example_yaml().replacen(
+        "spec:\n",
+        "spec:\n  reclaim: {lendIdle: false}\n",
+        1,
+    ))
+    .unwrap();
     for p in [&base, &cut_off, &off] {
         let e = entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())));
         assert_eq!(through_the_wire(&e), e);
     }
-    let size = |p: &Policy| wire::entry_to(&entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())))).encode_to_vec().len();
+    let size = |p: &Policy| {
+        wire::entry_to(&entry(1, 1, normal(1, Command::ApplyPolicy(p.clone()))))
+            .encode_to_vec()
+            .len()
+    };
     assert!(size(&cut_off) > size(&base), "cutOff is written when set");
-    assert_eq!(size(&off), size(&base) + 2, "lendIdle: false is its own field (tag and value)");
+    assert_eq!(
+        size(&off),
+        size(&base) + 2,
+        "lendIdle: false is its own field (tag and value)"
+    );
+}
+
+/// `spec.audit` crosses the wire; its default is no bytes at all (entries written
+/// before the field existed read the same).
+#[test]
+fn an_audit_setting_crosses_the_wire_and_its_default_costs_nothing() {
+    let base = Policy::from_yaml(Policy::article_example_yaml()).unwrap();
+    let set = Policy::from_yaml(&Policy::article_example_yaml().replacen(
+        "spec:\n",
+        "spec:\n  audit: {retention: 30d, maxSize: 64Mi}\n",
+        1,
+    ))
+    .unwrap();
+    for p in [&base, &set] {
+        let e = entry(1, 1, normal(1, Command::ApplyPolicy(p.clone())));
+        assert_eq!(through_the_wire(&e), e);
+    }
+    let size = |p: &Policy| {
+        wire::entry_to(&entry(1, 1, normal(1, Command::ApplyPolicy(p.clone()))))
+            .encode_to_vec()
+            .len()
+    };
+    assert!(size(&set) > size(&base), "the setting is written when set");
+}
+
+/// A report's cluster status crosses the wire; a report without one is the bytes it
+/// always was.
+#[test]
+fn a_cluster_status_crosses_the_wire_and_its_absence_costs_nothing() {
+    let Command::Report(plain) = report("east", 3, 1_000) else {
+        unreachable!()
+    };
+    let mut with = plain.clone();
+    with.status = Some(kvota_fairness::federation::ClusterStatus {
+        agent_version: "0.9.0".into(),
+        feature_level: 6,
+        policy_revision: 7,
+        report_interval_ms: 5_000,
+        running: [(TenantName::from_static("training"), 2_000)].into(),
+    });
+    let e = |r: &UsageReport| entry(2, 3, normal(5, Command::Report(r.clone())));
+    assert_eq!(through_the_wire(&e(&with)), e(&with));
+    assert_eq!(through_the_wire(&e(&plain)), e(&plain));
+    let json = serde_json::to_string(&e(&plain)).unwrap();
+    assert!(!json.contains("status"), "{json}");
 }
 
 /// Who asked for each command crosses the Raft wire and the log store's JSON unchanged;
 /// an entry naming nobody carries no such field (what a level-1 member reads).
 #[test]
 fn actors_cross_the_wire_and_the_log_and_are_absent_when_none() {
-    let mut r = Request::new(5, vec![Command::Tick, Command::RemoveCluster { cluster: ClusterName::from_static("east") }]);
+    let mut r = Request::new(
+        5,
+        vec![
+            Command::Tick,
+            Command::RemoveCluster {
+                cluster: ClusterName::from_static("east"),
+            },
+        ],
+    );
     let plain = serde_json::to_string(&r).unwrap();
     assert!(!plain.contains("actors"), "{plain}");
     r.actors = BTreeMap::from([(1, "operator/alice".to_string())]);
@@ -331,7 +566,10 @@ fn actors_cross_the_wire_and_the_log_and_are_absent_when_none() {
     let json = serde_json::to_string(&r).unwrap();
     assert_eq!(serde_json::from_str::<Request>(&json).unwrap(), r);
     let twice = json.replacen("\"actors\":", "\"actors\":{},\"actors\":", 1);
-    assert!(serde_json::from_str::<Request>(&twice).is_err(), "a duplicate field is refused");
+    assert!(
+        serde_json::from_str::<Request>(&twice).is_err(),
+        "a duplicate field is refused"
+    );
 }
 
 mod hostile_bytes {
@@ -381,19 +619,24 @@ mod hostile_bytes {
             window in proptest::option::of((any::<u64>(), any::<u64>())),
             now in any::<u64>(),
             decisions in prop::collection::vec(("[a-z]{1,6}/[a-z0-9.-]{1,12}", "[a-z]{1,8}", 0usize..3, any::<u64>(), any::<u64>(), ".{0,60}"), 0..4),
+            status in proptest::option::of(("[ -~]{0,20}", any::<u32>(), any::<u64>(), any::<u64>(), prop::collection::btree_map("[a-z]{1,8}", any::<u64>(), 0..4))),
         ) {
             let Command::Report(mut r) = report("x", 1, 0) else { unreachable!() };
             r.cluster = ClusterName::parse(cluster).expect("the pattern makes labels");
             r.seq = seq;
             r.held_epoch = held;
             r.capacity = capacity;
-            r.tenants = tenants.into_iter().map(|(k, (u, i, p))| (TenantName::parse(k).expect("the pattern makes labels"), kvota_fairness::federation::TenantReport { used_milli_gpue_ms: u, inuse: i, pending: p, largest: 0 })).collect();
+            r.tenants = tenants.into_iter().map(|(k, (u, i, p))| (TenantName::parse(k).expect("the pattern makes labels"), kvota_fairness::federation::TenantReport { used_milli_gpue_ms: u, inuse: i, pending: p, largest: 0, borrowed: 0 })).collect();
             r.window = window.map(|(start_ms, end_ms)| kvota_fairness::federation::UsageWindow { start_ms, end_ms });
             use kvota_fairness::admission::Verdict;
             r.decisions = decisions
                 .into_iter()
                 .map(|(pod, tenant, v, milli_gpue, at_ms, text)| kvota_fairness::federation::PodDecision { pod, tenant, verdict: [Verdict::Allow, Verdict::Queue, Verdict::Deny][v], milli_gpue, at_ms, text })
                 .collect();
+            r.status = status.map(|(agent_version, feature_level, policy_revision, report_interval_ms, running)| kvota_fairness::federation::ClusterStatus {
+                agent_version, feature_level, policy_revision, report_interval_ms,
+                running: running.into_iter().map(|(t, g)| (TenantName::parse(t).expect("the pattern makes labels"), g)).collect(),
+            });
             let e = entry(1, 1, EntryPayload::Normal(Request::new(now, vec![Command::Report(r)])));
             prop_assert_eq!(through_the_wire(&e), e);
         }

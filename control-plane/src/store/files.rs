@@ -120,7 +120,9 @@ pub enum SnapshotFileError {
 pub fn snapshot_from_bytes(bytes: &[u8]) -> Result<(SnapshotMeta<NodeId, Node>, Vec<u8>), SnapshotFileError> {
     let damaged = |why: String| SnapshotFileError::Damaged(why);
     if bytes.len() < SNAPSHOT_HEAD || &bytes[..8] != SNAPSHOT_MAGIC {
-        return Err(damaged("not a kvota snapshot file (too short, or its first bytes are not the snapshot magic)".into()));
+        return Err(damaged(
+            "not a kvota snapshot file (too short, or its first bytes are not the snapshot magic)".into(),
+        ));
     }
     let u32_at = |at: usize| {
         let mut a = [0u8; 4];
@@ -161,7 +163,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn meta() -> SnapshotMeta<NodeId, Node> {
-        SnapshotMeta { last_log_id: Some(openraft::testing::log_id(2, 1, 40)), last_membership: Default::default(), snapshot_id: "2-40-x".into() }
+        SnapshotMeta {
+            last_log_id: Some(openraft::testing::log_id(2, 1, 40)),
+            last_membership: Default::default(),
+            snapshot_id: "2-40-x".into(),
+        }
     }
 
     #[test]
@@ -171,11 +177,20 @@ mod tests {
         let mut newer = b.clone();
         newer[8] = 2;
         assert_eq!(snapshot_from_bytes(&newer).unwrap_err(), SnapshotFileError::Newer(2));
-        assert!(snapshot_from_bytes(&b[..b.len() - 1]).unwrap_err().to_string().contains("cut short"));
+        assert!(snapshot_from_bytes(&b[..b.len() - 1])
+            .unwrap_err()
+            .to_string()
+            .contains("cut short"));
         let mut flipped = b.clone();
         *flipped.last_mut().unwrap() ^= 1;
-        assert!(snapshot_from_bytes(&flipped).unwrap_err().to_string().contains("checksum"));
-        assert!(snapshot_from_bytes(b"{}").unwrap_err().to_string().contains("not a kvota snapshot"));
+        assert!(snapshot_from_bytes(&flipped)
+            .unwrap_err()
+            .to_string()
+            .contains("checksum"));
+        assert!(snapshot_from_bytes(b"{}")
+            .unwrap_err()
+            .to_string()
+            .contains("not a kvota snapshot"));
     }
 
     proptest! {

@@ -99,7 +99,9 @@ pub(crate) struct Flusher {
 
 impl std::fmt::Debug for Flusher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Flusher").field("durable", &*self.shared.durable.borrow()).finish_non_exhaustive()
+        f.debug_struct("Flusher")
+            .field("durable", &*self.shared.durable.borrow())
+            .finish_non_exhaustive()
     }
 }
 
@@ -132,8 +134,18 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 impl Flusher {
     /// A flusher for a log durable through `upto`.
     pub(crate) fn new(upto: Option<LogId<NodeId>>) -> Flusher {
-        let (durable, _) = watch::channel(Durable { upto, acked_ahead: None, failed: None });
-        Flusher { shared: Arc::new(Shared { state: Mutex::new(State::default()), changed: Condvar::new(), durable }) }
+        let (durable, _) = watch::channel(Durable {
+            upto,
+            acked_ahead: None,
+            failed: None,
+        });
+        Flusher {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+                durable,
+            }),
+        }
     }
 
     /// Follows the durable mark.
@@ -156,7 +168,9 @@ impl Flusher {
         let mut st = lock(&self.shared.state);
         if !st.started {
             let shared = Arc::clone(&self.shared);
-            let started = std::thread::Builder::new().name("kvota-log-flush".into()).spawn(move || run(&shared));
+            let started = std::thread::Builder::new()
+                .name("kvota-log-flush".into())
+                .spawn(move || run(&shared));
             if let Err(e) = started {
                 let why = format!("start the Raft log's flusher thread: {e}");
                 self.shared.durable.send_modify(|d| d.failed = Some(why.clone()));
@@ -183,7 +197,11 @@ impl Flusher {
     /// lowers the mark once a sync failed.
     pub(crate) fn reset(&self, upto: Option<LogId<NodeId>>) {
         self.shared.durable.send_if_modified(|d| {
-            let upto = if d.failed.is_some() { std::cmp::min(upto, d.upto) } else { upto };
+            let upto = if d.failed.is_some() {
+                std::cmp::min(upto, d.upto)
+            } else {
+                upto
+            };
             let changed = d.upto != upto || d.acked_ahead.is_some();
             d.upto = upto;
             d.acked_ahead = None;
@@ -208,6 +226,7 @@ impl Flusher {
 
     /// Holds queued syncs back until the returned guard is released or dropped: for
     /// tests, to see what waits for a sync.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub(crate) fn hold(&self) -> FlushHold {
         lock(&self.shared.state).held = true;
         FlushHold { flusher: self.clone() }
@@ -220,7 +239,7 @@ impl Flusher {
     }
 }
 
-/// Queued syncs are held back while this lives ([`Flusher::hold`]).
+/// Queued syncs are held back while this lives (`Flusher::hold`, tests only).
 #[derive(Debug)]
 #[must_use = "the syncs are released when this is dropped"]
 pub struct FlushHold {
@@ -354,7 +373,10 @@ mod tests {
         f.queue(id(1, 6), null).unwrap();
         f.idle().unwrap_err();
         let d = f.now();
-        assert!(d.failed.as_deref().is_some_and(|e| e.contains("through entry")), "{d:?}");
+        assert!(
+            d.failed.as_deref().is_some_and(|e| e.contains("through entry")),
+            "{d:?}"
+        );
         assert_eq!(d.upto, Some(id(1, 4)));
         assert!(!d.may_apply(6) && d.may_apply(4));
         f.synced(id(1, 9));

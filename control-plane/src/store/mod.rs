@@ -49,9 +49,8 @@ use kvota_fairness::federation::Federation;
 use kvota_proto::raft::v1 as pb;
 use openraft::storage::{LogFlushed, RaftLogStorage, RaftStateMachine, Snapshot};
 use openraft::{
-    DefensiveError, EntryPayload, ErrorSubject, LogId, LogState, OptionalSend, RaftLogReader,
-    RaftSnapshotBuilder, SnapshotMeta, StorageError, StorageIOError, StoredMembership, Violation,
-    Vote,
+    DefensiveError, EntryPayload, ErrorSubject, LogId, LogState, OptionalSend, RaftLogReader, RaftSnapshotBuilder,
+    SnapshotMeta, StorageError, StorageIOError, StoredMembership, Violation, Vote,
 };
 use prost::Message;
 use serde::{Deserialize, Serialize};
@@ -60,7 +59,8 @@ use tokio::sync::{Mutex, RwLock};
 use self::files::{CommittedFile, Meta, COMMITTED_FILE, META_FILE, SNAPSHOT_FILE};
 use self::flush::{Durable, Flusher};
 use self::segments::{SegmentError, SegmentLog};
-use crate::types::{Node, NodeId, Request, Response, TypeConfig};
+use crate::feature::FeatureLevel;
+use crate::types::{Node, NodeId, Response, TypeConfig};
 
 /// The Raft log entry type stored here.
 type Entry = openraft::Entry<TypeConfig>;
@@ -138,23 +138,17 @@ pub enum StoreError {
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io { what, path: path.to_path_buf(), source }
+    move |source| StoreError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// The newest snapshot format this build writes and reads: the JSON of
 /// [`StateMachineData`], `format` its first field. Snapshots written before formats were
 /// stamped carry none and are format 1.
 pub const SNAPSHOT_FORMAT: u32 = 1;
-
-/// The snapshot format a group at feature level `level` writes (as
-/// [`crate::types::entry_format_for`] for log entries).
-pub fn snapshot_format_for(level: u32) -> u32 {
-    if level <= 1 {
-        1
-    } else {
-        SNAPSHOT_FORMAT
-    }
-}
 
 /// The replicated state: what the state machine has applied and the resulting
 /// [`Federation`].
@@ -170,9 +164,9 @@ pub struct StateMachineData {
     /// The snapshot format ([`SNAPSHOT_FORMAT`] when written by this build).
     #[serde(default = "format_1")]
     pub format: u32,
-    /// The group's feature level (see [`crate::types::FEATURE_LEVEL`]).
-    #[serde(default = "format_1")]
-    pub feature_level: u32,
+    /// The group's feature level.
+    #[serde(default)]
+    pub feature_level: FeatureLevel,
     /// The last log entry applied, `None` before the first.
     pub last_applied: Option<LogId<NodeId>>,
     /// The last membership applied (with its log id).
@@ -189,7 +183,7 @@ impl Default for StateMachineData {
     fn default() -> Self {
         StateMachineData {
             format: SNAPSHOT_FORMAT,
-            feature_level: 1,
+            feature_level: FeatureLevel::BASE,
             last_applied: None,
             last_membership: StoredMembership::default(),
             federation: Federation::default(),
@@ -201,13 +195,13 @@ impl StateMachineData {
     /// Decodes a snapshot (or the persisted state) of a node that supports feature
     /// levels up to `feature_max`: the format and level first, so that one this build
     /// cannot read is refused with a clear error instead of misread.
-    pub fn decode(bytes: &[u8], feature_max: u32) -> Result<StateMachineData, String> {
+    pub fn decode(bytes: &[u8], feature_max: FeatureLevel) -> Result<StateMachineData, String> {
         #[derive(Deserialize)]
         struct Head {
             #[serde(default = "format_1")]
             format: u32,
-            #[serde(default = "format_1")]
-            feature_level: u32,
+            #[serde(default)]
+            feature_level: FeatureLevel,
         }
         let head: Head = serde_json::from_slice(bytes).map_err(|e| format!("snapshot: {e}"))?;
         if head.format > SNAPSHOT_FORMAT || head.format == 0 {
@@ -217,19 +211,10 @@ impl StateMachineData {
             ));
         }
         if head.feature_level > feature_max {
-            return Err(newer_feature_level(head.feature_level, feature_max));
+            return Err(crate::entry::newer_feature_level(head.feature_level, feature_max));
         }
         serde_json::from_slice(bytes).map_err(|e| format!("snapshot: {e}"))
     }
-}
-
-/// Why a node cannot follow the group (the text a stopped node logs).
-pub fn newer_feature_level(level: u32, feature_max: u32) -> String {
-    format!(
-        "the federation runs at feature level {level}, and this node supports up to {feature_max}: \
-         upgrade this node's kvota (every voter must support a level before the leader raises it; \
-         a node added later must be as new)"
-    )
 }
 
 /// Open (or create) the data directory at `path` and return its log store and
@@ -240,21 +225,101 @@ pub fn newer_feature_level(level: u32, feature_max: u32) -> String {
 /// have a directory open at a time (a lock on `LOCK`). A layout-1 (sled) directory is
 /// migrated first.
 pub fn open(path: &Path) -> Result<(LogStore, StateMachineStore), StoreError> {
-    open_for(path, crate::types::FEATURE_LEVEL)
+    open_for(path, FeatureLevel::NEWEST)
 }
 
 /// [`open`] for a node that supports feature levels up to `feature_max` (a state
 /// persisted at a higher level is refused as written by a newer kvota).
-pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachineStore), StoreError> {
+pub fn open_for(path: &Path, feature_max: FeatureLevel) -> Result<(LogStore, StateMachineStore), StoreError> {
+    let lock = lock_dir(path)?;
+    let meta = open_meta(path)?;
+
+    refuse_older_builds(path)?;
+
+    let (mut log, opened) = SegmentLog::open(&path.join(LOG_DIR))?;
+    if let Some(p) = meta.last_purged {
+        // Segments a crash kept after the purge point was recorded; records of a partly
+        // purged segment out of sight.
+        log.purge(p.index)?;
+    }
+    if opened.cut > 0 {
+        tracing::warn!(dir = %path.display(), bytes = opened.cut, "the Raft log's torn tail was cut off");
+    }
+    let committed = read_committed(path);
+
+    let (data, current) = read_snapshot(path, feature_max)?;
+
+    // Everything the log holds now was synced (`SegmentLog::open` syncs the last
+    // segment, which a killed process may have written without syncing).
+    let durable_upto = last_log_id(&log, meta.last_purged).map_err(|e| StoreError::Corrupt {
+        what: "Raft log",
+        why: e.to_string(),
+    })?;
+    let committed = match committed {
+        Some(c) if durable_upto.is_none_or(|d| d.index < c.index) => {
+            // Saved committed ids stay within the durable log; one past it means the log
+            // lost its tail (a power cut, a damaged disk): start from the snapshot and let
+            // the leader tell what is committed.
+            tracing::warn!(dir = %path.display(), committed = %c, last = ?durable_upto, "the saved committed log id is past the end of the Raft log; ignoring it");
+            None
+        }
+        c => c,
+    };
+    let flush = Flusher::new(durable_upto);
+    let durable = flush.subscribe();
+    let dir = Arc::new(Dir {
+        path: path.to_path_buf(),
+        _lock: lock,
+    });
+    let log_store = LogStore {
+        inner: Arc::new(LogInner {
+            dir: Arc::clone(&dir),
+            log: std::sync::Mutex::new(log),
+            meta: std::sync::Mutex::new(meta),
+            committed: std::sync::Mutex::new(Committed {
+                latest: committed,
+                ..Committed::default()
+            }),
+            flush,
+        }),
+    };
+    let sm_store = StateMachineStore {
+        durable,
+        dir,
+        data: Arc::new(RwLock::new(data)),
+        current: Arc::new(Mutex::new(current)),
+        feature_max,
+        next_id: Arc::new(AtomicU64::new(unique_seed())),
+    };
+    Ok((log_store, sm_store))
+}
+
+/// Creates the data directory if needed and takes its lock (a second process gets
+/// [`StoreError::Locked`]).
+fn lock_dir(path: &Path) -> Result<File, StoreError> {
     std::fs::create_dir_all(path).map_err(io_err("create data directory", path))?;
     let lock_path = path.join(LOCK_FILE);
-    let lock = File::options().create(true).truncate(false).write(true).open(&lock_path).map_err(io_err("open", &lock_path))?;
+    let lock = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(io_err("open", &lock_path))?;
     match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => {}
-        Err(rustix::io::Errno::WOULDBLOCK) => return Err(StoreError::Locked { path: path.to_path_buf() }),
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            return Err(StoreError::Locked {
+                path: path.to_path_buf(),
+            })
+        }
         Err(e) => return Err(io_err("lock", &lock_path)(e.into())),
     }
+    Ok(lock)
+}
 
+/// The directory's metadata: read, migrated from layout 1, or written for a new
+/// directory (refused if the directory holds a log or a snapshot without it).
+fn open_meta(path: &Path) -> Result<Meta, StoreError> {
     let meta = match read_meta(path)? {
         Some(meta) => {
             if sled_v1::is_layout_1(path) {
@@ -279,86 +344,66 @@ pub fn open_for(path: &Path, feature_max: u32) -> Result<(LogStore, StateMachine
                     ),
                 });
             }
-            let meta = Meta { format: DIR_FORMAT, ..Meta::default() };
+            let meta = Meta {
+                format: DIR_FORMAT,
+                ..Meta::default()
+            };
             write_meta(path, &meta)?;
             meta
         }
     };
+    Ok(meta)
+}
 
-    refuse_older_builds(path)?;
-
-    let (mut log, opened) = SegmentLog::open(&path.join(LOG_DIR))?;
-    if let Some(p) = meta.last_purged {
-        // Segments a crash kept after the purge point was recorded; records of a partly
-        // purged segment out of sight.
-        log.purge(p.index)?;
-    }
-    if opened.cut > 0 {
-        tracing::warn!(dir = %path.display(), bytes = opened.cut, "the Raft log's torn tail was cut off");
-    }
-    let committed = read_committed(path);
-
+/// The snapshot file's state and metadata, or the empty state when there is none.
+#[allow(clippy::type_complexity)]
+fn read_snapshot(
+    path: &Path,
+    feature_max: FeatureLevel,
+) -> Result<(StateMachineData, Option<SnapshotMeta<NodeId, Node>>), StoreError> {
     let snapshot_path = path.join(SNAPSHOT_FILE);
     if let Ok(m) = std::fs::metadata(&snapshot_path) {
         if m.len() > files::MAX_SNAPSHOT_BYTES {
             return Err(StoreError::Corrupt {
                 what: "snapshot file",
-                why: format!("{} bytes, more than the {} a snapshot may hold", m.len(), files::MAX_SNAPSHOT_BYTES),
+                why: format!(
+                    "{} bytes, more than the {} a snapshot may hold",
+                    m.len(),
+                    files::MAX_SNAPSHOT_BYTES
+                ),
             });
         }
     }
     let (data, current) = match std::fs::read(&snapshot_path) {
         Ok(bytes) => {
             let (meta, data) = files::snapshot_from_bytes(&bytes).map_err(|e| match e {
-                files::SnapshotFileError::Newer(found) => StoreError::Newer { what: "snapshot file", found, reads: files::SNAPSHOT_FILE_FORMAT },
-                files::SnapshotFileError::Damaged(why) => StoreError::Corrupt { what: "snapshot file", why },
+                files::SnapshotFileError::Newer(found) => StoreError::Newer {
+                    what: "snapshot file",
+                    found,
+                    reads: files::SNAPSHOT_FILE_FORMAT,
+                },
+                files::SnapshotFileError::Damaged(why) => StoreError::Corrupt {
+                    what: "snapshot file",
+                    why,
+                },
             })?;
-            let state = StateMachineData::decode(&data, feature_max).map_err(|why| StoreError::Corrupt { what: "state machine", why })?;
+            let state = StateMachineData::decode(&data, feature_max).map_err(|why| StoreError::Corrupt {
+                what: "state machine",
+                why,
+            })?;
             (state, Some(meta))
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => (StateMachineData::default(), None),
         Err(e) => return Err(io_err("read", &snapshot_path)(e)),
     };
-
-    // Everything the log holds now was synced (`SegmentLog::open` syncs the last
-    // segment, which a killed process may have written without syncing).
-    let durable_upto = last_log_id(&log, meta.last_purged).map_err(|e| StoreError::Corrupt { what: "Raft log", why: e.to_string() })?;
-    let committed = match committed {
-        Some(c) if durable_upto.is_none_or(|d| d.index < c.index) => {
-            // Saved committed ids stay within the durable log; one past it means the log
-            // lost its tail (a power cut, a damaged disk): start from the snapshot and let
-            // the leader tell what is committed.
-            tracing::warn!(dir = %path.display(), committed = %c, last = ?durable_upto, "the saved committed log id is past the end of the Raft log; ignoring it");
-            None
-        }
-        c => c,
-    };
-    let flush = Flusher::new(durable_upto);
-    let durable = flush.subscribe();
-    let dir = Arc::new(Dir { path: path.to_path_buf(), _lock: lock });
-    let log_store = LogStore {
-        inner: Arc::new(LogInner {
-            dir: Arc::clone(&dir),
-            log: std::sync::Mutex::new(log),
-            meta: std::sync::Mutex::new(meta),
-            committed: std::sync::Mutex::new(Committed { latest: committed, ..Committed::default() }),
-            flush,
-        }),
-    };
-    let sm_store = StateMachineStore {
-        durable,
-        dir,
-        data: Arc::new(RwLock::new(data)),
-        current: Arc::new(Mutex::new(current)),
-        feature_max,
-        next_id: Arc::new(AtomicU64::new(unique_seed())),
-    };
-    Ok((log_store, sm_store))
+    Ok((data, current))
 }
 
 /// A number no earlier process's snapshot ids used (the clock in nanoseconds).
 fn unique_seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 fn read_meta(path: &Path) -> Result<Option<Meta>, StoreError> {
@@ -372,18 +417,36 @@ fn read_meta(path: &Path) -> Result<Option<Meta>, StoreError> {
     struct Head {
         format: u32,
     }
-    let head: Head = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt { what: "data directory metadata (meta.json)", why: e.to_string() })?;
+    let head: Head = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+        what: "data directory metadata (meta.json)",
+        why: e.to_string(),
+    })?;
     if head.format > DIR_FORMAT {
-        return Err(StoreError::Newer { what: "data directory", found: head.format, reads: DIR_FORMAT });
+        return Err(StoreError::Newer {
+            what: "data directory",
+            found: head.format,
+            reads: DIR_FORMAT,
+        });
     }
     if head.format < 2 {
-        return Err(StoreError::Corrupt { what: "data directory metadata (meta.json)", why: format!("layout {} in a file layout 2 introduced", head.format) });
+        return Err(StoreError::Corrupt {
+            what: "data directory metadata (meta.json)",
+            why: format!("layout {} in a file layout 2 introduced", head.format),
+        });
     }
-    serde_json::from_slice(&bytes).map(Some).map_err(|e| StoreError::Corrupt { what: "data directory metadata (meta.json)", why: e.to_string() })
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| StoreError::Corrupt {
+            what: "data directory metadata (meta.json)",
+            why: e.to_string(),
+        })
 }
 
 fn write_meta(path: &Path, meta: &Meta) -> Result<(), StoreError> {
-    let bytes = serde_json::to_vec(meta).map_err(|e| StoreError::Corrupt { what: "data directory metadata", why: e.to_string() })?;
+    let bytes = serde_json::to_vec(meta).map_err(|e| StoreError::Corrupt {
+        what: "data directory metadata",
+        why: e.to_string(),
+    })?;
     files::put_in_place(path, META_FILE, &bytes, true).map_err(io_err("write", &path.join(META_FILE)))
 }
 
@@ -425,7 +488,11 @@ fn migrate(path: &Path) -> Result<Meta, StoreError> {
     clear_layout_2(path)?;
     let (mut log, _) = SegmentLog::open(&path.join(LOG_DIR))?;
     if let Some(first) = old.entries.first() {
-        let payloads: Vec<Vec<u8>> = old.entries.iter().map(|e| crate::wire::entry_to(e).encode_to_vec()).collect();
+        let payloads: Vec<Vec<u8>> = old
+            .entries
+            .iter()
+            .map(|e| crate::wire::entry_to(e).encode_to_vec())
+            .collect();
         log.append(first.log_id.index, &payloads)?
             .sync_data()
             .map_err(io_err("fdatasync", &path.join(LOG_DIR)))?;
@@ -434,9 +501,17 @@ fn migrate(path: &Path) -> Result<Meta, StoreError> {
         let bytes = files::snapshot_bytes(meta, data).map_err(|why| StoreError::Corrupt { what: "snapshot", why })?;
         files::put_in_place(path, SNAPSHOT_FILE, &bytes, true).map_err(io_err("write", &path.join(SNAPSHOT_FILE)))?;
     }
-    let c = serde_json::to_vec(&CommittedFile { committed: old.committed }).unwrap_or_default();
+    let c = serde_json::to_vec(&CommittedFile {
+        committed: old.committed,
+    })
+    .unwrap_or_default();
     files::put_in_place(path, COMMITTED_FILE, &c, true).map_err(io_err("write", &path.join(COMMITTED_FILE)))?;
-    let meta = Meta { format: DIR_FORMAT, node_id: old.node_id, vote: old.vote, last_purged: old.last_purged };
+    let meta = Meta {
+        format: DIR_FORMAT,
+        node_id: old.node_id,
+        vote: old.vote,
+        last_purged: old.last_purged,
+    };
     write_meta(path, &meta)?;
     // sled lets go of its directory lock when its threads notice the last handle gone;
     // moving its files does not need the lock.
@@ -523,7 +598,10 @@ const COMMITTED_WRITE_EVERY: (u64, std::time::Duration) = (1_000, std::time::Dur
 impl fmt::Debug for LogStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let log = lock(&self.inner.log);
-        f.debug_struct("LogStore").field("first", &log.first_index()).field("last", &log.last_index()).finish_non_exhaustive()
+        f.debug_struct("LogStore")
+            .field("first", &log.first_index())
+            .field("last", &log.last_index())
+            .finish_non_exhaustive()
     }
 }
 
@@ -537,7 +615,9 @@ fn log_write_err(e: impl std::fmt::Display) -> StorageError<NodeId> {
 
 /// Decodes the record of log index `index`, checking that it is the entry it claims.
 fn decode_entry(index: u64, bytes: &[u8]) -> Result<Entry, StorageError<NodeId>> {
-    let at = |e: String| -> StorageError<NodeId> { StorageIOError::read_log_at_index(index, openraft::AnyError::error(e)).into() };
+    let at = |e: String| -> StorageError<NodeId> {
+        StorageIOError::read_log_at_index(index, openraft::AnyError::error(e)).into()
+    };
     let raw = pb::RaftEntry::decode(bytes).map_err(|e| at(format!("log entry: {e}")))?;
     let entry = crate::wire::entry_from(raw, "log entry").map_err(|e| at(e.to_string()))?;
     if entry.log_id.index != index {
@@ -569,13 +649,27 @@ impl LogStore {
 
     /// Changes the metadata with `f` and writes it durably; memory changes only once it
     /// is on disk.
-    async fn update_meta(&self, subject: ErrorSubject<NodeId>, f: impl FnOnce(&mut Meta)) -> Result<(), StorageError<NodeId>> {
+    async fn update_meta(
+        &self,
+        subject: ErrorSubject<NodeId>,
+        f: impl FnOnce(&mut Meta),
+    ) -> Result<(), StorageError<NodeId>> {
         let mut meta = lock(&self.inner.meta).clone();
         f(&mut meta);
         let path = self.inner.dir.path.clone();
         let m = meta.clone();
-        let err = |e: String| -> StorageError<NodeId> { StorageIOError::new(subject.clone(), openraft::ErrorVerb::Write, openraft::AnyError::error(e)).into() };
-        blocking(move || write_meta(&path, &m)).await.map_err(|e| err(e.to_string()))?.map_err(|e| err(e.to_string()))?;
+        let err = |e: String| -> StorageError<NodeId> {
+            StorageIOError::new(
+                subject.clone(),
+                openraft::ErrorVerb::Write,
+                openraft::AnyError::error(e),
+            )
+            .into()
+        };
+        blocking(move || write_meta(&path, &m))
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .map_err(|e| err(e.to_string()))?;
         *lock(&self.inner.meta) = meta;
         Ok(())
     }
@@ -592,8 +686,8 @@ impl LogStore {
     }
 
     /// Holds the syncs of the leader's early-acknowledged appends back until the guard
-    /// goes: for tests of what waits for them. Not for use outside tests.
-    #[doc(hidden)]
+    /// goes: for tests of what waits for them (the `test-hooks` feature).
+    #[cfg(feature = "test-hooks")]
     pub fn hold_flushes_for_test(&self) -> flush::FlushHold {
         self.inner.flush.hold()
     }
@@ -609,7 +703,10 @@ impl LogStore {
 
 /// The log id of the last entry: the last record's, or the purge point when that is
 /// past it (after a snapshot was installed).
-fn last_log_id(log: &SegmentLog, last_purged: Option<LogId<NodeId>>) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+fn last_log_id(
+    log: &SegmentLog,
+    last_purged: Option<LogId<NodeId>>,
+) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
     let last = match log.last_index() {
         Some(i) => log.read(i, i + 1).map_err(log_read_err)?.pop(),
         None => None,
@@ -657,7 +754,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
         let last_purged_log_id = self.last_purged();
         let last_log_id = last_log_id(&lock(&self.inner.log), last_purged_log_id)?;
-        Ok(LogState { last_purged_log_id, last_log_id })
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -703,11 +803,19 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // file survives; a restart would then look for committed entries it lacks.
         let committed = flush::clamp_commit(committed, &self.inner.flush.now());
         let bytes = serde_json::to_vec(&CommittedFile { committed }).map_err(|e| {
-            StorageIOError::new(ErrorSubject::Store, openraft::ErrorVerb::Write, openraft::AnyError::error(&e))
+            StorageIOError::new(
+                ErrorSubject::Store,
+                openraft::ErrorVerb::Write,
+                openraft::AnyError::error(&e),
+            )
         })?;
         // A small write and a rename, no sync: cheap enough for the core's loop.
         files::put_in_place(&self.inner.dir.path, COMMITTED_FILE, &bytes, false).map_err(|e| {
-            StorageIOError::new(ErrorSubject::Store, openraft::ErrorVerb::Write, openraft::AnyError::error(&e))
+            StorageIOError::new(
+                ErrorSubject::Store,
+                openraft::ErrorVerb::Write,
+                openraft::AnyError::error(&e),
+            )
         })?;
         Ok(())
     }
@@ -818,9 +926,13 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
         // Record the purge point first, durably: if we crash before the segments are
         // gone, the log state is still right (and `open` removes the leftovers).
-        self.update_meta(ErrorSubject::Logs, move |m| m.last_purged = Some(log_id)).await?;
+        self.update_meta(ErrorSubject::Logs, move |m| m.last_purged = Some(log_id))
+            .await?;
         let inner = Arc::clone(&self.inner);
-        blocking(move || lock(&inner.log).purge(log_id.index)).await.map_err(log_write_err)?.map_err(log_write_err)
+        blocking(move || lock(&inner.log).purge(log_id.index))
+            .await
+            .map_err(log_write_err)?
+            .map_err(log_write_err)
     }
 }
 
@@ -838,9 +950,9 @@ pub struct StateMachineStore {
     /// `install_snapshot`) and reads of it, so a newer snapshot is never replaced by an
     /// older build.
     current: Arc<Mutex<Option<SnapshotMeta<NodeId, Node>>>>,
-    /// The newest feature level this node supports ([`crate::types::FEATURE_LEVEL`]
+    /// The newest feature level this node supports ([`crate::feature::FeatureLevel::NEWEST`]
     /// unless a test poses as a newer build).
-    feature_max: u32,
+    feature_max: FeatureLevel,
     next_id: Arc<AtomicU64>,
 }
 
@@ -861,7 +973,7 @@ impl StateMachineStore {
     }
 
     /// The newest feature level this node supports (given to [`open_for`]).
-    pub fn feature_max(&self) -> u32 {
+    pub fn feature_max(&self) -> FeatureLevel {
         self.feature_max
     }
 }
@@ -876,7 +988,9 @@ async fn persist_snapshot(
     data: &[u8],
     only_if_newer: bool,
 ) -> Result<(), StorageError<NodeId>> {
-    let err = |e: String| -> StorageError<NodeId> { StorageIOError::write_snapshot(Some(meta.signature()), openraft::AnyError::error(e)).into() };
+    let err = |e: String| -> StorageError<NodeId> {
+        StorageIOError::write_snapshot(Some(meta.signature()), openraft::AnyError::error(e)).into()
+    };
     if only_if_newer && current.as_ref().is_some_and(|c| c.last_log_id > meta.last_log_id) {
         return Ok(());
     }
@@ -911,7 +1025,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             // The leader acknowledged its own append before syncing it (`flush`): wait
             // for the sync, so no entry is applied (answered, granted, read) before this
             // node holds it durably. A no-op on followers, which sync before acknowledging.
-            let ready = self.durable.wait_for(|d| d.failed.is_some() || d.may_apply(last)).await.map(|d| d.failed.clone());
+            let ready = self
+                .durable
+                .wait_for(|d| d.failed.is_some() || d.may_apply(last))
+                .await
+                .map(|d| d.failed.clone());
             let failed = match ready {
                 Ok(failed) => failed,
                 Err(_) => Some("the Raft log store was closed".to_string()),
@@ -927,7 +1045,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 // Applying an entry twice would not be idempotent (a second
                 // registration issues another lease), and nodes would diverge; refuse
                 // rather than corrupt. A storage error stops this Raft node.
-                if Some(entry.log_id) <= data.last_applied {
+                if crate::entry::check_next(data.last_applied.map(|l| l.index), entry.log_id.index).is_err() {
                     return Err(DefensiveError::new(
                         ErrorSubject::Apply(entry.log_id),
                         Violation::ApplyNonConsecutive {
@@ -938,53 +1056,41 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     .into());
                 }
                 let previous = data.last_applied;
-                let _span = tracing::debug_span!("apply", index = entry.log_id.index, term = entry.log_id.leader_id.term).entered();
+                let _span =
+                    tracing::debug_span!("apply", index = entry.log_id.index, term = entry.log_id.leader_id.term)
+                        .entered();
                 data.last_applied = Some(entry.log_id);
                 let reply = match entry.payload {
-                    EntryPayload::Blank => Response(None),
-                    EntryPayload::Normal(Request { now_ms, commands, raise_feature_level, actors, .. }) => {
-                        // Checked before anything of the entry is applied: a node that
-                        // cannot run at the new level stops here, its state untouched
-                        // by this entry (openraft applies it again after an upgrade).
-                        if let Some(level) = raise_feature_level {
-                            let max = self.feature_max();
-                            if level > max {
+                    EntryPayload::Blank => {
+                        let leader = entry.log_id.leader_id;
+                        crate::entry::apply_blank(&mut data.federation, leader.term, leader.node_id);
+                        Response(None)
+                    }
+                    EntryPayload::Normal(req) => {
+                        let supported = self.feature_max();
+                        let StateMachineData {
+                            federation,
+                            feature_level,
+                            ..
+                        } = &mut *data;
+                        match crate::entry::apply(federation, feature_level, req, supported) {
+                            Ok(answers) => Response(Some(answers)),
+                            Err(too_new) => {
+                                // Nothing of the entry was applied; openraft applies it
+                                // again after an upgrade.
                                 data.last_applied = previous;
                                 return Err(StorageIOError::apply(
                                     entry.log_id,
-                                    openraft::AnyError::error(crate::store::newer_feature_level(level, max)),
+                                    openraft::AnyError::error(too_new.to_string()),
                                 )
                                 .into());
                             }
                         }
-                        let answers = commands
-                            .into_iter()
-                            .enumerate()
-                            .map(|(i, c)| {
-                                let actor = u32::try_from(i).ok().and_then(|i| actors.get(&i)).cloned();
-                                data.federation.apply_as(now_ms, c, actor)
-                            })
-                            .collect();
-                        if let Some(level) = raise_feature_level {
-                            if level > data.feature_level {
-                                tracing::info!(from = data.feature_level, to = level, "feature level raised");
-                                data.feature_level = level;
-                            }
-                            if data.feature_level >= crate::types::RECORDS_LEVEL {
-                                data.federation.enable_records();
-                            }
-                            if data.feature_level >= crate::types::LENDING_LEVEL {
-                                data.federation.enable_lending();
-                            }
-                            if data.feature_level >= crate::types::SIZED_LEVEL {
-                                data.federation.enable_sized_budgets();
-                            }
-                        }
-                        Response(Some(answers))
                     }
                     EntryPayload::Membership(membership) => {
-                        data.last_membership =
-                            StoredMembership::new(Some(entry.log_id), membership);
+                        let old = data.last_membership.membership().clone();
+                        crate::entry::apply_membership(&mut data.federation, &old, &membership);
+                        data.last_membership = StoredMembership::new(Some(entry.log_id), membership);
                         Response(None)
                     }
                 };
@@ -1007,7 +1113,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut data = self.data.read().await.clone();
         // Stamped with the format this level writes, whatever format the state was read
         // from.
-        data.format = snapshot_format_for(data.feature_level);
+        data.format = data.feature_level.snapshot_format();
         SnapshotBuilder {
             dir: Arc::clone(&self.dir),
             current: Arc::clone(&self.current),
@@ -1027,19 +1133,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     ) -> Result<(), StorageError<NodeId>> {
         let bytes = snapshot.into_inner();
         // Decode and check everything before touching disk or memory: a bad snapshot
-        // must leave the state machine as it was.
-        let new = StateMachineData::decode(&bytes, self.feature_max())
+        // must leave the state machine as it was. (The Raft port checked it the same
+        // way before openraft saw it: a peer's bad snapshot never gets here.)
+        let new = decode_snapshot(meta, &bytes, self.feature_max())
             .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), openraft::AnyError::error(e)))?;
-        if new.last_applied != meta.last_log_id || new.last_membership != meta.last_membership {
-            return Err(StorageIOError::read_snapshot(
-                Some(meta.signature()),
-                openraft::AnyError::error(format!(
-                    "snapshot content (last applied {:?}, membership {:?}) does not match its meta {}",
-                    new.last_applied, new.last_membership, meta
-                )),
-            )
-            .into());
-        }
         {
             let mut current = self.current.lock().await;
             persist_snapshot(&self.dir, &mut current, meta, &bytes, false).await?;
@@ -1054,11 +1151,46 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             return Ok(None);
         }
         let path = self.dir.path.join(SNAPSHOT_FILE);
-        let read_err = |e: String| -> StorageError<NodeId> { StorageIOError::read_snapshot(None, openraft::AnyError::error(e)).into() };
-        let bytes = blocking(move || std::fs::read(path)).await.map_err(|e| read_err(e.to_string()))?.map_err(|e| read_err(format!("read {SNAPSHOT_FILE}: {e}")))?;
+        let read_err = |e: String| -> StorageError<NodeId> {
+            StorageIOError::read_snapshot(None, openraft::AnyError::error(e)).into()
+        };
+        let bytes = blocking(move || std::fs::read(path))
+            .await
+            .map_err(|e| read_err(e.to_string()))?
+            .map_err(|e| read_err(format!("read {SNAPSHOT_FILE}: {e}")))?;
         let (meta, data) = files::snapshot_from_bytes(&bytes).map_err(|e| read_err(e.to_string()))?;
-        Ok(Some(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) }))
+        Ok(Some(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        }))
     }
+}
+
+/// Whether `bytes` are a snapshot this node can install for `meta`: they decode as a
+/// state of a format and feature level it reads (up to `feature_max`), and say what the
+/// meta says (last applied log id, membership). The Raft port asks before a received
+/// snapshot reaches openraft, which stops the node's Raft core on any storage error.
+pub fn check_snapshot_data(
+    meta: &SnapshotMeta<NodeId, Node>,
+    bytes: &[u8],
+    feature_max: FeatureLevel,
+) -> Result<(), String> {
+    decode_snapshot(meta, bytes, feature_max).map(|_| ())
+}
+
+fn decode_snapshot(
+    meta: &SnapshotMeta<NodeId, Node>,
+    bytes: &[u8],
+    feature_max: FeatureLevel,
+) -> Result<StateMachineData, String> {
+    let new = StateMachineData::decode(bytes, feature_max)?;
+    if new.last_applied != meta.last_log_id || new.last_membership != meta.last_membership {
+        return Err(format!(
+            "snapshot content (last applied {:?}, membership {:?}) does not match its meta {}",
+            new.last_applied, new.last_membership, meta
+        ));
+    }
+    Ok(new)
 }
 
 /// Builds snapshots of the state machine (openraft runs it alongside `apply`).
@@ -1078,14 +1210,21 @@ pub struct SnapshotBuilder {
 
 impl fmt::Debug for SnapshotBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SnapshotBuilder").field("last_applied", &self.data.as_ref().map(|d| d.last_applied)).finish_non_exhaustive()
+        f.debug_struct("SnapshotBuilder")
+            .field("last_applied", &self.data.as_ref().map(|d| d.last_applied))
+            .finish_non_exhaustive()
     }
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
-        let err = |e: String| -> StorageError<NodeId> { StorageIOError::read_state_machine(openraft::AnyError::error(e)).into() };
-        let data = self.data.take().ok_or_else(|| err("snapshot already built".to_string()))?;
+        let err = |e: String| -> StorageError<NodeId> {
+            StorageIOError::read_state_machine(openraft::AnyError::error(e)).into()
+        };
+        let data = self
+            .data
+            .take()
+            .ok_or_else(|| err("snapshot already built".to_string()))?;
         let (last_applied, last_membership) = (data.last_applied, data.last_membership.clone());
         // Off the async workers: encoding a large state would hold one of them for a
         // second, and with it heartbeats (a leader lost its leadership that way).
@@ -1100,11 +1239,18 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             Some(id) => format!("{}-{}-{unique}", id.leader_id.term, id.index),
             None => format!("none-{unique}"),
         };
-        let meta = SnapshotMeta { last_log_id: last_applied, last_membership, snapshot_id };
+        let meta = SnapshotMeta {
+            last_log_id: last_applied,
+            last_membership,
+            snapshot_id,
+        };
         {
             let mut current = self.current.lock().await;
             persist_snapshot(&self.dir, &mut current, &meta, &bytes, true).await?;
         }
-        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(bytes)) })
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        })
     }
 }

@@ -101,7 +101,11 @@ pub enum SegmentError {
 }
 
 fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SegmentError + 'a {
-    move |source| SegmentError::Io { what, path: path.to_path_buf(), source }
+    move |source| SegmentError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn checksum(index: u64, payload: &[u8]) -> u32 {
@@ -113,11 +117,17 @@ fn checksum(index: u64, payload: &[u8]) -> u32 {
 
 /// The bytes of one record.
 pub fn frame(index: u64, payload: &[u8]) -> Result<Vec<u8>, SegmentError> {
-    let len = u32::try_from(payload.len()).ok().filter(|l| *l <= MAX_RECORD_BYTES).ok_or_else(|| SegmentError::Corrupt {
-        path: PathBuf::new(),
-        offset: 0,
-        why: format!("a log entry of {} bytes is larger than the {MAX_RECORD_BYTES} a record may hold", payload.len()),
-    })?;
+    let len = u32::try_from(payload.len())
+        .ok()
+        .filter(|l| *l <= MAX_RECORD_BYTES)
+        .ok_or_else(|| SegmentError::Corrupt {
+            path: PathBuf::new(),
+            offset: 0,
+            why: format!(
+                "a log entry of {} bytes is larger than the {MAX_RECORD_BYTES} a record may hold",
+                payload.len()
+            ),
+        })?;
     let mut out = Vec::with_capacity(RECORD_HEAD + payload.len());
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&checksum(index, payload).to_le_bytes());
@@ -169,16 +179,29 @@ pub struct Scanned {
 /// Reads a segment's bytes (see the module docs): `last` says whether it is the last
 /// segment, the only one whose tail may be torn. Never panics, whatever the bytes.
 pub fn scan(bytes: &[u8], last: bool, path: &Path) -> Result<Scanned, SegmentError> {
-    let corrupt = |offset: usize, why: String| SegmentError::Corrupt { path: path.to_path_buf(), offset: offset as u64, why };
+    let corrupt = |offset: usize, why: String| SegmentError::Corrupt {
+        path: path.to_path_buf(),
+        offset: offset as u64,
+        why,
+    };
     if bytes.len() < HEADER_LEN {
-        return Err(corrupt(0, format!("{} bytes, shorter than a segment header", bytes.len())));
+        return Err(corrupt(
+            0,
+            format!("{} bytes, shorter than a segment header", bytes.len()),
+        ));
     }
     if &bytes[..8] != MAGIC {
-        return Err(corrupt(0, "not a kvota Raft log segment (its first bytes are not the segment magic)".into()));
+        return Err(corrupt(
+            0,
+            "not a kvota Raft log segment (its first bytes are not the segment magic)".into(),
+        ));
     }
     let format = le_u32(&bytes[8..]);
     if format > SEGMENT_FORMAT {
-        return Err(SegmentError::Newer { path: path.to_path_buf(), found: format });
+        return Err(SegmentError::Newer {
+            path: path.to_path_buf(),
+            found: format,
+        });
     }
     if format == 0 {
         return Err(corrupt(8, "segment format 0".into()));
@@ -198,9 +221,15 @@ pub fn scan(bytes: &[u8], last: bool, path: &Path) -> Result<Scanned, SegmentErr
         // a torn write.
         let torn = |why: &str| {
             if !last {
-                Err(corrupt(at, format!("{why}, and later segments follow: a sealed segment is never torn")))
+                Err(corrupt(
+                    at,
+                    format!("{why}, and later segments follow: a sealed segment is never torn"),
+                ))
             } else if due.is_some_and(|d| whole_record_after(bytes, at + 1, d)) {
-                Err(corrupt(at, format!("{why}, with whole records after it: damage, not a torn write")))
+                Err(corrupt(
+                    at,
+                    format!("{why}, with whole records after it: damage, not a torn write"),
+                ))
             } else {
                 Ok(())
             }
@@ -225,12 +254,23 @@ pub fn scan(bytes: &[u8], last: bool, path: &Path) -> Result<Scanned, SegmentErr
             break;
         }
         if due != Some(index) {
-            return Err(corrupt(at, format!("record of index {index} where index {} was due", due.map_or("past the last".into(), |e| e.to_string()))));
+            return Err(corrupt(
+                at,
+                format!(
+                    "record of index {index} where index {} was due",
+                    due.map_or("past the last".into(), |e| e.to_string())
+                ),
+            ));
         }
         records.push((at as u64, len));
         at += end;
     }
-    Ok(Scanned { first, after_gap: flags & FLAG_AFTER_GAP != 0, records, good_len: at as u64 })
+    Ok(Scanned {
+        first,
+        after_gap: flags & FLAG_AFTER_GAP != 0,
+        records,
+        good_len: at as u64,
+    })
 }
 
 /// Whether a whole, checked record of index `index` or later starts anywhere at or after
@@ -337,8 +377,15 @@ impl SegmentLog {
             }
         }
         starts.sort_unstable();
-        let mut log = SegmentLog { dir: dir.to_path_buf(), segments: BTreeMap::new(), locs: BTreeMap::new() };
-        let mut opened = Opened { segments: starts.len(), ..Opened::default() };
+        let mut log = SegmentLog {
+            dir: dir.to_path_buf(),
+            segments: BTreeMap::new(),
+            locs: BTreeMap::new(),
+        };
+        let mut opened = Opened {
+            segments: starts.len(),
+            ..Opened::default()
+        };
         let n = starts.len();
         for (i, start) in starts.into_iter().enumerate() {
             let path = dir.join(segment_name(start));
@@ -346,7 +393,11 @@ impl SegmentLog {
             let last = i + 1 == n;
             let s = scan(&bytes, last, &path)?;
             if s.first != start {
-                return Err(SegmentError::Corrupt { path, offset: 16, why: format!("its header says it starts at index {}, its name {start}", s.first) });
+                return Err(SegmentError::Corrupt {
+                    path,
+                    offset: 16,
+                    why: format!("its header says it starts at index {}, its name {start}", s.first),
+                });
             }
             if let Some(next) = log.next_index() {
                 let gap_ok = s.after_gap && start > next;
@@ -354,7 +405,11 @@ impl SegmentLog {
                     return Err(SegmentError::Corrupt { path, offset: 0, why: format!("starts at index {start} where the previous segment ended before {next}: the log has a hole") });
                 }
             }
-            let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io("open", &path))?;
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(io("open", &path))?;
             if s.good_len < bytes.len() as u64 {
                 // A torn tail of the last segment: never acknowledged, so cut it.
                 file.set_len(s.good_len).map_err(io("cut the torn tail of", &path))?;
@@ -367,10 +422,25 @@ impl SegmentLog {
                 file.sync_data().map_err(io("fdatasync", &path))?;
             }
             for (k, (offset, len)) in s.records.iter().enumerate() {
-                log.locs.insert(start + k as u64, Loc { segment: start, offset: *offset, len: *len });
+                log.locs.insert(
+                    start + k as u64,
+                    Loc {
+                        segment: start,
+                        offset: *offset,
+                        len: *len,
+                    },
+                );
             }
             opened.records += s.records.len() as u64;
-            log.segments.insert(start, Segment { path, file: Arc::new(file), len: s.good_len, count: s.records.len() as u64 });
+            log.segments.insert(
+                start,
+                Segment {
+                    path,
+                    file: Arc::new(file),
+                    len: s.good_len,
+                    count: s.records.len() as u64,
+                },
+            );
         }
         Ok((log, opened))
     }
@@ -387,7 +457,9 @@ impl SegmentLog {
 
     /// The index the last segment takes next, `None` without segments.
     fn next_index(&self) -> Option<u64> {
-        self.segments.last_key_value().map(|(start, seg)| start.saturating_add(seg.count))
+        self.segments
+            .last_key_value()
+            .map(|(start, seg)| start.saturating_add(seg.count))
     }
 
     /// Number of segment files.
@@ -406,8 +478,20 @@ impl SegmentLog {
         }
         std::fs::rename(&tmp, &path).map_err(io("rename into place", &path))?;
         sync_dir(&self.dir)?;
-        let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io("open", &path))?;
-        self.segments.insert(first, Segment { path, file: Arc::new(file), len: HEADER_LEN as u64, count: 0 });
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io("open", &path))?;
+        self.segments.insert(
+            first,
+            Segment {
+                path,
+                file: Arc::new(file),
+                len: HEADER_LEN as u64,
+                count: 0,
+            },
+        );
         Ok(())
     }
 
@@ -424,7 +508,9 @@ impl SegmentLog {
         match self.segments.last_key_value() {
             None => true,
             Some((&start, seg)) => {
-                (seg.count == 0 && start != first) || self.next_index().is_some_and(|n| first > n) || seg.len >= SEGMENT_BYTES
+                (seg.count == 0 && start != first)
+                    || self.next_index().is_some_and(|n| first > n)
+                    || seg.len >= SEGMENT_BYTES
             }
         }
     }
@@ -455,11 +541,17 @@ impl SegmentLog {
         for (i, p) in payloads.iter().enumerate() {
             let framed = frame(first + i as u64, p)?;
             // `frame` refused anything over MAX_RECORD_BYTES, so the length fits.
-            spans.push((bytes.len() as u64, u32::try_from(framed.len() - RECORD_HEAD).unwrap_or(MAX_RECORD_BYTES)));
+            spans.push((
+                bytes.len() as u64,
+                u32::try_from(framed.len() - RECORD_HEAD).unwrap_or(MAX_RECORD_BYTES),
+            ));
             bytes.extend(framed);
         }
         let after_gap = next.is_some_and(|n| first > n);
-        let full = self.segments.last_key_value().is_none_or(|(_, s)| s.len >= SEGMENT_BYTES);
+        let full = self
+            .segments
+            .last_key_value()
+            .is_none_or(|(_, s)| s.len >= SEGMENT_BYTES);
         if after_gap || full {
             // The segment left behind may hold writes acknowledged before their sync (the
             // leader's: see `flush`), and its sync is queued for the file it leaves:
@@ -470,7 +562,10 @@ impl SegmentLog {
             self.create_segment(first, after_gap)?;
         }
         let Some((&start, seg)) = self.segments.iter_mut().next_back() else {
-            return Err(SegmentError::NotNext { expected: first, got: first });
+            return Err(SegmentError::NotNext {
+                expected: first,
+                got: first,
+            });
         };
         let at = seg.len;
         if let Err(e) = seg.file.write_all_at(&bytes, at) {
@@ -480,7 +575,14 @@ impl SegmentLog {
         seg.len = at + bytes.len() as u64;
         seg.count += payloads.len() as u64;
         for (i, (offset, len)) in spans.into_iter().enumerate() {
-            self.locs.insert(first + i as u64, Loc { segment: start, offset: at + offset, len });
+            self.locs.insert(
+                first + i as u64,
+                Loc {
+                    segment: start,
+                    offset: at + offset,
+                    len,
+                },
+            );
         }
         Ok(Arc::clone(&seg.file))
     }
@@ -494,10 +596,16 @@ impl SegmentLog {
         }
         for (&index, loc) in self.locs.range(from..to) {
             let Some(seg) = self.segments.get(&loc.segment) else {
-                return Err(SegmentError::Corrupt { path: self.dir.clone(), offset: 0, why: format!("no segment holds index {index}") });
+                return Err(SegmentError::Corrupt {
+                    path: self.dir.clone(),
+                    offset: 0,
+                    why: format!("no segment holds index {index}"),
+                });
             };
             let mut buf = vec![0u8; RECORD_HEAD + loc.len as usize];
-            seg.file.read_exact_at(&mut buf, loc.offset).map_err(io("read", &seg.path))?;
+            seg.file
+                .read_exact_at(&mut buf, loc.offset)
+                .map_err(io("read", &seg.path))?;
             let payload = buf.split_off(RECORD_HEAD);
             if le_u64(&buf[8..]) != index || checksum(index, &payload) != le_u32(&buf[4..]) {
                 return Err(SegmentError::Corrupt {
@@ -578,10 +686,14 @@ mod tests {
     }
 
     fn indexes(log: &SegmentLog) -> Vec<u64> {
-        log.read(0, u64::MAX).unwrap().into_iter().map(|(i, p)| {
-            assert_eq!(p, payload(i));
-            i
-        }).collect()
+        log.read(0, u64::MAX)
+            .unwrap()
+            .into_iter()
+            .map(|(i, p)| {
+                assert_eq!(p, payload(i));
+                i
+            })
+            .collect()
     }
 
     #[test]
@@ -596,7 +708,13 @@ mod tests {
             append_range(&mut log, 8, 20);
             log.purge(4).unwrap();
             assert_eq!(indexes(&log), (5..20).collect::<Vec<_>>());
-            assert!(matches!(log.append(15, &[payload(15)]), Err(SegmentError::NotNext { expected: 20, got: 15 })), "overwriting needs a truncate first");
+            assert!(
+                matches!(
+                    log.append(15, &[payload(15)]),
+                    Err(SegmentError::NotNext { expected: 20, got: 15 })
+                ),
+                "overwriting needs a truncate first"
+            );
         }
         let (log, opened) = SegmentLog::open(dir.path()).unwrap();
         // The purged records of a segment still in use stay in its file: a reopened log
@@ -657,7 +775,11 @@ mod tests {
         assert!(opened.cut > 0);
         drop(log);
         let cut_len = std::fs::metadata(&path).unwrap().len();
-        assert_eq!(cut_len as usize, whole.len() - (RECORD_HEAD + payload(4).len()), "the file itself is cut");
+        assert_eq!(
+            cut_len as usize,
+            whole.len() - (RECORD_HEAD + payload(4).len()),
+            "the file itself is cut"
+        );
         // A flipped byte in the second record, with records after it: an error, and
         // the file is left as it was.
         let mut bad = std::fs::read(&path).unwrap();
@@ -665,7 +787,10 @@ mod tests {
         bad[second] ^= 0x40;
         std::fs::write(&path, &bad).unwrap();
         let e = SegmentLog::open(dir.path()).unwrap_err().to_string();
-        assert!(e.contains("damaged") && e.contains("checksum fails") && e.contains("not a torn write"), "{e}");
+        assert!(
+            e.contains("damaged") && e.contains("checksum fails") && e.contains("not a torn write"),
+            "{e}"
+        );
         assert_eq!(std::fs::read(&path).unwrap(), bad, "nothing changed");
     }
 
@@ -678,7 +803,9 @@ mod tests {
             // Force a roll: pretend the active segment is full.
             log.segments.values_mut().for_each(|s| s.len = SEGMENT_BYTES);
             append_range(&mut log, 2, 4);
-            log.segments.values_mut().for_each(|s| s.len = std::fs::metadata(&s.path).unwrap().len());
+            log.segments
+                .values_mut()
+                .for_each(|s| s.len = std::fs::metadata(&s.path).unwrap().len());
             assert_eq!(log.segment_count(), 2);
             log.segments.values_mut().next_back().unwrap().len = SEGMENT_BYTES;
             append_range(&mut log, 4, 6);
@@ -690,7 +817,11 @@ mod tests {
             assert_eq!(indexes(&log), vec![3]);
         }
         let (log, _) = SegmentLog::open(dir.path()).unwrap();
-        assert_eq!(indexes(&log), vec![2, 3], "2 was purged, but its segment is still in use");
+        assert_eq!(
+            indexes(&log),
+            vec![2, 3],
+            "2 was purged, but its segment is still in use"
+        );
         drop(log);
         // A sealed segment torn, with one after it: damage.
         std::fs::write(dir.path().join(segment_name(9)), header(9, false)).unwrap();
@@ -727,7 +858,11 @@ mod tests {
         std::fs::write(dir.path().join(segment_name(0)), h).unwrap();
         let e = SegmentLog::open(dir.path()).unwrap_err();
         assert!(matches!(e, SegmentError::Newer { found: 2, .. }), "{e}");
-        std::fs::write(dir.path().join(segment_name(0)), b"something else entirely, not a segment").unwrap();
+        std::fs::write(
+            dir.path().join(segment_name(0)),
+            b"something else entirely, not a segment",
+        )
+        .unwrap();
         let e = SegmentLog::open(dir.path()).unwrap_err().to_string();
         assert!(e.contains("not a kvota Raft log segment"), "{e}");
     }

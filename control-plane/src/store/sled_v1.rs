@@ -42,46 +42,74 @@ fn sled_err(what: &'static str) -> impl Fn(sled::Error) -> StoreError {
 }
 
 fn json<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
-    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, why: format!("in the layout-1 (sled) directory: {e}") })
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
+        what,
+        why: format!("in the layout-1 (sled) directory: {e}"),
+    })
 }
 
 /// Reads everything a layout-1 directory holds. Changes nothing.
 pub fn read(dir: &Path) -> Result<Layout1, StoreError> {
-    let db = sled::Config::new().path(dir).open().map_err(|source| StoreError::Sled { what: "open the layout-1 (sled) directory (another process may hold its lock)", source })?;
+    let db = sled::Config::new()
+        .path(dir)
+        .open()
+        .map_err(|source| StoreError::Sled {
+            what: "open the layout-1 (sled) directory (another process may hold its lock)",
+            source,
+        })?;
     let meta = db.open_tree("meta").map_err(sled_err("open tree"))?;
     let logs = db.open_tree("logs").map_err(sled_err("open tree"))?;
     let state = db.open_tree("state").map_err(sled_err("open tree"))?;
     if let Some(v) = meta.get("format").map_err(sled_err("read the layout"))? {
-        let found = <[u8; 4]>::try_from(v.as_ref()).map(u32::from_le_bytes).map_err(|_| StoreError::Corrupt {
-            what: "data directory format",
-            why: format!("{} bytes where 4 were written", v.len()),
-        })?;
+        let found = <[u8; 4]>::try_from(v.as_ref())
+            .map(u32::from_le_bytes)
+            .map_err(|_| StoreError::Corrupt {
+                what: "data directory format",
+                why: format!("{} bytes where 4 were written", v.len()),
+            })?;
         if found != 1 {
-            return Err(StoreError::Newer { what: "data directory", found, reads: DIR_FORMAT });
+            return Err(StoreError::Newer {
+                what: "data directory",
+                found,
+                reads: DIR_FORMAT,
+            });
         }
     }
     let get = |key: &str| meta.get(key).map_err(sled_err("read the directory's metadata"));
     let mut out = Layout1 {
         node_id: get("node_id")?.map(|b| json("node id", &b)).transpose()?,
         vote: get("vote")?.map(|b| json("vote", &b)).transpose()?,
-        committed: get("committed")?.map(|b| json::<Option<LogId<NodeId>>>("committed log id", &b)).transpose()?.flatten(),
-        last_purged: get("last_purged_log_id")?.map(|b| json("last purged log id", &b)).transpose()?,
+        committed: get("committed")?
+            .map(|b| json::<Option<LogId<NodeId>>>("committed log id", &b))
+            .transpose()?
+            .flatten(),
+        last_purged: get("last_purged_log_id")?
+            .map(|b| json("last purged log id", &b))
+            .transpose()?,
         ..Layout1::default()
     };
     let above = out.last_purged.map_or(0, |p| p.index + 1);
     for kv in logs.range(above.to_be_bytes()..) {
         let (k, v) = kv.map_err(sled_err("read the log"))?;
-        let index = <[u8; 8]>::try_from(k.as_ref()).map(u64::from_be_bytes).map_err(|_| StoreError::Corrupt {
-            what: "log key",
-            why: format!("{} bytes where 8 were written", k.len()),
-        })?;
+        let index = <[u8; 8]>::try_from(k.as_ref())
+            .map(u64::from_be_bytes)
+            .map_err(|_| StoreError::Corrupt {
+                what: "log key",
+                why: format!("{} bytes where 8 were written", k.len()),
+            })?;
         let entry: Entry = json("log entry", &v)?;
         if entry.log_id.index != index {
-            return Err(StoreError::Corrupt { what: "log entry", why: format!("entry {} stored at index {index}", entry.log_id) });
+            return Err(StoreError::Corrupt {
+                what: "log entry",
+                why: format!("entry {} stored at index {index}", entry.log_id),
+            });
         }
         if let Some(prev) = out.entries.last() {
             if prev.log_id.index + 1 != index {
-                return Err(StoreError::Corrupt { what: "log", why: format!("a hole between index {} and {index}", prev.log_id.index) });
+                return Err(StoreError::Corrupt {
+                    what: "log",
+                    why: format!("a hole between index {} and {index}", prev.log_id.index),
+                });
             }
         }
         out.entries.push(entry);
@@ -91,7 +119,12 @@ pub fn read(dir: &Path) -> Result<Layout1, StoreError> {
     out.snapshot = match (m, d) {
         (Some(m), Some(d)) => Some((json("snapshot meta", &m)?, d.to_vec())),
         (None, None) => None,
-        _ => return Err(StoreError::Corrupt { what: "snapshot", why: "its meta and data are not both present".into() }),
+        _ => {
+            return Err(StoreError::Corrupt {
+                what: "snapshot",
+                why: "its meta and data are not both present".into(),
+            })
+        }
     };
     Ok(out)
 }

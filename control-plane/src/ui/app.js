@@ -59,7 +59,8 @@ function setText(id, text) {
 
 function renderHeader(o) {
   const n = o.node;
-  setText("policy", o.federation.policy ? "policy " + o.federation.policy : "no policy applied");
+  const f = o.federation;
+  setText("policy", f.policy ? "policy " + f.policy + (f.policy_revision ? " (revision " + f.policy_revision + ")" : "") : "no policy applied");
   const leader = n.leader_id === null ? "no leader known" : "leader node " + n.leader_id;
   setText("node", "served by node " + n.node_id + " (" + n.role + "), " + leader);
   const fresh = document.getElementById("fresh");
@@ -67,10 +68,18 @@ function renderHeader(o) {
   fresh.className = "badge " + (o.read.follows_leader ? "ok" : "warn");
   fresh.title = o.read.note || "applied through log index " + o.read.applied_index;
   setText("updated", "state time " + new Date(o.federation.state_time_ms).toISOString().replace("T", " ").slice(0, 19) + " UTC");
-  setText("ov-capacity", fix2(o.federation.capacity_gpus));
-  setText("ov-inuse", fix2(o.federation.inuse_gpus));
-  setText("ov-utilization", pct(o.federation.utilization));
-  setText("ov-score", fix2(o.federation.fairness_score));
+  setText("ov-capacity", fix2(f.capacity_gpus));
+  setText("ov-running", fix2(f.running_gpus));
+  setText("ov-admitted", fix2(f.admitted_gpus));
+  setText("ov-waiting", fix2(f.pending_gpus));
+  setText("ov-utilization", pct(f.utilization));
+  setText("ov-score", fix2(f.fairness_score));
+  document.getElementById("ov-score-card").title = f.score_definition;
+  setText("score-definition", f.score_definition);
+  setText("ov-revision", f.policy_revision ? String(f.policy_revision) : "–");
+  const behind = f.clusters.filter((c) => c.policy_revision !== null && c.policy_revision < f.policy_revision && c.lease !== "fallback").map((c) => c.cluster);
+  setText("ov-behind", "behind: " + (behind.length ? behind.join(", ") : "none"));
+  document.getElementById("ov-behind").className = "unit" + (behind.length ? " bad" : "");
   setText("ov-leader", n.leader_id === null ? "none" : "node " + n.leader_id);
   setText("ov-term", "term " + n.term);
   setText("ov-clusters", String(o.federation.clusters.length));
@@ -86,20 +95,22 @@ function renderTenants(o) {
     const bar = el("div", { class: "bar" + (t.inuse_gpus > t.entitlement_gpus + 1e-9 ? " over" : "") });
     bar.style.width = (50 * share).toFixed(1) + "%";
     const below = t.inuse_gpus + 1e-9 < t.guarantee_gpus;
+    const wide = (cell) => { cell.classList.add("wide"); return cell; };
     const tr = el(
       "tr",
-      { "data-tenant": t.tenant, class: (selected === t.tenant ? "selected " : "") + (below ? "starved" : "") },
+      { "data-tenant": t.tenant, "data-inuse": t.inuse_gpus, class: (selected === t.tenant ? "selected " : "") + (below ? "starved" : "") },
       el("td", { "data-field": "tenant" }, t.tenant),
-      num("weight", t.weight, String(t.weight)),
+      wide(num("weight", t.weight, String(t.weight))),
       num("entitlement_gpus", t.entitlement_gpus),
       num("target_gpus", t.target_gpus),
-      num("inuse_gpus", t.inuse_gpus),
+      num("running_gpus", t.running_gpus),
+      num("admitted_gpus", t.admitted_gpus),
       num("pending_gpus", t.pending_gpus),
-      num("guarantee_gpus", t.guarantee_gpus),
-      num("decayed_usage_gpu_seconds", t.decayed_usage_gpu_seconds, fix2(t.decayed_usage_gpu_seconds / 3600) + " h"),
-      num("drift_ratio", t.drift_ratio, pct(t.drift_ratio)),
+      wide(num("guarantee_gpus", t.guarantee_gpus)),
+      wide(num("decayed_usage_gpu_seconds", t.decayed_usage_gpu_seconds, fix2(t.decayed_usage_gpu_seconds / 3600) + " h")),
+      wide(num("drift_ratio", t.drift_ratio, pct(t.drift_ratio))),
       num("fairness_score", t.fairness_score),
-      el("td", { class: "barcell", title: fix2(t.inuse_gpus) + " of " + fix2(t.entitlement_gpus) + " entitled" }, el("div", { class: "track" }, bar)),
+      el("td", { class: "barcell wide", title: fix2(t.inuse_gpus) + " in use (running + admitted) of " + fix2(t.entitlement_gpus) + " entitled" }, el("div", { class: "track" }, bar)),
     );
     tr.addEventListener("click", () => {
       selected = selected === t.tenant ? null : t.tenant;
@@ -140,19 +151,31 @@ function renderMatrix(o) {
 const LEASE_WORDS = { none: "no lease yet", fresh: "fresh", expiring: "expiring", fallback: "expired: safe budgets" };
 
 function renderClusters(o) {
-  const rows = o.federation.clusters.map((c) =>
-    el(
+  const inForce = o.federation.policy_revision;
+  const rows = o.federation.clusters.map((c) => {
+    const rev = c.policy_revision;
+    const behind = rev !== null && rev < inForce;
+    const policy = el("td", { "data-field": "policy_revision", "data-value": rev ?? "", class: "num" + (behind ? " behind" : ""),
+      title: behind ? "behind the revision in force (" + inForce + ")" : "" }, rev === null ? "–" : String(rev) + (behind ? " (behind)" : ""));
+    const agent = el("td", { "data-field": "agent" }, c.agent_version === null ? "–" : c.agent_version + " (level " + c.agent_feature_level + ")");
+    const epoch = num("lease_epoch", c.lease_epoch, String(c.lease_epoch));
+    epoch.classList.add("wide");
+    return el(
       "tr",
       { "data-cluster": c.cluster, class: "lease-" + c.lease },
       el("td", {}, c.cluster),
       num("capacity_gpus", c.capacity_gpus),
-      num("inuse_gpus", c.inuse_gpus),
+      num("running_gpus", c.running_gpus),
+      num("admitted_gpus", c.admitted_gpus),
+      num("pending_gpus", c.pending_gpus),
       el("td", { "data-field": "report_age_seconds", "data-value": c.report_age_seconds ?? "" }, ago(c.report_age_seconds)),
       el("td", { "data-field": "lease", "data-value": c.lease }, el("span", { class: "badge lease-" + c.lease }, LEASE_WORDS[c.lease] || c.lease)),
-      num("lease_epoch", c.lease_epoch, String(c.lease_epoch)),
-      el("td", { "data-field": "lease_remaining_seconds", class: "num" }, left(c.lease_remaining_seconds)),
-    ),
-  );
+      epoch,
+      el("td", { "data-field": "lease_remaining_seconds", class: "num wide" }, left(c.lease_remaining_seconds)),
+      policy,
+      agent,
+    );
+  });
   document.querySelector("#clusters tbody").replaceChildren(...rows);
 }
 
@@ -161,9 +184,27 @@ function sentence(event) {
   const [kind, e] = Object.entries(event)[0] || ["", {}];
   switch (kind) {
     case "PolicyApplied":
-      return "Policy " + e.name + " came into force (" + e.tenants + " tenants).";
+      if (e.changes && e.changes.length === 1 && e.changes[0] === "unchanged")
+        return "Policy " + e.name + " applied again unchanged; revision " + e.revision + " stays in force (" + e.tenants + " tenants).";
+      return "Policy " + e.name + " came into force" + (e.revision ? " as revision " + e.revision : "") + " (" + e.tenants + " tenants)" +
+        (e.changes && e.changes.length ? ": " + e.changes.join("; ") : "") + ".";
     case "ClusterRegistered":
-      return "Cluster " + e.cluster + " registered with " + fix2(e.capacity_gpue / 1000) + " GPUs.";
+      return "Cluster " + e.cluster + (e.joined ? " joined" : " registered") + " with " + fix2(e.capacity_gpue / 1000) + " GPUs.";
+    case "LeaseExpired":
+      return "Cluster " + e.cluster + " is cut off: its every lease ran out and it enforces its safe budgets (last report " +
+        (e.last_report_ms ? stamp(e.last_report_ms) : "never") + ").";
+    case "LeaseRenewed":
+      return "Cluster " + e.cluster + " is back after " + (e.cut_off_ms / 1000).toFixed(0) + " s cut off.";
+    case "LeaderChanged":
+      return "Node " + e.node + " became the leader (term " + e.term + ").";
+    case "NodeAdded":
+      return "Node " + e.node + " (" + e.rpc_addr + ") joined the control plane as a " + (e.voter ? "voter" : "learner") + ".";
+    case "NodeRemoved":
+      return "Node " + e.node + " left the control plane.";
+    case "NodeRole":
+      return "Node " + e.node + " is now a " + (e.voter ? "voter" : "learner") + ".";
+    case "SnapshotRestored":
+      return "The federation was restored from a backup node " + e.taken_by + " took at " + stamp(e.taken_at_ms) + ".";
     case "ClusterRemoved":
       return "Cluster " + e.cluster + " was removed.";
     case "Eviction": {
@@ -181,6 +222,15 @@ function sentence(event) {
   }
 }
 
+// The newest 50 records; budget changes only when asked for (they are many).
+function auditPath() {
+  return "/api/v1/audit?limit=50" + (document.getElementById("audit-budgets").checked ? "&kind=all" : "");
+}
+
+function stamp(ms) {
+  return new Date(ms).toISOString().replace("T", " ").slice(0, 19);
+}
+
 function renderAudit(records) {
   const items = records
     .slice()
@@ -188,8 +238,8 @@ function renderAudit(records) {
     .map((r) =>
       el(
         "li",
-        { "data-seq": r.seq },
-        el("time", {}, new Date(r.at_ms).toISOString().replace("T", " ").slice(0, 19)),
+        { "data-seq": r.seq, "data-kind": Object.keys(r.event)[0] || "" },
+        el("time", {}, stamp(r.at_ms)),
         " ",
         el("span", { class: "actor" }, r.actor || "–"),
         " ",
@@ -262,7 +312,7 @@ async function refreshChart() {
     drawChart([
       { name: "entitlement_gpus", label: "Entitled", cls: "s1", points: line("entitlement_gpus") },
       { name: "target_gpus", label: "Target", cls: "s3", points: line("target_gpus") },
-      { name: "inuse_gpus", label: "In use", cls: "s2", points: line("inuse_gpus") },
+      { name: "inuse_gpus", label: "In use (running + admitted)", cls: "s2", points: line("inuse_gpus") },
     ]);
   } else {
     setText("chart-title", "Federation: in use against capacity");
@@ -270,7 +320,7 @@ async function refreshChart() {
     const f = o.federation;
     drawChart([
       { name: "capacity_gpus", label: "Capacity", cls: "s1", points: pts.map((p) => [p.at_ms, p.capacity_gpus]).concat([[now, f.capacity_gpus]]) },
-      { name: "inuse_gpus", label: "In use", cls: "s2", points: pts.map((p) => [p.at_ms, p.inuse_gpus]).concat([[now, f.inuse_gpus]]) },
+      { name: "inuse_gpus", label: "In use (running + admitted)", cls: "s2", points: pts.map((p) => [p.at_ms, p.inuse_gpus]).concat([[now, f.inuse_gpus]]) },
     ]);
   }
 }
@@ -286,7 +336,7 @@ function showError(e) {
 
 async function refresh() {
   try {
-    const [o, audit] = await Promise.all([getJson("/api/v1/overview"), getJson("/api/v1/audit?limit=50")]);
+    const [o, audit] = await Promise.all([getJson("/api/v1/overview"), getJson(auditPath())]);
     last = o;
     document.getElementById("error").hidden = true;
     renderHeader(o);
@@ -296,6 +346,8 @@ async function refresh() {
     renderAudit(audit);
     await refreshChart();
     document.body.setAttribute("data-loaded", "true");
+    // Whether the page is wider than the window (each wide table scrolls in its own box).
+    document.body.setAttribute("data-overflow-x", String(document.documentElement.scrollWidth > window.innerWidth));
   } catch (e) {
     showError(e);
   } finally {
@@ -332,9 +384,11 @@ async function explainPod() {
     return;
   }
   const now = last ? last.federation.state_time_ms : Date.now();
+  // A stamp before 2001 is the agent's own clock since it started, not a time of day.
+  const when = (at) => at < 978307200000 ? (at / 1000).toFixed(0) + " s after its agent started" : ago(Math.max(0, now - at) / 1000);
   out.replaceChildren(...r.decisions.map((d) =>
     el("div", { class: "decision verdict-" + d.verdict, "data-pod-cluster": d.cluster, "data-verdict": d.verdict },
-      el("h3", {}, d.pod + " in " + d.cluster + ": " + (VERDICT_WORDS[d.verdict] || d.verdict) + " (" + fix2(d.gpus) + " GPUs, tenant " + d.tenant + ", " + ago(Math.max(0, now - d.at_ms) / 1000) + ")"),
+      el("h3", {}, d.pod + " in " + d.cluster + ": " + (VERDICT_WORDS[d.verdict] || d.verdict) + " (" + fix2(d.gpus) + " GPUs, tenant " + d.tenant + ", " + when(d.at_ms) + ")"),
       el("pre", {}, d.text))));
 }
 
@@ -347,6 +401,9 @@ function searchFromHash() {
 }
 
 document.getElementById("pod-go").addEventListener("click", explainPod);
+document.getElementById("audit-budgets").addEventListener("change", () => {
+  getJson(auditPath()).then(renderAudit, showError);
+});
 for (const id of ["pod-q", "pod-cluster"]) {
   document.getElementById(id).addEventListener("keydown", (e) => { if (e.key === "Enter") explainPod(); });
 }

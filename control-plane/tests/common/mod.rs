@@ -2,8 +2,8 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use kvota_fairness::names::TenantName;
 use kvota_fairness::names::ClusterName;
+use kvota_fairness::names::TenantName;
 use std::collections::BTreeMap;
 
 use kvota_control_plane::types::{Node, Request, TypeConfig};
@@ -44,12 +44,14 @@ pub fn report(cluster: &str, seq: u64, inuse: u64) -> Command {
                 inuse,
                 pending: 2_000,
                 largest: 0,
+                borrowed: 0,
             },
         )]
         .into(),
         evictions: Vec::new(),
         decisions: Vec::new(),
         window: None,
+        status: None,
     })
 }
 
@@ -96,14 +98,18 @@ pub fn replay(log: &[Entry<TypeConfig>]) -> Federation {
     fed
 }
 
-
 /// [`sample_log`] and two more entries that use every command and every report field:
 /// what the golden files under `tests/golden/` hold.
 pub fn full_log() -> Vec<Entry<TypeConfig>> {
     let mut log = sample_log();
-    let Command::Report(mut r) = report("east", 2, 6_000) else { unreachable!() };
+    let Command::Report(mut r) = report("east", 2, 6_000) else {
+        unreachable!()
+    };
     r.held_epoch = 1;
-    r.window = Some(UsageWindow { start_ms: 6_500, end_ms: 7_000 });
+    r.window = Some(UsageWindow {
+        start_ms: 6_500,
+        end_ms: 7_000,
+    });
     r.evictions.push(EvictionNote {
         victim: "research/job-7".into(),
         victim_tenant: "research".into(),
@@ -117,7 +123,15 @@ pub fn full_log() -> Vec<Entry<TypeConfig>> {
     log.push(entry(
         2,
         10,
-        EntryPayload::Normal(Request::new(8_000, vec![register("gone", 8), Command::RemoveCluster { cluster: ClusterName::from_static("gone") }])),
+        EntryPayload::Normal(Request::new(
+            8_000,
+            vec![
+                register("gone", 8),
+                Command::RemoveCluster {
+                    cluster: ClusterName::from_static("gone"),
+                },
+            ],
+        )),
     ));
     log
 }
