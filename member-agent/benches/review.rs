@@ -17,7 +17,10 @@ use common::{agent, webhook_body};
 /// A real AdmissionRequest (pretty-printed as the API server's fixtures are), one GPU
 /// added to its second container, dry run.
 fn fixture_body() -> Vec<u8> {
-    let p = format!("{}/tests/fixtures/admission/pod_within_range.json", env!("CARGO_MANIFEST_DIR"));
+    let p = format!(
+        "{}/tests/fixtures/admission/pod_within_range.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let mut req: Value = serde_json::from_str(&std::fs::read_to_string(p).expect("fixture")).expect("json");
     req["object"]["spec"]["containers"][1]["resources"]["limits"]["nvidia.com/gpu"] = json!("1");
     req["dryRun"] = json!(true);
@@ -30,10 +33,21 @@ fn bench(c: &mut Criterion) {
     let agent = agent(tmp.path());
     for (name, body) in [("webhook-pod", webhook_body()), ("fixture-pod", fixture_body())] {
         let r = review(&body, Endpoint::Validate, &mut *agent.state());
-        assert_eq!(r.outcome, Outcome::Allowed, "{name}: {}", String::from_utf8_lossy(&r.body));
-        c.bench_function(&format!("parse/{name} ({} bytes)", body.len()), |b| b.iter(|| parse(std::hint::black_box(&body))));
+        assert_eq!(
+            r.outcome,
+            Outcome::Allowed,
+            "{name}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        c.bench_function(&format!("parse/{name} ({} bytes)", body.len()), |b| {
+            b.iter(|| parse(std::hint::black_box(&body)))
+        });
         c.bench_function(&format!("judge/{name}"), |b| {
-            b.iter_batched(|| parse(&body), |p| judge(p, Endpoint::Validate, &mut *agent.state()), BatchSize::SmallInput)
+            b.iter_batched(
+                || parse(&body),
+                |p| judge(p, Endpoint::Validate, &mut *agent.state()),
+                BatchSize::SmallInput,
+            )
         });
         c.bench_function(&format!("review/{name}"), |b| {
             b.iter(|| review(std::hint::black_box(&body), Endpoint::Validate, &mut *agent.state()))

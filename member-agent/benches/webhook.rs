@@ -54,13 +54,17 @@ fn client_config(ca: &[u8]) -> Arc<rustls::ClientConfig> {
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
 async fn connect(port: u16, cfg: Arc<rustls::ClientConfig>) -> Sender {
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
     tcp.set_nodelay(true).expect("nodelay");
     let tls = tokio_rustls::TlsConnector::from(cfg)
         .connect(ServerName::try_from("localhost").expect("name"), tcp)
         .await
         .expect("tls");
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.expect("h1");
+    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("h1");
     tokio::spawn(conn);
     send
 }
@@ -128,7 +132,10 @@ async fn throughput(port: u16, cfg: Arc<rustls::ClientConfig>, conns: usize, sec
     for t in tasks {
         let _ = t.await;
     }
-    Rate { per_sec: n as f64 / elapsed, cpu_us }
+    Rate {
+        per_sec: n as f64 / elapsed,
+        cpu_us,
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -169,13 +176,20 @@ async fn latency(port: u16, cfg: Arc<rustls::ClientConfig>, conns: usize, rate: 
         all.extend(t.await.unwrap_or_default());
     }
     let n = all.len();
-    (percentile(&mut all, 50).unwrap_or(0), percentile(&mut all, 99).unwrap_or(0), n)
+    (
+        percentile(&mut all, 50).unwrap_or(0),
+        percentile(&mut all, 99).unwrap_or(0),
+        n,
+    )
 }
 
 fn main() {
     let secs = env_u64("BENCH_SECONDS", 10);
     let conns = usize::try_from(env_u64("BENCH_CONNECTIONS", 32)).unwrap_or(32);
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     rt.block_on(async move {
         let tmp = tempfile::tempdir().expect("tmp");
         let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("rcgen");

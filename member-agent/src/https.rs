@@ -39,7 +39,9 @@ fn host_port(base: &str) -> Result<(String, u16), String> {
     }
     // [v6]:port, host:port, or host.
     if let Some(v6) = authority.strip_prefix('[') {
-        let (h, p) = v6.split_once(']').ok_or_else(|| format!("{base}: unclosed [ in the address"))?;
+        let (h, p) = v6
+            .split_once(']')
+            .ok_or_else(|| format!("{base}: unclosed [ in the address"))?;
         let port = match p.strip_prefix(':') {
             Some(p) => p.parse().map_err(|_| format!("{base}: bad port `{p}`"))?,
             None => 443,
@@ -57,7 +59,9 @@ fn roots(ca: &Path) -> Result<rustls::RootCertStore, String> {
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(&pem) {
         let c = c.map_err(|e| format!("{}: not a PEM certificate: {e}", ca.display()))?;
-        roots.add(c).map_err(|e| format!("{}: unusable certificate: {e}", ca.display()))?;
+        roots
+            .add(c)
+            .map_err(|e| format!("{}: unusable certificate: {e}", ca.display()))?;
     }
     if roots.is_empty() {
         return Err(format!("{}: no certificate in it", ca.display()));
@@ -75,7 +79,8 @@ pub async fn get(t: &Target, path_and_query: &str, timeout: Duration) -> Result<
 async fn get_inner(t: &Target, path_and_query: &str) -> Result<(u16, Vec<u8>), String> {
     let (host, port) = host_port(&t.base)?;
     let name = t.tls_name.clone().unwrap_or_else(|| host.clone());
-    let server_name = ServerName::try_from(name.clone()).map_err(|e| format!("`{name}` is not a name to verify a certificate for: {e}"))?;
+    let server_name = ServerName::try_from(name.clone())
+        .map_err(|e| format!("`{name}` is not a name to verify a certificate for: {e}"))?;
     let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
@@ -87,8 +92,10 @@ async fn get_inner(t: &Target, path_and_query: &str) -> Result<(u16, Vec<u8>), S
             let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(cert)?)
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("{}: not a PEM certificate: {e}", cert.display()))?;
-            let key_der = rustls_pki_types::PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| format!("{}: no usable private key: {e}", key.display()))?;
-            cfg.with_client_auth_cert(chain, key_der).map_err(|e| format!("{} with {}: {e}", cert.display(), key.display()))?
+            let key_der = rustls_pki_types::PrivateKeyDer::from_pem_slice(&read(key)?)
+                .map_err(|e| format!("{}: no usable private key: {e}", key.display()))?;
+            cfg.with_client_auth_cert(chain, key_der)
+                .map_err(|e| format!("{} with {}: {e}", cert.display(), key.display()))?
         }
     };
     let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
@@ -97,14 +104,24 @@ async fn get_inner(t: &Target, path_and_query: &str) -> Result<(u16, Vec<u8>), S
     let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
         .connect(server_name, tcp)
         .await
-        .map_err(|e| format!("TLS with {host}:{port} (verifying `{name}` against {}): {e}", t.ca.display()))?;
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.map_err(|e| e.to_string())?;
+        .map_err(|e| {
+            format!(
+                "TLS with {host}:{port} (verifying `{name}` against {}): {e}",
+                t.ca.display()
+            )
+        })?;
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
     let req = hyper::Request::get(path_and_query)
         .header(hyper::header::HOST, format!("{host}:{port}"))
         .body(Empty::<Bytes>::new())
         .map_err(|e| e.to_string())?;
-    let resp = send.send_request(req).await.map_err(|e| format!("request to {host}:{port}: {e}"))?;
+    let resp = send
+        .send_request(req)
+        .await
+        .map_err(|e| format!("request to {host}:{port}: {e}"))?;
     let status = resp.status().as_u16();
     let body = Limited::new(resp.into_body(), MAX_BODY)
         .collect()
@@ -120,10 +137,19 @@ mod tests {
 
     #[test]
     fn addresses_parse_and_bad_ones_are_explained() {
-        assert_eq!(host_port("https://agent.kvota-system:8443").expect("ok"), ("agent.kvota-system".into(), 8443));
+        assert_eq!(
+            host_port("https://agent.kvota-system:8443").expect("ok"),
+            ("agent.kvota-system".into(), 8443)
+        );
         assert_eq!(host_port("https://agent/explain").expect("ok"), ("agent".into(), 443));
         assert_eq!(host_port("https://[::1]:9443").expect("ok"), ("::1".into(), 9443));
-        for bad in ["http://agent:8443", "agent:8443", "https://", "https://agent:port", "https://[::1"] {
+        for bad in [
+            "http://agent:8443",
+            "agent:8443",
+            "https://",
+            "https://agent:port",
+            "https://[::1",
+        ] {
             assert!(host_port(bad).is_err(), "{bad}");
         }
     }

@@ -82,7 +82,12 @@ pub struct PodInfo {
 /// Usage per tenant (milli-GPUe x ms) of `pods` between wall-clock instants `from_ms`
 /// and `to_ms`: each pod's GPUe times the part of its run time inside the interval.
 /// `tenant_of` maps a namespace to its tenant (pods of no tenant count for nobody).
-pub fn usage_between(pods: &[PodInfo], from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<TenantName>) -> BTreeMap<TenantName, u64> {
+pub fn usage_between(
+    pods: &[PodInfo],
+    from_ms: u64,
+    to_ms: u64,
+    tenant_of: impl Fn(&str) -> Option<TenantName>,
+) -> BTreeMap<TenantName, u64> {
     let mut out = BTreeMap::new();
     if to_ms <= from_ms {
         return out;
@@ -107,7 +112,12 @@ impl PodInfo {
             .iter()
             .max_by_key(|(_, c)| **c)
             .map(|(r, c)| (r.clone(), *c))
-            .unwrap_or_else(|| (kvota_fairness::resources::NVIDIA_GPU.to_string(), self.gpue.div_ceil(1000)))
+            .unwrap_or_else(|| {
+                (
+                    kvota_fairness::resources::NVIDIA_GPU.to_string(),
+                    self.gpue.div_ceil(1000),
+                )
+            })
     }
 }
 
@@ -163,8 +173,17 @@ pub fn sync_state(inv: &dyn Inventory, state: &mut AgentState, known: &mut BTree
         let tenant = state.tenant_of_namespace(&p.namespace);
         // A pod judged before it had a name: its reservation or queue place moves to its
         // real name, so it is not counted twice.
-        if let Some(prefix) = p.generate_name.as_deref().filter(|_| p.stage != PodStage::Finished && !state.knows(&p.key)) {
-            state.adopt_provisional(&format!("{}/{prefix}*", p.namespace), &p.key, p.gpue, p.stage == PodStage::Gated);
+        if let Some(prefix) = p
+            .generate_name
+            .as_deref()
+            .filter(|_| p.stage != PodStage::Finished && !state.knows(&p.key))
+        {
+            state.adopt_provisional(
+                &format!("{}/{prefix}*", p.namespace),
+                &p.key,
+                p.gpue,
+                p.stage == PodStage::Gated,
+            );
         }
         match p.stage {
             PodStage::Finished => continue,
@@ -185,6 +204,7 @@ pub fn sync_state(inv: &dyn Inventory, state: &mut AgentState, known: &mut BTree
     for gone in known.difference(&seen) {
         state.pod_gone(gone);
     }
+    state.reclassify_once();
     *known = seen;
     known.len()
 }
@@ -217,7 +237,9 @@ pub fn reclaim_view(inv: &dyn Inventory, state: &AgentState) -> ReclaimInputs {
         let tenant = state.tenant_of_namespace(&p.namespace);
         match p.stage {
             PodStage::Bound => {
-                let Some(&i) = p.node.as_deref().and_then(|n| index.get(n)) else { continue };
+                let Some(&i) = p.node.as_deref().and_then(|n| index.get(n)) else {
+                    continue;
+                };
                 if let Some(free) = node_free.get_mut(i) {
                     for (r, c) in &p.devices {
                         let f = free.entry(r.clone()).or_insert(0);
@@ -261,8 +283,19 @@ pub fn reclaim_view(inv: &dyn Inventory, state: &AgentState) -> ReclaimInputs {
             PodStage::Finished => {}
         }
     }
-    // A denied pod is demand too (in `reject` mode it does not exist in the API); its
-    // device is taken as whole GPUs, the agent keeps only its GPUe.
+    add_denied_pods(&mut waiting, state);
+    ReclaimInputs {
+        node_free,
+        node_total,
+        running,
+        waiting,
+        tenants: state.reclaim_tenants(),
+    }
+}
+
+/// A denied pod is demand too (in `reject` mode it does not exist in the API); its
+/// device is taken as whole GPUs, the agent keeps only its GPUe.
+fn add_denied_pods(waiting: &mut Vec<WaitingPod>, state: &AgentState) {
     for (key, tenant, gpue) in state.denied_pods() {
         if !waiting.iter().any(|w| w.key == key) {
             waiting.push(WaitingPod {
@@ -278,7 +311,6 @@ pub fn reclaim_view(inv: &dyn Inventory, state: &AgentState) -> ReclaimInputs {
             });
         }
     }
-    ReclaimInputs { node_free, node_total, running, waiting, tenants: state.reclaim_tenants() }
 }
 
 /// How an eviction request ended (the Eviction API's answers).
@@ -335,9 +367,13 @@ pub fn eviction_record(
 /// The victims of a decision with its context, or nothing for other decisions.
 pub fn victims(decision: &Decision) -> Option<(&TenantName, &PodKey, &str, &[Victim])> {
     match decision {
-        Decision::Evict { for_tenant, for_pod, victims, summary, .. } => {
-            Some((for_tenant, for_pod, summary.as_str(), victims.as_slice()))
-        }
+        Decision::Evict {
+            for_tenant,
+            for_pod,
+            victims,
+            summary,
+            ..
+        } => Some((for_tenant, for_pod, summary.as_str(), victims.as_slice())),
         _ => None,
     }
 }

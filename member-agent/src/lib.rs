@@ -14,7 +14,6 @@
 //!   through a Lease, the controller round, the kept state's ConfigMap;
 //! - [`placement`]: which nodes a pod may run on (selectors, affinity, taints);
 //! - [`sim`]: a simulated cluster whose pods go through `review`;
-//! - [`netfault`]: a TCP proxy whose link can be cut (tests and the demo);
 //! - [`https`]: a small HTTPS client for the agent's port (`kvota explain pod --agent`);
 //! - [`webhook`]: the HTTPS admission webhook (rustls, certificate reload, limits);
 //! - [`metrics`]: the agent's Prometheus metrics;
@@ -24,13 +23,14 @@
 pub mod agent;
 pub mod https;
 pub mod inventory;
-pub mod kube;
 pub mod journal;
+pub mod kube;
 pub mod metrics;
-pub mod netfault;
 pub mod persist;
 pub mod placement;
 pub mod review;
+pub mod revision;
+pub mod round;
 pub mod runtime;
 pub mod sim;
 pub mod state;

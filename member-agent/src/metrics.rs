@@ -62,6 +62,16 @@ pub struct StateLabel {
     pub state: String,
 }
 
+/// A certificate the agent presents.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CertLabel {
+    /// `served` (the webhook's, to the API server) or `client` (the cluster's, to the
+    /// control plane).
+    pub r#use: String,
+    /// Its kvota identity, or the names it carries.
+    pub identity: String,
+}
+
 /// A reason (refused calls and connections) or a map (shed entries).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -101,11 +111,14 @@ pub struct AgentMetrics {
     policy_fetch_failures: Gauge,
     reported_usage: Family<TenantLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
     tls_reloads: Family<StateLabel, Counter>,
+    certificates: Family<CertLabel, Gauge>,
     evictions: Family<AdmissionLabel, Counter>,
     denied_calls: Family<ReasonLabel, Counter>,
     refused_connections: Family<ReasonLabel, Counter>,
     shed: Family<ReasonLabel, Counter>,
     holds: Family<ReasonLabel, Counter>,
+    open_files_limit: Gauge,
+    webhook_max_connections: Gauge,
     /// Tenants the per-tenant gauges were last set for: one a new policy drops has its
     /// series removed, not left at its last value.
     shown: Arc<std::sync::Mutex<Vec<kvota_fairness::names::TenantName>>>,
@@ -142,81 +155,177 @@ impl AgentMetrics {
             policy_fetch_failures: Gauge::default(),
             reported_usage: Family::default(),
             tls_reloads: Family::default(),
+            certificates: Family::default(),
             evictions: Family::default(),
             denied_calls: Family::default(),
             refused_connections: Family::default(),
             shed: Family::default(),
             holds: Family::default(),
+            open_files_limit: Gauge::default(),
+            webhook_max_connections: Gauge::default(),
             shown: Arc::default(),
         };
-        r.register("admissions", "Admission reviews answered, by tenant and outcome", m.admissions.clone());
-        r.register("admission_duration_seconds", "Time to judge one review (parse, decide, record)", m.latency.clone());
-        r.register("queue_depth", "Pods waiting behind the scheduling gate, per tenant", m.queue.clone());
+        m.register_admission(&mut r);
+        m.register_lease(&mut r);
+        m.register_reports(&mut r);
+        m.register_security(&mut r);
+        let build = Family::<BuildLabel, Gauge>::default();
+        build
+            .get_or_create(&BuildLabel {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            })
+            .set(1);
+        r.register("build_info", "1, labelled with this build's version", build);
+        AgentMetrics {
+            registry: Arc::new(r),
+            ..m
+        }
+    }
+
+    /// Admissions: outcomes, latency, queues, waits, budgets and use per tenant.
+    fn register_admission(&self, r: &mut Registry) {
+        r.register(
+            "admissions",
+            "Admission reviews answered, by tenant and outcome",
+            self.admissions.clone(),
+        );
+        r.register(
+            "admission_duration_seconds",
+            "Time to judge one review (parse, decide, record)",
+            self.latency.clone(),
+        );
+        r.register(
+            "queue_depth",
+            "Pods waiting behind the scheduling gate, per tenant",
+            self.queue.clone(),
+        );
         r.register(
             "admission_wait_seconds",
             "Per tenant, how long pods that were denied or queued first waited until admitted (from the first denial or the queueing); pods admitted at once are not counted here",
-            m.waits.clone(),
+            self.waits.clone(),
         );
-        r.register("budget_gpus", "Budget enforced now per tenant (the lease's, or the safe one), GPU-equivalents", m.budget.clone());
-        r.register("inuse_gpus", "Bound plus reserved per tenant, GPU-equivalents", m.inuse.clone());
-        r.register("lease_state", "1 for the lease's current state (none, fresh, expiring, safe)", m.lease_state.clone());
-        r.register("lease_remaining_seconds", "Until the held lease stops being enforced (0: expired or none)", m.lease_remaining.clone());
-        r.register("lease_epoch", "Epoch of the held lease", m.lease_epoch.clone());
+        r.register(
+            "budget_gpus",
+            "Budget enforced now per tenant (the lease's, or the safe one), GPU-equivalents",
+            self.budget.clone(),
+        );
+        r.register(
+            "inuse_gpus",
+            "Bound plus reserved per tenant, GPU-equivalents",
+            self.inuse.clone(),
+        );
+    }
+
+    /// The lease: its state, time left, epoch, lending and borrowing.
+    fn register_lease(&self, r: &mut Registry) {
+        r.register(
+            "lease_state",
+            "1 for the lease's current state (none, fresh, expiring, safe)",
+            self.lease_state.clone(),
+        );
+        r.register(
+            "lease_remaining_seconds",
+            "Until the held lease stops being enforced (0: expired or none)",
+            self.lease_remaining.clone(),
+        );
+        r.register("lease_epoch", "Epoch of the held lease", self.lease_epoch.clone());
         r.register(
             "lending",
             "1 while this agent lends idle GPUs to preemptible tenants over their budgets (the policy's spec.reclaim.lendIdle and lendWhen at the lease's current state), else 0",
-            m.lending.clone(),
+            self.lending.clone(),
         );
         r.register(
             "borrowed_gpus",
             "Per tenant, GPU-equivalents held by pods this agent admitted on borrowed (lent) GPUs: the first victims of reclaim",
-            m.borrowed.clone(),
+            self.borrowed.clone(),
         );
-        r.register("journal_backlog", "Usage reports written but not acknowledged by the control plane", m.backlog.clone());
+    }
+
+    /// Usage reports, state saves and policy fetches.
+    fn register_reports(&self, r: &mut Registry) {
+        r.register(
+            "journal_backlog",
+            "Usage reports written but not acknowledged by the control plane",
+            self.backlog.clone(),
+        );
         r.register(
             "state_save_failures",
             "Consecutive report rounds whose enforcement state could not be kept in the cluster (kvota-agent-state); while above 0 no newer lease is acknowledged, so the control plane cannot lower budgets elsewhere",
-            m.state_save_failures.clone(),
+            self.state_save_failures.clone(),
         );
         r.register(
             "policy_fetch_failures",
             "Policy fetches in a row that failed (the control plane unreachable, or its policy uses a field this build does not know); the last policy loaded stays in force",
-            m.policy_fetch_failures.clone(),
+            self.policy_fetch_failures.clone(),
         );
         r.register(
             "journal_last_seq",
             "Sequence number of the last usage report written (the control plane's last_seq once the backlog is 0)",
-            m.last_seq.clone(),
+            self.last_seq.clone(),
         );
         r.register(
             "reported_usage_gpu_seconds",
             "Usage written into reports since the agent started, per tenant, GPU-equivalent seconds (the ledger's undecayed input)",
-            m.reported_usage.clone(),
+            self.reported_usage.clone(),
         );
-        r.register("tls_reloads", "Certificate reloads, by outcome", m.tls_reloads.clone());
+    }
+
+    /// Certificates, refused calls and connections, shedding, evictions and holds.
+    fn register_security(&self, r: &mut Registry) {
+        r.register(
+            "tls_reloads",
+            "Certificate reloads, by outcome",
+            self.tls_reloads.clone(),
+        );
+        r.register(
+            "certificate_expiry_timestamp_seconds",
+            "When each certificate the agent presents expires (Unix seconds), by use (served, client) and identity",
+            self.certificates.clone(),
+        );
         r.register(
             "evictions",
             "Reclaim eviction attempts by victim tenant and outcome (evicted, blocked by a PodDisruptionBudget)",
-            m.evictions.clone(),
+            self.evictions.clone(),
         );
-        r.register("calls_refused", "Webhook calls refused for the caller's certificate, by reason", m.denied_calls.clone());
-        r.register("connections_refused", "Webhook connections closed before a request, by reason (limits, timeouts, handshakes)", m.refused_connections.clone());
-        r.register("shed", "Admission entries dropped or refused because a bounded map was full, by map", m.shed.clone());
+        r.register(
+            "calls_refused",
+            "Webhook calls refused for the caller's certificate, by reason",
+            self.denied_calls.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Webhook connections closed before a request, by reason (limits, timeouts, handshakes)",
+            self.refused_connections.clone(),
+        );
+        r.register(
+            "shed",
+            "Admission entries dropped or refused because a bounded map was full, by map",
+            self.shed.clone(),
+        );
         r.register(
             "admission_holds",
             "First denials for lack of budget held for the report round they triggered, by how the hold ended (admitted, denied, timeout, full, other)",
-            m.holds.clone(),
+            self.holds.clone(),
         );
-        let build = Family::<BuildLabel, Gauge>::default();
-        build.get_or_create(&BuildLabel { version: env!("CARGO_PKG_VERSION").to_string() }).set(1);
-        r.register("build_info", "1, labelled with this build's version", build);
-        AgentMetrics { registry: Arc::new(r), ..m }
+        r.register(
+            "open_files_limit",
+            "The process's soft limit on open files (0: unlimited), which the webhook's connection limit stays below",
+            self.open_files_limit.clone(),
+        );
+        r.register(
+            "webhook_max_connections",
+            "Connections the webhook accepts at once",
+            self.webhook_max_connections.clone(),
+        );
     }
 
     /// Counts one review.
     pub fn admission(&self, tenant: Option<&str>, outcome: Outcome, seconds: f64) {
         let tenant = tenant.unwrap_or("-");
-        let label = || AdmissionLabel { tenant: tenant.to_string(), outcome: outcome.as_str().to_string() };
+        let label = || AdmissionLabel {
+            tenant: tenant.to_string(),
+            outcome: outcome.as_str().to_string(),
+        };
         match OUTCOMES.iter().position(|o| *o == outcome) {
             Some(i) => {
                 let counters = self.admission_counters.read().unwrap_or_else(PoisonError::into_inner);
@@ -237,14 +346,52 @@ impl AgentMetrics {
         self.latency.observe(seconds);
     }
 
+    /// The open-files limit and the webhook's connection limit.
+    pub fn connection_limits(&self, open_files: Option<u64>, webhook: usize) {
+        self.open_files_limit
+            .set(open_files.map_or(0, |n| i64::try_from(n).unwrap_or(i64::MAX)));
+        self.webhook_max_connections
+            .set(i64::try_from(webhook).unwrap_or(i64::MAX));
+    }
+
+    /// Exports when the certificate `source` holds expires, as used for `use` (`served`,
+    /// `client`); called at start and after each reload.
+    pub fn certificate(&self, r#use: &str, source: &kvota_tls::TlsSource) {
+        let loaded = source.current();
+        let identity = match &loaded.identity {
+            Some(id) => id.to_string(),
+            None => loaded
+                .certified
+                .cert
+                .first()
+                .and_then(|c| kvota_tls::material::describe(c).ok())
+                .map(|n| n.sans.join(","))
+                .unwrap_or_default(),
+        };
+        self.certificates
+            .get_or_create(&CertLabel {
+                r#use: r#use.to_string(),
+                identity,
+            })
+            .set(loaded.not_after_unix);
+    }
+
     /// Counts a certificate reload.
     pub fn tls_reload(&self, ok: bool) {
-        self.tls_reloads.get_or_create(&StateLabel { state: if ok { "ok" } else { "error" }.to_string() }).inc();
+        self.tls_reloads
+            .get_or_create(&StateLabel {
+                state: if ok { "ok" } else { "error" }.to_string(),
+            })
+            .inc();
     }
 
     /// Counts a webhook call refused for its caller.
     pub fn denied(&self, reason: &str) {
-        self.denied_calls.get_or_create(&ReasonLabel { reason: reason.to_string() }).inc();
+        self.denied_calls
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// Counts a held review by its result: `admitted` (judged again after the report round
@@ -252,12 +399,20 @@ impl AgentMetrics {
     /// round completed in time), `full` (too many reviews held already; not held), `other`
     /// (judged again into another answer: the agent stood down, or its books were full).
     pub fn admission_hold(&self, result: &str) {
-        self.holds.get_or_create(&ReasonLabel { reason: result.to_string() }).inc();
+        self.holds
+            .get_or_create(&ReasonLabel {
+                reason: result.to_string(),
+            })
+            .inc();
     }
 
     /// Counts a webhook connection refused.
     pub fn connection_refused(&self, reason: &str) {
-        self.refused_connections.get_or_create(&ReasonLabel { reason: reason.to_string() }).inc();
+        self.refused_connections
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// Brings the gauges up to date from the agent and renders the text format.
@@ -265,7 +420,11 @@ impl AgentMetrics {
         {
             let mut st = agent.state();
             for (tenant, waited_ms) in st.take_waits() {
-                self.waits.get_or_create(&TenantLabel { tenant: tenant.into_string() }).observe(waited_ms as f64 / 1000.0);
+                self.waits
+                    .get_or_create(&TenantLabel {
+                        tenant: tenant.into_string(),
+                    })
+                    .observe(waited_ms as f64 / 1000.0);
             }
             let now = st.now_ms();
             let status = st.lease.status(now);
@@ -277,20 +436,25 @@ impl AgentMetrics {
                     | ("safe", LeaseStatus::Safe) => 1,
                     _ => 0,
                 };
-                self.lease_state.get_or_create(&StateLabel { state: s.to_string() }).set(on);
+                self.lease_state
+                    .get_or_create(&StateLabel { state: s.to_string() })
+                    .set(on);
             }
             let remaining = match status {
                 LeaseStatus::Fresh { remaining_ms } | LeaseStatus::Expiring { remaining_ms } => remaining_ms,
                 _ => 0,
             };
             self.lease_remaining.set(remaining as f64 / 1000.0);
-            self.lease_epoch.set(i64::try_from(st.lease.held_epoch()).unwrap_or(i64::MAX));
+            self.lease_epoch
+                .set(i64::try_from(st.lease.held_epoch()).unwrap_or(i64::MAX));
             self.lending.set(i64::from(st.lends_now()));
             let tenants = st.tenants();
             {
                 let mut shown = self.shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 for gone in shown.iter().filter(|t| !tenants.contains(t)) {
-                    let l = TenantLabel { tenant: gone.to_string() };
+                    let l = TenantLabel {
+                        tenant: gone.to_string(),
+                    };
                     self.queue.remove(&l);
                     self.budget.remove(&l);
                     self.inuse.remove(&l);
@@ -300,27 +464,42 @@ impl AgentMetrics {
             }
             for t in tenants {
                 let l = TenantLabel { tenant: t.to_string() };
-                self.queue.get_or_create(&l).set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
-                self.budget.get_or_create(&l).set(st.lease.budget(&t, now) as f64 / 1000.0);
+                self.queue
+                    .get_or_create(&l)
+                    .set(i64::try_from(st.queued(&t)).unwrap_or(i64::MAX));
+                self.budget
+                    .get_or_create(&l)
+                    .set(st.lease.budget(&t, now) as f64 / 1000.0);
                 self.inuse.get_or_create(&l).set(st.inuse(&t) as f64 / 1000.0);
-                self.borrowed.get_or_create(&l).set(st.borrowed_gpue(&t) as f64 / 1000.0);
+                self.borrowed
+                    .get_or_create(&l)
+                    .set(st.borrowed_gpue(&t) as f64 / 1000.0);
             }
             for (map, n) in st.shed_counts() {
-                let c = self.shed.get_or_create(&ReasonLabel { reason: (*map).to_string() });
+                let c = self.shed.get_or_create(&ReasonLabel {
+                    reason: (*map).to_string(),
+                });
                 c.inc_by(n.saturating_sub(c.get()));
             }
             for ((tenant, outcome), n) in st.eviction_counts() {
-                let c = self.evictions.get_or_create(&AdmissionLabel { tenant: tenant.to_string(), outcome: outcome.to_string() });
+                let c = self.evictions.get_or_create(&AdmissionLabel {
+                    tenant: tenant.to_string(),
+                    outcome: outcome.to_string(),
+                });
                 c.inc_by(n.saturating_sub(c.get()));
             }
         }
         self.backlog.set(i64::try_from(agent.backlog()).unwrap_or(i64::MAX));
         self.last_seq.set(i64::try_from(agent.last_seq()).unwrap_or(i64::MAX));
-        self.state_save_failures.set(i64::try_from(agent.state_save_failures()).unwrap_or(i64::MAX));
-        self.policy_fetch_failures.set(i64::try_from(agent.policy_fetch_failures()).unwrap_or(i64::MAX));
+        self.state_save_failures
+            .set(i64::try_from(agent.state_save_failures()).unwrap_or(i64::MAX));
+        self.policy_fetch_failures
+            .set(i64::try_from(agent.policy_fetch_failures()).unwrap_or(i64::MAX));
         for (tenant, used) in agent.written_usage() {
             // Written usage only grows (milli-GPUe x ms); the counter follows it.
-            let c = self.reported_usage.get_or_create(&TenantLabel { tenant: tenant.into_string() });
+            let c = self.reported_usage.get_or_create(&TenantLabel {
+                tenant: tenant.into_string(),
+            });
             let delta = used as f64 / 1e6 - c.get();
             if delta > 0.0 {
                 c.inc_by(delta);
@@ -331,5 +510,49 @@ impl AgentMetrics {
             out.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each certificate the agent presents is exported with its use, whom it names and
+    /// when it expires, as its files hold it.
+    #[test]
+    fn a_certificates_expiry_is_exported() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ca_pem = kvota_tls::issue::new_ca("kvota", 30).expect("ca");
+        let ca = kvota_tls::issue::Ca::from_pem(&ca_pem.cert_pem, &ca_pem.key_pem).expect("ca loads");
+        let issued = ca
+            .issue(
+                &kvota_tls::issue::Kind::Party(kvota_tls::Role::Cluster),
+                "east",
+                &[],
+                &[],
+                20,
+            )
+            .expect("issue");
+        let (cert, key) = (dir.path().join("c.crt"), dir.path().join("c.key"));
+        std::fs::write(&cert, &issued.cert_pem).expect("write");
+        std::fs::write(&key, &issued.key_pem).expect("write");
+        // A federation identity must chain to the CA bundle it is loaded with.
+        let bundle = dir.path().join("ca.crt");
+        std::fs::write(&bundle, &ca_pem.cert_pem).expect("write");
+        let source = kvota_tls::TlsSource::load(kvota_tls::TlsPaths {
+            ca: Some(bundle),
+            cert,
+            key,
+        })
+        .expect("load");
+        let m = AgentMetrics::new();
+        m.certificate("client", &source);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &m.registry).expect("encode");
+        let want = format!(
+            "kvota_agent_certificate_expiry_timestamp_seconds{{use=\"client\",identity=\"spiffe://kvota/cluster/east\"}} {}",
+            source.current().not_after_unix
+        );
+        assert!(text.contains(&want), "{text}");
     }
 }

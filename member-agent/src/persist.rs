@@ -21,7 +21,7 @@
 //! JSON of [`MemberState`], whose `format` field is the version. A newer version than
 //! this agent knows, a state of another cluster, or one that does not decode is not
 //! used (the agent says why and falls back to the safe budgets of whatever lease its
-//! own journal holds, as the contract says).
+//! own journal holds: docs/guarantees.md G11).
 //!
 //! # Lease timing across processes
 //!
@@ -114,11 +114,17 @@ pub enum PersistError {
 
 /// Encodes a state ([`MAX_STATE_BYTES`] at most).
 pub fn encode(s: &MemberState) -> Result<Vec<u8>, PersistError> {
-    let bytes = serde_json::to_vec(s).map_err(|e| PersistError::Corrupt { store: "memory".into(), why: e.to_string() })?;
+    let bytes = serde_json::to_vec(s).map_err(|e| PersistError::Corrupt {
+        store: "memory".into(),
+        why: e.to_string(),
+    })?;
     if bytes.len() > MAX_STATE_BYTES {
         return Err(PersistError::Store {
             store: "memory".into(),
-            why: format!("{} bytes; at most {MAX_STATE_BYTES} fit (a policy of thousands of tenants?)", bytes.len()),
+            why: format!(
+                "{} bytes; at most {MAX_STATE_BYTES} fit (a policy of thousands of tenants?)",
+                bytes.len()
+            ),
         });
     }
     Ok(bytes)
@@ -128,31 +134,55 @@ pub fn encode(s: &MemberState) -> Result<Vec<u8>, PersistError> {
 /// format is refused, not misread), then the rest.
 pub fn decode(bytes: &[u8], store: &str, cluster: &str) -> Result<MemberState, PersistError> {
     if bytes.len() > MAX_STATE_BYTES {
-        return Err(PersistError::Corrupt { store: store.into(), why: format!("{} bytes is more than a state holds", bytes.len()) });
+        return Err(PersistError::Corrupt {
+            store: store.into(),
+            why: format!("{} bytes is more than a state holds", bytes.len()),
+        });
     }
     #[derive(Deserialize)]
     struct Version {
         format: u32,
     }
-    let v: Version = serde_json::from_slice(bytes).map_err(|e| PersistError::Corrupt { store: store.into(), why: e.to_string() })?;
+    let v: Version = serde_json::from_slice(bytes).map_err(|e| PersistError::Corrupt {
+        store: store.into(),
+        why: e.to_string(),
+    })?;
     if v.format > FORMAT_VERSION {
-        return Err(PersistError::Newer { store: store.into(), found: v.format });
+        return Err(PersistError::Newer {
+            store: store.into(),
+            found: v.format,
+        });
     }
     if v.format == 0 {
-        return Err(PersistError::Corrupt { store: store.into(), why: "format version 0".into() });
+        return Err(PersistError::Corrupt {
+            store: store.into(),
+            why: "format version 0".into(),
+        });
     }
-    let s: MemberState = serde_json::from_slice(bytes).map_err(|e| PersistError::Corrupt { store: store.into(), why: e.to_string() })?;
+    let s: MemberState = serde_json::from_slice(bytes).map_err(|e| PersistError::Corrupt {
+        store: store.into(),
+        why: e.to_string(),
+    })?;
     if s.cluster != cluster {
-        return Err(PersistError::OtherCluster { store: store.into(), found: s.cluster.into_string(), cluster: cluster.into() });
+        return Err(PersistError::OtherCluster {
+            store: store.into(),
+            found: s.cluster.into_string(),
+            cluster: cluster.into(),
+        });
     }
     if let Some(l) = &s.lease {
         if l.cluster != cluster {
-            return Err(PersistError::Corrupt { store: store.into(), why: "its lease is another cluster's".into() });
+            return Err(PersistError::Corrupt {
+                store: store.into(),
+                why: "its lease is another cluster's".into(),
+            });
         }
         // The checks a lease from the control plane passes (epoch, margin against
         // duration, budgets), so an edited one is refused as a received one would be.
-        Lease::try_from(kvota_proto::v1::Lease::from(l))
-            .map_err(|e| PersistError::Corrupt { store: store.into(), why: format!("its lease: {e}") })?;
+        l.validate().map_err(|e| PersistError::Corrupt {
+            store: store.into(),
+            why: format!("its lease: {e}"),
+        })?;
     }
     Ok(s)
 }
@@ -184,7 +214,9 @@ pub struct FileStore {
 impl FileStore {
     /// The file `state.json` in `dir`.
     pub fn in_dir(dir: &Path) -> FileStore {
-        FileStore { path: dir.join("state.json") }
+        FileStore {
+            path: dir.join("state.json"),
+        }
     }
 }
 
@@ -194,7 +226,10 @@ impl StateStore for FileStore {
             match std::fs::read(&self.path) {
                 Ok(b) => Ok(Some(b)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(PersistError::Store { store: self.describe(), why: e.to_string() }),
+                Err(e) => Err(PersistError::Store {
+                    store: self.describe(),
+                    why: e.to_string(),
+                }),
             }
         })
     }
@@ -202,7 +237,10 @@ impl StateStore for FileStore {
     fn save(&self, bytes: Vec<u8>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             use std::io::Write as _;
-            let err = |e: std::io::Error| PersistError::Store { store: self.describe(), why: e.to_string() };
+            let err = |e: std::io::Error| PersistError::Store {
+                store: self.describe(),
+                why: e.to_string(),
+            };
             let tmp = self.path.with_extension("json.tmp");
             if let Some(dir) = self.path.parent() {
                 std::fs::create_dir_all(dir).map_err(err)?;
@@ -225,8 +263,8 @@ impl StateStore for FileStore {
 
 #[cfg(test)]
 mod tests {
-    use kvota_fairness::names::ClusterName;
     use super::*;
+    use kvota_fairness::names::ClusterName;
     use proptest::prelude::*;
 
     fn sample() -> MemberState {
@@ -261,8 +299,14 @@ mod tests {
         newer["something_new"] = serde_json::json!(true);
         let e = decode(&serde_json::to_vec(&newer).expect("json"), "cm", "east").expect_err("newer");
         assert!(matches!(e, PersistError::Newer { found: 2, .. }), "{e}");
-        assert!(matches!(decode(b"{\"format\": 1}", "cm", "east"), Err(PersistError::Corrupt { .. })));
-        assert!(matches!(decode(b"not json", "cm", "east"), Err(PersistError::Corrupt { .. })));
+        assert!(matches!(
+            decode(b"{\"format\": 1}", "cm", "east"),
+            Err(PersistError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            decode(b"not json", "cm", "east"),
+            Err(PersistError::Corrupt { .. })
+        ));
     }
 
     #[tokio::test]

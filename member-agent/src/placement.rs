@@ -93,7 +93,9 @@ pub struct Placement {
 }
 
 fn strings(v: Option<&Value>) -> Vec<String> {
-    v.and_then(Value::as_array).map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect()).unwrap_or_default()
+    v.and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
+        .unwrap_or_default()
 }
 
 fn op(s: Option<&str>) -> Option<Op> {
@@ -110,15 +112,33 @@ fn op(s: Option<&str>) -> Option<Op> {
 
 fn term(t: &Value) -> Vec<Requirement> {
     let mut out = Vec::new();
-    for e in t.get("matchExpressions").and_then(Value::as_array).into_iter().flatten() {
-        match (e.get("key").and_then(Value::as_str), op(e.get("operator").and_then(Value::as_str))) {
-            (Some(k), Some(o)) => out.push(Requirement::Label { key: k.to_string(), op: o, values: strings(e.get("values")) }),
+    for e in t
+        .get("matchExpressions")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        match (
+            e.get("key").and_then(Value::as_str),
+            op(e.get("operator").and_then(Value::as_str)),
+        ) {
+            (Some(k), Some(o)) => out.push(Requirement::Label {
+                key: k.to_string(),
+                op: o,
+                values: strings(e.get("values")),
+            }),
             _ => out.push(Requirement::Unknown),
         }
     }
     for e in t.get("matchFields").and_then(Value::as_array).into_iter().flatten() {
-        match (e.get("key").and_then(Value::as_str), op(e.get("operator").and_then(Value::as_str))) {
-            (Some("metadata.name"), Some(o @ (Op::In | Op::NotIn))) => out.push(Requirement::Name { op: o, values: strings(e.get("values")) }),
+        match (
+            e.get("key").and_then(Value::as_str),
+            op(e.get("operator").and_then(Value::as_str)),
+        ) {
+            (Some("metadata.name"), Some(o @ (Op::In | Op::NotIn))) => out.push(Requirement::Name {
+                op: o,
+                values: strings(e.get("values")),
+            }),
             _ => out.push(Requirement::Unknown),
         }
     }
@@ -132,13 +152,22 @@ impl Placement {
         let node_selector = spec
             .get("nodeSelector")
             .and_then(Value::as_object)
-            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string())).collect())
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                    .collect()
+            })
             .unwrap_or_default();
         let required_terms = spec
             .get("affinity")
             .and_then(|a| a.get("nodeAffinity"))
             .and_then(|a| a.get("requiredDuringSchedulingIgnoredDuringExecution"))
-            .map(|r| r.get("nodeSelectorTerms").and_then(Value::as_array).map(|ts| ts.iter().map(term).collect()).unwrap_or_default());
+            .map(|r| {
+                r.get("nodeSelectorTerms")
+                    .and_then(Value::as_array)
+                    .map(|ts| ts.iter().map(term).collect())
+                    .unwrap_or_default()
+            });
         let tolerations = spec
             .get("tolerations")
             .and_then(Value::as_array)
@@ -146,13 +175,27 @@ impl Placement {
                 ts.iter()
                     .map(|t| {
                         let s = |k: &str| t.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
-                        Toleration { key: s("key"), exists: s("operator") == "Exists", value: s("value"), effect: s("effect") }
+                        Toleration {
+                            key: s("key"),
+                            exists: s("operator") == "Exists",
+                            value: s("value"),
+                            effect: s("effect"),
+                        }
                     })
                     .collect()
             })
             .unwrap_or_default();
-        let node_name = spec.get("nodeName").and_then(Value::as_str).filter(|n| !n.is_empty()).map(str::to_string);
-        Placement { node_name, node_selector, required_terms, tolerations }
+        let node_name = spec
+            .get("nodeName")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .map(str::to_string);
+        Placement {
+            node_name,
+            node_selector,
+            required_terms,
+            tolerations,
+        }
     }
 
     /// Whether the scheduler's hard rules let the pod run on a node with this name,
@@ -166,7 +209,9 @@ impl Placement {
         }
         if let Some(terms) = &self.required_terms {
             // An empty term matches nothing; so does an empty list of terms.
-            let any = terms.iter().any(|t| !t.is_empty() && t.iter().all(|r| requirement(r, name, labels)));
+            let any = terms
+                .iter()
+                .any(|t| !t.is_empty() && t.iter().all(|r| requirement(r, name, labels)));
             if !any {
                 return false;
             }
@@ -183,7 +228,11 @@ fn requirement(r: &Requirement, name: &str, labels: &BTreeMap<String, String>) -
         Requirement::Unknown => false,
         Requirement::Name { op, values } => {
             let has = values.iter().any(|v| v == name);
-            if *op == Op::In { has } else { !has }
+            if *op == Op::In {
+                has
+            } else {
+                !has
+            }
         }
         Requirement::Label { key, op, values } => {
             let l = labels.get(key);
@@ -249,14 +298,22 @@ mod tests {
         ]}}}});
         let p = Placement::from_pod_spec(Some(&spec));
         assert!(p.allows("n", &labels(&[("gpu", "h100")]), &[]));
-        assert!(!p.allows("n", &labels(&[("gpu", "h100"), ("spot", "true")]), &[]), "second requirement of the term fails");
+        assert!(
+            !p.allows("n", &labels(&[("gpu", "h100"), ("spot", "true")]), &[]),
+            "second requirement of the term fails"
+        );
         assert!(p.allows("n", &labels(&[("mem", "96")]), &[]), "second term");
         assert!(!p.allows("n", &labels(&[("mem", "64")]), &[]));
-        assert!(!p.allows("n", &labels(&[("mem", "lots")]), &[]), "Gt on a non-integer label matches nothing");
+        assert!(
+            !p.allows("n", &labels(&[("mem", "lots")]), &[]),
+            "Gt on a non-integer label matches nothing"
+        );
         assert!(p.allows("special", &labels(&[]), &[]), "matchFields on the node name");
-        let p = Placement::from_pod_spec(Some(&json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "gpu", "operator": "NotIn", "values": ["t4"]}, {"key": "x", "operator": "Exists"}]}
-        ]}}}})));
+        let p = Placement::from_pod_spec(Some(
+            &json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "gpu", "operator": "NotIn", "values": ["t4"]}, {"key": "x", "operator": "Exists"}]}
+            ]}}}}),
+        ));
         assert!(p.allows("n", &labels(&[("x", "")]), &[]));
         assert!(!p.allows("n", &labels(&[("x", ""), ("gpu", "t4")]), &[]));
     }
@@ -287,15 +344,26 @@ mod tests {
         assert_eq!(taints.len(), 2);
         let none = Placement::default();
         assert!(!none.allows("n", &labels(&[]), &taints));
-        let equal = Placement::from_pod_spec(Some(&json!({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"}]})));
-        assert!(equal.allows("n", &labels(&[]), &taints), "PreferNoSchedule does not restrict");
-        let wrong = Placement::from_pod_spec(Some(&json!({"tolerations": [{"key": "nvidia.com/gpu", "value": "absent"}]})));
+        let equal = Placement::from_pod_spec(Some(
+            &json!({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"}]}),
+        ));
+        assert!(
+            equal.allows("n", &labels(&[]), &taints),
+            "PreferNoSchedule does not restrict"
+        );
+        let wrong = Placement::from_pod_spec(Some(
+            &json!({"tolerations": [{"key": "nvidia.com/gpu", "value": "absent"}]}),
+        ));
         assert!(!wrong.allows("n", &labels(&[]), &taints));
-        let exists = Placement::from_pod_spec(Some(&json!({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]})));
+        let exists = Placement::from_pod_spec(Some(
+            &json!({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
+        ));
         assert!(exists.allows("n", &labels(&[]), &taints));
         let all = Placement::from_pod_spec(Some(&json!({"tolerations": [{"operator": "Exists"}]})));
         assert!(all.allows("n", &labels(&[]), &taints));
-        let other_effect = Placement::from_pod_spec(Some(&json!({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}]})));
+        let other_effect = Placement::from_pod_spec(Some(
+            &json!({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}]}),
+        ));
         assert!(!other_effect.allows("n", &labels(&[]), &taints));
     }
 }

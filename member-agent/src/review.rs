@@ -23,7 +23,9 @@ use kvota_fairness::admission::{decide, Decision, LocalView, PodRequest, Reason,
 use kvota_fairness::lease::LeaseStatus;
 use kvota_fairness::names::{PodKey, TenantName};
 use kvota_fairness::policy::{AdmissionMode, Policy};
-use kvota_fairness::resources::{effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError};
+use kvota_fairness::resources::{
+    effective_requests_milli, total_gpue_milli, ContainerResources, PodResources, ResourceError,
+};
 use kvota_fairness::MilliGpue;
 use serde_json::{json, Value};
 
@@ -136,7 +138,15 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, in a fixed order (metrics index their counters by it).
-    pub const ALL: [Outcome; 7] = [Outcome::Allowed, Outcome::Denied, Outcome::Queued, Outcome::Passed, Outcome::Held, Outcome::Error, Outcome::Busy];
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Allowed,
+        Outcome::Denied,
+        Outcome::Queued,
+        Outcome::Passed,
+        Outcome::Held,
+        Outcome::Error,
+        Outcome::Busy,
+    ];
 
     /// The label value.
     pub fn as_str(self) -> &'static str {
@@ -195,7 +205,8 @@ impl Gate {
     /// written once.
     fn base64(self) -> &'static str {
         static PATCHES: LazyLock<[String; 2]> = LazyLock::new(|| {
-            let b64 = |p: Value| base64::engine::general_purpose::STANDARD.encode(serde_json::to_vec(&p).unwrap_or_default());
+            let b64 =
+                |p: Value| base64::engine::general_purpose::STANDARD.encode(serde_json::to_vec(&p).unwrap_or_default());
             [
                 b64(json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])),
                 b64(json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])),
@@ -249,7 +260,13 @@ fn json_string(out: &mut Vec<u8>, s: &str) {
 /// (code 400, not allowed), with `why` as the message.
 pub fn error_reply(uid: &str, why: &str) -> Reviewed {
     Reviewed {
-        body: response(uid, false, 400, &format!("kvota: malformed AdmissionReview: {why}"), None),
+        body: response(
+            uid,
+            false,
+            400,
+            &format!("kvota: malformed AdmissionReview: {why}"),
+            None,
+        ),
         tenant: None,
         outcome: Outcome::Error,
         gpue: 0,
@@ -309,7 +326,17 @@ impl Answer {
         outcome: Outcome,
         gpue: MilliGpue,
     ) -> Answer {
-        Answer(AnswerKind::Verdict { uid, allowed, code, message: message.into(), patch, tenant, outcome, gpue, may_wait: false })
+        Answer(AnswerKind::Verdict {
+            uid,
+            allowed,
+            code,
+            message: message.into(),
+            patch,
+            tenant,
+            outcome,
+            gpue,
+            may_wait: false,
+        })
     }
 
     /// Whether the answer is a pod's first denial for lack of budget, given while the
@@ -340,9 +367,23 @@ impl Answer {
     pub fn render(self) -> Reviewed {
         match self.0 {
             AnswerKind::Written(r) => r,
-            AnswerKind::Verdict { uid, allowed, code, message, patch, tenant, outcome, gpue, may_wait } => {
-                Reviewed { body: response(&uid, allowed, code, &message, patch), tenant, outcome, gpue, may_wait }
-            }
+            AnswerKind::Verdict {
+                uid,
+                allowed,
+                code,
+                message,
+                patch,
+                tenant,
+                outcome,
+                gpue,
+                may_wait,
+            } => Reviewed {
+                body: response(&uid, allowed, code, &message, patch),
+                tenant,
+                outcome,
+                gpue,
+                may_wait,
+            },
         }
     }
 }
@@ -403,7 +444,11 @@ impl PodRequests {
 /// not have the usual shape (or is malformed) is read again through a
 /// `serde_json::Value` ([`read_value`], the reference), which words every error.
 pub fn parse(body: &[u8]) -> Parsed {
-    let read = if body.len() > MAX_REVIEW_BYTES { None } else { wire::read(body) };
+    let read = if body.len() > MAX_REVIEW_BYTES {
+        None
+    } else {
+        wire::read(body)
+    };
     counted(read.unwrap_or_else(|| read_value(body)))
 }
 
@@ -422,7 +467,10 @@ fn counted(mut kind: ParsedKind) -> Parsed {
 /// is held to, and the path for every body the fast path does not take.
 fn read_value(body: &[u8]) -> ParsedKind {
     if body.len() > MAX_REVIEW_BYTES {
-        return ParsedKind::Done(error_reply("", &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len())));
+        return ParsedKind::Done(error_reply(
+            "",
+            &format!("body of {} bytes exceeds {MAX_REVIEW_BYTES}", body.len()),
+        ));
     }
     let doc: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
@@ -452,12 +500,25 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
         return Err(Malformed("request.uid is missing".into()));
     }
     // Only pods are judged; the webhook configuration should route nothing else here.
-    let res = req.pointer("/resource/resource").and_then(Value::as_str).unwrap_or_default();
-    let group = req.pointer("/resource/group").and_then(Value::as_str).unwrap_or_default();
+    let res = req
+        .pointer("/resource/resource")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let group = req
+        .pointer("/resource/group")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     if res != "pods" || !group.is_empty() {
-        return Ok(ParsedKind::Done(pass(uid, &format!("kvota: {group}/{res} is not judged (only pods)"))));
+        return Ok(ParsedKind::Done(pass(
+            uid,
+            &format!("kvota: {group}/{res} is not judged (only pods)"),
+        )));
     }
-    if req.get("subResource").and_then(Value::as_str).is_some_and(|s| !s.is_empty()) {
+    if req
+        .get("subResource")
+        .and_then(Value::as_str)
+        .is_some_and(|s| !s.is_empty())
+    {
         return Ok(ParsedKind::Done(pass(uid, "kvota: pod subresources are not judged")));
     }
     let namespace = req
@@ -482,8 +543,13 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
         "UPDATE" | "CONNECT" => return Ok(ParsedKind::Done(pass(uid, ""))),
         other => return Err(Malformed(format!("unknown operation `{other}`"))),
     }
-    let object = req.get("object").ok_or_else(|| Malformed("CREATE without `object`".into()))?;
-    let prefix = object.pointer("/metadata/generateName").and_then(Value::as_str).unwrap_or_default();
+    let object = req
+        .get("object")
+        .ok_or_else(|| Malformed("CREATE without `object`".into()))?;
+    let prefix = object
+        .pointer("/metadata/generateName")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     let key = pod_key(&namespace, &name, prefix, uid);
     let pod = PodRequests::Read(pod_resources(object)?);
     let priority = object
@@ -492,7 +558,16 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
         .and_then(|p| i32::try_from(p).ok())
         .unwrap_or(0);
     let has_gates = object.pointer("/spec/schedulingGates").is_some_and(Value::is_array);
-    Ok(ParsedKind::Create(Box::new(Create { uid: uid.to_string(), namespace, name, key, dry_run, pod, priority, has_gates })))
+    Ok(ParsedKind::Create(Box::new(Create {
+        uid: uid.to_string(),
+        namespace,
+        name,
+        key,
+        dry_run,
+        pod,
+        priority,
+        has_gates,
+    })))
 }
 
 /// The key of the pod a CREATE review is about: `namespace/name`, or, before the API
@@ -501,7 +576,11 @@ fn parse_doc(doc: &Value, uid: &str) -> Result<ParsedKind, Malformed> {
 /// validates the object, which then refuses the pod with its own clear message, so such
 /// a review is passed unjudged ([`judge`]), not answered as an error.
 fn pod_key(namespace: &str, name: &str, prefix: &str, uid: &str) -> Option<PodKey> {
-    let key = if name.is_empty() { PodKey::provisional(namespace, prefix, uid) } else { PodKey::new(namespace, name) };
+    let key = if name.is_empty() {
+        PodKey::provisional(namespace, prefix, uid)
+    } else {
+        PodKey::new(namespace, name)
+    };
     key.ok()
 }
 
@@ -518,99 +597,273 @@ pub fn judge(parsed: Parsed, endpoint: Endpoint, state: &mut dyn AdmissionState)
         ParsedKind::Delete { uid, .. } => return Answer::pass(uid, ""),
         ParsedKind::Create(c) => *c,
     };
-    let Create { uid, namespace, name, key, dry_run, pod, priority, has_gates } = c;
+    let Create {
+        uid,
+        namespace,
+        name,
+        key,
+        dry_run,
+        pod,
+        priority,
+        has_gates,
+    } = c;
     let Some(policy) = state.policy() else {
         // No policy yet: the agent enforces its (zero) budgets through `view`; without a
         // policy there are no tenants, so nothing is governed.
         return Answer::pass(uid, "kvota: no policy received yet; not judged");
     };
-    let gpue = match pod.counted() {
-        Ok(r) => total_gpue_milli(r.iter().map(|(name, milli)| (name.as_str(), *milli)), &policy.resource_weights),
-        // Rare (Kubernetes validates quantities first): written here, under the lock.
-        Err(e) => return Answer(AnswerKind::Written(error_reply(&uid, &format!("pod resources: {e}")))),
+    let shown = shown_pod(&namespace, &name);
+    let gpue = match pod_gpue(pod, policy, &uid, &shown) {
+        Ok(gpue) => gpue,
+        Err(answer) => return answer,
     };
+    let (tenant, mode) = match governing_tenant(state, endpoint, &uid, &namespace, &name, gpue) {
+        Ok(t) => t,
+        Err(answer) => return answer,
+    };
+    let Some(key) = key else {
+        // A governed GPU pod kvota cannot account for. The API server would refuse its
+        // name after admission; should something rename it first (a later mutating
+        // webhook), it must not be let in unjudged.
+        let msg = format!(
+            "kvota: pod {shown} has a name Kubernetes does not accept (pod names: {}); refused",
+            kvota_fairness::names::POD_KEY_RULE
+        );
+        return Answer::verdict(uid, false, 403, msg, None, Some(tenant), Outcome::Denied, gpue);
+    };
+    let gate = if has_gates { Gate::Append } else { Gate::New };
+    let j = Governed {
+        uid,
+        tenant,
+        key,
+        gate,
+        dry_run,
+        priority,
+        gpue,
+    };
+    if let Some(why) = state.held() {
+        return j.held(mode, &why);
+    }
+    if !dry_run {
+        if let Some(why) = state.at_limit(&j.key) {
+            let msg = format!("kvota: {why}; pod {} was not judged, retry later", j.key);
+            return Answer::verdict(j.uid, false, 503, msg, None, Some(j.tenant), Outcome::Busy, gpue);
+        }
+    }
+    let view = state.view(&j.tenant);
+    let req = PodRequest { namespace, name, gpue };
+    let d: Decision = decide(&req, &view);
+    if !dry_run {
+        state.remember(&j.key, &req, &view, &d);
+    }
+    j.settle(d, &view, state)
+}
+
+/// The pod as messages name it (each part cut to 80 characters).
+fn shown_pod(namespace: &str, name: &str) -> String {
     let cut = |s: &str| s.chars().take(80).collect::<String>();
-    let shown = if name.is_empty() { format!("in namespace `{}` with a generated name", cut(&namespace)) } else { format!("{}/{}", cut(&namespace), cut(&name)) };
+    if name.is_empty() {
+        format!("in namespace `{}` with a generated name", cut(namespace))
+    } else {
+        format!("{}/{}", cut(namespace), cut(name))
+    }
+}
+
+/// The pod's GPUe under the policy's resource weights, or the answer refusing it (its
+/// resources cannot be counted, or it asks for more than one pod may hold).
+fn pod_gpue(pod: PodRequests, policy: &Policy, uid: &str, shown: &str) -> Result<MilliGpue, Answer> {
+    let gpue = match pod.counted() {
+        Ok(r) => total_gpue_milli(
+            r.iter().map(|(name, milli)| (name.as_str(), *milli)),
+            &policy.resource_weights,
+        ),
+        // Rare (Kubernetes validates quantities first): written here, under the lock.
+        Err(e) => {
+            return Err(Answer(AnswerKind::Written(error_reply(
+                uid,
+                &format!("pod resources: {e}"),
+            ))))
+        }
+    };
     if gpue > MAX_POD_GPUE_MILLI {
         let msg = format!(
             "kvota: pod {shown} requests {} GPUe; kvota accounts for at most {} GPUe in one pod",
             kvota_fairness::units::format_gpue(gpue),
             kvota_fairness::units::format_gpue(MAX_POD_GPUE_MILLI)
         );
-        return Answer::verdict(uid, false, 403, msg, None, None, Outcome::Denied, gpue);
+        return Err(Answer::verdict(
+            uid.to_owned(),
+            false,
+            403,
+            msg,
+            None,
+            None,
+            Outcome::Denied,
+            gpue,
+        ));
     }
-    let labels = state.namespace_labels(&namespace);
-    let tenant = policy.tenant_for_namespace(&namespace, &labels).map(|t| (t.name.clone(), t.admission));
-    let (tenant, mode) = match tenant {
-        Some(t) => t,
-        None => {
-            let v = LocalView { tenant: None, ..state.view("") };
-            let d = decide(&PodRequest { namespace, name, gpue }, &v);
-            return Answer::verdict(uid, true, 200, d.message, None, None, Outcome::Passed, gpue);
-        }
+    Ok(gpue)
+}
+
+/// The tenant that governs the pod's namespace and its admission mode, or the passing
+/// answer when this endpoint does not judge it (no tenant, the other mode's tenant, no
+/// GPUs).
+fn governing_tenant(
+    state: &dyn AdmissionState,
+    endpoint: Endpoint,
+    uid: &str,
+    namespace: &str,
+    name: &str,
+    gpue: MilliGpue,
+) -> Result<(TenantName, AdmissionMode), Answer> {
+    let labels = state.namespace_labels(namespace);
+    let tenant = state
+        .policy()
+        .and_then(|policy| policy.tenant_for_namespace(namespace, &labels))
+        .map(|t| (t.name.clone(), t.admission));
+    let Some((tenant, mode)) = tenant else {
+        let v = LocalView {
+            tenant: None,
+            ..state.view("")
+        };
+        let req = PodRequest {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            gpue,
+        };
+        let d = decide(&req, &v);
+        return Err(Answer::verdict(
+            uid.to_owned(),
+            true,
+            200,
+            d.message,
+            None,
+            None,
+            Outcome::Passed,
+            gpue,
+        ));
     };
     // Each endpoint judges only its mode's tenants.
-    let mine = matches!((endpoint, mode), (Endpoint::Validate, AdmissionMode::Reject) | (Endpoint::Mutate, AdmissionMode::Queue));
+    let mine = matches!(
+        (endpoint, mode),
+        (Endpoint::Validate, AdmissionMode::Reject) | (Endpoint::Mutate, AdmissionMode::Queue)
+    );
     if !mine || gpue == 0 {
-        let msg = if gpue == 0 { "kvota: pod requests no GPUs; not judged" } else { "" };
-        return Answer::verdict(uid, true, 200, msg, None, Some(tenant), Outcome::Passed, gpue);
+        let msg = if gpue == 0 {
+            "kvota: pod requests no GPUs; not judged"
+        } else {
+            ""
+        };
+        return Err(Answer::verdict(
+            uid.to_owned(),
+            true,
+            200,
+            msg,
+            None,
+            Some(tenant),
+            Outcome::Passed,
+            gpue,
+        ));
     }
-    let Some(key) = key else {
-        // A governed GPU pod kvota cannot account for. The API server would refuse its
-        // name after admission; should something rename it first (a later mutating
-        // webhook), it must not be let in unjudged.
-        let msg = format!("kvota: pod {shown} has a name Kubernetes does not accept (pod names: {}); refused", kvota_fairness::names::POD_KEY_RULE);
-        return Answer::verdict(uid, false, 403, msg, None, Some(tenant), Outcome::Denied, gpue);
-    };
-    let gate = if has_gates { Gate::Append } else { Gate::New };
-    if let Some(why) = state.held() {
-        return match mode {
+    Ok((tenant, mode))
+}
+
+/// A governed GPU pod with a key, on its way to a verdict.
+struct Governed {
+    uid: String,
+    tenant: TenantName,
+    key: PodKey,
+    gate: Gate,
+    dry_run: bool,
+    priority: i32,
+    gpue: MilliGpue,
+}
+
+impl Governed {
+    /// The answer while the agent holds admissions (`why`): a queued pod waits behind
+    /// its gate, a rejecting tenant's pod is told to retry.
+    fn held(self, mode: AdmissionMode, why: &str) -> Answer {
+        let Governed {
+            uid,
+            tenant,
+            key,
+            gate,
+            gpue,
+            ..
+        } = self;
+        match mode {
             AdmissionMode::Queue => {
-                let msg = format!("kvota: {why}; pod {key} waits behind the {SCHEDULING_GATE} gate for the leader to release it");
+                let msg = format!(
+                    "kvota: {why}; pod {key} waits behind the {SCHEDULING_GATE} gate for the leader to release it"
+                );
                 Answer::verdict(uid, true, 200, msg, Some(gate), Some(tenant), Outcome::Held, gpue)
             }
             AdmissionMode::Reject => {
                 let msg = format!("kvota: {why}; pod {key} was not judged, retry in a few seconds");
                 Answer::verdict(uid, false, 503, msg, None, Some(tenant), Outcome::Held, gpue)
             }
-        };
-    }
-    if !dry_run {
-        if let Some(why) = state.at_limit(&key) {
-            let msg = format!("kvota: {why}; pod {key} was not judged, retry later");
-            return Answer::verdict(uid, false, 503, msg, None, Some(tenant), Outcome::Busy, gpue);
         }
     }
-    let view = state.view(&tenant);
-    let req = PodRequest { namespace, name, gpue };
-    let d: Decision = decide(&req, &view);
-    if !dry_run {
-        state.remember(&key, &req, &view, &d);
-    }
-    match d.verdict {
-        Verdict::Allow => {
-            if !dry_run {
-                state.record(Effect::Reserve { tenant: tenant.clone(), pod: key, gpue });
+
+    /// Records the decision's effect (unless a dry run) and writes its answer.
+    fn settle(self, d: Decision, view: &LocalView, state: &mut dyn AdmissionState) -> Answer {
+        let Governed {
+            uid,
+            tenant,
+            key,
+            gate,
+            dry_run,
+            priority,
+            gpue,
+        } = self;
+        match d.verdict {
+            Verdict::Allow => {
+                if !dry_run {
+                    state.record(Effect::Reserve {
+                        tenant: tenant.clone(),
+                        pod: key,
+                        gpue,
+                    });
+                }
+                Answer::verdict(uid, true, 200, d.message, None, Some(tenant), Outcome::Allowed, gpue)
             }
-            Answer::verdict(uid, true, 200, d.message, None, Some(tenant), Outcome::Allowed, gpue)
-        }
-        Verdict::Deny => {
-            let waitable = !dry_run
-                && d.reason == Reason::OverBudget
-                && matches!(view.lease, LeaseStatus::Fresh { .. })
-                && !state.denied_recently(&key);
-            // A pod that can never fit here is not demand: counting it would raise the
-            // tenant's entitlement and size its budgets for GPUs it can never use.
-            if !dry_run && d.reason != Reason::NeverFits {
-                state.record(Effect::Denied { tenant: tenant.clone(), pod: key, gpue });
+            Verdict::Deny => {
+                let waitable = !dry_run
+                    && d.reason == Reason::OverBudget
+                    && matches!(view.lease, LeaseStatus::Fresh { .. })
+                    && !state.denied_recently(&key);
+                // A pod that can never fit here is not demand: counting it would raise the
+                // tenant's entitlement and size its budgets for GPUs it can never use.
+                if !dry_run && d.reason != Reason::NeverFits {
+                    state.record(Effect::Denied {
+                        tenant: tenant.clone(),
+                        pod: key,
+                        gpue,
+                    });
+                }
+                Answer::verdict(uid, false, 403, d.message, None, Some(tenant), Outcome::Denied, gpue)
+                    .waitable(waitable)
             }
-            Answer::verdict(uid, false, 403, d.message, None, Some(tenant), Outcome::Denied, gpue).waitable(waitable)
-        }
-        Verdict::Queue => {
-            if !dry_run {
-                state.record(Effect::Enqueue { tenant: tenant.clone(), pod: key, gpue, priority });
+            Verdict::Queue => {
+                if !dry_run {
+                    state.record(Effect::Enqueue {
+                        tenant: tenant.clone(),
+                        pod: key,
+                        gpue,
+                        priority,
+                    });
+                }
+                Answer::verdict(
+                    uid,
+                    true,
+                    200,
+                    d.message,
+                    Some(gate),
+                    Some(tenant),
+                    Outcome::Queued,
+                    gpue,
+                )
             }
-            Answer::verdict(uid, true, 200, d.message, Some(gate), Some(tenant), Outcome::Queued, gpue)
         }
     }
 }
@@ -631,8 +884,12 @@ fn quantity_map(v: Option<&Value>, path: &str) -> Result<BTreeMap<String, String
 }
 
 fn containers(spec: &Value, field: &str) -> Result<Vec<ContainerResources>, Malformed> {
-    let Some(list) = spec.get(field) else { return Ok(Vec::new()) };
-    let list = list.as_array().ok_or_else(|| Malformed(format!("spec.{field} is not a list")))?;
+    let Some(list) = spec.get(field) else {
+        return Ok(Vec::new());
+    };
+    let list = list
+        .as_array()
+        .ok_or_else(|| Malformed(format!("spec.{field} is not a list")))?;
     list.iter()
         .enumerate()
         .map(|(i, c)| {
@@ -640,7 +897,10 @@ fn containers(spec: &Value, field: &str) -> Result<Vec<ContainerResources>, Malf
             let res = c.get("resources");
             Ok(ContainerResources {
                 name: c.get("name").and_then(Value::as_str).unwrap_or_default().to_string(),
-                requests: quantity_map(res.and_then(|r| r.get("requests")), &format!("{path}.resources.requests"))?,
+                requests: quantity_map(
+                    res.and_then(|r| r.get("requests")),
+                    &format!("{path}.resources.requests"),
+                )?,
                 limits: quantity_map(res.and_then(|r| r.get("limits")), &format!("{path}.resources.limits"))?,
                 restartable: c.get("restartPolicy").and_then(Value::as_str) == Some("Always"),
             })
@@ -686,8 +946,12 @@ mod tests {
 
     fn patch_value(gate: Gate) -> Value {
         match gate {
-            Gate::New => json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }]),
-            Gate::Append => json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }]),
+            Gate::New => {
+                json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": SCHEDULING_GATE }] }])
+            }
+            Gate::Append => {
+                json!([{ "op": "add", "path": "/spec/schedulingGates/-", "value": { "name": SCHEDULING_GATE } }])
+            }
         }
     }
 
@@ -696,14 +960,39 @@ mod tests {
         for (uid, allowed, code, message, gate) in [
             ("u1", true, 200, "", None),
             ("u1", false, 400, "", None),
-            ("", false, 400, "kvota: malformed AdmissionReview: not JSON: expected value at line 1 column 1", None),
-            ("705ab4f5", true, 200, "kvota: admitted: tenant `training` holds 0 + 1 = 1 of its 32 GPUe budget", None),
-            ("q", true, 200, "queued \"behind\" the gate\n\u{1}\u{7f}\u{e9}\u{2028}", Some(Gate::New)),
+            (
+                "",
+                false,
+                400,
+                "kvota: malformed AdmissionReview: not JSON: expected value at line 1 column 1",
+                None,
+            ),
+            (
+                "705ab4f5",
+                true,
+                200,
+                "kvota: admitted: tenant `training` holds 0 + 1 = 1 of its 32 GPUe budget",
+                None,
+            ),
+            (
+                "q",
+                true,
+                200,
+                "queued \"behind\" the gate\n\u{1}\u{7f}\u{e9}\u{2028}",
+                Some(Gate::New),
+            ),
             ("q", true, 200, "", Some(Gate::Append)),
         ] {
             assert_eq!(
                 String::from_utf8(response(uid, allowed, code, message, gate)).expect("utf8"),
-                String::from_utf8(response_value(uid, allowed, code, message, gate.map(patch_value).as_ref())).expect("utf8"),
+                String::from_utf8(response_value(
+                    uid,
+                    allowed,
+                    code,
+                    message,
+                    gate.map(patch_value).as_ref()
+                ))
+                .expect("utf8"),
             );
         }
     }

@@ -14,8 +14,8 @@ use serde_json::json;
 
 use kvota_fairness::reclaim::{ClusterView, Decision};
 
-use crate::review::{review, Endpoint, Outcome};
 use crate::inventory::{self, Inventory, NodeInfo, PodInfo, PodStage};
+use crate::review::{review, Endpoint, Outcome};
 use crate::state::{AgentState, PodRec};
 
 /// A pod to submit.
@@ -179,8 +179,10 @@ pub const DEFAULT_CHECKPOINT_MS: Millis = 10 * 60_000;
 impl SimCluster {
     /// A cluster of nodes with this many whole GPUs each.
     pub fn new(node_gpus: &[u32]) -> Self {
-        let nodes: Vec<BTreeMap<String, u64>> =
-            node_gpus.iter().map(|&g| [(NVIDIA_GPU.to_string(), u64::from(g))].into()).collect();
+        let nodes: Vec<BTreeMap<String, u64>> = node_gpus
+            .iter()
+            .map(|&g| [(NVIDIA_GPU.to_string(), u64::from(g))].into())
+            .collect();
         Self::with_nodes(nodes)
     }
 
@@ -193,7 +195,13 @@ impl SimCluster {
                 *capacity.entry(r.clone()).or_insert(0) += c;
             }
         }
-        SimCluster { total: nodes.clone(), free: nodes, capacity, checkpoint_ms: DEFAULT_CHECKPOINT_MS, ..Default::default() }
+        SimCluster {
+            total: nodes.clone(),
+            free: nodes,
+            capacity,
+            checkpoint_ms: DEFAULT_CHECKPOINT_MS,
+            ..Default::default()
+        }
     }
 
     /// Capacity per resource in quantity thousandths, as the agent registers it.
@@ -257,8 +265,17 @@ impl SimCluster {
         });
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mutate = review(&bytes, Endpoint::Mutate, state);
-        let verdict = if mutate.outcome == Outcome::Passed { review(&bytes, Endpoint::Validate, state) } else { mutate };
-        let w = Waiting { pod: pod.clone(), tenant: verdict.tenant.clone(), gpue: verdict.gpue, since_ms: state.now_ms() };
+        let verdict = if mutate.outcome == Outcome::Passed {
+            review(&bytes, Endpoint::Validate, state)
+        } else {
+            mutate
+        };
+        let w = Waiting {
+            pod: pod.clone(),
+            tenant: verdict.tenant.clone(),
+            gpue: verdict.gpue,
+            since_ms: state.now_ms(),
+        };
         // A key that breaks the rule was a malformed review: never admitted.
         match (verdict.outcome, pod.pod_key()) {
             (Outcome::Allowed | Outcome::Passed, Ok(key)) => {
@@ -275,7 +292,12 @@ impl SimCluster {
     /// Finishes the pods whose time is up (their devices free, the agent forgets them).
     /// Returns the keys of the finished pods.
     pub fn finish(&mut self, state: &mut AgentState, now_ms: Millis) -> Vec<PodKey> {
-        let done: Vec<PodKey> = self.running.iter().filter(|(_, r)| r.ends_at_ms <= now_ms).map(|(k, _)| k.clone()).collect();
+        let done: Vec<PodKey> = self
+            .running
+            .iter()
+            .filter(|(_, r)| r.ends_at_ms <= now_ms)
+            .map(|(k, _)| k.clone())
+            .collect();
         for k in &done {
             if let Some(r) = self.running.remove(k) {
                 if let Some(node) = self.free.get_mut(r.node) {
@@ -292,14 +314,29 @@ impl SimCluster {
         if self.finished.len() >= FINISHED_KEPT {
             self.finished.pop_front();
         }
-        self.finished.push_back(Finished { key: key.clone(), namespace: r.pod.namespace.clone(), gpue: r.gpue, started_ms: r.started_ms, ended_ms });
+        self.finished.push_back(Finished {
+            key: key.clone(),
+            namespace: r.pod.namespace.clone(),
+            gpue: r.gpue,
+            started_ms: r.started_ms,
+            ended_ms,
+        });
     }
 
     /// Usage per tenant between `from_ms` and `to_ms` (this cluster's clock: the one its
     /// callers drive it with) from the pods' run times, running and gone, as the agent
     /// recovers usage no process metered (`crate::agent::History`).
-    pub fn usage_between(&self, from_ms: Millis, to_ms: Millis, tenant_of: impl Fn(&str) -> Option<TenantName>) -> BTreeMap<TenantName, u64> {
-        let mut pods: Vec<PodInfo> = self.gpu_pods().into_iter().filter(|p| p.stage == PodStage::Bound).collect();
+    pub fn usage_between(
+        &self,
+        from_ms: Millis,
+        to_ms: Millis,
+        tenant_of: impl Fn(&str) -> Option<TenantName>,
+    ) -> BTreeMap<TenantName, u64> {
+        let mut pods: Vec<PodInfo> = self
+            .gpu_pods()
+            .into_iter()
+            .filter(|p| p.stage == PodStage::Bound)
+            .collect();
         pods.extend(self.finished.iter().map(|f| PodInfo {
             key: f.key.clone(),
             namespace: f.namespace.clone(),
@@ -339,16 +376,35 @@ impl SimCluster {
             let Some(w) = self.unbound.get(&k) else { continue };
             let need = u64::from(w.pod.count);
             let res = w.pod.resource.clone();
-            let Some(node) = self.free.iter().position(|f| f.get(&res).copied().unwrap_or(0) >= need) else { continue };
+            let Some(node) = self.free.iter().position(|f| f.get(&res).copied().unwrap_or(0) >= need) else {
+                continue;
+            };
             let Some(w) = self.unbound.remove(&k) else { continue };
             if let Some(f) = self.free.get_mut(node).and_then(|f| f.get_mut(&res)) {
                 *f -= need;
             }
-            state.pod_bound(&k, PodRec { tenant: w.tenant.clone(), gpue: w.gpue });
-            out.push(Bound { key: k.clone(), tenant: w.tenant.clone(), gpue: w.gpue });
+            state.pod_bound(
+                &k,
+                PodRec {
+                    tenant: w.tenant.clone(),
+                    gpue: w.gpue,
+                },
+            );
+            out.push(Bound {
+                key: k.clone(),
+                tenant: w.tenant.clone(),
+                gpue: w.gpue,
+            });
             self.running.insert(
                 k,
-                Running { node, started_ms: now_ms, ends_at_ms: now_ms + w.pod.duration_ms, pod: w.pod, tenant: w.tenant, gpue: w.gpue },
+                Running {
+                    node,
+                    started_ms: now_ms,
+                    ends_at_ms: now_ms + w.pod.duration_ms,
+                    pod: w.pod,
+                    tenant: w.tenant,
+                    gpue: w.gpue,
+                },
             );
         }
         // What is left exists and waits for a node: the inventory shows it, as a real
@@ -388,7 +444,28 @@ impl SimCluster {
 
     /// Whether some node has `count` free devices of `resource` right now.
     pub fn fits(&self, resource: &str, count: u32) -> bool {
-        self.free.iter().any(|f| f.get(resource).copied().unwrap_or(0) >= u64::from(count))
+        self.free
+            .iter()
+            .any(|f| f.get(resource).copied().unwrap_or(0) >= u64::from(count))
+    }
+
+    /// Per node: its free devices of `resource`, and the running pods on it holding
+    /// that resource with how many devices each holds and since when it runs.
+    #[allow(clippy::type_complexity)]
+    pub fn layout(&self, resource: &str) -> Vec<(u64, Vec<(PodKey, u64, Millis)>)> {
+        let mut nodes: Vec<(u64, Vec<(PodKey, u64, Millis)>)> = self
+            .free
+            .iter()
+            .map(|f| (f.get(resource).copied().unwrap_or(0), Vec::new()))
+            .collect();
+        for (k, r) in &self.running {
+            if r.pod.resource == resource {
+                if let Some(n) = nodes.get_mut(r.node) {
+                    n.1.push((k.clone(), u64::from(r.pod.count), r.started_ms));
+                }
+            }
+        }
+        nodes
     }
 
     /// GPUe running per tenant.
@@ -418,14 +495,22 @@ impl SimCluster {
     /// since its last checkpoint and is handed to its owner for recreation
     /// ([`SimCluster::take_evicted`]) with the work it has left.
     pub fn evict(&mut self, state: &mut AgentState, key: &str, now_ms: Millis) -> EvictOutcome {
-        let Some(r) = self.running.get(key) else { return EvictOutcome::NotFound };
+        let Some(r) = self.running.get(key) else {
+            return EvictOutcome::NotFound;
+        };
         if let Some(&min) = self.pdb_min_available.get(&r.pod.namespace) {
-            let running_here = self.running.values().filter(|x| x.pod.namespace == r.pod.namespace).count();
+            let running_here = self
+                .running
+                .values()
+                .filter(|x| x.pod.namespace == r.pod.namespace)
+                .count();
             if running_here <= min {
                 return EvictOutcome::Blocked;
             }
         }
-        let Some((k, r)) = self.running.remove_entry(key) else { return EvictOutcome::NotFound };
+        let Some((k, r)) = self.running.remove_entry(key) else {
+            return EvictOutcome::NotFound;
+        };
         if let Some(node) = self.free.get_mut(r.node) {
             *node.entry(r.pod.resource.clone()).or_insert(0) += u64::from(r.pod.count);
         }
@@ -479,11 +564,17 @@ impl SimCluster {
         if let Some((for_tenant, for_pod, summary, victims)) = inventory::victims(&decision) {
             for v in victims {
                 let outcome = self.evict(state, &v.key, now_ms);
-                let Some((reason, message, record)) = inventory::eviction_record(now_ms, for_tenant, for_pod, summary, v, outcome)
+                let Some((reason, message, record)) =
+                    inventory::eviction_record(now_ms, for_tenant, for_pod, summary, v, outcome)
                 else {
                     continue;
                 };
-                self.events.push(SimEvent { at_ms: now_ms, pod: v.key.to_string(), reason: reason.to_string(), message });
+                self.events.push(SimEvent {
+                    at_ms: now_ms,
+                    pod: v.key.to_string(),
+                    reason: reason.to_string(),
+                    message,
+                });
                 state.record_eviction(record);
             }
         }
@@ -564,9 +655,9 @@ impl Inventory for SimCluster {
 
 #[cfg(test)]
 mod tests {
-    use kvota_fairness::names::ClusterName;
     use super::*;
     use kvota_fairness::lease::AgentLease;
+    use kvota_fairness::names::ClusterName;
 
     #[test]
     fn mig_slices_bind_only_where_that_slice_is_free() {
@@ -575,7 +666,11 @@ mod tests {
             [("nvidia.com/mig-3g.40gb".to_string(), 2)].into(),
         ]);
         assert_eq!(c.capacity_milli().get("nvidia.com/mig-3g.40gb"), Some(&2000));
-        let mut st = AgentState::new(ClusterName::from_static("c"), 1858, AgentLease::new(ClusterName::from_static("c")));
+        let mut st = AgentState::new(
+            ClusterName::from_static("c"),
+            1858,
+            AgentLease::new(ClusterName::from_static("c")),
+        );
         // No policy: pods are not governed, so they pass and bind by fit alone.
         let mut p = SimPod::gpus("ns", "a", 1, 1_000, 0);
         p.resource = "nvidia.com/mig-3g.40gb".into();

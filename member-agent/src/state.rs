@@ -95,11 +95,13 @@ pub struct AgentState {
     /// cost one step per tenant, not per pod, on every admission review.
     bound_by_tenant: BTreeMap<TenantName, (usize, MilliGpue)>,
     reserved: BTreeMap<PodKey, (TenantName, MilliGpue, Millis)>,
-    /// Pods this process admitted on borrowed GPUs (reason `Borrowed`), until they end:
-    /// reclaim takes only these for a pod within its budget. Kept in memory: after a
-    /// restart or a change of leader, pods borrowed before it are left to finish (never
-    /// evicted for a budget).
+    /// Pods admitted on borrowed GPUs, until they end: reclaim takes only these for a
+    /// pod within its budget, and reports carry what they hold apart. Kept in memory:
+    /// after a restart or a change of leader, which pods were lent is read again from
+    /// the cluster once ([`AgentState::reclassify_once`]).
     borrowed: std::collections::BTreeSet<PodKey>,
+    /// The next inventory sync reads which pods are borrowed again.
+    reclassify: bool,
     queue: BTreeMap<PodKey, Queued>,
     denied: BTreeMap<PodKey, DeniedPod>,
     /// Pods admitted after a wait (denied or queued first): (tenant, ms waited), oldest
@@ -108,6 +110,9 @@ pub struct AgentState {
     /// Signalled when a pod is denied or queued: demand the control plane has not seen,
     /// which the report loop carries early ([`Self::demand_signal`]).
     demand: Arc<tokio::sync::Notify>,
+    /// Added to the monotonic clock to stamp decisions with the wall clock (Unix ms at
+    /// the clock's zero; 0 until the agent sets it).
+    wall_offset_ms: u64,
     used: BTreeMap<TenantName, u64>,
     now_ms: Millis,
     denied_ttl_ms: Millis,
@@ -213,10 +218,12 @@ impl AgentState {
             bound_by_tenant: BTreeMap::new(),
             reserved: BTreeMap::new(),
             borrowed: std::collections::BTreeSet::new(),
+            reclassify: true,
             queue: BTreeMap::new(),
             denied: BTreeMap::new(),
             waits: VecDeque::new(),
             demand: Arc::default(),
+            wall_offset_ms: 0,
             used: BTreeMap::new(),
             now_ms: 0,
             denied_ttl_ms: DENIED_DEMAND_TTL_MS,
@@ -240,9 +247,18 @@ impl AgentState {
     fn count_shed(&mut self, map: &'static str) {
         let n = self.shed.entry(map).or_insert(0);
         if *n == 0 {
-            tracing::warn!(map, "an admission map is full: entries are being shed (kvota_agent_shed_total counts them)");
+            tracing::warn!(
+                map,
+                "an admission map is full: entries are being shed (kvota_agent_shed_total counts them)"
+            );
         }
         *n += 1;
+    }
+
+    /// Stamps the decisions the agent reports with the wall clock: `unix_ms` is the wall
+    /// clock (Unix ms) at the zero of the clock [`Self::set_now`] is given.
+    pub fn set_wall_offset(&mut self, unix_ms: u64) {
+        self.wall_offset_ms = unix_ms;
     }
 
     /// Advances the clock: meters usage of bound pods since the last call and drops
@@ -267,7 +283,71 @@ impl AgentState {
         // A mark outlives an unconfirmed reservation that expired (the pod may still show
         // up and be held again) while its decision is remembered.
         let (bound, reserved, decided) = (&self.bound, &self.reserved, &self.decisions.by_key);
-        self.borrowed.retain(|k| bound.contains_key(k) || reserved.contains_key(k) || decided.contains_key(k));
+        self.borrowed
+            .retain(|k| bound.contains_key(k) || reserved.contains_key(k) || decided.contains_key(k));
+    }
+
+    /// After a restart or a change of leader this process does not know which pods were
+    /// lent before it: at its first inventory sync with a policy and a lease, the pods
+    /// a lending tenant (one its lease gives a borrow limit) holds above its budget here
+    /// are taken as borrowed, the last in name order first. That is what lending could
+    /// have admitted; so reclaim takes them back first, and reports leave them out of
+    /// what the control plane holds to the budgets (see `kvota_fairness`'s
+    /// `TenantUsage::held_within_budgets`), as they were before the restart.
+    pub fn reclassify_once(&mut self) {
+        if !self.reclassify || self.policy.is_none() || self.lease.lease().is_none() {
+            return;
+        }
+        self.reclassify = false;
+        let tenants: Vec<TenantName> = self
+            .policy
+            .iter()
+            .flat_map(|p| p.tenants.iter().map(|t| t.name.clone()))
+            .collect();
+        for t in tenants {
+            if self.lease.lease().is_none_or(|l| l.borrow(&t) == 0) {
+                continue;
+            }
+            let above = self
+                .inuse(&t)
+                .saturating_sub(self.lease.budget(&t, self.now_ms))
+                .saturating_sub(self.borrowed_gpue(&t));
+            let mut left = above;
+            let bound = self
+                .bound
+                .iter()
+                .filter(|(_, p)| p.tenant.as_ref() == Some(&t))
+                .map(|(k, p)| (k, p.gpue));
+            let reserved = self
+                .reserved
+                .iter()
+                .filter(|(_, (owner, _, _))| *owner == t)
+                .map(|(k, (_, g, _))| (k, *g));
+            let mut pods: Vec<(PodKey, MilliGpue)> = bound
+                .chain(reserved)
+                .filter(|(k, _)| !self.borrowed.contains(*k))
+                .map(|(k, g)| (k.clone(), g))
+                .collect();
+            pods.sort_by(|a, b| b.0.cmp(&a.0));
+            for (k, g) in pods {
+                if left == 0 {
+                    break;
+                }
+                self.borrowed.insert(k);
+                left = left.saturating_sub(g);
+            }
+        }
+    }
+
+    /// Read again at the next inventory sync which pods are borrowed (this replica just
+    /// took over from another).
+    pub fn reclassify_next_sync(&mut self) {
+        self.reclassify = true;
+    }
+
+    /// The pods taken as borrowed.
+    pub fn borrowed_keys(&self) -> impl Iterator<Item = &PodKey> {
+        self.borrowed.iter()
     }
 
     /// Whether pod `key` was admitted on borrowed GPUs (by this process).
@@ -352,7 +432,8 @@ impl AgentState {
             self.waits.pop_front();
             *self.shed.entry("waits").or_insert(0) += 1;
         }
-        self.waits.push_back((tenant.clone(), self.now_ms.saturating_sub(since)));
+        self.waits
+            .push_back((tenant.clone(), self.now_ms.saturating_sub(since)));
     }
 
     /// Signalled whenever a pod is denied or queued here (a permit is kept if nobody
@@ -398,7 +479,8 @@ impl AgentState {
     pub fn hold(&mut self, pod: &PodKey, tenant: &TenantName, gpue: MilliGpue) {
         self.leave_queue(pod);
         self.denied.remove(pod);
-        self.reserved.insert(pod.clone(), (tenant.clone(), gpue, self.now_ms + RESERVATION_TTL_MS));
+        self.reserved
+            .insert(pod.clone(), (tenant.clone(), gpue, self.now_ms + RESERVATION_TTL_MS));
     }
 
     /// Whether this state counts pod `key` (bound, reserved or queued).
@@ -454,14 +536,30 @@ impl AgentState {
         if self.queue.contains_key(pod) || self.reserved.contains_key(pod) {
             return;
         }
-        let q = QueuedPod { key: pod.clone(), priority, queued_at_ms: since_ms, gpue };
-        self.queue.insert(pod.clone(), Queued { tenant: tenant.clone(), pod: q });
+        let q = QueuedPod {
+            key: pod.clone(),
+            priority,
+            queued_at_ms: since_ms,
+            gpue,
+        };
+        self.queue.insert(
+            pod.clone(),
+            Queued {
+                tenant: tenant.clone(),
+                pod: q,
+            },
+        );
     }
 
     /// Bound plus reserved GPUe of `tenant` (saturating: no sum of pods can wrap).
     pub fn inuse(&self, tenant: &str) -> MilliGpue {
         let bound = self.bound(tenant);
-        let reserved = self.reserved.values().filter(|r| r.0 == tenant).map(|r| r.1).fold(0u64, u64::saturating_add);
+        let reserved = self
+            .reserved
+            .values()
+            .filter(|r| r.0 == tenant)
+            .map(|r| r.1)
+            .fold(0u64, u64::saturating_add);
         bound.saturating_add(reserved)
     }
 
@@ -472,12 +570,18 @@ impl AgentState {
 
     /// Admitted pods not yet bound: `(pod key, tenant, GPUe)`.
     pub fn reservations(&self) -> Vec<(PodKey, TenantName, MilliGpue)> {
-        self.reserved.iter().map(|(k, (t, g, _))| (k.clone(), t.clone(), *g)).collect()
+        self.reserved
+            .iter()
+            .map(|(k, (t, g, _))| (k.clone(), t.clone(), *g))
+            .collect()
     }
 
     /// Recently denied pods still counted as demand: `(pod key, tenant, GPUe)`.
     pub fn denied_pods(&self) -> Vec<(PodKey, TenantName, MilliGpue)> {
-        self.denied.iter().map(|(k, d)| (k.clone(), d.tenant.clone(), d.gpue)).collect()
+        self.denied
+            .iter()
+            .map(|(k, d)| (k.clone(), d.tenant.clone(), d.gpue))
+            .collect()
     }
 
     /// Explains the last decision about pod `key` (`namespace/name`) and where it stands
@@ -485,7 +589,10 @@ impl AgentState {
     pub fn explain_pod(&self, key: &str) -> Option<PodExplanation> {
         let (_, n) = self.decisions.by_key.get(key)?;
         let now = if let Some(p) = self.bound.get(key) {
-            format!("bound: running, holding {} GPUe", kvota_fairness::units::format_gpue(p.gpue))
+            format!(
+                "bound: running, holding {} GPUe",
+                kvota_fairness::units::format_gpue(p.gpue)
+            )
         } else if let Some((_, g, until)) = self.reserved.get(key) {
             format!(
                 "admitted, not yet on a node: {} GPUe reserved for it for another {} s",
@@ -498,7 +605,10 @@ impl AgentState {
                 .queue
                 .values()
                 .filter(|o| o.tenant == q.tenant)
-                .filter(|o| (std::cmp::Reverse(o.pod.priority), o.pod.queued_at_ms, &o.pod.key) < (std::cmp::Reverse(q.pod.priority), q.pod.queued_at_ms, &q.pod.key))
+                .filter(|o| {
+                    (std::cmp::Reverse(o.pod.priority), o.pod.queued_at_ms, &o.pod.key)
+                        < (std::cmp::Reverse(q.pod.priority), q.pod.queued_at_ms, &q.pod.key)
+                })
                 .count();
             let pos = ahead + 1;
             let mine = self.queued(&q.tenant);
@@ -530,7 +640,10 @@ impl AgentState {
 
     /// Tenants of the policy in force (empty without one).
     pub fn tenants(&self) -> Vec<TenantName> {
-        self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect()
+        self.policy
+            .iter()
+            .flat_map(|p| p.tenants.iter().map(|t| t.name.clone()))
+            .collect()
     }
 
     /// This replica is (`true`) or stops being a standby of a leader-elected pair.
@@ -561,7 +674,11 @@ impl AgentState {
         // Service selects only the leader's pod (its role label), so being Ready sends it
         // no reviews; it keeps rolling updates and node drains moving.
         if self.standby {
-            return if self.policy.is_some() { Ok(()) } else { Err("standby without a policy yet".into()) };
+            return if self.policy.is_some() {
+                Ok(())
+            } else {
+                Err("standby without a policy yet".into())
+            };
         }
         if let Some(why) = &self.held {
             return Err(why.clone());
@@ -580,12 +697,17 @@ impl AgentState {
     /// policy lends at the lease's standing ([`kvota_fairness::admission::lends_now`];
     /// `spec.reclaim.lendWhen: cutOff` only once the lease expired). No policy: no.
     pub fn lends_now(&self) -> bool {
-        !self.standby && self.held.is_none() && self.lease.lease().is_some() && self.lends_at(self.lease.status(self.now_ms))
+        !self.standby
+            && self.held.is_none()
+            && self.lease.lease().is_some()
+            && self.lends_at(self.lease.status(self.now_ms))
     }
 
     /// [`Self::lends_now`] at a lease standing already read.
     fn lends_at(&self, lease: kvota_fairness::lease::LeaseStatus) -> bool {
-        self.policy.as_ref().is_some_and(|p| kvota_fairness::admission::lends_now(&p.reclaim, lease))
+        self.policy
+            .as_ref()
+            .is_some_and(|p| kvota_fairness::admission::lends_now(&p.reclaim, lease))
     }
 
     /// GPUs of this cluster no budget needs now
@@ -600,14 +722,22 @@ impl AgentState {
             let e = per.entry(t.as_str()).or_default();
             e.0 = e.0.saturating_add(*g);
         }
-        let waiting = self.queue.values().map(|q| (q.tenant.as_str(), q.pod.gpue)).chain(self.denied.values().map(|d| (d.tenant.as_str(), d.gpue)));
+        let waiting = self
+            .queue
+            .values()
+            .map(|q| (q.tenant.as_str(), q.pod.gpue))
+            .chain(self.denied.values().map(|d| (d.tenant.as_str(), d.gpue)));
         for (t, g) in waiting {
             let e = per.entry(t).or_default();
             e.1 = e.1.saturating_add(g);
         }
         let tenants = policy.tenants.iter().map(|t| {
             let (reserved, pending) = per.get(t.name.as_str()).copied().unwrap_or_default();
-            (self.bound(&t.name).saturating_add(reserved), pending, self.lease.budget(&t.name, self.now_ms))
+            (
+                self.bound(&t.name).saturating_add(reserved),
+                pending,
+                self.lease.budget(&t.name, self.now_ms),
+            )
         });
         kvota_fairness::admission::lendable(self.capacity_gpue, tenants)
     }
@@ -625,14 +755,22 @@ impl AgentState {
 
     /// GPUe of every pod of `tenant` queued or recently denied.
     fn waiting<'a>(&'a self, tenant: &'a str) -> impl Iterator<Item = MilliGpue> + 'a {
-        let q = self.queue.values().filter(move |q| q.tenant == tenant).map(|q| q.pod.gpue);
+        let q = self
+            .queue
+            .values()
+            .filter(move |q| q.tenant == tenant)
+            .map(|q| q.pod.gpue);
         q.chain(self.denied.values().filter(move |d| d.tenant == tenant).map(|d| d.gpue))
     }
 
     /// Per-tenant numbers for a report: usage since the last call (reset), in-use and
     /// pending now.
     pub fn take_usage(&mut self) -> BTreeMap<TenantName, TenantReport> {
-        let mut names: Vec<TenantName> = self.policy.iter().flat_map(|p| p.tenants.iter().map(|t| t.name.clone())).collect();
+        let mut names: Vec<TenantName> = self
+            .policy
+            .iter()
+            .flat_map(|p| p.tenants.iter().map(|t| t.name.clone()))
+            .collect();
         names.extend(self.used.keys().cloned());
         names.sort();
         names.dedup();
@@ -646,6 +784,7 @@ impl AgentState {
                     inuse: self.inuse(&t),
                     pending: self.pending(&t),
                     largest: self.largest_pending(&t),
+                    borrowed: self.borrowed_gpue(&t),
                 },
             );
         }
@@ -709,10 +848,17 @@ impl AgentState {
         for t in starved_now {
             self.reclaim.starved_since.entry(t).or_insert(now);
         }
-        while self.reclaim.recent.front().is_some_and(|(at, _)| now.saturating_sub(*at) >= reclaim::WINDOW_MS) {
+        while self
+            .reclaim
+            .recent
+            .front()
+            .is_some_and(|(at, _)| now.saturating_sub(*at) >= reclaim::WINDOW_MS)
+        {
             self.reclaim.recent.pop_front();
         }
-        let Some(policy) = &self.policy else { return Decision::Idle("no policy yet".into()) };
+        let Some(policy) = &self.policy else {
+            return Decision::Idle("no policy yet".into());
+        };
         let recent: Vec<(Millis, TenantName)> = self.reclaim.recent.iter().cloned().collect();
         reclaim::plan(view, &policy.reclaim, &self.reclaim.starved_since, &recent)
     }
@@ -721,9 +867,15 @@ impl AgentState {
     /// kept in the audit log either way.
     pub fn record_eviction(&mut self, record: ReclaimRecord) {
         if record.outcome == EvictionOutcome::Evicted {
-            self.reclaim.recent.push_back((record.at_ms, record.victim_tenant.clone()));
+            self.reclaim
+                .recent
+                .push_back((record.at_ms, record.victim_tenant.clone()));
         }
-        *self.reclaim.counts.entry((record.victim_tenant.clone(), record.outcome.clone())).or_insert(0) += 1;
+        *self
+            .reclaim
+            .counts
+            .entry((record.victim_tenant.clone(), record.outcome.clone()))
+            .or_insert(0) += 1;
         if self.reclaim.audit.len() == RECLAIM_AUDIT_LEN {
             self.reclaim.audit.pop_front();
         }
@@ -809,8 +961,14 @@ impl AgentState {
                 continue;
             }
             let message = match self.decisions.by_key.get(key) {
-                Some((_, n)) if n.decision.verdict == kvota_fairness::admission::Verdict::Deny => n.decision.message.clone(),
-                _ => format!("denied: tenant `{}` has no room for {} GPUe in this cluster (kvota explain pod {key})", d.tenant, kvota_fairness::units::format_gpue(d.gpue)),
+                Some((_, n)) if n.decision.verdict == kvota_fairness::admission::Verdict::Deny => {
+                    n.decision.message.clone()
+                }
+                _ => format!(
+                    "denied: tenant `{}` has no room for {} GPUe in this cluster (kvota explain pod {key})",
+                    d.tenant,
+                    kvota_fairness::units::format_gpue(d.gpue)
+                ),
             };
             out.push((key.clone(), clip(format!("pod {key}: {message}"), 1024)));
         }
@@ -831,14 +989,24 @@ impl AgentState {
         };
         let mut out = Vec::new();
         for t in tenants {
-            let keys: Vec<PodKey> = self.queue.iter().filter(|(_, q)| q.tenant == t).map(|(k, _)| k.clone()).collect();
+            let keys: Vec<PodKey> = self
+                .queue
+                .iter()
+                .filter(|(_, q)| q.tenant == t)
+                .map(|(k, _)| k.clone())
+                .collect();
             let pods: Vec<QueuedPod> = keys.iter().map(|k| self.queue[k].pod.clone()).collect();
             let budget = self.lease.budget(&t, self.now_ms);
             for i in release_order(&pods, budget, self.inuse(&t), false) {
                 let key = &keys[i];
                 if let Some(q) = self.queue.remove(key) {
-                    self.reserved.insert(key.clone(), (t.clone(), q.pod.gpue, self.now_ms + RESERVATION_TTL_MS));
-                    out.push(ReleasedPod { key: key.clone(), tenant: t.clone(), queued_at_ms: q.pod.queued_at_ms });
+                    self.reserved
+                        .insert(key.clone(), (t.clone(), q.pod.gpue, self.now_ms + RESERVATION_TTL_MS));
+                    out.push(ReleasedPod {
+                        key: key.clone(),
+                        tenant: t.clone(),
+                        queued_at_ms: q.pod.queued_at_ms,
+                    });
                 }
             }
         }
@@ -847,9 +1015,17 @@ impl AgentState {
 }
 
 impl AdmissionState for AgentState {
-    fn remember(&mut self, key: &PodKey, pod: &PodRequest, view: &LocalView, decision: &kvota_fairness::admission::Decision) {
+    fn remember(
+        &mut self,
+        key: &PodKey,
+        pod: &PodRequest,
+        view: &LocalView,
+        decision: &kvota_fairness::admission::Decision,
+    ) {
         // At most one mark per pod the state holds (reservations are bounded).
-        if decision.reason == kvota_fairness::admission::Reason::Borrowed && decision.verdict == kvota_fairness::admission::Verdict::Allow {
+        if decision.reason == kvota_fairness::admission::Reason::Borrowed
+            && decision.verdict == kvota_fairness::admission::Verdict::Allow
+        {
             if self.borrowed.len() < MAX_RESERVATIONS + self.bound.len() {
                 self.borrowed.insert(key.clone());
             }
@@ -858,7 +1034,12 @@ impl AdmissionState for AgentState {
         }
         let b = &mut self.decisions;
         b.next += 1;
-        let note = DecisionNote { at_ms: self.now_ms, pod: pod.clone(), view: view.clone(), decision: decision.clone() };
+        let note = DecisionNote {
+            at_ms: self.now_ms,
+            pod: pod.clone(),
+            view: view.clone(),
+            decision: decision.clone(),
+        };
         b.by_key.insert(key.clone(), (b.next, note));
         b.order.push_back((b.next, key.clone()));
         // A governed GPU pod's decision goes to the control plane with the next report.
@@ -872,8 +1053,11 @@ impl AdmissionState for AgentState {
                 tenant: tenant.to_string(),
                 verdict: decision.verdict,
                 milli_gpue: pod.gpue,
-                at_ms: self.now_ms,
-                text: clip(kvota_fairness::explain::explain_pod(pod, view, decision), kvota_fairness::federation::MAX_DECISION_TEXT),
+                at_ms: self.now_ms.saturating_add(self.wall_offset_ms),
+                text: clip(
+                    kvota_fairness::explain::explain_pod(pod, view, decision),
+                    kvota_fairness::federation::MAX_DECISION_TEXT,
+                ),
             });
         }
         // Drop the oldest notes; a key judged again since has a newer number and stays.
@@ -899,7 +1083,11 @@ impl AdmissionState for AgentState {
 
     fn view(&self, tenant: &str) -> LocalView {
         let tp = self.policy.as_ref().and_then(|p| p.tenant(tenant));
-        let entitlement = self.lease.lease().and_then(|l| l.budgets.get(tenant)).map_or(0, |b| b.entitlement);
+        let entitlement = self
+            .lease
+            .lease()
+            .and_then(|l| l.budgets.get(tenant))
+            .map_or(0, |b| b.entitlement);
         let budget = self.lease.budget(tenant, self.now_ms);
         let inuse = self.inuse(tenant);
         let lease = self.lease.status(self.now_ms);
@@ -907,7 +1095,11 @@ impl AdmissionState for AgentState {
         // no budget here needs now, when the policy lends at this lease standing
         // (`spec.reclaim.lendWhen: cutOff`: only once the lease expired).
         let lends = self.lends_at(lease);
-        let limit = if lends && tp.is_some_and(|t| t.preemptible) { self.lease.lease().map_or(0, |l| l.borrow(tenant)) } else { 0 };
+        let limit = if lends && tp.is_some_and(|t| t.preemptible) {
+            self.lease.lease().map_or(0, |l| l.borrow(tenant))
+        } else {
+            0
+        };
         let borrow = if limit > 0 {
             kvota_fairness::admission::borrow_room(limit, budget, inuse, self.lendable())
         } else {
@@ -941,8 +1133,18 @@ impl AdmissionState for AgentState {
                 // Until the inventory sees the pod (`hold`), a short life.
                 self.reserved.insert(pod, (tenant, gpue, now + UNCONFIRMED_TTL_MS));
             }
-            Effect::Enqueue { tenant, pod, gpue, priority } => {
-                let q = QueuedPod { key: pod.clone(), priority, queued_at_ms: now, gpue };
+            Effect::Enqueue {
+                tenant,
+                pod,
+                gpue,
+                priority,
+            } => {
+                let q = QueuedPod {
+                    key: pod.clone(),
+                    priority,
+                    queued_at_ms: now,
+                    gpue,
+                };
                 self.queue.insert(pod, Queued { tenant, pod: q });
                 self.demand.notify_one();
             }
@@ -956,7 +1158,15 @@ impl AdmissionState for AgentState {
                 }
                 // A retry keeps the time of the first denial: the wait is counted from it.
                 let since = self.denied.get(&pod).map_or(now, |d| d.since);
-                self.denied.insert(pod, DeniedPod { tenant, gpue, until: now + self.denied_ttl_ms, since });
+                self.denied.insert(
+                    pod,
+                    DeniedPod {
+                        tenant,
+                        gpue,
+                        until: now + self.denied_ttl_ms,
+                        since,
+                    },
+                );
                 self.demand.notify_one();
             }
         }
@@ -969,7 +1179,9 @@ impl AdmissionState for AgentState {
         }
         if self.queue.len() >= MAX_QUEUED && !self.queue.contains_key(key) {
             self.count_shed("queue");
-            return Some(format!("{MAX_QUEUED} pods wait behind the gate in this cluster; it queues no more until some are released"));
+            return Some(format!(
+                "{MAX_QUEUED} pods wait behind the gate in this cluster; it queues no more until some are released"
+            ));
         }
         None
     }
@@ -1001,7 +1213,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn state() -> AgentState {
-        AgentState::new(ClusterName::from_static("east"), 64_000, AgentLease::new(ClusterName::from_static("east")))
+        AgentState::new(
+            ClusterName::from_static("east"),
+            64_000,
+            AgentLease::new(ClusterName::from_static("east")),
+        )
     }
 
     /// A report carries, per tenant, what waits in all and the largest single pod of it
@@ -1011,15 +1227,36 @@ mod tests {
         let mut st = state();
         let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: a, namespaces: [a]}\n  - {name: b, namespaces: [b]}\n";
         st.set_policy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy"));
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/small"), gpue: 1_000 });
-        st.record(Effect::Enqueue { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/big"), gpue: 8_000, priority: 0 });
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/mid"), gpue: 4_000 });
-        st.record(Effect::Denied { tenant: TenantName::from_static("b"), pod: PodKey::from_static("ns/other"), gpue: 16_000 });
+        st.record(Effect::Denied {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/small"),
+            gpue: 1_000,
+        });
+        st.record(Effect::Enqueue {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/big"),
+            gpue: 8_000,
+            priority: 0,
+        });
+        st.record(Effect::Denied {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/mid"),
+            gpue: 4_000,
+        });
+        st.record(Effect::Denied {
+            tenant: TenantName::from_static("b"),
+            pod: PodKey::from_static("ns/other"),
+            gpue: 16_000,
+        });
         let usage = st.take_usage();
         assert_eq!((usage["a"].pending, usage["a"].largest), (13_000, 8_000));
         assert_eq!((usage["b"].pending, usage["b"].largest), (16_000, 16_000));
         // The big pod admitted: the next largest is what is left.
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/big"), gpue: 8_000 });
+        st.record(Effect::Reserve {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/big"),
+            gpue: 8_000,
+        });
         st.queue.remove("ns/big");
         let usage = st.take_usage();
         assert_eq!((usage["a"].pending, usage["a"].largest), (5_000, 4_000));
@@ -1028,8 +1265,16 @@ mod tests {
     #[test]
     fn a_reservation_no_pod_confirms_expires_and_a_confirmed_one_lasts() {
         let mut st = state();
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/forged"), gpue: 4_000 });
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/real"), gpue: 1_000 });
+        st.record(Effect::Reserve {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/forged"),
+            gpue: 4_000,
+        });
+        st.record(Effect::Reserve {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/real"),
+            gpue: 1_000,
+        });
         assert_eq!(st.inuse("a"), 5_000);
         // The inventory sees the real pod (waiting for a node) on every sync.
         let mut now = 0;
@@ -1038,7 +1283,11 @@ mod tests {
             st.set_now(now);
             st.hold(&PodKey::from_static("ns/real"), &TenantName::from_static("a"), 1_000);
         }
-        assert_eq!(st.inuse("a"), 1_000, "the unconfirmed reservation is gone, the confirmed one stays");
+        assert_eq!(
+            st.inuse("a"),
+            1_000,
+            "the unconfirmed reservation is gone, the confirmed one stays"
+        );
         assert!(st.reservations().iter().all(|r| r.0 == "ns/real"));
     }
 
@@ -1051,20 +1300,57 @@ mod tests {
     fn admission_waits_are_noted_once_by_the_admitting_process() {
         let mut st = state();
         st.set_now(1_000);
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/p"), gpue: 1_000 });
+        st.record(Effect::Denied {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/p"),
+            gpue: 1_000,
+        });
         st.set_now(4_000);
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/p"), gpue: 1_000 });
-        st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/never"), gpue: 1_000 });
+        st.record(Effect::Denied {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/p"),
+            gpue: 1_000,
+        });
+        st.record(Effect::Denied {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/never"),
+            gpue: 1_000,
+        });
         st.set_now(9_000);
-        st.record(Effect::Reserve { tenant: TenantName::from_static("a"), pod: PodKey::from_static("ns/p"), gpue: 1_000 });
-        st.pod_bound(&PodKey::from_static("ns/p"), PodRec { tenant: Some(TenantName::from_static("a")), gpue: 1_000 });
-        assert_eq!(st.take_waits(), [(TenantName::from_static("a"), 8_000)], "from the first denial");
+        st.record(Effect::Reserve {
+            tenant: TenantName::from_static("a"),
+            pod: PodKey::from_static("ns/p"),
+            gpue: 1_000,
+        });
+        st.pod_bound(
+            &PodKey::from_static("ns/p"),
+            PodRec {
+                tenant: Some(TenantName::from_static("a")),
+                gpue: 1_000,
+            },
+        );
+        assert_eq!(
+            st.take_waits(),
+            [(TenantName::from_static("a"), 8_000)],
+            "from the first denial"
+        );
         assert!(st.take_waits().is_empty(), "drained");
 
         // A standby: the leader's queued pod binds; nothing is noted here.
-        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: PodKey::from_static("ns/q"), gpue: 1_000, priority: 0 });
+        st.record(Effect::Enqueue {
+            tenant: TenantName::from_static("b"),
+            pod: PodKey::from_static("ns/q"),
+            gpue: 1_000,
+            priority: 0,
+        });
         st.set_now(12_000);
-        st.pod_bound(&PodKey::from_static("ns/q"), PodRec { tenant: Some(TenantName::from_static("b")), gpue: 1_000 });
+        st.pod_bound(
+            &PodKey::from_static("ns/q"),
+            PodRec {
+                tenant: Some(TenantName::from_static("b")),
+                gpue: 1_000,
+            },
+        );
         assert!(st.take_waits().is_empty());
         // The releasing process notes what it let go, once its gate is off.
         let lease = kvota_fairness::lease::Lease {
@@ -1073,13 +1359,35 @@ mod tests {
             duration_ms: 3_600_000,
             margin_ms: 60_000,
             issued_at_ms: 0,
-            budgets: [(TenantName::from_static("b"), kvota_fairness::lease::TenantBudget { budget: 4_000, fallback: 4_000, entitlement: 4_000, borrow: 0, ceiling: 0 })].into(),
+            budgets: [(
+                TenantName::from_static("b"),
+                kvota_fairness::lease::TenantBudget {
+                    budget: 4_000,
+                    fallback: 4_000,
+                    entitlement: 4_000,
+                    borrow: 0,
+                    ceiling: 0,
+                },
+            )]
+            .into(),
         };
         st.lease.on_lease(lease, 12_000);
-        st.record(Effect::Enqueue { tenant: TenantName::from_static("b"), pod: PodKey::from_static("ns/r"), gpue: 1_000, priority: 0 });
+        st.record(Effect::Enqueue {
+            tenant: TenantName::from_static("b"),
+            pod: PodKey::from_static("ns/r"),
+            gpue: 1_000,
+            priority: 0,
+        });
         st.set_now(15_000);
         let released = st.release_queue();
-        assert_eq!(released, [ReleasedPod { key: PodKey::from_static("ns/r"), tenant: TenantName::from_static("b"), queued_at_ms: 12_000 }]);
+        assert_eq!(
+            released,
+            [ReleasedPod {
+                key: PodKey::from_static("ns/r"),
+                tenant: TenantName::from_static("b"),
+                queued_at_ms: 12_000
+            }]
+        );
         assert!(st.take_waits().is_empty(), "not before the gate is off");
         st.note_wait(&released[0].tenant, released[0].queued_at_ms);
         assert_eq!(st.take_waits(), [(TenantName::from_static("b"), 3_000)]);
@@ -1095,12 +1403,19 @@ mod tests {
     fn full_maps_shed_and_count_it() {
         let mut st = state();
         for i in 0..MAX_DENIED + 10 {
-            st.record(Effect::Denied { tenant: TenantName::from_static("a"), pod: PodKey::parse(format!("ns/p{i}")).expect("name"), gpue: 1 });
+            st.record(Effect::Denied {
+                tenant: TenantName::from_static("a"),
+                pod: PodKey::parse(format!("ns/p{i}")).expect("name"),
+                gpue: 1,
+            });
         }
         assert_eq!(st.denied_pods().len(), MAX_DENIED);
         assert_eq!(st.shed_counts().get("denied"), Some(&10));
         for i in 0..MAX_RESERVATIONS {
-            st.reserved.insert(PodKey::parse(format!("ns/r{i}")).expect("name"), (TenantName::from_static("a"), 1, u64::MAX));
+            st.reserved.insert(
+                PodKey::parse(format!("ns/r{i}")).expect("name"),
+                (TenantName::from_static("a"), 1, u64::MAX),
+            );
         }
         let why = st.at_limit("ns/new").expect("full");
         assert!(why.contains("admits no more"), "{why}");

@@ -82,8 +82,17 @@ pub struct WebhookTls {
 
 impl WebhookTls {
     /// Loads the webhook's certificate and key, and the API server's client CA if given.
-    pub fn load(cert: &Path, key: &Path, client_ca: Option<&Path>, federation: Option<Arc<TlsSource>>) -> Result<WebhookTls, TlsError> {
-        let serving = TlsSource::load(TlsPaths { ca: client_ca.map(Path::to_path_buf), cert: cert.to_path_buf(), key: key.to_path_buf() })?;
+    pub fn load(
+        cert: &Path,
+        key: &Path,
+        client_ca: Option<&Path>,
+        federation: Option<Arc<TlsSource>>,
+    ) -> Result<WebhookTls, TlsError> {
+        let serving = TlsSource::load(TlsPaths {
+            ca: client_ca.map(Path::to_path_buf),
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+        })?;
         Ok(WebhookTls { serving, federation })
     }
 
@@ -95,10 +104,18 @@ impl WebhookTls {
     fn server_tls(&self) -> ServerTls {
         let mut groups = Vec::new();
         if self.verifies_apiserver() {
-            groups.push(TrustGroup { label: APISERVER, source: self.serving.clone(), names_identities: false });
+            groups.push(TrustGroup {
+                label: APISERVER,
+                source: self.serving.clone(),
+                names_identities: false,
+            });
         }
         if let Some(f) = &self.federation {
-            groups.push(TrustGroup { label: "federation", source: f.clone(), names_identities: true });
+            groups.push(TrustGroup {
+                label: "federation",
+                source: f.clone(),
+                names_identities: true,
+            });
         }
         ServerTls {
             serving: self.serving.clone(),
@@ -119,7 +136,11 @@ const APISERVER: &str = "apiserver";
 /// one other address cannot take more than that, and the total stays far below the
 /// process's file limit.
 pub fn default_limits() -> Limits {
-    Limits { max_connections: 4_096, max_connections_per_peer: 512, ..Limits::default() }
+    Limits {
+        max_connections: 4_096,
+        max_connections_per_peer: 512,
+        ..Limits::default()
+    }
 }
 
 /// What the handlers share.
@@ -168,7 +189,10 @@ impl WebhookCtx {
     /// Sets how long a pod's first denial for lack of budget is held for the report it
     /// triggers (zero: answered at once; capped at [`MAX_ADMISSION_HOLD`]).
     pub fn set_admission_hold(&self, hold: Duration) {
-        self.hold_ms.store(millis(hold.min(MAX_ADMISSION_HOLD)), std::sync::atomic::Ordering::SeqCst);
+        self.hold_ms.store(
+            millis(hold.min(MAX_ADMISSION_HOLD)),
+            std::sync::atomic::Ordering::SeqCst,
+        );
     }
 
     fn admission_hold(&self) -> Duration {
@@ -181,7 +205,11 @@ fn millis(d: Duration) -> u64 {
 }
 
 /// Who may call which route (see [`WebhookTls`]).
-async fn guard(State(ctx): State<Arc<WebhookCtx>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+async fn guard(
+    State(ctx): State<Arc<WebhookCtx>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     let peer = req.extensions().get::<PeerInfo>().cloned();
     let path = req.uri().path();
     let refuse = |code: StatusCode, reason: &'static str, msg: String| {
@@ -200,10 +228,17 @@ async fn guard(State(ctx): State<Arc<WebhookCtx>>, req: axum::extract::Request, 
         }
         "/validate" | "/mutate" => next.run(req).await,
         _ if ctx.federation_only => {
-            if peer.as_ref().is_some_and(|p| p.admits(&[Role::Viewer, Role::Operator, Role::Node])) {
+            if peer
+                .as_ref()
+                .is_some_and(|p| p.admits(&[Role::Viewer, Role::Operator, Role::Node]))
+            {
                 next.run(req).await
             } else {
-                refuse(StatusCode::UNAUTHORIZED, "not_viewer", "kvota: a viewer, operator or node certificate of the federation is required".into())
+                refuse(
+                    StatusCode::UNAUTHORIZED,
+                    "not_viewer",
+                    "kvota: a viewer, operator or node certificate of the federation is required".into(),
+                )
             }
         }
         _ => next.run(req).await,
@@ -223,6 +258,72 @@ fn busy_reply() -> Vec<u8> {
     serde_json::to_vec(&v).unwrap_or_default()
 }
 
+/// Holds a first denial for lack of budget until the report round it triggered
+/// (`mark`) is done, at most `hold`, then judges the same request once more: the new
+/// answer if it was judged again, and how long it was held.
+async fn hold_for_round(
+    ctx: &WebhookCtx,
+    bytes: &[u8],
+    endpoint: Endpoint,
+    span: &tracing::Span,
+    mark: u64,
+    hold: Duration,
+) -> (Option<crate::review::Answer>, Duration) {
+    // A first denial for lack of budget made the agent report early; its lease may
+    // give the tenant budget here. Hold the answer for that round, then judge the
+    // same request once more (see `Answer::may_wait`).
+    let Ok(_held) = ctx.holds.try_acquire() else {
+        ctx.metrics.admission_hold("full");
+        return (None, Duration::ZERO);
+    };
+    let since = Instant::now();
+    let done = ctx.agent.round_after(mark, hold).await;
+    let held_for = since.elapsed();
+    if !done {
+        ctx.metrics.admission_hold("timeout");
+        return (None, held_for);
+    }
+    let again = parse(bytes);
+    let answer = span.in_scope(|| {
+        let mut st = ctx.agent.state();
+        judge(again, endpoint, &mut *st)
+    });
+    (Some(answer), held_for)
+}
+
+/// Counts the answer in the metrics (`judging`: the time spent judging, a hold not
+/// included) and fills in the decision's span.
+fn record_outcome(
+    ctx: &WebhookCtx,
+    r: &crate::review::Reviewed,
+    rejudged: bool,
+    judging: Duration,
+    span: &tracing::Span,
+    started: Instant,
+) {
+    if rejudged {
+        ctx.metrics.admission_hold(match r.outcome {
+            Outcome::Allowed | Outcome::Queued => "admitted",
+            Outcome::Denied => "denied",
+            // Leadership lost meanwhile (held), the books full (busy): answered so.
+            _ => "other",
+        });
+    }
+    // The time spent judging: a hold is counted by its own metric, not here.
+    ctx.metrics
+        .admission(r.tenant.as_deref(), r.outcome, judging.as_secs_f64());
+    if !span.is_disabled() {
+        span.record("tenant", r.tenant.as_deref().unwrap_or("-"));
+        span.record("outcome", r.outcome.as_str());
+        span.in_scope(|| {
+            tracing::debug!(
+                micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                "admission decided"
+            )
+        });
+    }
+}
+
 async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Response {
     let started = Instant::now();
     // A free slot is taken at once (no timer armed); only a full agent waits, at most
@@ -232,7 +333,8 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
         Err(_) => match tokio::time::timeout(BUSY_WAIT, ctx.permits.acquire()).await {
             Ok(Ok(permit)) => permit,
             _ => {
-                ctx.metrics.admission(None, Outcome::Busy, started.elapsed().as_secs_f64());
+                ctx.metrics
+                    .admission(None, Outcome::Busy, started.elapsed().as_secs_f64());
                 return review_response(StatusCode::TOO_MANY_REQUESTS, busy_reply());
             }
         },
@@ -260,52 +362,36 @@ async fn handle(ctx: Arc<WebhookCtx>, endpoint: Endpoint, body: Body) -> Respons
     });
     // No longer than the API server waits, and not while reports fail (the round would
     // not come).
-    let hold = ctx.admission_hold().min(ANSWER_WITHIN.saturating_sub(started.elapsed()));
+    let hold = ctx
+        .admission_hold()
+        .min(ANSWER_WITHIN.saturating_sub(started.elapsed()));
     let mut rejudged = false;
     let mut held_for = Duration::ZERO;
     if answer.may_wait() && !hold.is_zero() && ctx.agent.reports_flow() {
-        // A first denial for lack of budget made the agent report early; its lease may
-        // give the tenant budget here. Hold the answer for that round, then judge the
-        // same request once more (see `Answer::may_wait`).
-        match ctx.holds.try_acquire() {
-            Ok(_held) => {
-                let since = Instant::now();
-                let done = ctx.agent.round_after(mark, hold).await;
-                held_for = since.elapsed();
-                if done {
-                    let again = parse(&bytes);
-                    answer = span.in_scope(|| {
-                        let mut st = ctx.agent.state();
-                        judge(again, endpoint, &mut *st)
-                    });
-                    rejudged = true;
-                } else {
-                    ctx.metrics.admission_hold("timeout");
-                }
-            }
-            Err(_) => ctx.metrics.admission_hold("full"),
+        let (again, held) = hold_for_round(&ctx, &bytes, endpoint, &span, mark, hold).await;
+        held_for = held;
+        if let Some(again) = again {
+            answer = again;
+            rejudged = true;
         }
     }
     drop(bytes);
     let r = answer.render();
-    if rejudged {
-        ctx.metrics.admission_hold(match r.outcome {
-            Outcome::Allowed | Outcome::Queued => "admitted",
-            Outcome::Denied => "denied",
-            // Leadership lost meanwhile (held), the books full (busy): answered so.
-            _ => "other",
-        });
-    }
-    // The time spent judging: a hold is counted by its own metric, not here.
-    ctx.metrics.admission(r.tenant.as_deref(), r.outcome, started.elapsed().saturating_sub(held_for).as_secs_f64());
-    if !span.is_disabled() {
-        span.record("tenant", r.tenant.as_deref().unwrap_or("-"));
-        span.record("outcome", r.outcome.as_str());
-        span.in_scope(|| tracing::debug!(micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX), "admission decided"));
-    }
+    record_outcome(
+        &ctx,
+        &r,
+        rejudged,
+        started.elapsed().saturating_sub(held_for),
+        &span,
+        started,
+    );
     // A review is always answered 200 with the verdict inside, except for bodies that
     // were not reviews at all, which get 400 (the API server logs both the same way).
-    let status = if r.outcome == Outcome::Error { StatusCode::BAD_REQUEST } else { StatusCode::OK };
+    let status = if r.outcome == Outcome::Error {
+        StatusCode::BAD_REQUEST
+    } else {
+        StatusCode::OK
+    };
     review_response(status, r.body)
 }
 
@@ -352,7 +438,9 @@ async fn read_body(body: Body) -> Result<Bytes, String> {
         }
     }
     if total > MAX_REVIEW_BYTES {
-        return Err(format!("body of {total}+ bytes is larger than {MAX_REVIEW_BYTES} bytes"));
+        return Err(format!(
+            "body of {total}+ bytes is larger than {MAX_REVIEW_BYTES} bytes"
+        ));
     }
     Ok(single.unwrap_or_else(|| Bytes::from(buf)))
 }
@@ -393,10 +481,16 @@ struct ExplainQuery {
 
 /// The last admission decision about one pod, with its numbers and where the pod stands
 /// now (what `kvota explain pod NAMESPACE/NAME --agent URL` prints).
-async fn explain(State(ctx): State<Arc<WebhookCtx>>, q: Result<axum::extract::Query<ExplainQuery>, axum::extract::rejection::QueryRejection>) -> Response {
+async fn explain(
+    State(ctx): State<Arc<WebhookCtx>>,
+    q: Result<axum::extract::Query<ExplainQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
     let err = |code: StatusCode, msg: String| (code, axum::Json(serde_json::json!({ "error": msg }))).into_response();
     let Some(pod) = q.ok().and_then(|q| q.0.pod).filter(|p| !p.is_empty()) else {
-        return err(StatusCode::BAD_REQUEST, "ask for one pod: /explain?pod=NAMESPACE/NAME".into());
+        return err(
+            StatusCode::BAD_REQUEST,
+            "ask for one pod: /explain?pod=NAMESPACE/NAME".into(),
+        );
     };
     let found = ctx.agent.state().explain_pod(&pod);
     match found {
@@ -435,23 +529,43 @@ pub async fn serve_tls(
     limits: Limits,
     shutdown: watch::Receiver<bool>,
 ) {
-    let m = metrics.clone();
-    tokio::spawn(tls.serving.clone().watch("webhook certificate", move |ok| m.tls_reload(ok), shutdown.clone()));
+    let (m, serving) = (metrics.clone(), tls.serving.clone());
+    m.certificate("served", &serving);
+    tokio::spawn(tls.serving.clone().watch(
+        "webhook certificate",
+        move |ok| {
+            m.tls_reload(ok);
+            m.certificate("served", &serving);
+        },
+        shutdown.clone(),
+    ));
     let m = metrics.clone();
     let on_refusal: kvota_tls::listen::OnRefusal = Arc::new(move |_, why| m.connection_refused(why.as_str()));
     let listener = Listener::new("webhook", listener, Some(tls.server_tls()), limits, on_refusal);
-    kvota_tls::http::serve(listener.incoming(shutdown.clone()), app, HttpLimits::default(), shutdown).await;
+    kvota_tls::http::serve(
+        listener.incoming(shutdown.clone()),
+        app,
+        HttpLimits::default(),
+        shutdown,
+    )
+    .await;
 }
 
 #[cfg(test)]
 mod tests {
-    use kvota_fairness::names::ClusterName;
     use super::*;
+    use kvota_fairness::names::ClusterName;
     use proptest::prelude::*;
 
     fn ctx() -> (tempfile::TempDir, Arc<WebhookCtx>) {
         let dir = tempfile::tempdir().expect("tmp");
-        let agent = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), dir.path(), &["127.0.0.1:9".to_string()]).expect("agent");
+        let agent = Agent::open(
+            &ClusterName::from_static("east"),
+            [("nvidia.com/gpu".to_string(), 8_000)].into(),
+            dir.path(),
+            &["127.0.0.1:9".to_string()],
+        )
+        .expect("agent");
         (dir, WebhookCtx::new(Arc::new(agent), AgentMetrics::new()))
     }
 
@@ -465,15 +579,41 @@ mod tests {
         use kvota_fairness::names::TenantName;
         let dir = tempfile::tempdir().expect("tmp");
         let agent = Arc::new(
-            Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), dir.path(), &["127.0.0.1:9".to_string()]).expect("agent"),
+            Agent::open(
+                &ClusterName::from_static("east"),
+                [("nvidia.com/gpu".to_string(), 8_000)].into(),
+                dir.path(),
+                &["127.0.0.1:9".to_string()],
+            )
+            .expect("agent"),
         );
         {
             let mut st = agent.state();
             let policy = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: training, weight: 1, namespaces: [ml]}\n";
             st.set_policy(kvota_fairness::policy::Policy::from_yaml(policy).expect("policy"));
-            let budgets = [(TenantName::from_static("training"), TenantBudget { budget: 1_000, fallback: 0, entitlement: 1_000, borrow: 0, ceiling: 0 })].into();
+            let budgets = [(
+                TenantName::from_static("training"),
+                TenantBudget {
+                    budget: 1_000,
+                    fallback: 0,
+                    entitlement: 1_000,
+                    borrow: 0,
+                    ceiling: 0,
+                },
+            )]
+            .into();
             let now = st.now_ms();
-            st.lease.on_lease(Lease { cluster: ClusterName::from_static("east"), epoch: 1, duration_ms: 600_000, margin_ms: 1_000, issued_at_ms: 0, budgets }, now);
+            st.lease.on_lease(
+                Lease {
+                    cluster: ClusterName::from_static("east"),
+                    epoch: 1,
+                    duration_ms: 600_000,
+                    margin_ms: 1_000,
+                    issued_at_ms: 0,
+                    budgets,
+                },
+                now,
+            );
         }
         // Reports seem to flow, but no round ever completes: every held review times out.
         agent.pretend_reports_flow();
@@ -491,7 +631,10 @@ mod tests {
                     "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": format!("p{i}"), "namespace": "ml"},
                         "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}
             });
-            let req = axum::http::Request::post("/validate").header("content-type", "application/json").body(Body::from(review.to_string())).expect("request");
+            let req = axum::http::Request::post("/validate")
+                .header("content-type", "application/json")
+                .body(Body::from(review.to_string()))
+                .expect("request");
             let app = app.clone();
             calls.spawn(async move {
                 let started = Instant::now();
@@ -511,12 +654,27 @@ mod tests {
                 at_once += 1;
             }
         }
-        assert_eq!((held, at_once), (MAX_HELD, extra), "held for the round, answered at once");
-        let req = axum::http::Request::get("/metrics").body(Body::empty()).expect("request");
+        assert_eq!(
+            (held, at_once),
+            (MAX_HELD, extra),
+            "held for the round, answered at once"
+        );
+        let req = axum::http::Request::get("/metrics")
+            .body(Body::empty())
+            .expect("request");
         let resp = tower::ServiceExt::oneshot(app, req).await.expect("infallible");
-        let m = String::from_utf8_lossy(&axum::body::to_bytes(resp.into_body(), 1 << 20).await.expect("body")).to_string();
-        assert!(m.contains(&format!("kvota_agent_admission_holds_total{{reason=\"full\"}} {extra}")), "{m}");
-        assert!(m.contains(&format!("kvota_agent_admission_holds_total{{reason=\"timeout\"}} {MAX_HELD}")), "{m}");
+        let m =
+            String::from_utf8_lossy(&axum::body::to_bytes(resp.into_body(), 1 << 20).await.expect("body")).to_string();
+        assert!(
+            m.contains(&format!("kvota_agent_admission_holds_total{{reason=\"full\"}} {extra}")),
+            "{m}"
+        );
+        assert!(
+            m.contains(&format!(
+                "kvota_agent_admission_holds_total{{reason=\"timeout\"}} {MAX_HELD}"
+            )),
+            "{m}"
+        );
     }
 
     proptest! {

@@ -4,8 +4,8 @@
 //! record cleanly. (A journal of the earliest, sled, format is migrated by the `kvota`
 //! binary: see its journal_v0.rs.)
 
-use kvota_fairness::names::TenantName;
 use kvota_fairness::names::ClusterName;
+use kvota_fairness::names::TenantName;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -22,11 +22,23 @@ fn report(seq: u64) -> UsageReport {
         held_epoch: 1,
         capacity: None,
         tenants: (0..tenants)
-            .map(|i| (TenantName::parse(format!("tenant-{i:05}")).expect("name"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 }))
+            .map(|i| {
+                (
+                    TenantName::parse(format!("tenant-{i:05}")).expect("name"),
+                    TenantReport {
+                        used_milli_gpue_ms: seq * 1_000 + i,
+                        inuse: i,
+                        pending: 0,
+                        largest: 0,
+                        borrowed: 0,
+                    },
+                )
+            })
             .collect(),
         evictions: Vec::new(),
         decisions: Vec::new(),
         window: None,
+        status: None,
     }
 }
 
@@ -34,7 +46,9 @@ fn report(seq: u64) -> UsageReport {
 /// has returned (so the parent knows it was acknowledged).
 #[test]
 fn journal_writer_child() {
-    let Ok(dir) = std::env::var("KVOTA_JOURNAL_CHILD_DIR") else { return };
+    let Ok(dir) = std::env::var("KVOTA_JOURNAL_CHILD_DIR") else {
+        return;
+    };
     let j = Journal::open(std::path::Path::new(&dir)).expect("open");
     loop {
         let r = j.write(report).expect("write");
@@ -71,7 +85,9 @@ fn sigkill_mid_write_loses_no_acknowledged_report_and_cuts_the_torn_tail() {
             }
         });
         // Once it writes, kill it at a different moment each round (5-80 ms later).
-        let first = rx.recv_timeout(Duration::from_secs(20)).expect("the writer wrote nothing");
+        let first = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the writer wrote nothing");
         std::thread::sleep(Duration::from_millis(5 + (round * 37) % 75));
         child.kill().expect("SIGKILL");
         let _ = child.wait();
@@ -82,21 +98,34 @@ fn sigkill_mid_write_loses_no_acknowledged_report_and_cuts_the_torn_tail() {
         }
         let j = Journal::open(dir.path()).expect("reopen after SIGKILL");
         torn_seen += usize::from(j.opened().torn_bytes > 0);
-        let last = j.last_seq().expect("last");
-        assert!(last >= acked_max, "round {round}: report {acked_max} was acknowledged but the journal ends at {last}");
+        let last = j.last_seq();
+        assert!(
+            last >= acked_max,
+            "round {round}: report {acked_max} was acknowledged but the journal ends at {last}"
+        );
         // Every acknowledged report past the acknowledgements the file may have lost is
         // there, unchanged, in order.
         let kept: Vec<UsageReport> = j.unacked(usize::MAX).expect("read");
         let seqs: Vec<u64> = kept.iter().map(|r| r.seq).collect();
-        assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "round {round}: not consecutive: {seqs:?}");
+        assert!(
+            seqs.windows(2).all(|w| w[1] == w[0] + 1),
+            "round {round}: not consecutive: {seqs:?}"
+        );
         // The most the writer or this test may have acknowledged: nothing after it may
         // be missing.
         let child_ack = if acked_max >= 11 { (acked_max / 11) * 11 - 5 } else { 0 };
         let max_ack = acknowledged_through.max(child_ack);
         if let Some(first) = seqs.first() {
-            assert!(*first <= max_ack + 1, "round {round}: starts at {first}, but only reports through {max_ack} were acknowledged");
+            assert!(
+                *first <= max_ack + 1,
+                "round {round}: starts at {first}, but only reports through {max_ack} were acknowledged"
+            );
         } else {
-            assert!(last <= max_ack, "round {round}: reports {}..={last} are missing", max_ack + 1);
+            assert!(
+                last <= max_ack,
+                "round {round}: reports {}..={last} are missing",
+                max_ack + 1
+            );
         }
         for r in &kept {
             assert_eq!(r, &report(r.seq), "round {round}: report {} changed", r.seq);
@@ -108,7 +137,9 @@ fn sigkill_mid_write_loses_no_acknowledged_report_and_cuts_the_torn_tail() {
             acknowledged_through = last - 3;
         }
     }
-    assert!(acked_max > 100, "the writer wrote too little to mean anything: {acked_max}");
+    assert!(
+        acked_max > 100,
+        "the writer wrote too little to mean anything: {acked_max}"
+    );
     eprintln!("20 kills, {acked_max} reports acknowledged, {torn_seen} torn tails cut");
 }
-

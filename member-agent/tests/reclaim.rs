@@ -33,7 +33,18 @@ fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
         issued_at_ms: 0,
         budgets: budgets
             .iter()
-            .map(|&(t, gpus)| (TenantName::parse(t).expect("name"), TenantBudget { budget: gpus * 1000, fallback: gpus * 1000, entitlement: gpus * 1000, borrow: 0, ceiling: 0 }))
+            .map(|&(t, gpus)| {
+                (
+                    TenantName::parse(t).expect("name"),
+                    TenantBudget {
+                        budget: gpus * 1000,
+                        fallback: gpus * 1000,
+                        entitlement: gpus * 1000,
+                        borrow: 0,
+                        ceiling: 0,
+                    },
+                )
+            })
             .collect::<BTreeMap<_, _>>(),
     }
 }
@@ -42,14 +53,24 @@ fn lease(epoch: u64, budgets: &[(&str, u64)]) -> Lease {
 /// then budgets move to training 8 / inference 8.
 fn full_of_training(policy: &str) -> (SimCluster, AgentState, Millis) {
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
-    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
+    let mut st = AgentState::new(
+        ClusterName::from_static("c"),
+        16_000,
+        AgentLease::new(ClusterName::from_static("c")),
+    );
     st.set_policy(Policy::from_yaml(policy).expect("policy"));
     st.lease.on_lease(lease(1, &[("training", 16), ("inference", 8)]), 0);
     let mut now = 0;
     for i in 0..16 {
         now += 1_000;
         st.set_now(now);
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0)), Outcome::Allowed);
+        assert_eq!(
+            c.submit(
+                &mut st,
+                &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0)
+            ),
+            Outcome::Allowed
+        );
         c.bind(&mut st, now);
     }
     assert_eq!(c.running(), 16);
@@ -64,8 +85,17 @@ struct Run {
 
 /// Steps every 5 s for `secs`: finish/release/bind, reclaim, bind again; `each` may
 /// submit more pods.
-fn drive(c: &mut SimCluster, st: &mut AgentState, from: Millis, secs: u64, mut each: impl FnMut(&mut SimCluster, &mut AgentState, Millis)) -> Run {
-    let mut run = Run { evictions: Vec::new(), first_starved: None };
+fn drive(
+    c: &mut SimCluster,
+    st: &mut AgentState,
+    from: Millis,
+    secs: u64,
+    mut each: impl FnMut(&mut SimCluster, &mut AgentState, Millis),
+) -> Run {
+    let mut run = Run {
+        evictions: Vec::new(),
+        first_starved: None,
+    };
     let mut t = from;
     while t < from + secs * 1000 {
         t += 5_000;
@@ -89,14 +119,23 @@ fn drive(c: &mut SimCluster, st: &mut AgentState, from: Millis, secs: u64, mut e
 }
 
 fn max_in_a_minute(ev: &[(Millis, String)]) -> usize {
-    ev.iter().map(|(t0, _)| ev.iter().filter(|(t, _)| *t >= *t0 && *t < t0 + 60_000).count()).max().unwrap_or(0)
+    ev.iter()
+        .map(|(t0, _)| ev.iter().filter(|(t, _)| *t >= *t0 && *t < t0 + 60_000).count())
+        .max()
+        .unwrap_or(0)
 }
 
 #[test]
 fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evicted() {
     let (mut c, mut st, now) = full_of_training(POLICY);
     for i in 0..4 {
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
+        assert_eq!(
+            c.submit(
+                &mut st,
+                &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)
+            ),
+            Outcome::Allowed
+        );
     }
     let run = drive(&mut c, &mut st, now, 300, |_, _, _| {});
     // 4 pods x 2 GPUs need 8 GPUs: exactly 8 training pods go, the 8 youngest.
@@ -109,29 +148,51 @@ fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evic
     // Damping: starved for at least starvedFor (30 s) first, then at most 5 evictions of
     // training in any minute (the per-tenant default).
     let first = run.evictions.first().map(|e| e.0).expect("evictions");
-    assert!(first - run.first_starved.expect("starvation seen") >= 25_000, "evicted {} ms after starvation began", first - run.first_starved.unwrap_or(0));
+    assert!(
+        first - run.first_starved.expect("starvation seen") >= 25_000,
+        "evicted {} ms after starvation began",
+        first - run.first_starved.unwrap_or(0)
+    );
     assert!(max_in_a_minute(&run.evictions) <= 5, "{:?}", run.evictions);
     // Explained: an Event on every victim and an audit record saying who was starved.
     for e in c.events() {
         assert_eq!(e.reason, "Evicted");
-        assert!(e.message.contains("give tenant `inference` GPUs it is owed") && e.message.contains("its guarantee gives it") && e.message.contains("above its budget"), "{}", e.message);
+        assert!(
+            e.message.contains("give tenant `inference` GPUs it is owed")
+                && e.message.contains("its guarantee gives it")
+                && e.message.contains("above its budget"),
+            "{}",
+            e.message
+        );
     }
     let audit: Vec<_> = st.reclaim_audit().collect();
     assert_eq!(audit.len(), 8);
-    assert!(audit.iter().all(|r| r.for_tenant == "inference" && r.victim_tenant == "training" && r.outcome == EvictionOutcome::Evicted));
-    assert_eq!(st.eviction_counts().get(&(TenantName::from_static("training"), EvictionOutcome::Evicted)), Some(&8));
+    assert!(audit.iter().all(|r| r.for_tenant == "inference"
+        && r.victim_tenant == "training"
+        && r.outcome == EvictionOutcome::Evicted));
+    assert_eq!(
+        st.eviction_counts()
+            .get(&(TenantName::from_static("training"), EvictionOutcome::Evicted)),
+        Some(&8)
+    );
     // The next usage reports carry them to the control plane's audit log, each once.
     let oldest = audit[0].victim.clone();
     let notes = st.take_eviction_notes(5);
     assert_eq!(notes.len(), 5);
     assert_eq!(notes[0].victim, oldest, "oldest first");
-    assert!(notes.iter().all(|n| n.for_tenant == "inference" && n.outcome == EvictionOutcome::Evicted && n.milli_gpue == 1_000 && !n.why.is_empty()));
+    assert!(notes.iter().all(|n| n.for_tenant == "inference"
+        && n.outcome == EvictionOutcome::Evicted
+        && n.milli_gpue == 1_000
+        && !n.why.is_empty()));
     assert_eq!(st.take_eviction_notes(64).len(), 3, "the rest in the next report");
     assert!(st.take_eviction_notes(64).is_empty());
     // The checkpoint model: each victim lost the work since its last 10-minute checkpoint.
     let cost = c.eviction_cost()["training"];
     assert_eq!(cost.pods, 8);
-    assert!(cost.lost_gpue_ms > 0 && cost.lost_gpue_ms <= 8 * 1000 * 600_000, "{cost:?}");
+    assert!(
+        cost.lost_gpue_ms > 0 && cost.lost_gpue_ms <= 8 * 1000 * 600_000,
+        "{cost:?}"
+    );
     assert_eq!(c.take_evicted().len(), 8, "their owners get them back to recreate");
 }
 
@@ -139,17 +200,28 @@ fn inference_below_its_guarantee_gets_exactly_enough_youngest_training_pods_evic
 fn a_non_preemptible_tenant_is_never_a_victim() {
     // Inference holds all 16 GPUs and is far above its new budget; training is starved.
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
-    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
+    let mut st = AgentState::new(
+        ClusterName::from_static("c"),
+        16_000,
+        AgentLease::new(ClusterName::from_static("c")),
+    );
     st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
     st.lease.on_lease(lease(1, &[("inference", 16), ("training", 4)]), 0);
     st.set_now(1_000);
     for i in 0..16 {
-        c.submit(&mut st, &SimPod::gpus("inference", &format!("i{i:02}"), 1, 86_400_000, 0));
+        c.submit(
+            &mut st,
+            &SimPod::gpus("inference", &format!("i{i:02}"), 1, 86_400_000, 0),
+        );
     }
     c.bind(&mut st, 1_000);
-    st.lease.on_lease(lease(2, &[("inference", 2), ("training", 14)]), 1_000);
+    st.lease
+        .on_lease(lease(2, &[("inference", 2), ("training", 14)]), 1_000);
     for i in 0..4 {
-        assert_eq!(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i}"), 1, 60_000, 0)), Outcome::Allowed);
+        assert_eq!(
+            c.submit(&mut st, &SimPod::gpus("training", &format!("t{i}"), 1, 60_000, 0)),
+            Outcome::Allowed
+        );
     }
     let run = drive(&mut c, &mut st, 1_000, 600, |_, _, _| {});
     assert!(run.evictions.is_empty(), "{:?}", run.evictions);
@@ -169,13 +241,23 @@ fn a_runaway_tenant_cannot_evict_past_the_rate_limit_nor_beyond_its_guarantee() 
     let mut n = 0;
     let run = drive(&mut c, &mut st, now, 600, |c, st, _| {
         n += 1;
-        c.submit(st, &SimPod::gpus("inference", &format!("stuck-{n}"), 2, 86_400_000, 100));
+        c.submit(
+            st,
+            &SimPod::gpus("inference", &format!("stuck-{n}"), 2, 86_400_000, 100),
+        );
     });
     assert!(max_in_a_minute(&run.evictions) <= 5, "{:?}", run.evictions);
-    assert!(run.evictions.len() <= 8, "at most what brings inference to its budget: {:?}", run.evictions);
+    assert!(
+        run.evictions.len() <= 8,
+        "at most what brings inference to its budget: {:?}",
+        run.evictions
+    );
     assert_eq!(st.inuse("inference"), 8_000);
     let last = run.evictions.last().map_or(0, |e| e.0);
-    assert!(last < now + 600_000 - 120_000, "evictions went on after inference reached its guarantee (last at {last})");
+    assert!(
+        last < now + 600_000 - 120_000,
+        "evictions went on after inference reached its guarantee (last at {last})"
+    );
 }
 
 #[test]
@@ -188,7 +270,13 @@ fn evictions_a_pod_disruption_budget_refuses_are_retried_and_reported_not_forced
     assert_eq!(c.running(), 16, "nothing was forced");
     let blocked: Vec<_> = c.events().iter().filter(|e| e.reason == "EvictionBlocked").collect();
     assert!(blocked.len() >= 2, "refusals are reported, and retried: {blocked:?}");
-    assert!(blocked[0].message.contains("PodDisruptionBudget of namespace `training`"), "{}", blocked[0].message);
+    assert!(
+        blocked[0]
+            .message
+            .contains("PodDisruptionBudget of namespace `training`"),
+        "{}",
+        blocked[0].message
+    );
     assert!(st.reclaim_audit().any(|r| r.outcome == EvictionOutcome::Blocked));
     // The budget relaxes: the next attempt succeeds.
     c.set_pdb("training", 12);
@@ -210,7 +298,11 @@ fn a_tenant_whose_budget_is_held_by_others_is_still_restored() {
     });
     assert_eq!(run.evictions.len(), 2, "{:?}", run.evictions);
     assert_eq!(c.running(), 14);
-    assert_eq!(c.submit(&mut st, &SimPod::gpus("training", "again", 1, 1_000, 0)), Outcome::Denied, "over budget: no re-admission");
+    assert_eq!(
+        c.submit(&mut st, &SimPod::gpus("training", "again", 1, 1_000, 0)),
+        Outcome::Denied,
+        "over budget: no re-admission"
+    );
 }
 
 #[test]
@@ -218,7 +310,11 @@ fn idle_gpus_are_lent_to_a_preemptible_tenant_and_taken_back_for_pods_within_bud
     // 16 GPUs. Training's budget is 4 with a borrow limit of 8; inference's budget is 8,
     // and it has nothing running yet: its budget is idle, so lendable.
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
-    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
+    let mut st = AgentState::new(
+        ClusterName::from_static("c"),
+        16_000,
+        AgentLease::new(ClusterName::from_static("c")),
+    );
     st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
     let mut l = lease(1, &[("training", 4), ("inference", 8)]);
     if let Some(b) = l.budgets.get_mut("training") {
@@ -233,14 +329,27 @@ fn idle_gpus_are_lent_to_a_preemptible_tenant_and_taken_back_for_pods_within_bud
     for i in 0..14 {
         now += 1_000;
         st.set_now(now);
-        outcomes.push(c.submit(&mut st, &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0)));
+        outcomes.push(c.submit(
+            &mut st,
+            &SimPod::gpus("training", &format!("t{i:02}"), 1, 86_400_000, 0),
+        ));
         c.bind(&mut st, now);
     }
     // 4 within the budget, 8 borrowed (the limit), then denied.
-    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::Allowed).count(), 12, "{outcomes:?}");
+    assert_eq!(
+        outcomes.iter().filter(|o| **o == Outcome::Allowed).count(),
+        12,
+        "{outcomes:?}"
+    );
     assert_eq!(st.inuse("training"), 12_000);
-    let borrowed: Vec<String> = (0..14).map(|i| format!("training/t{i:02}")).filter(|k| st.is_borrowed(k)).collect();
-    assert_eq!(borrowed, (4..12).map(|i| format!("training/t{i:02}")).collect::<Vec<_>>());
+    let borrowed: Vec<String> = (0..14)
+        .map(|i| format!("training/t{i:02}"))
+        .filter(|k| st.is_borrowed(k))
+        .collect();
+    assert_eq!(
+        borrowed,
+        (4..12).map(|i| format!("training/t{i:02}")).collect::<Vec<_>>()
+    );
     let d = st.explain_pod("training/t05").expect("judged");
     assert!(d.text.contains("borrowed GPUs"), "{}", d.text);
     // A non-preemptible tenant never borrows: inference's pods over its budget are denied
@@ -265,7 +374,11 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
     // and the pods lent stay borrowed, the first taken back for inference.
     let policy = POLICY.replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1);
     let mut c = SimCluster::new(&[4, 4, 4, 4]);
-    let mut st = AgentState::new(ClusterName::from_static("c"), 16_000, AgentLease::new(ClusterName::from_static("c")));
+    let mut st = AgentState::new(
+        ClusterName::from_static("c"),
+        16_000,
+        AgentLease::new(ClusterName::from_static("c")),
+    );
     st.set_policy(Policy::from_yaml(&policy).expect("policy"));
     let with_limit = |epoch: u64, limit: u64| {
         let mut l = lease(epoch, &[("training", 4), ("inference", 8)]);
@@ -288,7 +401,11 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
             .collect()
     };
     let fresh = submit(&mut c, &mut st, 0, 8, &mut now);
-    assert_eq!(fresh.iter().filter(|o| **o == Outcome::Allowed).count(), 4, "a fresh lease lends nothing: {fresh:?}");
+    assert_eq!(
+        fresh.iter().filter(|o| **o == Outcome::Allowed).count(),
+        4,
+        "a fresh lease lends nothing: {fresh:?}"
+    );
     assert_eq!(st.inuse("training"), 4_000);
     let d = st.explain_pod("training/t05").expect("judged");
     assert!(!d.text.contains("borrowed GPUs"), "{}", d.text);
@@ -298,9 +415,16 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
     st.set_now(now);
     assert_eq!(st.lease.status(now), kvota_fairness::lease::LeaseStatus::Safe);
     let cut_off = submit(&mut c, &mut st, 8, 18, &mut now);
-    assert_eq!(cut_off.iter().filter(|o| **o == Outcome::Allowed).count(), 8, "cut off, the agent lends: {cut_off:?}");
+    assert_eq!(
+        cut_off.iter().filter(|o| **o == Outcome::Allowed).count(),
+        8,
+        "cut off, the agent lends: {cut_off:?}"
+    );
     assert_eq!(st.inuse("training"), 12_000);
-    let borrowed: Vec<String> = (0..18).map(|i| format!("training/t{i:02}")).filter(|k| st.is_borrowed(k)).collect();
+    let borrowed: Vec<String> = (0..18)
+        .map(|i| format!("training/t{i:02}"))
+        .filter(|k| st.is_borrowed(k))
+        .collect();
     assert_eq!(borrowed.len(), 8, "{borrowed:?}");
     // Back in touch ten minutes later (every pod past minRuntime, so age does not pick
     // the victims): a fresh lease, no more lending, the borrowed pods still marked. Its
@@ -310,12 +434,22 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
     st.set_now(now);
     st.lease.on_lease(with_limit(2, 12_000), now);
     let again = submit(&mut c, &mut st, 18, 20, &mut now);
-    assert!(again.iter().all(|o| *o != Outcome::Allowed), "a fresh lease lends nothing: {again:?}");
+    assert!(
+        again.iter().all(|o| *o != Outcome::Allowed),
+        "a fresh lease lends nothing: {again:?}"
+    );
     st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
-    assert_eq!(submit(&mut c, &mut st, 20, 21, &mut now), [Outcome::Allowed], "lendWhen: always lends here");
+    assert_eq!(
+        submit(&mut c, &mut st, 20, 21, &mut now),
+        [Outcome::Allowed],
+        "lendWhen: always lends here"
+    );
     assert!(st.is_borrowed("training/t20"));
     st.set_policy(Policy::from_yaml(&policy).expect("policy"));
-    let borrowed: Vec<String> = (0..21).map(|i| format!("training/t{i:02}")).filter(|k| st.is_borrowed(k)).collect();
+    let borrowed: Vec<String> = (0..21)
+        .map(|i| format!("training/t{i:02}"))
+        .filter(|k| st.is_borrowed(k))
+        .collect();
     assert_eq!(borrowed.len(), 9, "{borrowed:?}");
     inference_takes_back_borrowed_gpus(&mut c, &mut st, now, &borrowed);
 }
@@ -325,12 +459,22 @@ fn with_lend_when_cut_off_a_cluster_lends_only_once_its_lease_expired() {
 /// evicted (at least one).
 fn inference_takes_back_borrowed_gpus(c: &mut SimCluster, st: &mut AgentState, now: Millis, borrowed: &[String]) {
     for i in 0..4 {
-        assert_eq!(c.submit(st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)), Outcome::Allowed);
+        assert_eq!(
+            c.submit(st, &SimPod::gpus("inference", &format!("i{i}"), 2, 86_400_000, 100)),
+            Outcome::Allowed
+        );
     }
     c.bind(st, now);
     let run = drive(c, st, now, 600, |_, _, _| {});
     let gone: Vec<String> = run.evictions.iter().map(|e| e.1.clone()).collect();
     assert!(!gone.is_empty(), "nothing taken back");
-    assert!(gone.iter().all(|k| borrowed.contains(k)), "only borrowed pods are evicted: {gone:?}");
-    assert_eq!(st.inuse("inference"), 8_000, "all of inference's pods within its budget run");
+    assert!(
+        gone.iter().all(|k| borrowed.contains(k)),
+        "only borrowed pods are evicted: {gone:?}"
+    );
+    assert_eq!(
+        st.inuse("inference"),
+        8_000,
+        "all of inference's pods within its budget run"
+    );
 }

@@ -15,7 +15,13 @@ use kvota_member_agent::sim::{SimCluster, SimPod};
 use tokio::time::Instant;
 
 fn agent(dir: &std::path::Path) -> Agent {
-    let a = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), dir, &["127.0.0.1:1".to_string()]).expect("agent");
+    let a = Agent::open(
+        &ClusterName::from_static("east"),
+        [("nvidia.com/gpu".to_string(), 8_000)].into(),
+        dir,
+        &["127.0.0.1:1".to_string()],
+    )
+    .expect("agent");
     let policy = "
 apiVersion: kvota.dev/v1alpha1
 kind: FairnessPolicy

@@ -70,7 +70,13 @@ impl AdmissionState for State {
 }
 
 fn state(budget: u64, inuse: u64) -> State {
-    State { policy: Policy::from_yaml(POLICY).expect("policy"), budget, inuse, queued: 0, effects: Vec::new() }
+    State {
+        policy: Policy::from_yaml(POLICY).expect("policy"),
+        budget,
+        inuse,
+        queued: 0,
+        effects: Vec::new(),
+    }
 }
 
 fn fixture(name: &str) -> Value {
@@ -100,7 +106,14 @@ fn gpu_pod_within_budget_is_allowed_and_reserved() {
     assert_eq!(resp["uid"], "1299d386-525b-4032-98ae-1949f69f9cfc");
     assert_eq!(resp["allowed"], true);
     assert_eq!(outcome, Outcome::Allowed);
-    assert_eq!(st.effects, [Effect::Reserve { tenant: TenantName::from_static("training"), pod: PodKey::from_static("default/nginx"), gpue: 2_000 }]);
+    assert_eq!(
+        st.effects,
+        [Effect::Reserve {
+            tenant: TenantName::from_static("training"),
+            pod: PodKey::from_static("default/nginx"),
+            gpue: 2_000
+        }]
+    );
 }
 
 #[test]
@@ -111,11 +124,26 @@ fn gpu_pod_over_budget_is_denied_with_an_actionable_message() {
     assert_eq!(resp["allowed"], false);
     assert_eq!(resp["status"]["code"], 403);
     let msg = resp["status"]["message"].as_str().expect("message");
-    for needle in ["`training`", "5 GPUe", "in use 3", "this pod 2", "budget of 4", "entitlement 40", "kvota explain pod default/nginx"] {
+    for needle in [
+        "`training`",
+        "5 GPUe",
+        "in use 3",
+        "this pod 2",
+        "budget of 4",
+        "entitlement 40",
+        "kvota explain pod default/nginx",
+    ] {
         assert!(msg.contains(needle), "{needle:?} missing: {msg}");
     }
     assert_eq!(outcome, Outcome::Denied);
-    assert_eq!(st.effects, [Effect::Denied { tenant: TenantName::from_static("training"), pod: PodKey::from_static("default/nginx"), gpue: 2_000 }]);
+    assert_eq!(
+        st.effects,
+        [Effect::Denied {
+            tenant: TenantName::from_static("training"),
+            pod: PodKey::from_static("default/nginx"),
+            gpue: 2_000
+        }]
+    );
 }
 
 /// A pod above the most the tenant may ever hold here (ceiling 32 GPUe) is denied at
@@ -135,7 +163,11 @@ fn a_pod_that_never_fits_is_denied_and_not_counted_as_demand() {
 #[test]
 fn mig_slices_count_by_weight() {
     let mut st = state(4_000, 0);
-    let r = review(&serde_json::to_vec(&gpu_review("nvidia.com/mig-1g.5gb", "2")).expect("enc"), Endpoint::Validate, &mut st);
+    let r = review(
+        &serde_json::to_vec(&gpu_review("nvidia.com/mig-1g.5gb", "2")).expect("enc"),
+        Endpoint::Validate,
+        &mut st,
+    );
     assert_eq!(r.gpue, 286);
     assert_eq!(r.outcome, Outcome::Allowed);
 }
@@ -175,19 +207,41 @@ fn a_pod_whose_name_kubernetes_refuses_is_never_let_in_unjudged() {
         for ep in [Endpoint::Validate, Endpoint::Mutate] {
             let mut st = state(4_000, 0);
             let (resp, outcome) = run(&review_of(namespace, name), ep, &mut st);
-            assert_eq!((resp["allowed"].as_bool(), outcome), (Some(true), Outcome::Passed), "{namespace}/{name}: {resp}");
-            assert!(resp.get("patch").is_none() && st.effects.is_empty(), "{namespace}/{name}: nothing gated or reserved");
+            assert_eq!(
+                (resp["allowed"].as_bool(), outcome),
+                (Some(true), Outcome::Passed),
+                "{namespace}/{name}: {resp}"
+            );
+            assert!(
+                resp.get("patch").is_none() && st.effects.is_empty(),
+                "{namespace}/{name}: nothing gated or reserved"
+            );
         }
     }
     // Training's namespace, within its budget: refused on its endpoint, not judged on the other.
     let mut st = state(4_000, 0);
     let (resp, outcome) = run(&review_of("default", "Train_0"), Endpoint::Validate, &mut st);
-    assert_eq!((resp["allowed"].as_bool(), outcome), (Some(false), Outcome::Denied), "{resp}");
+    assert_eq!(
+        (resp["allowed"].as_bool(), outcome),
+        (Some(false), Outcome::Denied),
+        "{resp}"
+    );
     let msg = resp["status"]["message"].as_str().unwrap_or_default();
-    assert!(msg.contains("default/Train_0 has a name Kubernetes does not accept") && msg.contains("NAMESPACE/NAME"), "{msg}");
-    assert!(st.effects.is_empty(), "nothing reserved or counted as demand: {:?}", st.effects);
+    assert!(
+        msg.contains("default/Train_0 has a name Kubernetes does not accept") && msg.contains("NAMESPACE/NAME"),
+        "{msg}"
+    );
+    assert!(
+        st.effects.is_empty(),
+        "nothing reserved or counted as demand: {:?}",
+        st.effects
+    );
     let (resp, outcome) = run(&review_of("default", "Train_0"), Endpoint::Mutate, &mut st);
-    assert_eq!((resp["allowed"].as_bool(), outcome), (Some(true), Outcome::Passed), "{resp}");
+    assert_eq!(
+        (resp["allowed"].as_bool(), outcome),
+        (Some(true), Outcome::Passed),
+        "{resp}"
+    );
     assert!(resp.get("patch").is_none() && st.effects.is_empty());
 }
 
@@ -204,18 +258,37 @@ fn queue_mode_gates_the_pod_with_a_json_patch() {
     assert_eq!(outcome, Outcome::Queued);
     assert_eq!(resp["allowed"], true);
     assert_eq!(resp["patchType"], "JSONPatch");
-    let patch = base64::engine::general_purpose::STANDARD.decode(resp["patch"].as_str().expect("patch")).expect("b64");
+    let patch = base64::engine::general_purpose::STANDARD
+        .decode(resp["patch"].as_str().expect("patch"))
+        .expect("b64");
     let patch: Value = serde_json::from_slice(&patch).expect("patch json");
-    assert_eq!(patch, json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": "kvota.dev/admission" }] }]));
-    assert!(matches!(&st.effects[..], [Effect::Enqueue { priority: 7, gpue: 1_000, .. }]));
+    assert_eq!(
+        patch,
+        json!([{ "op": "add", "path": "/spec/schedulingGates", "value": [{ "name": "kvota.dev/admission" }] }])
+    );
+    assert!(matches!(
+        &st.effects[..],
+        [Effect::Enqueue {
+            priority: 7,
+            gpue: 1_000,
+            ..
+        }]
+    ));
     // A pod that already has gates gets ours appended; the queue bound (2) holds.
     doc["request"]["object"]["spec"]["schedulingGates"] = json!([{ "name": "other" }]);
     let (resp, _) = run(&doc, Endpoint::Mutate, &mut st);
-    let patch = base64::engine::general_purpose::STANDARD.decode(resp["patch"].as_str().expect("patch")).expect("b64");
-    assert_eq!(serde_json::from_slice::<Value>(&patch).expect("json")[0]["path"], "/spec/schedulingGates/-");
+    let patch = base64::engine::general_purpose::STANDARD
+        .decode(resp["patch"].as_str().expect("patch"))
+        .expect("b64");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&patch).expect("json")[0]["path"],
+        "/spec/schedulingGates/-"
+    );
     let (resp, outcome) = run(&doc, Endpoint::Mutate, &mut st);
     assert_eq!((resp["allowed"].clone(), outcome), (json!(false), Outcome::Denied));
-    assert!(resp["status"]["message"].as_str().is_some_and(|m| m.contains("maxQueued 2")));
+    assert!(resp["status"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("maxQueued 2")));
 }
 
 #[test]
@@ -238,7 +311,8 @@ fn dry_run_decides_without_side_effects_and_a_delete_review_changes_nothing() {
 fn init_containers_count_as_kubernetes_counts_them() {
     let mut st = state(10_000, 0);
     let mut doc = gpu_review("nvidia.com/gpu", "1");
-    doc["request"]["object"]["spec"]["initContainers"] = json!([{ "name": "warmup", "resources": { "limits": { "nvidia.com/gpu": "4" } } }]);
+    doc["request"]["object"]["spec"]["initContainers"] =
+        json!([{ "name": "warmup", "resources": { "limits": { "nvidia.com/gpu": "4" } } }]);
     let r = review(&serde_json::to_vec(&doc).expect("enc"), Endpoint::Validate, &mut st);
     assert_eq!(r.gpue, 4_000, "max(init 4, app 1)");
 }
@@ -249,8 +323,18 @@ fn malformed_requests_get_a_well_formed_error() {
     let cases: Vec<(Vec<u8>, &str)> = vec![
         (b"{not json".to_vec(), ""),
         (b"[]".to_vec(), ""),
-        (serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview", "request": {"uid": "u1"}})).expect("enc"), "u1"),
-        (serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {}})).expect("enc"), ""),
+        (
+            serde_json::to_vec(
+                &json!({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview", "request": {"uid": "u1"}}),
+            )
+            .expect("enc"),
+            "u1",
+        ),
+        (
+            serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {}}))
+                .expect("enc"),
+            "",
+        ),
         (vec![b' '; MAX_REVIEW_BYTES + 1], ""),
     ];
     for (body, uid) in cases {
@@ -265,7 +349,10 @@ fn malformed_requests_get_a_well_formed_error() {
     // A garbage quantity in a real pod: 400, uid echoed, nothing reserved.
     let doc = gpu_review("nvidia.com/gpu", "two");
     let (resp, outcome) = run(&doc, Endpoint::Validate, &mut st);
-    assert_eq!((resp["allowed"].clone(), resp["status"]["code"].clone(), outcome), (json!(false), json!(400), Outcome::Error));
+    assert_eq!(
+        (resp["allowed"].clone(), resp["status"]["code"].clone(), outcome),
+        (json!(false), json!(400), Outcome::Error)
+    );
     assert_eq!(resp["uid"], "1299d386-525b-4032-98ae-1949f69f9cfc");
     assert!(st.effects.is_empty());
 }

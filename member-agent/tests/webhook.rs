@@ -56,20 +56,50 @@ async fn serve(dir: &Path) -> Served {
 /// [`serve`] with first denials held at most `hold`.
 async fn serve_holding(dir: &Path, hold: Duration) -> Served {
     let agent = Arc::new(
-        Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 32_000)].into(), &dir.join("journal"), &["127.0.0.1:9".to_string()])
-            .expect("agent"),
+        Agent::open(
+            &ClusterName::from_static("east"),
+            [("nvidia.com/gpu".to_string(), 32_000)].into(),
+            &dir.join("journal"),
+            &["127.0.0.1:9".to_string()],
+        )
+        .expect("agent"),
     );
     {
         let mut st = agent.state();
         st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
         let budgets: BTreeMap<TenantName, TenantBudget> = [
-            (TenantName::from_static("training"), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 9_000, borrow: 0, ceiling: 0 }),
-            (TenantName::from_static("research"), TenantBudget { budget: 1_000, fallback: 0, entitlement: 1_000, borrow: 0, ceiling: 0 }),
+            (
+                TenantName::from_static("training"),
+                TenantBudget {
+                    budget: 2_000,
+                    fallback: 1_000,
+                    entitlement: 9_000,
+                    borrow: 0,
+                    ceiling: 0,
+                },
+            ),
+            (
+                TenantName::from_static("research"),
+                TenantBudget {
+                    budget: 1_000,
+                    fallback: 0,
+                    entitlement: 1_000,
+                    borrow: 0,
+                    ceiling: 0,
+                },
+            ),
         ]
         .into();
         let now = st.now_ms();
         st.lease.on_lease(
-            Lease { cluster: ClusterName::from_static("east"), epoch: 1, duration_ms: 600_000, margin_ms: 1_000, issued_at_ms: 0, budgets },
+            Lease {
+                cluster: ClusterName::from_static("east"),
+                epoch: 1,
+                duration_ms: 600_000,
+                margin_ms: 1_000,
+                issued_at_ms: 0,
+                budgets,
+            },
             now,
         );
     }
@@ -82,7 +112,11 @@ async fn serve_holding(dir: &Path, hold: Duration) -> Served {
     ctx.set_admission_hold(hold);
     let app = webhook::router(ctx);
     tokio::spawn(webhook::serve_tls(l, tls, app, metrics, webhook::default_limits(), rx));
-    Served { addr, agent, _stop: stop }
+    Served {
+        addr,
+        agent,
+        _stop: stop,
+    }
 }
 
 /// A TLS client that trusts exactly `ca` (the self-signed server certificate).
@@ -93,7 +127,9 @@ struct Conn {
 
 async fn connect(addr: std::net::SocketAddr, ca: &[u8]) -> Result<Conn, String> {
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(CertificateDer::from(ca.to_vec())).map_err(|e| e.to_string())?;
+    roots
+        .add(CertificateDer::from(ca.to_vec()))
+        .map_err(|e| e.to_string())?;
     let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
@@ -104,8 +140,16 @@ async fn connect(addr: std::net::SocketAddr, ca: &[u8]) -> Result<Conn, String> 
         .connect(ServerName::try_from("localhost").map_err(|e| e.to_string())?, tcp)
         .await
         .map_err(|e| e.to_string())?;
-    let peer_cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec()).unwrap_or_default();
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.map_err(|e| e.to_string())?;
+    let peer_cert = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .unwrap_or_default();
+    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
     Ok(Conn { send, peer_cert })
 }
@@ -123,7 +167,11 @@ impl Conn {
         self.send.ready().await.expect("connection ready");
         let resp = self.send.send_request(req).await.expect("send");
         let status = resp.status().as_u16();
-        let body = http_body_util::BodyExt::collect(resp.into_body()).await.expect("body").to_bytes().to_vec();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes()
+            .to_vec();
         (status, body)
     }
 }
@@ -178,10 +226,16 @@ async fn a_denial_is_not_held_when_no_report_round_can_answer_it() {
         // Budget 2 GPUs: a 3-GPU pod is over it; 40 GPUs never fit the 32-GPU cluster.
         for (uid, name, gpus) in [("h1", "big", 3), ("h2", "huge", 40)] {
             let (allowed, took) = timed(&mut c, uid, name, gpus).await;
-            assert!(!allowed && took < Duration::from_millis(300), "hold {hold:?}, {name}: answered after {took:?}");
+            assert!(
+                !allowed && took < Duration::from_millis(300),
+                "hold {hold:?}, {name}: answered after {took:?}"
+            );
         }
         let (_, m) = c.call("GET", "/metrics", vec![]).await;
-        assert!(!String::from_utf8_lossy(&m).contains("kvota_agent_admission_holds_total{"), "nothing was held");
+        assert!(
+            !String::from_utf8_lossy(&m).contains("kvota_agent_admission_holds_total{"),
+            "nothing was held"
+        );
     }
 }
 
@@ -195,7 +249,13 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     // Two one-GPU pods fit the 2-GPU budget on one keep-alive connection; the third is
     // denied with an actionable message.
     for (i, want) in [(1, true), (2, true), (3, false)] {
-        let (status, body) = c.call("POST", "/validate", pod_review(&format!("u{i}"), "ml", &format!("p{i}"), 1)).await;
+        let (status, body) = c
+            .call(
+                "POST",
+                "/validate",
+                pod_review(&format!("u{i}"), "ml", &format!("p{i}"), 1),
+            )
+            .await;
         assert_eq!(status, 200);
         let r = response(&body);
         assert_eq!(r["uid"], format!("u{i}"));
@@ -211,7 +271,10 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     let (status, body) = c.call("POST", "/mutate", pod_review("q1", "lab", "big", 4)).await;
     assert_eq!(status, 200);
     let r = response(&body);
-    assert_eq!((r["uid"].as_str(), r["allowed"].as_bool(), r["patchType"].as_str()), (Some("q1"), Some(true), Some("JSONPatch")));
+    assert_eq!(
+        (r["uid"].as_str(), r["allowed"].as_bool(), r["patchType"].as_str()),
+        (Some("q1"), Some(true), Some("JSONPatch"))
+    );
 
     // Garbage and oversized bodies still get a well-formed review.
     let (status, body) = c.call("POST", "/validate", b"{not json".to_vec()).await;
@@ -219,15 +282,24 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     assert_eq!(response(&body)["allowed"], false);
     let (status, body) = c.call("POST", "/validate", vec![b' '; 5 << 20]).await;
     assert_eq!(status, 413);
-    assert!(response(&body)["status"]["message"].as_str().unwrap_or_default().contains("larger than"));
+    assert!(response(&body)["status"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("larger than"));
 
     // Probes and metrics on the same port.
     assert_eq!(c.call("GET", "/healthz", vec![]).await.0, 200);
     assert_eq!(c.call("GET", "/readyz", vec![]).await.0, 200);
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
     let m = String::from_utf8_lossy(&m);
-    assert!(m.contains(r#"kvota_agent_admissions_total{tenant="training",outcome="allowed"} 2"#), "{m}");
-    assert!(m.contains(r#"kvota_agent_admissions_total{tenant="training",outcome="denied"} 1"#), "{m}");
+    assert!(
+        m.contains(r#"kvota_agent_admissions_total{tenant="training",outcome="allowed"} 2"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"kvota_agent_admissions_total{tenant="training",outcome="denied"} 1"#),
+        "{m}"
+    );
     assert!(m.contains(r#"kvota_agent_lease_state{state="fresh"} 1"#), "{m}");
     assert!(m.contains(r#"kvota_agent_queue_depth{tenant="research"} 1"#), "{m}");
     assert!(m.contains("kvota_agent_admission_duration_seconds_count"), "{m}");
@@ -238,56 +310,99 @@ async fn reviews_over_https_decide_reserve_and_explain() {
     let cut_off = POLICY.replacen("spec:\n", "spec:\n  reclaim: {lendWhen: cutOff}\n", 1);
     s.agent.state().set_policy(Policy::from_yaml(&cut_off).expect("policy"));
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
-    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"), "{}", String::from_utf8_lossy(&m));
+    assert!(
+        String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"),
+        "{}",
+        String::from_utf8_lossy(&m)
+    );
     s.agent.state().set_policy(Policy::from_yaml(POLICY).expect("policy"));
     // A replica whose admission is held (a standby, or an inventory not listed yet)
     // admits nothing, so it lends nothing either.
     s.agent.state().set_held(Some("standby".into()));
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
-    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"), "{}", String::from_utf8_lossy(&m));
+    assert!(
+        String::from_utf8_lossy(&m).contains("kvota_agent_lending 0\n"),
+        "{}",
+        String::from_utf8_lossy(&m)
+    );
     s.agent.state().set_held(None);
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
-    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_lending 1\n"), "{}", String::from_utf8_lossy(&m));
+    assert!(
+        String::from_utf8_lossy(&m).contains("kvota_agent_lending 1\n"),
+        "{}",
+        String::from_utf8_lossy(&m)
+    );
     // A policy without `research`: its per-tenant series go, not left at their last
     // values; `training`'s stay; back in the policy, back in the metrics.
-    let without = POLICY.lines().filter(|l| !l.contains("name: research")).collect::<Vec<_>>().join("\n");
+    let without = POLICY
+        .lines()
+        .filter(|l| !l.contains("name: research"))
+        .collect::<Vec<_>>()
+        .join("\n");
     s.agent.state().set_policy(Policy::from_yaml(&without).expect("policy"));
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
     let m = String::from_utf8_lossy(&m);
     for family in ["queue_depth", "budget_gpus", "inuse_gpus", "borrowed_gpus"] {
-        assert!(!m.contains(&format!("kvota_agent_{family}{{tenant=\"research\"}}")), "{family}: {m}");
-        assert!(m.contains(&format!("kvota_agent_{family}{{tenant=\"training\"}}")), "{family}: {m}");
+        assert!(
+            !m.contains(&format!("kvota_agent_{family}{{tenant=\"research\"}}")),
+            "{family}: {m}"
+        );
+        assert!(
+            m.contains(&format!("kvota_agent_{family}{{tenant=\"training\"}}")),
+            "{family}: {m}"
+        );
     }
     s.agent.state().set_policy(Policy::from_yaml(POLICY).expect("policy"));
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
-    assert!(String::from_utf8_lossy(&m).contains(r#"kvota_agent_budget_gpus{tenant="research"}"#), "{}", String::from_utf8_lossy(&m));
+    assert!(
+        String::from_utf8_lossy(&m).contains(r#"kvota_agent_budget_gpus{tenant="research"}"#),
+        "{}",
+        String::from_utf8_lossy(&m)
+    );
     // No control plane answers (127.0.0.1:9): a policy fetch fails, is counted, and the
     // policy loaded stays in force.
     assert!(String::from_utf8_lossy(&m).contains("kvota_agent_policy_fetch_failures 0\n"));
-    assert!(s.agent.fetch_policy().await.is_err(), "nothing listens on the control plane's address");
+    assert!(
+        s.agent.fetch_policy().await.is_err(),
+        "nothing listens on the control plane's address"
+    );
     // (A new connection: the client's retries, about 4 s, outlast the webhook's idle timeout.)
     let mut c = connect(s.addr, &ca).await.expect("connect");
     let (_, m) = c.call("GET", "/metrics", vec![]).await;
-    assert!(String::from_utf8_lossy(&m).contains("kvota_agent_policy_fetch_failures 1\n"), "{}", String::from_utf8_lossy(&m));
+    assert!(
+        String::from_utf8_lossy(&m).contains("kvota_agent_policy_fetch_failures 1\n"),
+        "{}",
+        String::from_utf8_lossy(&m)
+    );
     assert!(s.agent.state().lends_now(), "the policy loaded is still in force");
 
     // The reclaim audit log on the same port: empty, then what reclaim recorded.
     let (status, body) = c.call("GET", "/reclaims", vec![]).await;
     assert_eq!((status, body.as_slice()), (200, b"[]".as_slice()));
-    s.agent.state().record_eviction(kvota_member_agent::state::ReclaimRecord {
-        at_ms: 1,
-        for_tenant: TenantName::from_static("research"),
-        for_pod: PodKey::from_static("lab/small"),
-        victim: PodKey::from_static("ml/p1"),
-        victim_tenant: TenantName::from_static("training"),
-        gpue: 1_000,
-        outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
-        why: "youngest pod of the most over-entitled tenant".into(),
-    });
+    s.agent
+        .state()
+        .record_eviction(kvota_member_agent::state::ReclaimRecord {
+            at_ms: 1,
+            for_tenant: TenantName::from_static("research"),
+            for_pod: PodKey::from_static("lab/small"),
+            victim: PodKey::from_static("ml/p1"),
+            victim_tenant: TenantName::from_static("training"),
+            gpue: 1_000,
+            outcome: kvota_fairness::federation::EvictionOutcome::Evicted,
+            why: "youngest pod of the most over-entitled tenant".into(),
+        });
     let (status, body) = c.call("GET", "/reclaims", vec![]).await;
     assert_eq!(status, 200);
     let v: Value = serde_json::from_slice(&body).expect("JSON");
-    assert_eq!((v[0]["victim"].as_str(), v[0]["for_tenant"].as_str(), v[0]["outcome"].as_str()), (Some("ml/p1"), Some("research"), Some("evicted")), "{v}");
+    assert_eq!(
+        (
+            v[0]["victim"].as_str(),
+            v[0]["for_tenant"].as_str(),
+            v[0]["outcome"].as_str()
+        ),
+        (Some("ml/p1"), Some("research"), Some("evicted")),
+        "{v}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,7 +421,10 @@ async fn a_rotated_certificate_is_served_and_a_broken_one_is_not() {
             assert_eq!(c.peer_cert, second);
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "the rotated certificate was never served");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rotated certificate was never served"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
@@ -349,7 +467,11 @@ async fn slow_call(addr: std::net::SocketAddr, ca: &[u8], body: &[u8], sent: usi
     }
     let mut out = Vec::new();
     let read = tokio::time::timeout(webhook::BUSY_WAIT + Duration::from_secs(5), tls.read_to_end(&mut out)).await;
-    assert!(read.is_ok(), "no answer within BUSY_WAIT: {}", String::from_utf8_lossy(&out));
+    assert!(
+        read.is_ok(),
+        "no answer within BUSY_WAIT: {}",
+        String::from_utf8_lossy(&out)
+    );
     String::from_utf8_lossy(&out).into_owned()
 }
 
@@ -368,7 +490,11 @@ async fn a_body_arriving_late_is_waited_for_and_one_that_stops_is_answered() {
     let answer = slow_call(s.addr, &ca, &body, 10, None).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("not received within"), "{answer}");
-    assert!(started.elapsed() >= webhook::BUSY_WAIT, "answered before BUSY_WAIT: {:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= webhook::BUSY_WAIT,
+        "answered before BUSY_WAIT: {:?}",
+        started.elapsed()
+    );
 }
 
 #[test]
@@ -380,12 +506,20 @@ fn bad_certificate_files_are_named_in_the_error() {
     write_cert(tmp.path(), "one");
     std::fs::write(&crt, "not pem").expect("w");
     let e = load(&crt, &key).expect_err("no cert");
-    assert!(matches!(e, TlsError::Invalid { .. }) && e.to_string().contains("tls.crt") && e.to_string().contains("no PEM certificate"), "{e}");
+    assert!(
+        matches!(e, TlsError::Invalid { .. })
+            && e.to_string().contains("tls.crt")
+            && e.to_string().contains("no PEM certificate"),
+        "{e}"
+    );
     write_cert(tmp.path(), "one");
     let good_key = std::fs::read(&key).expect("key");
     std::fs::write(&key, "-----BEGIN NOTHING-----\n-----END NOTHING-----\n").expect("w");
     let e = load(&crt, &key).expect_err("no key");
-    assert!(e.to_string().contains("tls.key") && e.to_string().contains("no usable PEM private key"), "{e}");
+    assert!(
+        e.to_string().contains("tls.key") && e.to_string().contains("no usable PEM private key"),
+        "{e}"
+    );
     // A key from another certificate.
     let other = tempfile::tempdir().expect("tmp");
     write_cert(other.path(), "other");

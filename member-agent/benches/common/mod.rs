@@ -49,15 +49,39 @@ pub fn webhook_body() -> Vec<u8> {
 /// An agent for cluster `east` (64 GPUs) with the policy and an hour-long lease giving
 /// `training` a 32-GPUe budget; its journal lives in `dir`.
 pub fn agent(dir: &Path) -> Agent {
-    let agent = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 64_000)].into(), &dir.join("j"), &["127.0.0.1:9".to_string()])
-        .expect("agent");
+    let agent = Agent::open(
+        &ClusterName::from_static("east"),
+        [("nvidia.com/gpu".to_string(), 64_000)].into(),
+        &dir.join("j"),
+        &["127.0.0.1:9".to_string()],
+    )
+    .expect("agent");
     {
         let mut st = agent.state();
         st.set_policy(Policy::from_yaml(POLICY).expect("policy"));
-        let budgets: BTreeMap<TenantName, TenantBudget> =
-            [(TenantName::from_static("training"), TenantBudget { budget: 32_000, fallback: 8_000, entitlement: 40_000, borrow: 0, ceiling: 0 })].into();
+        let budgets: BTreeMap<TenantName, TenantBudget> = [(
+            TenantName::from_static("training"),
+            TenantBudget {
+                budget: 32_000,
+                fallback: 8_000,
+                entitlement: 40_000,
+                borrow: 0,
+                ceiling: 0,
+            },
+        )]
+        .into();
         let now = st.now_ms();
-        st.lease.on_lease(Lease { cluster: ClusterName::from_static("east"), epoch: 1, duration_ms: 3_600_000, margin_ms: 1_000, issued_at_ms: 0, budgets }, now);
+        st.lease.on_lease(
+            Lease {
+                cluster: ClusterName::from_static("east"),
+                epoch: 1,
+                duration_ms: 3_600_000,
+                margin_ms: 1_000,
+                issued_at_ms: 0,
+                budgets,
+            },
+            now,
+        );
     }
     agent
 }

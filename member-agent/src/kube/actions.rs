@@ -3,16 +3,15 @@
 //! honoured by the API server: a `429` is "blocked, retry later"), and record a
 //! Kubernetes Event on a pod.
 
-
 use k8s_openapi::api::core::v1::{Event as KubeEvent, Pod};
 use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
 use kube::Client;
 use kvota_fairness::admission::SCHEDULING_GATE;
 use serde_json::{json, Value};
 
-use crate::inventory::EvictOutcome;
 use super::api_status;
 use super::convert::{format_time, to_json, wall_now_s};
+use crate::inventory::EvictOutcome;
 
 /// What the agent does to its cluster through the API.
 #[derive(Clone)]
@@ -23,7 +22,9 @@ pub struct KubeActions {
 
 impl std::fmt::Debug for KubeActions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KubeActions").field("component", &self.component).finish()
+        f.debug_struct("KubeActions")
+            .field("component", &self.component)
+            .finish()
     }
 }
 
@@ -33,7 +34,10 @@ impl KubeActions {
     /// an eviction refused with 429 by a PodDisruptionBudget for minutes, stalling
     /// reclaim; here a refusal is an answer, and the next round retries.
     pub fn new(client: Client, component: &str) -> Self {
-        KubeActions { client, component: component.to_string() }
+        KubeActions {
+            client,
+            component: component.to_string(),
+        }
     }
 
     /// Removes kvota's scheduling gate from pod `namespace/name`, keeping any other gate.
@@ -41,7 +45,9 @@ impl KubeActions {
     /// (409) rather than drop someone else's gate; the next round retries. `Ok(false)`:
     /// the pod is gone or has no kvota gate.
     pub async fn ungate(&self, key: &str) -> Result<bool, kube::Error> {
-        let Some((ns, name)) = key.split_once('/') else { return Ok(false) };
+        let Some((ns, name)) = key.split_once('/') else {
+            return Ok(false);
+        };
         let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
         let pod = match api.get_opt(name).await? {
             Some(p) => p,
@@ -54,13 +60,24 @@ impl KubeActions {
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        let rest: Vec<Value> =
-            gates.iter().filter(|g| g.get("name").and_then(Value::as_str) != Some(SCHEDULING_GATE)).cloned().collect();
+        let rest: Vec<Value> = gates
+            .iter()
+            .filter(|g| g.get("name").and_then(Value::as_str) != Some(SCHEDULING_GATE))
+            .cloned()
+            .collect();
         if rest.len() == gates.len() {
             return Ok(false);
         }
-        let rv = v.get("metadata").and_then(|m| m.get("resourceVersion")).cloned().unwrap_or(Value::Null);
-        let gates_value = if rest.is_empty() { Value::Null } else { Value::Array(rest) };
+        let rv = v
+            .get("metadata")
+            .and_then(|m| m.get("resourceVersion"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let gates_value = if rest.is_empty() {
+            Value::Null
+        } else {
+            Value::Array(rest)
+        };
         let patch = json!({ "metadata": { "resourceVersion": rv }, "spec": { "schedulingGates": gates_value } });
         api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
         Ok(true)
@@ -68,7 +85,9 @@ impl KubeActions {
 
     /// Evicts pod `namespace/name` through the Eviction API.
     pub async fn evict(&self, key: &str) -> Result<EvictOutcome, kube::Error> {
-        let Some((ns, name)) = key.split_once('/') else { return Ok(EvictOutcome::NotFound) };
+        let Some((ns, name)) = key.split_once('/') else {
+            return Ok(EvictOutcome::NotFound);
+        };
         let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
         match api.evict(name, &EvictParams::default()).await {
             Ok(_) => Ok(EvictOutcome::Evicted),
@@ -83,19 +102,46 @@ impl KubeActions {
     /// Records a Kubernetes Event (`Warning` for evictions, `Normal` otherwise) on pod
     /// `namespace/name`.
     pub async fn event(&self, key: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
-        let Some((ns, name)) = key.split_once('/') else { return Ok(()) };
-        self.post_event(ns, json!({ "apiVersion": "v1", "kind": "Pod", "namespace": ns, "name": name }), name, reason, message).await
+        let Some((ns, name)) = key.split_once('/') else {
+            return Ok(());
+        };
+        self.post_event(
+            ns,
+            json!({ "apiVersion": "v1", "kind": "Pod", "namespace": ns, "name": name }),
+            name,
+            reason,
+            message,
+        )
+        .await
     }
 
     /// Records a `Warning` Event on namespace `ns` (for a pod that was never created:
     /// denied at admission).
     pub async fn namespace_event(&self, ns: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
-        self.post_event(ns, json!({ "apiVersion": "v1", "kind": "Namespace", "name": ns }), ns, reason, message).await
+        self.post_event(
+            ns,
+            json!({ "apiVersion": "v1", "kind": "Namespace", "name": ns }),
+            ns,
+            reason,
+            message,
+        )
+        .await
     }
 
-    async fn post_event(&self, ns: &str, involved: Value, name: &str, reason: &str, message: &str) -> Result<(), kube::Error> {
+    async fn post_event(
+        &self,
+        ns: &str,
+        involved: Value,
+        name: &str,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), kube::Error> {
         let now = format_time(wall_now_s());
-        let kind = if matches!(reason, "Evicted" | "EvictionBlocked" | "AdmissionDenied") { "Warning" } else { "Normal" };
+        let kind = if matches!(reason, "Evicted" | "EvictionBlocked" | "AdmissionDenied") {
+            "Warning"
+        } else {
+            "Normal"
+        };
         let ev = json!({
             "apiVersion": "v1",
             "kind": "Event",
@@ -111,7 +157,9 @@ impl KubeActions {
             "count": 1,
         });
         let ev: KubeEvent = serde_json::from_value(ev).map_err(kube::Error::SerdeError)?;
-        Api::<KubeEvent>::namespaced(self.client.clone(), ns).create(&PostParams::default(), &ev).await?;
+        Api::<KubeEvent>::namespaced(self.client.clone(), ns)
+            .create(&PostParams::default(), &ev)
+            .await?;
         Ok(())
     }
 }

@@ -4,10 +4,9 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-
+use super::{KubeActions, KubeInventory};
 use crate::inventory::Inventory;
 use kvota_fairness::names::PodKey;
-use super::{KubeActions, KubeInventory};
 
 /// The leader's duties in a Kubernetes cluster, one round at a time: bring the agent's
 /// state in line with the inventory, release gated pods that fit their budget now (the
@@ -32,7 +31,12 @@ pub struct Released {
 impl Controller {
     /// A controller over `inventory` acting through `actions`.
     pub fn new(inventory: Arc<KubeInventory>, actions: KubeActions) -> Self {
-        Controller { inventory, actions, known: Default::default(), metering: false }
+        Controller {
+            inventory,
+            actions,
+            known: Default::default(),
+            metering: false,
+        }
     }
 
     /// The inventory it reads.
@@ -45,7 +49,9 @@ impl Controller {
     /// Returns whether the inventory is synced.
     pub fn sync(&mut self, agent: &crate::agent::Agent) -> bool {
         if !self.inventory.synced() {
-            agent.state().set_held(Some("the agent has not listed the cluster's nodes and pods yet".into()));
+            agent
+                .state()
+                .set_held(Some("the agent has not listed the cluster's nodes and pods yet".into()));
             return false;
         }
         agent.set_capacity(crate::inventory::capacity_milli(&*self.inventory));
@@ -62,7 +68,9 @@ impl Controller {
             // From here on the meter counts the bound pods: usage before this instant
             // that no process metered is recovered from the pods' run times.
             self.metering = true;
-            let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            let now_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
             agent.meter_started(now_ms);
         }
         true
@@ -73,7 +81,12 @@ impl Controller {
     pub async fn release_gates(&mut self, agent: &crate::agent::Agent) -> Released {
         let released = agent.state().release_queue();
         let mut out = Released::default();
-        for crate::state::ReleasedPod { key, tenant, queued_at_ms } in released {
+        for crate::state::ReleasedPod {
+            key,
+            tenant,
+            queued_at_ms,
+        } in released
+        {
             match self.actions.ungate(&key).await {
                 Ok(lifted) => {
                     let waited_ms = {

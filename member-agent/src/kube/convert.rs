@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvota_fairness::admission::SCHEDULING_GATE;
-use kvota_fairness::resources::{effective_requests_milli, pod_gpue, ResourceWeights};
 use kvota_fairness::names::PodKey;
+use kvota_fairness::resources::{effective_requests_milli, pod_gpue, ResourceWeights};
 use kvota_fairness::Millis;
 use serde_json::Value;
 
@@ -15,7 +15,9 @@ use crate::inventory::{NodeInfo, PodInfo, PodStage};
 
 /// Seconds since the Unix epoch now.
 pub(super) fn wall_now_s() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// Parses an RFC 3339 UTC timestamp as Kubernetes writes them (`2026-12-03T10:00:00Z`,
@@ -26,7 +28,14 @@ pub fn parse_time(s: &str) -> Option<i64> {
         return None;
     }
     let num = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
-    let (y, mo, d, h, mi, se) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
+    let (y, mo, d, h, mi, se) = (
+        num(0..4)?,
+        num(5..7)?,
+        num(8..10)?,
+        num(11..13)?,
+        num(14..16)?,
+        num(17..19)?,
+    );
     if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
         return None;
     }
@@ -57,13 +66,20 @@ pub fn format_time(t: i64) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", secs / 3600, secs % 3600 / 60, secs % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60
+    )
 }
 
 /// Agent-clock time of a wall-clock timestamp `at_s`, given both clocks now.
 pub(super) fn to_agent_clock(at_s: Option<i64>, wall_now_s: i64, agent_now_ms: Millis) -> Millis {
     let Some(at) = at_s else { return agent_now_ms };
-    let ago_ms = u64::try_from(wall_now_s.saturating_sub(at)).unwrap_or(0).saturating_mul(1000);
+    let ago_ms = u64::try_from(wall_now_s.saturating_sub(at))
+        .unwrap_or(0)
+        .saturating_mul(1000);
     agent_now_ms.saturating_sub(ago_ms)
 }
 
@@ -88,21 +104,25 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
         .collect();
     let spec = pod.get("spec");
     let status = pod.get("status");
-    let phase = status.and_then(|s| s.get("phase")).and_then(Value::as_str).unwrap_or("Pending");
-    let node = spec.and_then(|s| s.get("nodeName")).and_then(Value::as_str).filter(|n| !n.is_empty()).map(str::to_string);
-    let gated = spec
-        .and_then(|s| s.get("schedulingGates"))
-        .and_then(Value::as_array)
-        .is_some_and(|g| g.iter().any(|x| x.get("name").and_then(Value::as_str) == Some(SCHEDULING_GATE)));
-    let stage = match (phase, &node) {
-        ("Succeeded" | "Failed", _) => PodStage::Finished,
-        (_, Some(_)) => PodStage::Bound,
-        _ if gated => PodStage::Gated,
-        _ => PodStage::Unbound,
+    let node = spec
+        .and_then(|s| s.get("nodeName"))
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .map(str::to_string);
+    let stage = pod_stage(spec, status, node.is_some());
+    let created = meta
+        .get("creationTimestamp")
+        .and_then(Value::as_str)
+        .and_then(parse_time);
+    let started = status
+        .and_then(|s| s.get("startTime"))
+        .and_then(Value::as_str)
+        .and_then(parse_time);
+    let since = if stage == PodStage::Bound {
+        started.or(created)
+    } else {
+        created
     };
-    let created = meta.get("creationTimestamp").and_then(Value::as_str).and_then(parse_time);
-    let started = status.and_then(|s| s.get("startTime")).and_then(Value::as_str).and_then(parse_time);
-    let since = if stage == PodStage::Bound { started.or(created) } else { created };
     let ran = run_interval(status, &node, stage, started);
     // Kubernetes names follow the rule; a pod that does not is no pod the webhook saw,
     // and no real API server lists one.
@@ -120,26 +140,64 @@ pub fn pod_info(pod: &Value, wall_now_s: i64, agent_now_ms: Millis) -> Option<Po
         node,
         gpue: gpue.total_milli,
         devices,
-        priority: spec.and_then(|s| s.get("priority")).and_then(Value::as_i64).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
+        priority: spec
+            .and_then(|s| s.get("priority"))
+            .and_then(Value::as_i64)
+            .and_then(|p| i32::try_from(p).ok())
+            .unwrap_or(0),
         since_ms: to_agent_clock(since, wall_now_s, agent_now_ms),
         placement: crate::placement::Placement::from_pod_spec(spec),
-        generate_name: meta.get("generateName").and_then(Value::as_str).filter(|g| !g.is_empty()).map(str::to_string),
+        generate_name: meta
+            .get("generateName")
+            .and_then(Value::as_str)
+            .filter(|g| !g.is_empty())
+            .map(str::to_string),
         ran,
     })
+}
+
+/// Where a pod is in its life: finished (by its phase), bound to a node (`bound`),
+/// held at kvota's scheduling gate, or waiting to be scheduled.
+fn pod_stage(spec: Option<&Value>, status: Option<&Value>, bound: bool) -> PodStage {
+    let phase = status
+        .and_then(|s| s.get("phase"))
+        .and_then(Value::as_str)
+        .unwrap_or("Pending");
+    let gated = spec
+        .and_then(|s| s.get("schedulingGates"))
+        .and_then(Value::as_array)
+        .is_some_and(|g| {
+            g.iter()
+                .any(|x| x.get("name").and_then(Value::as_str) == Some(SCHEDULING_GATE))
+        });
+    match (phase, bound) {
+        ("Succeeded" | "Failed", _) => PodStage::Finished,
+        (_, true) => PodStage::Bound,
+        _ if gated => PodStage::Gated,
+        _ => PodStage::Unbound,
+    }
 }
 
 /// When a bound pod held its GPUs (Unix ms): from its `PodScheduled` condition (the
 /// binding) or else `status.startTime`, until the last of its containers' `finishedAt`
 /// once it succeeded or failed (`None` while it runs). Kubernetes keeps these times in
 /// seconds, so each end is known to a second.
-pub(super) fn run_interval(status: Option<&Value>, node: &Option<String>, stage: PodStage, started: Option<i64>) -> Option<(u64, Option<u64>)> {
+pub(super) fn run_interval(
+    status: Option<&Value>,
+    node: &Option<String>,
+    stage: PodStage,
+    started: Option<i64>,
+) -> Option<(u64, Option<u64>)> {
     node.as_ref()?;
     let status = status?;
     let scheduled = status
         .get("conditions")
         .and_then(Value::as_array)
         .and_then(|c| {
-            c.iter().find(|c| c.get("type").and_then(Value::as_str) == Some("PodScheduled") && c.get("status").and_then(Value::as_str) == Some("True"))
+            c.iter().find(|c| {
+                c.get("type").and_then(Value::as_str) == Some("PodScheduled")
+                    && c.get("status").and_then(Value::as_str) == Some("True")
+            })
         })
         .and_then(|c| c.get("lastTransitionTime"))
         .and_then(Value::as_str)
@@ -150,7 +208,11 @@ pub(super) fn run_interval(status: Option<&Value>, node: &Option<String>, stage:
             .iter()
             .filter_map(|k| status.get(*k).and_then(Value::as_array))
             .flatten()
-            .filter_map(|c| c.pointer("/state/terminated/finishedAt").and_then(Value::as_str).and_then(parse_time))
+            .filter_map(|c| {
+                c.pointer("/state/terminated/finishedAt")
+                    .and_then(Value::as_str)
+                    .and_then(parse_time)
+            })
             .max();
         // A finished pod without a finish time (unusual): counted up to its start, not
         // beyond (nothing is invented).
@@ -166,37 +228,63 @@ pub fn node_info(node: &Value) -> Option<NodeInfo> {
     let name = node.get("metadata")?.get("name")?.as_str()?.to_string();
     let weights = ResourceWeights::new();
     let mut devices = BTreeMap::new();
-    if let Some(alloc) = node.get("status").and_then(|s| s.get("allocatable")).and_then(Value::as_object) {
+    if let Some(alloc) = node
+        .get("status")
+        .and_then(|s| s.get("allocatable"))
+        .and_then(Value::as_object)
+    {
         for (r, q) in alloc {
             if !weights.is_gpu_resource(r) {
                 continue;
             }
-            let Some(q) = q.as_str().and_then(|q| kvota_fairness::units::parse_quantity_milli(q).ok()) else { continue };
+            let Some(q) = q
+                .as_str()
+                .and_then(|q| kvota_fairness::units::parse_quantity_milli(q).ok())
+            else {
+                continue;
+            };
             if q >= 1000 {
                 devices.insert(r.clone(), q / 1000);
             }
         }
     }
-    let cordoned = node.get("spec").and_then(|s| s.get("unschedulable")).and_then(Value::as_bool).unwrap_or(false);
+    let cordoned = node
+        .get("spec")
+        .and_then(|s| s.get("unschedulable"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     // A node whose Ready condition is False or Unknown takes no new pods (the node
     // lifecycle controller taints it); a node that reports no conditions yet counts.
     let not_ready = node
         .get("status")
         .and_then(|s| s.get("conditions"))
         .and_then(Value::as_array)
-        .and_then(|cs| cs.iter().find(|c| c.get("type").and_then(Value::as_str) == Some("Ready")))
+        .and_then(|cs| {
+            cs.iter()
+                .find(|c| c.get("type").and_then(Value::as_str) == Some("Ready"))
+        })
         .is_some_and(|c| c.get("status").and_then(Value::as_str) != Some("True"));
     let schedulable = !cordoned && !not_ready;
     let labels = node.get("metadata").map(labels_of).unwrap_or_default();
     let taints = crate::placement::node_taints(node.get("spec"));
-    Some(NodeInfo { name, devices, schedulable, labels, taints })
+    Some(NodeInfo {
+        name,
+        devices,
+        schedulable,
+        labels,
+        taints,
+    })
 }
 
 /// The string labels of an object's `metadata` (others are skipped).
 pub(super) fn labels_of(meta: &Value) -> BTreeMap<String, String> {
     meta.get("labels")
         .and_then(Value::as_object)
-        .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -205,7 +293,6 @@ pub(super) fn namespace_labels(ns: &Value) -> Option<(String, BTreeMap<String, S
     let name = meta.get("name")?.as_str()?.to_string();
     Some((name, labels_of(meta)))
 }
-
 
 /// A typed object as the JSON the conversions read.
 pub(super) fn to_json<K: serde::Serialize>(o: &K) -> Value {
@@ -226,7 +313,13 @@ mod tests {
         for t in [0, 951_782_400, 1_709_251_199, 1_796_292_000, 4_102_444_800] {
             assert_eq!(parse_time(&format_time(t)), Some(t), "{}", format_time(t));
         }
-        for bad in ["", "yesterday", "2026-13-01T00:00:00Z", "2026-12-03 10:00:00Z", "2026-12-03T10:00:00+01:00"] {
+        for bad in [
+            "",
+            "yesterday",
+            "2026-13-01T00:00:00Z",
+            "2026-12-03 10:00:00Z",
+            "2026-12-03T10:00:00+01:00",
+        ] {
             assert_eq!(parse_time(bad), None, "{bad}");
         }
     }
@@ -234,7 +327,8 @@ mod tests {
     #[test]
     fn pods_are_classified_like_the_scheduler_sees_them() {
         let pod = |extra_spec: Value, status: Value| {
-            let mut spec = json!({"containers": [{"name": "m", "resources": {"limits": {"nvidia.com/gpu": "2"}}}], "priority": 7});
+            let mut spec =
+                json!({"containers": [{"name": "m", "resources": {"limits": {"nvidia.com/gpu": "2"}}}], "priority": 7});
             if let (Some(s), Some(e)) = (spec.as_object_mut(), extra_spec.as_object()) {
                 s.extend(e.clone());
             }
@@ -243,15 +337,30 @@ mod tests {
         };
         let now_s = 1_796_292_060; // 60 s after creation
         let p = pod_info(&pod(json!({}), json!({"phase": "Pending"})), now_s, 100_000).expect("gpu pod");
-        assert_eq!((p.stage, p.gpue, p.priority, p.since_ms), (PodStage::Unbound, 2000, 7, 40_000));
+        assert_eq!(
+            (p.stage, p.gpue, p.priority, p.since_ms),
+            (PodStage::Unbound, 2000, 7, 40_000)
+        );
         assert_eq!(p.devices, [("nvidia.com/gpu".to_string(), 2)].into());
-        let gated = pod(json!({"schedulingGates": [{"name": "other"}, {"name": SCHEDULING_GATE}]}), json!({}));
+        let gated = pod(
+            json!({"schedulingGates": [{"name": "other"}, {"name": SCHEDULING_GATE}]}),
+            json!({}),
+        );
         assert_eq!(pod_info(&gated, now_s, 100_000).map(|p| p.stage), Some(PodStage::Gated));
-        let bound = pod(json!({"nodeName": "n1"}), json!({"phase": "Running", "startTime": "2026-12-03T10:00:30Z"}));
+        let bound = pod(
+            json!({"nodeName": "n1"}),
+            json!({"phase": "Running", "startTime": "2026-12-03T10:00:30Z"}),
+        );
         let b = pod_info(&bound, now_s, 100_000).expect("bound");
-        assert_eq!((b.stage, b.node.as_deref(), b.since_ms), (PodStage::Bound, Some("n1"), 70_000));
+        assert_eq!(
+            (b.stage, b.node.as_deref(), b.since_ms),
+            (PodStage::Bound, Some("n1"), 70_000)
+        );
         let done = pod(json!({"nodeName": "n1"}), json!({"phase": "Succeeded"}));
-        assert_eq!(pod_info(&done, now_s, 100_000).map(|p| p.stage), Some(PodStage::Finished));
+        assert_eq!(
+            pod_info(&done, now_s, 100_000).map(|p| p.stage),
+            Some(PodStage::Finished)
+        );
         let cpu = json!({"metadata": {"name": "c", "namespace": "ml"}, "spec": {"containers": [{"name": "m"}]}});
         assert_eq!(pod_info(&cpu, now_s, 0), None, "pods without GPUs are not kept");
     }
@@ -260,7 +369,14 @@ mod tests {
     fn nodes_offer_their_allocatable_gpus_unless_cordoned() {
         let n = json!({"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "96", "nvidia.com/gpu": "8", "nvidia.com/mig-1g.10gb": "7"}}});
         let info = node_info(&n).expect("node");
-        assert_eq!(info.devices, [("nvidia.com/gpu".to_string(), 8), ("nvidia.com/mig-1g.10gb".to_string(), 7)].into());
+        assert_eq!(
+            info.devices,
+            [
+                ("nvidia.com/gpu".to_string(), 8),
+                ("nvidia.com/mig-1g.10gb".to_string(), 7)
+            ]
+            .into()
+        );
         assert!(info.schedulable);
         let c = json!({"metadata": {"name": "n2"}, "spec": {"unschedulable": true}, "status": {"allocatable": {"nvidia.com/gpu": "4"}}});
         assert!(!node_info(&c).expect("node").schedulable);
@@ -269,7 +385,13 @@ mod tests {
                 "conditions": [{"type": "MemoryPressure", "status": "False"}, {"type": "Ready", "status": status}]}})
         };
         assert!(node_info(&ready("True")).expect("node").schedulable);
-        assert!(!node_info(&ready("False")).expect("node").schedulable, "NotReady takes no new pods");
-        assert!(!node_info(&ready("Unknown")).expect("node").schedulable, "a node that stopped reporting");
+        assert!(
+            !node_info(&ready("False")).expect("node").schedulable,
+            "NotReady takes no new pods"
+        );
+        assert!(
+            !node_info(&ready("Unknown")).expect("node").schedulable,
+            "a node that stopped reporting"
+        );
     }
 }

@@ -72,9 +72,33 @@ impl Election {
         self.duration / 3
     }
 
+    /// The Lease's name.
+    pub fn lease_name(&self) -> &str {
+        &self.name
+    }
+
     /// One round: take the Lease if it is free or expired, renew it if held. Returns
-    /// whether this replica leads afterwards.
+    /// whether this replica leads afterwards. Runs in an `election_step` span (the
+    /// Lease, this replica's identity; the holder seen and whether this replica leads
+    /// are filled in at the end).
     pub async fn step(&mut self) -> Result<bool, kube::Error> {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!(
+            "election_step",
+            lease = %self.name,
+            identity = %self.identity,
+            holder = tracing::field::Empty,
+            leading = tracing::field::Empty,
+        );
+        let result = self.try_step().instrument(span.clone()).await;
+        span.record("holder", self.holder.as_deref().unwrap_or(""));
+        if let Ok(leading) = result {
+            span.record("leading", leading);
+        }
+        result
+    }
+
+    async fn try_step(&mut self) -> Result<bool, kube::Error> {
         let started = Instant::now();
         let secs = i32::try_from(self.duration.as_secs()).unwrap_or(i32::MAX);
         let now = format_time(wall_now_s());
@@ -93,7 +117,11 @@ impl Election {
         };
         let v = to_json(&current);
         let spec = v.get("spec").cloned().unwrap_or(Value::Null);
-        let holder = spec.get("holderIdentity").and_then(Value::as_str).unwrap_or("").to_string();
+        let holder = spec
+            .get("holderIdentity")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         let renew = spec.get("renewTime").and_then(Value::as_str).unwrap_or("").to_string();
         let transitions = spec.get("leaseTransitions").and_then(Value::as_i64).unwrap_or(0);
         let record = format!("{holder}@{renew}");
@@ -102,7 +130,11 @@ impl Election {
         }
         self.holder = Some(holder.clone()).filter(|h| !h.is_empty());
         let mine = holder == self.identity;
-        let expired = holder.is_empty() || self.observed.as_ref().is_some_and(|(_, at)| started.duration_since(*at) >= self.duration);
+        let expired = holder.is_empty()
+            || self
+                .observed
+                .as_ref()
+                .is_some_and(|(_, at)| started.duration_since(*at) >= self.duration);
         if !mine && !expired {
             self.leading_until = None;
             return Ok(false);
@@ -176,12 +208,19 @@ impl std::fmt::Debug for RoleMarker {
 impl RoleMarker {
     /// Marks pod `namespace/pod` (this replica's own).
     pub fn new(client: Client, namespace: &str, pod: &str) -> Self {
-        RoleMarker { api: Api::namespaced(client, namespace), pod: pod.to_string() }
+        RoleMarker {
+            api: Api::namespaced(client, namespace),
+            pod: pod.to_string(),
+        }
     }
 
     async fn set(&self, pod: &str, role: &str) -> Result<(), kube::Error> {
         let patch = json!({ "metadata": { "labels": { ROLE_LABEL: role } } });
-        match self.api.patch(pod, &PatchParams::default(), &Patch::Merge(&patch)).await {
+        match self
+            .api
+            .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
             Ok(_) => Ok(()),
             Err(e) if api_status(&e) == Some(404) => Ok(()),
             Err(e) => Err(e),
@@ -198,7 +237,12 @@ impl RoleMarker {
             .await?;
         for p in marked.items {
             let name = p.metadata.name.clone().unwrap_or_default();
-            let leader = p.metadata.labels.as_ref().and_then(|l| l.get(ROLE_LABEL)).is_some_and(|r| r == "leader");
+            let leader = p
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(ROLE_LABEL))
+                .is_some_and(|r| r == "leader");
             if leader && !name.is_empty() && name != self.pod {
                 self.set(&name, "standby").await?;
             }

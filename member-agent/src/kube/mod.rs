@@ -10,7 +10,8 @@
 //! - [`Election`]: which of several agent replicas in one cluster is the leader, through
 //!   a `coordination.k8s.io/v1` Lease. Only the leader admits, reports usage, releases
 //!   gates and reclaims; a standby answers reviews with a retryable denial and is not
-//!   ready (so a Service sends it nothing). See `docs/ARCHITECTURE.md`.
+//!   ready (so a Service sends it nothing). See `docs/operations.md`, "The agent's
+//!   replicas, its kept state and its report rounds".
 //!
 //! Objects are read as JSON through the same code the webhook uses for pods
 //! ([`crate::review::pod_resources`]), so a pod's GPUe is computed one way everywhere.
@@ -47,4 +48,3 @@ pub fn actions_config(mut config: kube::Config) -> kube::Config {
     config.default_retry = false;
     config
 }
-

@@ -40,7 +40,10 @@ impl ConfigMapStore {
     }
 
     fn err(&self, e: impl std::fmt::Display) -> crate::persist::PersistError {
-        crate::persist::PersistError::Store { store: crate::persist::StateStore::describe(self), why: e.to_string() }
+        crate::persist::PersistError::Store {
+            store: crate::persist::StateStore::describe(self),
+            why: e.to_string(),
+        }
     }
 
     fn remember(&self, cm: &k8s_openapi::api::core::v1::ConfigMap) {
@@ -64,13 +67,23 @@ impl crate::persist::StateStore for ConfigMapStore {
                 return Err(self.err("another replica wrote it since this one last did; this replica writes again only once it wins the leader Lease"));
             }
             let text = String::from_utf8(bytes).map_err(|e| self.err(e))?;
-            let rv = self.version.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            let rv = self
+                .version
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
             let mut cm = k8s_openapi::api::core::v1::ConfigMap {
                 metadata: kube::api::ObjectMeta {
                     name: Some(self.name.clone()),
                     namespace: Some(self.namespace.clone()),
                     labels: Some([("app.kubernetes.io/name".to_string(), "kvota-agent".to_string())].into()),
-                    annotations: Some([("kvota.dev/state-format".to_string(), crate::persist::FORMAT_VERSION.to_string())].into()),
+                    annotations: Some(
+                        [(
+                            "kvota.dev/state-format".to_string(),
+                            crate::persist::FORMAT_VERSION.to_string(),
+                        )]
+                        .into(),
+                    ),
                     resource_version: rv.clone(),
                     ..Default::default()
                 },

@@ -15,13 +15,18 @@ use kvota_fairness::Millis;
 use serde_json::Value;
 use tokio::sync::watch as tokio_watch;
 
+use super::convert::{namespace_labels, node_info, pod_info, to_json, wall_now_s};
 use crate::inventory::{Inventory, NodeInfo, PodInfo};
-use super::convert::{namespace_labels, node_info, pod_info, wall_now_s, to_json};
 
 impl KubeInventory {
     /// Usage per tenant between two wall-clock instants from the pods' run times (see
     /// [`crate::inventory::usage_between`]).
-    pub fn usage_between(&self, from_ms: u64, to_ms: u64, tenant_of: impl Fn(&str) -> Option<kvota_fairness::names::TenantName>) -> BTreeMap<kvota_fairness::names::TenantName, u64> {
+    pub fn usage_between(
+        &self,
+        from_ms: u64,
+        to_ms: u64,
+        tenant_of: impl Fn(&str) -> Option<kvota_fairness::names::TenantName>,
+    ) -> BTreeMap<kvota_fairness::names::TenantName, u64> {
         crate::inventory::usage_between(&self.gpu_pods(), from_ms, to_ms, tenant_of)
     }
 }
@@ -36,7 +41,11 @@ pub(super) struct Kind<T> {
 
 impl<T> Default for Kind<T> {
     fn default() -> Self {
-        Kind { items: BTreeMap::new(), relist: None, synced: false }
+        Kind {
+            items: BTreeMap::new(),
+            relist: None,
+            synced: false,
+        }
     }
 }
 
@@ -90,10 +99,11 @@ pub struct KubeInventory {
 
 impl std::fmt::Debug for KubeInventory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KubeInventory").field("snapshot", &*self.snap()).finish()
+        f.debug_struct("KubeInventory")
+            .field("snapshot", &*self.snap())
+            .finish()
     }
 }
-
 
 pub(super) fn object_key(v: &Value) -> String {
     let meta = v.get("metadata");
@@ -108,7 +118,10 @@ impl KubeInventory {
     /// An empty inventory; `clock` is the agent's monotonic clock (ms), used to place pod
     /// start times on it.
     pub fn new(clock: Arc<dyn Fn() -> Millis + Send + Sync>) -> Arc<KubeInventory> {
-        Arc::new(KubeInventory { snap: Mutex::new(Snapshot::default()), clock })
+        Arc::new(KubeInventory {
+            snap: Mutex::new(Snapshot::default()),
+            clock,
+        })
     }
 
     fn snap(&self) -> std::sync::MutexGuard<'_, Snapshot> {
@@ -159,9 +172,15 @@ impl KubeInventory {
             Ns(Box<Event<Namespace>>),
         }
         let cfg = watcher::Config::default;
-        let pods = watcher::watcher(Api::<Pod>::all(client.clone()), cfg()).default_backoff().map(|r| r.map(|e| Change::Pod(Box::new(e))));
-        let nodes = watcher::watcher(Api::<Node>::all(client.clone()), cfg()).default_backoff().map(|r| r.map(|e| Change::Node(Box::new(e))));
-        let nss = watcher::watcher(Api::<Namespace>::all(client), cfg()).default_backoff().map(|r| r.map(|e| Change::Ns(Box::new(e))));
+        let pods = watcher::watcher(Api::<Pod>::all(client.clone()), cfg())
+            .default_backoff()
+            .map(|r| r.map(|e| Change::Pod(Box::new(e))));
+        let nodes = watcher::watcher(Api::<Node>::all(client.clone()), cfg())
+            .default_backoff()
+            .map(|r| r.map(|e| Change::Node(Box::new(e))));
+        let nss = watcher::watcher(Api::<Namespace>::all(client), cfg())
+            .default_backoff()
+            .map(|r| r.map(|e| Change::Ns(Box::new(e))));
         let mut all = futures::stream::select_all([pods.boxed(), nodes.boxed(), nss.boxed()]);
         loop {
             tokio::select! {

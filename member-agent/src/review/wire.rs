@@ -51,28 +51,39 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
     // A body that is not UTF-8 is not JSON (the reference path says so); checked once,
     // whole, every slice taken below is a str.
     let body = std::str::from_utf8(body).ok()?;
-    let mut scan = Scan { src: body, b: body.as_bytes(), i: 0, depth: 0 };
+    let mut scan = Scan {
+        src: body,
+        b: body.as_bytes(),
+        i: 0,
+        depth: 0,
+    };
     let mut doc = Review::default();
     scan.object(|s, key| doc.field(s, key))?;
     scan.end()?;
-    let (Some(api), Some(kind), Some(req)) = (doc.api_version, doc.kind, doc.request) else { return None };
+    let (Some(api), Some(kind), Some(req)) = (doc.api_version, doc.kind, doc.request) else {
+        return None;
+    };
     if api != "admission.k8s.io/v1" || kind != "AdmissionReview" {
         return None;
     }
     let uid = req.uid.filter(|u| !u.is_empty())?;
-    let (group, res) = req.resource.map_or((None, None), |r| (r.group, r.resource));
-    let (group, res) = (group.unwrap_or(""), res.unwrap_or(""));
-    if res != "pods" || !group.is_empty() {
-        return Some(ParsedKind::Done(pass(uid, &format!("kvota: {group}/{res} is not judged (only pods)"))));
-    }
-    if req.sub_resource.is_some_and(|s| !s.is_empty()) {
-        return Some(ParsedKind::Done(pass(uid, "kvota: pod subresources are not judged")));
+    if let Some(passed) = not_a_pod(&req, uid) {
+        return Some(passed);
     }
     // `object` absent, `null`, or an object; only the last has metadata.
     let object = req.object.as_ref().and_then(Option::as_ref);
     let meta = object.and_then(|o| o.metadata.as_ref());
-    let namespace = req.namespace.or(meta.and_then(|m| m.namespace)).unwrap_or("").to_string();
-    let name = req.name.filter(|n| !n.is_empty()).or(meta.and_then(|m| m.name)).unwrap_or("").to_string();
+    let namespace = req
+        .namespace
+        .or(meta.and_then(|m| m.namespace))
+        .unwrap_or("")
+        .to_string();
+    let name = req
+        .name
+        .filter(|n| !n.is_empty())
+        .or(meta.and_then(|m| m.name))
+        .unwrap_or("")
+        .to_string();
     let prefix = meta.and_then(|m| m.generate_name).unwrap_or("");
     let dry_run = req.dry_run.unwrap_or(false);
     match req.operation {
@@ -98,6 +109,23 @@ pub(super) fn read(body: &[u8]) -> Option<ParsedKind> {
         priority: spec.priority,
         has_gates: spec.has_gates,
     })))
+}
+
+/// The answer for a review of something other than a pod (another resource, or a
+/// pod's subresource), which passes unjudged; `None` for a pod.
+fn not_a_pod(req: &Request<'_>, uid: &str) -> Option<ParsedKind> {
+    let (group, res) = req.resource.as_ref().map_or((None, None), |r| (r.group, r.resource));
+    let (group, res) = (group.unwrap_or(""), res.unwrap_or(""));
+    if res != "pods" || !group.is_empty() {
+        return Some(ParsedKind::Done(pass(
+            uid,
+            &format!("kvota: {group}/{res} is not judged (only pods)"),
+        )));
+    }
+    if req.sub_resource.is_some_and(|s| !s.is_empty()) {
+        return Some(ParsedKind::Done(pass(uid, "kvota: pod subresources are not judged")));
+    }
+    None
 }
 
 /// The top of an AdmissionReview.
@@ -178,7 +206,9 @@ impl Spec<'_> {
             }
             let milli = pod_request_milli(
                 self.containers.iter().map(|c| self.request(c, name)),
-                self.init_containers.iter().map(|c| (c.restartable, self.request(c, name))),
+                self.init_containers
+                    .iter()
+                    .map(|c| (c.restartable, self.request(c, name))),
                 self.get(&self.overhead, name).unwrap_or(0),
             );
             out.push((name.to_owned(), milli));
@@ -192,7 +222,10 @@ impl Spec<'_> {
     }
 
     fn get(&self, q: &Quantities, resource: &str) -> Option<u64> {
-        self.entries(q).iter().find(|&&(name, _)| name == resource).map(|&(_, milli)| milli)
+        self.entries(q)
+            .iter()
+            .find(|&&(name, _)| name == resource)
+            .map(|&(_, milli)| milli)
     }
 
     fn request(&self, c: &Container, resource: &str) -> u64 {
@@ -297,7 +330,10 @@ impl<'a> Object<'a> {
                     None
                 } else {
                     // Room for a typical pod's quantities (a few containers, a few resources).
-                    let mut p = Spec { quantities: Vec::with_capacity(16), ..Spec::default() };
+                    let mut p = Spec {
+                        quantities: Vec::with_capacity(16),
+                        ..Spec::default()
+                    };
                     s.object(|s, key| p.field(s, key))?;
                     Some(p)
                 });
@@ -391,7 +427,10 @@ fn quantities<'a>(s: &mut Scan<'a>, arena: &mut Vec<(&'a str, u64)>) -> Option<Q
                 parse_quantity_milli(&number.to_string()).ok()?
             }
         };
-        match arena.get_mut(start..).and_then(|own| own.iter_mut().find(|(n, _)| *n == name)) {
+        match arena
+            .get_mut(start..)
+            .and_then(|own| own.iter_mut().find(|(n, _)| *n == name))
+        {
             Some(entry) => entry.1 = milli,
             None => arena.push((name, milli)),
         }
@@ -421,7 +460,10 @@ pub(super) fn plain_len(b: &[u8]) -> usize {
         i += 8;
     }
     let rest = b.get(i..).unwrap_or_default();
-    i + rest.iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20).unwrap_or(rest.len())
+    i + rest
+        .iter()
+        .position(|&c| c == b'"' || c == b'\\' || c < 0x20)
+        .unwrap_or(rest.len())
 }
 
 /// A key as written: plain (borrowed as is), or with escapes (never one kvota reads).
@@ -611,7 +653,12 @@ impl<'a> Scan<'a> {
             return Some(0);
         }
         // serde_json reads an integer beyond i64 as u64 or f64; `as_i64` gives None.
-        Some(text.parse::<i64>().ok().and_then(|n| i32::try_from(n).ok()).unwrap_or(0))
+        Some(
+            text.parse::<i64>()
+                .ok()
+                .and_then(|n| i32::try_from(n).ok())
+                .unwrap_or(0),
+        )
     }
 
     /// Steps over any value.

@@ -158,16 +158,12 @@ impl FakeApi {
     /// A kube client for this server, configured as the agent's actions client (no
     /// automatic retries).
     pub fn client(&self) -> kube::Client {
-        let config = kvota_member_agent::kube::actions_config(kube::Config::new(
-            self.url.parse().expect("url"),
-        ));
+        let config = kvota_member_agent::kube::actions_config(kube::Config::new(self.url.parse().expect("url")));
         kube::Client::try_from(config).expect("kube client")
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Store> {
-        self.store
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn emit(&self, s: &mut Store, kind: Kind, ty: &'static str, obj: Value) {
@@ -295,24 +291,14 @@ fn route(path: &str) -> Option<Target> {
         ["api", "v1", "nodes", n] => Some(Target::Object(Kind::Node, (*n).to_string())),
         ["api", "v1", "namespaces"] => Some(Target::Collection(Kind::Namespace, None)),
         ["api", "v1", "namespaces", n] => Some(Target::Object(Kind::Namespace, (*n).to_string())),
-        ["api", "v1", "namespaces", ns, "pods"] => {
-            Some(Target::Collection(Kind::Pod, Some((*ns).to_string())))
-        }
-        ["api", "v1", "namespaces", ns, "pods", n] => {
-            Some(Target::Object(Kind::Pod, format!("{ns}/{n}")))
-        }
-        ["api", "v1", "namespaces", ns, "pods", n, "eviction"] => {
-            Some(Target::Eviction(format!("{ns}/{n}")))
-        }
-        ["api", "v1", "namespaces", ns, "events"] => {
-            Some(Target::Collection(Kind::Event, Some((*ns).to_string())))
-        }
+        ["api", "v1", "namespaces", ns, "pods"] => Some(Target::Collection(Kind::Pod, Some((*ns).to_string()))),
+        ["api", "v1", "namespaces", ns, "pods", n] => Some(Target::Object(Kind::Pod, format!("{ns}/{n}"))),
+        ["api", "v1", "namespaces", ns, "pods", n, "eviction"] => Some(Target::Eviction(format!("{ns}/{n}"))),
+        ["api", "v1", "namespaces", ns, "events"] => Some(Target::Collection(Kind::Event, Some((*ns).to_string()))),
         ["api", "v1", "namespaces", ns, "configmaps"] => {
             Some(Target::Collection(Kind::ConfigMap, Some((*ns).to_string())))
         }
-        ["api", "v1", "namespaces", ns, "configmaps", n] => {
-            Some(Target::Object(Kind::ConfigMap, format!("{ns}/{n}")))
-        }
+        ["api", "v1", "namespaces", ns, "configmaps", n] => Some(Target::Object(Kind::ConfigMap, format!("{ns}/{n}"))),
         ["apis", "coordination.k8s.io", "v1", "namespaces", ns, "leases"] => {
             Some(Target::Collection(Kind::Lease, Some((*ns).to_string())))
         }
@@ -320,7 +306,11 @@ fn route(path: &str) -> Option<Target> {
             Some(Target::Object(Kind::Lease, format!("{ns}/{n}")))
         }
         ["apis", group @ ("kvota.dev" | "kvitej.io"), "v1alpha1", "fairnesspolicies", rest @ ..] => {
-            let kind = if *group == "kvota.dev" { Kind::FairnessPolicy } else { Kind::ArticlePolicy };
+            let kind = if *group == "kvota.dev" {
+                Kind::FairnessPolicy
+            } else {
+                Kind::ArticlePolicy
+            };
             match rest {
                 [] => Some(Target::Collection(kind, None)),
                 [n] => Some(Target::Object(kind, (*n).to_string())),
@@ -335,10 +325,7 @@ fn route(path: &str) -> Option<Target> {
 fn query_map(q: Option<&str>) -> BTreeMap<String, String> {
     q.unwrap_or("")
         .split('&')
-        .filter_map(|kv| {
-            kv.split_once('=')
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-        })
+        .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
         .collect()
 }
 
@@ -364,10 +351,7 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
     match (method, target) {
         (Method::GET, Target::Collection(kind, ns)) => {
             if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
-                let from: u64 = query
-                    .get("resourceVersion")
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0);
+                let from: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
                 let timeout = query
                     .get("timeoutSeconds")
                     .and_then(|v| v.parse().ok())
@@ -379,11 +363,7 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
         }
         (Method::GET, Target::Object(kind, key)) => match api.get(kind, &key) {
             Some(v) => axum::Json(v).into_response(),
-            None => status(
-                404,
-                "NotFound",
-                &format!("{} \"{key}\" not found", kind.name()),
-            ),
+            None => status(404, "NotFound", &format!("{} \"{key}\" not found", kind.name())),
         },
         (Method::PATCH, Target::Object(Kind::Pod, key)) => {
             let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
@@ -394,7 +374,11 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
             };
             if let Some(want) = patch["metadata"]["resourceVersion"].as_str() {
                 if pod["metadata"]["resourceVersion"].as_str() != Some(want) {
-                    return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
+                    return status(
+                        409,
+                        "Conflict",
+                        "the object has been modified; please apply your changes to the latest version and try again",
+                    );
                 }
             }
             let mut patch = patch;
@@ -421,10 +405,7 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
             let ok = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201});
             (StatusCode::CREATED, axum::Json(ok)).into_response()
         }
-        (
-            Method::POST,
-            Target::Collection(kind @ (Kind::Event | Kind::Lease | Kind::ConfigMap), Some(ns)),
-        ) => {
+        (Method::POST, Target::Collection(kind @ (Kind::Event | Kind::Lease | Kind::ConfigMap), Some(ns))) => {
             let Ok(mut obj) = serde_json::from_slice::<Value>(&body) else {
                 return status(400, "BadRequest", "not JSON");
             };
@@ -435,10 +416,7 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
                     s.generated += 1;
                     s.generated
                 };
-                let base = obj["metadata"]["generateName"]
-                    .as_str()
-                    .unwrap_or("obj-")
-                    .to_string();
+                let base = obj["metadata"]["generateName"].as_str().unwrap_or("obj-").to_string();
                 obj["metadata"]["name"] = json!(format!("{base}{n}"));
             }
             let key = key_of(&obj);
@@ -460,7 +438,11 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
                 return status(404, "NotFound", &format!("{} not found", kind.name()));
             };
             if obj["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
-                return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
+                return status(
+                    409,
+                    "Conflict",
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                );
             }
             api.put(kind, obj);
             axum::Json(api.get(kind, &key)).into_response()
@@ -475,7 +457,11 @@ async fn handle(State(api): State<FakeApi>, req: Request) -> Response {
             // A resourceVersion in the patch is a precondition, as in Kubernetes.
             if let Some(want) = patch["metadata"]["resourceVersion"].as_str() {
                 if obj["metadata"]["resourceVersion"].as_str() != Some(want) {
-                    return status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again");
+                    return status(
+                        409,
+                        "Conflict",
+                        "the object has been modified; please apply your changes to the latest version and try again",
+                    );
                 }
             }
             // The status subresource takes status only.
@@ -526,11 +512,7 @@ fn watch(api: FakeApi, kind: Kind, ns: Option<String>, from: u64, timeout_s: u64
         // started before `hold_watches(true)` (and is ended by a later `cut_watches`) or
         // is refused; none slips in between and sees events a test meant to hide.
         if s.hold_watches {
-            return status(
-                503,
-                "ServiceUnavailable",
-                "the fake API server holds watches",
-            );
+            return status(503, "ServiceUnavailable", "the fake API server holds watches");
         }
         if from < s.compacted {
             s.gone_served += 1;
@@ -549,32 +531,26 @@ fn watch(api: FakeApi, kind: Kind, ns: Option<String>, from: u64, timeout_s: u64
         (backlog, api.events.subscribe(), api.cut.subscribe())
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s.max(1));
-    let live = futures::stream::unfold(
-        (live, cut, ns, from),
-        move |(mut live, mut cut, ns, from)| async move {
-            loop {
-                tokio::select! {
-                    // A cut comes first: a test cuts watches and then changes the cluster,
-                    // and under load both are ready by the time this stream is polled; an
-                    // unbiased select sometimes delivered the changes before ending the watch
-                    // (1 run in 15 with both cores busy), so the 410 test saw no relist.
-                    biased;
-                    _ = cut.recv() => return None,
-                    _ = tokio::time::sleep_until(deadline) => return None,
-                    ev = live.recv() => match ev {
-                        Ok((rv, k, ty, v)) if rv > from && k == kind && in_scope(&v, ns.as_deref()) => {
-                            return Some((line(ty, &v), (live, cut, ns, from)));
-                        }
-                        Ok(_) => continue,
-                        Err(_) => return None,
-                    },
-                }
+    let live = futures::stream::unfold((live, cut, ns, from), move |(mut live, mut cut, ns, from)| async move {
+        loop {
+            tokio::select! {
+                // A cut comes first: a test cuts watches and then changes the cluster,
+                // and under load both are ready by the time this stream is polled; an
+                // unbiased select sometimes delivered the changes before ending the watch
+                // (1 run in 15 with both cores busy), so the 410 test saw no relist.
+                biased;
+                _ = cut.recv() => return None,
+                _ = tokio::time::sleep_until(deadline) => return None,
+                ev = live.recv() => match ev {
+                    Ok((rv, k, ty, v)) if rv > from && k == kind && in_scope(&v, ns.as_deref()) => {
+                        return Some((line(ty, &v), (live, cut, ns, from)));
+                    }
+                    Ok(_) => continue,
+                    Err(_) => return None,
+                },
             }
-        },
-    );
-    let body = Body::from_stream(futures::StreamExt::chain(
-        futures::stream::iter(backlog),
-        live,
-    ));
+        }
+    });
+    let body = Body::from_stream(futures::StreamExt::chain(futures::stream::iter(backlog), live));
     (StatusCode::OK, body).into_response()
 }

@@ -39,12 +39,27 @@ fn same(body: &[u8]) -> bool {
         Some(fast) => {
             // The fast path counts the pod's requests as it reads; the reference counts
             // them from the pod it read.
-            assert_eq!(counted(fast), counted(read_value(body)), "fast path differs from the reference on {}", String::from_utf8_lossy(body));
-            assert_eq!(parse(body), counted(reference), "parse differs from the reference on {}", String::from_utf8_lossy(body));
+            assert_eq!(
+                counted(fast),
+                counted(read_value(body)),
+                "fast path differs from the reference on {}",
+                String::from_utf8_lossy(body)
+            );
+            assert_eq!(
+                parse(body),
+                counted(reference),
+                "parse differs from the reference on {}",
+                String::from_utf8_lossy(body)
+            );
             true
         }
         None => {
-            assert_eq!(parse(body), counted(reference), "parse differs from the reference on {}", String::from_utf8_lossy(body));
+            assert_eq!(
+                parse(body),
+                counted(reference),
+                "parse differs from the reference on {}",
+                String::from_utf8_lossy(body)
+            );
             false
         }
     }
@@ -66,8 +81,11 @@ fn real_requests_take_the_fast_path_with_the_same_answer() {
                 doc["request"]["dryRun"] = dry;
                 if pod {
                     // A GPU on the last container, and an init container asking for more.
-                    let n = doc["request"]["object"]["spec"]["containers"].as_array().map_or(0, Vec::len);
-                    doc["request"]["object"]["spec"]["containers"][n - 1]["resources"]["limits"]["nvidia.com/gpu"] = json!("1");
+                    let n = doc["request"]["object"]["spec"]["containers"]
+                        .as_array()
+                        .map_or(0, Vec::len);
+                    doc["request"]["object"]["spec"]["containers"][n - 1]["resources"]["limits"]["nvidia.com/gpu"] =
+                        json!("1");
                 }
                 let compact = serde_json::to_vec(&doc).expect("encode");
                 let pretty = serde_json::to_vec_pretty(&doc).expect("encode");
@@ -76,8 +94,13 @@ fn real_requests_take_the_fast_path_with_the_same_answer() {
             }
         }
         // The file as the API server wrote it (tabs, key order), in its envelope.
-        let raw = std::fs::read_to_string(format!("{}/tests/fixtures/admission/{name}", env!("CARGO_MANIFEST_DIR"))).expect("fixture");
-        let body = format!("{{\"apiVersion\": \"admission.k8s.io/v1\", \"kind\": \"AdmissionReview\", \"request\": {raw}}}");
+        let raw = std::fs::read_to_string(format!(
+            "{}/tests/fixtures/admission/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .expect("fixture");
+        let body =
+            format!("{{\"apiVersion\": \"admission.k8s.io/v1\", \"kind\": \"AdmissionReview\", \"request\": {raw}}}");
         assert!(same(body.as_bytes()), "{name} as written: fast path not taken");
     }
 }
@@ -101,21 +124,39 @@ fn pods_are_read_as_the_reference_reads_them() {
     // after admission) makes no pod key; both paths read it so.
     doc["request"]["object"]["metadata"]["generateName"] = json!("job-\u{e9}-");
     assert!(same(&serde_json::to_vec(&doc).expect("enc")));
-    let ParsedKind::Create(c) = read(&serde_json::to_vec(&doc).expect("enc")).expect("fast") else { panic!("not a create") };
+    let ParsedKind::Create(c) = read(&serde_json::to_vec(&doc).expect("enc")).expect("fast") else {
+        panic!("not a create")
+    };
     assert_eq!(c.key, None);
     doc["request"]["object"]["metadata"]["generateName"] = json!("job-7-");
     assert!(same(&serde_json::to_vec(&doc).expect("enc")));
-    let ParsedKind::Create(c) = read(&serde_json::to_vec(&doc).expect("enc")).expect("fast") else { panic!("not a create") };
-    let PodRequests::Counted(Ok(requests)) = &c.pod else { panic!("not counted: {:?}", c.pod) };
+    let ParsedKind::Create(c) = read(&serde_json::to_vec(&doc).expect("enc")).expect("fast") else {
+        panic!("not a create")
+    };
+    let PodRequests::Counted(Ok(requests)) = &c.pod else {
+        panic!("not counted: {:?}", c.pod)
+    };
     assert_eq!((c.priority, c.has_gates), (7, true));
     // GPUs: max(init 4, app 0 + sidecar 0) + overhead 1; MIG: the sidecar's 2;
     // memory: app 1Gi + 2Gi + overhead 1000 (a JSON number, read as "1000.0").
     let get = |r: &str| requests.iter().find(|(n, _)| n == r).map(|&(_, m)| m);
-    assert_eq!((get("nvidia.com/gpu"), get("nvidia.com/mig-1g.5gb")), (Some(5_000), Some(2_000)));
+    assert_eq!(
+        (get("nvidia.com/gpu"), get("nvidia.com/mig-1g.5gb")),
+        (Some(5_000), Some(2_000))
+    );
     assert_eq!(get("memory"), Some((3 << 30) * 1000 + 1_000_000));
-    assert_eq!(c.key.as_ref().map(PodKey::as_str), Some("default/job-7-*1299d386-525b-4032-98ae-1949f69f9cfc"));
+    assert_eq!(
+        c.key.as_ref().map(PodKey::as_str),
+        Some("default/job-7-*1299d386-525b-4032-98ae-1949f69f9cfc")
+    );
     // Priorities the reference reads as 0, and null fields it reads as missing.
-    for p in [json!(1e3), json!(u64::MAX), json!(-3_000_000_000_i64), json!(null), json!(-5)] {
+    for p in [
+        json!(1e3),
+        json!(u64::MAX),
+        json!(-3_000_000_000_i64),
+        json!(null),
+        json!(-5),
+    ] {
         doc["request"]["object"]["spec"]["priority"] = p;
         doc["request"]["object"]["spec"]["schedulingGates"] = json!(null);
         doc["request"]["subResource"] = json!(null);
@@ -149,22 +190,42 @@ fn odd_bodies_go_the_reference_way() {
         in_user_info("1e400").into_bytes(),
         in_user_info("\"\\ud800\"").into_bytes(),
         in_user_info("\"\\x\"").into_bytes(),
-        [in_user_info("\"").as_bytes().split_last().map_or(&[][..], |(_, b)| b), b"\xff\"}"].concat(),
+        [
+            in_user_info("\"").as_bytes().split_last().map_or(&[][..], |(_, b)| b),
+            b"\xff\"}",
+        ]
+        .concat(),
         in_user_info("\"a\u{1}b\"").into_bytes(),
-        [base.replacen("\"userInfo\":{", "\"userInfo\":{\"\u{e9}\":1,", 1).as_bytes()].concat().iter().map(|&b| if b == 0xa9 { 0xff } else { b }).collect(),
+        [base
+            .replacen("\"userInfo\":{", "\"userInfo\":{\"\u{e9}\":1,", 1)
+            .as_bytes()]
+        .concat()
+        .iter()
+        .map(|&b| if b == 0xa9 { 0xff } else { b })
+        .collect(),
         // serde_json's private token, which changes what a Value is.
         in_user_info("{\"$serde_json::private::RawValue\":\"not json\"}").into_bytes(),
         in_user_info("{\"$serde_json::private::RawValue\":\"[1]\"}").into_bytes(),
         in_user_info("{\"\\u0024serde_json::private::RawValue\":\"not json\"}").into_bytes(),
         in_user_info("{\"a\":1,\"$serde_json::private::RawValue\":\"[1]\"}").into_bytes(),
-        base.replacen("\"limits\":{", "\"limits\":{\"$serde_json::private::RawValue\":\"1\",", 1).into_bytes(),
+        base.replacen(
+            "\"limits\":{",
+            "\"limits\":{\"$serde_json::private::RawValue\":\"1\",",
+            1,
+        )
+        .into_bytes(),
         // Duplicates: the last wins in both.
-        base.replacen("\"request\":{", "\"request\":{\"uid\":7,", 1).into_bytes(),
-        base.replacen("\"request\":{", "\"request\":{\"operation\":\"DELETE\",", 1).into_bytes(),
+        base.replacen("\"request\":{", "\"request\":{\"uid\":7,", 1)
+            .into_bytes(),
+        base.replacen("\"request\":{", "\"request\":{\"operation\":\"DELETE\",", 1)
+            .into_bytes(),
         base.replacen("\"limits\":{", "\"limits\":{\"cpu\":[],", 1).into_bytes(),
-        base.replacen("\"limits\":{", "\"limits\":{\"nvidia.com/gpu\":\"3\",", 1).into_bytes(),
-        base.replacen("\"requests\":{", "\"requests\":{\"cpu\":\"3\",", 1).into_bytes(),
-        base.replacen("\"requests\":{", "\"requests\":{\"cpu\":\"x\",", 1).into_bytes(),
+        base.replacen("\"limits\":{", "\"limits\":{\"nvidia.com/gpu\":\"3\",", 1)
+            .into_bytes(),
+        base.replacen("\"requests\":{", "\"requests\":{\"cpu\":\"3\",", 1)
+            .into_bytes(),
+        base.replacen("\"requests\":{", "\"requests\":{\"cpu\":\"x\",", 1)
+            .into_bytes(),
         format!("{},\"request\":{{\"uid\":\"x\"}}}}", base.trim_end_matches('}')).into_bytes(),
         // Escaped keys name the same fields.
         base.replacen("\"uid\"", "\"ui\\u0064\"", 1).into_bytes(),
@@ -185,24 +246,78 @@ fn odd_bodies_go_the_reference_way() {
     assert!(read(in_user_info("1e400").as_bytes()).is_none());
     assert!(read(in_user_info("{\"$serde_json::private::RawValue\":\"not json\"}").as_bytes()).is_none());
     assert!(read(in_user_info("{\"\\u0024serde_json::private::RawValue\":\"not json\"}").as_bytes()).is_none());
-    assert!(read(base.replacen("\"limits\":{", "\"limits\":{\"nvidia.com/gpu\":\"3\",", 1).as_bytes()).is_some());
-    assert!(read(base.replacen("\"requests\":{", "\"requests\":{\"cpu\":\"3\",", 1).as_bytes()).is_some());
+    assert!(read(
+        base.replacen("\"limits\":{", "\"limits\":{\"nvidia.com/gpu\":\"3\",", 1)
+            .as_bytes()
+    )
+    .is_some());
+    assert!(read(
+        base.replacen("\"requests\":{", "\"requests\":{\"cpu\":\"3\",", 1)
+            .as_bytes()
+    )
+    .is_some());
 }
 
 /// Keys the fast path reads, and some it does not.
 const KEYS: &[&str] = &[
-    "apiVersion", "kind", "request", "uid", "resource", "group", "subResource", "namespace", "name",
-    "generateName", "operation", "dryRun", "object", "oldObject", "metadata", "spec", "priority",
-    "schedulingGates", "initContainers", "containers", "overhead", "resources", "requests", "limits",
-    "restartPolicy", "nvidia.com/gpu", "nvidia.com/mig-1g.5gb", "cpu", "labels", "other",
+    "apiVersion",
+    "kind",
+    "request",
+    "uid",
+    "resource",
+    "group",
+    "subResource",
+    "namespace",
+    "name",
+    "generateName",
+    "operation",
+    "dryRun",
+    "object",
+    "oldObject",
+    "metadata",
+    "spec",
+    "priority",
+    "schedulingGates",
+    "initContainers",
+    "containers",
+    "overhead",
+    "resources",
+    "requests",
+    "limits",
+    "restartPolicy",
+    "nvidia.com/gpu",
+    "nvidia.com/mig-1g.5gb",
+    "cpu",
+    "labels",
+    "other",
     "$serde_json::private::RawValue",
 ];
 
 /// Strings that mean something to the fast path, and some that do not.
 const STRINGS: &[&str] = &[
-    "", "pods", "apps", "status", "CREATE", "DELETE", "UPDATE", "CONNECT", "create", "Always", "Never",
-    "admission.k8s.io/v1", "AdmissionReview", "1", "500m", "2Gi", "0.5", "nvidia.com/gpu", "two", "x\"y\\z",
-    "caf\u{e9}", "default", "lab",
+    "",
+    "pods",
+    "apps",
+    "status",
+    "CREATE",
+    "DELETE",
+    "UPDATE",
+    "CONNECT",
+    "create",
+    "Always",
+    "Never",
+    "admission.k8s.io/v1",
+    "AdmissionReview",
+    "1",
+    "500m",
+    "2Gi",
+    "0.5",
+    "nvidia.com/gpu",
+    "two",
+    "x\"y\\z",
+    "caf\u{e9}",
+    "default",
+    "lab",
 ];
 
 fn leaf() -> impl Strategy<Value = Value> {
@@ -228,10 +343,18 @@ fn value() -> impl Strategy<Value = Value> {
 
 /// Objects of a fixture review that a mutation may touch.
 const PARENTS: &[&str] = &[
-    "", "/request", "/request/resource", "/request/object", "/request/object/metadata",
-    "/request/object/spec", "/request/object/spec/containers/0", "/request/object/spec/containers/1",
-    "/request/object/spec/containers/0/resources", "/request/object/spec/containers/1/resources/limits",
-    "/request/object/spec/containers/0/resources/requests", "/request/userInfo",
+    "",
+    "/request",
+    "/request/resource",
+    "/request/object",
+    "/request/object/metadata",
+    "/request/object/spec",
+    "/request/object/spec/containers/0",
+    "/request/object/spec/containers/1",
+    "/request/object/spec/containers/0/resources",
+    "/request/object/spec/containers/1/resources/limits",
+    "/request/object/spec/containers/0/resources/requests",
+    "/request/userInfo",
 ];
 
 #[derive(Clone, Debug)]
@@ -247,17 +370,35 @@ enum Edit {
 
 /// The fields the fast path reads, where they are.
 const TARGETS: &[(&str, &str)] = &[
-    ("", "apiVersion"), ("", "kind"), ("", "request"),
-    ("/request", "uid"), ("/request", "resource"), ("/request", "subResource"), ("/request", "namespace"),
-    ("/request", "name"), ("/request", "operation"), ("/request", "dryRun"), ("/request", "object"),
-    ("/request/resource", "group"), ("/request/resource", "resource"),
-    ("/request/object", "metadata"), ("/request/object", "spec"),
-    ("/request/object/metadata", "name"), ("/request/object/metadata", "namespace"), ("/request/object/metadata", "generateName"),
-    ("/request/object/spec", "priority"), ("/request/object/spec", "schedulingGates"), ("/request/object/spec", "initContainers"),
-    ("/request/object/spec", "containers"), ("/request/object/spec", "overhead"),
-    ("/request/object/spec/containers/0", "name"), ("/request/object/spec/containers/0", "restartPolicy"),
-    ("/request/object/spec/containers/0", "resources"), ("/request/object/spec/containers/0/resources", "requests"),
-    ("/request/object/spec/containers/1/resources", "limits"), ("/request/object/spec/containers/1/resources/limits", "nvidia.com/gpu"),
+    ("", "apiVersion"),
+    ("", "kind"),
+    ("", "request"),
+    ("/request", "uid"),
+    ("/request", "resource"),
+    ("/request", "subResource"),
+    ("/request", "namespace"),
+    ("/request", "name"),
+    ("/request", "operation"),
+    ("/request", "dryRun"),
+    ("/request", "object"),
+    ("/request/resource", "group"),
+    ("/request/resource", "resource"),
+    ("/request/object", "metadata"),
+    ("/request/object", "spec"),
+    ("/request/object/metadata", "name"),
+    ("/request/object/metadata", "namespace"),
+    ("/request/object/metadata", "generateName"),
+    ("/request/object/spec", "priority"),
+    ("/request/object/spec", "schedulingGates"),
+    ("/request/object/spec", "initContainers"),
+    ("/request/object/spec", "containers"),
+    ("/request/object/spec", "overhead"),
+    ("/request/object/spec/containers/0", "name"),
+    ("/request/object/spec/containers/0", "restartPolicy"),
+    ("/request/object/spec/containers/0", "resources"),
+    ("/request/object/spec/containers/0/resources", "requests"),
+    ("/request/object/spec/containers/1/resources", "limits"),
+    ("/request/object/spec/containers/1/resources/limits", "nvidia.com/gpu"),
     ("/request/object/spec/containers/0/resources/requests", "cpu"),
 ];
 
@@ -293,7 +434,12 @@ fn apply(name: &str, gpu: bool, edits: &[Edit], pretty: bool) -> Vec<u8> {
             Edit::Insert(n, k, v) => inserts.push((*n, *k, v.clone())),
         }
     }
-    let mut text = if pretty { serde_json::to_string_pretty(&doc) } else { serde_json::to_string(&doc) }.expect("encode");
+    let mut text = if pretty {
+        serde_json::to_string_pretty(&doc)
+    } else {
+        serde_json::to_string(&doc)
+    }
+    .expect("encode");
     for (n, k, v) in inserts {
         if let Some((at, _)) = text.match_indices('{').nth(n) {
             let entry = format!("{}:{},", json!(k), v);
@@ -308,7 +454,11 @@ fn apply(name: &str, gpu: bool, edits: &[Edit], pretty: bool) -> Vec<u8> {
 #[test]
 fn edited_reviews_often_take_the_fast_path() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let strategy = (prop::sample::select(&FIXTURES[..]), any::<bool>(), prop::collection::vec(edit(), 1..5));
+    let strategy = (
+        prop::sample::select(&FIXTURES[..]),
+        any::<bool>(),
+        prop::collection::vec(edit(), 1..5),
+    );
     let (mut fast, mut total) = (0, 0);
     for _ in 0..2000 {
         let (name, gpu, edits) = strategy.new_tree(&mut runner).expect("tree").current();
@@ -317,10 +467,19 @@ fn edited_reviews_often_take_the_fast_path() {
             fast += 1;
         }
     }
-    assert!(fast * 4 >= total && fast * 4 <= total * 3, "fast path taken for {fast} of {total}");
+    assert!(
+        fast * 4 >= total && fast * 4 <= total * 3,
+        "fast path taken for {fast} of {total}"
+    );
 }
 
-const RESOURCES: &[&str] = &["nvidia.com/gpu", "nvidia.com/mig-1g.5gb", "amd.com/gpu", "cpu", "memory"];
+const RESOURCES: &[&str] = &[
+    "nvidia.com/gpu",
+    "nvidia.com/mig-1g.5gb",
+    "amd.com/gpu",
+    "cpu",
+    "memory",
+];
 
 /// Quantities: mostly valid, some not, some JSON numbers, some near the limits.
 fn quantity() -> impl Strategy<Value = Value> {
@@ -338,7 +497,11 @@ fn quantities() -> impl Strategy<Value = Value> {
 
 /// A container with random requests and limits, and sometimes a restart policy.
 fn container() -> impl Strategy<Value = Value> {
-    (prop::option::of(quantities()), prop::option::of(quantities()), prop::option::of(prop::sample::select(&["Always", "Never", "OnFailure"][..])))
+    (
+        prop::option::of(quantities()),
+        prop::option::of(quantities()),
+        prop::option::of(prop::sample::select(&["Always", "Never", "OnFailure"][..])),
+    )
         .prop_map(|(requests, limits, policy)| {
             let mut c = json!({ "name": "c", "image": "i" });
             let mut res = json!({});
@@ -364,7 +527,10 @@ fn random_pods_count_the_same() {
         prop::option::of(prop::collection::vec(container(), 0..4)),
         prop::option::of(quantities()),
     );
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 3000, ..ProptestConfig::default() });
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 3000,
+        ..ProptestConfig::default()
+    });
     let (fast, total) = (std::cell::Cell::new(0u32), std::cell::Cell::new(0u32));
     let result = runner.run(&strategy, |(app, init, overhead)| {
         let mut doc = review("pod_within_range.json");
@@ -422,12 +588,53 @@ proptest! {
 
 /// Pieces of JSON text, valid and not, for the scanner's grammar checks.
 const TOKENS: &[&str] = &[
-    "{", "}", "[", "]", ",", ":", "\"a\"", "\"\\u00e9\"", "\"\\ud83d\\ude00\"", "\"\\ud83d\"", "\"\\udc00\"",
-    "\"\\udfff\"", "\"\\udbff\\udfff\"", "\"\\ud800\\ud800\"", "\"\\uD83D\\uDE00\"",
-    "\"\\ud83d\\u0041\"", "\"\\x\"", "\"\\/\\b\\f\\n\\r\\t\\\"\\\\\"", "\"\\u00G0\"", "\"\u{1}\"", "\"\u{7f}\u{e9}\"", "0",
-    "-0", "01", "1.", ".5", "1.5", "-1.25", "1e5", "1E-2", "-", "+1", "true", "tru", "null", "nul", "false", " ",
-    "\t", "\n", "\r", "\u{b}", "\u{a0}", "123456789012345678901234567890", "\"$serde_json::private::RawValue\"",
-    "\"k:{\\\"name\\\":\\\"x\\\"}\"", "\"\\u0024serde_json::private::RawValue\"",
+    "{",
+    "}",
+    "[",
+    "]",
+    ",",
+    ":",
+    "\"a\"",
+    "\"\\u00e9\"",
+    "\"\\ud83d\\ude00\"",
+    "\"\\ud83d\"",
+    "\"\\udc00\"",
+    "\"\\udfff\"",
+    "\"\\udbff\\udfff\"",
+    "\"\\ud800\\ud800\"",
+    "\"\\uD83D\\uDE00\"",
+    "\"\\ud83d\\u0041\"",
+    "\"\\x\"",
+    "\"\\/\\b\\f\\n\\r\\t\\\"\\\\\"",
+    "\"\\u00G0\"",
+    "\"\u{1}\"",
+    "\"\u{7f}\u{e9}\"",
+    "0",
+    "-0",
+    "01",
+    "1.",
+    ".5",
+    "1.5",
+    "-1.25",
+    "1e5",
+    "1E-2",
+    "-",
+    "+1",
+    "true",
+    "tru",
+    "null",
+    "nul",
+    "false",
+    " ",
+    "\t",
+    "\n",
+    "\r",
+    "\u{b}",
+    "\u{a0}",
+    "123456789012345678901234567890",
+    "\"$serde_json::private::RawValue\"",
+    "\"k:{\\\"name\\\":\\\"x\\\"}\"",
+    "\"\\u0024serde_json::private::RawValue\"",
 ];
 
 proptest! {

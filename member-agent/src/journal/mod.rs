@@ -5,18 +5,24 @@
 //! never counted twice. The last lease received is kept too, so a restarted agent knows
 //! its epoch (and enforces the lease's fallbacks) at once.
 //!
-//! # Format (version 1)
+//! # Format (version 2)
 //!
 //! One append-only file, `journal.kvj`, in the agent's data directory:
 //!
 //! ```text
-//! header   "KVJ\0" | format version (u32 LE) = 1
+//! header   "KVJ\0" | format version (u32 LE) = 2
 //! record   payload length (u32 LE) | CRC-32 of kind and payload (u32 LE) | kind (u8) | payload
-//! kinds    1 report      JSON of the report (its `seq` inside)
-//!          2 ack         u64 LE: every report up to this sequence is acknowledged
-//!          3 lease       JSON of the lease last received
+//! kinds    2 ack         u64 LE: every report up to this sequence is acknowledged
 //!          4 last seq    u64 LE: numbering goes on after this (written when compacting)
+//!          5 report      protobuf kvota.v1.ReportRequest: the report as it is sent
+//!          6 lease       protobuf kvota.v1.Lease: the lease last received
 //! ```
+//!
+//! Reports and leases are stored as the protobuf messages they travel in, the one
+//! serialized form of each (`proto/`), checked on reading as a message from the network
+//! is. Format 1 held them as JSON of the core types (kinds 1 and 3); a format-1 file is
+//! read and rewritten in format 2 when the journal opens (an agent of format 1 refuses a
+//! format-2 file as newer; see docs/operations.md, "Upgrades").
 //!
 //! Every write that matters (a report, a lease) is followed by `fdatasync` before the
 //! call returns; so is the creation of the file and every compaction (write a new file,
@@ -31,42 +37,37 @@
 //! torn write: opening fails with an error naming the offset, and nothing is changed.
 //! A file of a newer format version than this agent knows is refused, not misread.
 //!
+//! The logic runs over a [`Disk`]: the agent's [`FileDisk`], or a simulated one (the
+//! chaos world's, with delays, failed and torn writes and crashes).
+//!
 //! An agent of an earlier version kept its journal in a sled database in the same
 //! directory. This crate does not read sled (a member cluster's agent carries no storage
 //! engine of the control plane's); the `kvota` binary reads such a journal before the
 //! agent opens its directory and hands it to [`Journal::import`].
 
+mod disk;
+mod format;
+
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvota_fairness::federation::UsageReport;
 use kvota_fairness::lease::Lease;
+
+#[cfg(any(test, feature = "fault-injection"))]
+pub use self::disk::MemDisk;
+pub use self::disk::{Disk, FileDisk};
+use self::format::{corrupt, frame, HEADER_LEN, KIND_ACK, KIND_LAST_SEQ, KIND_LEASE, KIND_REPORT, RECORD_HEAD};
+pub use self::format::{scan, Record, Scan, FORMAT_VERSION, MAX_RECORD_BYTES};
 
 /// Reports kept at most. At one report per 5 s this is about 11 days of partition; past
 /// it the oldest reports are still kept and new ones are refused, so nothing acknowledged
 /// is ever dropped silently (the agent reports the backlog as an error).
 pub const MAX_BACKLOG: usize = 200_000;
 
-/// Largest record accepted (a report for 10,000 tenants is about 1 MiB of JSON).
-pub const MAX_RECORD_BYTES: u32 = 16 << 20;
-
 /// The journal's file name in the agent's data directory.
 pub const FILE: &str = "journal.kvj";
-
-/// The format this code writes, and the newest it reads.
-pub const FORMAT_VERSION: u32 = 1;
-
-const MAGIC: &[u8; 4] = b"KVJ\0";
-const HEADER_LEN: usize = 8;
-const RECORD_HEAD: usize = 9;
-
-const KIND_REPORT: u8 = 1;
-const KIND_ACK: u8 = 2;
-const KIND_LEASE: u8 = 3;
-const KIND_LAST_SEQ: u8 = 4;
 
 /// Compact once the file is this large and at least twice what it holds live.
 const COMPACT_MIN_BYTES: u64 = 4 << 20;
@@ -75,12 +76,12 @@ const COMPACT_MIN_BYTES: u64 = 4 << 20;
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
     /// The file could not be opened, read, written or synced.
-    #[error("usage journal {path}: {what}: {source}")]
+    #[error("usage journal {file}: {what}: {source}")]
     Io {
         /// What was being done.
         what: &'static str,
-        /// The file or directory.
-        path: PathBuf,
+        /// The file.
+        file: String,
         /// Cause.
         source: std::io::Error,
     },
@@ -93,16 +94,32 @@ pub enum JournalError {
         why: String,
     },
     /// The file was written by a newer kvota.
-    #[error("usage journal {path} is format version {found}, newer than this agent reads ({FORMAT_VERSION}): run the newer agent, or move the file aside (its unacknowledged usage would be lost)")]
+    #[error("usage journal {file} is format version {found}, newer than this agent reads ({FORMAT_VERSION}): run the newer agent, or move the file aside (its unacknowledged usage would be lost)")]
     Newer {
         /// The file.
-        path: PathBuf,
+        file: String,
         /// Its version.
         found: u32,
     },
     /// Too many unacknowledged reports.
-    #[error("usage journal holds {0} unacknowledged reports (limit {MAX_BACKLOG}); the control plane has been unreachable too long")]
-    Full(usize),
+    #[error("usage journal holds {held} unacknowledged reports (limit {limit}); the control plane has been unreachable too long")]
+    Full {
+        /// Reports held.
+        held: usize,
+        /// The journal's limit.
+        limit: usize,
+    },
+}
+
+impl JournalError {
+    /// Whether the journal refused a write for lack of room (the device full, or the
+    /// backlog at its limit), as opposed to damage or a device that fails otherwise.
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            JournalError::Full { .. } => true,
+            JournalError::Io { .. } | JournalError::Corrupt { .. } | JournalError::Newer { .. } => false,
+        }
+    }
 }
 
 /// What was found when opening (for the log).
@@ -110,6 +127,8 @@ pub enum JournalError {
 pub struct Opened {
     /// Bytes of a torn last record cut off.
     pub torn_bytes: u64,
+    /// The file was of format 1 and was rewritten in the current format.
+    pub migrated_from: Option<u32>,
 }
 
 /// What a journal of an earlier format held, for [`Journal::import`].
@@ -123,10 +142,23 @@ pub struct Imported {
     pub lease: Option<Lease>,
 }
 
-#[derive(Debug)]
+/// How a journal is opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Unacknowledged reports kept at most ([`MAX_BACKLOG`] by default).
+    pub max_backlog: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            max_backlog: MAX_BACKLOG,
+        }
+    }
+}
+
 struct Inner {
-    path: PathBuf,
-    file: File,
+    disk: Box<dyn Disk>,
     /// Unacknowledged reports: sequence -> where the record's payload is.
     index: BTreeMap<u64, (u64, u32)>,
     last_seq: u64,
@@ -135,6 +167,7 @@ struct Inner {
     len: u64,
     /// Bytes of the live records (reports kept, lease, header).
     live: u64,
+    max_backlog: usize,
 }
 
 /// What readers that must not wait on the disk see of the journal (metrics, logs):
@@ -166,8 +199,12 @@ impl std::ops::DerefMut for Locked<'_> {
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        self.seen.backlog.store(self.g.index.len(), std::sync::atomic::Ordering::SeqCst);
-        self.seen.last_seq.store(self.g.last_seq, std::sync::atomic::Ordering::SeqCst);
+        self.seen
+            .backlog
+            .store(self.g.index.len(), std::sync::atomic::Ordering::SeqCst);
+        self.seen
+            .last_seq
+            .store(self.g.last_seq, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -189,15 +226,6 @@ pub struct Journal {
     inner: Arc<Mutex<Inner>>,
     seen: Arc<Seen>,
     opened: Opened,
-    /// Tests: lease writes fail as on a full disk.
-    #[cfg(test)]
-    fail_lease_writes: Arc<std::sync::atomic::AtomicBool>,
-    /// Tests: report writes fail as on a full disk.
-    #[cfg(test)]
-    fail_report_writes: Arc<std::sync::atomic::AtomicBool>,
-    /// Tests: a backlog limit below [`MAX_BACKLOG`] (0: none).
-    #[cfg(test)]
-    test_max_backlog: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for Journal {
@@ -206,172 +234,39 @@ impl std::fmt::Debug for Journal {
     }
 }
 
-fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> JournalError + 'a {
-    move |source| JournalError::Io { what, path: path.to_path_buf(), source }
-}
-
-fn corrupt(what: &'static str, why: String) -> JournalError {
-    JournalError::Corrupt { what, why }
-}
-
-fn crc(kind: u8, payload: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&[kind]);
-    h.update(payload);
-    h.finalize()
-}
-
-/// One record, framed.
-fn frame(kind: u8, payload: &[u8]) -> Result<Vec<u8>, JournalError> {
-    let len = u32::try_from(payload.len()).ok().filter(|l| *l <= MAX_RECORD_BYTES).ok_or_else(|| {
-        corrupt("record", format!("{} bytes is larger than the {MAX_RECORD_BYTES} a record may hold", payload.len()))
-    })?;
-    let mut out = Vec::with_capacity(RECORD_HEAD + payload.len());
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&crc(kind, payload).to_le_bytes());
-    out.push(kind);
-    out.extend_from_slice(payload);
-    Ok(out)
-}
-
-fn header() -> [u8; 8] {
-    let mut h = [0u8; 8];
-    h[..4].copy_from_slice(MAGIC);
-    h[4..].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-    h
-}
-
-/// A decoded record.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Record {
-    /// A report written (its payload is at `offset`, `len` bytes).
-    Report {
-        /// Its sequence number.
-        seq: u64,
-        /// Where its payload starts in the file.
-        offset: u64,
-        /// Payload length.
-        len: u32,
-    },
-    /// Every report up to `seq` is acknowledged.
-    Ack(u64),
-    /// The lease last received.
-    Lease(Box<Lease>),
-    /// Numbering goes on after this.
-    LastSeq(u64),
-}
-
-/// What reading a journal's bytes gives: the records, and where the good part ends.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Scan {
-    /// The records, in order.
-    pub records: Vec<Record>,
-    /// Length of the good part (header and whole, checked records).
-    pub good_len: u64,
-}
-
-/// Reads a journal file's bytes (see the module docs): the header, then records up to
-/// the end or to a torn last record. Never panics, whatever the bytes.
-pub fn scan(bytes: &[u8], path: &Path) -> Result<Scan, JournalError> {
-    if bytes.len() < HEADER_LEN {
-        // A file cut before its header was complete: nothing in it was acknowledged.
-        return Ok(Scan { records: Vec::new(), good_len: 0 });
-    }
-    if &bytes[..4] != MAGIC {
-        return Err(corrupt("header", format!("{} is not a kvota usage journal (magic {:?})", path.display(), &bytes[..4])));
-    }
-    let version = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
-    if version > FORMAT_VERSION {
-        return Err(JournalError::Newer { path: path.to_path_buf(), found: version });
-    }
-    if version == 0 {
-        return Err(corrupt("header", "format version 0".into()));
-    }
-    let mut records = Vec::new();
-    let mut at = HEADER_LEN;
-    while at < bytes.len() {
-        let rest = &bytes[at..];
-        if rest.len() < RECORD_HEAD {
-            break; // torn: the head itself is cut
-        }
-        let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
-        let sum = u32::from_le_bytes([rest[4], rest[5], rest[6], rest[7]]);
-        let kind = rest[8];
-        let end = RECORD_HEAD.saturating_add(len as usize);
-        if len > MAX_RECORD_BYTES || end > rest.len() {
-            // Declares more than the file holds: a write cut short (or a length field
-            // torn mid-write). Nothing after it can be read.
-            break;
-        }
-        let payload = &rest[RECORD_HEAD..end];
-        if crc(kind, payload) != sum {
-            if at + end == bytes.len() {
-                break; // the last record, torn: cut it
-            }
-            return Err(corrupt(
-                "record",
-                format!("checksum mismatch at offset {at} of {} with {} more bytes after it: the file is damaged", path.display(), bytes.len() - at - end),
-            ));
-        }
-        let bad = |what: &str, e: String| corrupt("record", format!("{what} at offset {at}: {e}"));
-        let rec = match kind {
-            KIND_REPORT => {
-                let r: UsageReport = serde_json::from_slice(payload).map_err(|e| bad("report", e.to_string()))?;
-                Record::Report { seq: r.seq, offset: (at + RECORD_HEAD) as u64, len }
-            }
-            KIND_ACK | KIND_LAST_SEQ => {
-                let b: [u8; 8] = payload.try_into().map_err(|_| bad("sequence number", format!("{len} bytes")))?;
-                let n = u64::from_le_bytes(b);
-                if kind == KIND_ACK {
-                    Record::Ack(n)
-                } else {
-                    Record::LastSeq(n)
-                }
-            }
-            KIND_LEASE => Record::Lease(Box::new(serde_json::from_slice(payload).map_err(|e| bad("lease", e.to_string()))?)),
-            other => return Err(bad("record", format!("unknown kind {other} (written by a newer agent?)"))),
-        };
-        records.push(rec);
-        at += end;
-    }
-    Ok(Scan { records, good_len: at as u64 })
-}
-
-fn sync_dir(dir: &Path) -> Result<(), JournalError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io("sync directory", dir))
+fn io_err(what: &'static str, disk: &dyn Disk) -> impl FnOnce(std::io::Error) -> JournalError {
+    let file = disk.describe();
+    move |source| JournalError::Io { what, file, source }
 }
 
 impl Inner {
     fn append(&mut self, bytes: &[u8], sync: bool) -> Result<u64, JournalError> {
         let at = self.len;
-        let path = self.path.clone();
-        self.file.seek(SeekFrom::Start(at)).map_err(io("seek", &path))?;
-        if let Err(e) = self.file.write_all(bytes) {
+        if let Err(e) = self.disk.write_at(at, bytes) {
             // Leave no half record before the next one: cut back to where it began.
-            let _ = self.file.set_len(at);
-            return Err(io("write", &path)(e));
+            let _ = self.disk.set_len(at);
+            return Err(io_err("write", &*self.disk)(e));
         }
         if sync {
-            self.file.sync_data().map_err(io("fdatasync", &path))?;
+            self.disk.sync().map_err(io_err("fdatasync", &*self.disk))?;
         }
         self.len = at + bytes.len() as u64;
         Ok(at)
     }
 
     fn read_report(&mut self, offset: u64, len: u32) -> Result<UsageReport, JournalError> {
-        let path = self.path.clone();
-        let mut buf = vec![0u8; len as usize];
-        self.file.seek(SeekFrom::Start(offset)).map_err(io("seek", &path))?;
-        self.file.read_exact(&mut buf).map_err(io("read", &path))?;
-        serde_json::from_slice(&buf).map_err(|e| corrupt("report", format!("at offset {offset}: {e}")))
+        let buf = self
+            .disk
+            .read_at(offset, len as usize)
+            .map_err(io_err("read", &*self.disk))?;
+        format::decode_report(KIND_REPORT, &buf).map_err(|e| corrupt("report", format!("at offset {offset}: {e}")))
     }
 
     /// Writes a new file holding only what is live (`reports` in order, the last
-    /// sequence number, the lease), syncs it, and puts it in place of the old one.
+    /// sequence number, the lease), durably, in place of the old one.
     fn rewrite(&mut self, reports: &[UsageReport], last_seq: u64) -> Result<(), JournalError> {
         let (bytes, index) = file_bytes(reports, last_seq, self.lease.as_ref())?;
-        put_in_place(&self.path, &bytes)?;
-        self.file = OpenOptions::new().read(true).write(true).open(&self.path).map_err(io("reopen", &self.path))?;
+        self.disk.replace(&bytes).map_err(io_err("replace", &*self.disk))?;
         self.index = index;
         self.last_seq = last_seq;
         self.len = bytes.len() as u64;
@@ -397,15 +292,19 @@ impl Inner {
 /// A whole journal file holding `reports` (in order), the last sequence number and the
 /// lease; with where each report's payload is.
 #[allow(clippy::type_complexity)]
-fn file_bytes(reports: &[UsageReport], last_seq: u64, lease: Option<&Lease>) -> Result<(Vec<u8>, BTreeMap<u64, (u64, u32)>), JournalError> {
-    let mut bytes = header().to_vec();
+fn file_bytes(
+    reports: &[UsageReport],
+    last_seq: u64,
+    lease: Option<&Lease>,
+) -> Result<(Vec<u8>, BTreeMap<u64, (u64, u32)>), JournalError> {
+    let mut bytes = format::header().to_vec();
     bytes.extend(frame(KIND_LAST_SEQ, &last_seq.to_le_bytes())?);
     if let Some(l) = lease {
-        bytes.extend(frame(KIND_LEASE, &serde_json::to_vec(l).map_err(|e| corrupt("lease", e.to_string()))?)?);
+        bytes.extend(frame(KIND_LEASE, &format::lease_payload(l))?);
     }
     let mut index = BTreeMap::new();
     for r in reports {
-        let payload = serde_json::to_vec(r).map_err(|e| corrupt("report", e.to_string()))?;
+        let payload = format::report_payload(r);
         let offset = (bytes.len() + RECORD_HEAD) as u64;
         let len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
         bytes.extend(frame(KIND_REPORT, &payload)?);
@@ -414,79 +313,86 @@ fn file_bytes(reports: &[UsageReport], last_seq: u64, lease: Option<&Lease>) -> 
     Ok((bytes, index))
 }
 
-/// Writes `bytes` to a temporary file beside `path`, syncs it, renames it to `path` and
-/// syncs the directory: a crash leaves the old file or the new one, never a part.
-fn put_in_place(path: &Path, bytes: &[u8]) -> Result<(), JournalError> {
-    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    let tmp = path.with_extension("kvj.tmp");
-    {
-        let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
-        f.write_all(bytes).map_err(io("write", &tmp))?;
-        f.sync_all().map_err(io("fsync", &tmp))?;
+/// What a file's records leave live: unacknowledged reports (where they are), the last
+/// sequence number, the lease.
+fn replay(inner: &mut Inner, records: Vec<Record>) {
+    for rec in records {
+        match rec {
+            Record::Report { seq, offset, len, .. } => {
+                inner.index.insert(seq, (offset, len));
+                inner.last_seq = inner.last_seq.max(seq);
+            }
+            Record::Ack(through) => {
+                inner.index.retain(|s, _| *s > through);
+            }
+            Record::Lease(l) => inner.lease = Some(*l),
+            Record::LastSeq(n) => {
+                // A compaction (or renumbering) starts numbering here: what came
+                // before it in the file is gone.
+                inner.last_seq = n;
+            }
+        }
     }
-    std::fs::rename(&tmp, path).map_err(io("rename into place", path))?;
-    sync_dir(&dir)
 }
 
 impl Journal {
     /// Opens (or creates) the journal in directory `dir`.
     pub fn open(dir: &Path) -> Result<Journal, JournalError> {
-        std::fs::create_dir_all(dir).map_err(io("create directory", dir))?;
-        let path = dir.join(FILE);
+        Journal::open_on(Box::new(FileDisk::new(dir, FILE)), Options::default())
+    }
+
+    /// Opens (or creates) the journal on `disk`.
+    pub fn open_on(mut disk: Box<dyn Disk>, options: Options) -> Result<Journal, JournalError> {
+        let bytes = disk.open().map_err(io_err("open", &*disk))?;
+        let file = disk.describe();
+        let scan = scan(&bytes, &file)?;
+        let mut inner = Inner {
+            disk,
+            index: BTreeMap::new(),
+            last_seq: 0,
+            lease: None,
+            len: 0,
+            live: 0,
+            max_backlog: options.max_backlog,
+        };
         let mut opened = Opened::default();
-        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io("open", &path))?;
-        let mut bytes = Vec::new();
-        file.read_to_end(&mut bytes).map_err(io("read", &path))?;
-        let scan = scan(&bytes, &path)?;
-        let mut inner = Inner { path: path.clone(), file, index: BTreeMap::new(), last_seq: 0, lease: None, len: 0, live: 0 };
         if scan.good_len < HEADER_LEN as u64 {
             // New (or cut before its header): start it, durably, with the directory entry.
-            inner.file.set_len(0).map_err(io("truncate", &path))?;
-            inner.append(&header(), true)?;
-            sync_dir(dir)?;
+            inner.disk.set_len(0).map_err(io_err("truncate", &*inner.disk))?;
+            inner.append(&format::header(), true)?;
+            inner.disk.sync_dir().map_err(io_err("sync directory", &*inner.disk))?;
         } else {
             if scan.good_len < bytes.len() as u64 {
                 opened.torn_bytes = bytes.len() as u64 - scan.good_len;
-                inner.file.set_len(scan.good_len).map_err(io("cut the torn tail", &path))?;
-                inner.file.sync_data().map_err(io("fdatasync", &path))?;
-                tracing::warn!(path = %path.display(), bytes = opened.torn_bytes, "usage journal: cut a torn last record (a write interrupted by a crash; it was never acknowledged)");
+                inner
+                    .disk
+                    .set_len(scan.good_len)
+                    .map_err(io_err("cut the torn tail", &*inner.disk))?;
+                inner.disk.sync().map_err(io_err("fdatasync", &*inner.disk))?;
+                tracing::warn!(file = %file, bytes = opened.torn_bytes, "usage journal: cut a torn last record (a write interrupted by a crash; it was never acknowledged)");
             }
             inner.len = scan.good_len;
         }
-        for rec in scan.records {
-            match rec {
-                Record::Report { seq, offset, len } => {
-                    inner.index.insert(seq, (offset, len));
-                    inner.last_seq = inner.last_seq.max(seq);
-                }
-                Record::Ack(through) => {
-                    inner.index.retain(|s, _| *s > through);
-                }
-                Record::Lease(l) => inner.lease = Some(*l),
-                Record::LastSeq(n) => {
-                    // A compaction (or renumbering) starts numbering here: what came
-                    // before it in the file is gone.
-                    inner.last_seq = n;
-                }
-            }
+        if scan.version == 1 {
+            migrate_v1(&mut inner, &bytes, scan.records)?;
+            opened.migrated_from = Some(1);
+            tracing::info!(file = %file, "usage journal: rewritten from format 1 in format {FORMAT_VERSION}");
+        } else {
+            replay(&mut inner, scan.records);
         }
         inner.live = inner.len;
-        let seen = Seen { backlog: inner.index.len().into(), last_seq: inner.last_seq.into() };
+        let seen = Seen {
+            backlog: inner.index.len().into(),
+            last_seq: inner.last_seq.into(),
+        };
         Ok(Journal {
             inner: Arc::new(Mutex::new(inner)),
             seen: Arc::new(seen),
             opened,
-            #[cfg(test)]
-            fail_lease_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            #[cfg(test)]
-            fail_report_writes: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            #[cfg(test)]
-            test_max_backlog: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         })
     }
 
-    /// Whether directory `dir` holds a journal file of this format (a new agent's
-    /// directory does not).
+    /// Whether directory `dir` holds a journal file (a new agent's directory does not).
     pub fn exists_in(dir: &Path) -> bool {
         dir.join(FILE).exists()
     }
@@ -494,76 +400,75 @@ impl Journal {
     /// Creates the journal in `dir` holding what a journal of an earlier format held
     /// (durably, before this returns), for the caller that read that format.
     ///
-    /// Refused if `dir` already holds a journal of this format: that one is newer than
-    /// anything an earlier format could hold, and nothing in it is overwritten.
+    /// Refused if `dir` already holds a journal file: that one is newer than anything
+    /// an earlier format could hold, and nothing in it is overwritten.
     pub fn import(dir: &Path, old: Imported) -> Result<Journal, JournalError> {
         if Journal::exists_in(dir) {
             return Err(corrupt(
                 "import",
-                format!("{} already holds a usage journal; an earlier format is not imported over it", dir.display()),
+                format!(
+                    "{} already holds a usage journal; an earlier format is not imported over it",
+                    dir.display()
+                ),
             ));
         }
         // The whole file is written aside and renamed into place: a crash part-way
         // leaves no journal (the earlier one is imported again at the next start),
         // never an empty one that would hide it.
-        std::fs::create_dir_all(dir).map_err(io("create directory", dir))?;
+        let mut disk = FileDisk::new(dir, FILE);
         let last = old.last_seq.max(old.reports.iter().map(|r| r.seq).max().unwrap_or(0));
         let (bytes, _) = file_bytes(&old.reports, last, old.lease.as_ref())?;
-        put_in_place(&dir.join(FILE), &bytes)?;
+        std::fs::create_dir_all(dir).map_err(io_err("create directory", &disk))?;
+        disk.replace(&bytes).map_err(io_err("write", &disk))?;
         Journal::open(dir)
     }
 
     fn lock(&self) -> Locked<'_> {
-        Locked { g: self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner), seen: &self.seen }
+        Locked {
+            g: self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            seen: &self.seen,
+        }
     }
 
-    /// Holds the journal as a write that takes long (a slow fdatasync) would, until the
-    /// guard drops: for tests of what must not wait on the disk.
-    #[cfg(test)]
-    pub(crate) fn hold(&self) -> impl Drop + '_ {
-        self.lock()
-    }
-
-    /// What opening found (a torn tail cut).
+    /// What opening found (a torn tail cut, a migration).
     pub fn opened(&self) -> &Opened {
         &self.opened
     }
 
     /// The last sequence number written (0: none yet). Never waits on the disk.
-    pub fn last_seq(&self) -> Result<u64, JournalError> {
-        Ok(self.seen.last_seq.load(std::sync::atomic::Ordering::SeqCst))
+    pub fn last_seq(&self) -> u64 {
+        self.seen.last_seq.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Assigns the next sequence number to the report `build` makes, writes it durably
-    /// (fdatasync) and returns it, ready to send.
+    /// (fdatasync) and returns it, ready to send. Refused ([`JournalError::Full`]) when
+    /// the journal holds its limit of unacknowledged reports.
     pub fn write(&self, build: impl FnOnce(u64) -> UsageReport) -> Result<UsageReport, JournalError> {
         on_disk(|| self.write_locked(build))
     }
 
     fn write_locked(&self, build: impl FnOnce(u64) -> UsageReport) -> Result<UsageReport, JournalError> {
         let mut g = self.lock();
-        let backlog = g.index.len();
-        #[cfg(test)]
-        {
-            let limit = self.test_max_backlog.load(std::sync::atomic::Ordering::SeqCst);
-            if limit > 0 && backlog >= limit {
-                return Err(JournalError::Full(backlog));
-            }
-        }
-        if backlog >= MAX_BACKLOG {
-            return Err(JournalError::Full(backlog));
+        let held = g.index.len();
+        if held >= g.max_backlog {
+            return Err(JournalError::Full {
+                held,
+                limit: g.max_backlog,
+            });
         }
         let seq = g.last_seq + 1;
         let mut report = build(seq);
         report.seq = seq;
-        let payload = serde_json::to_vec(&report).map_err(|e| corrupt("report", e.to_string()))?;
+        let payload = format::report_payload(&report);
         let bytes = frame(KIND_REPORT, &payload)?;
-        #[cfg(test)]
-        if self.fail_report_writes.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(JournalError::Io { what: "write a report", path: PathBuf::from("(test)"), source: std::io::Error::other("no space left on device") });
-        }
         let at = g.append(&bytes, true)?;
-        g.index.insert(seq, (at + RECORD_HEAD as u64, u32::try_from(payload.len()).unwrap_or(u32::MAX)));
+        g.index.insert(
+            seq,
+            (
+                at + RECORD_HEAD as u64,
+                u32::try_from(payload.len()).unwrap_or(u32::MAX),
+            ),
+        );
         g.last_seq = seq;
         g.live += bytes.len() as u64;
         Ok(report)
@@ -579,7 +484,11 @@ impl Journal {
     /// [`Journal::renumber_from`] for the reports `keep` accepts; the others are dropped.
     /// Returns how many were kept and how many dropped. Durable when it returns (the
     /// file is rewritten and synced).
-    pub fn renumber_keeping(&self, first: u64, keep: impl Fn(&UsageReport) -> bool) -> Result<(usize, usize), JournalError> {
+    pub fn renumber_keeping(
+        &self,
+        first: u64,
+        keep: impl Fn(&UsageReport) -> bool,
+    ) -> Result<(usize, usize), JournalError> {
         on_disk(|| self.renumber_locked(first, keep))
     }
 
@@ -619,42 +528,22 @@ impl Journal {
         if g.index.keys().next().is_none_or(|s| *s > seq) {
             return Ok(());
         }
-        let gone: u64 = g.index.range(..=seq).map(|(_, (_, l))| u64::from(*l) + RECORD_HEAD as u64).sum();
+        let gone: u64 = g
+            .index
+            .range(..=seq)
+            .map(|(_, (_, l))| u64::from(*l) + RECORD_HEAD as u64)
+            .sum();
         g.index.retain(|s, _| *s > seq);
         g.live = g.live.saturating_sub(gone);
         g.append(&frame(KIND_ACK, &seq.to_le_bytes())?, false)?;
         g.maybe_compact()
     }
 
-    /// Tests: lease writes fail (`true`) as on a full disk, or work again.
-    #[cfg(test)]
-    pub(crate) fn fail_lease_writes(&self, fail: bool) {
-        self.fail_lease_writes.store(fail, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Tests: the journal holds at most `limit` unacknowledged reports (0: only
-    /// [`MAX_BACKLOG`]), so that a test reaches the limit in a few writes.
-    #[cfg(test)]
-    pub(crate) fn set_test_max_backlog(&self, limit: usize) {
-        self.test_max_backlog.store(limit, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Tests: report writes fail (`true`) as on a full disk, or work again.
-    #[cfg(test)]
-    pub(crate) fn fail_report_writes(&self, fail: bool) {
-        self.fail_report_writes.store(fail, std::sync::atomic::Ordering::SeqCst);
-    }
-
     /// Keeps the lease last received (fdatasync), for a restart.
     pub fn save_lease(&self, lease: &Lease) -> Result<(), JournalError> {
-        #[cfg(test)]
-        if self.fail_lease_writes.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(JournalError::Io { what: "write the lease", path: PathBuf::from("(test)"), source: std::io::Error::other("no space left on device") });
-        }
         on_disk(|| {
             let mut g = self.lock();
-            let payload = serde_json::to_vec(lease).map_err(|e| corrupt("lease", e.to_string()))?;
-            let bytes = frame(KIND_LEASE, &payload)?;
+            let bytes = frame(KIND_LEASE, &format::lease_payload(lease))?;
             g.append(&bytes, true)?;
             g.lease = Some(lease.clone());
             g.maybe_compact()
@@ -662,18 +551,46 @@ impl Journal {
     }
 
     /// The lease last saved, if any.
-    pub fn load_lease(&self) -> Result<Option<Lease>, JournalError> {
-        Ok(on_disk(|| self.lock().lease.clone()))
+    pub fn load_lease(&self) -> Option<Lease> {
+        on_disk(|| self.lock().lease.clone())
     }
+}
+
+/// Reads what a format-1 file holds (reports and lease as JSON) and rewrites it, whole
+/// and durably, in the current format.
+fn migrate_v1(inner: &mut Inner, bytes: &[u8], records: Vec<Record>) -> Result<(), JournalError> {
+    let mut reports: BTreeMap<u64, UsageReport> = BTreeMap::new();
+    let mut last_seq = 0;
+    for rec in records {
+        match rec {
+            Record::Report { seq, offset, len, kind } => {
+                let start = usize::try_from(offset).unwrap_or(usize::MAX);
+                let payload = start
+                    .checked_add(len as usize)
+                    .and_then(|end| bytes.get(start..end))
+                    .ok_or_else(|| corrupt("report", format!("at offset {offset}: past the end")))?;
+                let r = format::decode_report(kind, payload)
+                    .map_err(|e| corrupt("report", format!("at offset {offset}: {e}")))?;
+                reports.insert(seq, r);
+                last_seq = last_seq.max(seq);
+            }
+            Record::Ack(through) => reports.retain(|s, _| *s > through),
+            Record::Lease(l) => inner.lease = Some(*l),
+            Record::LastSeq(n) => last_seq = n,
+        }
+    }
+    let reports: Vec<UsageReport> = reports.into_values().collect();
+    inner.rewrite(&reports, last_seq)
 }
 
 #[cfg(test)]
 mod tests {
-    use kvota_fairness::names::ClusterName;
-    use kvota_fairness::names::TenantName;
+    use super::format::header;
     use super::*;
     use kvota_fairness::federation::TenantReport;
     use kvota_fairness::lease::{AgentLease, LeaseStatus, TenantBudget};
+    use kvota_fairness::names::ClusterName;
+    use kvota_fairness::names::TenantName;
     use proptest::prelude::*;
 
     fn report(used: u64) -> impl FnOnce(u64) -> UsageReport {
@@ -682,10 +599,21 @@ mod tests {
             seq,
             held_epoch: 3,
             capacity: None,
-            tenants: [(TenantName::from_static("training"), TenantReport { used_milli_gpue_ms: used, inuse: 1_000, pending: 0, largest: 0 })].into(),
+            tenants: [(
+                TenantName::from_static("training"),
+                TenantReport {
+                    used_milli_gpue_ms: used,
+                    inuse: 1_000,
+                    pending: 0,
+                    largest: 0,
+                    borrowed: 0,
+                },
+            )]
+            .into(),
             evictions: Vec::new(),
             decisions: Vec::new(),
             window: None,
+            status: None,
         }
     }
 
@@ -696,9 +624,18 @@ mod tests {
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 1,
-            budgets: [(TenantName::from_static("training"), TenantBudget { budget: 8_000, fallback: 3_000, entitlement: 9_000, borrow: 0, ceiling: 0 })]
-                .into_iter()
-                .collect::<BTreeMap<_, _>>(),
+            budgets: [(
+                TenantName::from_static("training"),
+                TenantBudget {
+                    budget: 8_000,
+                    fallback: 3_000,
+                    entitlement: 9_000,
+                    borrow: 0,
+                    ceiling: 0,
+                },
+            )]
+            .into_iter()
+            .collect::<BTreeMap<_, _>>(),
         }
     }
 
@@ -714,8 +651,12 @@ mod tests {
             assert_eq!(j.renumber_keeping(10, |r| used(r) != 20).expect("renumber"), (2, 1));
         }
         let j = Journal::open(dir.path()).expect("reopen");
-        let left: Vec<(u64, u64)> =
-            j.unacked(10).expect("unacked").iter().map(|r| (r.seq, r.tenants["training"].used_milli_gpue_ms)).collect();
+        let left: Vec<(u64, u64)> = j
+            .unacked(10)
+            .expect("unacked")
+            .iter()
+            .map(|r| (r.seq, r.tenants["training"].used_milli_gpue_ms))
+            .collect();
         assert_eq!(left, vec![(10, 10), (11, 30)]);
         assert_eq!(j.write(report(40)).expect("w").seq, 12, "numbering goes on after them");
         // Nothing left to renumber: the next number still follows `first`.
@@ -723,7 +664,14 @@ mod tests {
         assert_eq!(j.renumber_from(100).expect("renumber"), 0);
         assert_eq!(j.write(report(50)).expect("w").seq, 100);
         drop(j);
-        assert_eq!(Journal::open(dir.path()).expect("reopen").write(report(60)).expect("w").seq, 101);
+        assert_eq!(
+            Journal::open(dir.path())
+                .expect("reopen")
+                .write(report(60))
+                .expect("w")
+                .seq,
+            101
+        );
     }
 
     #[test]
@@ -751,8 +699,11 @@ mod tests {
     #[test]
     fn a_restarted_agent_enforces_the_saved_lease_fallback_at_once() {
         let dir = tempfile::tempdir().expect("tmp");
-        Journal::open(dir.path()).expect("open").save_lease(&lease()).expect("save");
-        let back = Journal::open(dir.path()).expect("reopen").load_lease().expect("load").expect("some");
+        Journal::open(dir.path())
+            .expect("open")
+            .save_lease(&lease())
+            .expect("save");
+        let back = Journal::open(dir.path()).expect("reopen").load_lease().expect("some");
         assert_eq!(back, lease());
         let agent = AgentLease::restored(back);
         assert_eq!(agent.held_epoch(), 7);
@@ -774,7 +725,7 @@ mod tests {
         // Cut anywhere inside the last record: reports 1 and 2 survive, the file is
         // truncated to them, and numbering goes on from 3.
         let last_start = {
-            let s = scan(&good, &path).expect("scan");
+            let s = scan(&good, "test").expect("scan");
             match s.records.last() {
                 Some(Record::Report { offset, .. }) => *offset - RECORD_HEAD as u64,
                 other => panic!("{other:?}"),
@@ -784,8 +735,15 @@ mod tests {
             std::fs::write(&path, &good[..usize::try_from(cut).expect("small")]).expect("write");
             let j = Journal::open(dir.path()).expect("open a torn journal");
             assert_eq!(j.opened().torn_bytes, cut - last_start);
-            assert_eq!(j.unacked(10).expect("read").iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2]);
-            assert_eq!(std::fs::metadata(&path).expect("meta").len(), last_start, "truncated to the good part");
+            assert_eq!(
+                j.unacked(10).expect("read").iter().map(|r| r.seq).collect::<Vec<_>>(),
+                [1, 2]
+            );
+            assert_eq!(
+                std::fs::metadata(&path).expect("meta").len(),
+                last_start,
+                "truncated to the good part"
+            );
             assert_eq!(j.write(report(99)).expect("w").seq, 3);
         }
         // A flipped byte in the last record: torn, cut.
@@ -800,7 +758,10 @@ mod tests {
         bad[HEADER_LEN + RECORD_HEAD + 3] ^= 0x40;
         std::fs::write(&path, &bad).expect("write");
         let e = Journal::open(dir.path()).expect_err("damage");
-        assert!(e.to_string().contains("checksum mismatch at offset 8") && e.to_string().contains("damaged"), "{e}");
+        assert!(
+            e.to_string().contains("checksum mismatch at offset 8") && e.to_string().contains("damaged"),
+            "{e}"
+        );
         assert_eq!(std::fs::read(&path).expect("read"), bad, "nothing changed");
     }
 
@@ -812,15 +773,24 @@ mod tests {
         newer[4..].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
         std::fs::write(&path, newer).expect("write");
         let e = Journal::open(dir.path()).expect_err("newer");
-        assert!(matches!(e, JournalError::Newer { found: 2, .. }) && e.to_string().contains("newer than this agent reads"), "{e}");
+        assert!(
+            matches!(e, JournalError::Newer { found: 3, .. }) && e.to_string().contains("newer than this agent reads"),
+            "{e}"
+        );
         std::fs::write(&path, b"{\"not\": \"a journal\"}").expect("write");
-        assert!(Journal::open(dir.path()).expect_err("foreign").to_string().contains("not a kvota usage journal"));
+        assert!(Journal::open(dir.path())
+            .expect_err("foreign")
+            .to_string()
+            .contains("not a kvota usage journal"));
         // A record of a kind this version does not know.
         let mut unknown = header().to_vec();
-        unknown.extend(frame(42, b"?").expect("frame"));
-        unknown.extend(frame(KIND_ACK, &1u64.to_le_bytes()).expect("frame"));
+        unknown.extend(format::frame(42, b"?").expect("frame"));
+        unknown.extend(format::frame(KIND_ACK, &1u64.to_le_bytes()).expect("frame"));
         std::fs::write(&path, unknown).expect("write");
-        assert!(Journal::open(dir.path()).expect_err("unknown kind").to_string().contains("unknown kind 42"));
+        assert!(Journal::open(dir.path())
+            .expect_err("unknown kind")
+            .to_string()
+            .contains("unknown kind 42"));
     }
 
     #[test]
@@ -830,8 +800,17 @@ mod tests {
         j.save_lease(&lease()).expect("lease");
         let big = |seq| {
             let mut r = report(seq)(seq);
-            for i in 0..400 {
-                r.tenants.insert(TenantName::parse(format!("tenant-{i:04}")).expect("name"), TenantReport { used_milli_gpue_ms: seq, inuse: 1, pending: 2, largest: 0 });
+            for i in 0..1_000 {
+                r.tenants.insert(
+                    TenantName::parse(format!("tenant-{i:04}")).expect("name"),
+                    TenantReport {
+                        used_milli_gpue_ms: seq,
+                        inuse: 1,
+                        pending: 2,
+                        largest: 0,
+                        borrowed: 0,
+                    },
+                );
             }
             r
         };
@@ -848,8 +827,11 @@ mod tests {
         assert!(sizes.windows(2).any(|w| w[1] < w[0]), "never compacted");
         drop(j);
         let j = Journal::open(dir.path()).expect("reopen");
-        assert_eq!(j.unacked(10).expect("read").iter().map(|r| r.seq).collect::<Vec<_>>(), [399, 400]);
-        assert_eq!(j.load_lease().expect("lease"), Some(lease()));
+        assert_eq!(
+            j.unacked(10).expect("read").iter().map(|r| r.seq).collect::<Vec<_>>(),
+            [399, 400]
+        );
+        assert_eq!(j.load_lease(), Some(lease()));
         assert_eq!(j.write(report(1)).expect("w").seq, 401);
     }
 
@@ -860,7 +842,7 @@ mod tests {
         fn scanning_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..2048), with_header in any::<bool>()) {
             let mut input = if with_header { header().to_vec() } else { Vec::new() };
             input.extend(bytes);
-            if let Ok(s) = scan(&input, Path::new("fuzz")) {
+            if let Ok(s) = scan(&input, "fuzz") {
                 prop_assert!(usize::try_from(s.good_len).is_ok_and(|g| g <= input.len()));
             }
         }
@@ -874,27 +856,104 @@ mod tests {
             flip in proptest::option::of((any::<prop::sample::Index>(), 1u8..=255)),
             cut in any::<prop::sample::Index>(),
         ) {
-            let dir = tempfile::tempdir().expect("tmp");
-            let path = dir.path().join(FILE);
+            let disk = MemDisk::new();
             {
-                let j = Journal::open(dir.path()).expect("open");
+                let j = Journal::open_on(Box::new(disk.clone()), Options::default()).expect("open");
                 for i in 0..n {
                     j.write(report(u64::try_from(i).unwrap_or(0) * 10)).expect("w");
                 }
             }
-            let mut bytes = std::fs::read(&path).expect("read");
+            let mut bytes = disk.bytes();
             if let Some((i, x)) = flip {
                 let i = i.index(bytes.len());
                 bytes[i] ^= x;
             }
             let keep = cut.index(bytes.len() + 1);
             bytes.truncate(keep);
-            std::fs::write(&path, &bytes).expect("write");
-            if let Ok(j) = Journal::open(dir.path()) {
+            let damaged = MemDisk::with_bytes(bytes);
+            if let Ok(j) = Journal::open_on(Box::new(damaged), Options::default()) {
                 let seqs: Vec<u64> = j.unacked(100).expect("read").iter().map(|r| r.seq).collect();
                 let want: Vec<u64> = (1..=u64::try_from(seqs.len()).unwrap_or(0)).collect();
                 prop_assert_eq!(seqs, want);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod migration {
+    use super::format::{header_of, v1_file};
+    use super::*;
+    use kvota_fairness::federation::{TenantReport, UsageWindow};
+    use kvota_fairness::lease::TenantBudget;
+    use kvota_fairness::names::{ClusterName, TenantName};
+
+    fn report(seq: u64) -> UsageReport {
+        UsageReport {
+            cluster: ClusterName::from_static("east"),
+            seq,
+            held_epoch: 2,
+            capacity: Some([("nvidia.com/gpu".to_string(), 8_000)].into()),
+            tenants: [(
+                TenantName::from_static("training"),
+                TenantReport {
+                    used_milli_gpue_ms: seq * 7,
+                    inuse: 1_000,
+                    pending: 500,
+                    largest: 500,
+                    borrowed: 0,
+                },
+            )]
+            .into(),
+            evictions: Vec::new(),
+            decisions: Vec::new(),
+            window: Some(UsageWindow {
+                start_ms: seq * 1_000,
+                end_ms: seq * 1_000 + 999,
+            }),
+            status: Default::default(),
+        }
+    }
+
+    /// A journal of format 1 (JSON payloads) opens, is rewritten whole in the current
+    /// format, and holds exactly what it held: the unacknowledged reports, unchanged, the
+    /// numbering and the lease.
+    #[test]
+    fn a_format_1_journal_is_rewritten_in_the_current_format_and_loses_nothing() {
+        let lease = Lease {
+            cluster: ClusterName::from_static("east"),
+            epoch: 5,
+            duration_ms: 30_000,
+            margin_ms: 3_000,
+            issued_at_ms: 1,
+            budgets: [(
+                TenantName::from_static("training"),
+                TenantBudget {
+                    budget: 8_000,
+                    fallback: 3_000,
+                    entitlement: 9_000,
+                    borrow: 1_000,
+                    ceiling: 20_000,
+                },
+            )]
+            .into_iter()
+            .collect(),
+        };
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join(FILE);
+        let reports: Vec<UsageReport> = (1..=3).map(report).collect();
+        std::fs::write(&path, v1_file(&reports, 1, Some(&lease))).expect("write");
+        let j = Journal::open(dir.path()).expect("a format-1 journal opens");
+        assert_eq!(j.opened().migrated_from, Some(1));
+        assert_eq!(j.unacked(10).expect("read"), reports[1..].to_vec());
+        assert_eq!(j.load_lease(), Some(lease.clone()));
+        assert_eq!(j.last_seq(), 3);
+        let bytes = std::fs::read(&path).expect("read");
+        assert_eq!(bytes[..8], header_of(FORMAT_VERSION), "rewritten in the current format");
+        drop(j);
+        let j = Journal::open(dir.path()).expect("reopen");
+        assert_eq!(j.opened().migrated_from, None);
+        assert_eq!(j.unacked(10).expect("read"), reports[1..].to_vec());
+        assert_eq!(j.write(report).expect("write").seq, 4);
     }
 }
