@@ -35,7 +35,6 @@ use tonic::transport::{Channel, Endpoint};
 /// HTTP/2 connections, for both systems.
 const CONNECTIONS: usize = 8;
 
-
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
@@ -63,6 +62,7 @@ fn report(cluster: &str, seq: u64) -> v1::ReportRequest {
                 inuse_milli_gpue: 16_000,
                 pending_milli_gpue: 4_000,
                 largest_pending_milli_gpue: 2_000,
+                borrowed_milli_gpue: 0,
             })
             .collect(),
         capacity: vec![],
@@ -70,6 +70,8 @@ fn report(cluster: &str, seq: u64) -> v1::ReportRequest {
         decisions: vec![],
         window_start_ms: 0,
         window_end_ms: 0,
+        gap_in_reply: false,
+        status: None,
     }
 }
 
@@ -126,8 +128,18 @@ where
     }
     let secs = start.elapsed().as_secs_f64();
     all.sort_unstable();
-    let pct = |p: usize| all.get((all.len() * p / 100).min(all.len().saturating_sub(1))).copied().unwrap_or(0);
-    Run { ops: all.len() as u64, errors: errors.load(Ordering::Relaxed), secs, p50_us: pct(50), p99_us: pct(99) }
+    let pct = |p: usize| {
+        all.get((all.len() * p / 100).min(all.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
+    Run {
+        ops: all.len() as u64,
+        errors: errors.load(Ordering::Relaxed),
+        secs,
+        p50_us: pct(50),
+        p99_us: pct(99),
+    }
 }
 
 /// A round trip's latency, 1 client: p50 and p99 in microseconds, and the calls that
@@ -160,8 +172,16 @@ where
         }
     }
     lat.sort_unstable();
-    let pct = |p: usize| lat.get((lat.len() * p / 100).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
-    RoundTrip { p50_us: pct(50), p99_us: pct(99), errors }
+    let pct = |p: usize| {
+        lat.get((lat.len() * p / 100).min(lat.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
+    RoundTrip {
+        p50_us: pct(50),
+        p99_us: pct(99),
+        errors,
+    }
 }
 
 /// Back to back, and 1-2 ms apart; each for `secs` but at least 1 s and at most 3 s.
@@ -171,7 +191,10 @@ where
     Fut: std::future::Future<Output = bool>,
 {
     let secs = secs.clamp(1, 3);
-    [round_trips(secs, Duration::ZERO, &op).await, round_trips(secs, Duration::from_millis(1), &op).await]
+    [
+        round_trips(secs, Duration::ZERO, &op).await,
+        round_trips(secs, Duration::from_millis(1), &op).await,
+    ]
 }
 
 fn spawn_kvota(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
@@ -198,14 +221,22 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
     client
         .call(|ch| {
             let yaml = yaml.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+            async move {
+                Ok(Client::admin(ch)
+                    .apply_policy(v1::PolicyRequest { yaml })
+                    .await?
+                    .into_inner())
+            }
         })
         .await
         .expect("apply policy");
     for i in 0..64 {
         let reg = v1::RegisterRequest {
             cluster: format!("bench-{i}"),
-            capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 64_000 }],
+            capacity: vec![v1::Resource {
+                name: "nvidia.com/gpu".into(),
+                quantity_milli: 64_000,
+            }],
             labels: Default::default(),
         };
         client
@@ -276,7 +307,10 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
                     break 'retry;
                 }
             }
-            assert!(t0.elapsed() < Duration::from_secs(30), "no write committed 30 s after the leader died");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "no write committed 30 s after the leader died"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         times.push(u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX));
@@ -290,7 +324,10 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
         let restarted = Instant::now();
         procs.0[l] = Some(spawn_kvota(&specs[l], &specs, false));
         let deadline = Instant::now() + Duration::from_secs(60);
-        while kvota_status(&rpcs[l]).await.is_none_or(|s| s.leader_id == 0 || s.last_applied_index < target) {
+        while kvota_status(&rpcs[l])
+            .await
+            .is_none_or(|s| s.leader_id == 0 || s.last_applied_index < target)
+        {
             assert!(Instant::now() < deadline, "restarted node did not rejoin and catch up");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -310,13 +347,24 @@ async fn bench_kvota(tmp: &Path, secs: u64, failovers: u64) -> (Run, Run, Vec<u6
 }
 
 async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run, [RoundTrip; 2])> {
-    if Command::new("etcd").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_err() {
+    if Command::new("etcd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_err()
+    {
         return None;
     }
     let ports = free_ports(6);
     let client_urls: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[2 * i])).collect();
-    let peer_urls: Vec<String> = (0..3).map(|i| format!("http://127.0.0.1:{}", ports[2 * i + 1])).collect();
-    let initial = (0..3).map(|i| format!("e{i}={}", peer_urls[i])).collect::<Vec<_>>().join(",");
+    let peer_urls: Vec<String> = (0..3)
+        .map(|i| format!("http://127.0.0.1:{}", ports[2 * i + 1]))
+        .collect();
+    let initial = (0..3)
+        .map(|i| format!("e{i}={}", peer_urls[i]))
+        .collect::<Vec<_>>()
+        .join(",");
     let _procs = Procs(
         (0..3)
             .map(|i| {
@@ -340,7 +388,11 @@ async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run, [Ro
             .collect(),
     );
     // Find the leader with etcdctl (member id == leader id).
-    let eps = client_urls.iter().map(|u| format!("http://{u}")).collect::<Vec<_>>().join(",");
+    let eps = client_urls
+        .iter()
+        .map(|u| format!("http://{u}"))
+        .collect::<Vec<_>>()
+        .join(",");
     let deadline = Instant::now() + Duration::from_secs(30);
     let leader = loop {
         let out = Command::new("etcdctl")
@@ -363,7 +415,11 @@ async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run, [Ro
     let range_ch = channel(&client_urls[leader]).await;
     let pings = both_paces(secs, || {
         let ch = range_ch.clone();
-        let req = RangeRequest { key: b"/kvota/bench/0".to_vec(), serializable: true, ..Default::default() };
+        let req = RangeRequest {
+            key: b"/kvota/bench/0".to_vec(),
+            serializable: true,
+            ..Default::default()
+        };
         async move { KvClient::new(ch).range(req).await.is_ok() }
     })
     .await;
@@ -378,7 +434,11 @@ async fn bench_etcd(tmp: &Path, secs: u64, size: usize) -> Option<(Run, Run, [Ro
         let value = Arc::new(value.clone());
         let run = load(workers, secs, move |w, _| {
             let ch = chans[w % CONNECTIONS].clone();
-            let req = PutRequest { key: format!("/kvota/bench/{w}").into_bytes(), value: value.to_vec(), ..Default::default() };
+            let req = PutRequest {
+                key: format!("/kvota/bench/{w}").into_bytes(),
+                value: value.to_vec(),
+                ..Default::default()
+            };
             async move { KvClient::new(ch).put(req).await.is_ok() }
         })
         .await;
@@ -394,7 +454,10 @@ fn main() {
     // `cargo test --benches` runs benches with `--bench` absent: keep that quick.
     let quick = !std::env::args().any(|a| a == "--bench");
     let (secs, failovers) = if quick { (1, 2) } else { (secs, failovers) };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     let tmp = tempfile::tempdir().expect("tmp");
     rt.block_on(async {
         let (k1, k64, mut fo, size, kping) = bench_kvota(tmp.path(), secs, failovers).await;

@@ -127,7 +127,12 @@ fn policy_yaml(t: usize) -> String {
     let mut y = String::from("apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata:\n  name: sizing\nspec:\n  decayHalfLife: \"24h\"\n  tenants:\n");
     for i in 0..t {
         let w = 1 + mix(i as u64) % 4;
-        y.push_str(&format!("  - {{name: {}, weight: {w}, minShare: {}.{:02}}}\n", tenant(i, t), min_bp / 100, min_bp % 100));
+        y.push_str(&format!(
+            "  - {{name: {}, weight: {w}, minShare: {}.{:02}}}\n",
+            tenant(i, t),
+            min_bp / 100,
+            min_bp % 100
+        ));
     }
     y
 }
@@ -135,7 +140,15 @@ fn policy_yaml(t: usize) -> String {
 /// Cluster `c`'s report number `seq`: every tenant, about 90% of the cluster's GPUs in
 /// use, spread unevenly over the tenants and moving a little from report to report, and
 /// some pending demand, metered over `window`.
-fn report(cluster: &str, c: usize, seq: u64, epoch: u64, t: usize, gpus_milli: u64, window: (u64, u64)) -> v1::ReportRequest {
+fn report(
+    cluster: &str,
+    c: usize,
+    seq: u64,
+    epoch: u64,
+    t: usize,
+    gpus_milli: u64,
+    window: (u64, u64),
+) -> v1::ReportRequest {
     let weights: Vec<u64> = (0..t).map(|i| 1 + mix((c * 100_003 + i) as u64) % 16).collect();
     let total: u64 = weights.iter().sum();
     let busy = gpus_milli * 9 / 10;
@@ -145,7 +158,14 @@ fn report(cluster: &str, c: usize, seq: u64, epoch: u64, t: usize, gpus_milli: u
             let jitter = mix(seq ^ ((c * 7_919 + i) as u64) << 20) % 200; // +-10%
             let inuse = (busy * weights[i] / total.max(1)) * (900 + jitter) / 1_000;
             let pending = inuse * (mix(seq.wrapping_add(i as u64)) % 60) / 100;
-            v1::TenantUsage { tenant: tenant(i, t), used_milli_gpue_ms: inuse * ms, inuse_milli_gpue: inuse, pending_milli_gpue: pending, largest_pending_milli_gpue: 0 }
+            v1::TenantUsage {
+                tenant: tenant(i, t),
+                used_milli_gpue_ms: inuse * ms,
+                inuse_milli_gpue: inuse,
+                pending_milli_gpue: pending,
+                largest_pending_milli_gpue: 0,
+                borrowed_milli_gpue: 0,
+            }
         })
         .collect();
     v1::ReportRequest {
@@ -158,12 +178,17 @@ fn report(cluster: &str, c: usize, seq: u64, epoch: u64, t: usize, gpus_milli: u
         decisions: vec![],
         window_start_ms: window.0,
         window_end_ms: window.1,
+        gap_in_reply: false,
+        status: None,
     }
 }
 
 fn spawn_kvota(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
     let mut extra = Vec::new();
-    for (var, flag) in [("BENCH_SNAPSHOT_EVERY", "--snapshot-every"), ("BENCH_SNAPSHOT_CATCHUP", "--snapshot-catchup-entries")] {
+    for (var, flag) in [
+        ("BENCH_SNAPSHOT_EVERY", "--snapshot-every"),
+        ("BENCH_SNAPSHOT_CATCHUP", "--snapshot-catchup-entries"),
+    ] {
         if let Ok(v) = std::env::var(var) {
             extra.extend([flag.to_string(), v]);
         }
@@ -239,13 +264,22 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
     let mut specs = specs(cfg.nodes + 1, &dir);
     let joiner = specs.pop().expect("one more spec");
     let rpcs: Vec<String> = specs.iter().map(|s| s.rpc.clone()).collect();
-    let mut procs = Procs((0..cfg.nodes).map(|i| Some(spawn_kvota(&specs[i], &specs, i == 0))).collect());
+    let mut procs = Procs(
+        (0..cfg.nodes)
+            .map(|i| Some(spawn_kvota(&specs[i], &specs, i == 0)))
+            .collect(),
+    );
     let leader = kvota_testkit::procs::leader(&rpcs, Duration::from_millis(500), Duration::from_secs(30)).await;
     let pids: Vec<u32> = procs.0.iter().map(|p| p.as_ref().map_or(0, Child::id)).collect();
     let leader_pid = pids[leader];
     // Leader first: the agents' calls go straight to it.
     let mut order = vec![rpcs[leader].clone()];
-    order.extend(rpcs.iter().enumerate().filter(|(i, _)| *i != leader).map(|(_, a)| a.clone()));
+    order.extend(
+        rpcs.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != leader)
+            .map(|(_, a)| a.clone()),
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
     let idle_rss = sample(leader_pid).map_or(0, |s| s.0);
 
@@ -255,7 +289,12 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
     admin
         .call(|ch| {
             let yaml = yaml.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+            async move {
+                Ok(Client::admin(ch)
+                    .apply_policy(v1::PolicyRequest { yaml })
+                    .await?
+                    .into_inner())
+            }
         })
         .await
         .expect("apply policy");
@@ -313,7 +352,9 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
                         if counted {
                             stats.sent.fetch_add(1, Ordering::Relaxed);
                             stats.req_bytes.fetch_add(size, Ordering::Relaxed);
-                            stats.reply_bytes.fetch_add(reply.encoded_len() as u64, Ordering::Relaxed);
+                            stats
+                                .reply_bytes
+                                .fetch_add(reply.encoded_len() as u64, Ordering::Relaxed);
                             stats.lat_us.lock().expect("lock").push(us);
                         }
                     }
@@ -332,7 +373,12 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
     tokio::time::sleep_until((start + cfg.interval * u32::try_from(cfg.warm_rounds).unwrap_or(2)).into()).await;
     let w0 = Instant::now();
     let l0 = sample(leader_pid).unwrap_or((0, 0));
-    let f0: Vec<(u64, u64)> = pids.iter().enumerate().filter(|(i, _)| *i != leader).map(|(_, p)| sample(*p).unwrap_or((0, 0))).collect();
+    let f0: Vec<(u64, u64)> = pids
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != leader)
+        .map(|(_, p)| sample(*p).unwrap_or((0, 0)))
+        .collect();
     measuring.store(true, Ordering::Relaxed);
     let mut max_rss = l0.0;
     let mut f_max_rss = f0.iter().map(|s| s.0).max().unwrap_or(0);
@@ -349,7 +395,12 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
     }
     measuring.store(false, Ordering::Relaxed);
     let l1 = sample(leader_pid).unwrap_or((0, 0));
-    let f1: Vec<(u64, u64)> = pids.iter().enumerate().filter(|(i, _)| *i != leader).map(|(_, p)| sample(*p).unwrap_or((0, 0))).collect();
+    let f1: Vec<(u64, u64)> = pids
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != leader)
+        .map(|(_, p)| sample(*p).unwrap_or((0, 0)))
+        .collect();
     let window_secs = w0.elapsed().as_secs_f64();
 
     // Stop the agents (an in-flight report finishes), then the ticks-only window.
@@ -370,25 +421,43 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
     procs.0.push(Some(spawn_kvota(&joiner, &specs, false)));
     let joiner_pid = procs.0.last().and_then(|p| p.as_ref().map(Child::id)).unwrap_or(0);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let node = v1::NodeInfo { id: joiner.id, rpc_addr: joiner.rpc.clone(), http_addr: joiner.http.clone(), raft_addr: joiner.raft.clone(), voter: false };
+    let node = v1::NodeInfo {
+        id: joiner.id,
+        rpc_addr: joiner.rpc.clone(),
+        http_addr: joiner.http.clone(),
+        raft_addr: joiner.raft.clone(),
+        voter: false,
+    };
     let t0 = Instant::now();
     let added = admin
         .call(|ch| {
             let node = node.clone();
-            async move { Ok(Client::admin(ch).add_learner(v1::AddLearnerRequest { node: Some(node) }).await?.into_inner()) }
+            async move {
+                Ok(Client::admin(ch)
+                    .add_learner(v1::AddLearnerRequest { node: Some(node) })
+                    .await?
+                    .into_inner())
+            }
         })
         .await;
     // Caught up: the node says it is ready (it has applied what the leader had), as
     // `kvota members add-learner` waits for it.
     let mut caught_up = added.as_ref().map(|_| ()).map_err(|e| e.to_string());
-    while caught_up.is_ok() && !kvota_testkit::procs::status(&joiner.rpc, Duration::from_secs(2)).await.is_some_and(|s| s.ready) {
+    while caught_up.is_ok()
+        && !kvota_testkit::procs::status(&joiner.rpc, Duration::from_secs(2))
+            .await
+            .is_some_and(|s| s.ready)
+    {
         if t0.elapsed() > Duration::from_secs(300) {
             caught_up = Err("not ready within 300 s".to_string());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let catchup = match caught_up {
-        Ok(()) => Some((t0.elapsed().as_secs_f64(), joiner.dir.join("raft").join("snapshot.kvs").exists())),
+        Ok(()) => Some((
+            t0.elapsed().as_secs_f64(),
+            joiner.dir.join("raft").join("snapshot.kvs").exists(),
+        )),
         Err(e) => {
             eprintln!("adding node {} as a learner: {e}", joiner.id);
             None
@@ -400,12 +469,22 @@ async fn run_row(tmp: &Path, t: usize, c: usize, cfg: &Cfg) -> Row {
 
     let mut lat = std::mem::take(&mut *stats.lat_us.lock().expect("lock"));
     lat.sort_unstable();
-    let pct = |p: usize| lat.get((lat.len() * p / 100).min(lat.len().saturating_sub(1))).copied().unwrap_or(0) as f64 / 1_000.0;
+    let pct = |p: usize| {
+        lat.get((lat.len() * p / 100).min(lat.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0) as f64
+            / 1_000.0
+    };
     let reports = stats.sent.load(Ordering::Relaxed);
     let cpu = cpu_secs(l1.1.saturating_sub(l0.1), cfg.tck);
     let idle_cpu = cpu_secs(i1.1 .1.saturating_sub(i0.1 .1), cfg.tck);
     let idle_rate = if idle_secs > 0.0 { idle_cpu / idle_secs } else { 0.0 };
-    let f_cpu: f64 = f0.iter().zip(&f1).map(|(a, b)| cpu_secs(b.1.saturating_sub(a.1), cfg.tck)).sum::<f64>() / f0.len().max(1) as f64;
+    let f_cpu: f64 = f0
+        .iter()
+        .zip(&f1)
+        .map(|(a, b)| cpu_secs(b.1.saturating_sub(a.1), cfg.tck))
+        .sum::<f64>()
+        / f0.len().max(1) as f64;
     let per = |x: f64| if reports > 0 { x / reports as f64 } else { 0.0 };
     Row {
         t,
@@ -499,7 +578,13 @@ fn print_table(rows: &[Row], cfg: &Cfg) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
-    let grid_spec = std::env::var("BENCH_GRID").unwrap_or_else(|_| if quick { "10x3".into() } else { "10x3,100x8,1000x16,1000x64".into() });
+    let grid_spec = std::env::var("BENCH_GRID").unwrap_or_else(|_| {
+        if quick {
+            "10x3".into()
+        } else {
+            "10x3,100x8,1000x16,1000x64".into()
+        }
+    });
     let grid: Vec<(usize, usize)> = grid_spec
         .split(',')
         .filter_map(|p| {
@@ -516,7 +601,10 @@ fn main() {
         gpus_milli: env_u64("BENCH_CLUSTER_GPUS", 256) * 1_000,
         tck: clk_tck(),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     let tmp = tempfile::tempdir().expect("tmp");
     let mut rows = Vec::new();
     rt.block_on(async {

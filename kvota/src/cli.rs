@@ -43,10 +43,20 @@ pub enum LogFormat {
 enum Cmd {
     /// Run a control-plane node (one of 3 or 5 forming a Raft group).
     Server(crate::server_cmd::ServerArgs),
+    /// Repair a stopped node's data directory whose saved Raft vote is out of range
+    /// (`kvota server` then stays up but not ready, and says to run this): the vote is
+    /// replaced by one for the node itself at a term in range. Offline: stop the node
+    /// first.
+    RepairVote(crate::server_cmd::RepairVoteArgs),
     /// Run a member cluster's agent: usage reports, lease enforcement, the HTTPS
     /// admission webhook, reclaim; on Kubernetes (in-cluster or --kubeconfig) or on a simulated
     /// cluster (--simulate).
     Agent(crate::agent_cmd::AgentArgs),
+    /// Serve the dashboard on this machine: a local proxy (127.0.0.1 only) that reads the
+    /// federation with your certificate (the same --cp and --cp-* flags as every
+    /// command) and prints its URL; works through `kubectl port-forward` of a node's
+    /// gRPC port. See docs/operations.md, "The dashboard".
+    Dashboard(crate::dashboard_cmd::DashboardArgs),
     /// Show the control-plane node's Raft role, leader, log and members.
     Status {
         #[command(flatten)]
@@ -85,6 +95,13 @@ enum Cmd {
         /// before now (24h).
         #[arg(long, value_parser = crate::admin_cmd::parse_when)]
         since: Option<crate::admin_cmd::When>,
+        /// Only records of these kinds, comma separated: policy, cluster (joined,
+        /// removed), lease (a cluster cut off, and back), leader, node (members added,
+        /// removed), reclaim (evictions), snapshot (restores), budgets; `all` for every
+        /// kind. Default: every kind but budgets (one record per cluster per minute of
+        /// budget changes, many).
+        #[arg(long, value_delimiter = ',', value_parser = parse_kind)]
+        kind: Vec<String>,
         #[command(flatten)]
         out: crate::admin_cmd::OutputArg,
     },
@@ -140,11 +157,13 @@ enum ClusterCmd {
 
 #[derive(Debug, Subcommand)]
 enum PolicyCmd {
-    /// Validate a policy file and make it the policy in force (every node, through Raft).
-    Apply {
-        /// Path to a FairnessPolicy YAML file.
-        file: PathBuf,
-    },
+    /// Validate a policy file and make it the policy in force (every node, through Raft);
+    /// print what was committed (its revision and what changed) and which member
+    /// clusters enforce it. Exit status 0; 2: the file is invalid; 1: the control plane
+    /// refused it or could not be reached; with --wait, 3: every connected cluster
+    /// enforces it and cut-off clusters (named) were not waited for, 4: timed out with
+    /// connected clusters (named) still on an older revision.
+    Apply(crate::admin_cmd::ApplyArgs),
     /// Print the policy in force as a FairnessPolicy document, every field written out
     /// (defaults included): `kvota policy apply` takes it back unchanged, in either form
     /// (`-o yaml`, the default and `table`; `-o json`, the same document as JSON).
@@ -183,7 +202,7 @@ enum PolicyCmd {
     /// `kubectl apply`). Its verdict is written to the resource's status (`kubectl get
     /// fairnesspolicies`). Needs an operator certificate (--cp-ca/--cp-cert/--cp-key)
     /// unless the control plane is on loopback.
-    Sync(crate::policy_sync::SyncArgs),
+    Sync(kvota_policy_sync::SyncArgs),
 }
 
 #[derive(Debug, Args)]
@@ -220,30 +239,45 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     let cp = cli.cp;
     match cli.command {
         Cmd::Server(args) => crate::server_cmd::run(args).map(|()| ExitCode::SUCCESS),
+        Cmd::RepairVote(args) => crate::server_cmd::repair_vote(args).map(|()| ExitCode::SUCCESS),
         Cmd::Agent(args) => crate::agent_cmd::run(args, &cp).map(|()| ExitCode::SUCCESS),
+        Cmd::Dashboard(a) => crate::dashboard_cmd::run(&a, &cp),
         Cmd::Status { out } => crate::admin_cmd::status(&cp, out).map(|()| ExitCode::SUCCESS),
-        Cmd::Policy(PolicyCmd::Apply { file }) => crate::admin_cmd::policy_apply(&cp, &file),
+        Cmd::Policy(PolicyCmd::Apply(a)) => crate::admin_cmd::policy_apply(&cp, &a),
         Cmd::Policy(PolicyCmd::Get { out }) => crate::admin_cmd::policy_get(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Tenants { out } => crate::admin_cmd::tenants(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Clusters { out } => crate::admin_cmd::clusters(&cp, out).map(|()| ExitCode::SUCCESS),
         Cmd::Explain(e) => crate::admin_cmd::explain(&cp, &e).map(|()| ExitCode::SUCCESS),
-        Cmd::Audit { limit, tenant, actor, since, out } => {
-            let filter = crate::admin_cmd::AuditFilter { limit, tenant, actor, since };
+        Cmd::Audit {
+            limit,
+            tenant,
+            actor,
+            since,
+            kind,
+            out,
+        } => {
+            let filter = crate::admin_cmd::AuditFilter {
+                limit,
+                tenant,
+                actor,
+                since,
+                kinds: kind,
+            };
             crate::admin_cmd::audit(&cp, &filter, out).map(|()| ExitCode::SUCCESS)
         }
         Cmd::Usage(args) => crate::admin_cmd::usage(&cp, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Snapshot(s) => crate::admin_cmd::snapshot(&cp, &s).map(|()| ExitCode::SUCCESS),
         Cmd::Members(m) => crate::admin_cmd::members(&cp, &m).map(|()| ExitCode::SUCCESS),
-        Cmd::Certs(c) => crate::certs_cmd::run(c).map(|()| ExitCode::SUCCESS),
+        Cmd::Certs(c) => crate::certs_cmd::run(c),
         Cmd::Cluster(ClusterCmd::Remove { name }) => {
             crate::admin_cmd::cluster_remove(&cp, &name).map(|()| ExitCode::SUCCESS)
         }
         Cmd::Policy(PolicyCmd::Validate { file, json }) => policy_validate(&file, json),
         Cmd::Policy(PolicyCmd::Crd) => {
-            out!("{}", crate::crd::crds_yaml()?.trim_end());
+            out!("{}", kvota_policy_sync::crd::crds_yaml()?.trim_end());
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Policy(PolicyCmd::Sync(args)) => crate::policy_sync::run(args, &cp),
+        Cmd::Policy(PolicyCmd::Sync(args)) => kvota_policy_sync::run(args, &cp.addrs, cp.tls()?),
         Cmd::Policy(PolicyCmd::Diff { file, json }) => match read_policy(&file)? {
             Ok(p) => crate::admin_cmd::policy_diff(&cp, &p, json).map(|()| ExitCode::SUCCESS),
             Err(e) => {
@@ -256,10 +290,19 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Sim(a) => crate::sim_cmd::run(a),
         Cmd::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
-            clap_complete::generate(shell, &mut cmd, "kvota", &mut std::io::stdout());
+            // Into memory first: clap_complete panics on a failed write, and a reader
+            // that stops early (`| head`) closes the pipe.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "kvota", &mut script);
+            outp!("{}", String::from_utf8_lossy(&script));
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// One `--kind` word, checked (`all` or a kind of audit record).
+fn parse_kind(s: &str) -> std::result::Result<String, String> {
+    kvota_fairness::federation::parse_kinds(s).map(|_| s.trim().to_string())
 }
 
 fn read_policy(path: &Path) -> Result<std::result::Result<Policy, kvota_fairness::policy::PolicyError>> {
@@ -288,14 +331,21 @@ fn policy_validate(file: &Path, json: bool) -> Result<ExitCode> {
                     p.name,
                     p.tenants.len()
                 );
+                if p.maps_no_namespace() {
+                    eprintln!("{NO_NAMESPACE_NOTE}");
+                }
                 for t in &p.tenants {
                     out!(
                         "  {:<20} weight {:>8}  minShare {:>6}  maxShare {:>6}  {}  {}",
-                        t.name,
+                        t.name.as_str(),
                         format_gpue(t.weight_milli),
                         bp(t.min_share_bp),
                         bp(t.max_share_bp),
-                        if t.preemptible { "preemptible    " } else { "not preemptible" },
+                        if t.preemptible {
+                            "preemptible    "
+                        } else {
+                            "not preemptible"
+                        },
                         t.admission
                     );
                 }
@@ -312,6 +362,13 @@ fn policy_validate(file: &Path, json: bool) -> Result<ExitCode> {
         }
     }
 }
+
+/// The note a policy that maps no namespace gets (`validate`, `apply`): whose pods it
+/// governs, and how to say more.
+pub const NO_NAMESPACE_NOTE: &str =
+    "note: no tenant lists a namespace (`namespaces`, `namespaceSelector`) and there is no \
+`spec.defaultTenant`: agents govern only pods in namespaces labelled kvota.dev/tenant=<tenant>; every other pod passes \
+unjudged (deploy/policies/quickstart.yaml maps one namespace per tenant)";
 
 fn bp(v: u32) -> String {
     if v % 100 == 0 {
@@ -333,7 +390,11 @@ fn placed(spec: &str, flag: &str) -> Result<(String, String, u64)> {
     let (tenant, cluster) = lhs
         .split_once('@')
         .with_context(|| format!("--{flag} {spec}: expected TENANT@CLUSTER=GPUS"))?;
-    Ok((tenant.to_string(), cluster.to_string(), gpus(n, &format!("--{flag} {spec}"))?))
+    Ok((
+        tenant.to_string(),
+        cluster.to_string(),
+        gpus(n, &format!("--{flag} {spec}"))?,
+    ))
 }
 
 fn whatif(args: WhatifArgs) -> Result<ExitCode> {
@@ -345,16 +406,45 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
                 return Ok(ExitCode::from(2));
             }
         },
-        None => Policy::from_yaml(Policy::article_example_yaml())
-            .map_err(|e| anyhow::anyhow!("built-in policy: {e}"))?,
+        None => {
+            Policy::from_yaml(Policy::article_example_yaml()).map_err(|e| anyhow::anyhow!("built-in policy: {e}"))?
+        }
     };
     let mut fed = Federation::new();
-    let mut now = 0u64;
-    fed.apply(now, Command::ApplyPolicy(policy.clone()))
+    fed.apply(0, Command::ApplyPolicy(policy.clone()))
         .map_err(|e| anyhow::anyhow!("apply policy: {e}"))?;
+    let names = whatif_clusters(&mut fed, &args.clusters)?;
+    let reports = whatif_reports(&policy, &names, &args)?;
+    settle(&mut fed, &names, &reports)?;
+    let explanations: Vec<_> = policy
+        .tenants
+        .iter()
+        .filter_map(|t| fed.explain_tenant(&t.name))
+        .collect();
+    if args.json {
+        let budgets: BTreeMap<&ClusterName, _> = fed
+            .clusters()
+            .iter()
+            .map(|(id, rec)| (id, rec.leases.latest().map(|l| l.budgets.clone()).unwrap_or_default()))
+            .collect();
+        let out = serde_json::json!({ "tenants": explanations, "budgets": budgets });
+        out!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    print_whatif(&fed, &policy, names.len(), &explanations);
+    for t in &args.explain {
+        match explanations.iter().find(|e| &e.tenant == t) {
+            Some(e) => out!("\n{e}"),
+            None => bail!("--explain {t}: the policy has no tenant `{t}`"),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
 
+/// Registers each `--cluster NAME=GPUS[,RES=N...]`; their names, in the order given.
+fn whatif_clusters(fed: &mut Federation, specs: &[String]) -> Result<Vec<ClusterName>> {
     let mut names = Vec::new();
-    for spec in &args.clusters {
+    for spec in specs {
         let mut parts = spec.split(',');
         let first = parts.next().unwrap_or_default();
         let (name, n) = first
@@ -372,18 +462,25 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
         if names.contains(&name) {
             bail!("--cluster {name} is given twice");
         }
-        fed.apply(
-            now,
-            Command::RegisterCluster {
-                cluster: name.clone(),
-                capacity,
-                labels: BTreeMap::new(),
-            },
-        )
-        .map_err(|e| anyhow::anyhow!("--cluster {spec}: {e}"))?;
+        let cmd = Command::RegisterCluster {
+            cluster: name.clone(),
+            capacity,
+            labels: BTreeMap::new(),
+        };
+        fed.apply(0, cmd)
+            .map_err(|e| anyhow::anyhow!("--cluster {spec}: {e}"))?;
         names.push(name);
     }
+    Ok(names)
+}
 
+/// What each cluster reports, from `--pending`, `--inuse` and `--usage` (the decayed
+/// usage goes with the first cluster's report).
+fn whatif_reports(
+    policy: &Policy,
+    names: &[ClusterName],
+    args: &WhatifArgs,
+) -> Result<BTreeMap<ClusterName, BTreeMap<TenantName, TenantReport>>> {
     let mut reports: BTreeMap<ClusterName, BTreeMap<TenantName, TenantReport>> = BTreeMap::new();
     for (flag, list) in [("pending", &args.pending), ("inuse", &args.inuse)] {
         for spec in list {
@@ -414,33 +511,38 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
         let r = reports.entry(first.clone()).or_default().entry(tenant).or_default();
         r.used_milli_gpue_ms = milli_gpu_hours.saturating_mul(3_600_000);
     }
+    Ok(reports)
+}
 
-    // Every agent reports in rounds; budgets settle once decreases are acknowledged
-    // (break before make), which takes a few rounds.
+/// Every cluster reports in rounds: budgets settle once decreases are acknowledged
+/// (break before make), which takes a few rounds. Checks the partition-safety
+/// invariant after.
+fn settle(
+    fed: &mut Federation,
+    names: &[ClusterName],
+    reports: &BTreeMap<ClusterName, BTreeMap<TenantName, TenantReport>>,
+) -> Result<()> {
     let mut held: BTreeMap<ClusterName, u64> = BTreeMap::new();
     for round in 1..=6u64 {
-        now += 1_000;
-        for name in &names {
+        let now = round * 1_000;
+        for name in names {
             let mut tenants = reports.get(name).cloned().unwrap_or_default();
             if round > 1 {
-                for t in tenants.values_mut() {
-                    t.used_milli_gpue_ms = 0;
-                }
+                tenants.values_mut().for_each(|t| t.used_milli_gpue_ms = 0);
             }
+            let report = UsageReport {
+                cluster: name.clone(),
+                seq: round,
+                held_epoch: held.get(name).copied().unwrap_or(0),
+                capacity: None,
+                tenants,
+                evictions: Vec::new(),
+                decisions: Vec::new(),
+                window: None,
+                status: None,
+            };
             let out = fed
-                .apply(
-                    now,
-                    Command::Report(UsageReport {
-                        cluster: name.clone(),
-                        seq: round,
-                        held_epoch: held.get(name).copied().unwrap_or(0),
-                        capacity: None,
-                        tenants,
-                        evictions: Vec::new(),
-                        decisions: Vec::new(),
-                        window: None,
-                    }),
-                )
+                .apply(now, Command::Report(report))
                 .map_err(|e| anyhow::anyhow!("report from {name}: {e}"))?;
             if let Applied::Reported { lease, .. } = out {
                 held.insert(name.clone(), lease.epoch);
@@ -451,38 +553,36 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
     if !violations.is_empty() {
         bail!("internal error: partition-safety invariant violated: {violations:?}");
     }
+    Ok(())
+}
 
-    let explanations: Vec<_> = policy
-        .tenants
-        .iter()
-        .filter_map(|t| fed.explain_tenant(&t.name))
-        .collect();
-    if args.json {
-        let budgets: BTreeMap<&ClusterName, _> = fed
-            .clusters()
-            .iter()
-            .map(|(id, rec)| (id, rec.leases.latest().map(|l| l.budgets.clone()).unwrap_or_default()))
-            .collect();
-        let out = serde_json::json!({ "tenants": explanations, "budgets": budgets });
-        out!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(ExitCode::SUCCESS);
-    }
+/// The table of `whatif`: each tenant's numbers and its budget in each cluster.
+fn print_whatif(
+    fed: &Federation,
+    policy: &Policy,
+    clusters: usize,
+    explanations: &[kvota_fairness::explain::TenantExplanation],
+) {
     out!(
-        "federation: {} GPUe in {} clusters, policy `{}`",
+        "federation: {} GPUe in {clusters} clusters, policy `{}`",
         format_gpue(fed.capacity()),
-        names.len(),
         policy.name
     );
     outp!(
         "{:<16} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "TENANT", "IN USE", "DEMAND", "GUARANTEE", "CAP", "ENTITLED"
+        "TENANT",
+        "IN USE",
+        "DEMAND",
+        "GUARANTEE",
+        "CAP",
+        "ENTITLED"
     );
     // Explanations list clusters in id order; so does the header.
     for n in fed.clusters().keys() {
         outp!(" {:>9}", truncate(n, 9));
     }
     out!();
-    for e in &explanations {
+    for e in explanations {
         outp!(
             "{:<16} {:>9} {:>9} {:>9} {:>9} {:>9}",
             truncate(&e.tenant, 16),
@@ -498,19 +598,15 @@ fn whatif(args: WhatifArgs) -> Result<ExitCode> {
         out!();
     }
     out!("(GPUe; the per-cluster columns are the budgets in each cluster's lease)");
-    for t in &args.explain {
-        match explanations.iter().find(|e| &e.tenant == t) {
-            Some(e) => out!("\n{e}"),
-            None => bail!("--explain {t}: the policy has no tenant `{t}`"),
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 fn truncate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
     } else {
-        s.chars().take(n.saturating_sub(1)).chain(std::iter::once('~')).collect()
+        s.chars()
+            .take(n.saturating_sub(1))
+            .chain(std::iter::once('~'))
+            .collect()
     }
 }

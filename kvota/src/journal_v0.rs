@@ -18,7 +18,10 @@ fn is_v0(dir: &Path) -> bool {
 }
 
 fn err(what: &'static str) -> impl FnOnce(sled::Error) -> JournalError {
-    move |e| JournalError::Corrupt { what, why: format!("the previous (sled) journal: {e}") }
+    move |e| JournalError::Corrupt {
+        what,
+        why: format!("the previous (sled) journal: {e}"),
+    }
 }
 
 /// Migrates a version-0 journal in `dir`, if there is one and no journal of the current
@@ -48,8 +51,10 @@ fn read(dir: &Path) -> Result<Option<Imported>, JournalError> {
     for item in reports_tree.iter() {
         let (_, v) = item.map_err(err("reports"))?;
         reports.push(
-            serde_json::from_slice::<UsageReport>(&v)
-                .map_err(|e| JournalError::Corrupt { what: "report", why: format!("in the previous (sled) journal: {e}") })?,
+            serde_json::from_slice::<UsageReport>(&v).map_err(|e| JournalError::Corrupt {
+                what: "report",
+                why: format!("in the previous (sled) journal: {e}"),
+            })?,
         );
     }
     let last_seq = match meta.get(b"last_seq").map_err(err("last seq"))? {
@@ -61,31 +66,51 @@ fn read(dir: &Path) -> Result<Option<Imported>, JournalError> {
     };
     let lease = match meta.get(b"lease").map_err(err("lease"))? {
         None => None,
-        Some(v) => Some(
-            serde_json::from_slice(&v)
-                .map_err(|e| JournalError::Corrupt { what: "lease", why: format!("in the previous (sled) journal: {e}") })?,
-        ),
+        Some(v) => Some(serde_json::from_slice(&v).map_err(|e| JournalError::Corrupt {
+            what: "lease",
+            why: format!("in the previous (sled) journal: {e}"),
+        })?),
     };
-    Ok(Some(Imported { reports, last_seq, lease }))
+    Ok(Some(Imported {
+        reports,
+        last_seq,
+        lease,
+    }))
 }
 
 /// Moves the version-0 files into [`RETIRED`] (after the new journal holds their
 /// contents durably), so they are not read again and nothing is deleted.
 fn retire(dir: &Path) -> Result<(), JournalError> {
     let to = dir.join(RETIRED);
-    std::fs::create_dir_all(&to).map_err(|source| JournalError::Io { what: "create", path: to.clone(), source })?;
-    let entries = std::fs::read_dir(dir).map_err(|source| JournalError::Io { what: "list", path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(&to).map_err(|source| JournalError::Io {
+        what: "create",
+        file: to.display().to_string(),
+        source,
+    })?;
+    let entries = std::fs::read_dir(dir).map_err(|source| JournalError::Io {
+        what: "list",
+        file: dir.display().to_string(),
+        source,
+    })?;
     for e in entries.flatten() {
         let name = e.file_name();
         let n = name.to_string_lossy();
         if n == "db" || n == "conf" || n == "blobs" || n.starts_with("snap.") {
             let dest = to.join(&name);
-            std::fs::rename(e.path(), &dest).map_err(|source| JournalError::Io { what: "move aside", path: e.path(), source })?;
+            std::fs::rename(e.path(), &dest).map_err(|source| JournalError::Io {
+                what: "move aside",
+                file: e.path().display().to_string(),
+                source,
+            })?;
         }
     }
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|source| JournalError::Io { what: "sync directory", path: dir.to_path_buf(), source })
+        .map_err(|source| JournalError::Io {
+            what: "sync directory",
+            file: dir.display().to_string(),
+            source,
+        })
 }
 
 #[cfg(test)]
@@ -94,8 +119,8 @@ mod tests {
     use std::time::Duration;
 
     use kvota_fairness::federation::{TenantReport, UsageReport};
-    use kvota_fairness::names::{ClusterName, TenantName};
     use kvota_fairness::lease::{Lease, TenantBudget};
+    use kvota_fairness::names::{ClusterName, TenantName};
     use kvota_member_agent::journal::Journal;
 
     use super::*;
@@ -106,10 +131,24 @@ mod tests {
             seq,
             held_epoch: 1,
             capacity: None,
-            tenants: (0..3).map(|i| (TenantName::parse(format!("tenant-{i:05}")).expect("name"), TenantReport { used_milli_gpue_ms: seq * 1_000 + i, inuse: i, pending: 0, largest: 0 })).collect(),
+            tenants: (0..3)
+                .map(|i| {
+                    (
+                        TenantName::parse(format!("tenant-{i:05}")).expect("name"),
+                        TenantReport {
+                            used_milli_gpue_ms: seq * 1_000 + i,
+                            inuse: i,
+                            pending: 0,
+                            largest: 0,
+                            borrowed: 0,
+                        },
+                    )
+                })
+                .collect(),
             evictions: Vec::new(),
             decisions: Vec::new(),
             window: None,
+            status: None,
         }
     }
 
@@ -127,9 +166,18 @@ mod tests {
             duration_ms: 30_000,
             margin_ms: 3_000,
             issued_at_ms: 10,
-            budgets: [(TenantName::from_static("training"), TenantBudget { budget: 2_000, fallback: 1_000, entitlement: 3_000, borrow: 0, ceiling: 0 })]
-                .into_iter()
-                .collect::<BTreeMap<_, _>>(),
+            budgets: [(
+                TenantName::from_static("training"),
+                TenantBudget {
+                    budget: 2_000,
+                    fallback: 1_000,
+                    entitlement: 3_000,
+                    borrow: 0,
+                    ceiling: 0,
+                },
+            )]
+            .into_iter()
+            .collect::<BTreeMap<_, _>>(),
         };
         {
             // Written the way the previous agent wrote it.
@@ -137,10 +185,13 @@ mod tests {
             let reports = db.open_tree("reports").expect("tree");
             let meta = db.open_tree("meta").expect("tree");
             for seq in [5u64, 6] {
-                reports.insert(seq.to_be_bytes(), serde_json::to_vec(&report(seq)).expect("json")).expect("insert");
+                reports
+                    .insert(seq.to_be_bytes(), serde_json::to_vec(&report(seq)).expect("json"))
+                    .expect("insert");
             }
             meta.insert(b"last_seq", &6u64.to_be_bytes()).expect("insert");
-            meta.insert(b"lease", serde_json::to_vec(&lease).expect("json")).expect("insert");
+            meta.insert(b"lease", serde_json::to_vec(&lease).expect("json"))
+                .expect("insert");
             db.flush().expect("flush");
         }
         // A migration that fails part-way (here its temporary file cannot be created)
@@ -158,7 +209,10 @@ mod tests {
                 Ok(n) => panic!("migrated {n:?} past the obstacle"),
             }
         };
-        assert!(!Journal::exists_in(dir.path()), "a failed import leaves no journal behind: {e}");
+        assert!(
+            !Journal::exists_in(dir.path()),
+            "a failed import leaves no journal behind: {e}"
+        );
         assert!(dir.path().join("db").is_file(), "the old journal is still in place");
         std::fs::remove_dir(dir.path().join("journal.kvj.tmp")).expect("remove obstacle");
         // sled lets go of its lock when its background threads notice; retry briefly.
@@ -174,16 +228,22 @@ mod tests {
             }
         };
         assert_eq!(j.unacked(10).expect("read"), vec![report(5), report(6)]);
-        assert_eq!(j.load_lease().expect("lease"), Some(lease.clone()));
+        assert_eq!(j.load_lease(), Some(lease.clone()));
         assert_eq!(j.write(report).expect("w").seq, 7, "numbering goes on");
-        assert!(dir.path().join("sled-journal.migrated").join("db").is_file(), "old files moved aside, not deleted");
+        assert!(
+            dir.path().join("sled-journal.migrated").join("db").is_file(),
+            "old files moved aside, not deleted"
+        );
         assert!(!dir.path().join("db").exists());
         drop(j);
         // Opened again: read from the new file; nothing migrated twice.
         let j = Journal::open(dir.path()).expect("reopen");
         assert_eq!(migrate(dir.path()).expect("again"), None, "nothing migrated twice");
-        assert_eq!(j.unacked(10).expect("read").iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6, 7]);
-        assert_eq!(j.load_lease().expect("lease"), Some(lease));
+        assert_eq!(
+            j.unacked(10).expect("read").iter().map(|r| r.seq).collect::<Vec<_>>(),
+            [5, 6, 7]
+        );
+        assert_eq!(j.load_lease(), Some(lease));
     }
 
     #[test]
@@ -195,7 +255,10 @@ mod tests {
         j.write(report).expect("write");
         drop(j);
         assert_eq!(migrate(dir.path()).expect("migrate"), None);
-        assert!(Journal::import(dir.path(), Imported::default()).is_err(), "an import never overwrites a journal");
-        assert_eq!(Journal::open(dir.path()).expect("open").last_seq().expect("seq"), 1);
+        assert!(
+            Journal::import(dir.path(), Imported::default()).is_err(),
+            "an import never overwrites a journal"
+        );
+        assert_eq!(Journal::open(dir.path()).expect("open").last_seq(), 1);
     }
 }

@@ -26,10 +26,9 @@ mod admin_cmd;
 mod agent_cmd;
 mod certs_cmd;
 mod cli;
-mod crd;
+mod dashboard_cmd;
 mod demo;
 mod journal_v0;
-mod policy_sync;
 mod server_cmd;
 mod sim_cmd;
 
@@ -46,11 +45,16 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
     // Logs to stderr; RUST_LOG overrides the default (info for kvota's crates, warn elsewhere).
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kvota=info,kvota_control_plane=info,kvota_member_agent=info"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,kvota=info,kvota_control_plane=info,kvota_member_agent=info")
+    });
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = match args.log_format {
-        cli::LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).try_init(),
+        cli::LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(ansi)
+            .with_writer(std::io::stderr)
+            .try_init(),
         cli::LogFormat::Json => tracing_subscriber::fmt()
             .json()
             .with_current_span(true)

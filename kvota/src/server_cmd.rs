@@ -5,110 +5,68 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kvota_control_plane::options::ServerOptions;
 use kvota_control_plane::server::{start, Listeners, ServerConfig};
 use kvota_control_plane::types::Node;
+use kvota_control_plane::types::NodeId;
 
-/// Options of `kvota server`.
+/// Options of `kvota server`: the node's own ([`ServerOptions`], defined by the control
+/// plane), and how the process ends.
 #[derive(Debug, Args)]
 pub struct ServerArgs {
-    /// This node's id: a number > 0, unique in the group and stable for the node's life
-    /// (required: a default would quietly make every node without one node 1). The data
-    /// directory remembers it and refuses to start under another id.
-    #[arg(long, env = "KVOTA_NODE_ID")]
-    id: u64,
-    /// Directory for the Raft log, vote and state machine (created if missing). Keep it
-    /// on durable storage: a node restarts from it.
-    #[arg(long, env = "KVOTA_DATA_DIR", default_value = "./kvota-data")]
-    data_dir: PathBuf,
-    /// Address to serve the gRPC API on (member and admin services: agents and
-    /// operators).
-    #[arg(long, env = "KVOTA_LISTEN", default_value = "127.0.0.1:7401")]
-    listen: String,
-    /// Address to serve Raft on (the other control-plane nodes only; with TLS it accepts
-    /// node certificates only).
-    #[arg(long, env = "KVOTA_RAFT_LISTEN", default_value = "127.0.0.1:7601")]
-    raft_listen: String,
-    /// Address to serve HTTP on: /healthz, /readyz, /metrics, /api/v1/...
-    #[arg(long, env = "KVOTA_HTTP", default_value = "127.0.0.1:7501")]
-    http: String,
-    /// gRPC API address other nodes and agents use to reach this node (default: --listen).
-    #[arg(long, env = "KVOTA_ADVERTISE")]
-    advertise: Option<String>,
-    /// Raft address the other nodes use to reach this node (default: --raft-listen).
-    #[arg(long, env = "KVOTA_ADVERTISE_RAFT")]
-    advertise_raft: Option<String>,
-    /// HTTP address others use to reach this node (default: --http).
-    #[arg(long, env = "KVOTA_ADVERTISE_HTTP")]
-    advertise_http: Option<String>,
-    /// Initialize a new group if the data directory is empty. Give every initial member
-    /// with --member (this node included); without --member, a one-node group.
-    /// Harmless on restart: an initialized directory ignores it.
-    #[arg(long)]
-    init: bool,
-    /// An initial member for --init: ID=GRPC_ADDR,HTTP_ADDR,RAFT_ADDR, e.g.
-    /// `2=10.0.0.2:7401,10.0.0.2:7501,10.0.0.2:7601`. Repeat for each member.
-    #[arg(long = "member", value_name = "ID=GRPC,HTTP,RAFT")]
-    members: Vec<String>,
-    /// Leader heartbeat interval, milliseconds. openraft also makes it the deadline of
-    /// every replication RPC: keep it above the round trip between control-plane nodes,
-    /// or the leader cannot commit and writes stall until another node takes over. The
-    /// default suits one LAN; across zones or regions raise it, and the election
-    /// timeouts to several heartbeats.
-    #[arg(long, env = "KVOTA_HEARTBEAT_MS", default_value_t = 50)]
-    heartbeat_ms: u64,
-    /// Lower bound of the election timeout, milliseconds (a follower that hears no
-    /// leader for a random time between min and max starts an election).
-    #[arg(long, env = "KVOTA_ELECTION_TIMEOUT_MIN_MS", default_value_t = 150)]
-    election_timeout_min_ms: u64,
-    /// Upper bound of the election timeout, milliseconds.
-    #[arg(long, env = "KVOTA_ELECTION_TIMEOUT_MAX_MS", default_value_t = 300)]
-    election_timeout_max_ms: u64,
-    /// Take a snapshot and compact the log after this many entries.
-    #[arg(long, env = "KVOTA_SNAPSHOT_EVERY", default_value_t = 10_000)]
-    snapshot_every: u64,
-    /// Entries kept in the log behind a snapshot, so that a follower that fell a little
-    /// behind catches up from the log instead of receiving the whole snapshot (a new
-    /// node, or one further behind, receives the snapshot).
-    #[arg(long, env = "KVOTA_SNAPSHOT_CATCHUP_ENTRIES", default_value_t = 1_000)]
-    snapshot_catchup_entries: u64,
-    /// How often the leader recomputes entitlements without new reports, milliseconds.
-    #[arg(long, env = "KVOTA_TICK_MS", default_value_t = 1_000)]
-    tick_ms: u64,
-    /// PEM bundle of the federation's CA (or, while rotating it, old and new CA): serve
-    /// every port over TLS and authorize each caller by the identity in its certificate
-    /// (node, cluster, operator, viewer; see docs/security.md). Needs --tls-cert and
-    /// --tls-key. The three files are reread when they change.
-    #[arg(long, env = "KVOTA_TLS_CA", value_name = "FILE")]
-    tls_ca: Option<PathBuf>,
-    /// PEM certificate of this node: `kvota certs issue --role node --name <id>` (its
-    /// identity must be this node's id). Presented on every port and to the peers.
-    #[arg(long, env = "KVOTA_TLS_CERT", value_name = "FILE")]
-    tls_cert: Option<PathBuf>,
-    /// PEM private key of --tls-cert.
-    #[arg(long, env = "KVOTA_TLS_KEY", value_name = "FILE")]
-    tls_key: Option<PathBuf>,
-    /// Allow plain text (no TLS, no identities) on addresses other than loopback.
-    /// Anyone who reaches the ports can then report usage, change the policy, join the
-    /// group or forge Raft traffic: only for a network where every host is trusted.
-    #[arg(long, env = "KVOTA_INSECURE")]
-    insecure: bool,
-    /// Connections one address may hold open on the gRPC API port at once (agents of
-    /// many clusters may share one egress address: keep it above their number).
-    #[arg(long, env = "KVOTA_MAX_CONNECTIONS_PER_PEER", default_value_t = 256)]
-    max_connections_per_peer: usize,
-    /// Free space (MiB) the data directory's file system must keep: below it the node
-    /// is not ready and says why, before writes fail.
-    #[arg(long, env = "KVOTA_MIN_FREE_DISK_MB", default_value_t = 64)]
-    min_free_disk_mb: u64,
+    #[command(flatten)]
+    node: ServerOptions,
     /// Stop when standard input reaches end of file: a parent that starts servers (the
     /// demo) gives each a pipe, so they exit with it even if it is killed.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
 }
 
+/// Options of `kvota repair-vote`.
+#[derive(Debug, Args)]
+pub struct RepairVoteArgs {
+    /// The node's id (the data directory must be this node's).
+    #[arg(long, env = "KVOTA_NODE_ID")]
+    id: NodeId,
+    /// The node's data directory, as given to `kvota server --data-dir`.
+    #[arg(long, env = "KVOTA_DATA_DIR", default_value = "./kvota-data")]
+    data_dir: PathBuf,
+}
+
+/// `kvota repair-vote`: with the node stopped, replaces a saved vote whose term is out
+/// of range (the node then refuses to start Raft, and says to run this) with a vote
+/// for itself at a term in range.
+pub fn repair_vote(args: RepairVoteArgs) -> Result<()> {
+    use kvota_control_plane::saved::{repair_vote, Repaired};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    let raft_dir = args.data_dir.join("raft");
+    let done = rt
+        .block_on(repair_vote(&raft_dir, args.id))
+        .with_context(|| format!("repair the vote in {}", args.data_dir.display()))?;
+    match done {
+        Repaired::NothingToDo(v) => println!(
+            "the vote saved in {} is in range ({}): nothing to repair",
+            args.data_dir.display(),
+            v.map_or_else(|| "none".to_string(), |v| v.to_string())
+        ),
+        Repaired::Replaced { was, now } => println!(
+            "the vote saved in {} was {was}; it is now {now}. Start the node again: it campaigns from term {} and \
+             follows whichever term its group is at",
+            args.data_dir.display(),
+            now.leader_id().get_term()
+        ),
+    }
+    Ok(())
+}
+
 /// `ID=GRPC,HTTP,RAFT` (HTTP may be empty: `ID=GRPC,,RAFT`).
 pub(crate) fn parse_member(spec: &str) -> Result<(u64, Node)> {
-    let usage = || format!("--member {spec}: expected ID=GRPC_ADDR,HTTP_ADDR,RAFT_ADDR (e.g. 2=10.0.0.2:7401,10.0.0.2:7501,10.0.0.2:7601)");
+    let usage = || {
+        format!("--member {spec}: expected ID=GRPC_ADDR,HTTP_ADDR,RAFT_ADDR (e.g. 2=10.0.0.2:7401,10.0.0.2:7501,10.0.0.2:7601)")
+    };
     let (id, addrs) = spec.split_once('=').with_context(usage)?;
     let id: u64 = id
         .parse()
@@ -116,19 +74,28 @@ pub(crate) fn parse_member(spec: &str) -> Result<(u64, Node)> {
         .filter(|&i| i > 0)
         .with_context(|| format!("--member {spec}: `{id}` is not a node id (a number > 0)"))?;
     let parts: Vec<&str> = addrs.split(',').map(str::trim).collect();
-    let [rpc, http, raft] = parts[..] else { bail!("{}", usage()) };
+    let [rpc, http, raft] = parts[..] else {
+        bail!("{}", usage())
+    };
     if rpc.is_empty() || raft.is_empty() {
         bail!("{}: the gRPC and Raft addresses are required", usage());
     }
-    Ok((id, Node { rpc_addr: rpc.to_string(), http_addr: http.to_string(), raft_addr: raft.to_string() }))
+    Ok((
+        id,
+        Node {
+            rpc_addr: rpc.to_string(),
+            http_addr: http.to_string(),
+            raft_addr: raft.to_string(),
+        },
+    ))
 }
 
 async fn bind(addr: &str, what: &str, flag: &str) -> Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         let hint = match e.kind() {
-            std::io::ErrorKind::AddrInUse => format!(
-                "; another process uses it (another kvota server?): stop it or pick another {flag}"
-            ),
+            std::io::ErrorKind::AddrInUse => {
+                format!("; another process uses it (another kvota server?): stop it or pick another {flag}")
+            }
             std::io::ErrorKind::PermissionDenied => "; ports below 1024 need privileges".to_string(),
             _ => String::new(),
         };
@@ -145,6 +112,33 @@ fn advertised(flag: &str, bound: &tokio::net::TcpListener) -> String {
     }
 }
 
+/// Sizes the listeners' connection limits below the open-files limit `files`, leaving a
+/// reserve for the data files and the connections to the peers, and says so.
+fn fit_limits(cfg: &mut ServerConfig, files: Option<u64>) {
+    let l = &mut cfg.limits;
+    // The API serves every agent and operator; Raft a few peers; HTTP probes and scrapes.
+    let shrunk =
+        kvota_tls::listen::fit_to_file_limit(files, &mut [(&mut l.api, 8), (&mut l.raft, 2), (&mut l.http, 2)]);
+    tracing::info!(
+        open_files_limit = ?files,
+        grpc = l.api.max_connections,
+        grpc_per_peer = l.api.max_connections_per_peer,
+        raft = l.raft.max_connections,
+        raft_per_peer = l.raft.max_connections_per_peer,
+        http = l.http.max_connections,
+        http_per_peer = l.http.max_connections_per_peer,
+        "connection limits {}",
+        if shrunk {
+            "fit to the open-files limit, with a reserve for the data files and outgoing connections"
+        } else {
+            "at their defaults, below the open-files limit"
+        }
+    );
+    if files.is_some_and(|f| f < 1_024) {
+        tracing::warn!(open_files_limit = ?files, "the open-files limit is low: raise it (ulimit -n, LimitNOFILE=) to at least 1024");
+    }
+}
+
 /// Runs the node until a signal arrives.
 pub fn run(args: ServerArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -155,46 +149,84 @@ pub fn run(args: ServerArgs) -> Result<()> {
 }
 
 async fn serve(args: ServerArgs) -> Result<()> {
-    if args.id == 0 {
+    if args.node.id == 0 {
         bail!("--id must be greater than 0");
     }
-    let tls = crate::admin_cmd::tls_from("--tls", args.tls_ca.as_deref(), args.tls_cert.as_deref(), args.tls_key.as_deref())?;
-    kvota_tls::listen::raise_file_limit();
-    let api = bind(&args.listen, "gRPC", "--listen").await?;
-    let raft = bind(&args.raft_listen, "Raft", "--raft-listen").await?;
-    let http = bind(&args.http, "HTTP", "--http").await?;
-    let advertise = args.advertise.clone().unwrap_or_else(|| advertised(&args.listen, &api));
-    let advertise_raft = args.advertise_raft.clone().unwrap_or_else(|| advertised(&args.raft_listen, &raft));
-    let advertise_http = args.advertise_http.clone().unwrap_or_else(|| advertised(&args.http, &http));
-    let mut cfg = ServerConfig::new(args.id, args.data_dir.clone(), advertise.clone(), advertise_http.clone(), advertise_raft.clone());
-    cfg.insecure = args.insecure;
-    cfg.limits.api.max_connections_per_peer = args.max_connections_per_peer.max(1);
-    cfg.min_free_disk_bytes = args.min_free_disk_mb.saturating_mul(1 << 20);
-    cfg.heartbeat_ms = args.heartbeat_ms;
-    cfg.election_timeout_min_ms = args.election_timeout_min_ms;
-    cfg.election_timeout_max_ms = args.election_timeout_max_ms;
-    cfg.snapshot_every = args.snapshot_every;
-    cfg.snapshot_catchup_entries = args.snapshot_catchup_entries;
-    cfg.tick_ms = args.tick_ms;
+    let tls = crate::admin_cmd::tls_from(
+        "--tls",
+        args.node.tls_ca.as_deref(),
+        args.node.tls_cert.as_deref(),
+        args.node.tls_key.as_deref(),
+    )?;
+    let files = kvota_tls::listen::raise_file_limit();
+    let api = bind(&args.node.listen, "gRPC", "--listen").await?;
+    let raft = bind(&args.node.raft_listen, "Raft", "--raft-listen").await?;
+    let http = bind(&args.node.http, "HTTP", "--http").await?;
+    let advertise = args
+        .node
+        .advertise
+        .clone()
+        .unwrap_or_else(|| advertised(&args.node.listen, &api));
+    let advertise_raft = args
+        .node
+        .advertise_raft
+        .clone()
+        .unwrap_or_else(|| advertised(&args.node.raft_listen, &raft));
+    let advertise_http = args
+        .node
+        .advertise_http
+        .clone()
+        .unwrap_or_else(|| advertised(&args.node.http, &http));
+    let mut cfg = args
+        .node
+        .config((advertise.clone(), advertise_http.clone(), advertise_raft.clone()));
+    fit_limits(&mut cfg, files);
     cfg.tls = tls;
-    if args.init {
-        let mut members = BTreeMap::new();
-        for m in &args.members {
-            let (id, node) = parse_member(m)?;
-            if members.insert(id, node).is_some() {
-                bail!("--member: node id {id} is given twice");
-            }
-        }
-        members.entry(args.id).or_insert(Node {
+    cfg.initial_members = initial_members(
+        &args.node,
+        Node {
             rpc_addr: advertise,
             http_addr: advertise_http,
             raft_addr: advertise_raft,
-        });
-        cfg.initial_members = Some(members);
-    } else if !args.members.is_empty() {
-        bail!("--member only makes sense with --init");
+        },
+    )?;
+    let handle = match start(cfg.clone(), Listeners { api, raft, http }).await {
+        Ok(h) => h,
+        Err(e) => match e.downcast::<kvota_control_plane::server::Parked>() {
+            Ok(parked) => return parked_until_signal(&cfg, parked).await,
+            Err(e) => return Err(e),
+        },
+    };
+    log_started(&args.node, &handle).await;
+    if let Some(why) = wait_for_stop(&handle, args.exit_with_parent).await {
+        return broken(handle, why).await;
     }
-    let handle = start(cfg, Listeners { api, raft, http }).await?;
+    tracing::info!("kvota server: stopping");
+    handle.shutdown().await;
+    Ok(())
+}
+
+/// The group's first members with `--init` (this node among them), `None` without.
+fn initial_members(args: &ServerOptions, me: Node) -> Result<Option<BTreeMap<NodeId, Node>>> {
+    if !args.init {
+        if !args.members.is_empty() {
+            bail!("--member only makes sense with --init");
+        }
+        return Ok(None);
+    }
+    let mut members = BTreeMap::new();
+    for m in &args.members {
+        let (id, node) = parse_member(m)?;
+        if members.insert(id, node).is_some() {
+            bail!("--member: node id {id} is given twice");
+        }
+    }
+    members.entry(args.id).or_insert(me);
+    Ok(Some(members))
+}
+
+/// Says where the node serves, and how to add it to a group if it is in none.
+async fn log_started(args: &ServerOptions, handle: &kvota_control_plane::server::ServerHandle) {
     tracing::info!(
         id = args.id,
         tls = handle.ctx.tls().is_some(),
@@ -203,17 +235,28 @@ async fn serve(args: ServerArgs) -> Result<()> {
         handle.rpc_addr,
         handle.raft_addr,
         handle.http_addr,
-        if handle.ctx.tls().is_some() { " over mutual TLS" } else { " in plain text" },
+        if handle.ctx.tls().is_some() {
+            " over mutual TLS"
+        } else {
+            " in plain text"
+        },
         args.data_dir.display()
     );
     if !handle.raft().is_initialized().await.unwrap_or(true) {
         tracing::info!(
             "kvota server: this node belongs to no group yet: it waits for a leader to add it \
              (`kvota members add-learner --id {} --rpc {} --raft {}`), or start it with --init to create a new group",
-            args.id, handle.rpc_addr, handle.raft_addr
+            args.id,
+            handle.rpc_addr,
+            handle.raft_addr
         );
     }
-    if args.exit_with_parent {
+}
+
+/// Waits for a signal (or, with `exit_with_parent`, for stdin to close); `Some` if the
+/// node broke first.
+async fn wait_for_stop(handle: &kvota_control_plane::server::ServerHandle, exit_with_parent: bool) -> Option<String> {
+    if exit_with_parent {
         // A plain thread, not the runtime's blocking pool: the runtime would wait for a
         // read that never ends when the server stops for another reason.
         let (tx, stdin_closed) = tokio::sync::oneshot::channel::<()>();
@@ -227,16 +270,30 @@ async fn serve(args: ServerArgs) -> Result<()> {
         tokio::select! {
             _ = wait_for_signal() => {}
             _ = stdin_closed => tracing::info!("kvota server: the parent process is gone"),
-            why = handle.broken() => return broken(handle, why).await,
+            why = handle.broken() => return Some(why),
         }
     } else {
         tokio::select! {
             _ = wait_for_signal() => {}
-            why = handle.broken() => return broken(handle, why).await,
+            why = handle.broken() => return Some(why),
         }
     }
-    tracing::info!("kvota server: stopping");
-    handle.shutdown().await;
+    None
+}
+
+/// The data directory holds a vote or log id out of range: serve the probes (healthy,
+/// not ready, saying why and how to recover) until a signal, rather than exit and be
+/// restarted into the same state by the supervisor.
+async fn parked_until_signal(cfg: &ServerConfig, parked: kvota_control_plane::server::Parked) -> Result<()> {
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let serving = kvota_control_plane::server::serve_parked(cfg, parked, stop);
+    tokio::pin!(serving);
+    tokio::select! {
+        _ = wait_for_signal() => {}
+        _ = &mut serving => return Ok(()),
+    }
+    let _ = stop_tx.send(true);
+    serving.await;
     Ok(())
 }
 

@@ -6,6 +6,12 @@
 //! the usage the clusters produced. And a standby replica taking over from a leader that
 //! died between reports counts the stretch the leader never reported, once.
 
+/// The demo's fault proxy (`kvota demo` ships it; the binary has no library to import).
+/// This test does not ask whether a link is cut, as the demo does.
+#[path = "../src/demo/link.rs"]
+#[allow(dead_code)]
+mod link;
+
 use kvota_fairness::names::PodKey;
 use kvota_fairness::names::{ClusterName, TenantName};
 use std::collections::BTreeMap;
@@ -15,10 +21,10 @@ use kvota_client::client::Client;
 use kvota_control_plane::server::ServerHandle;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_member_agent::agent::Agent;
-use kvota_member_agent::netfault::LinkProxy;
 use kvota_member_agent::review::Outcome;
 use kvota_member_agent::sim::{SimCluster, SimPod};
 use kvota_proto::v1;
+use link::LinkProxy;
 
 const POLICY: &str = "
 apiVersion: kvota.dev/v1alpha1
@@ -46,8 +52,20 @@ async fn apply_policy(endpoints: &[String]) {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let y = POLICY.to_string();
-        let r = admin.call(|ch| { let y = y.clone(); async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) } }).await;
-        if r.is_ok() { break; }
+        let r = admin
+            .call(|ch| {
+                let y = y.clone();
+                async move {
+                    Ok(Client::admin(ch)
+                        .apply_policy(v1::PolicyRequest { yaml: y })
+                        .await?
+                        .into_inner())
+                }
+            })
+            .await;
+        if r.is_ok() {
+            break;
+        }
         assert!(Instant::now() < deadline, "no leader: {r:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -79,8 +97,20 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         proxies.push(LinkProxy::start(e.clone()).await.expect("proxy"));
     }
     let a_eps: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
-    let a = Agent::open(&ClusterName::from_static("east"), gpu_capacity(32), &tmp.path().join("agent-east"), &a_eps).expect("agent a");
-    let b = Agent::open(&ClusterName::from_static("west"), gpu_capacity(32), &tmp.path().join("agent-west"), &endpoints).expect("agent b");
+    let a = Agent::open(
+        &ClusterName::from_static("east"),
+        gpu_capacity(32),
+        &tmp.path().join("agent-east"),
+        &a_eps,
+    )
+    .expect("agent a");
+    let b = Agent::open(
+        &ClusterName::from_static("west"),
+        gpu_capacity(32),
+        &tmp.path().join("agent-west"),
+        &endpoints,
+    )
+    .expect("agent b");
     for ag in [&a, &b] {
         ag.register().await.expect("register");
         ag.fetch_policy().await.expect("policy");
@@ -106,7 +136,9 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         {
             let mut st = a.state();
             for _ in 0..20 {
-                if next >= 200 { break; }
+                if next >= 200 {
+                    break;
+                }
                 let p = SimPod::gpus("ml", &format!("train-{next}"), 1, 600_000, 0);
                 let before = st.inuse("training");
                 let budget = st.lease.budget("training", st.now_ms());
@@ -118,9 +150,15 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
                         // Within the budget, or on GPUs lent within the lease's borrow limit
                         // (training is preemptible; the group runs at feature level 3).
                         if st.is_borrowed(&p.key()) {
-                            assert!(before + 1_000 <= budget + limit, "borrowed past the limit: {before} + 1000 > {budget} + {limit}");
+                            assert!(
+                                before + 1_000 <= budget + limit,
+                                "borrowed past the limit: {before} + 1000 > {budget} + {limit}"
+                            );
                         } else {
-                            assert!(before + 1_000 <= budget, "admitted past the budget: {before} + 1000 > {budget}");
+                            assert!(
+                                before + 1_000 <= budget,
+                                "admitted past the budget: {before} + 1000 > {budget}"
+                            );
                         }
                     }
                     _ => break, // retry this pod next round
@@ -133,11 +171,16 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
         assert!(total <= max_training, "training holds {total} > maxShare");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(admitted >= 16, "the burst must get at least its guarantee's worth: {admitted}");
+    assert!(
+        admitted >= 16,
+        "the burst must get at least its guarantee's worth: {admitted}"
+    );
     let held_before_cut = a.state().inuse("training");
 
     // Cut east off. Its lease expires (3 s) and it falls back to safe budgets.
-    for p in &proxies { p.set_cut(true); }
+    for p in &proxies {
+        p.set_cut(true);
+    }
     let cut_at = Instant::now();
     let mut denied_while_cut = 0;
     let mut admitted_cap = held_before_cut;
@@ -164,9 +207,16 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     }
     {
         let st = a.state();
-        assert_eq!(st.lease.status(st.now_ms()), LeaseStatus::Safe, "lease must have expired while cut off");
+        assert_eq!(
+            st.lease.status(st.now_ms()),
+            LeaseStatus::Safe,
+            "lease must have expired while cut off"
+        );
         let fallback = st.lease.budget("training", st.now_ms());
-        assert!(fallback <= 6_400, "fallback {fallback} above the safe budget (20% of 32 GPUs)");
+        assert!(
+            fallback <= 6_400,
+            "fallback {fallback} above the safe budget (20% of 32 GPUs)"
+        );
         assert!(
             st.inuse("training") <= admitted_cap.max(fallback),
             "nothing beyond what each admission's budget allowed: {} > max({admitted_cap}, {fallback})",
@@ -190,37 +240,54 @@ async fn burst_partition_and_heal_keep_budgets_and_lose_no_usage() {
     round(&a, &mut sim_a).await;
 
     // Heal: the journal drains, the control plane catches up.
-    for p in &proxies { p.set_cut(false); }
+    for p in &proxies {
+        p.set_cut(false);
+    }
     let healed = Instant::now();
     while a.backlog() > 0 || b.backlog() > 0 {
-        assert!(healed.elapsed() < Duration::from_secs(20), "journal did not drain: {}", a.backlog());
+        assert!(
+            healed.elapsed() < Duration::from_secs(20),
+            "journal did not drain: {}",
+            a.backlog()
+        );
         round(&a, &mut sim_a).await;
         round(&b, &mut sim_b).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     {
         let st = a.state();
-        assert_ne!(st.lease.status(st.now_ms()), LeaseStatus::Safe, "fresh lease after healing");
+        assert_ne!(
+            st.lease.status(st.now_ms()),
+            LeaseStatus::Safe,
+            "fresh lease after healing"
+        );
     }
 
     // The ledger holds the usage the clusters produced: every report once, none lost.
     let fed = nodes[0].ctx.state.read().await.federation.clone();
     let produced = {
         let mut p = a.written_usage();
-        for (t, u) in b.written_usage() { *p.entry(t).or_default() += u; }
+        for (t, u) in b.written_usage() {
+            *p.entry(t).or_default() += u;
+        }
         p
     };
     for (tenant, want) in &produced {
         let got = fed.ledger().entries().get(tenant).map_or(0, |u| u.value_milli_gpue_ms);
         // Decay over ~20 s of a 24 h half-life (< 0.02 %) and one rounding per report.
-        assert!(got <= *want && got as f64 >= *want as f64 * 0.9995 - 1_000.0, "{tenant}: ledger {got} vs produced {want}");
+        assert!(
+            got <= *want && got as f64 >= *want as f64 * 0.9995 - 1_000.0,
+            "{tenant}: ledger {got} vs produced {want}"
+        );
     }
     assert!(produced.get("training").copied().unwrap_or(0) > 0);
     // The eviction made while cut off is in the federation's audit log exactly once.
     let cut_evictions: Vec<String> = fed
         .audit()
         .filter_map(|r| match &r.event {
-            kvota_fairness::federation::AuditEvent::Eviction { cluster, note } if note.victim == "train/t-cut" => Some(cluster.clone()),
+            kvota_fairness::federation::AuditEvent::Eviction { cluster, note } if note.victim == "train/t-cut" => {
+                Some(cluster.clone())
+            }
             _ => None,
         })
         .collect();
@@ -237,7 +304,13 @@ async fn agreed_training_usage(nodes: &[&ServerHandle]) -> u64 {
         let mut seen = Vec::new();
         for n in nodes {
             let st = n.ctx.state.read().await;
-            seen.push(st.federation.ledger().entries().get("training").map_or(0, |u| u.value_milli_gpue_ms));
+            seen.push(
+                st.federation
+                    .ledger()
+                    .entries()
+                    .get("training")
+                    .map_or(0, |u| u.value_milli_gpue_ms),
+            );
         }
         if seen.iter().all(|&v| v == seen[0]) {
             return seen[0];
@@ -261,8 +334,20 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     let (cl, endpoints) = control_plane().await;
     let nodes: Vec<&ServerHandle> = cl.nodes.iter().flatten().collect();
     apply_policy(&endpoints).await;
-    let leader = Agent::open(&ClusterName::from_static("north"), gpu_capacity(32), &tmp.path().join("agent-1"), &endpoints).expect("agent 1");
-    let standby = Agent::open(&ClusterName::from_static("north"), gpu_capacity(32), &tmp.path().join("agent-2"), &endpoints).expect("agent 2");
+    let leader = Agent::open(
+        &ClusterName::from_static("north"),
+        gpu_capacity(32),
+        &tmp.path().join("agent-1"),
+        &endpoints,
+    )
+    .expect("agent 1");
+    let standby = Agent::open(
+        &ClusterName::from_static("north"),
+        gpu_capacity(32),
+        &tmp.path().join("agent-2"),
+        &endpoints,
+    )
+    .expect("agent 2");
     leader.register().await.expect("register");
     for ag in [&leader, &standby] {
         ag.fetch_policy().await.expect("policy");
@@ -270,7 +355,13 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     // 4 training GPUs bound the whole time; both replicas see them (each lists the pods).
     let bound = Instant::now();
     for ag in [&leader, &standby] {
-        ag.state().pod_bound(&PodKey::from_static("ml/train-0"), PodRec { tenant: Some(TenantName::from_static("training")), gpue: 4_000 });
+        ag.state().pod_bound(
+            &PodKey::from_static("ml/train-0"),
+            PodRec {
+                tenant: Some(TenantName::from_static("training")),
+                gpue: 4_000,
+            },
+        );
     }
     let rate = 4_000u64; // milli-GPUe per ms
     let round = Duration::from_millis(200);
@@ -303,11 +394,19 @@ async fn a_standby_that_takes_over_reports_what_the_dead_leader_did_not() {
     let got = agreed_training_usage(&nodes).await;
     // Without the takeover carry-over the ledger would miss the last ~1.7 s of ~3.5 s.
     let missed_by_old_behaviour = rate * 1_700;
-    assert!(got > reported_before + missed_by_old_behaviour, "takeover counted {} after {reported_before}", got - reported_before);
+    assert!(
+        got > reported_before + missed_by_old_behaviour,
+        "takeover counted {} after {reported_before}",
+        got - reported_before
+    );
     // Both meters ran at the same rate, so the pro-rata cut is exact up to the clocks'
     // milliseconds and the time the retries took (a few report round trips).
     let slack = rate * 300;
-    assert!(got <= produced && got + slack >= produced, "ledger {got} vs produced {produced} (off by {} ms of usage)", (produced as i64 - got as i64) / rate as i64);
+    assert!(
+        got <= produced && got + slack >= produced,
+        "ledger {got} vs produced {produced} (off by {} ms of usage)",
+        (produced as i64 - got as i64) / rate as i64
+    );
     drop(nodes);
     cl.shutdown().await;
 }

@@ -15,6 +15,11 @@ use serde_json::{json, Value};
 
 #[path = "../../member-agent/tests/support/fake_apiserver.rs"]
 mod fake_apiserver;
+/// The demo's fault proxy (`kvota demo` ships it; the binary has no library to import).
+/// This test does not ask whether a link is cut, as the demo does.
+#[path = "../src/demo/link.rs"]
+#[allow(dead_code)]
+mod link;
 
 use kvota_testkit::procs::{free_ports, Procs};
 
@@ -71,18 +76,24 @@ fn review(uid: &str, ns: &str, gpus: u32) -> Vec<u8> {
 
 async fn https(port: u16, ca: &[u8], method: &str, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>), String> {
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(CertificateDer::from(ca.to_vec())).map_err(|e| e.to_string())?;
+    roots
+        .add(CertificateDer::from(ca.to_vec()))
+        .map_err(|e| e.to_string())?;
     let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
     let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
         .connect(ServerName::try_from("localhost").map_err(|e| e.to_string())?, tcp)
         .await
         .map_err(|e| e.to_string())?;
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.map_err(|e| e.to_string())?;
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
     let req = hyper::Request::builder()
         .method(method)
@@ -92,7 +103,13 @@ async fn https(port: u16, ca: &[u8], method: &str, path: &str, body: Vec<u8>) ->
         .map_err(|e| e.to_string())?;
     let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
     let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes().to_vec();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes()
+        .to_vec();
     Ok((status, body))
 }
 
@@ -126,11 +143,24 @@ fn one_node_server(dir: &std::path::Path, rpc: &str, http: &str) -> Child {
 /// [`one_node_server`]'s command, for a caller that adds flags or environment.
 fn one_node_server_cmd(dir: &std::path::Path, rpc: &str, http: &str) -> Command {
     let mut c = kvota();
-    c.args(["server", "--id", "1", "--init", "--listen", rpc, "--http", http, "--raft-listen", "127.0.0.1:0", "--tick-ms", "200"])
-        .arg("--data-dir")
-        .arg(dir.join("cp"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(dir.join("server.log")).expect("log")));
+    c.args([
+        "server",
+        "--id",
+        "1",
+        "--init",
+        "--listen",
+        rpc,
+        "--http",
+        http,
+        "--raft-listen",
+        "127.0.0.1:0",
+        "--tick-ms",
+        "200",
+    ])
+    .arg("--data-dir")
+    .arg(dir.join("cp"))
+    .stdout(Stdio::null())
+    .stderr(Stdio::from(std::fs::File::create(dir.join("server.log")).expect("log")));
     c
 }
 
@@ -149,29 +179,58 @@ fn sim_agent(dir: &std::path::Path, rpc: &str, hook: u16, log: &str) -> Command 
 /// [`sim_agent`] reporting every `interval_ms`.
 fn sim_agent_every(dir: &std::path::Path, rpc: &str, hook: u16, log: &str, interval_ms: u64) -> Command {
     let mut c = kvota();
-    c.args(["agent", "--cluster", "east", "--cp", rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
-        .args(["--report-interval-ms", &interval_ms.to_string(), "--simulate", "2x4", "--simulate-pod-seconds", "3600"])
-        .arg("--tls-cert")
-        .arg(dir.join("tls.crt"))
-        .arg("--tls-key")
-        .arg(dir.join("tls.key"))
-        .arg("--data-dir")
-        .arg(dir.join("agent"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(std::fs::File::create(dir.join(log)).expect("log")));
+    c.args([
+        "agent",
+        "--cluster",
+        "east",
+        "--cp",
+        rpc,
+        "--webhook-listen",
+        &format!("127.0.0.1:{hook}"),
+    ])
+    .args([
+        "--report-interval-ms",
+        &interval_ms.to_string(),
+        "--simulate",
+        "2x4",
+        "--simulate-pod-seconds",
+        "3600",
+    ])
+    .arg("--tls-cert")
+    .arg(dir.join("tls.crt"))
+    .arg("--tls-key")
+    .arg(dir.join("tls.key"))
+    .arg("--data-dir")
+    .arg(dir.join("agent"))
+    .stdout(Stdio::null())
+    .stderr(Stdio::from(std::fs::File::create(dir.join(log)).expect("log")));
     c
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_control_plane() {
-    let Env { tmp, rpc, http, hook, ca } = env();
+    let Env {
+        tmp,
+        rpc,
+        http,
+        hook,
+        ca,
+    } = env();
 
-    let server = one_node_server_cmd(tmp.path(), &rpc, &http).env("RUST_LOG", "info").spawn().expect("spawn server");
+    let server = one_node_server_cmd(tmp.path(), &rpc, &http)
+        .env("RUST_LOG", "info")
+        .spawn()
+        .expect("spawn server");
     let mut procs = Procs::of([server]);
     std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
     let mut applied = false;
     for _ in 0..100 {
-        let out = kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().expect("apply");
+        let out = kvota()
+            .args(["policy", "apply"])
+            .arg(tmp.path().join("p.yaml"))
+            .args(["--cp", &rpc])
+            .output()
+            .expect("apply");
         if out.status.success() {
             applied = true;
             break;
@@ -180,7 +239,10 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     }
     assert!(applied, "policy apply never succeeded");
 
-    let agent = sim_agent(tmp.path(), &rpc, hook, "agent.log").env("RUST_LOG", "info").spawn().expect("spawn agent");
+    let agent = sim_agent(tmp.path(), &rpc, hook, "agent.log")
+        .env("RUST_LOG", "info")
+        .spawn()
+        .expect("spawn agent");
     procs.push(agent);
     wait_for("agent ready", Duration::from_secs(20), || async {
         matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
@@ -195,7 +257,15 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
     let (mut denied_pod, mut admitted_pod) = (String::new(), String::new());
     for round in 0..20 {
         for i in 0..8 {
-            let (status, body) = https(hook, &ca, "POST", "/validate", review(&format!("t{round}-{i}"), "ml", 1)).await.expect("review");
+            let (status, body) = https(
+                hook,
+                &ca,
+                "POST",
+                "/validate",
+                review(&format!("t{round}-{i}"), "ml", 1),
+            )
+            .await
+            .expect("review");
             assert_eq!(status, 200);
             let r: Value = serde_json::from_slice(&body).expect("json");
             assert_eq!(r["response"]["uid"], format!("t{round}-{i}"));
@@ -203,73 +273,131 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
                 admitted += 1;
                 admitted_pod = format!("ml/t{round}-{i}");
             } else {
-                denial = r["response"]["status"]["message"].as_str().unwrap_or_default().to_string();
+                denial = r["response"]["status"]["message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
                 denied_pod = format!("ml/t{round}-{i}");
                 break;
             }
         }
         tokio::time::sleep(Duration::from_millis(400)).await;
     }
-    assert!((1..=4).contains(&admitted), "admitted {admitted} one-GPU pods; maxShare allows 4");
-    assert!(denial.contains("training") && denial.contains("kvota explain"), "{denial}");
+    assert!(
+        (1..=4).contains(&admitted),
+        "admitted {admitted} one-GPU pods; maxShare allows 4"
+    );
+    assert!(
+        denial.contains("training") && denial.contains("kvota explain"),
+        "{denial}"
+    );
 
     // The command the denial names explains it, from the agent's record of the decision.
     let explain = |pod: &str, agent: bool| {
         let mut c = kvota();
         c.args(["explain", "pod", pod, "--cp", &rpc]);
         if agent {
-            c.args(["--agent", &format!("https://127.0.0.1:{hook}"), "--agent-tls-name", "localhost", "--agent-ca"]);
+            c.args([
+                "--agent",
+                &format!("https://127.0.0.1:{hook}"),
+                "--agent-tls-name",
+                "localhost",
+                "--agent-ca",
+            ]);
             c.arg(tmp.path().join("tls.crt"));
         }
         let out = c.output().expect("explain pod");
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
     };
     let (ok, text, err) = explain(&denied_pod, true);
     assert!(ok, "{err}");
-    assert!(text.contains(&format!("pod {denied_pod} requests 1 GPUe")) && text.contains("tenant training in cluster east"), "{text}");
-    assert!(text.contains("Deny") && text.contains("against budget") && text.contains("now: denied"), "{text}");
+    assert!(
+        text.contains(&format!("pod {denied_pod} requests 1 GPUe")) && text.contains("tenant training in cluster east"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Deny") && text.contains("against budget") && text.contains("now: denied"),
+        "{text}"
+    );
+    // The decision's time is this run's, not hours since 1970.
+    assert!(!text.contains("1970") && !text.contains("h ago"), "{text}");
     let (ok, text, err) = explain(&admitted_pod, true);
-    assert!(ok && text.contains("Allow") && (text.contains("now: bound") || text.contains("now: admitted")), "{text}{err}");
+    assert!(
+        ok && text.contains("Allow") && (text.contains("now: bound") || text.contains("now: admitted")),
+        "{text}{err}"
+    );
     let (ok, _, err) = explain("ml/never-created", true);
     assert!(!ok && err.contains("has not judged pod ml/never-created"), "{err}");
     // Without an agent: the decision the agent reported with its usage, from the control
     // plane; for a pod no agent reported, the tenant's numbers and how to ask the agent.
-    wait_for("the control plane to know the denial", Duration::from_secs(15), || async {
-        let (ok, text, _) = explain(&denied_pod, false);
-        ok && text.contains("decided by the agent of cluster `east`") && text.contains(&format!("pod {denied_pod} requests 1 GPUe")) && text.contains("Deny")
-    })
+    wait_for(
+        "the control plane to know the denial",
+        Duration::from_secs(15),
+        || async {
+            let (ok, text, _) = explain(&denied_pod, false);
+            ok && text.contains("decided by the agent of cluster `east`")
+                && text.contains(&format!("pod {denied_pod} requests 1 GPUe"))
+                && text.contains("Deny")
+        },
+    )
     .await;
     let (ok, text, err) = explain("ml/never-created", false);
-    assert!(ok && text.contains("no reported decision") && text.contains("belongs to tenant `training`") && text.contains("--agent https://"), "{text}{err}");
+    assert!(
+        ok && text.contains("no reported decision")
+            && text.contains("belongs to tenant `training`")
+            && text.contains("--agent https://"),
+        "{text}{err}"
+    );
     let (ok, _, err) = explain("no-slash", false);
     assert!(!ok && err.contains("expected NAMESPACE/NAME"), "{err}");
 
     // The control plane sees the cluster and the usage.
-    wait_for("the control plane to see training's pods", Duration::from_secs(10), || async {
-        cli_json(&rpc, &["tenants"]).is_some_and(|v| {
-            v["tenants"].as_array().is_some_and(|ts| {
-                ts.iter().any(|t| t["tenant"] == "training" && t["inuse_milli_gpue"].as_u64() == Some(admitted * 1000))
+    wait_for(
+        "the control plane to see training's pods",
+        Duration::from_secs(10),
+        || async {
+            cli_json(&rpc, &["tenants"]).is_some_and(|v| {
+                v["tenants"].as_array().is_some_and(|ts| {
+                    ts.iter()
+                        .any(|t| t["tenant"] == "training" && t["inuse_milli_gpue"].as_u64() == Some(admitted * 1000))
+                })
             })
-        })
-    })
+        },
+    )
     .await;
 
     // What the agent reported is what the ledger holds. Read the control plane first:
     // the agent's counters only grow, so read after it they bound it from above (its
     // sequence, and its undecayed usage meter above the decayed ledger).
-    wait_for("the ledger to match the agent's reports", Duration::from_secs(10), || async {
-        let east = cli_json(&rpc, &["clusters"]).and_then(|v| v.as_array()?.first()?["last_seq"].as_u64());
-        let ledger = cli_json(&rpc, &["tenants"]).and_then(|v| {
-            v["tenants"].as_array()?.iter().find(|t| t["tenant"] == "training")?["decayed_usage_milli_gpue_ms"].as_u64()
-        });
-        let Ok((_, m)) = https(hook, &ca, "GET", "/metrics", vec![]).await else { return false };
-        let m = String::from_utf8_lossy(&m).to_string();
-        let metric = |name: &str| m.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<f64>().ok());
-        let seq = metric("kvota_agent_journal_last_seq ");
-        // GPU-seconds written, against the ledger's milli-GPUe x ms.
-        let used = metric(r#"kvota_agent_reported_usage_gpu_seconds_total{tenant="training"} "#).map(|u| u * 1e6);
-        matches!((east, seq), (Some(e), Some(s)) if e > 0 && e as f64 <= s) && matches!((ledger, used), (Some(l), Some(u)) if l > 0 && l as f64 <= u * (1.0 + 1e-9))
-    })
+    wait_for(
+        "the ledger to match the agent's reports",
+        Duration::from_secs(10),
+        || async {
+            let east = cli_json(&rpc, &["clusters"]).and_then(|v| v.as_array()?.first()?["last_seq"].as_u64());
+            let ledger = cli_json(&rpc, &["tenants"]).and_then(|v| {
+                v["tenants"].as_array()?.iter().find(|t| t["tenant"] == "training")?["decayed_usage_milli_gpue_ms"]
+                    .as_u64()
+            });
+            let Ok((_, m)) = https(hook, &ca, "GET", "/metrics", vec![]).await else {
+                return false;
+            };
+            let m = String::from_utf8_lossy(&m).to_string();
+            let metric = |name: &str| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            };
+            let seq = metric("kvota_agent_journal_last_seq ");
+            // GPU-seconds written, against the ledger's milli-GPUe x ms.
+            let used = metric(r#"kvota_agent_reported_usage_gpu_seconds_total{tenant="training"} "#).map(|u| u * 1e6);
+            matches!((east, seq), (Some(e), Some(s)) if e > 0 && e as f64 <= s)
+                && matches!((ledger, used), (Some(l), Some(u)) if l > 0 && l as f64 <= u * (1.0 + 1e-9))
+        },
+    )
     .await;
 
     // Kill the control plane: the agent keeps answering, and after the 3 s lease it
@@ -282,17 +410,26 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
             .is_ok_and(|(_, m)| String::from_utf8_lossy(&m).contains(r#"kvota_agent_lease_state{state="safe"} 1"#))
     })
     .await;
-    let (status, body) = https(hook, &ca, "POST", "/validate", review("after-cp", "ml", 1)).await.expect("review");
+    let (status, body) = https(hook, &ca, "POST", "/validate", review("after-cp", "ml", 1))
+        .await
+        .expect("review");
     assert_eq!(status, 200);
     let r: Value = serde_json::from_slice(&body).expect("json");
-    assert_eq!(r["response"]["allowed"], false, "safe budget (20 % x 8 GPUs = 1.6) is below what training holds: {r}");
+    assert_eq!(
+        r["response"]["allowed"], false,
+        "safe budget (20 % x 8 GPUs = 1.6) is below what training holds: {r}"
+    );
     let (_, m) = https(hook, &ca, "GET", "/metrics", vec![]).await.expect("metrics");
     let m = String::from_utf8_lossy(&m);
     assert!(m.contains("kvota_agent_journal_backlog"), "{m}");
 
     // SIGTERM: a clean stop.
     let pid = procs.get(1).expect("running").id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill")
+        .success());
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if let Some(status) = procs.get(1).expect("running").try_wait().expect("wait") {
@@ -313,13 +450,31 @@ async fn agent_serves_reviews_reports_usage_and_keeps_enforcing_without_the_cont
 /// denials are not held at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
-    let Env { tmp, rpc, http, hook, ca } = env();
+    let Env {
+        tmp,
+        rpc,
+        http,
+        hook,
+        ca,
+    } = env();
     let server = one_node_server(tmp.path(), &rpc, &http);
     let mut procs = Procs::of([server]);
     // A lease long enough to stay fresh for a while after the control plane is gone.
-    std::fs::write(tmp.path().join("p.yaml"), POLICY.replace("duration: 3s, clockSkewMargin: 300ms", "duration: 30s, clockSkewMargin: 1s")).expect("w");
+    std::fs::write(
+        tmp.path().join("p.yaml"),
+        POLICY.replace(
+            "duration: 3s, clockSkewMargin: 300ms",
+            "duration: 30s, clockSkewMargin: 1s",
+        ),
+    )
+    .expect("w");
     wait_for("the policy applied", Duration::from_secs(20), || async {
-        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+        kvota()
+            .args(["policy", "apply"])
+            .arg(tmp.path().join("p.yaml"))
+            .args(["--cp", &rpc])
+            .output()
+            .is_ok_and(|o| o.status.success())
     })
     .await;
     let ready = || async { matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _))) };
@@ -327,10 +482,19 @@ async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
         let ca = ca.clone();
         async move {
             let started = Instant::now();
-            let (status, body) = https(hook, &ca, "POST", "/validate", review(uid, ns, 1)).await.expect("review");
+            let (status, body) = https(hook, &ca, "POST", "/validate", review(uid, ns, 1))
+                .await
+                .expect("review");
             assert_eq!(status, 200);
             let r: Value = serde_json::from_slice(&body).expect("json");
-            (r["response"]["allowed"] == true, r["response"]["status"]["message"].as_str().unwrap_or_default().to_string(), started.elapsed())
+            (
+                r["response"]["allowed"] == true,
+                r["response"]["status"]["message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                started.elapsed(),
+            )
         }
     };
 
@@ -342,7 +506,11 @@ async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
     let (allowed, message, _) = first("inference-1", "serving").await;
     assert!(!allowed && message.contains("budget of 0 GPUe"), "{message}");
     let pid = procs.get(1).expect("agent").id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill")
+        .success());
     let _ = procs.get(1).expect("agent").wait();
 
     // The default hold: training's first pod is admitted after one report round (the
@@ -353,10 +521,16 @@ async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
     let (allowed, message, took) = first("training-1", "ml").await;
     assert!(allowed, "{message}");
     assert!(message.contains("admitted: tenant `training`"), "{message}");
-    assert!(took < Duration::from_millis(1_900), "held {took:?}: longer than the round it waits for");
+    assert!(
+        took < Duration::from_millis(1_900),
+        "held {took:?}: longer than the round it waits for"
+    );
     let (_, m) = https(hook, &ca, "GET", "/metrics", vec![]).await.expect("metrics");
     let m = String::from_utf8_lossy(&m);
-    assert!(m.contains(r#"kvota_agent_admission_holds_total{reason="admitted"} 1"#), "{m}");
+    assert!(
+        m.contains(r#"kvota_agent_admission_holds_total{reason="admitted"} 1"#),
+        "{m}"
+    );
 
     // The control plane stops. The next denial is held (the last round worked), its
     // early round fails, and the answer is the denial when the 2 s hold runs out; after
@@ -364,24 +538,34 @@ async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
     procs.get(0).expect("server").kill().expect("kill server");
     let _ = procs.get(0).expect("server").wait();
     let (allowed, _, took) = first("training-2", "ml").await;
-    assert!(!allowed && took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_500), "held {took:?}");
+    assert!(
+        !allowed && took >= Duration::from_millis(1_900) && took < Duration::from_millis(3_500),
+        "held {took:?}"
+    );
     // Once a report round has failed (the client tries for a while first), denials are
     // answered at once.
     let mut n = 2;
-    wait_for("denials answered at once while reports fail", Duration::from_secs(30), || {
-        n += 1;
-        let first = &first;
-        async move {
-            let uid: &'static str = Box::leak(format!("training-{n}").into_boxed_str());
-            let (allowed, _, took) = first(uid, "ml").await;
-            assert!(!allowed);
-            took < Duration::from_millis(500)
-        }
-    })
+    wait_for(
+        "denials answered at once while reports fail",
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let first = &first;
+            async move {
+                let uid: &'static str = Box::leak(format!("training-{n}").into_boxed_str());
+                let (allowed, _, took) = first(uid, "ml").await;
+                assert!(!allowed);
+                took < Duration::from_millis(500)
+            }
+        },
+    )
     .await;
     let (_, m) = https(hook, &ca, "GET", "/metrics", vec![]).await.expect("metrics");
     let m = String::from_utf8_lossy(&m);
-    let timeouts = m.lines().find_map(|l| l.strip_prefix(r#"kvota_agent_admission_holds_total{reason="timeout"} "#)).and_then(|v| v.trim().parse::<u64>().ok());
+    let timeouts = m
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"kvota_agent_admission_holds_total{reason="timeout"} "#))
+        .and_then(|v| v.trim().parse::<u64>().ok());
     assert!(timeouts.is_some_and(|n| n >= 1), "{m}");
 }
 
@@ -389,17 +573,33 @@ async fn a_tenants_first_pod_waits_one_report_round_instead_of_being_denied() {
 fn agent_flags_are_checked_before_anything_starts() {
     let tmp = tempfile::tempdir().expect("tmp");
     let run = |args: &[&str]| {
-        let out = kvota().args(["agent", "--tls-cert", "/nonexistent.crt", "--tls-key", "/nonexistent.key"]).args(args).output().expect("run");
+        let out = kvota()
+            .args([
+                "agent",
+                "--tls-cert",
+                "/nonexistent.crt",
+                "--tls-key",
+                "/nonexistent.key",
+            ])
+            .args(args)
+            .output()
+            .expect("run");
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).to_string()
     };
-    assert!(run(&["--cluster", "east"]).contains("/nonexistent.crt"), "certificates are checked first");
+    assert!(
+        run(&["--cluster", "east"]).contains("/nonexistent.crt"),
+        "certificates are checked first"
+    );
     assert!(run(&["--cluster", "east", "--simulate", "1x8", "--kubeconfig", "/k"]).contains("cannot be used with"));
     assert!(run(&["--cluster", "East!", "--simulate", "1x8"]).contains("--cluster"));
     assert!(run(&["--cluster", "east", "--simulate", "8"]).contains("COUNTxGPUS"));
     assert!(run(&["--cluster", "east", "--simulate", "1x8"]).contains("/nonexistent.crt"));
     let e = run(&["--cluster", "east", "--simulate", "1x8", "--admission-hold-ms", "5000"]);
-    assert!(e.contains("--admission-hold-ms 5000: at most 4000") && e.contains("timeoutSeconds"), "{e}");
+    assert!(
+        e.contains("--admission-hold-ms 5000: at most 4000") && e.contains("timeoutSeconds"),
+        "{e}"
+    );
     let _ = tmp;
 }
 
@@ -413,26 +613,51 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
     use fake_apiserver::{FakeApi, Kind};
     let api = FakeApi::start().await;
     for (n, gpus, cordoned) in [("n1", 4, false), ("n2", 4, false), ("n3", 8, true)] {
-        api.put(Kind::Node, json!({"metadata": {"name": n}, "spec": {"unschedulable": cordoned},
-            "status": {"allocatable": {"nvidia.com/gpu": gpus.to_string()}}}));
+        api.put(
+            Kind::Node,
+            json!({"metadata": {"name": n}, "spec": {"unschedulable": cordoned},
+            "status": {"allocatable": {"nvidia.com/gpu": gpus.to_string()}}}),
+        );
     }
     api.put(Kind::Namespace, json!({"metadata": {"name": "ml"}}));
     // Training's pod from before the agent existed: bound, running, 4 GPUs.
-    api.put(Kind::Pod, json!({"metadata": {"name": "old", "namespace": "ml"},
+    api.put(
+        Kind::Pod,
+        json!({"metadata": {"name": "old", "namespace": "ml"},
         "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "4"}}}]},
-        "status": {"phase": "Running"}}));
+        "status": {"phase": "Running"}}),
+    );
 
-    let Env { tmp, rpc, http, hook, ca } = env();
+    let Env {
+        tmp,
+        rpc,
+        http,
+        hook,
+        ca,
+    } = env();
     write_kubeconfig(tmp.path(), &api.url);
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
     let mut procs = Procs::of([one_node_server(tmp.path(), &rpc, &http)]);
     std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
     wait_for("policy applied", Duration::from_secs(20), || async {
-        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+        kvota()
+            .args(["policy", "apply"])
+            .arg(tmp.path().join("p.yaml"))
+            .args(["--cp", &rpc])
+            .output()
+            .is_ok_and(|o| o.status.success())
     })
     .await;
     let agent = kvota()
-        .args(["agent", "--cluster", "east", "--cp", &rpc, "--webhook-listen", &format!("127.0.0.1:{hook}")])
+        .args([
+            "agent",
+            "--cluster",
+            "east",
+            "--cp",
+            &rpc,
+            "--webhook-listen",
+            &format!("127.0.0.1:{hook}"),
+        ])
         .args(["--report-interval-ms", "300"])
         .arg("--kubeconfig")
         .arg(tmp.path().join("kubeconfig"))
@@ -455,15 +680,25 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
     .await;
     let clusters = cli_json(&rpc, &["clusters"]).expect("clusters json");
     let text = clusters.to_string();
-    assert!(text.contains("east") && text.contains("8000"), "8 schedulable GPUs registered (cordoned n3 not counted): {text}");
+    assert!(
+        text.contains("east") && text.contains("8000"),
+        "8 schedulable GPUs registered (cordoned n3 not counted): {text}"
+    );
 
     // maxShare 60 % of 8 GPUs = 4.8: the 4-GPU pod already running leaves room for no
     // further whole GPU, however often training asks.
     for i in 0..6 {
-        let (status, body) = https(hook, &ca, "POST", "/validate", review(&format!("k{i}"), "ml", 1)).await.expect("review");
+        let (status, body) = https(hook, &ca, "POST", "/validate", review(&format!("k{i}"), "ml", 1))
+            .await
+            .expect("review");
         assert_eq!(status, 200);
         let r: Value = serde_json::from_slice(&body).expect("json");
-        assert_eq!(r["response"]["allowed"], false, "pod k{i} admitted past maxShare: {r}\nagent log:\n{}", agent_log());
+        assert_eq!(
+            r["response"]["allowed"],
+            false,
+            "pod k{i} admitted past maxShare: {r}\nagent log:\n{}",
+            agent_log()
+        );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     // The pod finishes: its GPUs are free and training is admitted again.
@@ -471,7 +706,9 @@ async fn agent_on_kubernetes_registers_listed_capacity_and_counts_pods_it_did_no
     done["status"]["phase"] = json!("Succeeded");
     api.put(Kind::Pod, done);
     wait_for("admission after the pod finished", Duration::from_secs(20), || async {
-        let Ok((_, body)) = https(hook, &ca, "POST", "/validate", review("after", "ml", 1)).await else { return false };
+        let Ok((_, body)) = https(hook, &ca, "POST", "/validate", review("after", "ml", 1)).await else {
+            return false;
+        };
         serde_json::from_slice::<Value>(&body).is_ok_and(|r| r["response"]["allowed"] == true)
     })
     .await;
@@ -484,7 +721,9 @@ fn rfc3339(s: u64) -> String {
 }
 
 fn unix_now() -> (u64, u64) {
-    let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock");
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock");
     (d.as_secs(), u64::try_from(d.as_millis()).expect("ms"))
 }
 
@@ -524,12 +763,24 @@ fn gpu_pod(name: &str, node: &str, gpus: u64, start: u64, end: Option<u64>) -> V
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_agent_during_a_partition_enforces_the_kept_lease_and_recovers_usage_no_agent_saw() {
     use fake_apiserver::{FakeApi, Kind};
-    use kvota_member_agent::netfault::LinkProxy;
+    use link::LinkProxy;
     let api = FakeApi::start().await;
-    api.put(Kind::Node, json!({"metadata": {"name": "n1"}, "status": {"allocatable": {"nvidia.com/gpu": "8"}}}));
-    api.put(Kind::Node, json!({"metadata": {"name": "big"}, "status": {"allocatable": {"nvidia.com/gpu": "4096"}}}));
+    api.put(
+        Kind::Node,
+        json!({"metadata": {"name": "n1"}, "status": {"allocatable": {"nvidia.com/gpu": "8"}}}),
+    );
+    api.put(
+        Kind::Node,
+        json!({"metadata": {"name": "big"}, "status": {"allocatable": {"nvidia.com/gpu": "4096"}}}),
+    );
     api.put(Kind::Namespace, json!({"metadata": {"name": "ml"}}));
-    let Env { tmp, rpc, http, hook, ca } = env();
+    let Env {
+        tmp,
+        rpc,
+        http,
+        hook,
+        ca,
+    } = env();
     let ca: &[u8] = &ca;
     write_kubeconfig(tmp.path(), &api.url);
     let log = |name: &str| Stdio::from(std::fs::File::create(tmp.path().join(name)).expect("log"));
@@ -547,16 +798,36 @@ spec:
 ";
     std::fs::write(tmp.path().join("p.yaml"), policy).expect("w");
     wait_for("policy applied", Duration::from_secs(20), || async {
-        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+        kvota()
+            .args(["policy", "apply"])
+            .arg(tmp.path().join("p.yaml"))
+            .args(["--cp", &rpc])
+            .output()
+            .is_ok_and(|o| o.status.success())
     })
     .await;
     let proxy = LinkProxy::start(rpc.clone()).await.expect("proxy");
     let agent = |dir: &str, logfile: &str| {
         kvota()
-            .args(["agent", "--cluster", "east", "--cp", proxy.addr(), "--webhook-listen", &format!("127.0.0.1:{hook}")])
+            .args([
+                "agent",
+                "--cluster",
+                "east",
+                "--cp",
+                proxy.addr(),
+                "--webhook-listen",
+                &format!("127.0.0.1:{hook}"),
+            ])
             // Denials are answered at once: the test raises training's demand with
             // refused requests, which a held review could turn into admissions.
-            .args(["--report-interval-ms", "300", "--identity", dir, "--admission-hold-ms", "0"])
+            .args([
+                "--report-interval-ms",
+                "300",
+                "--identity",
+                dir,
+                "--admission-hold-ms",
+                "0",
+            ])
             .arg("--kubeconfig")
             .arg(tmp.path().join("kubeconfig"))
             .arg("--tls-cert")
@@ -573,8 +844,17 @@ spec:
     };
     let read_log = |name: &str| std::fs::read_to_string(tmp.path().join(name)).unwrap_or_default();
     let allowed = |body: &[u8]| serde_json::from_slice::<Value>(body).is_ok_and(|r| r["response"]["allowed"] == true);
-    let metric = |m: &str, name: &str| m.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<f64>().ok());
-    let metrics = || async { https(hook, ca, "GET", "/metrics", vec![]).await.map(|(_, m)| String::from_utf8_lossy(&m).to_string()).unwrap_or_default() };
+    let metric = |m: &str, name: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    let metrics = || async {
+        https(hook, ca, "GET", "/metrics", vec![])
+            .await
+            .map(|(_, m)| String::from_utf8_lossy(&m).to_string())
+            .unwrap_or_default()
+    };
 
     procs.push(agent("agent-a", "agent-a.log"));
     wait_for("agent A ready", Duration::from_secs(30), || async {
@@ -588,7 +868,9 @@ spec:
     for i in 0..2 {
         let name = format!("a{i}");
         wait_for("an admission by agent A", Duration::from_secs(20), || async {
-            https(hook, ca, "POST", "/validate", review(&name, "ml", 1)).await.is_ok_and(|(_, b)| allowed(&b))
+            https(hook, ca, "POST", "/validate", review(&name, "ml", 1))
+                .await
+                .is_ok_and(|(_, b)| allowed(&b))
         })
         .await;
         let (s, ms) = unix_now();
@@ -596,25 +878,33 @@ spec:
         live.push((name, 1, ms));
     }
     let mut asked = 0;
-    wait_for("a lease with room for more of training", Duration::from_secs(30), || {
-        asked += 1;
-        let round = asked;
-        async move {
-            let m = metrics().await;
-            let budget = metric(&m, r#"kvota_agent_budget_gpus{tenant="training"} "#).unwrap_or(0.0);
-            let inuse = metric(&m, r#"kvota_agent_inuse_gpus{tenant="training"} "#).unwrap_or(f64::MAX);
-            if budget >= inuse + 2.0 {
-                return true;
+    wait_for(
+        "a lease with room for more of training",
+        Duration::from_secs(30),
+        || {
+            asked += 1;
+            let round = asked;
+            async move {
+                let m = metrics().await;
+                let budget = metric(&m, r#"kvota_agent_budget_gpus{tenant="training"} "#).unwrap_or(0.0);
+                let inuse = metric(&m, r#"kvota_agent_inuse_gpus{tenant="training"} "#).unwrap_or(f64::MAX);
+                if budget >= inuse + 2.0 {
+                    return true;
+                }
+                // Demand: a request for two more GPUs, refused, raises the next budget.
+                let _ = https(hook, ca, "POST", "/validate", review(&format!("want{round}"), "ml", 2)).await;
+                false
             }
-            // Demand: a request for two more GPUs, refused, raises the next budget.
-            let _ = https(hook, ca, "POST", "/validate", review(&format!("want{round}"), "ml", 2)).await;
-            false
-        }
-    })
+        },
+    )
     .await;
     // A kept its state in the cluster, a round after that lease.
     tokio::time::sleep(Duration::from_millis(900)).await;
-    assert!(api.get(Kind::ConfigMap, "kvota-system/kvota-agent-state").is_some(), "agent A kept no state; log:\n{}", read_log("agent-a.log"));
+    assert!(
+        api.get(Kind::ConfigMap, "kvota-system/kvota-agent-state").is_some(),
+        "agent A kept no state; log:\n{}",
+        read_log("agent-a.log")
+    );
 
     // Partition, then kill A.
     proxy.set_cut(true);
@@ -629,16 +919,24 @@ spec:
     while unix_now().0 <= ghost_end {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    api.put(Kind::Pod, gpu_pod("ghost", "big", ghost_gpus, ghost_start, Some(ghost_end)));
+    api.put(
+        Kind::Pod,
+        gpu_pod("ghost", "big", ghost_gpus, ghost_start, Some(ghost_end)),
+    );
 
     // B: a new process with an empty data directory, the partition still on.
     procs.push(agent("agent-b", "agent-b.log"));
-    wait_for("agent B ready without the control plane", Duration::from_secs(30), || async {
-        matches!(https(hook, ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
-    })
+    wait_for(
+        "agent B ready without the control plane",
+        Duration::from_secs(30),
+        || async { matches!(https(hook, ca, "GET", "/readyz", vec![]).await, Ok((200, _))) },
+    )
     .await;
     let m = metrics().await;
-    assert!(m.contains(r#"kvota_agent_lease_state{state="fresh"} 1"#), "B must enforce the kept lease as still valid:\n{m}");
+    assert!(
+        m.contains(r#"kvota_agent_lease_state{state="fresh"} 1"#),
+        "B must enforce the kept lease as still valid:\n{m}"
+    );
     let budget = metric(&m, r#"kvota_agent_budget_gpus{tenant="training"} "#).expect("budget");
     let inuse = metric(&m, r#"kvota_agent_inuse_gpus{tenant="training"} "#).expect("inuse");
     assert_eq!(inuse, 2.0, "B sees A's two pods");
@@ -648,19 +946,32 @@ spec:
     let mut admitted_after = 0;
     for i in 0..room + 1 {
         let name = format!("b{i}");
-        let (status, body) = https(hook, ca, "POST", "/validate", review(&name, "ml", 1)).await.expect("review");
+        let (status, body) = https(hook, ca, "POST", "/validate", review(&name, "ml", 1))
+            .await
+            .expect("review");
         assert_eq!(status, 200);
         let r: Value = serde_json::from_slice(&body).expect("json");
-        let message = r["response"]["status"]["message"].as_str().unwrap_or_default().to_string();
+        let message = r["response"]["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         assert!(!message.contains("not judged"), "B judged nothing: {r}");
         if i < room {
-            assert_eq!(r["response"]["allowed"], true, "pod {i} fits under the lease (budget {budget}, in use {inuse}): {r}\n{}", read_log("agent-b.log"));
+            assert_eq!(
+                r["response"]["allowed"],
+                true,
+                "pod {i} fits under the lease (budget {budget}, in use {inuse}): {r}\n{}",
+                read_log("agent-b.log")
+            );
             let (s, ms) = unix_now();
             api.put(Kind::Pod, gpu_pod(&name, "n1", 1, s, None));
             live.push((name, 1, ms));
             admitted_after += 1;
         } else {
-            assert_eq!(r["response"]["allowed"], false, "over-admission: pod {i} is beyond the budget {budget}: {r}");
+            assert_eq!(
+                r["response"]["allowed"], false,
+                "over-admission: pod {i} is beyond the budget {budget}: {r}"
+            );
             assert!(message.contains("training"), "{message}");
         }
     }
@@ -668,9 +979,11 @@ spec:
 
     // Heal; let everything run a little, then finish every live pod.
     proxy.set_cut(false);
-    wait_for("B to report through the healed link", Duration::from_secs(30), || async {
-        read_log("agent-b.log").contains("usage no agent metered recovered")
-    })
+    wait_for(
+        "B to report through the healed link",
+        Duration::from_secs(30),
+        || async { read_log("agent-b.log").contains("usage no agent metered recovered") },
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut expected_ms: u128 = u128::from(ghost_gpus * 1_000) * u128::from((ghost_end - ghost_start) * 1_000);
@@ -678,14 +991,17 @@ spec:
         let mut p = api.get(Kind::Pod, &format!("ml/{name}")).expect("pod");
         let (s, ms) = unix_now();
         p["status"]["phase"] = json!("Succeeded");
-        p["status"]["containerStatuses"] = json!([{"name": "c", "state": {"terminated": {"exitCode": 0, "finishedAt": rfc3339(s)}}}]);
+        p["status"]["containerStatuses"] =
+            json!([{"name": "c", "state": {"terminated": {"exitCode": 0, "finishedAt": rfc3339(s)}}}]);
         api.put(Kind::Pod, p);
         expected_ms += u128::from(gpus * 1_000) * u128::from(ms - created_ms);
     }
     // The ledger settles once reports cover the finishes (then only decay moves it).
-    let ledger = || cli_json(&rpc, &["tenants"]).and_then(|v| {
-        v["tenants"].as_array()?.iter().find(|t| t["tenant"] == "training")?["decayed_usage_milli_gpue_ms"].as_u64()
-    });
+    let ledger = || {
+        cli_json(&rpc, &["tenants"]).and_then(|v| {
+            v["tenants"].as_array()?.iter().find(|t| t["tenant"] == "training")?["decayed_usage_milli_gpue_ms"].as_u64()
+        })
+    };
     let mut last = None;
     wait_for("the ledger to settle", Duration::from_secs(30), || {
         let now = ledger();
@@ -720,7 +1036,13 @@ spec:
 /// carries its tenant and outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant() {
-    let Env { tmp, rpc, http, hook, ca } = env();
+    let Env {
+        tmp,
+        rpc,
+        http,
+        hook,
+        ca,
+    } = env();
     // The server takes the flag (a global one, after its subcommand), the agent the
     // environment variable.
     let server = one_node_server_cmd(tmp.path(), &rpc, &http)
@@ -731,7 +1053,12 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
     let mut procs = Procs::of([server]);
     std::fs::write(tmp.path().join("p.yaml"), POLICY).expect("w");
     wait_for("policy applied", Duration::from_secs(20), || async {
-        kvota().args(["policy", "apply"]).arg(tmp.path().join("p.yaml")).args(["--cp", &rpc]).output().is_ok_and(|o| o.status.success())
+        kvota()
+            .args(["policy", "apply"])
+            .arg(tmp.path().join("p.yaml"))
+            .args(["--cp", &rpc])
+            .output()
+            .is_ok_and(|o| o.status.success())
     })
     .await;
     let agent = sim_agent(tmp.path(), &rpc, hook, "agent.log")
@@ -744,7 +1071,9 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
         matches!(https(hook, &ca, "GET", "/readyz", vec![]).await, Ok((200, _)))
     })
     .await;
-    let (status, _) = https(hook, &ca, "POST", "/validate", review("j1", "ml", 1)).await.expect("review");
+    let (status, _) = https(hook, &ca, "POST", "/validate", review("j1", "ml", 1))
+        .await
+        .expect("review");
     assert_eq!(status, 200);
 
     let lines = |name: &str| -> Vec<Value> {
@@ -758,19 +1087,24 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
     let span = |line: &Value, name: &str| -> Option<Value> {
         line["spans"].as_array()?.iter().find(|s| s["name"] == name).cloned()
     };
-    wait_for("a lease sent for a report of east, and the report's acknowledgement", Duration::from_secs(20), || async {
-        let server = lines("server.log");
-        let agent = lines("agent.log");
-        let sent = server.iter().any(|l| {
-            l["fields"]["message"] == "lease sent"
-                && span(l, "grpc").is_some_and(|s| s["method"] == "/kvota.v1.Member/Report")
-                && span(l, "report").is_some_and(|s| s["cluster"] == "east" && s["seq"].as_u64().is_some())
-        });
-        let acked = agent.iter().any(|l| {
-            l["fields"]["message"] == "report acknowledged" && span(l, "report").is_some_and(|s| s["cluster"] == "east" && s["seq"].as_u64().is_some())
-        });
-        sent && acked
-    })
+    wait_for(
+        "a lease sent for a report of east, and the report's acknowledgement",
+        Duration::from_secs(20),
+        || async {
+            let server = lines("server.log");
+            let agent = lines("agent.log");
+            let sent = server.iter().any(|l| {
+                l["fields"]["message"] == "lease sent"
+                    && span(l, "grpc").is_some_and(|s| s["method"] == "/kvota.v1.Member/Report")
+                    && span(l, "report").is_some_and(|s| s["cluster"] == "east" && s["seq"].as_u64().is_some())
+            });
+            let acked = agent.iter().any(|l| {
+                l["fields"]["message"] == "report acknowledged"
+                    && span(l, "report").is_some_and(|s| s["cluster"] == "east" && s["seq"].as_u64().is_some())
+            });
+            sent && acked
+        },
+    )
     .await;
     let agent = lines("agent.log");
     let decided = agent
@@ -784,18 +1118,42 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
     // The admin answers are protobuf messages; the CLI prints the same JSON as before.
     let e = cli_json(&rpc, &["explain", "tenant", "training"]).expect("explain tenant --json");
     assert_eq!(e["tenant"], "training", "{e}");
-    assert!(e["clusters"].as_array().is_some_and(|c| c.iter().any(|p| p["cluster"] == "east")), "{e}");
+    assert!(
+        e["clusters"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|p| p["cluster"] == "east")),
+        "{e}"
+    );
     assert!(e["fairness_score"].as_f64().is_some(), "{e}");
-    let out = kvota().args(["audit", "-o", "json", "--cp", &rpc]).output().expect("audit");
+    let out = kvota()
+        .args(["audit", "-o", "json", "--cp", &rpc])
+        .output()
+        .expect("audit");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let records: Vec<Value> = serde_json::from_slice(&out.stdout).expect("a JSON array of records");
-    assert!(records.iter().any(|r| r["event"]["PolicyApplied"]["name"] == "agent-test"), "{records:?}");
-    assert!(records.iter().any(|r| r["event"]["ClusterRegistered"]["cluster"] == "east"), "{records:?}");
-    assert!(records.windows(2).all(|w| w[0]["seq"].as_u64() < w[1]["seq"].as_u64()), "oldest first: {records:?}");
+    assert!(
+        records
+            .iter()
+            .any(|r| r["event"]["PolicyApplied"]["name"] == "agent-test"),
+        "{records:?}"
+    );
+    assert!(
+        records
+            .iter()
+            .any(|r| r["event"]["ClusterRegistered"]["cluster"] == "east"),
+        "{records:?}"
+    );
+    assert!(
+        records.windows(2).all(|w| w[0]["seq"].as_u64() < w[1]["seq"].as_u64()),
+        "oldest first: {records:?}"
+    );
 
     // `policy get` prints a document that `policy apply` takes back unchanged.
     let get = || {
-        let out = kvota().args(["policy", "get", "--cp", &rpc]).output().expect("policy get");
+        let out = kvota()
+            .args(["policy", "get", "--cp", &rpc])
+            .output()
+            .expect("policy get");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).expect("utf8")
     };
@@ -806,7 +1164,12 @@ async fn json_logs_follow_a_report_to_its_lease_and_an_admission_to_its_tenant()
         "{first}"
     );
     std::fs::write(tmp.path().join("got.yaml"), &first).expect("w");
-    let out = kvota().args(["policy", "apply"]).arg(tmp.path().join("got.yaml")).args(["--cp", &rpc]).output().expect("apply");
+    let out = kvota()
+        .args(["policy", "apply"])
+        .arg(tmp.path().join("got.yaml"))
+        .args(["--cp", &rpc])
+        .output()
+        .expect("apply");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(get(), first);
     drop(procs);

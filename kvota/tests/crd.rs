@@ -40,7 +40,10 @@ fn crds() -> Vec<Value> {
 }
 
 fn schema_of(group: &str) -> Value {
-    let crd = crds().into_iter().find(|c| c["spec"]["group"] == json!(group)).unwrap_or_else(|| panic!("no CRD for {group}"));
+    let crd = crds()
+        .into_iter()
+        .find(|c| c["spec"]["group"] == json!(group))
+        .unwrap_or_else(|| panic!("no CRD for {group}"));
     assert_eq!(crd["spec"]["scope"], "Cluster");
     crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
 }
@@ -66,7 +69,10 @@ const KEYWORDS: &[&str] = &[
 fn validate(schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
     let obj = schema.as_object().expect("a schema is an object");
     for k in obj.keys() {
-        assert!(KEYWORDS.contains(&k.as_str()), "schema keyword `{k}` at {path} is not understood by this test's validator");
+        assert!(
+            KEYWORDS.contains(&k.as_str()),
+            "schema keyword `{k}` at {path} is not understood by this test's validator"
+        );
     }
     if v.is_null() {
         if schema["nullable"] != json!(true) {
@@ -124,8 +130,16 @@ fn validate(schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
 /// A document as the API server would take it: its group's CRD, then the object's
 /// fields other than apiVersion/kind/metadata (the server's own) against the schema.
 fn server_accepts(doc: &Value) -> Result<(), Vec<String>> {
-    let group = doc["apiVersion"].as_str().and_then(|a| a.split_once('/')).map(|(g, _)| g.to_string()).unwrap_or_default();
-    assert!(matches!(group.as_str(), "kvota.dev" | "kvitej.io"), "apiVersion {}", doc["apiVersion"]);
+    let group = doc["apiVersion"]
+        .as_str()
+        .and_then(|a| a.split_once('/'))
+        .map(|(g, _)| g.to_string())
+        .unwrap_or_default();
+    assert!(
+        matches!(group.as_str(), "kvota.dev" | "kvitej.io"),
+        "apiVersion {}",
+        doc["apiVersion"]
+    );
     let mut body = doc.clone();
     for k in ["apiVersion", "kind", "metadata"] {
         body.as_object_mut().expect("object").remove(k);
@@ -141,7 +155,10 @@ fn server_accepts(doc: &Value) -> Result<(), Vec<String>> {
 
 #[test]
 fn the_committed_crds_are_what_kvota_generates() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvota")).args(["policy", "crd"]).output().expect("run kvota policy crd");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvota"))
+        .args(["policy", "crd"])
+        .output()
+        .expect("run kvota policy crd");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let generated = String::from_utf8(out.stdout).expect("utf8");
     let committed = std::fs::read_to_string(repo(CRD_FILE)).expect("read");
@@ -154,7 +171,11 @@ fn the_committed_crds_are_what_kvota_generates() {
     assert_eq!(names, ["fairnesspolicies.kvota.dev", "fairnesspolicies.kvitej.io"]);
     for c in &crds {
         let v = &c["spec"]["versions"][0];
-        assert_eq!(v["subresources"]["status"], json!({}), "status is a subresource (the controller writes it alone)");
+        assert_eq!(
+            v["subresources"]["status"],
+            json!({}),
+            "status is a subresource (the controller writes it alone)"
+        );
         assert_eq!((v["served"].clone(), v["storage"].clone()), (json!(true), json!(true)));
     }
 }
@@ -180,12 +201,31 @@ fn the_schema_has_exactly_the_fields_the_parser_knows() {
         }
     }
     walk(&schema["properties"]["spec"], "spec", &mut seen);
-    for path in ["spec", "spec.lease", "spec.showback", "spec.reclaim", "spec.tenants[]", "spec.tenants[].namespaceSelector"] {
-        assert!(seen.contains(path), "the schema has no mapping at `{path}`, which the parser reads");
+    for path in [
+        "spec",
+        "spec.lease",
+        "spec.showback",
+        "spec.reclaim",
+        "spec.tenants[]",
+        "spec.tenants[].namespaceSelector",
+    ] {
+        assert!(
+            seen.contains(path),
+            "the schema has no mapping at `{path}`, which the parser reads"
+        );
     }
     // The top level: the server's fields, spec and status.
-    let top: BTreeSet<&str> = schema["properties"].as_object().expect("props").keys().map(String::as_str).collect();
-    let parser_top: BTreeSet<&str> = known_fields("").iter().copied().filter(|k| !matches!(*k, "apiVersion" | "kind" | "metadata")).collect();
+    let top: BTreeSet<&str> = schema["properties"]
+        .as_object()
+        .expect("props")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let parser_top: BTreeSet<&str> = known_fields("")
+        .iter()
+        .copied()
+        .filter(|k| !matches!(*k, "apiVersion" | "kind" | "metadata"))
+        .collect();
     assert_eq!(top, parser_top);
 }
 
@@ -220,13 +260,23 @@ fn what_the_schema_refuses_the_parser_refuses() {
     type Change = fn(&mut Value);
     let changes: [(&str, Change); 9] = [
         ("unknown field in spec", |d| d["spec"]["minshare"] = json!(3)),
-        ("unknown field in a tenant", |d| d["spec"]["tenants"][0]["minshare"] = json!(3)),
-        ("unknown field in lease", |d| d["spec"]["lease"]["duraton"] = json!("30s")),
-        ("unknown field in reclaim", |d| d["spec"]["reclaim"]["evictAll"] = json!(true)),
-        ("unknown field in a selector", |d| d["spec"]["tenants"][1]["namespaceSelector"]["matchExpressions"] = json!([])),
+        ("unknown field in a tenant", |d| {
+            d["spec"]["tenants"][0]["minshare"] = json!(3)
+        }),
+        ("unknown field in lease", |d| {
+            d["spec"]["lease"]["duraton"] = json!("30s")
+        }),
+        ("unknown field in reclaim", |d| {
+            d["spec"]["reclaim"]["evictAll"] = json!(true)
+        }),
+        ("unknown field in a selector", |d| {
+            d["spec"]["tenants"][1]["namespaceSelector"]["matchExpressions"] = json!([])
+        }),
         ("unknown top-level field", |d| d["specs"] = json!({})),
         ("a quoted number", |d| d["spec"]["tenants"][0]["weight"] = json!("50")),
-        ("an unquoted fractional quantity", |d| d["spec"]["resourceWeights"]["nvidia.com/mig-1g.5gb"] = json!(0.15)),
+        ("an unquoted fractional quantity", |d| {
+            d["spec"]["resourceWeights"]["nvidia.com/mig-1g.5gb"] = json!(0.15)
+        }),
         ("an unknown admission mode", |d| d["spec"]["admission"] = json!("drop")),
     ];
     for (what, change) in changes {

@@ -47,13 +47,15 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, RuleWithOperations, ValidatingWebhookConfiguration, WebhookClientConfig,
 };
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret, Service, ServiceAccount};
+use k8s_openapi::api::batch::v1::{CronJob, Job};
+use k8s_openapi::api::core::v1::SecretKeySelector;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Namespace, PersistentVolumeClaim, PodSpec, Secret, Service, ServiceAccount,
+};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, Subject};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::api::core::v1::SecretKeySelector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use rustls_pki_types::pem::PemObject;
@@ -121,22 +123,118 @@ enum Scope {
 /// the code that makes it). RBAC must allow each and nothing more; a new call in the
 /// code belongs here and in `deploy/kubernetes/base/agent/10-rbac.yaml`.
 const AGENT_CALLS: &[(&str, &str, &str, Scope, &str)] = &[
-    ("", "pods", "list", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)"),
-    ("", "pods", "watch", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)"),
-    ("", "nodes", "list", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Node>::all)"),
-    ("", "nodes", "watch", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Node>::all)"),
-    ("", "namespaces", "list", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Namespace>::all)"),
-    ("", "namespaces", "watch", Scope::Cluster, "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Namespace>::all)"),
-    ("", "pods", "get", Scope::Cluster, "member-agent/src/kube.rs KubeActions::ungate: api.get_opt"),
-    ("", "pods", "patch", Scope::Cluster, "member-agent/src/kube.rs KubeActions::ungate: Patch::Merge of schedulingGates"),
-    ("", "pods/eviction", "create", Scope::Cluster, "member-agent/src/kube.rs KubeActions::evict: api.evict"),
-    ("", "events", "create", Scope::Cluster, "member-agent/src/kube.rs KubeActions::event: Api::<core::v1::Event>::create"),
-    ("coordination.k8s.io", "leases", "get", Scope::LeaderLease, "member-agent/src/kube.rs Election::step, Election::release: get_opt"),
-    ("coordination.k8s.io", "leases", "create", Scope::LeaderLease, "member-agent/src/kube.rs Election::step: create when missing"),
-    ("coordination.k8s.io", "leases", "update", Scope::LeaderLease, "member-agent/src/kube.rs Election::step, Election::release: replace"),
-    ("", "configmaps", "get", Scope::StateConfigMap, "member-agent/src/kube.rs ConfigMapStore::load, save: get_opt, get after a 409"),
-    ("", "configmaps", "create", Scope::StateConfigMap, "member-agent/src/kube.rs ConfigMapStore::save: create when missing"),
-    ("", "configmaps", "update", Scope::StateConfigMap, "member-agent/src/kube.rs ConfigMapStore::save: replace with the resourceVersion"),
+    (
+        "",
+        "pods",
+        "list",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)",
+    ),
+    (
+        "",
+        "pods",
+        "watch",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Pod>::all)",
+    ),
+    (
+        "",
+        "nodes",
+        "list",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Node>::all)",
+    ),
+    (
+        "",
+        "nodes",
+        "watch",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Node>::all)",
+    ),
+    (
+        "",
+        "namespaces",
+        "list",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Namespace>::all)",
+    ),
+    (
+        "",
+        "namespaces",
+        "watch",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeInventory::run: watcher(Api::<Namespace>::all)",
+    ),
+    (
+        "",
+        "pods",
+        "get",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeActions::ungate: api.get_opt",
+    ),
+    (
+        "",
+        "pods",
+        "patch",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeActions::ungate: Patch::Merge of schedulingGates",
+    ),
+    (
+        "",
+        "pods/eviction",
+        "create",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeActions::evict: api.evict",
+    ),
+    (
+        "",
+        "events",
+        "create",
+        Scope::Cluster,
+        "member-agent/src/kube.rs KubeActions::event: Api::<core::v1::Event>::create",
+    ),
+    (
+        "coordination.k8s.io",
+        "leases",
+        "get",
+        Scope::LeaderLease,
+        "member-agent/src/kube.rs Election::step, Election::release: get_opt",
+    ),
+    (
+        "coordination.k8s.io",
+        "leases",
+        "create",
+        Scope::LeaderLease,
+        "member-agent/src/kube.rs Election::step: create when missing",
+    ),
+    (
+        "coordination.k8s.io",
+        "leases",
+        "update",
+        Scope::LeaderLease,
+        "member-agent/src/kube.rs Election::step, Election::release: replace",
+    ),
+    (
+        "",
+        "configmaps",
+        "get",
+        Scope::StateConfigMap,
+        "member-agent/src/kube.rs ConfigMapStore::load, save: get_opt, get after a 409",
+    ),
+    (
+        "",
+        "configmaps",
+        "create",
+        Scope::StateConfigMap,
+        "member-agent/src/kube.rs ConfigMapStore::save: create when missing",
+    ),
+    (
+        "",
+        "configmaps",
+        "update",
+        Scope::StateConfigMap,
+        "member-agent/src/kube.rs ConfigMapStore::save: replace with the resourceVersion",
+    ),
 ];
 
 /// Objects the install consists of; removing one fails the test.
@@ -238,13 +336,18 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
 /// The documents of one YAML text, the placeholders replaced as `make-webhook-cert`
 /// and the operator (`overlays/agent/values.yaml`) replace them.
 fn parse_docs(file: &str, text: &str) -> Vec<Doc> {
-    let text = text.replace(CA_PLACEHOLDER, CA_SAMPLE_BASE64).replace(APISERVER_CIDR_PLACEHOLDER, APISERVER_CIDR_SAMPLE);
+    let text = text
+        .replace(CA_PLACEHOLDER, CA_SAMPLE_BASE64)
+        .replace(APISERVER_CIDR_PLACEHOLDER, APISERVER_CIDR_SAMPLE);
     let mut docs = Vec::new();
     for d in serde_yaml_ng::Deserializer::from_str(&text) {
         let mut value = Value::deserialize(d).unwrap_or_else(|e| panic!("{file}: not YAML: {e}"));
         if !value.is_null() {
             unwrap_base64(&mut value);
-            docs.push(Doc { file: file.to_string(), value });
+            docs.push(Doc {
+                file: file.to_string(),
+                value,
+            });
         }
     }
     docs
@@ -296,7 +399,12 @@ fn kustomize(dir: &Path) -> String {
         .arg(dir)
         .output()
         .unwrap_or_else(|e| panic!("run kubectl: {e}; {NEED_KUBECTL}"));
-    assert!(out.status.success(), "kubectl kustomize {} failed: {}", dir.display(), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {} failed: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).expect("kustomize writes UTF-8")
 }
 
@@ -309,12 +417,23 @@ fn rendered() -> &'static BTreeMap<String, String> {
     RENDERED.get_or_init(|| {
         let mut out = BTreeMap::new();
         for o in OVERLAYS.iter().filter(|o| **o != "dev") {
-            out.insert(format!("overlays/{o}"), kustomize(&deploy_dir().join("overlays").join(o)));
+            out.insert(
+                format!("overlays/{o}"),
+                kustomize(&deploy_dir().join("overlays").join(o)),
+            );
         }
-        out.insert(WEBHOOK_TEMPLATE.to_string(), kustomize(&deploy_dir().join(WEBHOOK_TEMPLATE)));
+        out.insert(
+            WEBHOOK_TEMPLATE.to_string(),
+            kustomize(&deploy_dir().join(WEBHOOK_TEMPLATE)),
+        );
         let tmp = tempfile::tempdir().expect("tmp");
         let copy = tmp.path().join("deploy");
-        let cp = Command::new("cp").arg("-r").arg(repo().join("deploy")).arg(&copy).status().expect("run cp");
+        let cp = Command::new("cp")
+            .arg("-r")
+            .arg(repo().join("deploy"))
+            .arg(&copy)
+            .status()
+            .expect("run cp");
         assert!(cp.success(), "copy deploy/");
         let dev = copy.join("kubernetes/overlays/dev");
         let certs = Command::new("bash")
@@ -323,7 +442,11 @@ fn rendered() -> &'static BTreeMap<String, String> {
             .env("KVOTA", env!("CARGO_BIN_EXE_kvota"))
             .output()
             .expect("run make-dev-certs");
-        assert!(certs.status.success(), "overlays/dev/make-dev-certs failed: {}", String::from_utf8_lossy(&certs.stderr));
+        assert!(
+            certs.status.success(),
+            "overlays/dev/make-dev-certs failed: {}",
+            String::from_utf8_lossy(&certs.stderr)
+        );
         out.insert("overlays/dev".to_string(), kustomize(&dev));
         out
     })
@@ -334,17 +457,40 @@ fn installs() -> Vec<(String, Vec<Doc>)> {
     let r = rendered();
     // The production overlays, as applied to clusters; the namespace comes from two.
     let mut production: Vec<Doc> = Vec::new();
-    for name in ["overlays/control-plane", "overlays/bootstrap", "overlays/agent", "overlays/observability", WEBHOOK_TEMPLATE] {
+    for name in [
+        "overlays/control-plane",
+        "overlays/bootstrap",
+        "overlays/agent",
+        "overlays/observability",
+        WEBHOOK_TEMPLATE,
+    ] {
         for d in parse_docs(name, &r[name]) {
-            match production.iter().find(|p| p.kind() == d.kind() && p.name() == d.name() && p.namespace() == d.namespace()) {
-                Some(p) => assert_eq!(p.value, d.value, "{} and {} render {} {} differently", p.file, d.file, d.kind(), d.name()),
+            match production
+                .iter()
+                .find(|p| p.kind() == d.kind() && p.name() == d.name() && p.namespace() == d.namespace())
+            {
+                Some(p) => assert_eq!(
+                    p.value,
+                    d.value,
+                    "{} and {} render {} {} differently",
+                    p.file,
+                    d.file,
+                    d.kind(),
+                    d.name()
+                ),
                 None => production.push(d),
             }
         }
     }
     vec![
-        ("the production overlays with make-webhook-cert's webhooks".to_string(), production),
-        ("overlays/dev".to_string(), parse_docs("overlays/dev", &r["overlays/dev"])),
+        (
+            "the production overlays with make-webhook-cert's webhooks".to_string(),
+            production,
+        ),
+        (
+            "overlays/dev".to_string(),
+            parse_docs("overlays/dev", &r["overlays/dev"]),
+        ),
     ]
 }
 
@@ -360,7 +506,10 @@ fn find<'a>(docs: &'a [Doc], kind: &str, name: &str) -> &'a Doc {
 }
 
 fn all_of<'a, T: DeserializeOwned>(docs: &'a [Doc], kind: &str) -> Vec<(T, &'a Doc)> {
-    docs.iter().filter(|d| d.kind() == kind).map(|d| (d.typed::<T>(), d)).collect()
+    docs.iter()
+        .filter(|d| d.kind() == kind)
+        .map(|d| (d.typed::<T>(), d))
+        .collect()
 }
 
 /// The first path where `written` is not kept in `typed` (`written` parsed as its
@@ -376,9 +525,11 @@ fn difference(written: &Value, typed: &Value, path: &str) -> Option<String> {
                 None => Some(p),
             }
         }),
-        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
-            x.iter().zip(y).enumerate().find_map(|(i, (u, v))| difference(u, v, &format!("{path}[{i}]")))
-        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (u, v))| difference(u, v, &format!("{path}[{i}]"))),
         _ => (written != typed).then(|| path.to_string()),
     }
 }
@@ -410,6 +561,8 @@ fn check_typed(doc: &Doc) -> Result<(), String> {
         "Deployment" => round_trip::<Deployment>(doc),
         "StatefulSet" => round_trip::<StatefulSet>(doc),
         "Job" => round_trip::<Job>(doc),
+        "CronJob" => round_trip::<CronJob>(doc),
+        "PersistentVolumeClaim" => round_trip::<PersistentVolumeClaim>(doc),
         "PodDisruptionBudget" => round_trip::<PodDisruptionBudget>(doc),
         "NetworkPolicy" => round_trip::<NetworkPolicy>(doc),
         "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(doc),
@@ -417,7 +570,9 @@ fn check_typed(doc: &Doc) -> Result<(), String> {
         "CustomResourceDefinition" => round_trip::<CustomResourceDefinition>(doc),
         "ServiceMonitor" => custom::<ServiceMonitor>(doc),
         "PrometheusRule" => custom::<PrometheusRule>(doc),
-        other => Err(format!("kind `{other}` is not one this test knows: add it to check_typed")),
+        other => Err(format!(
+            "kind `{other}` is not one this test knows: add it to check_typed"
+        )),
     }
 }
 
@@ -425,7 +580,10 @@ fn check_typed(doc: &Doc) -> Result<(), String> {
 /// schema stated below (unknown fields refused) and back.
 fn custom<T: DeserializeOwned + Serialize>(doc: &Doc) -> Result<(), String> {
     let api_version = doc.str_at("/apiVersion");
-    if !CUSTOM_RESOURCES.iter().any(|(v, k, _)| *v == api_version && *k == doc.kind()) {
+    if !CUSTOM_RESOURCES
+        .iter()
+        .any(|(v, k, _)| *v == api_version && *k == doc.kind())
+    {
         return Err(format!("{api_version} {} is not in CUSTOM_RESOURCES", doc.kind()));
     }
     round_trip::<T>(doc)
@@ -564,7 +722,11 @@ fn every_manifest_is_a_well_typed_kubernetes_object_in(docs: Vec<Doc>) {
             problems.push(format!("{}: a {} without metadata.name", d.file, d.kind()));
         }
         let namespaced = !CLUSTER_SCOPED.contains(&d.kind());
-        if namespaced && !docs.iter().any(|n| n.kind() == "Namespace" && n.name() == d.namespace()) {
+        if namespaced
+            && !docs
+                .iter()
+                .any(|n| n.kind() == "Namespace" && n.name() == d.namespace())
+        {
             problems.push(format!(
                 "{}: {} {} is in namespace `{}`, which no manifest creates (an empty one means kubectl's default)",
                 d.file,
@@ -574,7 +736,12 @@ fn every_manifest_is_a_well_typed_kubernetes_object_in(docs: Vec<Doc>) {
             ));
         }
         if !namespaced && !d.namespace().is_empty() {
-            problems.push(format!("{}: {} {} is cluster-scoped but names a namespace", d.file, d.kind(), d.name()));
+            problems.push(format!(
+                "{}: {} {} is cluster-scoped but names a namespace",
+                d.file,
+                d.kind(),
+                d.name()
+            ));
         }
     }
     for (kind, name) in EXPECTED {
@@ -582,20 +749,29 @@ fn every_manifest_is_a_well_typed_kubernetes_object_in(docs: Vec<Doc>) {
             problems.push(format!("no {kind} {name} in the rendered overlays"));
         }
     }
-    assert!(problems.is_empty(), "{} problems in deploy/kubernetes:\n  {}", problems.len(), problems.join("\n  "));
+    assert!(
+        problems.is_empty(),
+        "{} problems in deploy/kubernetes:\n  {}",
+        problems.len(),
+        problems.join("\n  ")
+    );
 }
 
 #[test]
 fn a_misspelt_or_mistyped_field_is_caught() {
     // The checker itself: k8s-openapi ignores unknown fields, the round trip does not.
-    let doc = |v: Value| Doc { file: "test".into(), value: v };
+    let doc = |v: Value| Doc {
+        file: "test".into(),
+        value: v,
+    };
     let good = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "n"},
         "spec": {"ports": [{"port": 443, "targetPort": "webhook"}]}});
     assert_eq!(check_typed(&doc(good)), Ok(()));
     let misspelt = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"},
         "spec": {"ports": [{"port": 443, "tragetPort": "webhook"}]}});
     assert!(check_typed(&doc(misspelt)).is_err_and(|e| e.contains("tragetPort")));
-    let mistyped = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}, "spec": {"ports": [{"port": "443"}]}});
+    let mistyped =
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}, "spec": {"ports": [{"port": "443"}]}});
     assert!(check_typed(&doc(mistyped)).is_err());
     // The v1 field is `sideEffects`; `sideEffectClass` (the Go type's name) would be
     // dropped by the typed parse and refused by the API server as missing.
@@ -627,20 +803,56 @@ fn pods(docs: &[Doc]) -> Vec<Pod<'_>> {
         let t = d.spec.expect("Deployment spec").template;
         let labels = t.metadata.and_then(|m| m.labels).unwrap_or_default();
         let name = format!("{}-5c9b8d7f6d-x2x7q", doc.name());
-        out.push(Pod { doc, spec: t.spec.expect("pod spec"), labels, name, index: None });
+        out.push(Pod {
+            doc,
+            spec: t.spec.expect("pod spec"),
+            labels,
+            name,
+            index: None,
+        });
     }
     for (s, doc) in all_of::<StatefulSet>(docs, "StatefulSet") {
         let spec = s.spec.expect("StatefulSet spec");
         let start = spec.ordinals.and_then(|o| o.start).unwrap_or(0);
         let labels = spec.template.metadata.and_then(|m| m.labels).unwrap_or_default();
         let name = format!("{}-{start}", doc.name());
-        out.push(Pod { doc, spec: spec.template.spec.expect("pod spec"), labels, name, index: Some(start) });
+        out.push(Pod {
+            doc,
+            spec: spec.template.spec.expect("pod spec"),
+            labels,
+            name,
+            index: Some(start),
+        });
+    }
+    for (c, doc) in all_of::<CronJob>(docs, "CronJob") {
+        let t = c
+            .spec
+            .expect("CronJob spec")
+            .job_template
+            .spec
+            .expect("job template spec")
+            .template;
+        let labels = t.metadata.and_then(|m| m.labels).unwrap_or_default();
+        let name = format!("{}-29436017-7xk2p", doc.name());
+        out.push(Pod {
+            doc,
+            spec: t.spec.expect("pod spec"),
+            labels,
+            name,
+            index: None,
+        });
     }
     for (j, doc) in all_of::<Job>(docs, "Job") {
         let t = j.spec.expect("Job spec").template;
         let labels = t.metadata.and_then(|m| m.labels).unwrap_or_default();
         let name = format!("{}-7xk2p", doc.name());
-        out.push(Pod { doc, spec: t.spec.expect("pod spec"), labels, name, index: None });
+        out.push(Pod {
+            doc,
+            spec: t.spec.expect("pod spec"),
+            labels,
+            name,
+            index: None,
+        });
     }
     out
 }
@@ -667,17 +879,32 @@ fn container_env(docs: &[Doc], pod: &Pod<'_>, c: &Container) -> BTreeMap<String,
         let value = match (&e.value, &e.value_from) {
             (Some(v), _) => v.clone(),
             (None, Some(from)) => {
-                let field = from.field_ref.as_ref().map(|f| f.field_path.as_str()).unwrap_or_else(|| {
-                    panic!("{}: env {}: only values and fieldRefs are understood here", pod.doc.file, e.name)
-                });
+                let field = from
+                    .field_ref
+                    .as_ref()
+                    .map(|f| f.field_path.as_str())
+                    .unwrap_or_else(|| {
+                        panic!(
+                            "{}: env {}: only values and fieldRefs are understood here",
+                            pod.doc.file, e.name
+                        )
+                    });
                 match field {
                     "metadata.name" => pod.name.clone(),
                     "metadata.namespace" => pod.doc.namespace().to_string(),
                     "metadata.labels['apps.kubernetes.io/pod-index']" => pod
                         .index
-                        .unwrap_or_else(|| panic!("{}: env {}: only StatefulSet pods have a pod-index label", pod.doc.file, e.name))
+                        .unwrap_or_else(|| {
+                            panic!(
+                                "{}: env {}: only StatefulSet pods have a pod-index label",
+                                pod.doc.file, e.name
+                            )
+                        })
                         .to_string(),
-                    other => panic!("{}: env {}: fieldRef {other} is not one this test knows", pod.doc.file, e.name),
+                    other => panic!(
+                        "{}: env {}: fieldRef {other} is not one this test knows",
+                        pod.doc.file, e.name
+                    ),
                 }
             }
             (None, None) => String::new(),
@@ -694,9 +921,14 @@ fn expand(file: &str, arg: &str, env: &BTreeMap<String, String>) -> String {
     let mut rest = arg;
     while let Some(i) = rest.find("$(") {
         out.push_str(&rest[..i]);
-        let end = rest[i..].find(')').map(|e| i + e).unwrap_or_else(|| panic!("{file}: unclosed $( in `{arg}`"));
+        let end = rest[i..]
+            .find(')')
+            .map(|e| i + e)
+            .unwrap_or_else(|| panic!("{file}: unclosed $( in `{arg}`"));
         let name = &rest[i + 2..end];
-        let value = env.get(name).unwrap_or_else(|| panic!("{file}: `{arg}` uses $({name}), which the container does not define"));
+        let value = env
+            .get(name)
+            .unwrap_or_else(|| panic!("{file}: `{arg}` uses $({name}), which the container does not define"));
         out.push_str(value);
         rest = &rest[end + 1..];
     }
@@ -736,13 +968,28 @@ fn kvota_containers<'a>(docs: &[Doc], pods: &'a [Pod<'a>]) -> Vec<KvotaContainer
     let mut out = Vec::new();
     for pod in pods {
         let ours: Vec<&Container> = pod.spec.containers.iter().filter(|c| is_kvota(c)).collect();
-        assert!(!ours.is_empty(), "{}: {} runs no kvota container", pod.doc.file, pod.doc.name());
+        assert!(
+            !ours.is_empty(),
+            "{}: {} runs no kvota container",
+            pod.doc.file,
+            pod.doc.name()
+        );
         for c in ours {
-            assert!(c.command.is_none(), "{}: the image's entrypoint is kvota; give `args`, not `command`", pod.doc.file);
+            assert!(
+                c.command.is_none(),
+                "{}: the image's entrypoint is kvota; give `args`, not `command`",
+                pod.doc.file
+            );
             let env = container_env(docs, pod, c);
             let raw_args = c.args.clone().unwrap_or_default();
             let args = raw_args.iter().map(|a| expand(&pod.doc.file, a, &env)).collect();
-            out.push(KvotaContainer { pod, container: c.clone(), raw_args, args, env });
+            out.push(KvotaContainer {
+                pod,
+                container: c.clone(),
+                raw_args,
+                args,
+                env,
+            });
         }
     }
     out
@@ -756,8 +1003,17 @@ struct Help {
 }
 
 fn help(subcommand: &[String]) -> Help {
-    let out = kvota().args(subcommand).arg("--help").output().expect("run kvota --help");
-    assert!(out.status.success(), "kvota {} --help failed: {}", subcommand.join(" "), String::from_utf8_lossy(&out.stderr));
+    let out = kvota()
+        .args(subcommand)
+        .arg("--help")
+        .output()
+        .expect("run kvota --help");
+    assert!(
+        out.status.success(),
+        "kvota {} --help failed: {}",
+        subcommand.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     let usage: String = text
         .split("Usage:")
@@ -767,13 +1023,22 @@ fn help(subcommand: &[String]) -> Help {
         .next()
         .unwrap_or("")
         .to_string();
-    let required = usage.split_whitespace().filter(|t| t.starts_with("--")).map(str::to_string).collect();
+    let required = usage
+        .split_whitespace()
+        .filter(|t| t.starts_with("--"))
+        .map(str::to_string)
+        .collect();
     let mut blocks: Vec<(String, String)> = Vec::new();
     for line in text.lines() {
         let t = line.trim_start();
         let is_option = line.starts_with(' ') && t.starts_with('-');
         if is_option {
-            let flag = t.split_whitespace().find(|w| w.starts_with("--")).unwrap_or("").trim_end_matches(',').to_string();
+            let flag = t
+                .split_whitespace()
+                .find(|w| w.starts_with("--"))
+                .unwrap_or("")
+                .trim_end_matches(',')
+                .to_string();
             blocks.push((flag, t.to_string()));
         } else if let Some(last) = blocks.last_mut() {
             last.1.push(' ');
@@ -784,7 +1049,11 @@ fn help(subcommand: &[String]) -> Help {
         .into_iter()
         .map(|(flag, block)| {
             let block = block.split_whitespace().collect::<Vec<_>>().join(" ");
-            let env = block.split("[env: ").nth(1).and_then(|r| r.split('=').next()).map(str::to_string);
+            let env = block
+                .split("[env: ")
+                .nth(1)
+                .and_then(|r| r.split('=').next())
+                .map(str::to_string);
             (flag, env)
         })
         .collect();
@@ -796,10 +1065,25 @@ fn container_arguments_and_environment_are_what_kvota_accepts() {
     // The method: clap acts on `--help` where it meets it, after parsing everything
     // before it, so `kvota SUB ARGS... --help` exits 0 only if every argument exists
     // and every value parses (requirements are checked apart, below).
-    let ok = |args: &[&str]| kvota().args(args).arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status().expect("run").success();
+    let ok = |args: &[&str]| {
+        kvota()
+            .args(args)
+            .arg("--help")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run")
+            .success()
+    };
     assert!(ok(&["agent", "--leader-lease=x"]));
-    assert!(!ok(&["agent", "--no-such-flag"]), "an unknown flag before --help must fail");
-    assert!(!ok(&["agent", "--report-interval-ms=soon"]), "a bad value before --help must fail");
+    assert!(
+        !ok(&["agent", "--no-such-flag"]),
+        "an unknown flag before --help must fail"
+    );
+    assert!(
+        !ok(&["agent", "--report-interval-ms=soon"]),
+        "a bad value before --help must fail"
+    );
     assert!(!ok(&["server", "--id=x"]), "a bad value before --help must fail");
 
     for (install, docs) in installs() {
@@ -813,7 +1097,13 @@ fn container_arguments_and_environment_are_what_kvota_accepts_in(docs: Vec<Doc>)
     let containers = kvota_containers(&docs, &pods);
     let mut problems = Vec::new();
     for k in &containers {
-        let what = format!("{} ({} {}, container {})", k.pod.doc.file, k.pod.doc.kind(), k.pod.doc.name(), k.container.name);
+        let what = format!(
+            "{} ({} {}, container {})",
+            k.pod.doc.file,
+            k.pod.doc.kind(),
+            k.pod.doc.name(),
+            k.container.name
+        );
         let sub = k.subcommand();
         if sub.is_empty() {
             problems.push(format!("{what}: args name no kvota subcommand"));
@@ -830,29 +1120,54 @@ fn container_arguments_and_environment_are_what_kvota_accepts_in(docs: Vec<Doc>)
         let h = help(&sub);
         for flag in &h.required {
             let given = k.args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
-            let from_env = h.env_of.get(flag).cloned().flatten().is_some_and(|e| k.env.contains_key(&e));
+            let from_env = h
+                .env_of
+                .get(flag)
+                .cloned()
+                .flatten()
+                .is_some_and(|e| k.env.contains_key(&e));
             if !given && !from_env {
-                problems.push(format!("{what}: `kvota {}` requires {flag}, given neither as an argument nor by its variable", sub.join(" ")));
+                problems.push(format!(
+                    "{what}: `kvota {}` requires {flag}, given neither as an argument nor by its variable",
+                    sub.join(" ")
+                ));
             }
         }
         let read: BTreeSet<String> = h.env_of.values().flatten().cloned().collect();
         for name in k.env.keys() {
             let expanded = k.raw_args.iter().any(|a| a.contains(&format!("$({name})")));
             if !read.contains(name) && !expanded && name != "RUST_LOG" {
-                problems.push(format!("{what}: environment variable {name} is read by nothing (not in `kvota {} --help`)", sub.join(" ")));
+                problems.push(format!(
+                    "{what}: environment variable {name} is read by nothing (not in `kvota {} --help`)",
+                    sub.join(" ")
+                ));
             }
         }
     }
-    assert!(containers.len() >= 3, "the agent, the server and the bootstrap Job run kvota");
-    assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+    assert!(
+        containers.len() >= 3,
+        "the agent, the server and the bootstrap Job run kvota"
+    );
+    assert!(
+        problems.is_empty(),
+        "{} problems:\n  {}",
+        problems.len(),
+        problems.join("\n  ")
+    );
 }
 
 fn agent<'a>(containers: &'a [KvotaContainer<'a>]) -> &'a KvotaContainer<'a> {
-    containers.iter().find(|k| k.subcommand() == ["agent"]).expect("a container runs `kvota agent`")
+    containers
+        .iter()
+        .find(|k| k.subcommand() == ["agent"])
+        .expect("a container runs `kvota agent`")
 }
 
 fn server<'a>(containers: &'a [KvotaContainer<'a>]) -> &'a KvotaContainer<'a> {
-    containers.iter().find(|k| k.subcommand() == ["server"]).expect("a container runs `kvota server`")
+    containers
+        .iter()
+        .find(|k| k.subcommand() == ["server"])
+        .expect("a container runs `kvota server`")
 }
 
 /// A permission granted to the agent: a rule, and the namespace it is limited to
@@ -864,7 +1179,10 @@ struct Grant {
 }
 
 fn binds(subjects: &Option<Vec<Subject>>, sa: &str, ns: &str) -> bool {
-    subjects.iter().flatten().any(|s| s.kind == "ServiceAccount" && s.name == sa && s.namespace.as_deref() == Some(ns))
+    subjects
+        .iter()
+        .flatten()
+        .any(|s| s.kind == "ServiceAccount" && s.name == sa && s.namespace.as_deref() == Some(ns))
 }
 
 fn grants(docs: &[Doc], sa: &str, ns: &str) -> Vec<Grant> {
@@ -884,7 +1202,11 @@ fn grants(docs: &[Doc], sa: &str, ns: &str) -> Vec<Grant> {
         if binds(&b.subjects, sa, ns) {
             assert_eq!(b.role_ref.kind, "ClusterRole", "{}", d.file);
             for rule in cluster_role(&b.role_ref.name) {
-                out.push(Grant { from: format!("ClusterRole {}", b.role_ref.name), namespace: None, rule });
+                out.push(Grant {
+                    from: format!("ClusterRole {}", b.role_ref.name),
+                    namespace: None,
+                    rule,
+                });
             }
         }
     }
@@ -896,13 +1218,24 @@ fn grants(docs: &[Doc], sa: &str, ns: &str) -> Vec<Grant> {
                     let r: Role = docs
                         .iter()
                         .find(|r| r.kind() == "Role" && r.name() == b.role_ref.name && r.namespace() == d.namespace())
-                        .unwrap_or_else(|| panic!("{}: Role {} is not defined in {}", d.file, b.role_ref.name, d.namespace()))
+                        .unwrap_or_else(|| {
+                            panic!(
+                                "{}: Role {} is not defined in {}",
+                                d.file,
+                                b.role_ref.name,
+                                d.namespace()
+                            )
+                        })
                         .typed();
                     r.rules.unwrap_or_default()
                 }
             };
             for rule in rules {
-                out.push(Grant { from: format!("{} {} in {}", b.role_ref.kind, b.role_ref.name, d.namespace()), namespace: Some(d.namespace().to_string()), rule });
+                out.push(Grant {
+                    from: format!("{} {} in {}", b.role_ref.kind, b.role_ref.name, d.namespace()),
+                    namespace: Some(d.namespace().to_string()),
+                    rule,
+                });
             }
         }
     }
@@ -938,27 +1271,46 @@ fn rbac_grants_exactly_the_calls_the_agent_makes_in(docs: Vec<Doc>) {
     let containers = kvota_containers(&docs, &pods);
     let agent = agent(&containers);
     let ns = agent.pod.doc.namespace();
-    let sa = agent.pod.spec.service_account_name.clone().expect("the agent's pod names its ServiceAccount");
-    assert!(docs.iter().any(|d| d.kind() == "ServiceAccount" && d.name() == sa && d.namespace() == ns), "ServiceAccount {ns}/{sa} is defined");
-    let lease = agent.flag("--leader-lease").or_else(|| agent.env.get("KVOTA_LEADER_LEASE").cloned()).expect("the agent runs with --leader-lease");
+    let sa = agent
+        .pod
+        .spec
+        .service_account_name
+        .clone()
+        .expect("the agent's pod names its ServiceAccount");
+    assert!(
+        docs.iter()
+            .any(|d| d.kind() == "ServiceAccount" && d.name() == sa && d.namespace() == ns),
+        "ServiceAccount {ns}/{sa} is defined"
+    );
+    let lease = agent
+        .flag("--leader-lease")
+        .or_else(|| agent.env.get("KVOTA_LEADER_LEASE").cloned())
+        .expect("the agent runs with --leader-lease");
     let lease_ns = agent
         .flag("--leader-lease-namespace")
         .or_else(|| agent.env.get("POD_NAMESPACE").cloned())
         .unwrap_or_else(|| "kvota-system".to_string());
     let grants = grants(&docs, &sa, ns);
-    let state_cm = agent.flag("--state-configmap").unwrap_or_else(|| "kvota-agent-state".to_string());
+    let state_cm = agent
+        .flag("--state-configmap")
+        .unwrap_or_else(|| "kvota-agent-state".to_string());
 
     let mut problems = Vec::new();
     for (group, resource, verb, scope, code) in AGENT_CALLS {
         let (in_ns, name) = match scope {
             Scope::Cluster => (None, None),
             Scope::LeaderLease => (Some(lease_ns.as_str()), (*verb != "create").then_some(lease.as_str())),
-            Scope::StateConfigMap => (Some(lease_ns.as_str()), (*verb != "create").then_some(state_cm.as_str())),
+            Scope::StateConfigMap => (
+                Some(lease_ns.as_str()),
+                (*verb != "create").then_some(state_cm.as_str()),
+            ),
         };
         if !grants.iter().any(|g| allows(g, group, resource, verb, in_ns, name)) {
             let group = if group.is_empty() { "core" } else { group };
             let place = in_ns.map_or("in every namespace".to_string(), |n| format!("in {n}"));
-            problems.push(format!("{verb} {group}/{resource} {place} is not allowed; the agent needs it for {code}"));
+            problems.push(format!(
+                "{verb} {group}/{resource} {place} is not allowed; the agent needs it for {code}"
+            ));
         }
     }
     for g in &grants {
@@ -970,10 +1322,16 @@ fn rbac_grants_exactly_the_calls_the_agent_makes_in(docs: Vec<Doc>) {
             for resource in list(&r.resources) {
                 for verb in &r.verbs {
                     let needed = AGENT_CALLS.iter().any(|(cg, cr, cv, scope, _)| {
-                        *cg == group && *cr == resource && cv == verb && (g.namespace.is_some() || *scope == Scope::Cluster)
+                        *cg == group
+                            && *cr == resource
+                            && cv == verb
+                            && (g.namespace.is_some() || *scope == Scope::Cluster)
                     });
                     if !needed {
-                        let place = g.namespace.as_deref().map_or("cluster-wide".to_string(), |n| format!("in {n}"));
+                        let place = g
+                            .namespace
+                            .as_deref()
+                            .map_or("cluster-wide".to_string(), |n| format!("in {n}"));
                         problems.push(format!(
                             "{}: grants {verb} {group}/{resource} {place}, which the agent never calls (AGENT_CALLS)",
                             g.from
@@ -1011,7 +1369,10 @@ fn namespace_labels(name: &str) -> BTreeMap<String, String> {
 /// The port a container listens on for `--flag HOST:PORT`.
 fn listen_port(k: &KvotaContainer<'_>, flag: &str, default: &str) -> i32 {
     let addr = k.flag(flag).unwrap_or_else(|| default.to_string());
-    addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("{flag} {addr}: no port"))
+    addr.rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{flag} {addr}: no port"))
 }
 
 /// The container port `p` (a number or a port name) stands for.
@@ -1019,7 +1380,10 @@ fn container_port(c: &Container, p: &IntOrString) -> Option<i32> {
     let ports = c.ports.clone().unwrap_or_default();
     match p {
         IntOrString::Int(n) => ports.iter().any(|cp| cp.container_port == *n).then_some(*n),
-        IntOrString::String(name) => ports.iter().find(|cp| cp.name.as_deref() == Some(name)).map(|cp| cp.container_port),
+        IntOrString::String(name) => ports
+            .iter()
+            .find(|cp| cp.name.as_deref() == Some(name))
+            .map(|cp| cp.container_port),
     }
 }
 
@@ -1031,7 +1395,10 @@ fn service_target(docs: &[Doc], ns: &str, name: &str, port: i32, k: &KvotaContai
         .ok_or_else(|| format!("Service {ns}/{name} is not defined"))?;
     let svc: Service = doc.typed();
     let spec = svc.spec.ok_or("no spec")?;
-    let selector = LabelSelector { match_labels: spec.selector.clone(), match_expressions: None };
+    let selector = LabelSelector {
+        match_labels: spec.selector.clone(),
+        match_expressions: None,
+    };
     // Agent replicas label their own pods with their role at run time
     // (member-agent/src/kube.rs, ROLE_LABEL): the Service must reach the leader only.
     let agent = k.subcommand().first().map(String::as_str) == Some("agent");
@@ -1043,17 +1410,33 @@ fn service_target(docs: &[Doc], ns: &str, name: &str, port: i32, k: &KvotaContai
         l
     };
     if spec.selector.as_ref().is_none_or(BTreeMap::is_empty) || !selects(&selector, &with_role("leader")) {
-        return Err(format!("Service {ns}/{name} does not select the pods of {} {}", k.pod.doc.kind(), k.pod.doc.name()));
+        return Err(format!(
+            "Service {ns}/{name} does not select the pods of {} {}",
+            k.pod.doc.kind(),
+            k.pod.doc.name()
+        ));
     }
     if agent && selects(&selector, &with_role("standby")) {
-        return Err(format!("Service {ns}/{name} also selects standby agent replicas (select kvota.dev/agent-role: leader)"));
+        return Err(format!(
+            "Service {ns}/{name} also selects standby agent replicas (select kvota.dev/agent-role: leader)"
+        ));
     }
     if k.pod.doc.namespace() != ns {
-        return Err(format!("Service {ns}/{name} is not in the namespace of {}", k.pod.doc.name()));
+        return Err(format!(
+            "Service {ns}/{name} is not in the namespace of {}",
+            k.pod.doc.name()
+        ));
     }
-    let sp = spec.ports.iter().flatten().find(|sp| sp.port == port).ok_or_else(|| format!("Service {ns}/{name} has no port {port}"))?;
+    let sp = spec
+        .ports
+        .iter()
+        .flatten()
+        .find(|sp| sp.port == port)
+        .ok_or_else(|| format!("Service {ns}/{name} has no port {port}"))?;
     let target = sp.target_port.clone().unwrap_or(IntOrString::Int(sp.port));
-    container_port(&k.container, &target).ok_or_else(|| format!("Service {ns}/{name} port {port} targets {target:?}, which the container does not expose"))
+    container_port(&k.container, &target).ok_or_else(|| {
+        format!("Service {ns}/{name} port {port} targets {target:?}, which the container does not expose")
+    })
 }
 
 struct Hook {
@@ -1083,7 +1466,9 @@ fn hooks(docs: &[Doc]) -> Vec<Hook> {
                 timeout: w.timeout_seconds,
                 failure_policy: w.failure_policy,
                 namespace_selector: w.namespace_selector,
-                conditions: w.match_conditions.map(|c| c.into_iter().map(|c| (c.name, c.expression)).collect()),
+                conditions: w
+                    .match_conditions
+                    .map(|c| c.into_iter().map(|c| (c.name, c.expression)).collect()),
             });
         }
     }
@@ -1099,7 +1484,9 @@ fn hooks(docs: &[Doc]) -> Vec<Hook> {
                 timeout: w.timeout_seconds,
                 failure_policy: w.failure_policy,
                 namespace_selector: w.namespace_selector,
-                conditions: w.match_conditions.map(|c| c.into_iter().map(|c| (c.name, c.expression)).collect()),
+                conditions: w
+                    .match_conditions
+                    .map(|c| c.into_iter().map(|c| (c.name, c.expression)).collect()),
             });
         }
     }
@@ -1131,28 +1518,44 @@ fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces_in(docs:
         let what = format!("{} webhook {}", h.kind, h.name);
         // The agent judges queue-mode tenants at /mutate and reject-mode ones at
         // /validate (member-agent/src/review.rs, webhook.rs).
-        let path = if h.kind.starts_with("Mutating") { "/mutate" } else { "/validate" };
+        let path = if h.kind.starts_with("Mutating") {
+            "/mutate"
+        } else {
+            "/validate"
+        };
         match &h.client.service {
             None => problems.push(format!("{what}: calls a URL, not the agent's Service")),
             Some(s) => {
                 if s.path.as_deref() != Some(path) {
-                    problems.push(format!("{what}: path {:?}, the agent serves this kind at {path}", s.path));
+                    problems.push(format!(
+                        "{what}: path {:?}, the agent serves this kind at {path}",
+                        s.path
+                    ));
                 }
                 match service_target(&docs, &s.namespace, &s.name, s.port.unwrap_or(443), agent) {
                     Ok(p) if p == listen => {}
-                    Ok(p) => problems.push(format!("{what}: reaches container port {p}, the agent listens on {listen}")),
+                    Ok(p) => problems.push(format!(
+                        "{what}: reaches container port {p}, the agent listens on {listen}"
+                    )),
                     Err(e) => problems.push(format!("{what}: {e}")),
                 }
             }
         }
         if h.client.ca_bundle.is_none() {
-            problems.push(format!("{what}: no caBundle (placeholder) for make-webhook-cert to fill in"));
+            problems.push(format!(
+                "{what}: no caBundle (placeholder) for make-webhook-cert to fill in"
+            ));
         }
         if h.rules.is_empty() {
             problems.push(format!("{what}: no rules"));
         }
         for r in &h.rules {
-            let (groups, versions, ops, res) = (list(&r.api_groups), list(&r.api_versions), list(&r.operations), list(&r.resources));
+            let (groups, versions, ops, res) = (
+                list(&r.api_groups),
+                list(&r.api_versions),
+                list(&r.operations),
+                list(&r.resources),
+            );
             if groups != [""] || versions != ["v1"] || res != ["pods"] || ops != ["CREATE"] {
                 problems.push(format!(
                     "{what}: a rule for {groups:?} {versions:?} {res:?} {ops:?}; the agent judges core/v1 pods at CREATE only \
@@ -1161,16 +1564,28 @@ fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces_in(docs:
             }
         }
         if h.versions != ["v1"] {
-            problems.push(format!("{what}: admissionReviewVersions {:?}; the agent speaks admission.k8s.io/v1 only", h.versions));
+            problems.push(format!(
+                "{what}: admissionReviewVersions {:?}; the agent speaks admission.k8s.io/v1 only",
+                h.versions
+            ));
         }
         if h.side_effects != "NoneOnDryRun" {
-            problems.push(format!("{what}: sideEffects {}; the agent records reservations, except for dry runs", h.side_effects));
+            problems.push(format!(
+                "{what}: sideEffects {}; the agent records reservations, except for dry runs",
+                h.side_effects
+            ));
         }
         if !h.timeout.is_some_and(|t| (1..=30).contains(&t)) {
-            problems.push(format!("{what}: timeoutSeconds {:?}, expected one set between 1 and 30", h.timeout));
+            problems.push(format!(
+                "{what}: timeoutSeconds {:?}, expected one set between 1 and 30",
+                h.timeout
+            ));
         }
         if !matches!(h.failure_policy.as_deref(), Some("Fail" | "Ignore")) {
-            problems.push(format!("{what}: failurePolicy {:?} must be set, with its trade-off said", h.failure_policy));
+            problems.push(format!(
+                "{what}: failurePolicy {:?} must be set, with its trade-off said",
+                h.failure_policy
+            ));
         }
         let selector = h.namespace_selector.clone().unwrap_or_default();
         for spared in ["kube-system", agent_ns] {
@@ -1185,40 +1600,66 @@ fn webhooks_call_the_agent_where_it_listens_and_spare_system_namespaces_in(docs:
         }
         opted_in.insert(ENFORCE_LABEL.to_string(), "true".to_string());
         if !selects(&selector, &opted_in) {
-            problems.push(format!("{what}: its namespaceSelector does not select a namespace labelled {ENFORCE_LABEL}=true"));
+            problems.push(format!(
+                "{what}: its namespaceSelector does not select a namespace labelled {ENFORCE_LABEL}=true"
+            ));
         }
         if h.failure_policy.as_deref() != Some("Fail") {
-            problems.push(format!("{what}: the template fails closed (failurePolicy Fail); make-webhook-cert --fail-open renders Ignore"));
+            problems.push(format!(
+                "{what}: the template fails closed (failurePolicy Fail); make-webhook-cert --fail-open renders Ignore"
+            ));
         }
     }
     let conditions: BTreeSet<String> = hooks.iter().map(|h| format!("{:?}", h.conditions)).collect();
     if conditions.len() > 1 {
-        problems.push("the webhooks' matchConditions differ: a pod would be judged by one and not the other".to_string());
+        problems
+            .push("the webhooks' matchConditions differ: a pod would be judged by one and not the other".to_string());
     }
     // Real CA bundles are made at install time, never committed.
     let template = deploy_dir().join(WEBHOOK_TEMPLATE).join("webhooks.yaml");
     let text = std::fs::read_to_string(&template).expect("base/agent/webhooks/webhooks.yaml");
     let placeholders = text.matches(&format!("caBundle: \"{CA_PLACEHOLDER}\"")).count();
     if placeholders != hooks.len() {
-        problems.push(format!("{}: {placeholders} caBundle placeholders for {} webhooks", template.display(), hooks.len()));
+        problems.push(format!(
+            "{}: {placeholders} caBundle placeholders for {} webhooks",
+            template.display(),
+            hooks.len()
+        ));
     }
     let script = std::fs::read_to_string(deploy_dir().join("make-webhook-cert")).expect("make-webhook-cert");
     if !script.contains(CA_PLACEHOLDER) {
         problems.push("make-webhook-cert does not replace the placeholder of webhooks.yaml".to_string());
     }
     // The probes ask the agent itself, over its TLS port.
-    for (probe, path) in [(&agent.container.liveness_probe, "/healthz"), (&agent.container.readiness_probe, "/readyz")] {
+    for (probe, path) in [
+        (&agent.container.liveness_probe, "/healthz"),
+        (&agent.container.readiness_probe, "/readyz"),
+    ] {
         let get = probe.as_ref().and_then(|p| p.http_get.clone());
         match get {
-            Some(g) if g.path.as_deref() == Some(path) && g.scheme.as_deref() == Some("HTTPS") && container_port(&agent.container, &g.port) == Some(listen) => {}
-            other => problems.push(format!("agent probe for {path}: {other:?}; expected HTTPS GET {path} on port {listen}")),
+            Some(g)
+                if g.path.as_deref() == Some(path)
+                    && g.scheme.as_deref() == Some("HTTPS")
+                    && container_port(&agent.container, &g.port) == Some(listen) => {}
+            other => problems.push(format!(
+                "agent probe for {path}: {other:?}; expected HTTPS GET {path} on port {listen}"
+            )),
         }
     }
-    assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+    assert!(
+        problems.is_empty(),
+        "{} problems:\n  {}",
+        problems.len(),
+        problems.join("\n  ")
+    );
 }
 
 fn mount_of<'a>(c: &'a Container, volume: &str) -> Option<&'a str> {
-    c.volume_mounts.iter().flatten().find(|m| m.name == volume).map(|m| m.mount_path.as_str())
+    c.volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume)
+        .map(|m| m.mount_path.as_str())
 }
 
 #[test]
@@ -1250,21 +1691,37 @@ fn pods_run_unprivileged_with_their_data_on_a_volume_in(docs: Vec<Doc>) {
         if !list(&caps.drop).iter().any(|c| c == "ALL") || !list(&caps.add).is_empty() {
             problems.push(format!("{what}: capabilities are not `drop: [ALL]` with none added"));
         }
-        let seccomp = sc.seccomp_profile.as_ref().or(psc.seccomp_profile.as_ref()).map(|p| p.type_.as_str());
+        let seccomp = sc
+            .seccomp_profile
+            .as_ref()
+            .or(psc.seccomp_profile.as_ref())
+            .map(|p| p.type_.as_str());
         if !matches!(seccomp, Some("RuntimeDefault" | "Localhost")) {
             problems.push(format!("{what}: seccompProfile is {seccomp:?}, not RuntimeDefault"));
         }
-        if k.container.resources.as_ref().and_then(|r| r.requests.as_ref()).is_none() {
+        if k.container
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .is_none()
+        {
             problems.push(format!("{what}: no resource requests"));
         }
         // With a read-only root, the data directory must be a mounted volume.
         if let Some(dir) = k.flag("--data-dir") {
-            let mounted = k.container.volume_mounts.iter().flatten().any(|m| m.mount_path == dir && m.read_only != Some(true));
+            let mounted = k
+                .container
+                .volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.mount_path == dir && m.read_only != Some(true));
             if !mounted {
                 problems.push(format!("{what}: --data-dir {dir} is not a writable mounted volume"));
             }
         } else if matches!(k.subcommand().first().map(String::as_str), Some("agent" | "server")) {
-            problems.push(format!("{what}: no --data-dir (the default is relative to a read-only root)"));
+            problems.push(format!(
+                "{what}: no --data-dir (the default is relative to a read-only root)"
+            ));
         }
     }
     // The agent's certificate and key come from the webhook Secret's volume.
@@ -1281,18 +1738,28 @@ fn pods_run_unprivileged_with_their_data_on_a_volume_in(docs: Vec<Doc>) {
         Some(dir) => {
             for (flag, file) in [("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")] {
                 if agent.flag(flag) != Some(format!("{dir}/{file}")) {
-                    problems.push(format!("agent {flag} is {:?}, not {dir}/{file} of the mounted Secret", agent.flag(flag)));
+                    problems.push(format!(
+                        "agent {flag} is {:?}, not {dir}/{file} of the mounted Secret",
+                        agent.flag(flag)
+                    ));
                 }
             }
         }
-        None => problems.push("the agent does not mount Secret kvota-agent-tls (made by make-webhook-cert)".to_string()),
+        None => {
+            problems.push("the agent does not mount Secret kvota-agent-tls (made by make-webhook-cert)".to_string())
+        }
     }
     let pod_ns = agent.env.get("POD_NAMESPACE");
     let pod_name = agent.env.get("POD_NAME");
     if pod_ns.map(String::as_str) != Some(agent.pod.doc.namespace()) || pod_name != Some(&agent.pod.name) {
         problems.push("the agent's POD_NAMESPACE and POD_NAME do not come from the downward API".to_string());
     }
-    assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+    assert!(
+        problems.is_empty(),
+        "{} problems:\n  {}",
+        problems.len(),
+        problems.join("\n  ")
+    );
 }
 
 #[test]
@@ -1313,9 +1780,16 @@ fn control_plane_ids_peers_and_bootstrap_agree_in(docs: Vec<Doc>) {
     let spec = sts.spec.expect("spec");
     let replicas = spec.replicas.unwrap_or(1);
     let start = spec.ordinals.as_ref().and_then(|o| o.start).unwrap_or(0);
-    assert!(start >= 1, "node ids are pod ordinals and must be > 0: set spec.ordinals.start to 1");
+    assert!(
+        start >= 1,
+        "node ids are pod ordinals and must be > 0: set spec.ordinals.start to 1"
+    );
     assert!(replicas == 3 || replicas == 5, "a Raft group of 3 or 5, not {replicas}");
-    assert_eq!(spec.pod_management_policy.as_deref(), Some("Parallel"), "OrderedReady would wait for a ready node 1, and none is ready before a quorum");
+    assert_eq!(
+        spec.pod_management_policy.as_deref(),
+        Some("Parallel"),
+        "OrderedReady would wait for a ready node 1, and none is ready before a quorum"
+    );
     assert_eq!(
         server.env.get("KVOTA_NODE_ID"),
         Some(&start.to_string()),
@@ -1326,39 +1800,78 @@ fn control_plane_ids_peers_and_bootstrap_agree_in(docs: Vec<Doc>) {
     let peers_name = spec.service_name.clone().expect("serviceName");
     let peers: Service = find(&docs, "Service", &peers_name).typed();
     let peers_spec = peers.spec.expect("spec");
-    assert_eq!(peers_spec.cluster_ip.as_deref(), Some("None"), "{peers_name} must be headless");
-    assert_eq!(peers_spec.publish_not_ready_addresses, Some(true), "nodes must find each other before any is ready");
+    assert_eq!(
+        peers_spec.cluster_ip.as_deref(),
+        Some("None"),
+        "{peers_name} must be headless"
+    );
+    assert_eq!(
+        peers_spec.publish_not_ready_addresses,
+        Some(true),
+        "nodes must find each other before any is ready"
+    );
     let grpc = listen_port(server, "--listen", "127.0.0.1:7401");
     let raft = listen_port(server, "--raft-listen", "127.0.0.1:7601");
     let http = listen_port(server, "--http", "127.0.0.1:7501");
     for flag in ["--listen", "--raft-listen", "--http"] {
         let host = server.flag(flag).unwrap_or_default();
-        assert!(host.starts_with("0.0.0.0:") || host.starts_with("[::]:"), "{flag} {host}: other pods cannot reach a loopback address");
+        assert!(
+            host.starts_with("0.0.0.0:") || host.starts_with("[::]:"),
+            "{flag} {host}: other pods cannot reach a loopback address"
+        );
     }
     for port in [grpc, raft, http] {
         service_target(&docs, ns, &peers_name, port, server).unwrap_or_else(|e| panic!("{e}"));
     }
     let peer = |ordinal: i32| format!("{}-{ordinal}.{peers_name}.{ns}.svc", doc.name());
-    assert_eq!(server.flag("--advertise"), Some(format!("{}:{grpc}", peer(start))), "--advertise is the pod's peer name");
+    assert_eq!(
+        server.flag("--advertise"),
+        Some(format!("{}:{grpc}", peer(start))),
+        "--advertise is the pod's peer name"
+    );
     assert_eq!(server.flag("--advertise-http"), Some(format!("{}:{http}", peer(start))));
     assert_eq!(server.flag("--advertise-raft"), Some(format!("{}:{raft}", peer(start))));
     // Off loopback the server refuses plain text: the manifests give it TLS (its own
     // node certificate, by the id) rather than --insecure.
-    assert!(server.flag("--insecure").is_none(), "the control plane runs with TLS, not --insecure");
-    assert_eq!(server.flag("--tls-cert"), Some(format!("/etc/kvota/tls/node-{start}.crt")), "each node presents its own certificate");
+    assert!(
+        server.flag("--insecure").is_none(),
+        "the control plane runs with TLS, not --insecure"
+    );
+    assert_eq!(
+        server.flag("--tls-cert"),
+        Some(format!("/etc/kvota/tls/node-{start}.crt")),
+        "each node presents its own certificate"
+    );
 
     // The one-time bootstrap names exactly these nodes, at these addresses, and asks
     // the first of them.
-    let job = containers.iter().find(|k| k.subcommand() == ["members", "init"]).expect("a Job runs `kvota members init`");
-    let members: BTreeSet<String> = job.args.iter().filter_map(|a| a.strip_prefix("--member=").map(str::to_string)).collect();
-    let expected: BTreeSet<String> =
-        (start..start + replicas).map(|i| format!("{i}={}:{grpc},{}:{http},{}:{raft}", peer(i), peer(i), peer(i))).collect();
+    let job = containers
+        .iter()
+        .find(|k| k.subcommand() == ["members", "init"])
+        .expect("a Job runs `kvota members init`");
+    let members: BTreeSet<String> = job
+        .args
+        .iter()
+        .filter_map(|a| a.strip_prefix("--member=").map(str::to_string))
+        .collect();
+    let expected: BTreeSet<String> = (start..start + replicas)
+        .map(|i| format!("{i}={}:{grpc},{}:{http},{}:{raft}", peer(i), peer(i), peer(i)))
+        .collect();
     assert_eq!(members, expected, "the bootstrap's members are the StatefulSet's pods");
-    assert_eq!(job.flag("--cp"), Some(format!("{}:{grpc}", peer(start))), "the bootstrap asks node {start} through its peer name");
+    assert_eq!(
+        job.flag("--cp"),
+        Some(format!("{}:{grpc}", peer(start))),
+        "the bootstrap asks node {start} through its peer name"
+    );
     assert_eq!(job.pod.doc.namespace(), ns);
 
     // Readiness is the node's quorum check, on its HTTP port.
-    let ready = server.container.readiness_probe.as_ref().and_then(|p| p.http_get.clone()).expect("a readiness probe");
+    let ready = server
+        .container
+        .readiness_probe
+        .as_ref()
+        .and_then(|p| p.http_get.clone())
+        .expect("a readiness probe");
     assert_eq!(ready.path.as_deref(), Some("/readyz"));
     assert_eq!(container_port(&server.container, &ready.port), Some(http));
 
@@ -1372,10 +1885,23 @@ fn control_plane_ids_peers_and_bootstrap_agree_in(docs: Vec<Doc>) {
     );
     // The data directory is a claim of each pod.
     let data = server.flag("--data-dir").expect("--data-dir");
-    let claim = server.container.volume_mounts.iter().flatten().find(|m| m.mount_path == data).map(|m| m.name.clone());
-    let claims: Vec<String> =
-        spec.volume_claim_templates.iter().flatten().filter_map(|c| c.metadata.name.clone()).collect();
-    assert!(claim.is_some_and(|c| claims.contains(&c)), "--data-dir {data} is on a volumeClaimTemplate ({claims:?})");
+    let claim = server
+        .container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == data)
+        .map(|m| m.name.clone());
+    let claims: Vec<String> = spec
+        .volume_claim_templates
+        .iter()
+        .flatten()
+        .filter_map(|c| c.metadata.name.clone())
+        .collect();
+    assert!(
+        claim.is_some_and(|c| claims.contains(&c)),
+        "--data-dir {data} is on a volumeClaimTemplate ({claims:?})"
+    );
 }
 
 // ---- The real binaries on the manifests' paths, with make-webhook-cert's certificate.
@@ -1384,8 +1910,16 @@ use kvota_testkit::procs::{free_ports, Procs};
 
 /// One HTTP/1.1 request to 127.0.0.1:`port`; over TLS, trusting only `ca`, to
 /// `server_name`, when `tls` is given.
-async fn request(port: u16, tls: Option<(&Path, &str)>, method: &str, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>), String> {
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+async fn request(
+    port: u16,
+    tls: Option<(&Path, &str)>,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(u16, Vec<u8>), String> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
     let req = hyper::Request::builder()
         .method(method)
         .uri(path)
@@ -1396,18 +1930,28 @@ async fn request(port: u16, tls: Option<(&Path, &str)>, method: &str, path: &str
     let resp = match tls {
         Some((ca, name)) => {
             let stream = tls_connect(tcp, ca, name).await?;
-            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(|e| e.to_string())?;
             tokio::spawn(conn);
             send.send_request(req).await.map_err(|e| e.to_string())?
         }
         None => {
-            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(|e| e.to_string())?;
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+                .await
+                .map_err(|e| e.to_string())?;
             tokio::spawn(conn);
             send.send_request(req).await.map_err(|e| e.to_string())?
         }
     };
     let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes().to_vec();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes()
+        .to_vec();
     Ok((status, body))
 }
 
@@ -1420,7 +1964,9 @@ async fn tls_connect(
 ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in CertificateDer::pem_file_iter(ca).map_err(|e| format!("{}: {e}", ca.display()))? {
-        roots.add(cert.map_err(|e| format!("{}: {e}", ca.display()))?).map_err(|e| e.to_string())?;
+        roots
+            .add(cert.map_err(|e| format!("{}: {e}", ca.display()))?)
+            .map_err(|e| e.to_string())?;
     }
     let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
@@ -1428,7 +1974,10 @@ async fn tls_connect(
         .with_root_certificates(roots)
         .with_no_client_auth();
     let server_name = ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
-    tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(server_name, tcp).await.map_err(|e| e.to_string())
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(server_name, tcp)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 async fn until_answers(what: &str, port: u16, tls: Option<(&Path, &str)>, path: &str, log: &Path) {
@@ -1437,7 +1986,10 @@ async fn until_answers(what: &str, port: u16, tls: Option<(&Path, &str)>, path: 
         match request(port, tls, "GET", path, Vec::new()).await {
             Ok(_) => return,
             Err(e) if Instant::now() > deadline => {
-                panic!("{what} does not answer {path}: {e}\nlog:\n{}", std::fs::read_to_string(log).unwrap_or_default())
+                panic!(
+                    "{what} does not answer {path}: {e}\nlog:\n{}",
+                    std::fs::read_to_string(log).unwrap_or_default()
+                )
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
@@ -1469,9 +2021,21 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
         .arg(&out)
         .output()
         .expect("run make-webhook-cert");
-    assert!(run.status.success(), "make-webhook-cert failed: {}", String::from_utf8_lossy(&run.stderr));
-    let again = Command::new("bash").arg(deploy_dir().join("make-webhook-cert")).arg("--out").arg(&out).output().expect("run");
-    assert!(!again.status.success(), "make-webhook-cert must not overwrite a certificate without --force");
+    assert!(
+        run.status.success(),
+        "make-webhook-cert failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let again = Command::new("bash")
+        .arg(deploy_dir().join("make-webhook-cert"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("run");
+    assert!(
+        !again.status.success(),
+        "make-webhook-cert must not overwrite a certificate without --force"
+    );
 
     // What it wrote parses as the manifests do, and fits them.
     let written = documents_under(&out);
@@ -1487,22 +2051,56 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
     assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/tls"));
     let data = secret.data.expect("data");
     let ca_pem = std::fs::read(out.join("ca.crt")).expect("ca.crt");
-    assert_eq!(data.get("tls.crt").map(|b| b.0.clone()), Some(std::fs::read(out.join("tls.crt")).expect("tls.crt")));
+    assert_eq!(
+        data.get("tls.crt").map(|b| b.0.clone()),
+        Some(std::fs::read(out.join("tls.crt")).expect("tls.crt"))
+    );
     let rendered = hooks(&written);
     assert_eq!(rendered.len(), hooks(&docs).len(), "webhooks.yaml has every webhook");
     for h in &rendered {
-        assert_eq!(h.client.ca_bundle.as_ref().map(|b| b.0.clone()), Some(ca_pem.clone()), "{}: caBundle is the CA", h.name);
-        assert_eq!(h.failure_policy.as_deref(), Some("Fail"), "{}: fails closed by default", h.name);
+        assert_eq!(
+            h.client.ca_bundle.as_ref().map(|b| b.0.clone()),
+            Some(ca_pem.clone()),
+            "{}: caBundle is the CA",
+            h.name
+        );
+        assert_eq!(
+            h.failure_policy.as_deref(),
+            Some("Fail"),
+            "{}: fails closed by default",
+            h.name
+        );
     }
     // --fail-open: the same webhooks, failing open, and nothing else changed.
     let open_out = tmp.path().join("cert-open");
-    let run = Command::new("bash").arg(deploy_dir().join("make-webhook-cert")).arg("--fail-open").arg("--out").arg(&open_out).output().expect("run");
-    assert!(run.status.success(), "make-webhook-cert --fail-open failed: {}", String::from_utf8_lossy(&run.stderr));
+    let run = Command::new("bash")
+        .arg(deploy_dir().join("make-webhook-cert"))
+        .arg("--fail-open")
+        .arg("--out")
+        .arg(&open_out)
+        .output()
+        .expect("run");
+    assert!(
+        run.status.success(),
+        "make-webhook-cert --fail-open failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let open_hooks = hooks(&documents_under(&open_out));
     assert_eq!(open_hooks.len(), rendered.len());
     for (o, c) in open_hooks.iter().zip(&rendered) {
         assert_eq!(o.failure_policy.as_deref(), Some("Ignore"), "{}: --fail-open", o.name);
-        assert_eq!((&o.name, format!("{:?}", o.namespace_selector), format!("{:?}", o.conditions)), (&c.name, format!("{:?}", c.namespace_selector), format!("{:?}", c.conditions)));
+        assert_eq!(
+            (
+                &o.name,
+                format!("{:?}", o.namespace_selector),
+                format!("{:?}", o.conditions)
+            ),
+            (
+                &c.name,
+                format!("{:?}", c.namespace_selector),
+                format!("{:?}", c.conditions)
+            )
+        );
     }
 
     // The real agent serves that certificate; the API server's view: the Service's DNS
@@ -1526,7 +2124,17 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
         .spawn()
         .expect("spawn agent");
     let server_proc = kvota()
-        .args(["server", "--id", "1", "--listen", &format!("127.0.0.1:{}", ports[1]), "--http", &format!("127.0.0.1:{}", ports[2]), "--raft-listen", "127.0.0.1:0"])
+        .args([
+            "server",
+            "--id",
+            "1",
+            "--listen",
+            &format!("127.0.0.1:{}", ports[1]),
+            "--http",
+            &format!("127.0.0.1:{}", ports[2]),
+            "--raft-listen",
+            "127.0.0.1:0",
+        ])
         .arg("--data-dir")
         .arg(tmp.path().join("server"))
         .stdout(Stdio::null())
@@ -1540,12 +2148,22 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
 
     for h in &rendered {
         let path = h.client.service.as_ref().and_then(|s| s.path.clone()).expect("path");
-        let (status, body) = request(hook, tls, "POST", &path, gpu_pod_review("p1")).await.expect("review");
+        let (status, body) = request(hook, tls, "POST", &path, gpu_pod_review("p1"))
+            .await
+            .expect("review");
         let review: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-        assert!(status == 200 && review["response"]["uid"] == "p1", "{}: POST {path} answered {status}: {review}", h.name);
+        assert!(
+            status == 200 && review["response"]["uid"] == "p1",
+            "{}: POST {path} answered {status}: {review}",
+            h.name
+        );
     }
     for probe in [&agent.container.liveness_probe, &agent.container.readiness_probe] {
-        let path = probe.as_ref().and_then(|p| p.http_get.as_ref()).and_then(|g| g.path.clone()).expect("probe path");
+        let path = probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref())
+            .and_then(|g| g.path.clone())
+            .expect("probe path");
         let (status, _) = request(hook, tls, "GET", &path, Vec::new()).await.expect("probe");
         assert!(status == 200 || status == 503, "agent probe {path} answered {status}");
     }
@@ -1553,7 +2171,11 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
     let server = server(&containers);
     until_answers("the server", ports[2], None, "/healthz", &tmp.path().join("server.log")).await;
     for probe in [&server.container.liveness_probe, &server.container.readiness_probe] {
-        let path = probe.as_ref().and_then(|p| p.http_get.as_ref()).and_then(|g| g.path.clone()).expect("probe path");
+        let path = probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref())
+            .and_then(|g| g.path.clone())
+            .expect("probe path");
         let (status, _) = request(ports[2], None, "GET", &path, Vec::new()).await.expect("probe");
         assert!(status == 200 || status == 503, "server probe {path} answered {status}");
     }
@@ -1568,27 +2190,62 @@ async fn make_webhook_cert_and_the_manifests_paths_work_with_the_real_binaries()
 fn the_image_puts_kvota_on_path_runs_as_non_root_and_carries_its_version() {
     let text = std::fs::read_to_string(repo().join("deploy/Dockerfile")).expect("Dockerfile");
     // Instructions, with continuation lines joined and comments dropped.
-    let joined = text.lines().filter(|l| !l.trim_start().starts_with('#')).collect::<Vec<_>>().join("\n").replace("\\\n", " ");
+    let joined = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n")
+        .replace("\\\n", " ");
     let instr: Vec<(String, String)> = joined
         .lines()
-        .filter_map(|l| l.trim().split_once(' ').map(|(k, v)| (k.to_ascii_uppercase(), v.trim().to_string())))
+        .filter_map(|l| {
+            l.trim()
+                .split_once(' ')
+                .map(|(k, v)| (k.to_ascii_uppercase(), v.trim().to_string()))
+        })
         .collect();
-    let all = |k: &str| instr.iter().filter(|(i, _)| i == k).map(|(_, v)| v.clone()).collect::<Vec<_>>();
+    let all = |k: &str| {
+        instr
+            .iter()
+            .filter(|(i, _)| i == k)
+            .map(|(_, v)| v.clone())
+            .collect::<Vec<_>>()
+    };
     assert_eq!(all("FROM"), ["scratch"]);
     assert_eq!(all("COPY"), ["kvota /usr/local/bin/kvota"]);
-    assert!(all("ENV").iter().any(|e| e.starts_with("PATH=") && e["PATH=".len()..].split(':').any(|d| d == "/usr/local/bin")), "{:?}", all("ENV"));
+    assert!(
+        all("ENV")
+            .iter()
+            .any(|e| e.starts_with("PATH=") && e["PATH=".len()..].split(':').any(|d| d == "/usr/local/bin")),
+        "{:?}",
+        all("ENV")
+    );
     assert_eq!(all("ENTRYPOINT"), [r#"["/usr/local/bin/kvota"]"#]);
     let user = all("USER");
-    let uid: u32 = user.last().and_then(|u| u.split(':').next()).and_then(|u| u.parse().ok()).expect("a numeric USER");
+    let uid: u32 = user
+        .last()
+        .and_then(|u| u.split(':').next())
+        .and_then(|u| u.parse().ok())
+        .expect("a numeric USER");
     assert!(uid != 0, "runs as root");
     let labels = all("LABEL").join(" ");
-    for key in ["org.opencontainers.image.version=\"${VERSION}\"", "org.opencontainers.image.revision=\"${REVISION}\"", "org.opencontainers.image.title="] {
+    for key in [
+        "org.opencontainers.image.version=\"${VERSION}\"",
+        "org.opencontainers.image.revision=\"${REVISION}\"",
+        "org.opencontainers.image.title=",
+    ] {
         assert!(labels.contains(key), "label {key} missing: {labels}");
     }
     let args = all("ARG");
-    assert!(args.iter().any(|a| a.starts_with("VERSION")) && args.iter().any(|a| a.starts_with("REVISION")), "{args:?}");
+    assert!(
+        args.iter().any(|a| a.starts_with("VERSION")) && args.iter().any(|a| a.starts_with("REVISION")),
+        "{args:?}"
+    );
     let build = std::fs::read_to_string(repo().join("deploy/build-image")).expect("build-image");
-    assert!(build.contains("--build-arg \"VERSION=") && build.contains("--build-arg \"REVISION="), "build-image passes the version and revision");
+    assert!(
+        build.contains("--build-arg \"VERSION=") && build.contains("--build-arg \"REVISION="),
+        "build-image passes the version and revision"
+    );
     // The manifests run the uid the image declares.
     let mut checked = 0;
     for doc in installs().into_iter().flat_map(|(_, docs)| docs) {
@@ -1596,12 +2253,18 @@ fn the_image_puts_kvota_on_path_runs_as_non_root_and_carries_its_version() {
             let ours = |c: &&Value| serde_json::from_value::<Container>((*c).clone()).is_ok_and(|c| is_kvota(&c));
             for c in spec["containers"].as_array().into_iter().flatten().filter(ours) {
                 checked += 1;
-                let run_as = c.pointer("/securityContext/runAsUser").or_else(|| spec.pointer("/securityContext/runAsUser")).and_then(Value::as_u64);
+                let run_as = c
+                    .pointer("/securityContext/runAsUser")
+                    .or_else(|| spec.pointer("/securityContext/runAsUser"))
+                    .and_then(Value::as_u64);
                 assert_eq!(run_as, Some(u64::from(uid)), "{} runs as the image's uid", doc.name());
             }
         }
     }
-    assert!(checked >= 6, "the agent, the server and the bootstrap Job, in both installs");
+    assert!(
+        checked >= 6,
+        "the agent, the server and the bootstrap Job, in both installs"
+    );
 }
 
 // ---- Strict schemas, pod security, network policies, disruption budgets, monitoring.
@@ -1616,7 +2279,11 @@ fn kubernetes_validate(version: &str, files: &[PathBuf]) -> (bool, String) {
         .args(files)
         .output()
         .unwrap_or_else(|e| panic!("run kubernetes-validate: {e}; {NEED_VALIDATE}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.success(), text)
 }
 
@@ -1626,15 +2293,25 @@ fn every_rendered_object_validates_strictly_against_the_kubernetes_schemas() {
     let version = version.unwrap_or_else(|e| panic!("run kubernetes-validate: {e}; {NEED_VALIDATE}"));
     let have = String::from_utf8_lossy(&version.stdout).trim().to_string();
     let want = KUBERNETES_VALIDATE.rsplit('=').next().unwrap_or("");
-    assert!(have.contains(want), "kubernetes-validate --version says `{have}`, this test is pinned to {want}: {NEED_VALIDATE}");
+    assert!(
+        have.contains(want),
+        "kubernetes-validate --version says `{have}`, this test is pinned to {want}: {NEED_VALIDATE}"
+    );
     let tmp = tempfile::tempdir().expect("tmp");
 
     // The validator itself: strict, so a misspelt field fails (as does an unknown kind).
     let bad = tmp.path().join("misspelt.yaml");
-    std::fs::write(&bad, "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec:\n  ports:\n  - port: 443\n    tragetPort: x\n").expect("write");
+    std::fs::write(
+        &bad,
+        "apiVersion: v1\nkind: Service\nmetadata: {name: s}\nspec:\n  ports:\n  - port: 443\n    tragetPort: x\n",
+    )
+    .expect("write");
     for v in KUBERNETES_VERSIONS {
         let (ok, text) = kubernetes_validate(v, std::slice::from_ref(&bad));
-        assert!(!ok && text.contains("tragetPort"), "kubernetes-validate {v} let a misspelt field through: {text}");
+        assert!(
+            !ok && text.contains("tragetPort"),
+            "kubernetes-validate {v} let a misspelt field through: {text}"
+        );
     }
 
     // Every rendered object: custom resources against their stated schema, everything
@@ -1646,7 +2323,10 @@ fn every_rendered_object_validates_strictly_against_the_kubernetes_schemas() {
         let mut kept = Vec::new();
         for d in parse_docs(name, text) {
             let api_version = d.str_at("/apiVersion").to_string();
-            if CUSTOM_RESOURCES.iter().any(|(v, k, _)| *v == api_version && *k == d.kind()) {
+            if CUSTOM_RESOURCES
+                .iter()
+                .any(|(v, k, _)| *v == api_version && *k == d.kind())
+            {
                 custom_seen.insert(d.kind().to_string());
                 if let Err(e) = check_typed(&d) {
                     problems.push(format!("{name}: {} {}: {e}", d.kind(), d.name()));
@@ -1669,15 +2349,30 @@ fn every_rendered_object_validates_strictly_against_the_kubernetes_schemas() {
     }
     for (_, kind, _) in CUSTOM_RESOURCES {
         if !custom_seen.contains(*kind) {
-            problems.push(format!("CUSTOM_RESOURCES lists {kind}, which no overlay renders: drop it"));
+            problems.push(format!(
+                "CUSTOM_RESOURCES lists {kind}, which no overlay renders: drop it"
+            ));
         }
     }
-    assert!(problems.is_empty(), "{} problems (temporary files named after the overlays):\n  {}", problems.len(), problems.join("\n  "));
+    assert!(
+        problems.is_empty(),
+        "{} problems (temporary files named after the overlays):\n  {}",
+        problems.len(),
+        problems.join("\n  ")
+    );
 }
 
 /// Every container of every pod template (init containers too) with its pod.
 fn all_containers<'a>(pods: &'a [Pod<'a>]) -> Vec<(&'a Pod<'a>, &'a Container)> {
-    pods.iter().flat_map(|p| p.spec.containers.iter().chain(p.spec.init_containers.iter().flatten()).map(move |c| (p, c))).collect()
+    pods.iter()
+        .flat_map(|p| {
+            p.spec
+                .containers
+                .iter()
+                .chain(p.spec.init_containers.iter().flatten())
+                .map(move |c| (p, c))
+        })
+        .collect()
 }
 
 #[test]
@@ -1708,7 +2403,11 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
             if list(&caps.drop) != ["ALL"] || !list(&caps.add).is_empty() {
                 problems.push(format!("{what}: capabilities are not `drop: [ALL]` with none added"));
             }
-            let seccomp = sc.seccomp_profile.as_ref().or(psc.seccomp_profile.as_ref()).map(|p| p.type_.clone());
+            let seccomp = sc
+                .seccomp_profile
+                .as_ref()
+                .or(psc.seccomp_profile.as_ref())
+                .map(|p| p.type_.clone());
             if seccomp.as_deref() != Some("RuntimeDefault") {
                 problems.push(format!("{what}: seccompProfile {seccomp:?}, not RuntimeDefault"));
             }
@@ -1727,27 +2426,46 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
                     || v.projected.is_some()
                     || v.downward_api.is_some();
                 if !allowed {
-                    problems.push(format!("{what}: volume {} is of a kind the restricted standard refuses", v.name));
+                    problems.push(format!(
+                        "{what}: volume {} is of a kind the restricted standard refuses",
+                        v.name
+                    ));
                 }
             }
             // Admission enforces it too: the namespace says `restricted`.
             let ns: Namespace = find(&docs, "Namespace", pod.doc.namespace()).typed();
             let labels = ns.metadata.labels.unwrap_or_default();
             if labels.get("pod-security.kubernetes.io/enforce").map(String::as_str) != Some("restricted") {
-                problems.push(format!("{what}: namespace {} does not enforce the restricted Pod Security Standard", pod.doc.namespace()));
+                problems.push(format!(
+                    "{what}: namespace {} does not enforce the restricted Pod Security Standard",
+                    pod.doc.namespace()
+                ));
             }
         }
-        assert!(pods.len() >= 3, "{install}: the agent, the server and the bootstrap Job");
-        assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+        assert!(
+            pods.len() >= 3,
+            "{install}: the agent, the server and the bootstrap Job"
+        );
+        assert!(
+            problems.is_empty(),
+            "{} problems:\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
     }
 }
 
 /// Whether the NetworkPolicy rule port `p` names container port `cp`.
-fn names_port(p: &k8s_openapi::api::networking::v1::NetworkPolicyPort, cp: &k8s_openapi::api::core::v1::ContainerPort) -> bool {
+fn names_port(
+    p: &k8s_openapi::api::networking::v1::NetworkPolicyPort,
+    cp: &k8s_openapi::api::core::v1::ContainerPort,
+) -> bool {
     let protocol_ok = p.protocol.as_deref().unwrap_or("TCP") == cp.protocol.as_deref().unwrap_or("TCP");
     let port_ok = match &p.port {
         None => true,
-        Some(IntOrString::Int(n)) => *n == cp.container_port || p.end_port.is_some_and(|e| (*n..=e).contains(&cp.container_port)),
+        Some(IntOrString::Int(n)) => {
+            *n == cp.container_port || p.end_port.is_some_and(|e| (*n..=e).contains(&cp.container_port))
+        }
         Some(IntOrString::String(name)) => cp.name.as_deref() == Some(name.as_str()),
     };
     protocol_ok && port_ok
@@ -1764,14 +2482,21 @@ fn every_port_a_container_listens_on_is_covered_by_a_network_policy() {
         // NetworkPolicy can name either.
         for k in &containers {
             let flags: &[(&str, &str)] = match k.subcommand().first().map(String::as_str) {
-                Some("server") => &[("--listen", "127.0.0.1:7401"), ("--raft-listen", "127.0.0.1:7601"), ("--http", "127.0.0.1:7501")],
+                Some("server") => &[
+                    ("--listen", "127.0.0.1:7401"),
+                    ("--raft-listen", "127.0.0.1:7601"),
+                    ("--http", "127.0.0.1:7501"),
+                ],
                 Some("agent") => &[("--webhook-listen", "0.0.0.0:8443")],
                 _ => &[],
             };
             for (flag, default) in flags {
                 let port = listen_port(k, flag, default);
                 if !k.container.ports.iter().flatten().any(|p| p.container_port == port) {
-                    problems.push(format!("{install}: {} listens on {port} ({flag}), which no containerPort declares", k.pod.doc.name()));
+                    problems.push(format!(
+                        "{install}: {} listens on {port} ({flag}), which no containerPort declares",
+                        k.pod.doc.name()
+                    ));
                 }
             }
         }
@@ -1779,11 +2504,18 @@ fn every_port_a_container_listens_on_is_covered_by_a_network_policy() {
             for cp in c.ports.iter().flatten() {
                 let covered = policies.iter().any(|(np, d)| {
                     let spec = np.spec.clone().unwrap_or_default();
-                    let ingress_policy = spec.policy_types.as_ref().map_or(spec.ingress.is_some(), |t| t.iter().any(|t| t == "Ingress"));
+                    let ingress_policy = spec
+                        .policy_types
+                        .as_ref()
+                        .map_or(spec.ingress.is_some(), |t| t.iter().any(|t| t == "Ingress"));
                     d.namespace() == pod.doc.namespace()
                         && ingress_policy
                         && selects(&spec.pod_selector.clone().unwrap_or_default(), &pod.labels)
-                        && spec.ingress.iter().flatten().any(|rule| rule.ports.as_ref().is_none_or(|ps| ps.is_empty() || ps.iter().any(|p| names_port(p, cp))))
+                        && spec.ingress.iter().flatten().any(|rule| {
+                            rule.ports
+                                .as_ref()
+                                .is_none_or(|ps| ps.is_empty() || ps.iter().any(|p| names_port(p, cp)))
+                        })
                 });
                 if !covered {
                     problems.push(format!(
@@ -1799,24 +2531,43 @@ fn every_port_a_container_listens_on_is_covered_by_a_network_policy() {
         // Raft only from the control-plane pods; the webhook from the API server's CIDR.
         let server = server(&containers);
         let raft = listen_port(server, "--raft-listen", "127.0.0.1:7601");
-        let raft_port = server.container.ports.iter().flatten().find(|p| p.container_port == raft).cloned().expect("raft port");
+        let raft_port = server
+            .container
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.container_port == raft)
+            .cloned()
+            .expect("raft port");
         for (np, d) in &policies {
             let spec = np.spec.clone().unwrap_or_default();
-            if d.namespace() != server.pod.doc.namespace() || !selects(&spec.pod_selector.clone().unwrap_or_default(), &server.pod.labels) {
+            if d.namespace() != server.pod.doc.namespace()
+                || !selects(&spec.pod_selector.clone().unwrap_or_default(), &server.pod.labels)
+            {
                 continue;
             }
             for rule in spec.ingress.iter().flatten() {
-                if rule.ports.as_ref().is_none_or(|ps| ps.is_empty() || ps.iter().any(|p| names_port(p, &raft_port))) {
+                if rule
+                    .ports
+                    .as_ref()
+                    .is_none_or(|ps| ps.is_empty() || ps.iter().any(|p| names_port(p, &raft_port)))
+                {
                     let only_peers = rule.from.as_ref().is_some_and(|from| {
                         !from.is_empty()
                             && from.iter().all(|peer| {
                                 peer.namespace_selector.is_none()
                                     && peer.ip_block.is_none()
-                                    && peer.pod_selector.as_ref().is_some_and(|s| selects(s, &server.pod.labels))
+                                    && peer
+                                        .pod_selector
+                                        .as_ref()
+                                        .is_some_and(|s| selects(s, &server.pod.labels))
                             })
                     });
                     if !only_peers {
-                        problems.push(format!("{install}: NetworkPolicy {} lets more than the control-plane pods reach Raft", d.name()));
+                        problems.push(format!(
+                            "{install}: NetworkPolicy {} lets more than the control-plane pods reach Raft",
+                            d.name()
+                        ));
                     }
                 }
             }
@@ -1829,13 +2580,25 @@ fn every_port_a_container_listens_on_is_covered_by_a_network_policy() {
             .ingress
             .iter()
             .flatten()
-            .flat_map(|r| r.from.iter().flatten().filter_map(|p| p.ip_block.as_ref().map(|b| b.cidr.clone())))
+            .flat_map(|r| {
+                r.from
+                    .iter()
+                    .flatten()
+                    .filter_map(|p| p.ip_block.as_ref().map(|b| b.cidr.clone()))
+            })
             .collect();
         if cidrs.is_empty() {
-            problems.push(format!("{install}: the agent's webhook port is not limited to the API server's addresses"));
+            problems.push(format!(
+                "{install}: the agent's webhook port is not limited to the API server's addresses"
+            ));
         }
         assert!(!agent.container.ports.clone().unwrap_or_default().is_empty());
-        assert!(problems.is_empty(), "{} problems:\n  {}", problems.len(), problems.join("\n  "));
+        assert!(
+            problems.is_empty(),
+            "{} problems:\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
     }
 }
 
@@ -1846,17 +2609,37 @@ fn the_agent_and_the_control_plane_have_disruption_budgets() {
         let containers = kvota_containers(&docs, &pods);
         let budgets: Vec<(PodDisruptionBudget, &Doc)> = all_of(&docs, "PodDisruptionBudget");
         for k in [agent(&containers), server(&containers)] {
-            let replicas = k.pod.doc.value.pointer("/spec/replicas").and_then(Value::as_i64).unwrap_or(1);
-            let what = format!("{install}: {} {} ({replicas} replicas)", k.pod.doc.kind(), k.pod.doc.name());
-            assert!(replicas >= 2, "{what}: one replica cannot have a disruption budget that lets a drain through");
+            let replicas = k
+                .pod
+                .doc
+                .value
+                .pointer("/spec/replicas")
+                .and_then(Value::as_i64)
+                .unwrap_or(1);
+            let what = format!(
+                "{install}: {} {} ({replicas} replicas)",
+                k.pod.doc.kind(),
+                k.pod.doc.name()
+            );
+            assert!(
+                replicas >= 2,
+                "{what}: one replica cannot have a disruption budget that lets a drain through"
+            );
             let mine: Vec<_> = budgets
                 .iter()
                 .filter(|(b, d)| {
                     d.namespace() == k.pod.doc.namespace()
-                        && b.spec.as_ref().and_then(|s| s.selector.as_ref()).is_some_and(|s| selects(s, &k.pod.labels))
+                        && b.spec
+                            .as_ref()
+                            .and_then(|s| s.selector.as_ref())
+                            .is_some_and(|s| selects(s, &k.pod.labels))
                 })
                 .collect();
-            assert_eq!(mine.len(), 1, "{what}: exactly one PodDisruptionBudget selects its pods");
+            assert_eq!(
+                mine.len(),
+                1,
+                "{what}: exactly one PodDisruptionBudget selects its pods"
+            );
             let spec = mine[0].0.spec.clone().expect("spec");
             // At most one pod evicted at a time, and one may be: a quorum of three stays,
             // one agent replica keeps answering, and drains are never blocked.
@@ -1866,7 +2649,11 @@ fn the_agent_and_the_control_plane_have_disruption_budgets() {
                 other => panic!("{what}: give maxUnavailable or minAvailable as a number, not {other:?}"),
             };
             assert_eq!(allowed_down, 1, "{what}: its budget must allow exactly one pod down");
-            assert_eq!(spec.unhealthy_pod_eviction_policy.as_deref(), Some("AlwaysAllow"), "{what}: a pod that is not ready must never block a drain");
+            assert_eq!(
+                spec.unhealthy_pod_eviction_policy.as_deref(),
+                Some("AlwaysAllow"),
+                "{what}: a pod that is not ready must never block a drain"
+            );
         }
     }
 }
@@ -1879,7 +2666,12 @@ fn the_image_is_named_once_and_monitoring_holds_the_alerts_and_the_dashboard() {
     for f in &files {
         let text = std::fs::read_to_string(f).expect("read");
         for line in text.lines().filter(|l| l.trim_start().starts_with("image:")) {
-            assert_eq!(line.trim(), "image: kvota", "{}: the image's name and tag are set in components/image only", f.display());
+            assert_eq!(
+                line.trim(),
+                "image: kvota",
+                "{}: the image's name and tag are set in components/image only",
+                f.display()
+            );
         }
     }
     let mut images = BTreeSet::new();
@@ -1890,15 +2682,26 @@ fn the_image_is_named_once_and_monitoring_holds_the_alerts_and_the_dashboard() {
         }
     }
     assert_eq!(images.len(), 1, "every pod runs the one kvota image: {images:?}");
-    let component: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(deploy_dir().join("components/image/kustomization.yaml")).expect("components/image"))
-        .expect("yaml");
+    let component: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(deploy_dir().join("components/image/kustomization.yaml")).expect("components/image"),
+    )
+    .expect("yaml");
     let image = &component["images"][0];
-    let expected = format!("{}:{}", image["newName"].as_str().unwrap_or(""), image["newTag"].as_str().unwrap_or(""));
-    assert!(images.contains(&expected), "{images:?} is not components/image's {expected}");
+    let expected = format!(
+        "{}:{}",
+        image["newName"].as_str().unwrap_or(""),
+        image["newTag"].as_str().unwrap_or("")
+    );
+    assert!(
+        images.contains(&expected),
+        "{images:?} is not components/image's {expected}"
+    );
 
     // The PrometheusRule is deploy/prometheus/alerts.yaml (overlays/observability/sync-alerts).
-    let alerts: Value =
-        serde_yaml_ng::from_str(&std::fs::read_to_string(repo().join("deploy/prometheus/alerts.yaml")).expect("alerts.yaml")).expect("alerts.yaml");
+    let alerts: Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(repo().join("deploy/prometheus/alerts.yaml")).expect("alerts.yaml"),
+    )
+    .expect("alerts.yaml");
     let docs = parse_docs("overlays/observability", &rendered()["overlays/observability"]);
     let rule = find(&docs, "PrometheusRule", "kvota");
     assert_eq!(
@@ -1908,8 +2711,19 @@ fn the_image_is_named_once_and_monitoring_holds_the_alerts_and_the_dashboard() {
     // The dashboard ConfigMap is deploy/grafana/kvota-dashboard.json, for Grafana's sidecar.
     let dashboard: ConfigMap = find(&docs, "ConfigMap", "kvota-grafana-dashboard").typed();
     let json = std::fs::read_to_string(repo().join("deploy/grafana/kvota-dashboard.json")).expect("dashboard");
-    assert_eq!(dashboard.data.unwrap_or_default().get("kvota-dashboard.json"), Some(&json));
-    assert_eq!(dashboard.metadata.labels.unwrap_or_default().get("grafana_dashboard").map(String::as_str), Some("1"));
+    assert_eq!(
+        dashboard.data.unwrap_or_default().get("kvota-dashboard.json"),
+        Some(&json)
+    );
+    assert_eq!(
+        dashboard
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("grafana_dashboard")
+            .map(String::as_str),
+        Some("1")
+    );
 
     // The ServiceMonitors scrape every node and agent replica on the port that serves
     // /metrics, with a client certificate (/metrics answers viewers only).
@@ -1917,30 +2731,87 @@ fn the_image_is_named_once_and_monitoring_holds_the_alerts_and_the_dashboard() {
         let pods = pods(&docs);
         let containers = kvota_containers(&docs, &pods);
         for (monitor, k, listen) in [
-            ("kvota-server", server(&containers), listen_port(server(&containers), "--http", "127.0.0.1:7501")),
-            ("kvota-agent", agent(&containers), listen_port(agent(&containers), "--webhook-listen", "0.0.0.0:8443")),
+            (
+                "kvota-server",
+                server(&containers),
+                listen_port(server(&containers), "--http", "127.0.0.1:7501"),
+            ),
+            (
+                "kvota-agent",
+                agent(&containers),
+                listen_port(agent(&containers), "--webhook-listen", "0.0.0.0:8443"),
+            ),
         ] {
             let sm: ServiceMonitor = find(&docs, "ServiceMonitor", monitor).typed();
             let ns = find(&docs, "ServiceMonitor", monitor).namespace().to_string();
             let services: Vec<(Service, &Doc)> = all_of(&docs, "Service");
             let picked: Vec<&(Service, &Doc)> = services
                 .iter()
-                .filter(|(_, d)| d.namespace() == ns && selects(&sm.spec.selector, &d.value["metadata"]["labels"].as_object().map(|m| m.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string())).collect()).unwrap_or_default()))
+                .filter(|(_, d)| {
+                    d.namespace() == ns
+                        && selects(
+                            &sm.spec.selector,
+                            &d.value["metadata"]["labels"]
+                                .as_object()
+                                .map(|m| {
+                                    m.iter()
+                                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string()))
+                                        .collect()
+                                })
+                                .unwrap_or_default(),
+                        )
+                })
                 .collect();
-            assert_eq!(picked.len(), 1, "ServiceMonitor {monitor} selects one Service, not {}", picked.len());
+            assert_eq!(
+                picked.len(),
+                1,
+                "ServiceMonitor {monitor} selects one Service, not {}",
+                picked.len()
+            );
             let (svc, svc_doc) = picked[0];
             let spec = svc.spec.clone().expect("spec");
-            assert_eq!(spec.publish_not_ready_addresses, Some(true), "Service {}: nodes and replicas that are not ready are scraped too", svc_doc.name());
+            assert_eq!(
+                spec.publish_not_ready_addresses,
+                Some(true),
+                "Service {}: nodes and replicas that are not ready are scraped too",
+                svc_doc.name()
+            );
             assert_eq!(sm.spec.endpoints.len(), 1);
             let e = &sm.spec.endpoints[0];
-            assert!(e.scheme == MonitorScheme::Https && e.path == "/metrics", "ServiceMonitor {monitor}: https /metrics");
-            let sp = spec.ports.iter().flatten().find(|p| p.name.as_deref() == Some(e.port.as_str())).expect("the endpoint's port is a port of the Service");
+            assert!(
+                e.scheme == MonitorScheme::Https && e.path == "/metrics",
+                "ServiceMonitor {monitor}: https /metrics"
+            );
+            let sp = spec
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.as_deref() == Some(e.port.as_str()))
+                .expect("the endpoint's port is a port of the Service");
             let target = sp.target_port.clone().unwrap_or(IntOrString::Int(sp.port));
-            let selector = LabelSelector { match_labels: spec.selector.clone(), match_expressions: None };
-            assert!(selects(&selector, &k.pod.labels), "Service {}: selects every pod of {}", svc_doc.name(), k.pod.doc.name());
-            assert_eq!(container_port(&k.container, &target), Some(listen), "ServiceMonitor {monitor}: {target:?} is where /metrics is served");
+            let selector = LabelSelector {
+                match_labels: spec.selector.clone(),
+                match_expressions: None,
+            };
+            assert!(
+                selects(&selector, &k.pod.labels),
+                "Service {}: selects every pod of {}",
+                svc_doc.name(),
+                k.pod.doc.name()
+            );
+            assert_eq!(
+                container_port(&k.container, &target),
+                Some(listen),
+                "ServiceMonitor {monitor}: {target:?} is where /metrics is served"
+            );
             let tls = e.tls_config.as_ref().expect("tlsConfig");
-            assert!(tls.cert.is_some() && tls.key_secret.is_some() && tls.ca.is_some() && tls.insecure_skip_verify.is_none(), "ServiceMonitor {monitor}: mutual TLS, verified");
+            assert!(
+                tls.cert.is_some()
+                    && tls.key_secret.is_some()
+                    && tls.ca.is_some()
+                    && tls.insecure_skip_verify.is_none(),
+                "ServiceMonitor {monitor}: mutual TLS, verified"
+            );
         }
     }
 }
@@ -1950,14 +2821,21 @@ fn the_image_is_named_once_and_monitoring_holds_the_alerts_and_the_dashboard() {
 /// The certificate (DER) the agent on `port` serves, if it verifies against the bundle
 /// `ca` for `name`, as the API server holding that caBundle would verify it.
 async fn served_certificate(port: u16, ca: &Path, name: &str) -> Result<Vec<u8>, String> {
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
     let stream = tls_connect(tcp, ca, name).await?;
     let (_, conn) = stream.get_ref();
-    conn.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec()).ok_or_else(|| "no certificate".to_string())
+    conn.peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .ok_or_else(|| "no certificate".to_string())
 }
 
 fn certificate_of(pem: &Path) -> Vec<u8> {
-    CertificateDer::from_pem_file(pem).unwrap_or_else(|e| panic!("{}: {e}", pem.display())).to_vec()
+    CertificateDer::from_pem_file(pem)
+        .unwrap_or_else(|e| panic!("{}: {e}", pem.display()))
+        .to_vec()
 }
 
 /// Waits until the agent serves the certificate in `expected` (it rereads its files
@@ -1983,7 +2861,11 @@ async fn until_serves(port: u16, expected: &Path, bundles: &[&Path], name: &str,
         if served == want {
             return;
         }
-        assert!(Instant::now() < deadline, "the agent did not load {} within 30 s", expected.display());
+        assert!(
+            Instant::now() < deadline,
+            "the agent did not load {} within 30 s",
+            expected.display()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -2014,7 +2896,11 @@ async fn renewing_the_webhook_certificate_and_rotating_its_ca_never_break_the_ap
     let (ca_dir, out) = (tmp.path().join("webhook-ca"), tmp.path().join("cert"));
     let run = |args: &[&str]| {
         let r = make_webhook_cert(args, &ca_dir, &out);
-        assert!(r.status.success(), "make-webhook-cert {args:?} failed: {}", String::from_utf8_lossy(&r.stderr));
+        assert!(
+            r.status.success(),
+            "make-webhook-cert {args:?} failed: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
     };
     // A copy of each caBundle the API server is given, step by step.
     let keep = |name: &str| {
@@ -2026,15 +2912,33 @@ async fn renewing_the_webhook_certificate_and_rotating_its_ca_never_break_the_ap
     let check_rendered = |step: &str| {
         let bundle = std::fs::read(out.join("ca.crt")).expect("ca.crt");
         for h in hooks(&documents_under(&out)) {
-            assert_eq!(h.client.ca_bundle.as_ref().map(|b| b.0.clone()), Some(bundle.clone()), "{step}: {} caBundle", h.name);
+            assert_eq!(
+                h.client.ca_bundle.as_ref().map(|b| b.0.clone()),
+                Some(bundle.clone()),
+                "{step}: {} caBundle",
+                h.name
+            );
         }
     };
 
     run(&["--days", "2"]);
     // The CA key stays where the operator said, private; never beside the outputs.
-    assert_eq!(std::fs::metadata(&ca_dir).expect("ca dir").permissions().mode() & 0o777, 0o700);
-    assert_eq!(std::fs::metadata(ca_dir.join("ca.key")).expect("ca.key").permissions().mode() & 0o777, 0o600);
-    assert!(!out.join("ca.key").exists() && !out.join("ca").exists(), "no CA key in --out");
+    assert_eq!(
+        std::fs::metadata(&ca_dir).expect("ca dir").permissions().mode() & 0o777,
+        0o700
+    );
+    assert_eq!(
+        std::fs::metadata(ca_dir.join("ca.key"))
+            .expect("ca.key")
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+    assert!(
+        !out.join("ca.key").exists() && !out.join("ca").exists(),
+        "no CA key in --out"
+    );
     let b0 = keep("bundle-0.crt");
     assert_eq!(certificates_in(&b0), 1);
     check_rendered("first run");
@@ -2063,8 +2967,16 @@ async fn renewing_the_webhook_certificate_and_rotating_its_ca_never_break_the_ap
     // server trusts the old certificate and the new one alike.
     let before = certificate_of(&out.join("tls.crt"));
     run(&["--days", "2", "--force"]);
-    assert_ne!(certificate_of(&out.join("tls.crt")), before, "--force issues a new certificate");
-    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b0).expect("b0"), "renewal keeps caBundle");
+    assert_ne!(
+        certificate_of(&out.join("tls.crt")),
+        before,
+        "--force issues a new certificate"
+    );
+    assert_eq!(
+        std::fs::read(out.join("ca.crt")).expect("ca.crt"),
+        std::fs::read(&b0).expect("b0"),
+        "renewal keeps caBundle"
+    );
     check_rendered("renewal");
     until_serves(port, &out.join("tls.crt"), &[&b0], dns, &log).await;
 
@@ -2077,41 +2989,80 @@ async fn renewing_the_webhook_certificate_and_rotating_its_ca_never_break_the_ap
     run(&["--rotate-ca"]);
     let b1 = keep("bundle-1.crt");
     assert_eq!(certificates_in(&b1), 2, "the bundle holds the old and the new CA");
-    assert!(std::fs::read_to_string(&b1).expect("b1").starts_with(&std::fs::read_to_string(&b0).expect("b0")), "the old CA stays in the bundle");
-    assert_eq!(certificate_of(&out.join("tls.crt")), served, "--rotate-ca leaves the served certificate alone");
+    assert!(
+        std::fs::read_to_string(&b1)
+            .expect("b1")
+            .starts_with(&std::fs::read_to_string(&b0).expect("b0")),
+        "the old CA stays in the bundle"
+    );
+    assert_eq!(
+        certificate_of(&out.join("tls.crt")),
+        served,
+        "--rotate-ca leaves the served certificate alone"
+    );
     check_rendered("rotation step 1");
     until_serves(port, &out.join("tls.crt"), &[&b0, &b1], dns, &log).await;
     // A second rotation, or dropping the old CA before the certificate is the new CA's,
     // is refused (the latter would leave the agent with a certificate caBundle refuses).
-    assert!(!make_webhook_cert(&["--rotate-ca"], &ca_dir, &out).status.success(), "one rotation at a time");
+    assert!(
+        !make_webhook_cert(&["--rotate-ca"], &ca_dir, &out).status.success(),
+        "one rotation at a time"
+    );
     let early = make_webhook_cert(&["--drop-old-ca"], &ca_dir, &out);
-    assert!(!early.status.success(), "--drop-old-ca before a certificate of the new CA must fail");
-    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b1).expect("b1"), "a refused step changes nothing");
+    assert!(
+        !early.status.success(),
+        "--drop-old-ca before a certificate of the new CA must fail"
+    );
+    assert_eq!(
+        std::fs::read(out.join("ca.crt")).expect("ca.crt"),
+        std::fs::read(&b1).expect("b1"),
+        "a refused step changes nothing"
+    );
 
     // Step 2: the certificate from the new CA, caBundle unchanged (both CAs).
     run(&["--days", "2", "--force"]);
-    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b1).expect("b1"), "step 2 keeps caBundle");
+    assert_eq!(
+        std::fs::read(out.join("ca.crt")).expect("ca.crt"),
+        std::fs::read(&b1).expect("b1"),
+        "step 2 keeps caBundle"
+    );
     check_rendered("rotation step 2");
     until_serves(port, &out.join("tls.crt"), &[&b1], dns, &log).await;
     // (Why step 2 waits until the API server has the bundle of step 1: the old one
     // refuses the new certificate.)
-    assert!(served_certificate(port, &b0, dns).await.is_err(), "a certificate of the new CA fails the old caBundle");
+    assert!(
+        served_certificate(port, &b0, dns).await.is_err(),
+        "a certificate of the new CA fails the old caBundle"
+    );
 
     // Step 3: the old CA leaves the bundle; the served certificate verifies against the
     // bundle of step 1 and of step 3.
     run(&["--drop-old-ca"]);
     let b2 = keep("bundle-2.crt");
     assert_eq!(certificates_in(&b2), 1);
-    assert_eq!(std::fs::read(&b2).expect("b2"), std::fs::read(ca_dir.join("ca.crt")).expect("new CA"), "the bundle is the new CA");
+    assert_eq!(
+        std::fs::read(&b2).expect("b2"),
+        std::fs::read(ca_dir.join("ca.crt")).expect("new CA"),
+        "the bundle is the new CA"
+    );
     check_rendered("rotation step 3");
     until_serves(port, &out.join("tls.crt"), &[&b1, &b2], dns, &log).await;
 
     // And the next renewal comes from the new CA under the same caBundle.
     run(&["--days", "2", "--force"]);
-    assert_eq!(std::fs::read(out.join("ca.crt")).expect("ca.crt"), std::fs::read(&b2).expect("b2"));
+    assert_eq!(
+        std::fs::read(out.join("ca.crt")).expect("ca.crt"),
+        std::fs::read(&b2).expect("b2")
+    );
     until_serves(port, &out.join("tls.crt"), &[&b2], dns, &log).await;
     let secret: Secret = find(&documents_under(&out), "Secret", "kvota-agent-tls").typed();
     let data = secret.data.expect("data");
-    assert_eq!(data.get("tls.crt").map(|b| b.0.clone()), Some(std::fs::read(out.join("tls.crt")).expect("tls.crt")));
-    assert_eq!(data.get("ca.crt").map(|b| b.0.clone()), Some(std::fs::read(&b2).expect("b2")));
+    assert_eq!(
+        data.get("tls.crt").map(|b| b.0.clone()),
+        Some(std::fs::read(out.join("tls.crt")).expect("tls.crt"))
+    );
+    assert_eq!(
+        data.get("ca.crt").map(|b| b.0.clone()),
+        Some(std::fs::read(&b2).expect("b2"))
+    );
 }

@@ -39,7 +39,11 @@ fn free_bytes(dir: &Path) -> u64 {
 
 /// Writes zeros into `file` until the file system has at most `left` bytes free.
 fn fill(file: &Path, left: u64) {
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(file).expect("open filler");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(file)
+        .expect("open filler");
     let chunk = vec![0u8; 64 << 10];
     let dir = file.parent().expect("dir");
     while free_bytes(dir) > left {
@@ -62,12 +66,31 @@ struct Node {
 impl Node {
     fn start(&self, init: bool) -> Child {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvota"));
-        cmd.args(["server", "--id", "1", "--listen", &self.rpc, "--raft-listen", &self.raft, "--http", &self.http, "--min-free-disk-mb", "4"])
-            .arg("--data-dir")
-            .arg(&self.dir)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map(Stdio::from).expect("log"));
+        cmd.args([
+            "server",
+            "--id",
+            "1",
+            "--listen",
+            &self.rpc,
+            "--raft-listen",
+            &self.raft,
+            "--http",
+            &self.http,
+            "--min-free-disk-mb",
+            "4",
+        ])
+        .arg("--data-dir")
+        .arg(&self.dir)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log)
+                .map(Stdio::from)
+                .expect("log"),
+        );
         if init {
             cmd.arg("--init");
         }
@@ -75,14 +98,19 @@ impl Node {
     }
 
     async fn readyz(&self) -> Option<(u16, String)> {
-        kvota_testkit::http_get(&kvota_tls::connect::Connector::new(None), &self.http, "/readyz").await.ok()
+        kvota_testkit::http_get(&kvota_tls::connect::Connector::new(None), &self.http, "/readyz")
+            .await
+            .ok()
     }
 }
 
 async fn register(c: &Client, name: &str) -> Result<(), tonic::Status> {
     let req = v1::RegisterRequest {
         cluster: name.into(),
-        capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 8_000 }],
+        capacity: vec![v1::Resource {
+            name: "nvidia.com/gpu".into(),
+            quantity_milli: 8_000,
+        }],
         labels: Default::default(),
     };
     c.call(|ch| {
@@ -117,7 +145,12 @@ async fn a_full_disk_fails_readiness_then_stops_the_node_and_it_recovers_when_sp
     while client
         .call(|ch| {
             let yaml = yaml.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+            async move {
+                Ok(Client::admin(ch)
+                    .apply_policy(v1::PolicyRequest { yaml })
+                    .await?
+                    .into_inner())
+            }
         })
         .await
         .is_err()
@@ -138,7 +171,9 @@ async fn a_full_disk_fails_readiness_then_stops_the_node_and_it_recovers_when_sp
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert!(why.contains("below its free-space reserve"), "{why}");
-    let (_, metrics) = kvota_testkit::http_get(&kvota_tls::connect::Connector::new(None), &node.http, "/metrics").await.expect("metrics");
+    let (_, metrics) = kvota_testkit::http_get(&kvota_tls::connect::Connector::new(None), &node.http, "/metrics")
+        .await
+        .expect("metrics");
     assert!(metrics.contains("kvota_disk_low 1"), "{metrics}");
     assert!(log().contains("disk is nearly full"), "{}", log());
 
@@ -164,14 +199,21 @@ async fn a_full_disk_fails_readiness_then_stops_the_node_and_it_recovers_when_sp
                 if let Some(s) = child.try_wait().expect("wait") {
                     break s;
                 }
-                assert!(Instant::now() < deadline, "the node did not stop on a full disk\n{}", log());
+                assert!(
+                    Instant::now() < deadline,
+                    "the node did not stop on a full disk\n{}",
+                    log()
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
     };
     assert!(!status.success(), "exited {status}");
     let text = log();
-    assert!(text.contains("the Raft core stopped") && text.contains("No space left"), "{text}");
+    assert!(
+        text.contains("the Raft core stopped") && text.contains("No space left"),
+        "{text}"
+    );
 
     // Space returns; the supervisor (here, the test) starts it again: every
     // acknowledged registration is there.
@@ -195,5 +237,8 @@ async fn a_full_disk_fails_readiness_then_stops_the_node_and_it_recovers_when_sp
     register(&client, "after").await.expect("writes work again");
     let _ = child.kill();
     let _ = child.wait();
-    eprintln!("{} registrations acknowledged before the disk filled; all kept", acked.len());
+    eprintln!(
+        "{} registrations acknowledged before the disk filled; all kept",
+        acked.len()
+    );
 }

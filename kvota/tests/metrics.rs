@@ -44,9 +44,11 @@ fn repo() -> PathBuf {
 }
 
 fn tool(name: &str) -> PathBuf {
-    let found = std::env::var_os("PATH")
-        .and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|f| f.is_file()));
-    found.unwrap_or_else(|| panic!("`{name}` not found on PATH: install Debian's `prometheus` package (scripts/test does)"))
+    let found =
+        std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|f| f.is_file()));
+    found.unwrap_or_else(|| {
+        panic!("`{name}` not found on PATH: install Debian's `prometheus` package (scripts/test does)")
+    })
 }
 
 /// `promtool` with `args`, `stdin` fed to it: (success, stdout and stderr).
@@ -59,9 +61,21 @@ fn promtool(args: &[&str], dir: &Path, stdin: &str) -> (bool, String) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run promtool");
-    child.stdin.take().expect("stdin").write_all(stdin.as_bytes()).expect("feed promtool");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .expect("feed promtool");
     let out = child.wait_with_output().expect("promtool ends");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }
 
 async fn http_get(addr: &str, path: &str) -> (u16, String) {
@@ -70,10 +84,16 @@ async fn http_get(addr: &str, path: &str) -> (u16, String) {
     let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await.expect("write");
     let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await.expect("answered in time").expect("read");
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
+        .await
+        .expect("answered in time")
+        .expect("read");
     let text = String::from_utf8_lossy(&buf).into_owned();
     let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (code, body)
 }
 
@@ -110,7 +130,11 @@ fn families(text: &str) -> BTreeSet<String> {
         .filter_map(|l| {
             let mut it = l.split_whitespace();
             let (name, kind) = (it.next()?, it.next()?);
-            Some(if kind == "counter" { format!("{name}_total") } else { name.to_string() })
+            Some(if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_string()
+            })
         })
         .collect()
 }
@@ -149,9 +173,14 @@ fn series_in(expr: &str) -> BTreeSet<String> {
     let mut rest = expr;
     while let Some(i) = rest.find("kvota_") {
         let tail = &rest[i..];
-        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
         let name = &tail[..end];
-        let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name);
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
         out.insert(family.to_string());
         rest = &tail[end..];
     }
@@ -185,7 +214,10 @@ fn the_grafana_dashboard_reads_only_documented_series_with_valid_queries() {
     let dir = tempfile::tempdir().expect("tmp");
     let mut rules = String::from("groups:\n- name: dashboard\n  rules:\n");
     for (i, (_, expr)) in queries.iter().enumerate() {
-        rules.push_str(&format!("  - record: kvota:dashboard:{i}\n    expr: {}\n", serde_json::to_string(expr).expect("quoted")));
+        rules.push_str(&format!(
+            "  - record: kvota:dashboard:{i}\n    expr: {}\n",
+            serde_json::to_string(expr).expect("quoted")
+        ));
     }
     std::fs::write(dir.path().join("dashboard.rules.yaml"), rules).expect("write");
     let (ok, out) = promtool(&["check", "rules", "dashboard.rules.yaml"], dir.path(), "");
@@ -193,21 +225,31 @@ fn the_grafana_dashboard_reads_only_documented_series_with_valid_queries() {
 }
 
 fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them() {
     let cl = kvota_testkit::Cluster::start(1).await;
     cl.leader(Duration::from_secs(15)).await;
-    cl.feature_level(3, Duration::from_secs(20)).await; // lendIdle needs it
+    cl.feature_level(
+        kvota_control_plane::feature::FeatureLevel::OPERATOR_VIEW,
+        Duration::from_secs(20),
+    )
+    .await; // lendIdle needs level 3, policy revisions 6
     let endpoints = cl.endpoints();
     let admin = Client::new(&endpoints).expect("client");
     let y = POLICY.to_string();
     admin
         .call(|ch| {
             let y = y.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) }
+            async move {
+                Ok(Client::admin(ch)
+                    .apply_policy(v1::PolicyRequest { yaml: y })
+                    .await?
+                    .into_inner())
+            }
         })
         .await
         .expect("policy");
@@ -215,7 +257,13 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
     // An agent on a simulated 8-GPU cluster: a 4-GPU training pod is denied until
     // reports raise training's budget, then admitted: one admission wait.
     let tmp = tempfile::tempdir().expect("tmp");
-    let agent = Agent::open(&ClusterName::from_static("east"), [("nvidia.com/gpu".to_string(), 8_000)].into(), &tmp.path().join("agent"), &endpoints).expect("agent");
+    let agent = Agent::open(
+        &ClusterName::from_static("east"),
+        [("nvidia.com/gpu".to_string(), 8_000)].into(),
+        &tmp.path().join("agent"),
+        &endpoints,
+    )
+    .expect("agent");
     agent.register().await.expect("register");
     agent.fetch_policy().await.expect("policy");
     let mut sim = SimCluster::new(&[8]);
@@ -245,11 +293,26 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
     // Before any report training's budget here is its share of nothing asked for: the
     // first try is denied.
     assert!(denied > 0, "the pod was admitted at once");
-    let waited = sample(&agent_text, r#"kvota_agent_admission_wait_seconds_count{tenant="training"}"#);
-    assert_eq!(waited, Some(1.0), "one pod waited (denied {denied} times):\n{agent_text}");
-    let sum = sample(&agent_text, r#"kvota_agent_admission_wait_seconds_sum{tenant="training"}"#).expect("sum");
+    let waited = sample(
+        &agent_text,
+        r#"kvota_agent_admission_wait_seconds_count{tenant="training"}"#,
+    );
+    assert_eq!(
+        waited,
+        Some(1.0),
+        "one pod waited (denied {denied} times):\n{agent_text}"
+    );
+    let sum = sample(
+        &agent_text,
+        r#"kvota_agent_admission_wait_seconds_sum{tenant="training"}"#,
+    )
+    .expect("sum");
     assert!(sum > 0.0 && sum < 30.0, "waited {sum} s");
-    assert_eq!(sample(&agent_text, r#"kvota_agent_inuse_gpus{tenant="training"}"#), Some(4.0), "{agent_text}");
+    assert_eq!(
+        sample(&agent_text, r#"kvota_agent_inuse_gpus{tenant="training"}"#),
+        Some(4.0),
+        "{agent_text}"
+    );
 
     // The node's exposition, once it has applied the agent's report.
     let http = cl.members[&1].http_addr.clone();
@@ -259,16 +322,56 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
         if sample(&text, r#"kvota_tenant_inuse_gpus{tenant="training"}"#) == Some(4.0) {
             break text;
         }
-        assert!(Instant::now() < deadline + Duration::from_secs(10), "the node never showed training's 4 GPUs:\n{text}");
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(10),
+            "the node never showed training's 4 GPUs:\n{text}"
+        );
         let _ = agent.report_once().await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(sample(&node_text, r#"kvota_cluster_capacity_gpus{cluster="east"}"#), Some(8.0), "{node_text}");
+    assert_eq!(
+        sample(&node_text, r#"kvota_cluster_capacity_gpus{cluster="east"}"#),
+        Some(8.0),
+        "{node_text}"
+    );
     assert_eq!(sample(&node_text, "kvota_federation_capacity_gpus"), Some(8.0));
-    assert_eq!(sample(&node_text, r#"kvota_cluster_unreachable{cluster="east"}"#), Some(0.0));
+    assert_eq!(
+        sample(&node_text, r#"kvota_cluster_unreachable{cluster="east"}"#),
+        Some(0.0)
+    );
+    // The operator view: training's pod runs (bound), the agent enforces revision 1.
+    assert_eq!(
+        sample(&node_text, r#"kvota_tenant_running_gpus{tenant="training"}"#),
+        Some(4.0),
+        "{node_text}"
+    );
+    assert_eq!(
+        sample(&node_text, r#"kvota_tenant_admitted_gpus{tenant="training"}"#),
+        Some(0.0)
+    );
+    assert_eq!(sample(&node_text, "kvota_policy_revision"), Some(1.0));
+    assert_eq!(
+        sample(&node_text, r#"kvota_cluster_policy_revision{cluster="east"}"#),
+        Some(1.0),
+        "{node_text}"
+    );
+    assert_eq!(
+        sample(&node_text, r#"kvota_cluster_policy_lag_seconds{cluster="east"}"#),
+        Some(0.0)
+    );
+    let agent = format!(
+        r#"kvota_cluster_agent{{cluster="east",version="{}",feature_level="{}"}}"#,
+        env!("CARGO_PKG_VERSION"),
+        kvota_member_agent::revision::FEATURE_LEVEL
+    );
+    assert_eq!(sample(&node_text, &agent), Some(1.0), "{node_text}");
+    assert_eq!(sample(&node_text, "kvota_federation_utilization_ratio"), Some(0.5));
     let score = sample(&node_text, "kvota_fairness_score").expect("fairness score");
     assert!((0.0..=1.0).contains(&score), "{score}");
-    assert!(node_text.contains(&format!("kvota_build_info{{version=\"{}\"", env!("CARGO_PKG_VERSION"))), "{node_text}");
+    assert!(
+        node_text.contains(&format!("kvota_build_info{{version=\"{}\"", env!("CARGO_PKG_VERSION"))),
+        "{node_text}"
+    );
 
     // Prometheus's linter on both.
     for (who, text) in [("node", &node_text), ("agent", &agent_text)] {
@@ -281,12 +384,26 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
     let doc = documented();
     let missing: Vec<_> = exported.iter().filter(|n| !doc.contains_key(*n)).collect();
     assert!(missing.is_empty(), "exported but not in docs/metrics.md: {missing:?}");
-    // Counters of events (refusals, reloads, evictions) appear after the first event.
-    let stale: Vec<_> = doc.iter().filter(|(n, kind)| !exported.contains(*n) && kind.as_str() != "counter").collect();
+    // Counters of events (refusals, reloads, evictions) appear after the first event;
+    // certificates' expiry with TLS only (this node and agent run without:
+    // control-plane/tests/tls.rs and the agent's metrics tests read them).
+    let stale: Vec<_> = doc
+        .iter()
+        .filter(|(n, kind)| {
+            !exported.contains(*n) && kind.as_str() != "counter" && !n.ends_with("certificate_expiry_timestamp_seconds")
+        })
+        .collect();
     assert!(stale.is_empty(), "in docs/metrics.md but not exported: {stale:?}");
     for (n, kind) in &doc {
-        assert!(["gauge", "counter", "histogram"].contains(&kind.as_str()), "{n}: type `{kind}`");
-        assert_eq!(kind == "counter", n.ends_with("_total"), "{n} is a {kind}: counters and only counters end in _total");
+        assert!(
+            ["gauge", "counter", "histogram"].contains(&kind.as_str()),
+            "{n}: type `{kind}`"
+        );
+        assert_eq!(
+            kind == "counter",
+            n.ends_with("_total"),
+            "{n} is a {kind}: counters and only counters end in _total"
+        );
     }
 
     // The alert rules: valid, and their unit tests pass.
@@ -325,7 +442,12 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
                     .as_array()
                     .map(|r| {
                         r.iter()
-                            .filter_map(|s| Some((s["metric"]["tenant"].as_str()?.to_string(), s["value"][1].as_str()?.parse().ok()?)))
+                            .filter_map(|s| {
+                                Some((
+                                    s["metric"]["tenant"].as_str()?.to_string(),
+                                    s["value"][1].as_str()?.parse().ok()?,
+                                ))
+                            })
                             .collect()
                     })
                     .unwrap_or_default();
@@ -338,24 +460,42 @@ async fn metrics_pass_promtool_are_documented_and_a_real_prometheus_scrapes_them
         }
         if Instant::now() > deadline {
             let _ = prom.kill();
-            panic!("Prometheus never returned the three tenants' series; its log:\n{}", std::fs::read_to_string(dir.join("prometheus.log")).unwrap_or_default());
+            panic!(
+                "Prometheus never returned the three tenants' series; its log:\n{}",
+                std::fs::read_to_string(dir.join("prometheus.log")).unwrap_or_default()
+            );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
     // The dashboard's control-plane panels, against the same Prometheus: every query is
     // answered, and the per-tenant one has the three tenants.
     for (title, expr) in dashboard_queries().iter().filter(|(_, e)| !e.contains("kvota_agent_")) {
-        let q: String = expr.bytes().map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") }).collect();
+        let q: String = expr
+            .bytes()
+            .map(|b| {
+                if b.is_ascii_alphanumeric() {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
+            .collect();
         let (code, body) = http_get(&addr, &format!("/api/v1/query?query={q}")).await;
         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        assert!(code == 200 && v["status"] == "success", "{title}: {expr}: {code} {body}");
+        assert!(
+            code == 200 && v["status"] == "success",
+            "{title}: {expr}: {code} {body}"
+        );
         if title.starts_with("Entitlement vs in use") {
             assert_eq!(v["data"]["result"].as_array().map(Vec::len), Some(3), "{title}: {body}");
         }
     }
     let _ = prom.kill();
     let _ = prom.wait();
-    assert_eq!(got.keys().map(String::as_str).collect::<Vec<_>>(), ["inference", "research", "training"]);
+    assert_eq!(
+        got.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["inference", "research", "training"]
+    );
     assert_eq!(got["training"], 4.0, "{got:?}");
     assert_eq!(got["inference"], 0.0, "{got:?}");
     drop(agent);

@@ -63,8 +63,24 @@ impl Drop for Proc {
 fn sync(cp: &str, op: &Files, kubeconfig: &str, extra: &[&str], log: &Path) -> Proc {
     let log = std::fs::File::create(log).expect("log file");
     let child = Command::new(env!("CARGO_BIN_EXE_kvota"))
-        .args(["policy", "sync", "--kubeconfig", kubeconfig, "--interval", "1s", "--cp", cp])
-        .args(["--cp-ca", &op.ca.to_string_lossy(), "--cp-cert", &op.cert.to_string_lossy(), "--cp-key", &op.key.to_string_lossy()])
+        .args([
+            "policy",
+            "sync",
+            "--kubeconfig",
+            kubeconfig,
+            "--interval",
+            "1s",
+            "--cp",
+            cp,
+        ])
+        .args([
+            "--cp-ca",
+            &op.ca.to_string_lossy(),
+            "--cp-cert",
+            &op.cert.to_string_lossy(),
+            "--cp-key",
+            &op.key.to_string_lossy(),
+        ])
         .args(extra)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
@@ -75,9 +91,16 @@ fn sync(cp: &str, op: &Files, kubeconfig: &str, extra: &[&str], log: &Path) -> P
 }
 
 fn accepted(obj: &Value) -> Option<(String, String)> {
-    obj["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == "Accepted").map(|c| {
-        (c["status"].as_str().unwrap_or("").to_string(), c["reason"].as_str().unwrap_or("").to_string())
-    })
+    obj["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Accepted")
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or("").to_string(),
+                c["reason"].as_str().unwrap_or("").to_string(),
+            )
+        })
 }
 
 /// Waits until the resource's Accepted condition is `(status, reason)` for generation `gen`.
@@ -86,7 +109,9 @@ async fn until_condition(api: &FakeApi, kind: Kind, name: &str, gen: i64, want: 
     loop {
         if let Some(obj) = api.get(kind, name) {
             let c = accepted(&obj);
-            if c.as_ref().is_some_and(|(s, r)| s == want.0 && r == want.1) && obj["status"]["observedGeneration"] == json!(gen) {
+            if c.as_ref().is_some_and(|(s, r)| s == want.0 && r == want.1)
+                && obj["status"]["observedGeneration"] == json!(gen)
+            {
                 return obj;
             }
             if Instant::now() > deadline {
@@ -101,7 +126,10 @@ async fn until_condition(api: &FakeApi, kind: Kind, name: &str, gen: i64, want: 
 }
 
 async fn in_force(c: &Client) -> Option<Policy> {
-    let r = c.call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) }).await.expect("get policy");
+    let r = c
+        .call(|ch| async move { Ok(Client::admin(ch).get_policy(v1::Empty {}).await?.into_inner()) })
+        .await
+        .expect("get policy");
     Policy::from_yaml(&r.yaml).ok()
 }
 
@@ -122,7 +150,12 @@ async fn apply_by_hand(c: &Client, file: &str) {
     let yaml = std::fs::read_to_string(repo(file)).expect("read");
     c.call(|ch| {
         let yaml = yaml.clone();
-        async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+        async move {
+            Ok(Client::admin(ch)
+                .apply_policy(v1::PolicyRequest { yaml })
+                .await?
+                .into_inner())
+        }
     })
     .await
     .expect("apply by hand");
@@ -156,21 +189,52 @@ impl World {
         let api = FakeApi::start().await;
         let tmp = tempfile::tempdir().expect("tmp");
         let kc = kubeconfig(tmp.path(), &api);
-        World { pki, cluster, cp, admin, op, api, tmp, kc }
+        World {
+            pki,
+            cluster,
+            cp,
+            admin,
+            op,
+            api,
+            tmp,
+            kc,
+        }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fairness_policy_resource_becomes_the_federations_policy() {
-    let World { pki: _pki, cluster, cp, admin, op, api, tmp, kc } = World::start().await;
+    let World {
+        pki: _pki,
+        cluster,
+        cp,
+        admin,
+        op,
+        api,
+        tmp,
+        kc,
+    } = World::start().await;
     // extended.yaml sets showback, which needs feature level 2.
-    cluster.feature_level(2, Duration::from_secs(20)).await;
+    cluster
+        .feature_level(
+            kvota_control_plane::feature::FeatureLevel::RECORDS,
+            Duration::from_secs(20),
+        )
+        .await;
     let log = tmp.path().join("sync.log");
 
     // Created: applied, Accepted=True (Applied), observed generation 1.
     api.put(Kind::FairnessPolicy, resource("deploy/policies/extended.yaml", 1));
     let proc = sync(&cp, &op, &kc, &[], &log);
-    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 1, ("True", "Applied"), &log).await;
+    until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "platform-gpus",
+        1,
+        ("True", "Applied"),
+        &log,
+    )
+    .await;
     let extended = policy("deploy/policies/extended.yaml");
     assert_eq!(in_force(&admin).await.as_ref(), Some(&extended));
     // The audit log names the controller's identity.
@@ -197,23 +261,62 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
     broken["spec"]["tenants"][0]["minShare"] = json!(90);
     broken["spec"]["tenants"][1]["maxQeued"] = json!(5);
     api.put(Kind::FairnessPolicy, broken);
-    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 2, ("False", "Invalid"), &log).await;
-    let paths: Vec<&str> = obj["status"]["problems"].as_array().expect("problems").iter().filter_map(|p| p["path"].as_str()).collect();
+    let obj = until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "platform-gpus",
+        2,
+        ("False", "Invalid"),
+        &log,
+    )
+    .await;
+    let paths: Vec<&str> = obj["status"]["problems"]
+        .as_array()
+        .expect("problems")
+        .iter()
+        .filter_map(|p| p["path"].as_str())
+        .collect();
     assert!(paths.contains(&"spec.tenants[0].minShare"), "{paths:?}");
     assert!(paths.contains(&"spec.tenants[1].maxQeued"), "{paths:?}");
-    assert!(obj["status"]["problems"].to_string().contains("did you mean `maxQueued`"), "{obj:#}");
-    assert_eq!(in_force(&admin).await.as_ref(), Some(&extended), "an invalid resource changed the federation");
+    assert!(
+        obj["status"]["problems"]
+            .to_string()
+            .contains("did you mean `maxQueued`"),
+        "{obj:#}"
+    );
+    assert_eq!(
+        in_force(&admin).await.as_ref(),
+        Some(&extended),
+        "an invalid resource changed the federation"
+    );
 
     // Very broken: 150 tenants with shares over 100 %. Status stays small: the first
     // 100 problems and a count of the rest.
     let mut huge = resource("deploy/policies/extended.yaml", 3);
-    huge["spec"]["tenants"] = json!((0..150).map(|i| json!({"name": format!("t{i}"), "minShare": 101})).collect::<Vec<_>>());
+    huge["spec"]["tenants"] = json!((0..150)
+        .map(|i| json!({"name": format!("t{i}"), "minShare": 101}))
+        .collect::<Vec<_>>());
     api.put(Kind::FairnessPolicy, huge);
-    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 3, ("False", "Invalid"), &log).await;
+    let obj = until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "platform-gpus",
+        3,
+        ("False", "Invalid"),
+        &log,
+    )
+    .await;
     let problems = obj["status"]["problems"].as_array().expect("problems");
     assert_eq!(problems.len(), 101, "{}", problems.len());
     assert_eq!(problems[100]["path"], "(more)");
-    assert!(problems[100]["message"].as_str().unwrap_or("").contains("more problems"), "{:#}", problems[100]);
+    assert!(
+        problems[100]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("more problems"),
+        "{:#}",
+        problems[100]
+    );
 
     // Fixed (now the article's policy, the article's document unchanged as a resource):
     // applied, the problems are gone.
@@ -221,8 +324,19 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
     fixed["metadata"]["name"] = json!("platform-gpus");
     fixed["apiVersion"] = json!("kvota.dev/v1alpha1");
     api.put(Kind::FairnessPolicy, fixed);
-    let obj = until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 4, ("True", "Applied"), &log).await;
-    assert!(obj["status"].get("problems").is_none_or(Value::is_null), "problems left behind: {obj:#}");
+    let obj = until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "platform-gpus",
+        4,
+        ("True", "Applied"),
+        &log,
+    )
+    .await;
+    assert!(
+        obj["status"].get("problems").is_none_or(Value::is_null),
+        "problems left behind: {obj:#}"
+    );
     let mut article = policy("deploy/policies/article.yaml");
     article.name = "platform-gpus".to_string();
     article.api_version = "kvota.dev/v1alpha1".to_string();
@@ -234,16 +348,54 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
 
     // A second resource (the article's group) and no --name: ambiguous, nothing applied.
     api.put(Kind::ArticlePolicy, resource("deploy/policies/article.yaml", 1));
-    let obj = until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("False", "Ambiguous"), &log).await;
-    assert!(obj["status"]["conditions"][0]["message"].as_str().unwrap_or("").contains("--name"), "{obj:#}");
-    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 4, ("False", "Ambiguous"), &log).await;
+    let obj = until_condition(
+        &api,
+        Kind::ArticlePolicy,
+        "myfair-cluster",
+        1,
+        ("False", "Ambiguous"),
+        &log,
+    )
+    .await;
+    assert!(
+        obj["status"]["conditions"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("--name"),
+        "{obj:#}"
+    );
+    until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "platform-gpus",
+        4,
+        ("False", "Ambiguous"),
+        &log,
+    )
+    .await;
     drop(proc);
 
     // With --name, the named one is followed (the article's group: its own document,
     // untouched) and the other says so.
     let proc = sync(&cp, &op, &kc, &["--name", "myfair-cluster"], &log);
-    until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("True", "Applied"), &log).await;
-    until_condition(&api, Kind::FairnessPolicy, "platform-gpus", 4, ("False", "NotSelected"), &log).await;
+    until_condition(
+        &api,
+        Kind::ArticlePolicy,
+        "myfair-cluster",
+        1,
+        ("True", "Applied"),
+        &log,
+    )
+    .await;
+    until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "platform-gpus",
+        4,
+        ("False", "NotSelected"),
+        &log,
+    )
+    .await;
     until_in_force(&admin, &policy("deploy/policies/article.yaml"), &log).await;
     drop(proc);
 
@@ -253,12 +405,36 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
     twin["metadata"]["name"] = json!("myfair-cluster");
     api.put(Kind::FairnessPolicy, twin);
     let proc = sync(&cp, &op, &kc, &["--name", "myfair-cluster"], &log);
-    let obj = until_condition(&api, Kind::FairnessPolicy, "myfair-cluster", 1, ("False", "Ambiguous"), &log).await;
+    let obj = until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "myfair-cluster",
+        1,
+        ("False", "Ambiguous"),
+        &log,
+    )
+    .await;
     assert!(obj.to_string().contains("--name GROUP/NAME"), "{obj:#}");
     drop(proc);
     let proc = sync(&cp, &op, &kc, &["--name", "kvota.dev/myfair-cluster"], &log);
-    until_condition(&api, Kind::FairnessPolicy, "myfair-cluster", 1, ("True", "Applied"), &log).await;
-    until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("False", "NotSelected"), &log).await;
+    until_condition(
+        &api,
+        Kind::FairnessPolicy,
+        "myfair-cluster",
+        1,
+        ("True", "Applied"),
+        &log,
+    )
+    .await;
+    until_condition(
+        &api,
+        Kind::ArticlePolicy,
+        "myfair-cluster",
+        1,
+        ("False", "NotSelected"),
+        &log,
+    )
+    .await;
     let mut philly = policy("deploy/policies/philly-vc.yaml");
     philly.name = "myfair-cluster".to_string();
     until_in_force(&admin, &philly, &log).await;
@@ -268,7 +444,16 @@ async fn a_fairness_policy_resource_becomes_the_federations_policy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
-    let World { pki: _pki, cluster, cp, admin, op, api, tmp, kc } = World::start().await;
+    let World {
+        pki: _pki,
+        cluster,
+        cp,
+        admin,
+        op,
+        api,
+        tmp,
+        kc,
+    } = World::start().await;
     let logs = [tmp.path().join("a.log"), tmp.path().join("b.log")];
     api.put(Kind::ArticlePolicy, resource("deploy/policies/article.yaml", 1));
     let lease = ["--leader-lease", "kvota-policy-sync", "--namespace", "kvota-system"];
@@ -277,7 +462,15 @@ async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
         .zip(&logs)
         .map(|(id, log)| Some(sync(&cp, &op, &kc, &[&lease[..], &["--identity", id]].concat(), log)))
         .collect();
-    until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 1, ("True", "Applied"), &logs[0]).await;
+    until_condition(
+        &api,
+        Kind::ArticlePolicy,
+        "myfair-cluster",
+        1,
+        ("True", "Applied"),
+        &logs[0],
+    )
+    .await;
     let holder = api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"]
         .as_str()
         .expect("holder")
@@ -293,7 +486,10 @@ async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
             if line.contains("policy sync leadership changed") {
                 leading = line.contains("leader=true");
             }
-            assert!(!line.contains("applied to the federation") || leading, "applied while not leading:\n{text}");
+            assert!(
+                !line.contains("applied to the federation") || leading,
+                "applied while not leading:\n{text}"
+            );
         }
     }
 
@@ -305,16 +501,28 @@ async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
         r["spec"]["tenants"][2]["weight"] = json!(20);
         r
     });
-    let obj = until_condition(&api, Kind::ArticlePolicy, "myfair-cluster", 2, ("True", "Applied"), &logs[standby]).await;
+    let obj = until_condition(
+        &api,
+        Kind::ArticlePolicy,
+        "myfair-cluster",
+        2,
+        ("True", "Applied"),
+        &logs[standby],
+    )
+    .await;
     assert_eq!(accepted(&obj).map(|c| c.1), Some("Applied".to_string()));
-    let holder = api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"].clone();
+    let holder =
+        api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"].clone();
     assert_eq!(holder, json!(["a", "b"][standby]));
     let p = in_force(&admin).await.expect("a policy");
     assert_eq!(p.tenant("research").map(|t| t.weight_milli), Some(20_000));
 
     // SIGTERM: the leader stops at once and gives the Lease up for the next replica.
     let pid = procs[standby].as_ref().expect("running").0.id();
-    let killed = Command::new("kill").args(["-TERM", &pid.to_string()]).status().expect("kill");
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .expect("kill");
     assert!(killed.success());
     let deadline = Instant::now() + Duration::from_secs(10);
     let code = loop {
@@ -325,7 +533,8 @@ async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert!(code.success(), "{code:?}");
-    let holder = api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"].clone();
+    let holder =
+        api.get(Kind::Lease, "kvota-system/kvota-policy-sync").expect("lease")["spec"]["holderIdentity"].clone();
     assert_eq!(holder, json!(""), "the Lease was not given up");
     drop(procs);
     cluster.shutdown().await;
@@ -336,7 +545,12 @@ async fn only_the_elected_replica_acts_and_a_standby_takes_over() {
 #[test]
 fn refuses_to_start_without_what_it_needs() {
     let run = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvota")).args(args).env_remove("KUBECONFIG").env("HOME", "/nonexistent").output().expect("run");
+        let out = Command::new(env!("CARGO_BIN_EXE_kvota"))
+            .args(args)
+            .env_remove("KUBECONFIG")
+            .env("HOME", "/nonexistent")
+            .output()
+            .expect("run");
         (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let (code, err) = run(&["policy", "sync", "--cp", "10.1.2.3:7401", "--once"]);
@@ -362,12 +576,18 @@ async fn a_cluster_without_the_crds_is_told_to_install_them() {
     let tmp = tempfile::tempdir().expect("tmp");
     let kc = kubeconfig(tmp.path(), &api);
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(env!("CARGO_BIN_EXE_kvota")).args(["policy", "sync", "--once", "--cp", "127.0.0.1:1", "--kubeconfig", &kc]).output().expect("run")
+        Command::new(env!("CARGO_BIN_EXE_kvota"))
+            .args(["policy", "sync", "--once", "--cp", "127.0.0.1:1", "--kubeconfig", &kc])
+            .output()
+            .expect("run")
     })
     .await
     .expect("join");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("fairnesspolicies.kvota.dev and fairnesspolicies.kvitej.io is not installed"), "{err}");
+    assert!(
+        err.contains("fairnesspolicies.kvota.dev and fairnesspolicies.kvitej.io is not installed"),
+        "{err}"
+    );
     assert!(err.contains("kvota policy crd"), "{err}");
 }

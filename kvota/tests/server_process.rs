@@ -10,9 +10,15 @@ use kvota_proto::v1;
 use kvota_testkit::procs::{server_command, specs, Procs, ServerSpec};
 
 fn spawn(s: &ServerSpec, all: &[ServerSpec], init: bool) -> Child {
-    server_command(std::path::Path::new(env!("CARGO_BIN_EXE_kvota")), s, all, init, &["--tick-ms".into(), "300".into()])
-        .spawn()
-        .expect("spawn kvota server")
+    server_command(
+        std::path::Path::new(env!("CARGO_BIN_EXE_kvota")),
+        s,
+        all,
+        init,
+        &["--tick-ms".into(), "300".into()],
+    )
+    .spawn()
+    .expect("spawn kvota server")
 }
 
 async fn status(addr: &str) -> Option<v1::StatusReply> {
@@ -28,7 +34,13 @@ async fn leader(specs: &[ServerSpec]) -> usize {
 async fn sigkill_the_leader_during_writes_then_it_catches_up() {
     let tmp = tempfile::tempdir().expect("tmp");
     let specs = specs(3, tmp.path());
-    let mut procs = Procs(specs.iter().enumerate().map(|(i, s)| Some(spawn(s, &specs, i == 0))).collect());
+    let mut procs = Procs(
+        specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| Some(spawn(s, &specs, i == 0)))
+            .collect(),
+    );
     leader(&specs).await;
     let all: Vec<String> = specs.iter().map(|s| s.rpc.clone()).collect();
     let client = Client::new(&all).expect("client");
@@ -36,13 +48,21 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
     client
         .call(|ch| {
             let yaml = yaml.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml }).await?.into_inner()) }
+            async move {
+                Ok(Client::admin(ch)
+                    .apply_policy(v1::PolicyRequest { yaml })
+                    .await?
+                    .into_inner())
+            }
         })
         .await
         .expect("apply policy");
     let reg = v1::RegisterRequest {
         cluster: "east".into(),
-        capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: 32_000 }],
+        capacity: vec![v1::Resource {
+            name: "nvidia.com/gpu".into(),
+            quantity_milli: 32_000,
+        }],
         labels: Default::default(),
     };
     let mut held = client
@@ -78,12 +98,15 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
                 inuse_milli_gpue: 1_000,
                 pending_milli_gpue: 0,
                 largest_pending_milli_gpue: 0,
+                borrowed_milli_gpue: 0,
             }],
             capacity: vec![],
             evictions: vec![],
             decisions: vec![],
             window_start_ms: 0,
             window_end_ms: 0,
+            gap_in_reply: false,
+            status: None,
         };
         // Acknowledged means committed: retry until this report is acknowledged once.
         let reply = client
@@ -98,7 +121,10 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
                     .map(|s| std::fs::read_to_string(s.log()).unwrap_or_default())
                     .collect::<Vec<_>>()
                     .join("\n---\n");
-                panic!("report {seq}: {e}\nnodes: {:?}\n{logs}", specs.iter().map(|s| (&s.rpc, &s.http)).collect::<Vec<_>>())
+                panic!(
+                    "report {seq}: {e}\nnodes: {:?}\n{logs}",
+                    specs.iter().map(|s| (&s.rpc, &s.http)).collect::<Vec<_>>()
+                )
             });
         held = reply.lease.expect("lease").epoch;
     }
@@ -136,7 +162,11 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
                 .await
                 .expect("tenants");
             let after = status(&s.rpc).await.map(|st| st.last_applied_index);
-            let usage = t.tenants.iter().find(|x| x.tenant == "training").map(|x| x.decayed_usage);
+            let usage = t
+                .tenants
+                .iter()
+                .find(|x| x.tenant == "training")
+                .map(|x| x.decayed_usage);
             rows.push((before, after, usage));
         }
         let same_index = rows.iter().all(|r| r.0.is_some() && r.0 == r.1 && r.0 == rows[0].0);
@@ -146,7 +176,10 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
         assert!(Instant::now() < deadline, "nodes never at the same index: {rows:?}");
         tokio::time::sleep(Duration::from_millis(37)).await;
     };
-    assert!(seen.windows(2).all(|w| w[0] == w[1]), "nodes disagree at the same log index: {seen:?}");
+    assert!(
+        seen.windows(2).all(|w| w[0] == w[1]),
+        "nodes disagree at the same log index: {seen:?}"
+    );
     // 120 reports of 1,000 milli-GPUe x ms each, decayed over seconds of a 24 h
     // half-life and rounded down once per report: just under 120,000. Had one report
     // been lost it would be at most 119,000; counted twice, above 120,000.
@@ -166,7 +199,11 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
             .args(["--cp", &specs[l].rpc])
             .output()
             .expect("run kvota");
-        assert!(out.status.success(), "kvota {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "kvota {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let list: serde_json::Value = serde_json::from_str(&cli(&["members", "list", "--json"])).expect("JSON");
@@ -177,10 +214,17 @@ async fn sigkill_the_leader_during_writes_then_it_catches_up() {
         assert_eq!(m["rpc"], s.rpc.as_str(), "{m}");
         assert_eq!(m["raft"], s.raft.as_str(), "{m}");
     }
-    let leaders: Vec<u64> = list.iter().filter(|m| m["leader"] == true).filter_map(|m| m["id"].as_u64()).collect();
+    let leaders: Vec<u64> = list
+        .iter()
+        .filter(|m| m["leader"] == true)
+        .filter_map(|m| m["id"].as_u64())
+        .collect();
     assert_eq!(leaders, [leader_id]);
     let table = cli(&["members", "list"]);
     assert!(table.starts_with("  ID  ROLE"), "{table}");
     let leading = table.lines().filter(|l| l.contains(" yes ")).collect::<Vec<_>>();
-    assert!(leading.len() == 1 && leading[0].trim_start().starts_with(&leader_id.to_string()), "{table}");
+    assert!(
+        leading.len() == 1 && leading[0].trim_start().starts_with(&leader_id.to_string()),
+        "{table}"
+    );
 }

@@ -26,7 +26,12 @@ struct Blackhole {
     held: Arc<AtomicBool>,
 }
 
-async fn pump(mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf, held: Arc<AtomicBool>, dead: Arc<AtomicBool>) {
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    held: Arc<AtomicBool>,
+    dead: Arc<AtomicBool>,
+) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
@@ -53,7 +58,9 @@ impl Blackhole {
         let h = held.clone();
         tokio::spawn(async move {
             while let Ok((inbound, _)) = l.accept().await {
-                let Ok(out) = TcpStream::connect(&target).await else { continue };
+                let Ok(out) = TcpStream::connect(&target).await else {
+                    continue;
+                };
                 let dead = Arc::new(AtomicBool::new(h.load(Ordering::SeqCst)));
                 let (ir, iw) = inbound.into_split();
                 let (or, ow) = out.into_split();
@@ -66,7 +73,8 @@ impl Blackhole {
 }
 
 async fn status(c: &Client) -> Result<v1::StatusReply, tonic::Status> {
-    c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) }).await
+    c.call(|ch| async move { Ok(Client::admin(ch).status(v1::Empty {}).await?.into_inner()) })
+        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,6 +100,9 @@ async fn the_first_call_after_a_silent_cut_heals_dials_afresh() {
     let t = Instant::now();
     status(&client).await.expect("status after the heal");
     let took = t.elapsed();
-    assert!(took < deadline, "the first call after the heal took {took:?}: it waited on the dead connection");
+    assert!(
+        took < deadline,
+        "the first call after the heal took {took:?}: it waited on the dead connection"
+    );
     cluster.shutdown().await;
 }

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::measures::{percentile, tenant_score, ShareClock};
+use kvota_fairness::measures::{percentile, ShareClock};
 use kvota_fairness::MilliGpue;
 use serde::Serialize;
 
@@ -34,7 +34,10 @@ impl Recovery {
 
     /// Starts timing at `now`.
     pub fn arm(&mut self, now: u64) {
-        *self = Recovery { armed_at: Some(now), ..Default::default() };
+        *self = Recovery {
+            armed_at: Some(now),
+            ..Default::default()
+        };
     }
 
     /// A sample: whether everything is fair at `now`.
@@ -61,12 +64,16 @@ pub struct TenantMeasures {
     pub delays_ms: Vec<u64>,
     /// Time over entitlement and time starved below the guarantee.
     pub clock: ShareClock,
-    /// Sum of fairness-score samples and their count.
+    /// Sum of the control plane's fairness-score samples and their count.
     pub score_sum: f64,
     /// Samples.
     pub score_n: u64,
-    /// Denials seen (each retry counts).
-    pub denials: u64,
+    /// The last sample.
+    pub score_last: Option<f64>,
+    /// Pods denied at least once (by arrival index): a pod's retries are one pod.
+    pub denied_pods: std::collections::BTreeSet<usize>,
+    /// Denial answers, retries included.
+    pub denial_answers: u64,
 }
 
 /// One point of the timeline (every second).
@@ -91,7 +98,7 @@ pub struct TenantPoint {
     pub entitlement_gpue: f64,
     /// Pods submitted and not yet running.
     pub waiting: usize,
-    /// The article's score.
+    /// The control plane's fairness score ([`kvota_control_plane::view::SCORE_DEFINITION`]).
     pub score: f64,
 }
 
@@ -166,13 +173,21 @@ impl Measures {
         }
     }
 
-    /// Records a scored sample for `tenant`.
-    pub fn score(&mut self, tenant: &str, inuse: MilliGpue, target: MilliGpue, capacity: MilliGpue) -> f64 {
-        let s = tenant_score(inuse, target, capacity);
+    /// Records a sample of `tenant`'s fairness score as the control plane computes it
+    /// (what `kvota tenants` and the dashboard show at that instant).
+    pub fn score(&mut self, tenant: &str, score: f64) -> f64 {
         let m = self.tenants.entry(tenant.to_string()).or_default();
-        m.score_sum += s;
+        m.score_sum += score;
         m.score_n += 1;
-        s
+        m.score_last = Some(score);
+        score
+    }
+
+    /// Records a denial answered to the pod of arrival `idx` of `tenant`.
+    pub fn denied(&mut self, tenant: &str, idx: usize) {
+        let m = self.tenants.entry(tenant.to_string()).or_default();
+        m.denied_pods.insert(idx);
+        m.denial_answers += 1;
     }
 }
 
@@ -193,10 +208,14 @@ pub struct TenantSummary {
     pub share_violation_fraction: f64,
     /// Time below `min(demand waiting > grace, guarantee)`, ms.
     pub starved_below_guarantee_ms: u64,
-    /// Mean of the fairness score samples.
+    /// Mean over the run of the control plane's fairness score (one sample a second).
     pub mean_fairness_score: f64,
-    /// Denials answered to this tenant's pods (retries count again).
-    pub denials: u64,
+    /// The control plane's fairness score at the end (what `kvota tenants` shows).
+    pub fairness_score_at_end: f64,
+    /// Pods denied at least once (a pod's retries are not counted again).
+    pub pods_denied: usize,
+    /// Denial answers, retries included.
+    pub denial_answers: u64,
     /// GPUe-seconds its pods used (ground truth).
     pub used_gpue_s: f64,
     /// GPUe-seconds the control plane's ledger holds for it at the end.
@@ -253,12 +272,35 @@ mod tests {
         let e_before: BTreeMap<String, u64> = [("t".to_string(), 10_000)].into();
         let e_after: BTreeMap<String, u64> = [("t".to_string(), 12_000)].into();
         let cap: BTreeMap<String, u64> = [("t".to_string(), 30_000)].into();
-        let ok = Candidate { tenant: "t".into(), before: 9_000, after: 12_000, lease_entitlement: 0 };
-        let held_more = Candidate { tenant: "t".into(), before: 15_000, after: 15_000, lease_entitlement: 0 };
-        let over = Candidate { tenant: "t".into(), before: 11_000, after: 14_000, lease_entitlement: 13_000 };
+        let ok = Candidate {
+            tenant: "t".into(),
+            before: 9_000,
+            after: 12_000,
+            lease_entitlement: 0,
+        };
+        let held_more = Candidate {
+            tenant: "t".into(),
+            before: 15_000,
+            after: 15_000,
+            lease_entitlement: 0,
+        };
+        let over = Candidate {
+            tenant: "t".into(),
+            before: 11_000,
+            after: 14_000,
+            lease_entitlement: 13_000,
+        };
         m.judge(&[ok, held_more, over], &e_before, &e_after, &cap);
-        assert_eq!((m.admissions_checked, m.over_admissions, m.over_admitted_milli), (3, 1, 1_000));
-        let capped = Candidate { tenant: "t".into(), before: 29_000, after: 31_000, lease_entitlement: 40_000 };
+        assert_eq!(
+            (m.admissions_checked, m.over_admissions, m.over_admitted_milli),
+            (3, 1, 1_000)
+        );
+        let capped = Candidate {
+            tenant: "t".into(),
+            before: 29_000,
+            after: 31_000,
+            lease_entitlement: 40_000,
+        };
         m.judge(&[capped], &e_before, &e_after, &cap);
         assert_eq!(m.over_max_share, 1);
     }

@@ -12,7 +12,9 @@
 //! Children are tied to this process: each reads a pipe from it and exits when it
 //! closes, so none outlive the demo, even if it is killed.
 
+mod link;
 mod measure;
+mod run;
 mod scenario;
 mod view;
 
@@ -29,17 +31,16 @@ use clap::Args;
 use kvota_client::client::Client;
 use kvota_fairness::lease::LeaseStatus;
 use kvota_fairness::policy::{Policy, TENANT_LABEL};
-use kvota_fairness::reclaim::Decision;
 use kvota_fairness::resources::ResourceWeights;
 use kvota_fairness::MilliGpue;
-use kvota_member_agent::review::Outcome;
 use kvota_member_agent::agent::Agent;
-use kvota_member_agent::netfault::LinkProxy;
+use kvota_member_agent::review::Outcome;
 use kvota_member_agent::sim::{SimCluster, SimPod};
 use kvota_proto::v1;
+use link::LinkProxy;
 use serde::Serialize;
 
-use measure::{pct, Candidate, Measures, Sample, TenantPoint, TenantSummary, UsageCheck};
+use measure::{pct, Measures, Sample, TenantMeasures, TenantSummary, UsageCheck};
 use scenario::{Arrival, ClusterSpec};
 
 /// The tenants the demo's workload is written for.
@@ -129,7 +130,9 @@ fn load_policy(args: &DemoArgs) -> Result<(String, Policy)> {
         Ok(p) => p,
         Err(e) => bail!(
             "{} is not a valid FairnessPolicy (`kvota policy validate FILE` shows the same): {e}",
-            args.policy.as_deref().map_or_else(|| "the demo policy".to_string(), |p| p.display().to_string())
+            args.policy
+                .as_deref()
+                .map_or_else(|| "the demo policy".to_string(), |p| p.display().to_string())
         ),
     };
     let missing: Vec<&str> = TENANTS.iter().copied().filter(|t| policy.tenant(t).is_none()).collect();
@@ -147,17 +150,32 @@ fn prepare_dir(args: &DemoArgs) -> Result<(PathBuf, Option<tempfile::TempDir>)> 
     match &args.data_dir {
         Some(d) => {
             if d.exists() {
-                let mut entries = std::fs::read_dir(d)
-                    .with_context(|| format!("--data-dir {}: cannot read it; pick a directory you can write", d.display()))?;
+                let mut entries = std::fs::read_dir(d).with_context(|| {
+                    format!(
+                        "--data-dir {}: cannot read it; pick a directory you can write",
+                        d.display()
+                    )
+                })?;
                 if entries.next().is_some() {
-                    bail!("--data-dir {} is not empty: the demo starts a new federation; give an empty or new directory", d.display());
+                    bail!(
+                        "--data-dir {} is not empty: the demo starts a new federation; give an empty or new directory",
+                        d.display()
+                    );
                 }
             }
-            std::fs::create_dir_all(d)
-                .with_context(|| format!("--data-dir {}: cannot create it; pick a directory you can write", d.display()))?;
+            std::fs::create_dir_all(d).with_context(|| {
+                format!(
+                    "--data-dir {}: cannot create it; pick a directory you can write",
+                    d.display()
+                )
+            })?;
             let probe = d.join(".kvota-write-test");
-            std::fs::write(&probe, b"ok")
-                .with_context(|| format!("--data-dir {}: cannot write there; pick a directory you can write", d.display()))?;
+            std::fs::write(&probe, b"ok").with_context(|| {
+                format!(
+                    "--data-dir {}: cannot write there; pick a directory you can write",
+                    d.display()
+                )
+            })?;
             let _ = std::fs::remove_file(probe);
             Ok((d.clone(), None))
         }
@@ -191,7 +209,10 @@ pub fn run(args: DemoArgs) -> Result<ExitCode> {
         Ok(code) if code == ExitCode::from(1) => {
             if let Some(t) = tmp {
                 let kept = t.keep();
-                eprintln!("kvota demo: a check failed; logs and data kept in {} for a look", kept.display());
+                eprintln!(
+                    "kvota demo: a check failed; logs and data kept in {} for a look",
+                    kept.display()
+                );
             }
             Ok(code)
         }
@@ -227,16 +248,35 @@ impl CpProc {
             .with_context(|| format!("open log file {}", self.log.display()))?;
         let mut cmd = tokio::process::Command::new(exe);
         cmd.arg("server")
-            .args(["--id", &self.id.to_string(), "--listen", &self.rpc, "--raft-listen", &self.raft, "--http", &self.http])
+            .args([
+                "--id",
+                &self.id.to_string(),
+                "--listen",
+                &self.rpc,
+                "--raft-listen",
+                &self.raft,
+                "--http",
+                &self.http,
+            ])
             .args(["--tick-ms", "250", "--exit-with-parent"])
             // Three servers and three agent journals share one disk here; an election
             // needs two fsyncs in a row, so the demo uses etcd-like timeouts rather than
             // the aggressive defaults (see docs/demo.md).
-            .args(["--heartbeat-ms", "100", "--election-timeout-min-ms", "600", "--election-timeout-max-ms", "1200"])
+            .args([
+                "--heartbeat-ms",
+                "100",
+                "--election-timeout-min-ms",
+                "600",
+                "--election-timeout-max-ms",
+                "1200",
+            ])
             .arg("--data-dir")
             .arg(&self.dir)
             // KVOTA_DEMO_SERVER_LOG sets the servers' RUST_LOG (their logs are cpN.log).
-            .env("RUST_LOG", std::env::var("KVOTA_DEMO_SERVER_LOG").unwrap_or_else(|_| "info,openraft=warn".to_string()))
+            .env(
+                "RUST_LOG",
+                std::env::var("KVOTA_DEMO_SERVER_LOG").unwrap_or_else(|_| "info,openraft=warn".to_string()),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
@@ -247,7 +287,9 @@ impl CpProc {
                 cmd.args(["--member", m]);
             }
         }
-        let mut child = cmd.spawn().with_context(|| format!("start control-plane node {} ({})", self.id, exe.display()))?;
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("start control-plane node {} ({})", self.id, exe.display()))?;
         self._stdin = child.stdin.take();
         self.child = Some(child);
         Ok(())
@@ -266,7 +308,11 @@ impl CpProc {
         let log = std::fs::read_to_string(&self.log).unwrap_or_default();
         let tail: Vec<&str> = log.lines().rev().take(3).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
-        Some(format!("control-plane node {} exited ({status}): {}", self.id, tail.join(" | ")))
+        Some(format!(
+            "control-plane node {} exited ({status}): {}",
+            self.id,
+            tail.join(" | ")
+        ))
     }
 }
 
@@ -299,7 +345,10 @@ async fn start_control_plane(exe: &Path, dir: &Path) -> Result<(Vec<CpProc>, Vec
                 _stdin: None,
             });
         }
-        let members: Vec<String> = procs.iter().map(|p| format!("{}={},{},{}", p.id, p.rpc, p.http, p.raft)).collect();
+        let members: Vec<String> = procs
+            .iter()
+            .map(|p| format!("{}={},{},{}", p.id, p.rpc, p.http, p.raft))
+            .collect();
         for (i, p) in procs.iter_mut().enumerate() {
             p.spawn(exe, if i == 0 { Some(&members) } else { None })?;
         }
@@ -325,7 +374,10 @@ async fn start_control_plane(exe: &Path, dir: &Path) -> Result<(Vec<CpProc>, Vec
                 return Ok((procs, node_clients, id));
             }
             if Instant::now() > deadline {
-                bail!("the control plane elected no leader within 30 s; see the logs cp1.log..cp3.log in {}", dir.display());
+                bail!(
+                    "the control plane elected no leader within 30 s; see the logs cp1.log..cp3.log in {}",
+                    dir.display()
+                );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -367,7 +419,11 @@ async fn find_leader(nodes: &[(u64, Client)]) -> Option<(u64, u64, &Client)> {
 }
 
 /// Polls the leader for entitlements, ten times a second.
-fn spawn_poller(nodes: Vec<(u64, Client)>, view: Arc<Mutex<CpView>>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+fn spawn_poller(
+    nodes: Vec<(u64, Client)>,
+    view: Arc<Mutex<CpView>>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while !stop.load(Ordering::SeqCst) {
             if let Some((id, term, c)) = find_leader(&nodes).await {
@@ -481,475 +537,167 @@ fn clients_of(procs: &[CpProc]) -> Result<Vec<(u64, Client)>> {
 }
 
 async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Result<ExitCode> {
-    let speed = args.speed;
     let tty = !args.plain && std::io::stdout().is_terminal();
     let mut out = view::Out::new(tty);
     let exe = std::env::current_exe().context("find the kvota executable to start the control plane")?;
-    let script = scenario::script(args.seed);
     out.line(&format!(
-        "kvota demo: 3 control-plane nodes and 3 member clusters on this machine; seed {}, speed {speed}x (about {:.0} s); data in {}",
+        "kvota demo: 3 control-plane nodes and 3 member clusters on this machine; seed {}, speed {}x (about {:.0} s); data in {}",
         args.seed,
-        real_ms(scenario::END_MS, speed) as f64 / 1000.0 + 8.0,
+        args.speed,
+        real_ms(scenario::END_MS, args.speed) as f64 / 1000.0 + 8.0,
         dir.display()
     ));
-
-    // --- Control plane: three `kvota server` processes.
-    let (mut procs, node_clients, leader) = start_control_plane(&exe, dir).await?;
+    let (procs, node_clients, leader) = start_control_plane(&exe, dir).await?;
     let endpoints: Vec<String> = procs.iter().map(|p| p.rpc.clone()).collect();
-    let admin = Client::new(&endpoints).map_err(|e| anyhow::anyhow!("control-plane address: {}", e.message()))?;
-    let y = yaml.clone();
+    apply_policy(&endpoints, &yaml).await?;
+    out.event(
+        0,
+        &format!(
+            "control plane up: node {leader} leads; policy `{}` applied",
+            policy.name
+        ),
+    );
+    let fleet = join_fleet(&endpoints, dir, args.speed, &mut out).await?;
+    // Background: agents report (renewing leases); the demo watches the control plane.
+    let stop = Arc::new(AtomicBool::new(false));
+    let reporters = spawn_reporters(&fleet, &stop);
+    let cp_view = Arc::new(Mutex::new(CpView::default()));
+    let poller = spawn_poller(node_clients, cp_view.clone(), stop.clone());
+    let mut run = run::Run::new(args, &policy, out, tty, exe, procs, fleet, cp_view);
+    let t0 = Instant::now();
+    let interrupted = run.play(t0).await?;
+    let run_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+    // Wind down: stop the load.
+    stop.store(true, Ordering::SeqCst);
+    for r in reporters {
+        let _ = tokio::time::timeout(Duration::from_secs(3), r).await;
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(2), poller).await;
+    run.out.finish();
+    if interrupted {
+        for p in &mut run.procs {
+            p.kill().await;
+        }
+        eprintln!("kvota demo: interrupted; every process it started is stopped");
+        return Ok(ExitCode::from(130));
+    }
+    finish(args, &policy, run, run_ms).await
+}
+
+/// Applies the demo's policy.
+async fn apply_policy(endpoints: &[String], yaml: &str) -> Result<()> {
+    let admin = Client::new(endpoints).map_err(|e| anyhow::anyhow!("control-plane address: {}", e.message()))?;
     let applied = admin
         .call(|ch| {
-            let y = y.clone();
-            async move { Ok(Client::admin(ch).apply_policy(v1::PolicyRequest { yaml: y }).await?.into_inner()) }
+            let y = yaml.to_string();
+            async move {
+                Ok(Client::admin(ch)
+                    .apply_policy(v1::PolicyRequest { yaml: y })
+                    .await?
+                    .into_inner())
+            }
         })
         .await
         .map_err(|e| anyhow::anyhow!("apply the policy: {}", e.message()))?;
     if !applied.problems.is_empty() {
         bail!("the control plane rejected the policy: {:?}", applied.problems);
     }
-    out.event(0, &format!("control plane up: node {leader} leads; policy `{}` applied", policy.name));
+    Ok(())
+}
 
-    // --- Member clusters: agent + simulated cluster, reaching the CP through proxies.
+/// The member clusters: an agent and a simulated cluster each, reaching the control
+/// plane through proxies (so the partition can cut them).
+async fn join_fleet(endpoints: &[String], dir: &Path, speed: f64, out: &mut view::Out) -> Result<Vec<Member>> {
     let weights = ResourceWeights::new();
     let mut fleet: Vec<Member> = Vec::new();
     for spec in scenario::clusters() {
         let sim = SimCluster::with_nodes(spec.nodes.clone());
         let mut proxies = Vec::new();
-        for e in &endpoints {
+        for e in endpoints {
             proxies.push(LinkProxy::start(e.clone()).await.context("start a loopback proxy")?);
         }
         let via: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
-        let agent = Agent::open(&kvota_fairness::names::ClusterName::from_static(spec.name), sim.capacity_milli(), &dir.join(format!("agent-{}", spec.name)), &via)
-            .map_err(|e| anyhow::anyhow!("open agent {}: {}", spec.name, e.message()))?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let r = async { agent.register().await?; agent.fetch_policy().await }.await;
-            match r {
-                Ok(()) => break,
-                Err(e) if Instant::now() > deadline => bail!("agent {} could not register: {}", spec.name, e.message()),
-                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-            }
-        }
-        {
-            let mut st = agent.state();
-            for t in TENANTS {
-                st.set_namespace(t, [(TENANT_LABEL.to_string(), t.to_string())].into());
-            }
-            // A denial counts as demand until the owner's next retry would have refreshed
-            // it (with compressed time, the production default of a minute would hold
-            // stale demand for the whole scenario).
-            st.set_denied_demand_ttl(real_ms(3 * scenario::RETRY_MS, args.speed));
-        }
+        let agent = join_agent(&spec, &sim, dir, &via, speed).await?;
         let capacity = weights.capacity_gpue_milli(&sim.capacity_milli());
-        out.event(0, &format!("cluster {} joined: {} ({})", spec.name, spec.description, view::gpue(capacity)));
-        fleet.push(Member { spec, agent: Arc::new(agent), sim, capacity, proxies, lease_kind: "none" });
+        let text = format!(
+            "cluster {} joined: {} ({})",
+            spec.name,
+            spec.description,
+            view::gpue(capacity)
+        );
+        out.event(0, &text);
+        fleet.push(Member {
+            spec,
+            agent: Arc::new(agent),
+            sim,
+            capacity,
+            proxies,
+            lease_kind: "none",
+        });
     }
-    let capacity: MilliGpue = fleet.iter().map(|m| m.capacity).sum();
+    Ok(fleet)
+}
 
-    // --- Background: agents report (renewing leases); the demo watches the CP.
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut reporters = Vec::new();
-    for m in &fleet {
-        let a = m.agent.clone();
-        let stop = stop.clone();
-        reporters.push(tokio::spawn(async move {
-            while !stop.load(Ordering::SeqCst) {
-                // As `kvota agent` does: every REPORT_EVERY, sooner once a pod was denied
-                // or queued.
-                let started = tokio::time::Instant::now();
-                let _ = tokio::time::timeout(Duration::from_secs(2), a.report_once()).await;
-                a.next_round(started, REPORT_EVERY, kvota_member_agent::runtime::early_gap(REPORT_EVERY)).await;
-            }
-        }));
-    }
-    let cp_view = Arc::new(Mutex::new(CpView::default()));
-    let poller = spawn_poller(node_clients, cp_view.clone(), stop.clone());
-
-    // --- The scenario.
-    let mut measures = Measures::default();
-    for t in TENANTS {
-        measures.tenants.entry(t.to_string()).or_default();
-    }
-    let max_share: BTreeMap<String, MilliGpue> = policy
-        .tenants
-        .iter()
-        .map(|t| (t.name.to_string(), capacity * u64::from(t.max_share_bp) / 10_000))
-        .collect();
-    let guarantee: BTreeMap<String, MilliGpue> = policy
-        .tenants
-        .iter()
-        .map(|t| (t.name.to_string(), capacity * u64::from(t.min_share_bp) / 10_000))
-        .collect();
-    let mut open: BTreeMap<String, Open> = BTreeMap::new();
-    let mut retries: Vec<(u64, usize)> = Vec::new(); // (due, arrival)
-    // First denials a webhook holds for the report round they trigger (as `kvota agent`
-    // does, `--admission-hold-ms`): (arrival, round mark, give up at).
-    let mut held: Vec<(usize, u64, u64)> = Vec::new();
-    let hold_ms = u64::try_from(kvota_member_agent::webhook::DEFAULT_ADMISSION_HOLD.as_millis()).unwrap_or(u64::MAX);
-    let mut requeued: Vec<(u64, usize, SimPod)> = Vec::new(); // evicted pods, recreated
-    let mut evicted_n = 0u64;
-    let mut next_arrival = 0usize;
-    let mut next_phase = 0usize;
-    let mut phase_name = "starting";
-    let mut pending: Vec<Candidate> = Vec::new();
-    let mut prev_committed: BTreeMap<String, MilliGpue> = BTreeMap::new();
-    let mut seen_seq = 0u64;
-    let mut killed: Option<(usize, u64, u64)> = None; // (proc index, killed at, term at kill)
-    let mut failover_ms: Option<u64> = None;
-    let mut partition_lease_expired = false;
-    let mut last_sample = 0u64;
-    let mut last_render = 0u64;
-    let mut interrupted = false;
-    let t0 = Instant::now();
-    let end_real = real_ms(scenario::END_MS, speed);
-    let mut ctrl_c = Box::pin(tokio::signal::ctrl_c());
-    let mut ticker = tokio::time::interval(TICK);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// One cluster's agent, registered with the policy fetched and its namespaces known.
+async fn join_agent(spec: &ClusterSpec, sim: &SimCluster, dir: &Path, via: &[String], speed: f64) -> Result<Agent> {
+    let agent = Agent::open(
+        &kvota_fairness::names::ClusterName::from_static(spec.name),
+        sim.capacity_milli(),
+        &dir.join(format!("agent-{}", spec.name)),
+        via,
+    )
+    .map_err(|e| anyhow::anyhow!("open agent {}: {e}", spec.name))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = &mut ctrl_c => { interrupted = true; break; }
-        }
-        let now = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
-        if now >= end_real {
-            break;
-        }
-        let s_now = ms_of(now as f64 * speed);
-
-        // Script: phases and faults.
-        while let Some(ph) = script.phases.get(next_phase).filter(|p| p.at_ms <= s_now) {
-            phase_name = ph.name;
-            out.event(now, &ph.text);
-            match ph.at_ms {
-                scenario::BURST_AT_MS => measures.after_burst.arm(now),
-                scenario::PARTITION_FROM_MS => {
-                    for p in &fleet[scenario::PARTITIONED].proxies {
-                        p.set_cut(true);
-                    }
-                }
-                scenario::PARTITION_TO_MS => {
-                    for p in &fleet[scenario::PARTITIONED].proxies {
-                        p.set_cut(false);
-                    }
-                    measures.after_partition.arm(now);
-                }
-                scenario::KILL_LEADER_AT_MS => {
-                    let (leader, term) = {
-                        let v = cp_view.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                        (v.leader, v.term)
-                    };
-                    match leader.and_then(|l| procs.iter().position(|p| p.id == l)) {
-                        Some(i) => {
-                            procs[i].kill().await;
-                            out.event(now, &format!("control-plane node {} (the leader) killed", procs[i].id));
-                            killed = Some((i, now, term));
-                        }
-                        None => out.event(now, "no leader known at this moment; nothing killed"),
-                    }
-                }
-                scenario::RESTART_AT_MS => {
-                    if let Some((i, _, _)) = killed {
-                        procs[i].spawn(&exe, None)?;
-                        out.event(now, &format!("control-plane node {} restarted from its data directory", procs[i].id));
-                    }
-                }
-                _ => {}
-            }
-            next_phase += 1;
-        }
-
-        // A new reading of the control plane: judge the admissions made before it.
-        let view_now = cp_view.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        if view_now.seq != seen_seq {
-            let committed: BTreeMap<String, MilliGpue> =
-                view_now.tenants.iter().map(|(t, i)| (t.clone(), i.entitlement_milli_gpue)).collect();
-            if seen_seq > 0 {
-                measures.judge(&pending, &prev_committed, &committed, &max_share);
-                pending.clear();
-            }
-            prev_committed = committed;
-            seen_seq = view_now.seq;
-        }
-        // Failed over once some node leads in a later term (the restarted node may win).
-        if let (Some((_, at, term)), None) = (killed, failover_ms) {
-            if view_now.term > term && view_now.leader.is_some() {
-                failover_ms = Some(now - at);
-                out.event(now, &format!("node {} leads now (term {}), {} ms after the kill", view_now.leader.unwrap_or(0), view_now.term, now - at));
-            }
-        }
-
-        // 1. Pods finish.
-        for m in &mut fleet {
-            let mut st = m.agent.state();
-            let t = st.now_ms();
-            m.sim.finish(&mut st, t);
-        }
-        let before = totals(&fleet);
-        // 2. New pods and retries go through admission; gates open where budget freed.
-        let mut lease_e: BTreeMap<String, MilliGpue> = BTreeMap::new();
-        let mut due: Vec<usize> = Vec::new();
-        while script.arrivals.get(next_arrival).is_some_and(|a| a.at_ms <= s_now) {
-            due.push(next_arrival);
-            next_arrival += 1;
-        }
-        retries.retain(|&(at, idx)| {
-            if at <= now {
-                due.push(idx);
-                false
-            } else {
-                true
-            }
-        });
-        // Held reviews whose report round completed are judged once more; the API server
-        // sees only that answer. One that waited as long as a webhook holds is answered
-        // with its first denial, as the webhook does.
-        let mut judged_again: Vec<usize> = Vec::new();
-        let mut timed_out: Vec<usize> = Vec::new();
-        held.retain(|&(idx, mark, give_up)| {
-            let cluster = script.arrivals.get(idx).map_or(0, |a| a.cluster);
-            if fleet.get(cluster).is_some_and(|m| m.agent.rounds_done() > mark) {
-                judged_again.push(idx);
-                false
-            } else if now >= give_up {
-                timed_out.push(idx);
-                false
-            } else {
-                true
-            }
-        });
-        for idx in timed_out {
-            let Some(a) = script.arrivals.get(idx) else { continue };
-            retries.push((now + real_ms(scenario::RETRY_MS, speed), idx));
-            if let Some(t) = measures.tenants.get_mut(a.tenant) {
-                t.denials += 1;
-            }
-        }
-        // Held reviews first: a webhook answers them the moment their round completes,
-        // before reviews that arrive later.
-        let again = judged_again.len();
-        judged_again.extend(due);
-        for (n, idx) in judged_again.into_iter().enumerate() {
-            let Some(a) = script.arrivals.get(idx) else { continue };
-            // Retries go to the same cluster (a job stays where it was submitted; moving it
-            // would chase budgets that follow demand).
-            let (outcome, mark) = submit(&mut fleet[a.cluster], a, speed, &weights, &mut open, now, &mut lease_e);
-            if let (Outcome::Denied, Some(mark), true) = (outcome, mark, n >= again) {
-                held.push((idx, mark, now + hold_ms));
-                continue;
-            }
-            if matches!(outcome, Outcome::Denied | Outcome::Error) {
-                retries.push((now + real_ms(scenario::RETRY_MS, speed), idx));
-                if let Some(t) = measures.tenants.get_mut(a.tenant) {
-                    t.denials += 1;
-                }
-            }
-        }
-        for m in &mut fleet {
-            let mut st = m.agent.state();
-            for key in m.sim.release(&mut st) {
-                if let Some(o) = open.get(key.as_str()) {
-                    let e = st.lease.lease().and_then(|l| l.budgets.get(o.tenant.as_str())).map_or(0, |b| b.entitlement);
-                    let slot = lease_e.entry(o.tenant.clone()).or_insert(0);
-                    *slot = (*slot).max(e);
-                }
-            }
-        }
-        // 2b. Reclaim: an agent evicts pods over their budget for a tenant below its
-        // guarantee; their owners recreate them (under new names) after a retry delay.
-        for (ci, m) in fleet.iter_mut().enumerate() {
-            let mut st = m.agent.state();
-            let t = st.now_ms();
-            if let Decision::Evict { for_tenant, victims, .. } = m.sim.reclaim(&mut st, t) {
-                let gone = m.sim.take_evicted();
-                if !gone.is_empty() {
-                    let who = victims.first().map_or("?", |v| v.tenant.as_str());
-                    out.event(now, &format!("{}: reclaim evicted {} {who} pod(s) for {for_tenant}", m.spec.name, gone.len()));
-                }
-                for mut pod in gone {
-                    evicted_n += 1;
-                    pod.name = format!("{}-r{evicted_n}", pod.name);
-                    requeued.push((now + real_ms(scenario::RETRY_MS, speed), ci, pod));
-                }
-            }
-        }
-        let mut still = Vec::new();
-        for (at, ci, pod) in std::mem::take(&mut requeued) {
-            if at > now {
-                still.push((at, ci, pod));
-                continue;
-            }
-            let m = &mut fleet[ci];
-            let mut st = m.agent.state();
-            if matches!(m.sim.submit(&mut st, &pod), Outcome::Denied | Outcome::Error) {
-                still.push((now + real_ms(scenario::RETRY_MS, speed), ci, pod));
-            }
-        }
-        requeued = still;
-        let after = totals(&fleet);
-        for (t, &a) in &after {
-            let b = before.get(t).copied().unwrap_or(0);
-            if a > b {
-                pending.push(Candidate { tenant: t.clone(), before: b, after: a, lease_entitlement: lease_e.get(t).copied().unwrap_or(0) });
-            }
-        }
-        // 3. The scheduler binds.
-        let mut bound_total = 0;
-        for m in &mut fleet {
-            let mut st = m.agent.state();
-            let t = st.now_ms();
-            for b in m.sim.bind(&mut st, t) {
-                if let Some(o) = open.remove(b.key.as_str()) {
-                    if let Some(tm) = measures.tenants.get_mut(&o.tenant) {
-                        tm.delays_ms.push(now - o.first_ms);
-                    }
-                }
-            }
-            bound_total += m.sim.running_gpue();
-            // Lease state changes are events.
-            let kind = lease_kind(st.lease.status(st.now_ms()));
-            if kind != m.lease_kind && (kind == "safe" || m.lease_kind == "safe" || m.lease_kind == "none") {
-                let text = match kind {
-                    "safe" => format!("{}: lease expired; enforcing safe budgets", m.spec.name),
-                    _ => format!("{}: {} lease, epoch {}", m.spec.name, kind, st.lease.held_epoch()),
-                };
-                out.event(now, &text);
-            }
-            if kind == "safe" && m.proxies.iter().any(LinkProxy::is_cut) {
-                partition_lease_expired = true;
-            }
-            m.lease_kind = kind;
-        }
-
-        // 4. Measures.
-        measures.util_num += bound_total as f64 * TICK.as_millis() as f64;
-        measures.util_den += capacity as f64 * TICK.as_millis() as f64;
-        if view_now.seq > 0 {
-            let mut all_fair = true;
-            let sample_now = now - last_sample >= 1_000;
-            let mut points = BTreeMap::new();
-            for t in TENANTS {
-                let inuse = after.get(t).copied().unwrap_or(0);
-                let target = view_now.tenants.get(t).map_or(0, |i| i.target_milli_gpue);
-                // Waiting pods that would fit on a node right now: held back by kvota, not
-                // by physics (a job pinned to a full cluster is not kvota's to place).
-                let fittable: MilliGpue = open
-                    .values()
-                    .filter(|o| o.tenant == t && fleet[o.cluster].sim.fits(o.resource, o.count))
-                    .map(|o| o.gpue)
-                    .sum();
-                let aged: MilliGpue = open
-                    .values()
-                    .filter(|o| o.tenant == t && now - o.first_ms >= STARVATION_GRACE_MS)
-                    .map(|o| o.gpue)
-                    .sum();
-                let g = guarantee.get(t).copied().unwrap_or(0);
-                if let Some(tm) = measures.tenants.get_mut(t) {
-                    tm.clock.observe(now, inuse, target, inuse + aged, g);
-                }
-                all_fair &= measure::tenant_fair(inuse, target, fittable);
-                if sample_now {
-                    let score = measures.score(t, inuse, target, capacity);
-                    points.insert(
-                        t.to_string(),
-                        TenantPoint {
-                            inuse_gpue: inuse as f64 / 1000.0,
-                            entitlement_gpue: target as f64 / 1000.0,
-                            waiting: open.values().filter(|o| o.tenant == t).count(),
-                            score,
-                        },
-                    );
-                }
-            }
-            // After the burst, fairness also means training got what it is entitled to
-            // (not merely that the control plane had not heard of its demand yet).
-            let t_in = after.get("training").copied().unwrap_or(0) as f64;
-            let t_target = view_now.tenants.get("training").map_or(0, |i| i.target_milli_gpue) as f64;
-            let burst_served = t_target > 0.0 && t_in >= t_target * 0.8 - 1_000.0;
-            measures.after_burst.observe(now, all_fair && burst_served);
-            measures.after_partition.observe(now, all_fair);
-            if sample_now {
-                last_sample = now;
-                measures.timeline.push(Sample {
-                    t_s: now as f64 / 1000.0,
-                    phase: phase_name.to_string(),
-                    utilization: bound_total as f64 / capacity.max(1) as f64,
-                    tenants: points,
-                });
-            }
-        }
-
-        // 5. The view.
-        if now - last_render >= if tty { 500 } else { 5_000 } {
-            last_render = now;
-            let waiting: BTreeMap<String, usize> = TENANTS
-                .iter()
-                .map(|t| (t.to_string(), open.values().filter(|o| o.tenant == *t).count()))
-                .collect();
-            let clusters: Vec<view::ClusterRow> = fleet
-                .iter()
-                .map(|m| {
-                    let st = m.agent.state();
-                    view::ClusterRow {
-                        name: m.spec.name.to_string(),
-                        capacity: m.capacity,
-                        running: m.sim.running(),
-                        gated: m.sim.gated(),
-                        lease: st.lease.status(st.now_ms()),
-                        epoch: st.lease.held_epoch(),
-                        backlog: m.agent.backlog(),
-                        cut: m.proxies.iter().any(LinkProxy::is_cut),
-                    }
-                })
-                .collect();
-            out.frame(&view::Frame {
-                seed: args.seed,
-                speed,
-                now_ms: now,
-                end_ms: end_real,
-                phase: phase_name,
-                cp: &view_now,
-                http: procs.iter().find(|p| Some(p.id) == view_now.leader).map(|p| p.http.clone()),
-                inuse: &after,
-                waiting: &waiting,
-                capacity,
-                clusters: &clusters,
-                utilization: bound_total as f64 / capacity.max(1) as f64,
-            });
+        let r = match agent.register().await {
+            Ok(()) => agent.fetch_policy().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match r {
+            Ok(()) => break,
+            Err(e) if Instant::now() > deadline => bail!("agent {} could not register: {e}", spec.name),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
-    let run_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+    {
+        let mut st = agent.state();
+        for t in TENANTS {
+            st.set_namespace(t, [(TENANT_LABEL.to_string(), t.to_string())].into());
+        }
+        // A denial counts as demand until the owner's next retry would have refreshed it
+        // (with compressed time, the production default of a minute would hold stale
+        // demand for the whole scenario).
+        st.set_denied_demand_ttl(real_ms(3 * scenario::RETRY_MS, speed));
+    }
+    Ok(agent)
+}
 
-    // --- Wind down: stop the load, drain every journal, read the ledger.
-    stop.store(true, Ordering::SeqCst);
-    for r in reporters {
-        let _ = tokio::time::timeout(Duration::from_secs(3), r).await;
-    }
-    let _ = tokio::time::timeout(Duration::from_secs(2), poller).await;
-    if interrupted {
-        out.finish();
-        for p in &mut procs {
-            p.kill().await;
-        }
-        eprintln!("kvota demo: interrupted; every process it started is stopped");
-        return Ok(ExitCode::from(130));
-    }
-    out.finish();
-    out.line("scenario over; draining the agents' journals and reading the ledger...");
-    for m in &fleet {
-        m.proxies.iter().for_each(|p| p.set_cut(false));
-    }
-    let drain_deadline = Instant::now() + Duration::from_secs(20);
-    for m in &fleet {
-        while Instant::now() < drain_deadline {
-            let r = tokio::time::timeout(Duration::from_secs(3), m.agent.report_once()).await;
-            if matches!(r, Ok(Ok(()))) && m.agent.backlog() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-    let node_clients = clients_of(&procs)?;
+/// Each agent reports as `kvota agent` does: every [`REPORT_EVERY`], sooner once a pod
+/// was denied or queued.
+fn spawn_reporters(fleet: &[Member], stop: &Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
+    fleet
+        .iter()
+        .map(|m| {
+            let (a, stop) = (m.agent.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let started = tokio::time::Instant::now();
+                    let _ = tokio::time::timeout(Duration::from_secs(2), a.report_once()).await;
+                    let gap = kvota_member_agent::runtime::early_gap(REPORT_EVERY);
+                    a.next_round(started, REPORT_EVERY, gap).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// After the scenario: drain every journal, read the ledger, check the killed node
+/// rejoined, then the summary (and `--json`); exit 1 when a safety check failed.
+async fn finish(args: &DemoArgs, policy: &Policy, mut run: run::Run<'_>, run_ms: u64) -> Result<ExitCode> {
+    run.out
+        .line("scenario over; draining the agents' journals and reading the ledger...");
+    drain(&run.fleet).await;
+    let node_clients = clients_of(&run.procs)?;
     let mut ledger = None;
     let deadline = Instant::now() + Duration::from_secs(10);
     while ledger.is_none() && Instant::now() < deadline {
@@ -961,30 +709,31 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
         }
     }
     let ledger = ledger.context("the control plane did not answer at the end of the demo")?;
-    // Did the killed node catch up?
-    let mut rejoined = false;
-    if let Some((i, _, _)) = killed {
-        let mut applied = Vec::new();
-        for (_, c) in &node_clients {
-            applied.push(status_of(c).await.map(|s| (s.node_id, s.last_applied_index)));
-        }
-        let max_applied = applied.iter().flatten().map(|(_, a)| *a).max().unwrap_or(0);
-        let mine = applied.iter().flatten().find(|(id, _)| *id == procs[i].id).map_or(0, |(_, a)| *a);
-        rejoined = mine > 0 && mine + 50 >= max_applied;
-    }
-
-    // --- Summary.
+    let rejoined = match run.killed {
+        Some((i, _, _)) => caught_up(&node_clients, run.procs[i].id).await,
+        None => false,
+    };
     let summary = summarize(
-        args, &policy, &fleet, &measures, &open, &ledger, capacity, run_ms, failover_ms, rejoined, partition_lease_expired,
+        args,
+        policy,
+        &run.fleet,
+        &run.measures,
+        &run.open,
+        &ledger,
+        run.capacity,
+        run_ms,
+        run.failover_ms,
+        rejoined,
+        run.partition_lease_expired,
     );
-    for p in &mut procs {
+    for p in &mut run.procs {
         p.kill().await;
     }
-    out.line(&view::summary_text(&summary));
+    run.out.line(&view::summary_text(&summary));
     if let Some(j) = &args.json {
         let text = serde_json::to_string_pretty(&summary).context("encode the summary")?;
         std::fs::write(j, text).with_context(|| format!("write --json {}", j.display()))?;
-        out.line(&format!("summary written to {}", j.display()));
+        run.out.line(&format!("summary written to {}", j.display()));
     }
     let ok = summary.over_admissions == 0
         && summary.over_max_share == 0
@@ -992,6 +741,46 @@ async fn demo(args: &DemoArgs, yaml: String, policy: Policy, dir: &Path) -> Resu
         && summary.usage.double_counted_gpue_s == 0.0
         && summary.usage.unacknowledged_reports == 0;
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// Every agent sends what its journal holds (the partition healed), within 20 s.
+async fn drain(fleet: &[Member]) {
+    for m in fleet {
+        m.proxies.iter().for_each(|p| p.set_cut(false));
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for m in fleet {
+        while Instant::now() < deadline {
+            let r = tokio::time::timeout(Duration::from_secs(3), m.agent.report_once()).await;
+            if matches!(r, Ok(Ok(()))) && m.agent.backlog() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Whether node `id` has applied (within 50 entries) what the furthest node has.
+async fn caught_up(nodes: &[(u64, Client)], id: u64) -> bool {
+    let mut applied = Vec::new();
+    for (_, c) in nodes {
+        applied.push(status_of(c).await.map(|s| (s.node_id, s.last_applied_index)));
+    }
+    let max_applied = applied.iter().flatten().map(|(_, a)| *a).max().unwrap_or(0);
+    let mine = applied.iter().flatten().find(|(n, _)| *n == id).map_or(0, |(_, a)| *a);
+    mine > 0 && mine + 50 >= max_applied
+}
+
+/// GPUe on a node per tenant, over every cluster (the agents' bound pods).
+fn running_by_tenant(fleet: &[Member]) -> BTreeMap<String, MilliGpue> {
+    let mut out = BTreeMap::new();
+    for m in fleet {
+        let st = m.agent.state();
+        for t in TENANTS {
+            *out.entry(t.to_string()).or_insert(0) += st.bound(t);
+        }
+    }
+    out
 }
 
 /// Federation-wide in-use (bound + reserved) per tenant, from the agents' state, less
@@ -1040,11 +829,91 @@ fn submit(
     // Not held while reports fail (the webhook does not hold then either).
     let mark = (may_wait && m.agent.reports_flow()).then(|| m.agent.rounds_taken());
     if outcome == Outcome::Allowed {
-        let e = st.lease.lease().and_then(|l| l.budgets.get(a.tenant)).map_or(0, |b| b.entitlement);
+        let e = st
+            .lease
+            .lease()
+            .and_then(|l| l.budgets.get(a.tenant))
+            .map_or(0, |b| b.entitlement);
         let slot = lease_e.entry(a.tenant.to_string()).or_insert(0);
         *slot = (*slot).max(e);
     }
     (outcome, mark)
+}
+
+/// What the agents wrote into their journals, per tenant (milli-GPUe x ms).
+fn produced_usage(fleet: &[Member]) -> BTreeMap<String, u64> {
+    let mut produced: BTreeMap<String, u64> = BTreeMap::new();
+    for member in fleet {
+        for (t, u) in member.agent.written_usage() {
+            *produced.entry(t.into_string()).or_insert(0) += u;
+        }
+    }
+    produced
+}
+
+/// Of a tenant's usage `prod` (as produced) and `led` (as the ledger holds it), over a
+/// run of `run_ms` with a decay half-life of `half_life` ms: what decay may have taken,
+/// what is lost beyond that, and what is counted twice (milli-GPUe x ms).
+fn usage_gaps(prod: f64, led: f64, half_life: f64, run_ms: u64) -> (f64, f64, f64) {
+    // The ledger decays each report from when it arrived; the most it can have lost
+    // is the whole amount decayed over the whole run.
+    let allowance = prod * (1.0 - (-(run_ms as f64 + 30_000.0) / half_life).exp2());
+    // One milli-GPUe x ms of rounding per report applied, at most.
+    let rounding = 10_000.0;
+    let lost = (prod - allowance - led - rounding).max(0.0);
+    let double = (led - prod - rounding).max(0.0);
+    (allowance, lost, double)
+}
+
+/// GPUe-seconds of work the evicted pods lost, all clusters together.
+fn eviction_lost_gpue_s(fleet: &[Member]) -> f64 {
+    fleet
+        .iter()
+        .flat_map(|f| f.sim.eviction_cost().values())
+        .map(|c| c.lost_gpue_ms as f64 / 1e6)
+        .sum()
+}
+
+/// Pods evicted per tenant, all clusters together.
+fn evictions_per_tenant(fleet: &[Member]) -> BTreeMap<String, u64> {
+    fleet
+        .iter()
+        .flat_map(|f| f.sim.eviction_cost().iter())
+        .fold(BTreeMap::new(), |mut acc, (t, c)| {
+            *acc.entry(t.to_string()).or_insert(0) += c.pods;
+            acc
+        })
+}
+
+/// One tenant's line of the summary: its measures, pods still waiting, its score at
+/// the end (from the ledger, if it has one there), and its usage as produced and as
+/// the ledger holds it (GPUe x s).
+fn tenant_summary(
+    tm: &TenantMeasures,
+    waiting: usize,
+    at_end: Option<f64>,
+    used_gpue_s: f64,
+    ledger_gpue_s: f64,
+) -> TenantSummary {
+    TenantSummary {
+        pods_started: tm.delays_ms.len(),
+        pods_waiting_at_end: waiting,
+        delay_p50_ms: pct(&tm.delays_ms, 50),
+        delay_p99_ms: pct(&tm.delays_ms, 99),
+        share_violation_ms: tm.clock.violation_ms,
+        share_violation_fraction: tm.clock.violation_fraction(),
+        starved_below_guarantee_ms: tm.clock.starved_ms,
+        mean_fairness_score: if tm.score_n == 0 {
+            1.0
+        } else {
+            tm.score_sum / tm.score_n as f64
+        },
+        fairness_score_at_end: at_end.unwrap_or(tm.score_last.unwrap_or(1.0)),
+        pods_denied: tm.denied_pods.len(),
+        denial_answers: tm.denial_answers,
+        used_gpue_s,
+        ledger_gpue_s,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1061,13 +930,12 @@ fn summarize(
     rejoined: bool,
     partition_lease_expired: bool,
 ) -> Summary {
-    let mut produced: BTreeMap<String, u64> = BTreeMap::new();
-    for member in fleet {
-        for (t, u) in member.agent.written_usage() {
-            *produced.entry(t.into_string()).or_insert(0) += u;
-        }
-    }
-    let ledger_of: BTreeMap<String, u64> = ledger.tenants.iter().map(|t| (t.tenant.clone(), t.decayed_usage)).collect();
+    let produced = produced_usage(fleet);
+    let ledger_of: BTreeMap<String, u64> = ledger
+        .tenants
+        .iter()
+        .map(|t| (t.tenant.clone(), t.decayed_usage))
+        .collect();
     let to_s = |milli_ms: f64| milli_ms / 1e6;
     let (mut prod_sum, mut ledger_sum, mut allowance_sum, mut lost_sum, mut double_sum) = (0.0, 0.0, 0.0, 0.0, 0.0);
     let mut tenants = BTreeMap::new();
@@ -1076,33 +944,17 @@ fn summarize(
         let prod = produced.get(t).copied().unwrap_or(0) as f64;
         let led = ledger_of.get(t).copied().unwrap_or(0) as f64;
         let half_life = policy.tenant(t).map_or(86_400_000, |p| p.decay_half_life_ms) as f64;
-        // The ledger decays each report from when it arrived; the most it can have lost
-        // is the whole amount decayed over the whole run.
-        let allowance = prod * (1.0 - (-(run_ms as f64 + 30_000.0) / half_life).exp2());
-        // One milli-GPUe x ms of rounding per report applied, at most.
-        let rounding = 10_000.0;
-        let lost = (prod - allowance - led - rounding).max(0.0);
-        let double = (led - prod - rounding).max(0.0);
+        let (allowance, lost, double) = usage_gaps(prod, led, half_life, run_ms);
         prod_sum += prod;
         ledger_sum += led;
         allowance_sum += allowance;
         lost_sum += lost;
         double_sum += double;
+        let at_end = ledger.tenants.iter().find(|x| x.tenant == t).map(|x| x.fairness_score);
+        let waiting = open.values().filter(|o| o.tenant == t).count();
         tenants.insert(
             t.to_string(),
-            TenantSummary {
-                pods_started: tm.delays_ms.len(),
-                pods_waiting_at_end: open.values().filter(|o| o.tenant == t).count(),
-                delay_p50_ms: pct(&tm.delays_ms, 50),
-                delay_p99_ms: pct(&tm.delays_ms, 99),
-                share_violation_ms: tm.clock.violation_ms,
-                share_violation_fraction: tm.clock.violation_fraction(),
-                starved_below_guarantee_ms: tm.clock.starved_ms,
-                mean_fairness_score: if tm.score_n == 0 { 1.0 } else { tm.score_sum / tm.score_n as f64 },
-                denials: tm.denials,
-                used_gpue_s: to_s(prod),
-                ledger_gpue_s: to_s(led),
-            },
+            tenant_summary(&tm, waiting, at_end, to_s(prod), to_s(led)),
         );
     }
     Summary {
@@ -1129,11 +981,8 @@ fn summarize(
         partition_lease_expired,
         failover_s: failover_ms.map(|v| v as f64 / 1000.0),
         killed_node_rejoined: rejoined,
-        evictions: fleet.iter().flat_map(|f| f.sim.eviction_cost().iter()).fold(BTreeMap::new(), |mut acc, (t, c)| {
-            *acc.entry(t.to_string()).or_insert(0) += c.pods;
-            acc
-        }),
-        eviction_lost_gpue_s: fleet.iter().flat_map(|f| f.sim.eviction_cost().values()).map(|c| c.lost_gpue_ms as f64 / 1e6).sum(),
+        evictions: evictions_per_tenant(fleet),
+        eviction_lost_gpue_s: eviction_lost_gpue_s(fleet),
         timeline: m.timeline.clone(),
     }
 }

@@ -54,8 +54,16 @@ fn node(resource: &str, count: u64) -> BTreeMap<String, u64> {
 /// East and west have 32 GPUs each; edge has 16, half of them split into MIG slices.
 pub fn clusters() -> Vec<ClusterSpec> {
     vec![
-        ClusterSpec { name: "east", nodes: vec![node(NVIDIA_GPU, 8); 4], description: "4 nodes x 8 GPUs" },
-        ClusterSpec { name: "west", nodes: vec![node(NVIDIA_GPU, 8); 4], description: "4 nodes x 8 GPUs" },
+        ClusterSpec {
+            name: "east",
+            nodes: vec![node(NVIDIA_GPU, 8); 4],
+            description: "4 nodes x 8 GPUs",
+        },
+        ClusterSpec {
+            name: "west",
+            nodes: vec![node(NVIDIA_GPU, 8); 4],
+            description: "4 nodes x 8 GPUs",
+        },
         ClusterSpec {
             name: "edge",
             nodes: vec![node(NVIDIA_GPU, 8), node(MIG_SLICE, 16)],
@@ -161,7 +169,31 @@ pub fn script(seed: u64) -> Script {
         i += 1;
         t += rng.range(1_500, 3_500);
     }
-    // Monday 8 AM: training submits a burst across all clusters.
+    training_burst(&mut rng, &mut arrivals);
+    // Toward noon inference scales out.
+    let mut k = 0;
+    for (cluster, n, resource) in [(0, 5, NVIDIA_GPU), (1, 5, NVIDIA_GPU), (2, 10, MIG_SLICE)] {
+        for _ in 0..n {
+            arrivals.push(Arrival {
+                at_ms: rng.range(NOON_FROM_MS, NOON_TO_MS),
+                cluster,
+                tenant: "inference",
+                name: format!("serve-noon-{k}"),
+                resource,
+                count: 1,
+                duration_ms: forever,
+                priority: 1000,
+            });
+            k += 1;
+        }
+    }
+    arrivals.sort_by(|a, b| a.at_ms.cmp(&b.at_ms).then_with(|| a.name.cmp(&b.name)));
+    let phases = phases();
+    Script { arrivals, phases }
+}
+
+/// Monday 8 AM: training submits a burst across all clusters.
+fn training_burst(rng: &mut Rng, arrivals: &mut Vec<Arrival>) {
     for j in 0..BURST_JOBS {
         let cluster = match rng.range(0, 99) {
             0..=44 => 0,
@@ -184,43 +216,48 @@ pub fn script(seed: u64) -> Script {
             priority: 0,
         });
     }
-    // Toward noon inference scales out.
-    let mut k = 0;
-    for (cluster, n, resource) in [(0, 5, NVIDIA_GPU), (1, 5, NVIDIA_GPU), (2, 10, MIG_SLICE)] {
-        for _ in 0..n {
-            arrivals.push(Arrival {
-                at_ms: rng.range(NOON_FROM_MS, NOON_TO_MS),
-                cluster,
-                tenant: "inference",
-                name: format!("serve-noon-{k}"),
-                resource,
-                count: 1,
-                duration_ms: forever,
-                priority: 1000,
-            });
-            k += 1;
-        }
-    }
-    arrivals.sort_by(|a, b| a.at_ms.cmp(&b.at_ms).then_with(|| a.name.cmp(&b.name)));
+}
+
+/// The day's phases, as the demo announces them.
+fn phases() -> Vec<Phase> {
     let west = clusters().get(PARTITIONED).map_or("west", |c| c.name);
-    let phases = vec![
-        Phase { at_ms: 0, name: "quiet night", text: "quiet night: inference serves steady load, research trickles".into() },
+    vec![
+        Phase {
+            at_ms: 0,
+            name: "quiet night",
+            text: "quiet night: inference serves steady load, research trickles".into(),
+        },
         Phase {
             at_ms: BURST_AT_MS,
             name: "Monday 8 AM",
             text: format!("Monday 8 AM: training submits {BURST_JOBS} GPU jobs across all clusters"),
         },
-        Phase { at_ms: NOON_FROM_MS, name: "toward noon", text: "toward noon: inference load rises".into() },
+        Phase {
+            at_ms: NOON_FROM_MS,
+            name: "toward noon",
+            text: "toward noon: inference load rises".into(),
+        },
         Phase {
             at_ms: PARTITION_FROM_MS,
             name: "partition",
             text: format!("partition: {west} is cut off from the control plane"),
         },
-        Phase { at_ms: PARTITION_TO_MS, name: "healed", text: format!("healed: {west} reaches the control plane again") },
-        Phase { at_ms: KILL_LEADER_AT_MS, name: "leader killed", text: "killing the control-plane leader (SIGKILL)".into() },
-        Phase { at_ms: RESTART_AT_MS, name: "afternoon", text: "restarting the killed node from its data directory".into() },
-    ];
-    Script { arrivals, phases }
+        Phase {
+            at_ms: PARTITION_TO_MS,
+            name: "healed",
+            text: format!("healed: {west} reaches the control plane again"),
+        },
+        Phase {
+            at_ms: KILL_LEADER_AT_MS,
+            name: "leader killed",
+            text: "killing the control-plane leader (SIGKILL)".into(),
+        },
+        Phase {
+            at_ms: RESTART_AT_MS,
+            name: "afternoon",
+            text: "restarting the killed node from its data directory".into(),
+        },
+    ]
 }
 
 #[cfg(test)]

@@ -6,7 +6,6 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 
 use kvota_fairness::lease::LeaseStatus;
-use kvota_fairness::measures::tenant_score;
 use kvota_fairness::MilliGpue;
 
 use super::{CpView, Summary, TENANTS};
@@ -58,6 +57,8 @@ pub struct Frame<'a> {
     pub http: Option<String>,
     /// In use per tenant (ground truth).
     pub inuse: &'a BTreeMap<String, MilliGpue>,
+    /// Of in use: on a node, per tenant.
+    pub running: &'a BTreeMap<String, MilliGpue>,
     /// Pods waiting per tenant.
     pub waiting: &'a BTreeMap<String, usize>,
     /// Federation capacity.
@@ -73,12 +74,20 @@ pub struct Out {
     tty: bool,
     events: Vec<String>,
     drawn: bool,
+    /// The dashboard's address last printed (plain output says it once, and again when
+    /// the leader moves).
+    said_dashboard: Option<String>,
 }
 
 impl Out {
     /// Live table on a terminal, lines otherwise.
     pub fn new(tty: bool) -> Out {
-        Out { tty, events: Vec::new(), drawn: false }
+        Out {
+            tty,
+            events: Vec::new(),
+            drawn: false,
+            said_dashboard: None,
+        }
     }
 
     fn print(&self, s: &str) {
@@ -105,16 +114,7 @@ impl Out {
     /// Draws a frame (terminal) or a status line (otherwise).
     pub fn frame(&mut self, f: &Frame<'_>) {
         if !self.tty {
-            let mut s = format!("{:>6.1}s  [{}] util {:>3.0}%", f.now_ms as f64 / 1000.0, f.phase, f.utilization * 100.0);
-            for t in TENANTS {
-                let inuse = f.inuse.get(t).copied().unwrap_or(0);
-                let target = f.cp.tenants.get(t).map_or(0, |i| i.target_milli_gpue);
-                let _ = write!(s, " | {t} {}/{}", g(inuse), g(target));
-            }
-            for c in f.clusters {
-                let _ = write!(s, " | {} {}", c.name, short_lease(c.lease));
-            }
-            self.print(&format!("{s}\n"));
+            self.plain_frame(f);
             return;
         }
         let mut s = String::new();
@@ -129,36 +129,102 @@ impl Out {
             f.end_ms as f64 / 1000.0,
             f.phase
         );
-        let leader = f.cp.leader.map_or("none (election)".to_string(), |l| format!("node {l} (term {})", f.cp.term));
-        let _ = writeln!(s, "control plane: leader {leader}   GPU utilization {:.0}%", f.utilization * 100.0);
+        let leader = f.cp.leader.map_or("none (election)".to_string(), |l| {
+            format!("node {l} (term {})", f.cp.term)
+        });
+        let _ = writeln!(
+            s,
+            "control plane: leader {leader}   GPU utilization {:.0}%",
+            f.utilization * 100.0
+        );
         if let Some(h) = &f.http {
-            let _ = writeln!(s, "  dashboard: http://{h}/ui/   API: http://{h}/api/v1/tenants   metrics: http://{h}/metrics");
+            let _ = writeln!(
+                s,
+                "  dashboard: http://{h}/ui/   API: http://{h}/api/v1/tenants   metrics: http://{h}/metrics"
+            );
         }
         let _ = writeln!(s);
-        let _ = writeln!(s, "{:<10} {:>9} {:>9} {:>8} {:>8} {:>7} {:>6}", "TENANT", "ENTITLED", "COMMITTED", "IN USE", "WAITING", "DRIFT", "SCORE");
+        let _ = writeln!(
+            s,
+            "{:<10} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>6}",
+            "TENANT", "ENTITLED", "COMMITTED", "RUNNING", "ADMITTED", "WAITING", "DRIFT", "SCORE"
+        );
         for t in TENANTS {
             let inuse = f.inuse.get(t).copied().unwrap_or(0);
+            let running = f.running.get(t).copied().unwrap_or(0).min(inuse);
             let info = f.cp.tenants.get(t);
             let target = info.map_or(0, |i| i.target_milli_gpue);
             let committed = info.map_or(0, |i| i.entitlement_milli_gpue);
             let drift = (inuse as f64 - target as f64) / f.capacity.max(1) as f64 * 100.0;
             let _ = writeln!(
                 s,
-                "{:<10} {:>9} {:>9} {:>8} {:>8} {:>+6.1}% {:>6.2}",
+                "{:<10} {:>9} {:>9} {:>8} {:>8} {:>8} {:>+6.1}% {:>6.2}",
                 t,
                 g(target),
                 g(committed),
-                g(inuse),
+                g(running),
+                g(inuse - running),
                 f.waiting.get(t).copied().unwrap_or(0),
                 drift,
-                tenant_score(inuse, target, f.capacity)
+                info.map_or(1.0, |i| i.fairness_score)
             );
         }
+        let _ = writeln!(
+            s,
+            "RUNNING: GPUe on a node. ADMITTED: admitted, not yet on a node. WAITING: pods waiting. SCORE: as `kvota tenants`."
+        );
+        self.clusters_and_events(f, s);
+    }
+
+    /// The status line of plain output, with the dashboard's address when it is new.
+    fn plain_frame(&mut self, f: &Frame<'_>) {
+        if f.http.is_some() && f.http != self.said_dashboard {
+            if let Some(h) = &f.http {
+                self.print(&format!(
+                    "{:>6.1}s  dashboard: http://{h}/ui/ (the leader's; any node serves it)\n",
+                    f.now_ms as f64 / 1000.0
+                ));
+            }
+            self.said_dashboard.clone_from(&f.http);
+        }
+        let mut s = format!(
+            "{:>6.1}s  [{}] util {:>3.0}%",
+            f.now_ms as f64 / 1000.0,
+            f.phase,
+            f.utilization * 100.0
+        );
+        for t in TENANTS {
+            let inuse = f.inuse.get(t).copied().unwrap_or(0);
+            let target = f.cp.tenants.get(t).map_or(0, |i| i.target_milli_gpue);
+            let _ = write!(s, " | {t} {}/{}", g(inuse), g(target));
+        }
+        for c in f.clusters {
+            let _ = write!(s, " | {} {}", c.name, short_lease(c.lease));
+        }
+        self.print(&format!("{s}\n"));
+    }
+
+    /// The live table's clusters and the latest events, after `s` (the header and the
+    /// tenants), drawn at once.
+    fn clusters_and_events(&self, f: &Frame<'_>, mut s: String) {
         let _ = writeln!(s);
-        let _ = writeln!(s, "{:<8} {:>7} {:>8} {:>6}  {:<34} {:>7}", "CLUSTER", "GPUe", "RUNNING", "GATED", "LEASE", "BACKLOG");
+        let _ = writeln!(
+            s,
+            "{:<8} {:>7} {:>8} {:>6}  {:<34} {:>7}",
+            "CLUSTER", "GPUe", "RUNNING", "GATED", "LEASE", "BACKLOG"
+        );
         for c in f.clusters {
             let lease = format!("{}{} e{}", if c.cut { "CUT OFF, " } else { "" }, c.lease, c.epoch);
-            let _ = writeln!(s, "{:<8} {:>7} {:>8} {:>6}  {:<34} {:>7}", c.name, g(c.capacity), c.running, c.gated, lease, c.backlog);
+            let _ = writeln!(
+                s,
+                "{:<8} {:>7} {:>8} {:>6}  {:<34} {:>7}",
+                c.name,
+                g(c.capacity),
+                c.running,
+                c.gated,
+                lease,
+                c.backlog
+            );
         }
         let _ = writeln!(s, "\nEVENTS");
         let skip = self.events.len().saturating_sub(10);
@@ -200,17 +266,30 @@ fn verdict(ok: bool) -> &'static str {
 /// The final summary as text.
 pub fn summary_text(s: &Summary) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "\n=== kvota demo summary (seed {}, speed {}x, {:.1} s, {:.1} GPUe) ===", s.seed, s.speed, s.duration_s, s.capacity_gpue);
+    let _ = writeln!(
+        o,
+        "\n=== kvota demo summary (seed {}, speed {}x, {:.1} s, {:.1} GPUe) ===",
+        s.seed, s.speed, s.duration_s, s.capacity_gpue
+    );
     let _ = writeln!(o, "Times are wall-clock on this machine.\n");
     let _ = writeln!(
         o,
-        "{:<10} {:>6} {:>7} {:>10} {:>10} {:>10} {:>10} {:>6} {:>8}",
-        "TENANT", "PODS", "WAITING", "DELAY p50", "DELAY p99", "OVER SHARE", "STARVED", "SCORE", "DENIALS"
+        "{:<10} {:>6} {:>7} {:>10} {:>10} {:>10} {:>10} {:>6} {:>6} {:>7}",
+        "TENANT", "PODS", "WAITING", "DELAY p50", "DELAY p99", "OVER SHARE", "STARVED", "SCORE", "AT END", "DENIED"
     );
+    tenant_rows(&mut o, s);
+    let _ = writeln!(o);
+    health_lines(&mut o, s);
+    footnote(&mut o);
+    o
+}
+
+/// One row per tenant under the summary's header.
+fn tenant_rows(o: &mut String, s: &Summary) {
     for (t, v) in &s.tenants {
         let _ = writeln!(
             o,
-            "{:<10} {:>6} {:>7} {:>10} {:>10} {:>9.1}% {:>9.1}s {:>6.2} {:>8}",
+            "{:<10} {:>6} {:>7} {:>10} {:>10} {:>9.1}% {:>9.1}s {:>6.2} {:>6.2} {:>7}",
             t,
             v.pods_started,
             v.pods_waiting_at_end,
@@ -219,11 +298,19 @@ pub fn summary_text(s: &Summary) -> String {
             v.share_violation_fraction * 100.0,
             v.starved_below_guarantee_ms as f64 / 1000.0,
             v.mean_fairness_score,
-            v.denials
+            v.fairness_score_at_end,
+            v.pods_denied
         );
     }
-    let _ = writeln!(o);
-    let _ = writeln!(o, "GPU utilization (mean)            {:.1}%", s.gpu_utilization * 100.0);
+}
+
+/// The run's checks, each with its verdict or its measured time.
+fn health_lines(o: &mut String, s: &Summary) {
+    let _ = writeln!(
+        o,
+        "GPU utilization (mean)            {:.1}% (GPUe running on a node, over capacity)",
+        s.gpu_utilization * 100.0
+    );
     let _ = writeln!(
         o,
         "over-admission beyond entitlement {} times, {:.1} GPUe (checked after each of {} admission rounds)  [{}]",
@@ -232,7 +319,12 @@ pub fn summary_text(s: &Summary) -> String {
         s.admissions_checked,
         verdict(s.over_admissions == 0)
     );
-    let _ = writeln!(o, "admissions beyond maxShare        {}  [{}]", s.over_max_share, verdict(s.over_max_share == 0));
+    let _ = writeln!(
+        o,
+        "admissions beyond maxShare        {}  [{}]",
+        s.over_max_share,
+        verdict(s.over_max_share == 0)
+    );
     let _ = writeln!(
         o,
         "usage: measured {:.1} GPUe-s, ledger {:.1} GPUe-s (decay allows {:.2}); lost {:.2}, double-counted {:.2}, unacknowledged reports {}  [{}]",
@@ -244,16 +336,37 @@ pub fn summary_text(s: &Summary) -> String {
         s.usage.unacknowledged_reports,
         verdict(s.usage.lost_gpue_s == 0.0 && s.usage.double_counted_gpue_s == 0.0 && s.usage.unacknowledged_reports == 0)
     );
+    recovery_lines(o, s);
+}
+
+/// How the run recovered: from the burst, the partition, the failover; what reclaim did.
+fn recovery_lines(o: &mut String, s: &Summary) {
     let secs = |v: Option<f64>| v.map_or("not within the run".to_string(), |v| format!("{v:.1} s"));
-    let _ = writeln!(o, "fair shares again after the burst {}", secs(s.recovery_after_burst_s));
-    let _ = writeln!(o, "fair shares again after healing   {}", secs(s.recovery_after_partition_s));
+    let _ = writeln!(
+        o,
+        "fair shares again after the burst {}",
+        secs(s.recovery_after_burst_s)
+    );
+    let _ = writeln!(
+        o,
+        "fair shares again after healing   {}",
+        secs(s.recovery_after_partition_s)
+    );
     let _ = writeln!(
         o,
         "partitioned cluster               {}",
-        if s.partition_lease_expired { "lease expired while cut off; enforced safe budgets" } else { "lease did not expire while cut off" }
+        if s.partition_lease_expired {
+            "lease expired while cut off; enforced safe budgets"
+        } else {
+            "lease did not expire while cut off"
+        }
     );
     let _ = writeln!(o, "leader failover                   {}", secs(s.failover_s));
-    let _ = writeln!(o, "killed node rejoined              {}", if s.killed_node_rejoined { "yes" } else { "no" });
+    let _ = writeln!(
+        o,
+        "killed node rejoined              {}",
+        if s.killed_node_rejoined { "yes" } else { "no" }
+    );
     let evicted: u64 = s.evictions.values().sum();
     let _ = writeln!(
         o,
@@ -263,15 +376,26 @@ pub fn summary_text(s: &Summary) -> String {
         } else {
             format!(
                 "{evicted} pods evicted ({}), {:.1} GPUe-s of work lost to checkpoints",
-                s.evictions.iter().map(|(t, n)| format!("{t} {n}")).collect::<Vec<_>>().join(", "),
+                s.evictions
+                    .iter()
+                    .map(|(t, n)| format!("{t} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 s.eviction_lost_gpue_s
             )
         }
     );
+}
+
+/// What each column of the tenant table means.
+fn footnote(o: &mut String) {
     let _ = writeln!(
         o,
         "\nOVER SHARE: time above the entitlement (pods admitted earlier keep running when it falls; \
-         kvota throttles, it does not kill). STARVED: time below min(demand waiting > 2 s, minShare)."
+         kvota throttles, it does not kill). STARVED: time below min(demand waiting > 2 s, minShare).\n\
+         SCORE: the control plane's {}; mean of one sample a second over the run, and AT END as \
+         `kvota tenants` and the dashboard show it now.\n\
+         DENIED: pods denied at least once (a pod's retries are not counted again; --json has every answer).",
+        kvota_control_plane::view::SCORE_DEFINITION
     );
-    o
 }
