@@ -10,6 +10,7 @@
 //! A failing run prints its seed and the one command that replays it
 //! ([`world::Failure`]). See `docs/testing.md` for what is real and what is modelled.
 
+pub mod disk;
 pub mod invariants;
 pub mod member;
 pub mod msg;
@@ -21,4 +22,4 @@ pub mod rng {
 }
 pub mod world;
 
-pub use world::{replay_command, run, Bugs, Failure, Summary};
+pub use world::{replay_command, run, Bugs, Failure, Summary, BUG_NAMES};

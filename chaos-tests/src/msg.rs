@@ -11,6 +11,14 @@ pub enum Msg {
     Request(AgentRequest),
     /// A control-plane answer to an agent.
     Answer(AgentAnswer),
+    /// An agent asks what a node's applied state knows of its cluster
+    /// (`DescribeCluster`: any node answers from its own state, at once).
+    Describe {
+        /// Asking agent.
+        agent: usize,
+        /// Agent clock when it asked (copied into the answer).
+        sent_agent_ms: u64,
+    },
 }
 
 /// An agent's request; answered only after the command is committed and applied.
@@ -69,4 +77,11 @@ pub enum AnswerOutcome {
     },
     /// Any other refusal.
     Refused(String),
+    /// What the node's applied state knows of the cluster (`DescribeCluster`).
+    Described {
+        /// The last report sequence applied.
+        last_seq: u64,
+        /// Up to when the cluster's usage is counted (agent wall clock; 0: nowhere).
+        reported_through_ms: u64,
+    },
 }

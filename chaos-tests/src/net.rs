@@ -32,7 +32,11 @@ pub struct Conditions {
 
 impl Conditions {
     /// A healthy datacenter network: no loss, 1-20 ms.
-    pub const CALM: Conditions = Conditions { loss_pct: 0, min_delay_ms: 1, max_delay_ms: 20 };
+    pub const CALM: Conditions = Conditions {
+        loss_pct: 0,
+        min_delay_ms: 1,
+        max_delay_ms: 20,
+    };
 }
 
 #[derive(Debug)]
@@ -72,7 +76,13 @@ pub struct NetStats {
 impl<M> Net<M> {
     /// An empty, healthy network.
     pub fn new() -> Net<M> {
-        Net { queue: Vec::new(), order: 0, cut: BTreeSet::new(), conditions: Conditions::CALM, stats: NetStats::default() }
+        Net {
+            queue: Vec::new(),
+            order: 0,
+            cut: BTreeSet::new(),
+            conditions: Conditions::CALM,
+            stats: NetStats::default(),
+        }
     }
 
     /// Sends `msg` at `now_ms`: lost, or delivered after a random delay.
@@ -84,7 +94,13 @@ impl<M> Net<M> {
         }
         let delay = rng.range(self.conditions.min_delay_ms, self.conditions.max_delay_ms);
         self.order += 1;
-        self.queue.push(InFlight { at_ms: now_ms + delay, order: self.order, from, to, msg });
+        self.queue.push(InFlight {
+            at_ms: now_ms + delay,
+            order: self.order,
+            from,
+            to,
+            msg,
+        });
     }
 
     /// Messages due at `now_ms` on links that are up, in delivery order.
@@ -157,7 +173,11 @@ mod tests {
     fn one_way_cuts_drop_at_delivery_and_delays_reorder() {
         let mut rng = Rng::new(3);
         let mut net: Net<u32> = Net::new();
-        net.conditions = Conditions { loss_pct: 0, min_delay_ms: 0, max_delay_ms: 500 };
+        net.conditions = Conditions {
+            loss_pct: 0,
+            min_delay_ms: 0,
+            max_delay_ms: 500,
+        };
         net.cut(Addr::Agent(0), Addr::Cp(0));
         for i in 0..50 {
             net.send(&mut rng, 0, Addr::Agent(0), Addr::Cp(0), i);

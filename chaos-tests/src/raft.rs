@@ -2,10 +2,11 @@
 //!
 //! **Real**: the log entry type ([`kvota_control_plane::types::Request`]: leader-stamped
 //! time and a batch of commands, i.e. group commit), and the state machine
-//! ([`Federation::apply`], called per command in entry order exactly as
-//! `control-plane/src/store.rs` does in `apply`). Every replica applies every committed
-//! entry through it, so leases, budgets and the ledger are computed by production code
-//! on every node, and a new leader continues from the leases in its replicated state.
+//! ([`Federation::apply`], called per command in entry order through
+//! `kvota_control_plane::entry::apply`, as `control-plane/src/store/mod.rs` calls it).
+//! Every replica applies every committed entry through it, so leases, budgets and the
+//! ledger are computed by production code on every node, and a new leader continues
+//! from the leases in its replicated state.
 //!
 //! **Modelled** (openraft is not run here): terms, elections with the up-to-date-log
 //! vote rule, log matching and truncation of conflicting suffixes, commit by a majority
@@ -21,7 +22,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kvota_control_plane::types::{Request, SIZED_LEVEL};
+use kvota_control_plane::entry;
+use kvota_control_plane::feature::FeatureLevel;
+use kvota_control_plane::types::Request;
 use kvota_fairness::federation::{Applied, Command, CommandError, Federation};
 
 use crate::msg::{AgentAnswer, AgentRequest, AnswerOutcome, Msg};
@@ -58,14 +61,28 @@ pub struct Route {
 /// An answer owed for one command of an entry: its route and the report's sequence.
 type Waiting = (Route, Option<u64>);
 
-/// Applies one entry to a state machine: `control-plane/src/store.rs` `apply`, verbatim.
-pub fn apply_entry(fed: &mut Federation, req: &Request) -> Vec<Result<Applied, CommandError>> {
-    let answers = req.commands.iter().cloned().map(|c| fed.apply(req.now_ms, c)).collect();
-    // As the store does: a raise takes effect after the entry's own commands.
-    if req.raise_feature_level.is_some_and(|l| l >= SIZED_LEVEL) {
-        fed.enable_sized_budgets();
+/// A replicated state: the state machine, the group's feature level, and the index of
+/// the last entry applied (as the store's `StateMachineData` holds them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Machine {
+    /// The state machine.
+    pub fed: Federation,
+    /// The group's feature level.
+    pub level: FeatureLevel,
+    /// The last entry applied (1-based log index), `None` before the first.
+    pub last: Option<u64>,
+}
+
+impl Machine {
+    /// Applies the entry at log index `index` as the log store does: refused if it is
+    /// not after the last one applied (`None`: skipped, nothing changes), else applied
+    /// by the control plane's own `entry::apply`. This build supports every level, so a
+    /// raise is never too new here.
+    pub fn apply(&mut self, index: u64, req: &Request) -> Option<Vec<Result<Applied, CommandError>>> {
+        entry::check_next(self.last, index).ok()?;
+        self.last = Some(index);
+        entry::apply(&mut self.fed, &mut self.level, req.clone(), FeatureLevel::NEWEST).ok()
     }
-    answers
 }
 
 /// One control-plane node.
@@ -88,7 +105,10 @@ pub struct Replica {
     pub applied: usize,
     /// The state machine.
     pub state: Federation,
-    snapshot: (usize, Federation),
+    /// The replicated feature level and last applied index beside it.
+    level: FeatureLevel,
+    last_index: Option<u64>,
+    snapshot: (usize, Machine),
     /// Clock offset from real time (ms).
     pub clock_offset_ms: i64,
     /// Disk latency: an appended entry is durable this much later.
@@ -103,13 +123,11 @@ pub struct Replica {
     last_tick_ms: u64,
 }
 
-/// The state every replica starts from: an empty federation at the feature level below
-/// sized budgets. The leader raises the level to [`SIZED_LEVEL`] in an entry at
-/// [`Cp::sized_at_ms`] (from the first entry on, or mid-run: an upgrade finished while
-/// agents report and faults strike), and until its applied state is at that level it
-/// takes the largest waiting pod out of the reports it proposes, as the control plane's
-/// leader does. Lending is not turned on here: borrowed pods stand outside the
-/// partition-safety inequality the checker holds every pod to.
+/// The state every replica starts from: an empty federation at feature level 1. The
+/// leader raises the level from its first entry to [`Cp::start_level`], and from
+/// [`Cp::upgrade_at_ms`] on to [`Cp::target_level`] (an upgrade finished while agents
+/// report and faults strike); it proposes what the group's level reads
+/// ([`entry::prepare`]), as the control plane's leader does.
 pub fn initial_state() -> Federation {
     Federation::new()
 }
@@ -126,7 +144,9 @@ impl Replica {
             commit: 0,
             applied: 0,
             state: initial_state(),
-            snapshot: (0, initial_state()),
+            level: FeatureLevel::BASE,
+            last_index: None,
+            snapshot: (0, Machine::default()),
             clock_offset_ms: offset,
             disk_delay_ms: 0,
             last_heard_ms: 0,
@@ -156,7 +176,8 @@ impl Replica {
 
     fn append(&mut self, entry: LogEntry, now_ms: u64) {
         self.log.push(entry);
-        self.pending_durable.push_back((self.log.len(), now_ms + self.disk_delay_ms));
+        self.pending_durable
+            .push_back((self.log.len(), now_ms + self.disk_delay_ms));
     }
 
     fn make_durable(&mut self, now_ms: u64) {
@@ -171,22 +192,45 @@ impl Replica {
         }
     }
 
-    /// Applies committed entries; returns each applied entry's results with its index.
+    /// Applies committed entries through the store's own functions; returns each
+    /// applied entry's results with its index. Entries at or below the last one the
+    /// state holds (a restart replays its whole log over the snapshot) are skipped by
+    /// `entry::check_next`.
     fn apply_committed(&mut self) -> Vec<(usize, Vec<Result<Applied, CommandError>>)> {
         let mut out = Vec::new();
         while self.applied < self.commit.min(self.log.len()) {
             let idx = self.applied;
-            let results = match self.log.get(idx) {
-                Some(e) => apply_entry(&mut self.state, &e.req),
-                None => break,
+            let Some(e) = self.log.get(idx) else { break };
+            let mut m = Machine {
+                fed: std::mem::take(&mut self.state),
+                level: self.level,
+                last: self.last_index,
             };
+            let results = m.apply(u64::try_from(idx + 1).unwrap_or(u64::MAX), &e.req);
+            (self.state, self.level, self.last_index) = (m.fed, m.level, m.last);
             self.applied += 1;
             if self.applied % SNAPSHOT_EVERY == 0 {
-                self.snapshot = (self.applied, self.state.clone());
+                self.snapshot = (self.applied, self.machine());
             }
-            out.push((self.applied, results));
+            if let Some(results) = results {
+                out.push((self.applied, results));
+            }
         }
         out
+    }
+
+    /// The replicated state as one value.
+    pub fn machine(&self) -> Machine {
+        Machine {
+            fed: self.state.clone(),
+            level: self.level,
+            last: self.last_index,
+        }
+    }
+
+    /// The group's feature level as this replica applied it.
+    pub fn level(&self) -> FeatureLevel {
+        self.level
     }
 }
 
@@ -198,14 +242,14 @@ pub struct Cp {
     /// Every committed entry, in order (what any future leader must have).
     pub committed: Vec<LogEntry>,
     rng: Rng,
-    /// Fault switch: answers carry the budgets the split wants *before* the
-    /// break-before-make clip (increases before decreases are acknowledged). For the
-    /// tests that show the checker catches a broken lease rule.
-    pub bug_make_before_break: bool,
     /// Elections won (for the summary).
     pub elections: u64,
-    /// From when (world time) the leader raises the feature level to sized budgets.
-    pub sized_at_ms: u64,
+    /// The level the group starts at (raised to by the first entry).
+    pub start_level: FeatureLevel,
+    /// The level the group is upgraded to, from [`Cp::upgrade_at_ms`] on (world time).
+    pub target_level: FeatureLevel,
+    /// When every member supports [`Cp::target_level`] (0: from the first entry).
+    pub upgrade_at_ms: u64,
 }
 
 impl Cp {
@@ -224,7 +268,15 @@ impl Cp {
         if let Some(r) = replicas.first_mut() {
             r.leader = true;
         }
-        Cp { replicas, committed: Vec::new(), rng, bug_make_before_break: false, elections: 0, sized_at_ms: 0 }
+        Cp {
+            replicas,
+            committed: Vec::new(),
+            rng,
+            elections: 0,
+            start_level: FeatureLevel::NEWEST,
+            target_level: FeatureLevel::NEWEST,
+            upgrade_at_ms: 0,
+        }
     }
 
     fn majority(&self) -> usize {
@@ -262,7 +314,13 @@ impl Cp {
             return;
         }
         if r.leader {
-            r.batch.push((req.command, Some(Route { agent: req.agent, sent_agent_ms: req.sent_agent_ms })));
+            r.batch.push((
+                req.command,
+                Some(Route {
+                    agent: req.agent,
+                    sent_agent_ms: req.sent_agent_ms,
+                }),
+            ));
             return;
         }
         if req.forwarded {
@@ -272,6 +330,35 @@ impl Cp {
             let fwd = AgentRequest { forwarded: true, ..req };
             net.send(&mut self.rng, now_ms, Addr::Cp(node), Addr::Cp(l), Msg::Request(fwd));
         }
+    }
+
+    /// A `DescribeCluster` arrives at node `node` from agent `agent`: any node that is
+    /// up answers at once from its own applied state (which may lag the leader's).
+    pub fn describe(&mut self, node: usize, agent: usize, sent_agent_ms: u64, now_ms: u64, net: &mut Net<Msg>) {
+        let Some(r) = self.replicas.get(node).filter(|r| r.up) else {
+            return;
+        };
+        let cluster = format!("c{agent}");
+        let (last_seq, reported_through_ms) = r
+            .state
+            .clusters()
+            .get(cluster.as_str())
+            .map_or((0, 0), |c| (c.last_seq, c.reported_through_ms.unwrap_or(0)));
+        let ans = AgentAnswer {
+            from_node: node,
+            sent_agent_ms,
+            outcome: AnswerOutcome::Described {
+                last_seq,
+                reported_through_ms,
+            },
+        };
+        net.send(
+            &mut self.rng,
+            now_ms,
+            Addr::Cp(node),
+            Addr::Agent(agent),
+            Msg::Answer(ans),
+        );
     }
 
     /// Crashes node `i`: it loses its memory and every non-durable log entry.
@@ -292,8 +379,11 @@ impl Cp {
                 return;
             }
             r.up = true;
-            r.state = r.snapshot.1.clone();
-            r.applied = r.snapshot.0;
+            let m = r.snapshot.1.clone();
+            (r.state, r.level, r.last_index) = (m.fed, m.level, m.last);
+            // The log is replayed from its start over the snapshot, as the store may be
+            // handed entries it already holds: `entry::check_next` skips them.
+            r.applied = 0;
             r.commit = r.snapshot.0;
             r.known_leader = None;
             r.last_heard_ms = now_ms;
@@ -312,7 +402,11 @@ impl Cp {
         self.elections(now_ms, net);
         let n = self.replicas.len();
         let mut newly = Vec::new();
-        let raise_due = now_ms >= self.sized_at_ms;
+        let support = if now_ms >= self.upgrade_at_ms {
+            self.target_level
+        } else {
+            self.start_level
+        };
         for l in 0..n {
             let Some(r) = self.replicas.get_mut(l) else { continue };
             if !(r.up && r.leader) {
@@ -336,20 +430,9 @@ impl Cp {
                         route.map(|r| (r, seq))
                     })
                     .collect();
-                let mut commands: Vec<Command> = batch.into_iter().map(|(c, _)| c).collect();
-                // Below the sized level no replica reads a report's largest waiting pod.
-                let sized = r.state.sizes_budgets();
-                if !sized {
-                    for c in &mut commands {
-                        if let Command::Report(rep) = c {
-                            rep.tenants.values_mut().for_each(|t| t.largest = 0);
-                        }
-                    }
-                }
-                let mut req = Request::new(clock, commands);
-                if !sized && raise_due {
-                    req.raise_feature_level = Some(SIZED_LEVEL);
-                }
+                let commands: Vec<Command> = batch.into_iter().map(|(c, _)| c).collect();
+                // What the control plane's batcher proposes at the group's level.
+                let req = entry::prepare(r.level, clock, commands, BTreeMap::new(), Some(support));
                 let term = r.term;
                 r.append(LogEntry { term, req }, now_ms);
                 r.waiting.insert(r.log.len(), routes);
@@ -381,7 +464,9 @@ impl Cp {
                 if v == c || !net.both_up(Addr::Cp(c), Addr::Cp(v)) {
                     continue;
                 }
-                let Some(voter) = self.replicas.get_mut(v) else { continue };
+                let Some(voter) = self.replicas.get_mut(v) else {
+                    continue;
+                };
                 if !voter.up || voter.term >= term {
                     continue;
                 }
@@ -448,10 +533,15 @@ impl Cp {
             k -= 1;
         }
         if k < fr.applied {
-            return Err(format!("raft model: node {f} would truncate to {k} below its applied index {}", fr.applied));
+            return Err(format!(
+                "raft model: node {f} would truncate to {k} below its applied index {}",
+                fr.applied
+            ));
         }
         let tail: Vec<LogEntry> = self.replicas.get(l).map(|r| r.log[k..].to_vec()).unwrap_or_default();
-        let Some(fr) = self.replicas.get_mut(f) else { return Ok(()) };
+        let Some(fr) = self.replicas.get_mut(f) else {
+            return Ok(());
+        };
         fr.term = lterm;
         if fr.leader {
             fr.step_down();
@@ -482,7 +572,9 @@ impl Cp {
 
     fn advance_commit(&mut self, l: usize, now_ms: u64, net: &mut Net<Msg>) -> Result<Vec<LogEntry>, String> {
         let majority = self.majority();
-        let Some(r) = self.replicas.get_mut(l) else { return Ok(Vec::new()) };
+        let Some(r) = self.replicas.get_mut(l) else {
+            return Ok(Vec::new());
+        };
         if !r.leader {
             return Ok(Vec::new());
         }
@@ -500,9 +592,14 @@ impl Cp {
         let mut newly = Vec::new();
         let known = self.committed.len();
         if r.commit > known {
-            if let (Some(a), Some(b)) = (known.checked_sub(1).and_then(|i| self.committed.get(i)), known.checked_sub(1).and_then(|i| r.log.get(i))) {
+            if let (Some(a), Some(b)) = (
+                known.checked_sub(1).and_then(|i| self.committed.get(i)),
+                known.checked_sub(1).and_then(|i| r.log.get(i)),
+            ) {
                 if a != b {
-                    return Err(format!("raft model: leader {l} committed over a different entry at index {known}"));
+                    return Err(format!(
+                        "raft model: leader {l} committed over a different entry at index {known}"
+                    ));
                 }
             }
             newly = r.log[known..r.commit].to_vec();
@@ -517,25 +614,38 @@ impl Cp {
                 let applied = !matches!(&outcome, Ok(Applied::Reported { applied: false, .. }));
                 let outcome = match outcome {
                     Ok(Applied::Registered(lease)) | Ok(Applied::Reported { lease, .. }) => {
-                        let (last_seq, reported_through_ms) =
-                            r.state.clusters().get(&lease.cluster).map_or((0, 0), |c| (c.last_seq, c.reported_through_ms.unwrap_or(0)));
-                        let mut lease = lease;
-                        if self.bug_make_before_break {
-                            let want = r.state.desired_budgets(&lease.cluster);
-                            for (t, b) in lease.budgets.iter_mut() {
-                                if let Some(&w) = want.get(t) {
-                                    b.budget = b.budget.max(w);
-                                }
-                            }
+                        let (last_seq, reported_through_ms) = r
+                            .state
+                            .clusters()
+                            .get(&lease.cluster)
+                            .map_or((0, 0), |c| (c.last_seq, c.reported_through_ms.unwrap_or(0)));
+                        AnswerOutcome::Lease {
+                            lease,
+                            seq,
+                            policy: r.state.policy().cloned().map(Box::new),
+                            applied,
+                            last_seq,
+                            reported_through_ms,
                         }
-                        AnswerOutcome::Lease { lease, seq, policy: r.state.policy().cloned().map(Box::new), applied, last_seq, reported_through_ms }
                     }
-                    Err(CommandError::SequenceGap { expected, got, .. }) => AnswerOutcome::SequenceGap { seq: got, expected },
+                    Err(CommandError::SequenceGap { expected, got, .. }) => {
+                        AnswerOutcome::SequenceGap { seq: got, expected }
+                    }
                     Ok(other) => AnswerOutcome::Refused(format!("unexpected answer {other:?}")),
                     Err(e) => AnswerOutcome::Refused(e.to_string()),
                 };
-                let ans = AgentAnswer { from_node, sent_agent_ms: route.sent_agent_ms, outcome };
-                net.send(&mut self.rng, now_ms, Addr::Cp(l), Addr::Agent(route.agent), Msg::Answer(ans));
+                let ans = AgentAnswer {
+                    from_node,
+                    sent_agent_ms: route.sent_agent_ms,
+                    outcome,
+                };
+                net.send(
+                    &mut self.rng,
+                    now_ms,
+                    Addr::Cp(l),
+                    Addr::Agent(route.agent),
+                    Msg::Answer(ans),
+                );
             }
         }
         Ok(newly)
@@ -590,13 +700,13 @@ mod tests {
         net.heal_all();
         run_until(&mut cp, &mut net, &mut now, 9_000);
         assert!(!cp.replicas.first().expect("node 0").leader);
-        let mut fed = initial_state();
-        for e in &cp.committed {
-            apply_entry(&mut fed, &e.req);
+        let mut m = Machine::default();
+        for (i, e) in cp.committed.iter().enumerate() {
+            m.apply(u64::try_from(i + 1).expect("index"), &e.req);
         }
         for r in &cp.replicas {
             assert_eq!(r.applied, cp.committed.len());
-            assert_eq!(r.state, fed);
+            assert_eq!(r.machine(), m);
         }
     }
 
@@ -612,7 +722,11 @@ mod tests {
         run_until(&mut cp, &mut net, &mut now, 500);
         assert!(cp.committed.is_empty(), "nothing is durable on a majority yet");
         cp.crash(1);
-        assert_eq!(cp.replicas.get(1).map(|r| r.log.len()), Some(0), "the unsynced entry is gone");
+        assert_eq!(
+            cp.replicas.get(1).map(|r| r.log.len()),
+            Some(0),
+            "the unsynced entry is gone"
+        );
         cp.restart(1, now);
         run_until(&mut cp, &mut net, &mut now, 3_000);
         assert!(!cp.committed.is_empty(), "commits once the disks caught up");

@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use kvota_control_plane::feature::FeatureLevel;
 use kvota_fairness::decay::Ledger;
 use kvota_fairness::federation::{Applied, Command, Federation};
 use kvota_fairness::names::{ClusterName, TenantName};
@@ -17,7 +18,7 @@ use crate::invariants::{self, Violation};
 use crate::member::{Load, SimAgent};
 use crate::msg::Msg;
 use crate::net::{Addr, Conditions, Net, NetStats};
-use crate::raft::{apply_entry, Cp, LogEntry};
+use crate::raft::{Cp, LogEntry, Machine};
 use crate::rng::Rng;
 
 /// One simulation step.
@@ -65,14 +66,18 @@ spec:
   - {name: training, weight: 30, minShare: 20, maxShare: 40, preemptible: true, admission: queue, maxQueued: 30}
 ";
 
-/// Fault switches that break the system on purpose (the checker must notice).
+/// Fault switches that break the system on purpose (the checker must notice). Every one
+/// but `clock_beyond_margin` (a fault of the environment) turns on a bug in the real
+/// code, behind the `fault-injection` feature: the report round's
+/// (`kvota_member_agent::round::Faults`), the core's and the apply path's
+/// (`kvota_fairness::faults::Faults`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Bugs {
-    /// Leader answers with unclipped budgets (make before break).
+    /// Leases carry the budgets the split wants before the break-before-make clip.
     pub make_before_break: bool,
-    /// Agents never let their lease expire.
+    /// Agents' leases never expire (their budgets stay in force).
     pub ignore_expiry: bool,
-    /// The leader's adapter renumbers resent (duplicate) reports so they apply again.
+    /// A report whose sequence number was applied before is counted again.
     pub double_apply_resent: bool,
     /// Agents drop reports from the journal when sent.
     pub ack_on_send: bool,
@@ -87,7 +92,30 @@ pub struct Bugs {
     /// Agents end a report round whose report the journal refused without sending
     /// what the journal holds.
     pub stop_on_refused_report: bool,
+    /// Reclaim never evicts a pod admitted on borrowed GPUs.
+    pub borrowed_not_evictable: bool,
+    /// Borrowing ignores the lease's borrow limit.
+    pub borrow_past_limit: bool,
+    /// Replicas apply log entries they applied before (replaying the log over a
+    /// snapshot counts them twice).
+    pub apply_replayed_entry: bool,
 }
+
+/// Every `--bug` name, in order.
+pub const BUG_NAMES: [&str; 12] = [
+    "make-before-break",
+    "ignore-expiry",
+    "double-apply-resent",
+    "ack-on-send",
+    "clock-beyond-margin",
+    "ack-unkept",
+    "enforce-unjournaled",
+    "drop-refused-report",
+    "stop-on-refused-report",
+    "borrowed-not-evictable",
+    "borrow-past-limit",
+    "apply-replayed-entry",
+];
 
 impl Bugs {
     /// Parses a `--bug` name.
@@ -104,6 +132,9 @@ impl Bugs {
             "enforce-unjournaled" => b.enforce_unjournaled = true,
             "drop-refused-report" => b.drop_refused_report = true,
             "stop-on-refused-report" => b.stop_on_refused_report = true,
+            "borrowed-not-evictable" => b.borrowed_not_evictable = true,
+            "borrow-past-limit" => b.borrow_past_limit = true,
+            "apply-replayed-entry" => b.apply_replayed_entry = true,
             _ => return None,
         }
         Some(b)
@@ -111,21 +142,36 @@ impl Bugs {
 
     /// The `--bug` name (for replay commands).
     pub fn name(&self) -> &'static str {
-        match *self {
-            b if b.make_before_break => "make-before-break",
-            b if b.ignore_expiry => "ignore-expiry",
-            b if b.double_apply_resent => "double-apply-resent",
-            b if b.ack_on_send => "ack-on-send",
-            b if b.clock_beyond_margin => "clock-beyond-margin",
-            b if b.ack_unkept => "ack-unkept",
-            b if b.enforce_unjournaled => "enforce-unjournaled",
-            b if b.drop_refused_report => "drop-refused-report",
-            b if b.stop_on_refused_report => "stop-on-refused-report",
-            _ => "none",
+        BUG_NAMES
+            .iter()
+            .copied()
+            .find(|n| Bugs::parse(n).as_ref() == Some(self))
+            .unwrap_or("none")
+    }
+
+    /// The report round's switches among these.
+    pub fn agent_faults(&self) -> kvota_member_agent::round::Faults {
+        kvota_member_agent::round::Faults {
+            ack_on_send: self.ack_on_send,
+            ack_unkept: self.ack_unkept,
+            enforce_unjournaled: self.enforce_unjournaled,
+            drop_refused_report: self.drop_refused_report,
+            stop_on_refused_report: self.stop_on_refused_report,
+        }
+    }
+
+    /// The core's and the apply path's switches among these.
+    pub fn core_faults(&self) -> kvota_fairness::faults::Faults {
+        kvota_fairness::faults::Faults {
+            make_before_break: self.make_before_break,
+            ignore_expiry: self.ignore_expiry,
+            double_apply_resent: self.double_apply_resent,
+            borrowed_not_evictable: self.borrowed_not_evictable,
+            borrow_past_limit: self.borrow_past_limit,
+            apply_replayed_entry: self.apply_replayed_entry,
         }
     }
 }
-
 /// A fault the nemesis injects for a while.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -196,7 +242,11 @@ impl Fault {
                 }
             }
             Fault::LeaderIsolate => "leader-isolate",
-            Fault::AgentCut { to_cp: true, from_cp: true, .. } => "agent-cut",
+            Fault::AgentCut {
+                to_cp: true,
+                from_cp: true,
+                ..
+            } => "agent-cut",
             Fault::AgentCut { .. } => "agent-cut-one-way",
             Fault::CpCrash(_) => "cp-crash",
             Fault::AgentCrash(_) => "agent-crash",
@@ -237,11 +287,23 @@ pub struct Oracle {
     pub counted: BTreeMap<(ClusterName, TenantName), u64>,
     /// The ledger rebuilt from the counted reports.
     pub shadow: Ledger,
+    /// The group's feature level at the global commit index.
+    pub level: FeatureLevel,
+    /// Committed entries applied.
+    pub applied: u64,
 }
 
 impl Oracle {
     fn apply(&mut self, e: &LogEntry, at_ms: u64) -> Result<Option<Policy>, Violation> {
-        let results = apply_entry(&mut self.fed, &e.req);
+        // The control plane's own apply path, as every replica runs it.
+        let mut m = Machine {
+            fed: std::mem::take(&mut self.fed),
+            level: self.level,
+            last: self.applied.checked_sub(1).map(|_| self.applied),
+        };
+        self.applied += 1;
+        let results = m.apply(self.applied, &e.req).unwrap_or_default();
+        (self.fed, self.level) = (m.fed, m.level);
         let mut policy = None;
         for (cmd, res) in e.req.commands.iter().zip(results) {
             match (cmd, res) {
@@ -253,7 +315,8 @@ impl Oracle {
                             detail: format!("report ({}, seq {}) was counted twice", r.cluster, r.seq),
                         });
                     }
-                    self.applied_windows.insert((r.cluster.clone(), r.seq), r.window.map_or(0, |w| w.start_ms));
+                    self.applied_windows
+                        .insert((r.cluster.clone(), r.seq), r.window.map_or(0, |w| w.start_ms));
                     let now = self.fed.now_ms();
                     let Some(p) = self.fed.policy() else { continue };
                     for (t, tr) in &r.tenants {
@@ -296,6 +359,18 @@ pub struct Summary {
     pub takeovers: u64,
     /// Reports refused by an agent's journal at its backlog limit.
     pub backlog_refusals: u64,
+    /// Pods admitted on borrowed GPUs.
+    pub borrowed_admissions: u64,
+    /// Borrowed pods reclaim evicted.
+    pub borrowed_reclaimed: u64,
+    /// Agent crashes that left a torn journal write behind.
+    pub torn_writes: u64,
+    /// Journal writes an agent's disk refused (full or failing).
+    pub refused_writes: u64,
+    /// The group's feature level at the end.
+    pub feature_level: u32,
+    /// The policy lent only once a cluster was cut off (`lendWhen: cutOff`).
+    pub lend_when_cut_off: bool,
     /// Usage the agents could not meter (down or crashed), GPUe-ms.
     pub unmetered_gpue_ms: u64,
     /// Network counters.
@@ -330,15 +405,31 @@ pub struct World {
     shifted: bool,
     /// The mid-run raise to sized budgets was applied (counted once).
     upgraded: bool,
+    /// Since when (real time) the committed state keeps lending within maxShare
+    /// federation-wide (feature level 7, `Federation::caps_borrowing`); `None` before.
+    pub borrow_cap_since: Option<u64>,
     last_epochs: Vec<(u64, u64)>,
     inuse_cache: Vec<BTreeMap<TenantName, u64>>,
-    bugs: Bugs,
+    borrowed_cache: Vec<BTreeMap<TenantName, u64>>,
+    /// Claims that borrowed pods alone could serve, and since when (see
+    /// [`invariants::lending`]).
+    lender_waiting: BTreeMap<usize, (String, u64)>,
     admissions: u64,
     fault_kinds: BTreeMap<&'static str, u64>,
+    /// Agents whose journal disk fails some writes for a while: (agent, from, to, per mille).
+    flaky_disks: Vec<(usize, u64, u64, u64)>,
+    /// The seed's policies lend only once a cluster is cut off (`lendWhen: cutOff`).
+    lend_when_cut_off: bool,
+    /// The operator has set `lendWhen: cutOff` (the group runs at its level).
+    lend_when_set: bool,
 }
 
 fn policy(yaml: &str) -> Result<Policy, Violation> {
-    Policy::from_yaml(yaml).map_err(|e| Violation { invariant: "harness", at_ms: 0, detail: format!("policy: {e}") })
+    Policy::from_yaml(yaml).map_err(|e| Violation {
+        invariant: "harness",
+        at_ms: 0,
+        detail: format!("policy: {e}"),
+    })
 }
 
 impl World {
@@ -349,20 +440,29 @@ impl World {
         let cp_nodes = if rng.chance(50) { 3 } else { 5 };
         let offsets: Vec<i64> = (0..cp_nodes).map(|_| rng.signed(MAX_CP_OFFSET_MS)).collect();
         let mut cp = Cp::new(cp_nodes, &offsets, rng.fork());
-        cp.bug_make_before_break = bugs.make_before_break;
-        // Half the runs upgrade to sized budgets mid-run (the leader raises the feature
-        // level while agents report and faults strike), half run at that level from the
-        // first entry. Drawn from a stream of its own, so every other draw of a seed is
-        // what it was.
+        // Half the runs upgrade mid-run from level 2 (no lending, no sized budgets) to
+        // the newest (the leader raises the feature level while agents report and faults
+        // strike), half run at the newest from the first entry. Drawn from a stream of
+        // its own, so every other draw of a seed is what it was.
         let mut upgrade = Rng::new(seed ^ 0x005E_ED0F_512E);
-        cp.sized_at_ms = if upgrade.chance(50) { upgrade.range(2_000, FAULT_PHASE_MS) } else { 0 };
-        // A third of the agents have a journal that fills within a partition's first
-        // seconds (one report a second); the others never reach their limit. Its own
-        // stream too.
+        if upgrade.chance(50) {
+            cp.start_level = FeatureLevel::RECORDS;
+            cp.upgrade_at_ms = upgrade.range(2_000, FAULT_PHASE_MS);
+        }
+        // Lending at the lease standing `spec.reclaim.lendWhen` names: always (the
+        // default) or only once cut off, drawn per seed from a stream of its own; the
+        // operator sets it once the group runs at its level.
+        let lend_when_cut_off = Rng::new(seed ^ 0x1E4D_0A7C_0FF0).chance(50);
+        // Some agents' journal disks fail a write now and then, for a while.
+        let mut flaky = Rng::new(seed ^ 0xF1A4_D15C_0BAD);
+        // Half the agents have a journal that fills within a partition's first
+        // rounds (a round while cut off waits seconds for its calls to time out); the others
+        // never reach their limit. Its own stream too.
         let mut backlogs = Rng::new(seed ^ 0x0BAC_C106_F011);
         let n_agents = usize::try_from(rng.range(3, 6)).unwrap_or(3);
         let tenants = ["inference", "research", "training"];
         let mut agents = Vec::new();
+        let mut flaky_disks = Vec::new();
         for i in 0..n_agents {
             let nodes = rng.range(2, 4);
             let per = if rng.chance(50) { 4 } else { 8 };
@@ -373,15 +473,18 @@ impl World {
             }
             let offset = rng.range(0, 3_600_000);
             let mut a = SimAgent::new(i, &node_gpus, rate, offset, cp_nodes, rng.fork());
-            if backlogs.chance(33) {
-                a.max_backlog = usize::try_from(backlogs.range(2, 12)).unwrap_or(2);
+            if backlogs.chance(50) {
+                // A real agent's round waits for its calls to time out while cut off
+                // (seconds each), so a limit of a few reports is what a partition of
+                // seconds fills.
+                a.max_backlog = usize::try_from(backlogs.range(1, 3)).unwrap_or(1);
             }
-            a.bugs.ignore_expiry = bugs.ignore_expiry;
-            a.bugs.ack_on_send = bugs.ack_on_send;
-            a.bugs.ack_unkept = bugs.ack_unkept;
-            a.bugs.enforce_unjournaled = bugs.enforce_unjournaled;
-            a.bugs.drop_refused_report = bugs.drop_refused_report;
-            a.bugs.stop_on_refused_report = bugs.stop_on_refused_report;
+            if flaky.chance(25) {
+                let from = flaky.range(3_000, FAULT_PHASE_MS - 10_000);
+                flaky_disks.push((i, from, from + flaky.range(2_000, 15_000), flaky.range(20, 200)));
+            }
+            a.faults = bugs.agent_faults();
+            a.restart(0);
             for t in tenants {
                 a.load.insert(TenantName::from_static(t), random_load(&mut rng, t));
             }
@@ -407,21 +510,69 @@ impl World {
                 1 => Fault::LeaderIsolate,
                 2 | 3 => {
                     let dir = rng.below(3);
-                    Fault::AgentCut { agent: rng.index(n_agents), to_cp: dir != 2, from_cp: dir != 1 }
+                    Fault::AgentCut {
+                        agent: rng.index(n_agents),
+                        to_cp: dir != 2,
+                        from_cp: dir != 1,
+                    }
                 }
                 4 => Fault::CpCrash(rng.index(cp_nodes)),
                 5 => Fault::AgentCrash(rng.index(n_agents)),
-                6 => Fault::NetChaos { loss_pct: rng.range(0, 40), max_delay_ms: rng.range(50, 1_500) },
+                6 => Fault::NetChaos {
+                    loss_pct: rng.range(0, 40),
+                    max_delay_ms: rng.range(50, 1_500),
+                },
                 7 => Fault::CpSlowDisk(rng.index(cp_nodes), rng.range(50, 800)),
                 8 => Fault::AgentSlowDisk(rng.index(n_agents), rng.range(50, 3_000)),
-                9 => Fault::AgentRestartCut { agent: rng.index(n_agents), restart_ms: (start_ms + end_ms) / 2, corrupt: rng.chance(15) },
-                10 => Fault::AgentTakeover { agent: rng.index(n_agents), restart_ms: (start_ms + end_ms) / 2, corrupt: rng.chance(15) },
+                9 => Fault::AgentRestartCut {
+                    agent: rng.index(n_agents),
+                    restart_ms: (start_ms + end_ms) / 2,
+                    corrupt: rng.chance(15),
+                },
+                10 => Fault::AgentTakeover {
+                    agent: rng.index(n_agents),
+                    restart_ms: (start_ms + end_ms) / 2,
+                    corrupt: rng.chance(15),
+                },
                 11 => Fault::AgentStoreDown(rng.index(n_agents)),
                 _ => Fault::AgentDiskFull(rng.index(n_agents)),
             };
-            schedule.push(Scheduled { start_ms, end_ms, fault, resolved: Vec::new(), active: false, restarted: false });
+            schedule.push(Scheduled {
+                start_ms,
+                end_ms,
+                fault,
+                resolved: Vec::new(),
+                active: false,
+                restarted: false,
+            });
         }
-        let policy_change_ms = if rng.chance(60) { Some(rng.range(10_000, FAULT_PHASE_MS)) } else { None };
+        // Some standby takeovers find the kept state stale: the API server was out of
+        // the old leader's reach for a while before it died (its own stream).
+        let mut stale = Rng::new(seed ^ 0x57A1_E0FF_CAFE);
+        let takeovers: Vec<(u64, usize)> = schedule
+            .iter()
+            .filter_map(|s| match s.fault {
+                Fault::AgentTakeover { agent, .. } => Some((s.start_ms, agent)),
+                _ => None,
+            })
+            .collect();
+        for (start_ms, agent) in takeovers {
+            if stale.chance(50) {
+                schedule.push(Scheduled {
+                    start_ms: start_ms.saturating_sub(stale.range(2_000, 10_000)),
+                    end_ms: start_ms + 1_000,
+                    fault: Fault::AgentStoreDown(agent),
+                    resolved: Vec::new(),
+                    active: false,
+                    restarted: false,
+                });
+            }
+        }
+        let policy_change_ms = if rng.chance(60) {
+            Some(rng.range(10_000, FAULT_PHASE_MS))
+        } else {
+            None
+        };
         let demand_shift_ms = rng.range(20_000, FAULT_PHASE_MS);
         let mut w = World {
             seed,
@@ -431,8 +582,13 @@ impl World {
             cp,
             last_epochs: vec![(0, 0); agents.len()],
             inuse_cache: vec![BTreeMap::new(); agents.len()],
+            borrowed_cache: vec![BTreeMap::new(); agents.len()],
+            lender_waiting: BTreeMap::new(),
             agents,
-            oracle: Oracle { fed: crate::raft::initial_state(), ..Oracle::default() },
+            oracle: Oracle {
+                fed: crate::raft::initial_state(),
+                ..Oracle::default()
+            },
             policies,
             policy_history: Vec::new(),
             schedule,
@@ -441,9 +597,12 @@ impl World {
             demand_shift_ms,
             shifted: false,
             upgraded: false,
-            bugs,
+            borrow_cap_since: None,
             admissions: 0,
             fault_kinds: BTreeMap::new(),
+            flaky_disks,
+            lend_when_cut_off,
+            lend_when_set: false,
         };
         // The operator applies the policy first (`kvota policy apply`).
         w.pending_admin.push(Command::ApplyPolicy(w.policies.0.clone()));
@@ -466,14 +625,37 @@ impl World {
 
     /// Ground truth in-use of `tenant` in cluster `i` (cached per step).
     pub fn true_inuse(&self, i: usize, tenant: &str) -> u64 {
-        self.inuse_cache.get(i).and_then(|m| m.get(tenant)).copied().unwrap_or(0)
+        self.inuse_cache
+            .get(i)
+            .and_then(|m| m.get(tenant))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Ground truth of what `tenant`'s pods admitted on borrowed GPUs hold in cluster
+    /// `i` (cached per step).
+    pub fn true_borrowed(&self, i: usize, tenant: &str) -> u64 {
+        self.borrowed_cache
+            .get(i)
+            .and_then(|m| m.get(tenant))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Ground truth in-use of `tenant` in cluster `i` within budgets: borrowed pods
+    /// left out (they stand outside the partition-safety inequality).
+    pub fn true_within_budgets(&self, i: usize, tenant: &str) -> u64 {
+        self.true_inuse(i, tenant).saturating_sub(self.true_borrowed(i, tenant))
     }
 
     fn refresh_inuse(&mut self, i: usize) {
-        let mut m = BTreeMap::new();
+        let (mut m, mut b) = (BTreeMap::new(), BTreeMap::new());
         if let Some(a) = self.agents.get(i) {
             for p in a.sim.list_pods() {
                 if let (Some(t), true) = (p.tenant, p.phase != kvota_member_agent::sim::PodPhase::Gated) {
+                    if a.borrowed_pods.contains(p.key.as_str()) {
+                        *b.entry(t.clone()).or_insert(0) += p.gpue;
+                    }
                     *m.entry(t).or_insert(0) += p.gpue;
                 }
             }
@@ -481,13 +663,36 @@ impl World {
         if let Some(c) = self.inuse_cache.get_mut(i) {
             *c = m;
         }
+        if let Some(c) = self.borrowed_cache.get_mut(i) {
+            *c = b;
+        }
     }
 
     /// The largest maxShare `tenant` had under any policy in force during the last
     /// lease duration plus 5 s.
+    /// Whether maxShare bounds a tenant's pods federation-wide, borrowed ones included,
+    /// now: the committed state has kept lending within maxShare (level 7) for longer
+    /// than a lease lives plus 5 s, so no lease cut before it is still in force
+    /// (docs/guarantees.md G14 (b): below level 7 borrowing may pass maxShare).
+    pub fn max_share_binds_borrowing(&self) -> bool {
+        self.borrow_cap_since
+            .is_some_and(|at| at + self.lease_window_ms() <= self.now_ms)
+    }
+
+    /// A lease's life plus 5 s: how long a lease cut under an older rule may still be
+    /// in force.
+    fn lease_window_ms(&self) -> u64 {
+        self.oracle.fed.policy().map_or(30_000, |p| p.lease.duration_ms) + 5_000
+    }
+
     pub fn recent_max_share_bp(&self, tenant: &str) -> u32 {
-        let window = self.oracle.fed.policy().map_or(30_000, |p| p.lease.duration_ms) + 5_000;
-        let mut best = self.oracle.fed.policy().and_then(|p| p.tenant(tenant)).map_or(0, |t| t.max_share_bp);
+        let window = self.lease_window_ms();
+        let mut best = self
+            .oracle
+            .fed
+            .policy()
+            .and_then(|p| p.tenant(tenant))
+            .map_or(0, |t| t.max_share_bp);
         let mut prev: Option<&Policy> = None;
         for (at, p) in &self.policy_history {
             if at + window >= self.now_ms {
@@ -507,7 +712,9 @@ impl World {
         let now = self.now_ms;
         let mut changed = false;
         for k in 0..self.schedule.len() {
-            let Some(s) = self.schedule.get(k).cloned() else { continue };
+            let Some(s) = self.schedule.get(k).cloned() else {
+                continue;
+            };
             if !s.active && s.start_ms <= now && now < s.end_ms {
                 let mut resolved = Vec::new();
                 *self.fault_kinds.entry(s.fault.kind()).or_insert(0) += 1;
@@ -537,7 +744,7 @@ impl World {
                     }
                     Fault::AgentDiskFull(i) => {
                         if let Some(a) = self.agents.get_mut(*i) {
-                            a.disk_full = true;
+                            a.set_disk_full(true);
                         }
                     }
                     Fault::CpSlowDisk(i, ms) => {
@@ -547,7 +754,7 @@ impl World {
                     }
                     Fault::AgentSlowDisk(i, ms) => {
                         if let Some(a) = self.agents.get_mut(*i) {
-                            a.disk_delay_ms = *ms;
+                            a.set_disk_delay(*ms);
                         }
                     }
                     Fault::LeaderIsolate => resolved.extend(self.cp.leader()),
@@ -560,7 +767,9 @@ impl World {
                 changed = true;
             } else if s.active && !s.restarted && now < s.end_ms {
                 // The new agent process starts while the partition lasts.
-                if let Fault::AgentRestartCut { agent, restart_ms, .. } | Fault::AgentTakeover { agent, restart_ms, .. } = &s.fault {
+                if let Fault::AgentRestartCut { agent, restart_ms, .. }
+                | Fault::AgentTakeover { agent, restart_ms, .. } = &s.fault
+                {
                     if now >= *restart_ms {
                         if let Some(a) = self.agents.get_mut(*agent) {
                             a.restart(now);
@@ -590,7 +799,7 @@ impl World {
                     }
                     Fault::AgentDiskFull(i) => {
                         if let Some(a) = self.agents.get_mut(*i) {
-                            a.disk_full = false;
+                            a.set_disk_full(false);
                         }
                     }
                     Fault::CpSlowDisk(i, _) => {
@@ -600,7 +809,7 @@ impl World {
                     }
                     Fault::AgentSlowDisk(i, _) => {
                         if let Some(a) = self.agents.get_mut(*i) {
-                            a.disk_delay_ms = 0;
+                            a.set_disk_delay(0);
                         }
                     }
                     _ => {}
@@ -653,15 +862,13 @@ impl World {
 
     fn deliver(&mut self) {
         for (_, to, msg) in self.net.due(self.now_ms) {
+            let now = self.now_ms;
             match (to, msg) {
-                (Addr::Cp(k), Msg::Request(mut req)) => {
-                    if self.bugs.double_apply_resent {
-                        renumber_duplicate(&self.cp, k, &mut req.command);
-                    }
-                    self.cp.deliver(k, req, self.now_ms, &mut self.net);
+                (Addr::Cp(k), Msg::Request(req)) => self.cp.deliver(k, req, now, &mut self.net),
+                (Addr::Cp(k), Msg::Describe { agent, sent_agent_ms }) => {
+                    self.cp.describe(k, agent, sent_agent_ms, now, &mut self.net)
                 }
                 (Addr::Agent(i), Msg::Answer(ans)) => {
-                    let now = self.now_ms;
                     if let Some(a) = self.agents.get_mut(i) {
                         a.on_answer(ans, now, &mut self.net);
                     }
@@ -680,10 +887,11 @@ impl World {
                 }
             }
         }
-        let newly = self
-            .cp
-            .step(self.now_ms, &mut self.net)
-            .map_err(|detail| Violation { invariant: "harness", at_ms: self.now_ms, detail })?;
+        let newly = self.cp.step(self.now_ms, &mut self.net).map_err(|detail| Violation {
+            invariant: "harness",
+            at_ms: self.now_ms,
+            detail,
+        })?;
         for e in &newly {
             if let Some(p) = self.oracle.apply(e, self.now_ms)? {
                 self.policy_history.push((self.now_ms, p));
@@ -711,6 +919,8 @@ impl World {
             self.refresh_inuse(i);
             self.admissions += u64::try_from(admitted.len()).unwrap_or(0);
             invariants::admission::check(self, i, &admitted, &before)?;
+            invariants::lending::check_admissions(self, i, &admitted)?;
+            invariants::lending::check_reclaim(self, i)?;
         }
         Ok(())
     }
@@ -724,14 +934,32 @@ impl World {
             *self.fault_kinds.entry("demand-shift").or_insert(0) += 1;
             self.shift_demand();
         }
-        if self.cp.sized_at_ms > 0 && !self.upgraded && self.oracle.fed.sizes_budgets() {
+        if self.borrow_cap_since.is_none() && self.oracle.fed.caps_borrowing() {
+            self.borrow_cap_since = Some(self.now_ms);
+        }
+        if self.cp.upgrade_at_ms > 0 && !self.upgraded && self.oracle.level >= self.cp.target_level {
             self.upgraded = true;
-            *self.fault_kinds.entry("upgrade-to-sized-budgets").or_insert(0) += 1;
+            *self.fault_kinds.entry("upgrade").or_insert(0) += 1;
+        }
+        self.flaky_disks_now();
+        if self.lend_when_cut_off && !self.lend_when_set && self.oracle.level >= FeatureLevel::LEND_WHEN {
+            // The operator sets `lendWhen: cutOff` once the group runs at its level (the
+            // control plane refuses it below).
+            self.lend_when_set = true;
+            *self.fault_kinds.entry("lend-when-cut-off").or_insert(0) += 1;
+            let current = if self.policy_change_ms.is_none() {
+                &self.policies.1
+            } else {
+                &self.policies.0
+            };
+            let p = self.with_lend_when(current);
+            self.pending_admin.push(Command::ApplyPolicy(p));
         }
         if self.policy_change_ms.is_some_and(|t| self.now_ms >= t) {
             self.policy_change_ms = None;
             *self.fault_kinds.entry("policy-change").or_insert(0) += 1;
-            self.pending_admin.push(Command::ApplyPolicy(self.policies.1.clone()));
+            let p = self.with_lend_when(&self.policies.1);
+            self.pending_admin.push(Command::ApplyPolicy(p));
         }
         self.deliver();
         self.control_plane()?;
@@ -739,8 +967,34 @@ impl World {
         self.check_continuous()
     }
 
+    /// `p` with the seed's `lendWhen`, once the operator has set it.
+    fn with_lend_when(&self, p: &Policy) -> Policy {
+        let mut p = p.clone();
+        if self.lend_when_set {
+            p.reclaim.lend_when = kvota_fairness::policy::LendWhen::CutOff;
+        }
+        p
+    }
+
+    /// Agents' journal disks that fail some writes now.
+    fn flaky_disks_now(&mut self) {
+        let now = self.now_ms;
+        for &(i, from, to, per_mille) in &self.flaky_disks {
+            if let Some(a) = self.agents.get_mut(i) {
+                if now == from + STEP_MS - (from % STEP_MS) {
+                    *self.fault_kinds.entry("agent-disk-flaky").or_insert(0) += 1;
+                }
+                a.set_disk_flaky(if (from..to).contains(&now) { per_mille } else { 0 });
+            }
+        }
+    }
+
     fn check_continuous(&mut self) -> Result<(), Violation> {
         invariants::partition_safety::check(self)?;
+        let mut waiting = std::mem::take(&mut self.lender_waiting);
+        let r = invariants::lending::check_taken_back(self, &mut waiting);
+        self.lender_waiting = waiting;
+        r?;
         invariants::takeover::check(self)?;
         let mut last = std::mem::take(&mut self.last_epochs);
         let r = invariants::epochs::check(self, &mut last);
@@ -777,8 +1031,10 @@ impl World {
             }
         }
         for a in &mut self.agents {
+            a.set_disk_delay(0);
+            a.set_disk_full(false);
+            a.set_disk_flaky(0);
             a.restart(now);
-            a.disk_delay_ms = 0;
             a.store_down = false;
         }
     }
@@ -786,7 +1042,11 @@ impl World {
     /// Settling with time standing still: each agent reports, and messages flow with no
     /// delay until nothing is in flight.
     pub fn settle(&mut self) -> Result<(), Violation> {
-        self.net.conditions = Conditions { loss_pct: 0, min_delay_ms: 0, max_delay_ms: 0 };
+        self.net.conditions = Conditions {
+            loss_pct: 0,
+            min_delay_ms: 0,
+            max_delay_ms: 0,
+        };
         for _ in 0..SETTLE_ROUNDS {
             for i in 0..self.agents.len() {
                 let now = self.now_ms;
@@ -820,7 +1080,13 @@ impl World {
             admissions: self.admissions,
             agent_crashes: self.agents.iter().map(|a| a.crashes).sum(),
             takeovers: self.agents.iter().map(|a| a.takeovers).sum(),
-            backlog_refusals: self.agents.iter().map(|a| a.backlog_refusals).sum(),
+            backlog_refusals: self.agents.iter().map(|a| a.happened.backlog_refusals).sum(),
+            borrowed_admissions: self.agents.iter().map(|a| a.happened.borrowed_admissions).sum(),
+            borrowed_reclaimed: self.agents.iter().map(|a| a.happened.borrowed_reclaimed).sum(),
+            torn_writes: self.agents.iter().map(|a| a.disk_counts().1).sum(),
+            refused_writes: self.agents.iter().map(|a| a.disk_counts().0).sum(),
+            feature_level: self.oracle.level.get(),
+            lend_when_cut_off: self.lend_when_set,
             unmetered_gpue_ms: self.agents.iter().flat_map(|a| a.unmetered.values()).sum(),
             net: self.net.stats,
             fault_kinds: self.fault_kinds.clone(),
@@ -837,24 +1103,26 @@ fn cut_group(net: &mut Net<Msg>, group: &[usize], n: usize) {
     }
 }
 
-/// The `double_apply_resent` fault: a leader that "fixes up" an old sequence number
-/// to the next expected one, so a resent report is counted again.
-fn renumber_duplicate(cp: &Cp, node: usize, cmd: &mut Command) {
-    let Some(r) = cp.replicas.get(node).filter(|r| r.up && r.leader) else { return };
-    if let Command::Report(rep) = cmd {
-        if let Some(rec) = r.state.clusters().get(&rep.cluster) {
-            if rep.seq <= rec.last_seq {
-                rep.seq = rec.last_seq + 1;
-            }
-        }
-    }
-}
-
 fn random_load(rng: &mut Rng, tenant: &str) -> Load {
     match tenant {
-        "inference" => Load { per_mille: rng.range(10, 60), max_gpus: 2, run_ms: (15_000, 90_000), priority: 100 },
-        "training" => Load { per_mille: rng.range(10, 70), max_gpus: 4, run_ms: (20_000, 120_000), priority: 0 },
-        _ => Load { per_mille: rng.range(5, 50), max_gpus: 2, run_ms: (5_000, 40_000), priority: 0 },
+        "inference" => Load {
+            per_mille: rng.range(10, 60),
+            max_gpus: 2,
+            run_ms: (15_000, 90_000),
+            priority: 100,
+        },
+        "training" => Load {
+            per_mille: rng.range(10, 70),
+            max_gpus: 4,
+            run_ms: (20_000, 120_000),
+            priority: 0,
+        },
+        _ => Load {
+            per_mille: rng.range(5, 50),
+            max_gpus: 2,
+            run_ms: (5_000, 40_000),
+            priority: 0,
+        },
     }
 }
 
@@ -878,13 +1146,23 @@ impl Failure {
 
 /// The one command that replays `seed` with `bugs`.
 pub fn replay_command(seed: u64, bugs: Bugs) -> String {
-    let bug = if bugs == Bugs::default() { String::new() } else { format!(" --bug {}", bugs.name()) };
+    let bug = if bugs == Bugs::default() {
+        String::new()
+    } else {
+        format!(" --bug {}", bugs.name())
+    };
     format!("cargo run -p kvota-chaos-tests --bin chaos-sim -- --seed {seed}{bug}")
 }
 
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "chaos seed {} FAILED: {}\n  replay: {}", self.seed, self.violation, self.replay_command())
+        write!(
+            f,
+            "chaos seed {} FAILED: {}\n  replay: {}",
+            self.seed,
+            self.violation,
+            self.replay_command()
+        )
     }
 }
 
@@ -894,7 +1172,11 @@ impl std::fmt::Display for Failure {
 /// A panic anywhere in the run (production code included) is a failure of this seed
 /// like any other, reported with its replay command.
 pub fn run(seed: u64, bugs: Bugs) -> Result<Summary, Failure> {
+    // The core's and the apply path's bugs are switched per thread (one world per
+    // thread), and off again whatever happens.
+    kvota_fairness::faults::set(bugs.core_faults());
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_inner(seed, bugs)));
+    kvota_fairness::faults::set(kvota_fairness::faults::Faults::default());
     let result = match result {
         Ok(r) => r,
         Err(payload) => {
@@ -903,7 +1185,18 @@ pub fn run(seed: u64, bugs: Bugs) -> Result<Summary, Failure> {
                 .cloned()
                 .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "a panic".to_string());
-            Err(Violation { invariant: "no-panic", at_ms: 0, detail: what })
+            // The state machine's own check, asserted after every applied command in
+            // debug builds (`entry::apply`), is this invariant's; any other panic is one.
+            let invariant = if what.contains("partition-safety check failed") {
+                "partition_safety"
+            } else {
+                "no-panic"
+            };
+            Err(Violation {
+                invariant,
+                at_ms: 0,
+                detail: what,
+            })
         }
     };
     result.map_err(|violation| Failure { seed, bugs, violation })
@@ -915,7 +1208,11 @@ fn run_inner(seed: u64, bugs: Bugs) -> Result<Summary, Violation> {
         w.step(true)?;
     }
     w.heal_all();
-    let lease = w.oracle.fed.policy().map_or(30_000, |p| p.lease.duration_ms + p.lease.clock_skew_margin_ms);
+    let lease = w
+        .oracle
+        .fed
+        .policy()
+        .map_or(30_000, |p| p.lease.duration_ms + p.lease.clock_skew_margin_ms);
     let drain_until = w.now_ms + lease + 5_000;
     while w.now_ms < drain_until {
         w.step(true)?;

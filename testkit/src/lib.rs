@@ -1,19 +1,22 @@
 //! Test-only helpers shared by kvota's suites (a dev-dependency, never in a release
 //! build): [`Pki`], a federation CA that writes certificates for any party, and
 //! [`Cluster`], a control plane of real nodes in the test's process (real sockets, real
-//! data directories, TLS optional).
+//! data directories, TLS optional), and [`fake_raft`], a fake node on the Raft port that
+//! answers as a test says.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvota_control_plane::server::{start, Listeners, ServerConfig, ServerHandle};
 use kvota_client::tls::GrpcTls;
+use kvota_control_plane::server::{start, Listeners, ServerConfig, ServerHandle};
 use kvota_control_plane::types::Node;
 use kvota_fairness::federation::Federation;
 use kvota_tls::issue::{new_ca, Ca, Issued, Kind};
 use kvota_tls::Role;
 use tokio::net::TcpListener;
+
+pub mod fake_raft;
 
 /// A federation CA in a temporary directory, issuing certificates as files.
 pub struct Pki {
@@ -25,7 +28,9 @@ pub struct Pki {
 
 impl std::fmt::Debug for Pki {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pki").field("dir", &self.dir.path()).finish_non_exhaustive()
+        f.debug_struct("Pki")
+            .field("dir", &self.dir.path())
+            .finish_non_exhaustive()
     }
 }
 
@@ -46,7 +51,11 @@ impl Pki {
         let dir = tempfile::tempdir().expect("temporary directory");
         let ca = new_ca(trust_domain, 30).expect("make a CA");
         std::fs::write(dir.path().join("ca.crt"), &ca.cert_pem).expect("write ca.crt");
-        Pki { ca: Ca::from_pem(&ca.cert_pem, &ca.key_pem).expect("load the CA"), ca_pem: ca.cert_pem, dir }
+        Pki {
+            ca: Ca::from_pem(&ca.cert_pem, &ca.key_pem).expect("load the CA"),
+            ca_pem: ca.cert_pem,
+            dir,
+        }
     }
 
     /// The directory holding the files.
@@ -71,7 +80,11 @@ impl Pki {
         let key = self.dir.path().join(format!("{stem}.key"));
         std::fs::write(&cert, &issued.cert_pem).expect("write certificate");
         std::fs::write(&key, &issued.key_pem).expect("write key");
-        Files { ca: self.dir.path().join("ca.crt"), cert, key }
+        Files {
+            ca: self.dir.path().join("ca.crt"),
+            cert,
+            key,
+        }
     }
 
     /// A loaded party of `role`/`name`.
@@ -101,7 +114,9 @@ pub struct Cluster {
 
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cluster").field("members", &self.members).finish_non_exhaustive()
+        f.debug_struct("Cluster")
+            .field("members", &self.members)
+            .finish_non_exhaustive()
     }
 }
 
@@ -138,7 +153,9 @@ impl Cluster {
             members.insert(id, node_of(&l));
             listeners.push(l);
         }
-        let tls: Vec<Option<GrpcTls>> = (1..=n).map(|id| pki.map(|p| p.party(Role::Node, &id.to_string()))).collect();
+        let tls: Vec<Option<GrpcTls>> = (1..=n)
+            .map(|id| pki.map(|p| p.party(Role::Node, &id.to_string())))
+            .collect();
         let mut nodes = Vec::new();
         let mut dirs = Vec::new();
         for (i, l) in listeners.into_iter().enumerate() {
@@ -153,7 +170,14 @@ impl Cluster {
             nodes.push(Some(start(cfg, l).await.expect("start node")));
             dirs.push(dir);
         }
-        Cluster { dirs, nodes, members, tweak, tls, tmp }
+        Cluster {
+            dirs,
+            nodes,
+            members,
+            tweak,
+            tls,
+            tmp,
+        }
     }
 
     /// Changes how each node's configuration is adjusted at its next (re)start.
@@ -227,7 +251,10 @@ impl Cluster {
                         }
                     }
                 }
-                (a, r, h) => (Err(format!("rebind {m:?}: {:?} {:?} {:?}", a.err(), r.err(), h.err())), true),
+                (a, r, h) => (
+                    Err(format!("rebind {m:?}: {:?} {:?} {:?}", a.err(), r.err(), h.err())),
+                    true,
+                ),
             };
             match attempt {
                 Ok(n) => break n,
@@ -245,6 +272,24 @@ impl Cluster {
     /// Node `id`'s applied federation.
     pub async fn federation(&self, id: u64) -> Federation {
         self.node(id).ctx.state.read().await.federation.clone()
+    }
+
+    /// Waits until node `id` has applied its whole log (a restarted node replays it
+    /// after it is elected), then returns its federation.
+    pub async fn caught_up(&self, id: u64, within: Duration) -> Federation {
+        let deadline = Instant::now() + within;
+        loop {
+            let m = self.node(id).raft().metrics().borrow().clone();
+            let (applied, last) = (m.last_applied.map_or(0, |l| l.index), m.last_log_index.unwrap_or(0));
+            if applied >= last {
+                return self.federation(id).await;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {id} applied {applied} of {last} entries within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Waits until every running node has applied the same log index, then returns
@@ -274,7 +319,7 @@ impl Cluster {
 
     /// Waits until every running node's replicated state is at feature level `level` or
     /// above (the leader raises it once every member said it supports it).
-    pub async fn feature_level(&self, level: u32, within: Duration) {
+    pub async fn feature_level(&self, level: kvota_control_plane::feature::FeatureLevel, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
             let mut levels = Vec::new();
@@ -284,7 +329,10 @@ impl Cluster {
             if levels.iter().all(|l| *l >= level) {
                 return;
             }
-            assert!(Instant::now() < deadline, "feature level {level} not reached within {within:?}: {levels:?}");
+            assert!(
+                Instant::now() < deadline,
+                "feature level {level} not reached within {within:?}: {levels:?}"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -303,12 +351,20 @@ pub async fn register_gpus(c: &kvota_client::client::Client, cluster: &str, gpus
     use kvota_proto::v1;
     let reg = v1::RegisterRequest {
         cluster: cluster.into(),
-        capacity: vec![v1::Resource { name: "nvidia.com/gpu".into(), quantity_milli: gpus_milli }],
+        capacity: vec![v1::Resource {
+            name: "nvidia.com/gpu".into(),
+            quantity_milli: gpus_milli,
+        }],
         labels: [("zone".to_string(), cluster.to_string())].into(),
     };
     c.call(|ch| {
         let reg = reg.clone();
-        async move { Ok(kvota_client::client::Client::member(ch).register(reg).await?.into_inner()) }
+        async move {
+            Ok(kvota_client::client::Client::member(ch)
+                .register(reg)
+                .await?
+                .into_inner())
+        }
     })
     .await
     .expect("register")
@@ -320,7 +376,14 @@ pub async fn register_gpus(c: &kvota_client::client::Client, cluster: &str, gpus
 /// One usage report of `cluster` through `c`: `(tenant, used milli-GPUe x ms, in use
 /// milli-GPUe, waiting milli-GPUe)` per tenant, metered over `window` (Unix ms; `(0, 0)`:
 /// none), acknowledging lease `epoch`.
-pub async fn report_usage(c: &kvota_client::client::Client, cluster: &str, seq: u64, epoch: u64, tenants: &[(&str, u64, u64, u64)], window: (u64, u64)) {
+pub async fn report_usage(
+    c: &kvota_client::client::Client,
+    cluster: &str,
+    seq: u64,
+    epoch: u64,
+    tenants: &[(&str, u64, u64, u64)],
+    window: (u64, u64),
+) {
     use kvota_proto::v1;
     let report = v1::ReportRequest {
         cluster: cluster.into(),
@@ -328,19 +391,31 @@ pub async fn report_usage(c: &kvota_client::client::Client, cluster: &str, seq: 
         held_epoch: epoch,
         tenants: tenants
             .iter()
-            .map(|&(tenant, used, inuse, pending)| v1::TenantUsage { tenant: tenant.into(), used_milli_gpue_ms: used, inuse_milli_gpue: inuse, pending_milli_gpue: pending, largest_pending_milli_gpue: 0 })
+            .map(|&(tenant, used, inuse, pending)| v1::TenantUsage {
+                tenant: tenant.into(),
+                used_milli_gpue_ms: used,
+                inuse_milli_gpue: inuse,
+                pending_milli_gpue: pending,
+                largest_pending_milli_gpue: 0,
+                borrowed_milli_gpue: 0,
+            })
             .collect(),
         capacity: vec![],
         evictions: vec![],
         decisions: vec![],
         window_start_ms: window.0,
         window_end_ms: window.1,
+        gap_in_reply: false,
+        status: None,
     };
     send_report(c, &report).await.expect("report");
 }
 
 /// Sends `report` through the member service, as an agent does.
-pub async fn send_report(c: &kvota_client::client::Client, report: &kvota_proto::v1::ReportRequest) -> Result<kvota_proto::v1::ReportReply, tonic::Status> {
+pub async fn send_report(
+    c: &kvota_client::client::Client,
+    report: &kvota_proto::v1::ReportRequest,
+) -> Result<kvota_proto::v1::ReportReply, tonic::Status> {
     c.call(|ch| {
         let r = report.clone();
         async move { Ok(kvota_client::client::Client::member(ch).report(r).await?.into_inner()) }
@@ -365,7 +440,11 @@ pub fn anonymous(party: &GrpcTls) -> kvota_tls::connect::Connector {
 
 /// `GET path` over HTTP/1.1 through `connector` (plain or TLS): status code and body.
 /// Errors (refused connection, failed handshake) are `Err` with the reason.
-pub async fn http_get(connector: &kvota_tls::connect::Connector, addr: &str, path: &str) -> Result<(u16, String), String> {
+pub async fn http_get(
+    connector: &kvota_tls::connect::Connector,
+    addr: &str,
+    path: &str,
+) -> Result<(u16, String), String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut io = connector.dial(addr).await.map_err(|e| e.to_string())?;
     let req = format!("GET {path} HTTP/1.1\r\nHost: kvota\r\nConnection: close\r\n\r\n");
@@ -376,8 +455,15 @@ pub async fn http_get(connector: &kvota_tls::connect::Connector, addr: &str, pat
         .map_err(|_| "no answer in 5 s".to_string())?
         .map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&buf).to_string();
-    let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("not HTTP: {text:?}"))?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let code = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("not HTTP: {text:?}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     Ok((code, body))
 }
 
@@ -430,7 +516,8 @@ pub mod procs {
     pub async fn status(addr: &str, within: Duration) -> Option<kvota_proto::v1::StatusReply> {
         use kvota_client::client::Client;
         let c = Client::new(&[addr.to_string()]).ok()?;
-        let call = c.call(|ch| async move { Ok(Client::admin(ch).status(kvota_proto::v1::Empty {}).await?.into_inner()) });
+        let call =
+            c.call(|ch| async move { Ok(Client::admin(ch).status(kvota_proto::v1::Empty {}).await?.into_inner()) });
         tokio::time::timeout(within, call).await.ok()?.ok()
     }
 
@@ -444,7 +531,10 @@ pub mod procs {
                     return i;
                 }
             }
-            assert!(std::time::Instant::now() < deadline, "no leader elected within {within:?}");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no leader elected within {within:?}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -469,12 +559,18 @@ pub mod procs {
         const FLOOR: u32 = 10_000;
         if low < FLOOR + 2_000 {
             // No room below the ephemeral range: let the kernel choose.
-            let held: Vec<std::net::TcpListener> =
-                (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0")).collect();
+            let held: Vec<std::net::TcpListener> = (0..n)
+                .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0"))
+                .collect();
             return held.iter().map(|l| l.local_addr().expect("addr").port()).collect();
         }
         let span = low - FLOOR;
-        let _ = NEXT.compare_exchange(u32::MAX, (std::process::id().wrapping_mul(7_919)) % span, Ordering::SeqCst, Ordering::SeqCst);
+        let _ = NEXT.compare_exchange(
+            u32::MAX,
+            (std::process::id().wrapping_mul(7_919)) % span,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
         let mut held = Vec::with_capacity(n);
         let mut tries = 0u32;
         while held.len() < n {
@@ -534,20 +630,33 @@ pub mod procs {
     /// initializing the group with every one of `all` if `init`, plus `extra` flags.
     pub fn server_command(bin: &Path, spec: &ServerSpec, all: &[ServerSpec], init: bool, extra: &[String]) -> Command {
         let mut cmd = Command::new(bin);
-        cmd.args(["server", "--id", &spec.id.to_string(), "--listen", &spec.rpc, "--raft-listen", &spec.raft, "--http", &spec.http])
-            .arg("--data-dir")
-            .arg(&spec.dir)
-            .args(extra)
-            .env("RUST_LOG", std::env::var("KVOTA_TEST_LOG").unwrap_or_else(|_| "warn".to_string()))
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(spec.log())
-                    .map(Stdio::from)
-                    .unwrap_or_else(|_| Stdio::null()),
-            );
+        cmd.args([
+            "server",
+            "--id",
+            &spec.id.to_string(),
+            "--listen",
+            &spec.rpc,
+            "--raft-listen",
+            &spec.raft,
+            "--http",
+            &spec.http,
+        ])
+        .arg("--data-dir")
+        .arg(&spec.dir)
+        .args(extra)
+        .env(
+            "RUST_LOG",
+            std::env::var("KVOTA_TEST_LOG").unwrap_or_else(|_| "warn".to_string()),
+        )
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(spec.log())
+                .map(Stdio::from)
+                .unwrap_or_else(|_| Stdio::null()),
+        );
         if init {
             cmd.arg("--init");
             for m in all {

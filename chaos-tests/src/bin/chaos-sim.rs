@@ -12,7 +12,7 @@ use kvota_chaos_tests::{run, Bugs};
 
 fn usage() -> ExitCode {
     eprintln!("usage: chaos-sim (--seed N | --from N --count N) [--bug NAME]");
-    eprintln!("bugs: none make-before-break ignore-expiry double-apply-resent ack-on-send clock-beyond-margin ack-unkept enforce-unjournaled drop-refused-report stop-on-refused-report");
+    eprintln!("bugs: none {}", kvota_chaos_tests::BUG_NAMES.join(" "));
     ExitCode::from(2)
 }
 

@@ -3,12 +3,14 @@
 //! from the scheduling gate) of tenant `t` in cluster `c`:
 //!
 //! 1. locally, `inuse_tc <= budget_tc` right after it (the budget the agent enforced at
-//!    that instant). (Not `<= capacity_c`: a budget may exceed what one cluster can run,
-//!    and pods admitted beyond it wait unbound, holding their reservation, as Kubernetes
-//!    pods wait for room);
-//! 2. federation-wide, in ground truth, `sum_c true_inuse_tc <= max(committed_t,
-//!    sum_c reported_inuse_tc)` (the contract's "no admission anywhere takes a tenant
-//!    above its entitlement");
+//!    that instant), or, for a pod admitted on borrowed GPUs, `inuse_tc <= budget_tc +
+//!    borrow_limit_tc` (the lease's borrow limit). (Not `<= capacity_c`: a budget may
+//!    exceed what one cluster can run, and pods admitted beyond it wait unbound, holding
+//!    their reservation, as Kubernetes pods wait for room);
+//! 2. federation-wide, in ground truth and with borrowed pods left out, `sum_c
+//!    true_within_tc <= max(committed_t, sum_c reported_within_tc)` (docs/guarantees.md G8:
+//!    no admission anywhere takes a tenant above its entitlement; borrowed pods are held to
+//!    the borrow limits and the cap instead);
 //! 3. federation-wide, `sum_c true_inuse_tc` after the admission is at most
 //!    `max(sum before, maxShare_t * G)`, where `maxShare_t` is the largest this tenant had
 //!    under any policy in force during the last lease duration plus 5 s (a lease issued
@@ -27,36 +29,61 @@ const NAME: &str = "admission";
 
 /// Checks the admissions agent `i` made in its last step; `before` is each tenant's
 /// federation-wide true in-use before that step.
-pub fn check(w: &World, i: usize, admitted: &[Admitted], before: &BTreeMap<kvota_fairness::names::TenantName, u64>) -> Result<(), Violation> {
+pub fn check(
+    w: &World,
+    i: usize,
+    admitted: &[Admitted],
+    before: &BTreeMap<kvota_fairness::names::TenantName, u64>,
+) -> Result<(), Violation> {
     let now = w.now_ms;
     let Some(a) = w.agents.get(i) else { return Ok(()) };
     let fed = &w.oracle.fed;
     for ad in admitted {
-        if ad.inuse_after > ad.budget {
+        let limit = if ad.borrowed {
+            ad.budget.saturating_add(ad.borrow_limit)
+        } else {
+            ad.budget
+        };
+        if ad.inuse_after > limit {
             return fail(
                 NAME,
                 now,
-                format!("{} admitted {} ({} GPUe) for {}: in use {} > budget {} (epoch {})", a.id, ad.pod, ad.gpue, ad.tenant, ad.inuse_after, ad.budget, ad.epoch),
+                format!(
+                    "{} admitted {} ({} GPUe{}) for {}: in use {} > budget {} + borrow limit {} (epoch {})",
+                    a.id,
+                    ad.pod,
+                    ad.gpue,
+                    if ad.borrowed { ", borrowed" } else { "" },
+                    ad.tenant,
+                    ad.inuse_after,
+                    ad.budget,
+                    if ad.borrowed { ad.borrow_limit } else { 0 },
+                    ad.epoch
+                ),
             );
         }
         let t = &ad.tenant;
         let after: u64 = (0..w.agents.len()).map(|j| w.true_inuse(j, t)).sum();
+        let within: u64 = (0..w.agents.len()).map(|j| w.true_within_budgets(j, t)).sum();
         let reported: u64 = fed
             .clusters()
             .values()
-            .map(|rec| rec.usage.get(t).map_or(0, |u| u.inuse))
+            .map(|rec| rec.usage.get(t).map_or(0, |u| u.inuse_within_budgets()))
             .sum();
         let committed = fed.committed().get(t).copied().unwrap_or(0);
-        if after > committed.max(reported) {
+        if within > committed.max(reported) {
             return fail(
                 NAME,
                 now,
-                format!("{} admitted {} for {t}: federation-wide {after} > max(committed {committed}, reported {reported})", a.id, ad.pod),
+                format!(
+                    "{} admitted {} for {t}: federation-wide {within} within budgets > max(committed {committed}, reported {reported})",
+                    a.id, ad.pod
+                ),
             );
         }
         let cap = share_of(fed.capacity(), w.recent_max_share_bp(t));
         let was = before.get(t).copied().unwrap_or(0);
-        if after > was.max(cap) {
+        if after > was.max(cap) && w.max_share_binds_borrowing() {
             return fail(
                 NAME,
                 now,

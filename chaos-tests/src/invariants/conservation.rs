@@ -36,7 +36,12 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
     let now = w.now_ms;
     let fed = &w.oracle.fed;
     for a in &w.agents {
-        let mut tenants: Vec<&kvota_fairness::names::TenantName> = a.produced.keys().chain(a.metered.keys()).chain(a.unmetered.keys()).collect();
+        let mut tenants: Vec<&kvota_fairness::names::TenantName> = a
+            .produced
+            .keys()
+            .chain(a.metered.keys())
+            .chain(a.unmetered.keys())
+            .collect();
         tenants.sort();
         tenants.dedup();
         // Reports of an old process's journal that the standby never had: counted if
@@ -46,7 +51,9 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
             let start = r.window.map_or(0, |w| w.start_ms);
             let applied = w.oracle.applied_windows.get(&(a.id.clone(), r.seq)) == Some(&start);
             for (t, tr) in &r.tenants {
-                *(if applied { &mut lost_counted } else { &mut lost }).entry(t.as_str()).or_default() += tr.used_milli_gpue_ms;
+                *(if applied { &mut lost_counted } else { &mut lost })
+                    .entry(t.as_str())
+                    .or_default() += tr.used_milli_gpue_ms;
             }
         }
         for t in tenants {
@@ -70,17 +77,37 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
             }
         }
         if a.backlog() != 0 {
-            return fail(NAME, now, format!("{} still has {} unacknowledged reports after settling", a.id, a.backlog()));
+            return fail(
+                NAME,
+                now,
+                format!(
+                    "{} still has {} unacknowledged reports after settling",
+                    a.id,
+                    a.backlog()
+                ),
+            );
         }
         let last = fed.clusters().get(&a.id).map_or(0, |r| r.last_seq);
         if last + 1 != a.next_seq() {
-            return fail(NAME, now, format!("{}: control plane applied through seq {last}, agent wrote through {}", a.id, a.next_seq() - 1));
+            return fail(
+                NAME,
+                now,
+                format!(
+                    "{}: control plane applied through seq {last}, agent wrote through {}",
+                    a.id,
+                    a.next_seq() - 1
+                ),
+            );
         }
     }
     let ours = w.oracle.shadow.entries();
     let theirs = fed.ledger().entries();
     if ours != theirs {
-        return fail(NAME, now, format!("decayed ledger {theirs:?} differs from the applied reports decayed {ours:?}"));
+        return fail(
+            NAME,
+            now,
+            format!("decayed ledger {theirs:?} differs from the applied reports decayed {ours:?}"),
+        );
     }
     Ok(())
 }

@@ -21,15 +21,27 @@ const NAME: &str = "epochs";
 /// Checks and advances `last` (one entry per agent: the epoch, and the takeovers seen).
 pub fn check(w: &World, last: &mut [(u64, u64)]) -> Result<(), Violation> {
     for (a, (prev, takeovers)) in w.agents.iter().zip(last.iter_mut()) {
-        let e = if a.up {
+        let e = if a.serving_now() {
             a.state.lease.held_epoch()
+        } else if a.up {
+            // Restoring the kept state before the webhook serves: it starts from that.
+            let kept = a.kept.as_ref().and_then(|k| k.lease_epoch()).unwrap_or(0);
+            a.state.lease.held_epoch().max(kept)
         } else if a.standby_next {
             // What the standby will start from.
-            if a.kept_corrupt { 0 } else { a.kept.as_ref().and_then(|k| k.lease_epoch()).unwrap_or(0) }
+            if a.kept_corrupt {
+                0
+            } else {
+                a.kept.as_ref().and_then(|k| k.lease_epoch()).unwrap_or(0)
+            }
         } else {
             // A restart reads its journal's lease and the kept state.
-            let kept = if a.kept_corrupt { 0 } else { a.kept.as_ref().and_then(|k| k.lease_epoch()).unwrap_or(0) };
-            a.saved_lease.as_ref().map_or(0, |l| l.epoch).max(kept)
+            let kept = if a.kept_corrupt {
+                0
+            } else {
+                a.kept.as_ref().and_then(|k| k.lease_epoch()).unwrap_or(0)
+            };
+            a.disk_epoch.max(kept)
         };
         if a.takeovers > *takeovers {
             *takeovers = a.takeovers;
@@ -42,7 +54,11 @@ pub fn check(w: &World, last: &mut [(u64, u64)]) -> Result<(), Violation> {
             continue;
         }
         if e < *prev {
-            return fail(NAME, w.now_ms, format!("{} went back from epoch {} to {e}", a.id, *prev));
+            return fail(
+                NAME,
+                w.now_ms,
+                format!("{} went back from epoch {} to {e}", a.id, *prev),
+            );
         }
         *prev = e;
     }

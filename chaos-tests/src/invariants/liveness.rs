@@ -31,7 +31,12 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
         return fail(NAME, now, "no policy in force after settling".to_string());
     };
     let plan = fed.plan();
-    let want: Vec<u64> = plan.entitlements.iter().zip(&plan.inuse).map(|(e, &u)| e.total.max(u)).collect();
+    let want: Vec<u64> = plan
+        .entitlements
+        .iter()
+        .zip(&plan.inuse)
+        .map(|(e, &u)| e.total.max(u))
+        .collect();
     let fits = want.iter().sum::<u64>() <= plan.capacity;
     let describe = || {
         format!(
@@ -48,19 +53,44 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
         let committed = plan.committed.get(i).copied().unwrap_or(0);
         let wanted = want.get(i).copied().unwrap_or(0);
         if committed > wanted {
-            return fail(NAME, now, format!("{name}: committed {committed} > max(target, inuse) {wanted}; {}", describe()));
+            return fail(
+                NAME,
+                now,
+                format!(
+                    "{name}: committed {committed} > max(target, inuse) {wanted}; {}",
+                    describe()
+                ),
+            );
         }
         if fits && committed != wanted {
-            return fail(NAME, now, format!("{name} did not converge after healing: committed {committed} != {wanted}; {}", describe()));
+            return fail(
+                NAME,
+                now,
+                format!(
+                    "{name} did not converge after healing: committed {committed} != {wanted}; {}",
+                    describe()
+                ),
+            );
         }
         if fits {
             let Some(tp) = policy.tenant(name) else { continue };
             let guarantee = share_of(plan.capacity, tp.min_share_bp).min(plan.demand.get(i).copied().unwrap_or(0));
             let budgets: u64 = (0..w.agents.len())
-                .filter_map(|i| w.agents.get(i).map(|a| a.true_budget(name, now).max(w.true_inuse(i, name))))
+                .filter_map(|i| {
+                    w.agents
+                        .get(i)
+                        .map(|a| a.true_budget(name, now).max(w.true_inuse(i, name)))
+                })
                 .sum();
             if budgets < guarantee {
-                return fail(NAME, now, format!("{name}: what it holds or may admit adds up to {budgets} < guarantee {guarantee}; {}", describe()));
+                return fail(
+                    NAME,
+                    now,
+                    format!(
+                        "{name}: what it holds or may admit adds up to {budgets} < guarantee {guarantee}; {}",
+                        describe()
+                    ),
+                );
             }
         }
     }
@@ -70,11 +100,23 @@ pub fn check_end(w: &World) -> Result<(), Violation> {
         }
         let latest = fed.clusters().get(&a.id).map_or(0, |r| r.leases.last_epoch);
         if a.state.lease.held_epoch() != latest {
-            return fail(NAME, now, format!("{} holds epoch {} but the latest issued is {latest}", a.id, a.state.lease.held_epoch()));
+            return fail(
+                NAME,
+                now,
+                format!(
+                    "{} holds epoch {} but the latest issued is {latest}",
+                    a.id,
+                    a.state.lease.held_epoch()
+                ),
+            );
         }
         let status = a.state.lease.status(a.clock(now));
         if matches!(status, LeaseStatus::Safe | LeaseStatus::None) {
-            return fail(NAME, now, format!("{}'s lease is not in force after settling: {status}", a.id));
+            return fail(
+                NAME,
+                now,
+                format!("{}'s lease is not in force after settling: {status}", a.id),
+            );
         }
     }
     Ok(())

@@ -1,14 +1,15 @@
 //! The invariants, one module each; every module's doc comment states its invariant.
 //!
 //! Checked continuously (after every 100 ms step): [`partition_safety`], [`admission`]
-//! (at every admission), [`epochs`], [`takeover`] (at every agent restart), and the
-//! at-most-once part of [`conservation`].
+//! and [`lending`] (at every admission, and lent GPUs taken back in time), [`epochs`],
+//! [`takeover`] (at every agent restart), and the at-most-once part of [`conservation`].
 //! Checked once all faults have healed and the federation settled: [`conservation`],
 //! [`liveness`], [`replicas`].
 
 pub mod admission;
 pub mod conservation;
 pub mod epochs;
+pub mod lending;
 pub mod liveness;
 pub mod partition_safety;
 pub mod replicas;
@@ -29,11 +30,19 @@ pub struct Violation {
 
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invariant `{}` broken at t={} ms: {}", self.invariant, self.at_ms, self.detail)
+        write!(
+            f,
+            "invariant `{}` broken at t={} ms: {}",
+            self.invariant, self.at_ms, self.detail
+        )
     }
 }
 
 /// Shorthand for an `Err(Violation)`.
 pub(crate) fn fail<T>(invariant: &'static str, at_ms: u64, detail: String) -> Result<T, Violation> {
-    Err(Violation { invariant, at_ms, detail })
+    Err(Violation {
+        invariant,
+        at_ms,
+        detail,
+    })
 }

@@ -1,19 +1,22 @@
-//! **Partition safety** (CONTRACT.md, "Budgets and partition safety"), against ground
-//! truth, after every step. For every tenant `t`:
+//! **Partition safety** (docs/guarantees.md G14 (a)), against ground
+//! truth, after every step. For every tenant `t`, with borrowed pods left out:
 //!
 //! ```text
-//! sum_c max(true_inuse_tc, true_budget_tc) <= max(committed_t, sum_c reported_inuse_tc)
+//! sum_c max(true_within_tc, true_budget_tc) <= max(committed_t, sum_c reported_within_tc)
 //! ```
 //!
-//! where `true_inuse_tc` is what the simulated cluster really holds for `t` (running plus
-//! admitted-unbound pods), `true_budget_tc` the budget the agent really enforces at this
-//! instant (its lease or fallback; 0 while the agent is down), and `committed_t`,
-//! `reported_inuse_tc` come from the committed control-plane state (what every present
-//! and future leader knows). Per cluster, the control plane's accounting must cover the
-//! truth: `true_budget_tc <= enforceable_tc` and `true_inuse_tc <= hold_tc`, evaluated
-//! at the latest time any control-plane clock may show now (real time plus the largest
-//! node clock offset). Also the state machine's own check (`Federation::check_safety`,
-//! including `sum_t committed_t <= G`) must be empty.
+//! where `true_within_tc` is what the simulated cluster really holds for `t` (running plus
+//! admitted-unbound pods) except the pods admitted on borrowed GPUs (ground truth: the
+//! world records each borrowed admission), `true_budget_tc` the budget the agent really
+//! enforces at this instant (its lease or fallback; 0 while its webhook does not serve),
+//! and `committed_t`, `reported_within_tc` (the reported in-use without what the report
+//! says borrowed pods hold) come from the committed control-plane state (what every
+//! present and future leader knows). Per cluster, the control plane's accounting must
+//! cover the truth: `true_budget_tc <= enforceable_tc` and `true_within_tc <=
+//! held_within_budgets_tc`, evaluated at the latest time any control-plane clock may show
+//! now (real time plus the largest node clock offset). Also the state machine's own
+//! check (`Federation::check_safety`, borrowed usage left out, including `sum_t
+//! committed_t <= G`) must be empty. Borrowed pods are bounded instead by [`super::lending`].
 
 use super::{fail, Violation};
 use crate::world::World;
@@ -38,12 +41,12 @@ pub fn check(w: &World) -> Result<(), Violation> {
                 Some(rec) => {
                     let u = rec.usage.get(&t).copied().unwrap_or_default();
                     let enf = rec.leases.enforceable(&t, t_cp);
-                    (enf, u.hold(enf), u.inuse)
+                    (enf, u.held_within_budgets(enf), u.inuse_within_budgets())
                 }
                 None => (0, 0, 0),
             };
             let tb = a.true_budget(&t, now);
-            let ti = w.true_inuse(i, &t);
+            let ti = w.true_within_budgets(i, &t);
             if tb > enf {
                 return fail(
                     NAME,
@@ -57,7 +60,11 @@ pub fn check(w: &World) -> Result<(), Violation> {
                 );
             }
             if ti > hold {
-                return fail(NAME, now, format!("{} holds {ti} of {t}; the control plane assumes at most {hold}", a.id));
+                return fail(
+                    NAME,
+                    now,
+                    format!("{} holds {ti} of {t}; the control plane assumes at most {hold}", a.id),
+                );
             }
             truth += ti.max(tb);
             reported += inuse;
@@ -68,7 +75,10 @@ pub fn check(w: &World) -> Result<(), Violation> {
             return fail(
                 NAME,
                 now,
-                format!("tenant {t}: clusters may hold {truth} > max(committed, reported in-use) = {bound} [{}]", parts.join("; ")),
+                format!(
+                    "tenant {t}: clusters may hold {truth} > max(committed, reported in-use) = {bound} [{}]",
+                    parts.join("; ")
+                ),
             );
         }
     }

@@ -9,8 +9,8 @@
 //! `--queue-bypass` and the queue's fail-open flag let traffic through unharmed if this
 //! thread is gone or the queue is full.
 
-use std::collections::BinaryHeap;
 use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -102,7 +102,11 @@ fn parse(buf: &[u8]) -> (Vec<u32>, Vec<i32>) {
                     break;
                 }
                 if akind & 0x7fff == NFQA_PACKET_HDR {
-                    if let Some(id) = msg.get(a + 4..a + 8).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes) {
+                    if let Some(id) = msg
+                        .get(a + 4..a + 8)
+                        .and_then(|b| b.try_into().ok())
+                        .map(u32::from_be_bytes)
+                    {
                         ids.push(id);
                     }
                 }
@@ -147,11 +151,26 @@ impl Delay {
             Ok(Err(e)) => return Err(e),
             Err(_) => return Err("the delay thread did not bind its queue within 5 s".into()),
         }
-        let rule: Vec<String> = ["OUTPUT", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", &queue.to_string(), "--queue-bypass"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        let mut d = Delay { ns: ns.to_string(), rule, stop, delayed, thread: Some(thread) };
+        let rule: Vec<String> = [
+            "OUTPUT",
+            "-o",
+            "eth0",
+            "-j",
+            "NFQUEUE",
+            "--queue-num",
+            &queue.to_string(),
+            "--queue-bypass",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut d = Delay {
+            ns: ns.to_string(),
+            rule,
+            stop,
+            delayed,
+            thread: Some(thread),
+        };
         d.iptables("-I")?;
         Ok(d)
     }
@@ -175,7 +194,10 @@ impl Delay {
     fn finish(&mut self) -> Result<u64, String> {
         let removed = self.iptables("-D");
         self.stop.store(true, Ordering::SeqCst);
-        let joined = self.thread.take().map(|t| t.join().unwrap_or_else(|_| Err("the delay thread panicked".into())));
+        let joined = self
+            .thread
+            .take()
+            .map(|t| t.join().unwrap_or_else(|_| Err("the delay thread panicked".into())));
         removed?;
         if let Some(r) = joined {
             r?;
@@ -196,19 +218,27 @@ impl Delay {
         // Only this thread enters the namespace; the socket made next belongs to it.
         rustix::thread::move_into_link_name_space(f.as_fd(), Some(rustix::thread::LinkNameSpaceType::Network))
             .map_err(|e| format!("enter namespace {ns}: {e}"))?;
-        let sock = rustix::net::socket(AddressFamily::NETLINK, SocketType::RAW, Some(NETFILTER)).map_err(|e| format!("netlink socket: {e}"))?;
+        let sock = rustix::net::socket(AddressFamily::NETLINK, SocketType::RAW, Some(NETFILTER))
+            .map_err(|e| format!("netlink socket: {e}"))?;
         rustix::net::bind(&sock, &SocketAddrNetlink::new(0, 0)).map_err(|e| format!("bind netlink: {e}"))?;
         let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 4 << 20);
         // Wake up often enough to release packets on time (the jitter's resolution).
-        rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, Some(Duration::from_millis(2)))
-            .map_err(|e| format!("netlink timeout: {e}"))?;
+        rustix::net::sockopt::set_socket_timeout(
+            &sock,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(Duration::from_millis(2)),
+        )
+        .map_err(|e| format!("netlink timeout: {e}"))?;
         let config = message(
             NFQNL_MSG_CONFIG,
             NLM_F_REQUEST | NLM_F_ACK,
             1,
             queue,
             &[
-                (NFQA_CFG_CMD, vec![NFQNL_CFG_CMD_BIND, 0, 0, 2 /* AF_INET, big-endian */]),
+                (
+                    NFQA_CFG_CMD,
+                    vec![NFQNL_CFG_CMD_BIND, 0, 0, 2 /* AF_INET, big-endian */],
+                ),
                 (NFQA_CFG_PARAMS, vec![0, 0, 0, 0, NFQNL_COPY_META]),
                 (NFQA_CFG_QUEUE_MAXLEN, QUEUE_MAXLEN.to_be_bytes().to_vec()),
                 (NFQA_CFG_MASK, NFQA_CFG_F_FAIL_OPEN.to_be_bytes().to_vec()),
@@ -217,10 +247,13 @@ impl Delay {
         );
         rustix::net::send(&sock, &config, SendFlags::empty()).map_err(|e| format!("bind queue {queue}: {e}"))?;
         let mut buf = vec![0u8; 1 << 16];
-        let (n, _) = rustix::net::recv(&sock, &mut buf[..], RecvFlags::empty()).map_err(|e| format!("bind queue {queue}: no answer: {e}"))?;
+        let (n, _) = rustix::net::recv(&sock, &mut buf[..], RecvFlags::empty())
+            .map_err(|e| format!("bind queue {queue}: no answer: {e}"))?;
         let (_, errors) = parse(&buf[..n]);
         if let Some(e) = errors.first() {
-            return Err(format!("bind queue {queue}: kernel error {e} (is another process bound to it?)"));
+            return Err(format!(
+                "bind queue {queue}: kernel error {e} (is another process bound to it?)"
+            ));
         }
         let _ = ready.send(Ok(()));
         let mut held: BinaryHeap<Reverse<(Instant, u32)>> = BinaryHeap::new();
@@ -255,7 +288,8 @@ impl Delay {
                 hdr.extend_from_slice(&id.to_be_bytes());
                 seq = seq.wrapping_add(1);
                 let v = message(NFQNL_MSG_VERDICT, NLM_F_REQUEST, seq, queue, &[(NFQA_VERDICT_HDR, hdr)]);
-                rustix::net::send(&sock, &v, SendFlags::empty()).map_err(|e| format!("verdict for packet {id}: {e}"))?;
+                rustix::net::send(&sock, &v, SendFlags::empty())
+                    .map_err(|e| format!("verdict for packet {id}: {e}"))?;
                 delayed.fetch_add(1, Ordering::SeqCst);
             }
             // Stopping: the rule is gone; release what is held and what is still queued.

@@ -36,20 +36,34 @@ impl Webhook {
     /// certificate names `localhost`.
     pub fn new(addr: String, ca: &[u8]) -> Result<Webhook, String> {
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(CertificateDer::from(ca.to_vec())).map_err(|e| format!("trust the test CA: {e}"))?;
+        roots
+            .add(CertificateDer::from(ca.to_vec()))
+            .map_err(|e| format!("trust the test CA: {e}"))?;
         let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("TLS versions: {e}"))?
             .with_root_certificates(roots)
             .with_no_client_auth();
-        Ok(Webhook { addr, tls: tokio_rustls::TlsConnector::from(Arc::new(cfg)), conn: Arc::new(Mutex::new(None)) })
+        Ok(Webhook {
+            addr,
+            tls: tokio_rustls::TlsConnector::from(Arc::new(cfg)),
+            conn: Arc::new(Mutex::new(None)),
+        })
     }
 
     async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, String> {
-        let tcp = tokio::net::TcpStream::connect(&self.addr).await.map_err(|e| format!("connect {}: {e}", self.addr))?;
+        let tcp = tokio::net::TcpStream::connect(&self.addr)
+            .await
+            .map_err(|e| format!("connect {}: {e}", self.addr))?;
         let name = ServerName::try_from("localhost").map_err(|e| e.to_string())?;
-        let tls = self.tls.connect(name, tcp).await.map_err(|e| format!("TLS to {}: {e}", self.addr))?;
-        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.map_err(|e| format!("HTTP to {}: {e}", self.addr))?;
+        let tls = self
+            .tls
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS to {}: {e}", self.addr))?;
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| format!("HTTP to {}: {e}", self.addr))?;
         tokio::spawn(conn);
         Ok(send)
     }
@@ -62,7 +76,9 @@ impl Webhook {
                 Some(s) if !s.is_closed() => s,
                 _ => self.connect().await?,
             };
-            send.ready().await.map_err(|e| format!("{}: connection not ready: {e}", self.addr))?;
+            send.ready()
+                .await
+                .map_err(|e| format!("{}: connection not ready: {e}", self.addr))?;
             let req = hyper::Request::builder()
                 .method(method)
                 .uri(path)
@@ -70,20 +86,35 @@ impl Webhook {
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(body)))
                 .map_err(|e| e.to_string())?;
-            let resp = send.send_request(req).await.map_err(|e| format!("{} {path}: {e}", self.addr))?;
+            let resp = send
+                .send_request(req)
+                .await
+                .map_err(|e| format!("{} {path}: {e}", self.addr))?;
             let status = resp.status().as_u16();
-            let body = resp.into_body().collect().await.map_err(|e| format!("{} {path}: body: {e}", self.addr))?.to_bytes().to_vec();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("{} {path}: body: {e}", self.addr))?
+                .to_bytes()
+                .to_vec();
             *slot = Some(send);
             Ok((status, body))
         };
-        tokio::time::timeout(REQUEST_TIMEOUT, fut).await.map_err(|_| format!("{} {path}: no answer within {REQUEST_TIMEOUT:?}", self.addr))?
+        tokio::time::timeout(REQUEST_TIMEOUT, fut)
+            .await
+            .map_err(|_| format!("{} {path}: no answer within {REQUEST_TIMEOUT:?}", self.addr))?
     }
 
     /// The agent's metrics, parsed.
     pub async fn metrics(&self) -> Result<Metrics, String> {
         match self.request("GET", "/metrics", Vec::new()).await? {
             (200, body) => Ok(Metrics(String::from_utf8_lossy(&body).to_string())),
-            (s, body) => Err(format!("{} /metrics: HTTP {s}: {}", self.addr, String::from_utf8_lossy(&body))),
+            (s, body) => Err(format!(
+                "{} /metrics: HTTP {s}: {}",
+                self.addr,
+                String::from_utf8_lossy(&body)
+            )),
         }
     }
 }
@@ -97,8 +128,12 @@ pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
 /// kernel and never answers: polls use a short one).
 pub async fn http_get_within(addr: &str, path: &str, within: Duration) -> Result<(u16, String), String> {
     let fut = async {
-        let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
-        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(|e| format!("HTTP to {addr}: {e}"))?;
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| format!("HTTP to {addr}: {e}"))?;
         tokio::spawn(conn);
         let req = hyper::Request::builder()
             .uri(path)
@@ -107,10 +142,17 @@ pub async fn http_get_within(addr: &str, path: &str, within: Duration) -> Result
             .map_err(|e| e.to_string())?;
         let resp = send.send_request(req).await.map_err(|e| format!("{addr}{path}: {e}"))?;
         let status = resp.status().as_u16();
-        let body = resp.into_body().collect().await.map_err(|e| format!("{addr}{path}: body: {e}"))?.to_bytes();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("{addr}{path}: body: {e}"))?
+            .to_bytes();
         Ok((status, String::from_utf8_lossy(&body).to_string()))
     };
-    tokio::time::timeout(within, fut).await.map_err(|_| format!("{addr}{path}: no answer within {within:?}"))?
+    tokio::time::timeout(within, fut)
+        .await
+        .map_err(|_| format!("{addr}{path}: no answer within {within:?}"))?
 }
 
 /// A Prometheus text exposition.
@@ -123,7 +165,10 @@ impl Metrics {
     pub fn get(&self, series: &str) -> Option<u64> {
         self.0.lines().find_map(|l| {
             let v = l.strip_prefix(series)?.strip_prefix(' ')?;
-            v.trim().parse::<u64>().ok().or_else(|| v.trim().parse::<i64>().ok().map(|x| u64::try_from(x).unwrap_or(0)))
+            v.trim()
+                .parse::<u64>()
+                .ok()
+                .or_else(|| v.trim().parse::<i64>().ok().map(|x| u64::try_from(x).unwrap_or(0)))
         })
     }
 

@@ -85,7 +85,11 @@ fn milli(s: &str) -> Option<u64> {
         return None;
     }
     let whole: u64 = whole.parse().ok()?;
-    let frac: u64 = if frac.is_empty() { 0 } else { format!("{frac:0<3}").parse().ok()? };
+    let frac: u64 = if frac.is_empty() {
+        0
+    } else {
+        format!("{frac:0<3}").parse().ok()?
+    };
     Some(whole * 1000 + frac)
 }
 
@@ -137,7 +141,8 @@ impl Load {
                         let answer = hook.request("POST", "/validate", review(&uid, ns)).await;
                         let mut b = lock(&book);
                         match answer.and_then(|(status, body)| {
-                            let v: Value = serde_json::from_slice(&body).map_err(|e| format!("HTTP {status}, not JSON: {e}"))?;
+                            let v: Value =
+                                serde_json::from_slice(&body).map_err(|e| format!("HTTP {status}, not JSON: {e}"))?;
                             if status != 200 || v["response"]["uid"] != uid.as_str() {
                                 return Err(format!("HTTP {status}: {v}"));
                             }
@@ -148,11 +153,21 @@ impl Load {
                                 match admitted_numbers(msg) {
                                     Some((after, budget)) => {
                                         if after > budget {
-                                            b.violation(format!("{cluster}: {uid} admitted above the budget it was judged by: {msg}"));
+                                            b.violation(format!(
+                                                "{cluster}: {uid} admitted above the budget it was judged by: {msg}"
+                                            ));
                                         }
-                                        b.admissions.push(Admission { at: Instant::now(), cluster: cluster.clone(), tenant: tenant.to_string(), after, budget });
+                                        b.admissions.push(Admission {
+                                            at: Instant::now(),
+                                            cluster: cluster.clone(),
+                                            tenant: tenant.to_string(),
+                                            after,
+                                            budget,
+                                        });
                                     }
-                                    None => b.violation(format!("{cluster}: {uid} admitted without the numbers: {msg}")),
+                                    None => {
+                                        b.violation(format!("{cluster}: {uid} admitted without the numbers: {msg}"))
+                                    }
                                 }
                             }
                             Ok(_) => b.denied += 1,
@@ -242,6 +257,9 @@ impl Drop for Load {
 fn admission_messages_give_their_numbers() {
     let m = "kvota: admitted: tenant `training` holds 1.5 + 1 = 2.5 of its 3.25 GPUe budget in cluster `east`";
     assert_eq!(admitted_numbers(m), Some((2500, 3250)));
-    assert_eq!(admitted_numbers("kvota: admitted: tenant `t` holds 0 + 1 = 1 of its 1 GPUe budget in cluster `c`"), Some((1000, 1000)));
+    assert_eq!(
+        admitted_numbers("kvota: admitted: tenant `t` holds 0 + 1 = 1 of its 1 GPUe budget in cluster `c`"),
+        Some((1000, 1000))
+    );
     assert_eq!(admitted_numbers("kvota: pod requests no GPUs; not judged"), None);
 }

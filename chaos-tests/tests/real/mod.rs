@@ -74,8 +74,22 @@ pub enum Timing {
 impl Timing {
     fn flags(self) -> [&'static str; 6] {
         match self {
-            Timing::Lan => ["--heartbeat-ms", "100", "--election-timeout-min-ms", "600", "--election-timeout-max-ms", "1200"],
-            Timing::Wan => ["--heartbeat-ms", "500", "--election-timeout-min-ms", "2500", "--election-timeout-max-ms", "5000"],
+            Timing::Lan => [
+                "--heartbeat-ms",
+                "100",
+                "--election-timeout-min-ms",
+                "600",
+                "--election-timeout-max-ms",
+                "1200",
+            ],
+            Timing::Wan => [
+                "--heartbeat-ms",
+                "500",
+                "--election-timeout-min-ms",
+                "2500",
+                "--election-timeout-max-ms",
+                "5000",
+            ],
         }
     }
 }
@@ -88,22 +102,34 @@ pub const CLUSTERS: [&str; 3] = ["east", "west", "north"];
 /// missing. `extra` names further tools a scenario needs.
 pub fn prerequisites(scenario: &str, extra: &[&str]) -> bool {
     let mut missing = Vec::new();
-    let uid = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:").map(|v| v.split_whitespace().next().unwrap_or("").to_string())));
+    let uid = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+        s.lines().find_map(|l| {
+            l.strip_prefix("Uid:")
+                .map(|v| v.split_whitespace().next().unwrap_or("").to_string())
+        })
+    });
     if uid.as_deref() != Some("0") {
         missing.push("root (network namespaces and links need CAP_NET_ADMIN; run as root)".to_string());
     }
     for tool in std::iter::once(&"ip").chain(extra) {
-        let ok = Command::new(tool).arg(if *tool == "ip" { "-V" } else { "--version" }).output().is_ok_and(|o| o.status.success());
+        let ok = Command::new(tool)
+            .arg(if *tool == "ip" { "-V" } else { "--version" })
+            .output()
+            .is_ok_and(|o| o.status.success());
         if !ok {
-            missing.push(format!("`{tool}` (Debian: apt-get install {})", if *tool == "ip" { "iproute2" } else { tool }));
+            missing.push(format!(
+                "`{tool}` (Debian: apt-get install {})",
+                if *tool == "ip" { "iproute2" } else { tool }
+            ));
         }
     }
     if missing.is_empty() {
         return true;
     }
-    let msg = format!("real-process fault test `{scenario}` cannot run here; missing: {}", missing.join("; "));
+    let msg = format!(
+        "real-process fault test `{scenario}` cannot run here; missing: {}",
+        missing.join("; ")
+    );
     if std::env::var(SKIP_VAR).as_deref() == Ok("skip") {
         eprintln!("SKIPPED ({SKIP_VAR}=skip): {msg}");
         return false;
@@ -130,7 +156,10 @@ pub fn kvota_bin() -> PathBuf {
         return p;
     }
     let exe = std::env::current_exe().expect("the test binary's own path");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("test binary in <target>/<profile>/deps");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary in <target>/<profile>/deps");
     let target_dir = profile_dir.parent().expect("<target>/<profile>");
     let bin = profile_dir.join("kvota");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -148,21 +177,39 @@ pub fn kvota_bin() -> PathBuf {
         Some(p) => p.to_string(),
     };
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-    eprintln!("real_faults: building {} (missing or older than its sources)", bin.display());
+    eprintln!(
+        "real_faults: building {} (missing or older than its sources)",
+        bin.display()
+    );
     let out = Command::new(&cargo)
-        .args(["build", "--quiet", "-p", "kvota", "--bin", "kvota", "--profile", &profile])
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "kvota",
+            "--bin",
+            "kvota",
+            "--profile",
+            &profile,
+        ])
         .arg("--manifest-path")
         .arg(root.join("Cargo.toml"))
         .arg("--target-dir")
         .arg(target_dir)
         .output()
-        .unwrap_or_else(|e| panic!("run `{cargo} build -p kvota` to get the binary under test: {e} (or set KVOTA_BIN)"));
+        .unwrap_or_else(|e| {
+            panic!("run `{cargo} build -p kvota` to get the binary under test: {e} (or set KVOTA_BIN)")
+        });
     assert!(
         out.status.success(),
         "`cargo build -p kvota --profile {profile}` failed (set KVOTA_BIN to use a built binary):\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(bin.is_file(), "built kvota, but {} is missing (cross target? set KVOTA_BIN)", bin.display());
+    assert!(
+        bin.is_file(),
+        "built kvota, but {} is missing (cross target? set KVOTA_BIN)",
+        bin.display()
+    );
     bin
 }
 
@@ -202,7 +249,11 @@ pub struct Proc {
 
 impl Proc {
     fn start(&mut self, bin: &Path) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open a process log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open a process log");
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.ns])
             .arg(bin)
@@ -212,7 +263,9 @@ impl Proc {
             .stdout(Stdio::null())
             .stderr(Stdio::from(log));
         // `ip netns exec` execs the program: the child's pid is kvota's own.
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("start {} in {}: {e}", self.name, self.ns));
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {} in {}: {e}", self.name, self.ns));
         self.stdin = child.stdin.take();
         self.child = Some(child);
     }
@@ -310,12 +363,18 @@ impl Fed {
             return None;
         }
         let bin = kvota_bin();
-        let dir = tempfile::Builder::new().prefix("kvota-real-").tempdir().expect("temp dir");
+        let dir = tempfile::Builder::new()
+            .prefix("kvota-real-")
+            .tempdir()
+            .expect("temp dir");
         let net = Net::build(3, 3).unwrap_or_else(|e| panic!("build the test network for `{scenario}`: {e}"));
         let servers: Vec<net::Host> = net.hosts.iter().filter(|h| h.name.starts_with('s')).cloned().collect();
         let cp: Vec<String> = servers.iter().map(|h| format!("{}:7401", h.addr)).collect();
-        let members: Vec<String> =
-            servers.iter().enumerate().map(|(i, h)| format!("{}={}:7401,{}:7501,{}:7601", i + 1, h.addr, h.addr, h.addr)).collect();
+        let members: Vec<String> = servers
+            .iter()
+            .enumerate()
+            .map(|(i, h)| format!("{}={}:7401,{}:7501,{}:7601", i + 1, h.addr, h.addr, h.addr))
+            .collect();
         let mut procs = Vec::new();
         for (i, h) in servers.iter().enumerate() {
             let mut args: Vec<String> = [
@@ -344,7 +403,14 @@ impl Fed {
                     args.extend(["--member".to_string(), m.clone()]);
                 }
             }
-            procs.push(Proc { name: h.name.clone(), ns: h.ns.clone(), args, log: dir.path().join(format!("{}.log", h.name)), child: None, stdin: None });
+            procs.push(Proc {
+                name: h.name.clone(),
+                ns: h.ns.clone(),
+                args,
+                log: dir.path().join(format!("{}.log", h.name)),
+                child: None,
+                stdin: None,
+            });
         }
         let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("make a test certificate");
         std::fs::write(dir.path().join("tls.crt"), cert.cert.pem()).expect("write tls.crt");
@@ -376,17 +442,40 @@ impl Fed {
                 "--data-dir".into(),
                 dir.path().join(&h.name).display().to_string(),
             ];
-            procs.push(Proc { name: h.name.clone(), ns: h.ns.clone(), args, log: dir.path().join(format!("{}.log", h.name)), child: None, stdin: None });
+            procs.push(Proc {
+                name: h.name.clone(),
+                ns: h.ns.clone(),
+                args,
+                log: dir.path().join(format!("{}.log", h.name)),
+                child: None,
+                stdin: None,
+            });
             let lan = h.lan_addr.clone().expect("agents have a second link");
-            hooks.push((cluster.to_string(), Webhook::new(format!("{lan}:8443"), cert.cert.der()).expect("webhook client")));
+            hooks.push((
+                cluster.to_string(),
+                Webhook::new(format!("{lan}:8443"), cert.cert.der()).expect("webhook client"),
+            ));
         }
         let dir_path = dir.path().to_path_buf();
-        let mut fed = Fed { scenario: scenario.to_string(), procs, hooks, net, cp: cp.join(","), bin, dir: Some(dir), started: Instant::now(), notes: Vec::new() };
+        let mut fed = Fed {
+            scenario: scenario.to_string(),
+            procs,
+            hooks,
+            net,
+            cp: cp.join(","),
+            bin,
+            dir: Some(dir),
+            started: Instant::now(),
+            notes: Vec::new(),
+        };
         for i in 0..3 {
             let bin = fed.bin.clone();
             fed.procs[i].start(&bin);
         }
-        let (leader, t) = fed.wait_leader(Duration::from_secs(30)).await.unwrap_or_else(|e| fed.fail(&e));
+        let (leader, t) = fed
+            .wait_leader(Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|e| fed.fail(&e));
         fed.note(format!("control plane up, leader s{leader}, in {t:?}"));
         let policy = dir_path.join("policy.yaml").display().to_string();
         let (_, t) = eventually("apply the policy", Duration::from_secs(20), || async {
@@ -429,7 +518,10 @@ impl Fed {
 
     /// The process named `name`.
     pub fn proc(&mut self, name: &str) -> &mut Proc {
-        self.procs.iter_mut().find(|p| p.name == name).unwrap_or_else(|| panic!("no process {name}"))
+        self.procs
+            .iter_mut()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no process {name}"))
     }
 
     /// Restarts a stopped process with its arguments and data directory.
@@ -449,7 +541,10 @@ impl Fed {
     /// As [`Fed::cli`], against the given `--cp` addresses.
     pub async fn cli_at(&self, cp: &str, args: &[&str], json: bool) -> Result<Value, String> {
         let mut cmd = tokio::process::Command::new(&self.bin);
-        cmd.args(args).args(["--cp", cp]).kill_on_drop(true).stdin(Stdio::null());
+        cmd.args(args)
+            .args(["--cp", cp])
+            .kill_on_drop(true)
+            .stdin(Stdio::null());
         if json {
             cmd.arg("--json");
         }
@@ -460,7 +555,11 @@ impl Fed {
             .map_err(|_| format!("`kvota {}` did not finish within 15 s", args.join(" ")))?
             .map_err(|e| format!("run kvota {}: {e}", args.join(" ")))?;
         if !out.status.success() {
-            return Err(format!("`kvota {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+            return Err(format!(
+                "`kvota {}` failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
         }
         if !json {
             return Ok(Value::Null);
@@ -487,9 +586,22 @@ impl Fed {
 
     /// Waits for exactly one leader that every answering server agrees on; its 1-based id.
     pub async fn wait_leader(&self, within: Duration) -> Result<(u64, Duration), String> {
+        self.wait_leader_without(None, within).await
+    }
+
+    /// As [`Fed::wait_leader`], not asking node `frozen` (1-based): a node just sent
+    /// SIGSTOP may still answer for a moment on a loaded machine, with what it believed.
+    pub async fn wait_leader_without(&self, frozen: Option<u64>, within: Duration) -> Result<(u64, Duration), String> {
         eventually("one leader all answering servers agree on", within, || async {
-            let st = self.statuses().await;
-            let leaders: Vec<u64> = st.values().filter(|v| v["role"] == "leader").filter_map(|v| v["node_id"].as_u64()).collect();
+            let mut st = self.statuses().await;
+            if let Some(f) = frozen {
+                st.retain(|i, _| u64::try_from(*i + 1).ok() != Some(f));
+            }
+            let leaders: Vec<u64> = st
+                .values()
+                .filter(|v| v["role"] == "leader")
+                .filter_map(|v| v["node_id"].as_u64())
+                .collect();
             let seen: Vec<Option<u64>> = st.values().map(|v| v["leader_id"].as_u64()).collect();
             match leaders.as_slice() {
                 [l] if st.len() >= 2 && seen.iter().all(|s| *s == Some(*l)) => Ok(*l),
@@ -522,29 +634,37 @@ impl Fed {
     /// The control plane's per-cluster records (`kvota clusters --json`) at `cp`.
     pub async fn clusters_at(&self, cp: &str) -> Result<BTreeMap<String, Value>, String> {
         let v = self.cli_at(cp, &["clusters"], true).await?;
-        Ok(v.as_array().ok_or("clusters: not a list")?.iter().filter_map(|c| Some((c["cluster"].as_str()?.to_string(), c.clone()))).collect())
+        Ok(v.as_array()
+            .ok_or("clusters: not a list")?
+            .iter()
+            .filter_map(|c| Some((c["cluster"].as_str()?.to_string(), c.clone())))
+            .collect())
     }
 
     /// Recovery: every server ready and agreeing on one leader, every agent's lease fresh
     /// and journal drained. Fails the scenario if not within `within`; the time it took.
     pub async fn recover(&mut self, within: Duration) -> Duration {
-        let (_, t) = eventually("recovery (servers ready, one leader, leases fresh, journals drained)", within, || async {
-            for i in 0..3 {
-                let addr = format!("{}:7501", self.server(i).addr);
-                match http_get_within(&addr, "/readyz", Duration::from_millis(800)).await {
-                    Ok((200, _)) => {}
-                    other => return Err(format!("s{} /readyz: {other:?}", i + 1)),
+        let (_, t) = eventually(
+            "recovery (servers ready, one leader, leases fresh, journals drained)",
+            within,
+            || async {
+                for i in 0..3 {
+                    let addr = format!("{}:7501", self.server(i).addr);
+                    match http_get_within(&addr, "/readyz", Duration::from_millis(800)).await {
+                        Ok((200, _)) => {}
+                        other => return Err(format!("s{} /readyz: {other:?}", i + 1)),
+                    }
                 }
-            }
-            self.wait_leader(Duration::ZERO).await?;
-            for (c, m) in self.agent_metrics().await? {
-                let (state, backlog) = (m.lease_state(), m.get("kvota_agent_journal_backlog"));
-                if state != "fresh" || backlog != Some(0) {
-                    return Err(format!("{c}: lease {state}, backlog {backlog:?}"));
+                self.wait_leader(Duration::ZERO).await?;
+                for (c, m) in self.agent_metrics().await? {
+                    let (state, backlog) = (m.lease_state(), m.get("kvota_agent_journal_backlog"));
+                    if state != "fresh" || backlog != Some(0) {
+                        return Err(format!("{c}: lease {state}, backlog {backlog:?}"));
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+        )
         .await
         .unwrap_or_else(|e| self.fail(&e));
         self.note(format!("recovered in {t:?} (bound {within:?})"));
@@ -556,53 +676,71 @@ impl Fed {
     /// read, and each tenant's ledger lies between the sum of the agents' reported usage
     /// read before and after it (less decay and rounding, bounded below).
     pub async fn check_ledger(&mut self) {
-        let (line, _) = eventually("the ledger equal to the agents' reported usage", Duration::from_secs(15), || async {
-            let before = self.agent_metrics().await?;
-            for (c, m) in &before {
-                if m.get("kvota_agent_journal_backlog") != Some(0) {
-                    return Err(format!("{c}: backlog {:?}", m.get("kvota_agent_journal_backlog")));
+        let (line, _) = eventually(
+            "the ledger equal to the agents' reported usage",
+            Duration::from_secs(15),
+            || async {
+                let before = self.agent_metrics().await?;
+                for (c, m) in &before {
+                    if m.get("kvota_agent_journal_backlog") != Some(0) {
+                        return Err(format!("{c}: backlog {:?}", m.get("kvota_agent_journal_backlog")));
+                    }
                 }
-            }
-            // Read from the leader: an acknowledged report is applied there.
-            let st = self.statuses().await;
-            let leader = st.iter().find(|(_, v)| v["role"] == "leader").map(|(i, _)| *i).ok_or("no leader")?;
-            let at = format!("{}:7401", self.server(leader).addr);
-            let clusters = self.clusters_at(&at).await?;
-            let tenants = self.cli_at(&at, &["tenants"], true).await?;
-            let after = self.agent_metrics().await?;
-            let mut out = Vec::new();
-            for (c, m) in &before {
-                let s0 = m.get("kvota_agent_journal_last_seq").unwrap_or(0);
-                let s1 = after.get(c).and_then(|m| m.get("kvota_agent_journal_last_seq")).unwrap_or(0);
-                let cp = clusters.get(c).and_then(|v| v["last_seq"].as_u64()).ok_or(format!("{c} unknown to the control plane"))?;
-                if !(s0 <= cp && cp <= s1) || s0 == 0 {
-                    return Err(format!("{c}: control plane applied through report {cp}, agent wrote {s0}..{s1} with backlog 0"));
+                // Read from the leader: an acknowledged report is applied there.
+                let st = self.statuses().await;
+                let leader = st
+                    .iter()
+                    .find(|(_, v)| v["role"] == "leader")
+                    .map(|(i, _)| *i)
+                    .ok_or("no leader")?;
+                let at = format!("{}:7401", self.server(leader).addr);
+                let clusters = self.clusters_at(&at).await?;
+                let tenants = self.cli_at(&at, &["tenants"], true).await?;
+                let after = self.agent_metrics().await?;
+                let mut out = Vec::new();
+                for (c, m) in &before {
+                    let s0 = m.get("kvota_agent_journal_last_seq").unwrap_or(0);
+                    let s1 = after
+                        .get(c)
+                        .and_then(|m| m.get("kvota_agent_journal_last_seq"))
+                        .unwrap_or(0);
+                    let cp = clusters
+                        .get(c)
+                        .and_then(|v| v["last_seq"].as_u64())
+                        .ok_or(format!("{c} unknown to the control plane"))?;
+                    if !(s0 <= cp && cp <= s1) || s0 == 0 {
+                        return Err(format!(
+                            "{c}: control plane applied through report {cp}, agent wrote {s0}..{s1} with backlog 0"
+                        ));
+                    }
+                    out.push(format!("{c} seq {cp}"));
                 }
-                out.push(format!("{c} seq {cp}"));
-            }
-            for (t, _) in TENANTS {
-                let series = "kvota_agent_reported_usage_gpu_seconds_total";
-                let u0: u64 = before.values().map(|m| m.tenant_scaled(series, t, 1e6)).sum();
-                let u1: u64 = after.values().map(|m| m.tenant_scaled(series, t, 1e6)).sum();
-                let ledger = tenants["tenants"]
-                    .as_array()
-                    .and_then(|a| a.iter().find(|x| x["tenant"] == t))
-                    .and_then(|x| x["decayed_usage_milli_gpue_ms"].as_u64())
-                    .ok_or(format!("{t}: no decayed usage from `kvota tenants --json`"))?;
-                // Decay over minutes of a 100000 h half-life is < 1e-5 of the total;
-                // rounding is at most 1 per applied entry. One report carries at least
-                // 1 GPUe x 300 ms = 300,000 when the tenant runs anything.
-                let slack = u0 / 100_000 + 20_000;
-                if ledger + slack < u0 || ledger > u1 {
-                    return Err(format!("{t}: ledger {ledger}, agents reported {u0}..{u1} (milli-GPUe x ms)"));
+                for (t, _) in TENANTS {
+                    let series = "kvota_agent_reported_usage_gpu_seconds_total";
+                    let u0: u64 = before.values().map(|m| m.tenant_scaled(series, t, 1e6)).sum();
+                    let u1: u64 = after.values().map(|m| m.tenant_scaled(series, t, 1e6)).sum();
+                    let ledger = tenants["tenants"]
+                        .as_array()
+                        .and_then(|a| a.iter().find(|x| x["tenant"] == t))
+                        .and_then(|x| x["decayed_usage_milli_gpue_ms"].as_u64())
+                        .ok_or(format!("{t}: no decayed usage from `kvota tenants --json`"))?;
+                    // Decay over minutes of a 100000 h half-life is < 1e-5 of the total;
+                    // rounding is at most 1 per applied entry. One report carries at least
+                    // 1 GPUe x 300 ms = 300,000 when the tenant runs anything.
+                    let slack = u0 / 100_000 + 20_000;
+                    if ledger + slack < u0 || ledger > u1 {
+                        return Err(format!(
+                            "{t}: ledger {ledger}, agents reported {u0}..{u1} (milli-GPUe x ms)"
+                        ));
+                    }
+                    if u0 == 0 {
+                        return Err(format!("{t}: no usage reported at all"));
+                    }
+                    out.push(format!("{t} {:.1} GPUe-s", ledger as f64 / 1e6));
                 }
-                if u0 == 0 {
-                    return Err(format!("{t}: no usage reported at all"));
-                }
-                out.push(format!("{t} {:.1} GPUe-s", ledger as f64 / 1e6));
-            }
-            Ok(out.join(", "))
-        })
+                Ok(out.join(", "))
+            },
+        )
         .await
         .unwrap_or_else(|e| self.fail(&e));
         self.note(format!("ledger matches the agents: {line}"));
@@ -615,7 +753,10 @@ impl Fed {
         let caps = max_share_caps();
         let cp = self.leader_cp().await;
         for (t, _) in TENANTS {
-            let v = self.cli_at(&cp, &["explain", "tenant", t], true).await.unwrap_or_else(|e| self.fail(&e));
+            let v = self
+                .cli_at(&cp, &["explain", "tenant", t], true)
+                .await
+                .unwrap_or_else(|e| self.fail(&e));
             let (held, committed, inuse) = (v["held"].as_u64(), v["committed"].as_u64(), v["inuse"].as_u64());
             let (Some(held), Some(committed), Some(inuse)) = (held, committed, inuse) else {
                 self.fail(&format!("explain {t}: missing numbers in {v}"));
@@ -624,7 +765,10 @@ impl Fed {
                 self.fail(&format!("{t}: the control plane's leases may let clusters hold {held} milli-GPUe, above max(committed {committed}, in use {inuse})"));
             }
             if committed > caps[t] {
-                self.fail(&format!("{t}: committed entitlement {committed} milli-GPUe above maxShare x capacity {}", caps[t]));
+                self.fail(&format!(
+                    "{t}: committed entitlement {committed} milli-GPUe above maxShare x capacity {}",
+                    caps[t]
+                ));
             }
         }
     }
@@ -646,21 +790,48 @@ impl Fed {
             let n = book.admissions.iter().filter(|a| a.cluster == c).count();
             let late = since.map(|s| book.admissions.iter().filter(|a| a.cluster == c && a.at > s).count());
             if n == 0 || late == Some(0) {
-                self.fail(&format!("{c}: {n} admissions in all, {late:?} after the fault: the load did not run"));
+                self.fail(&format!(
+                    "{c}: {n} admissions in all, {late:?} after the fault: the load did not run"
+                ));
             }
         }
         // Time each agent spent without a fresh lease (expiring, safe), from the samples.
         let mut unfresh = Vec::new();
         for c in CLUSTERS {
-            let states: Vec<&str> = book.samples.iter().filter(|s| s.cluster == c).map(|s| s.metrics.lease_state()).collect();
+            let states: Vec<&str> = book
+                .samples
+                .iter()
+                .filter(|s| s.cluster == c)
+                .map(|s| s.metrics.lease_state())
+                .collect();
             let safe = states.iter().filter(|s| **s == "safe").count();
             let expiring = states.iter().filter(|s| **s == "expiring").count();
             if safe + expiring > 0 {
-                unfresh.push(format!("{c} {safe} safe + {expiring} expiring of {} samples", states.len()));
+                unfresh.push(format!(
+                    "{c} {safe} safe + {expiring} expiring of {} samples",
+                    states.len()
+                ));
             }
         }
-        self.note(format!("leases not fresh: {}", if unfresh.is_empty() { "never".to_string() } else { unfresh.join(", ") }));
-        let peaks: Vec<String> = book.peak_inuse.iter().map(|(t, p)| format!("{t} {:.1}/{:.1}", *p as f64 / 1000.0, max_share_caps()[t] as f64 / 1000.0)).collect();
+        self.note(format!(
+            "leases not fresh: {}",
+            if unfresh.is_empty() {
+                "never".to_string()
+            } else {
+                unfresh.join(", ")
+            }
+        ));
+        let peaks: Vec<String> = book
+            .peak_inuse
+            .iter()
+            .map(|(t, p)| {
+                format!(
+                    "{t} {:.1}/{:.1}",
+                    *p as f64 / 1000.0,
+                    max_share_caps()[t] as f64 / 1000.0
+                )
+            })
+            .collect();
         self.note(format!(
             "load: {} admitted, {} denied, 0 unanswered; peak federation-wide in use vs maxShare (GPUe): {}",
             book.admissions.len(),
@@ -671,7 +842,11 @@ impl Fed {
 
     /// Fails if a process exited by itself.
     pub fn check_alive(&mut self) {
-        let dead: Vec<String> = self.procs.iter_mut().filter_map(|p| p.exited().map(|s| format!("{} exited: {s}", p.name))).collect();
+        let dead: Vec<String> = self
+            .procs
+            .iter_mut()
+            .filter_map(|p| p.exited().map(|s| format!("{} exited: {s}", p.name)))
+            .collect();
         if !dead.is_empty() {
             self.fail(&dead.join("; "));
         }
@@ -690,12 +865,24 @@ impl Drop for Fed {
         if std::thread::panicking() || std::env::var("KVOTA_REAL_LOGS").as_deref() == Ok("1") {
             let verdict = if std::thread::panicking() { "failed" } else { "passed" };
             let mut err = std::io::stderr().lock();
-            let _ = writeln!(err, "\n==== scenario `{}` {verdict}; network: {}", self.scenario, self.net.describe());
+            let _ = writeln!(
+                err,
+                "\n==== scenario `{}` {verdict}; network: {}",
+                self.scenario,
+                self.net.describe()
+            );
             for n in &self.notes {
                 let _ = writeln!(err, "  {n}");
             }
             for p in &self.procs {
-                let _ = writeln!(err, "---- {} (pid {:?}, log {}), last {LOG_LINES} lines:\n{}", p.name, p.pid(), p.log.display(), p.tail(LOG_LINES));
+                let _ = writeln!(
+                    err,
+                    "---- {} (pid {:?}, log {}), last {LOG_LINES} lines:\n{}",
+                    p.name,
+                    p.pid(),
+                    p.log.display(),
+                    p.tail(LOG_LINES)
+                );
             }
             if std::thread::panicking() {
                 if let Some(d) = self.dir.take() {

@@ -26,7 +26,10 @@ static RUNS: AtomicU32 = AtomicU32::new(0);
 
 /// Runs `ip` (or another tool) and returns its stdout, or what went wrong.
 pub fn sh(prog: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(prog).args(args).output().map_err(|e| format!("run `{prog} {}`: {e}", args.join(" ")))?;
+    let out = Command::new(prog)
+        .args(args)
+        .output()
+        .map_err(|e| format!("run `{prog} {}`: {e}", args.join(" ")))?;
     if !out.status.success() {
         return Err(format!(
             "`{prog} {}` failed ({}): {}",
@@ -74,8 +77,12 @@ fn remove_stale() {
     let Ok(list) = ip(&["netns", "list"]) else { return };
     for line in list.lines() {
         let ns = line.split_whitespace().next().unwrap_or_default();
-        let Some(rest) = ns.strip_prefix("kvota-") else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(rest) = ns.strip_prefix("kvota-") else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
         if std::path::Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
@@ -110,7 +117,12 @@ impl Net {
         // Interface names are at most 15 bytes: a short tag from pid and run.
         let tag = format!("{:05x}", (pid.wrapping_mul(31).wrapping_add(run)) & 0xf_ffff);
         let n = free_subnet(pid.wrapping_add(run * 7))?;
-        let mut net = Net { switch_ns: format!("{prefix}-sw"), hosts: Vec::new(), root_links: Vec::new(), namespaces: Vec::new() };
+        let mut net = Net {
+            switch_ns: format!("{prefix}-sw"),
+            hosts: Vec::new(),
+            root_links: Vec::new(),
+            namespaces: Vec::new(),
+        };
         let sw = net.switch_ns.clone();
         ip(&["netns", "add", &sw])?;
         net.namespaces.push(sw.clone());
@@ -134,38 +146,67 @@ impl Net {
             net.namespaces.push(ns.clone());
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
             let port = format!("p{name}");
-            ip(&["-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns])?;
+            ip(&[
+                "-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+            ])?;
             ip(&["-n", &sw, "link", "set", &port, "master", "br0", "up"])?;
             ip(&["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
             ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
             let lan_addr = if let Some(i) = name.strip_prefix('a').and_then(|i| i.parse::<u32>().ok()) {
                 let base = 4 * (i - 1);
                 let link = format!("kv{tag}l{i}");
-                ip(&["link", "add", &link, "type", "veth", "peer", "name", "lan0", "netns", &ns])?;
+                ip(&[
+                    "link", "add", &link, "type", "veth", "peer", "name", "lan0", "netns", &ns,
+                ])?;
                 net.root_links.push(link.clone());
                 ip(&["addr", "add", &format!("10.78.{n}.{}/30", base + 1), "dev", &link])?;
                 ip(&["link", "set", &link, "up"])?;
-                ip(&["-n", &ns, "addr", "add", &format!("10.78.{n}.{}/30", base + 2), "dev", "lan0"])?;
+                ip(&[
+                    "-n",
+                    &ns,
+                    "addr",
+                    "add",
+                    &format!("10.78.{n}.{}/30", base + 2),
+                    "dev",
+                    "lan0",
+                ])?;
                 ip(&["-n", &ns, "link", "set", "lan0", "up"])?;
                 Some(format!("10.78.{n}.{}", base + 2))
             } else {
                 None
             };
-            net.hosts.push(Host { name, ns, addr, lan_addr, port });
+            net.hosts.push(Host {
+                name,
+                ns,
+                addr,
+                lan_addr,
+                port,
+            });
         }
         Ok(net)
     }
 
     /// The host called `name`.
     pub fn host(&self, name: &str) -> &Host {
-        self.hosts.iter().find(|h| h.name == name).unwrap_or_else(|| panic!("no host {name} in the test network"))
+        self.hosts
+            .iter()
+            .find(|h| h.name == name)
+            .unwrap_or_else(|| panic!("no host {name} in the test network"))
     }
 
     /// Pulls (`false`) or plugs back (`true`) the cable of `name` on the bridge: its
     /// `eth0` loses carrier; its second link (agents) stays up.
     pub fn set_link(&self, name: &str, up: bool) -> Result<(), String> {
         let h = self.host(name);
-        ip(&["-n", &self.switch_ns, "link", "set", &h.port, if up { "up" } else { "down" }]).map(|_| ())
+        ip(&[
+            "-n",
+            &self.switch_ns,
+            "link",
+            "set",
+            &h.port,
+            if up { "up" } else { "down" },
+        ])
+        .map(|_| ())
     }
 
     /// A summary for failure messages.
@@ -173,7 +214,18 @@ impl Net {
         let hosts: Vec<String> = self
             .hosts
             .iter()
-            .map(|h| format!("{} {} in {}{}", h.name, h.addr, h.ns, h.lan_addr.as_ref().map(|l| format!(" (webhook {l})")).unwrap_or_default()))
+            .map(|h| {
+                format!(
+                    "{} {} in {}{}",
+                    h.name,
+                    h.addr,
+                    h.ns,
+                    h.lan_addr
+                        .as_ref()
+                        .map(|l| format!(" (webhook {l})"))
+                        .unwrap_or_default()
+                )
+            })
             .collect();
         format!("bridge in {}; {}", self.switch_ns, hosts.join("; "))
     }
