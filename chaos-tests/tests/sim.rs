@@ -182,6 +182,10 @@ const FOUND: &[(u64, &str)] = &[
         115_159_292_831_527,
         "an agent that starts with an empty journal and is told where the count ends by a node behind renumbers on a duplicate",
     ),
+    (
+        128_764_911_200_570,
+        "after a restart, only pods above the held lease's live budget are taken for borrowed, not all above its fallback",
+    ),
 ];
 
 #[test]

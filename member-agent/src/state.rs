@@ -289,11 +289,21 @@ impl AgentState {
 
     /// After a restart or a change of leader this process does not know which pods were
     /// lent before it: at its first inventory sync with a policy and a lease, the pods
-    /// a lending tenant (one its lease gives a borrow limit) holds above its budget here
-    /// are taken as borrowed, the last in name order first. That is what lending could
-    /// have admitted; so reclaim takes them back first, and reports leave them out of
-    /// what the control plane holds to the budgets (see `kvota_fairness`'s
-    /// `TenantUsage::held_within_budgets`), as they were before the restart.
+    /// a preemptible tenant holds above the budget of the lease held (its budget while
+    /// live, even once it expired) are taken as borrowed, the last in name order first.
+    /// That is what lending could have admitted; so reclaim takes them back first, and
+    /// reports leave them out of what the control plane holds to the budgets (see
+    /// `kvota_fairness`'s `TenantUsage::held_within_budgets`), as they were before the
+    /// restart.
+    ///
+    /// The live budget, not the fallback an expired lease leaves: the control plane
+    /// counts every open lease's budget as held here until a report acknowledges a newer
+    /// one, so pods up to it are within what it accounts for; taking them for borrowed
+    /// would drop them from its sums while it still counts the budget, and a pod beyond
+    /// it called "within" would add usage no grant left room for. The tenant's current
+    /// borrow limit does not decide either: a policy change may have set it to 0 while
+    /// lent pods still run. A tenant that is not preemptible never has a pod taken as
+    /// borrowed (reclaim would evict it).
     pub fn reclassify_once(&mut self) {
         if !self.reclassify || self.policy.is_none() || self.lease.lease().is_none() {
             return;
@@ -302,15 +312,15 @@ impl AgentState {
         let tenants: Vec<TenantName> = self
             .policy
             .iter()
-            .flat_map(|p| p.tenants.iter().map(|t| t.name.clone()))
+            .flat_map(|p| p.tenants.iter().filter(|t| t.preemptible).map(|t| t.name.clone()))
             .collect();
         for t in tenants {
-            if self.lease.lease().is_none_or(|l| l.borrow(&t) == 0) {
+            let Some(live) = self.lease.lease().map(|l| l.budget(&t).max(l.fallback(&t))) else {
                 continue;
-            }
+            };
             let above = self
                 .inuse(&t)
-                .saturating_sub(self.lease.budget(&t, self.now_ms))
+                .saturating_sub(live)
                 .saturating_sub(self.borrowed_gpue(&t));
             let mut left = above;
             let bound = self
@@ -1397,6 +1407,74 @@ mod tests {
         }
         assert_eq!(st.take_waits().len(), MAX_WAITS);
         assert_eq!(st.shed_counts().get("waits"), Some(&3));
+    }
+
+    /// After a restart, the pods taken as borrowed are those a preemptible tenant holds
+    /// above the live budget of the lease held, even once that lease expired (the
+    /// control plane counts that budget as held here), whatever its borrow limit now; a
+    /// tenant that is not preemptible keeps every pod within. (Seed 128764911200570 of
+    /// the chaos world: taking everything above an expired lease's fallback for borrowed
+    /// dropped pods the control plane still counted under the budget.)
+    #[test]
+    fn a_restart_takes_for_borrowed_only_what_lies_above_the_held_leases_budget() {
+        let mut st = state();
+        let yaml = "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: t}\nspec:\n  tenants:\n  - {name: a, namespaces: [a], preemptible: true}\n  - {name: b, namespaces: [b], preemptible: true}\n  - {name: c, namespaces: [c]}\n";
+        st.set_policy(kvota_fairness::policy::Policy::from_yaml(yaml).expect("policy"));
+        let budget = |budget, borrow| kvota_fairness::lease::TenantBudget {
+            budget,
+            fallback: 1_600,
+            entitlement: budget,
+            borrow,
+            ceiling: 0,
+        };
+        let lease = kvota_fairness::lease::Lease {
+            cluster: ClusterName::from_static("east"),
+            epoch: 21,
+            duration_ms: 10_000,
+            margin_ms: 1_000,
+            issued_at_ms: 0,
+            budgets: [
+                (TenantName::from_static("a"), budget(8_635, 1_733)),
+                (TenantName::from_static("b"), budget(0, 0)),
+                (TenantName::from_static("c"), budget(2_000, 0)),
+            ]
+            .into(),
+        };
+        st.lease.on_lease(lease, 0);
+        let pods = [
+            ("a/p1", "a", 4_000),
+            ("a/p2", "a", 4_000),
+            ("a/p3", "a", 3_000),
+            ("b/q1", "b", 3_000),
+            ("c/r1", "c", 4_000),
+        ];
+        for (key, tenant, gpue) in pods {
+            st.pod_bound(
+                &PodKey::from_static(key),
+                PodRec {
+                    tenant: Some(TenantName::from_static(tenant)),
+                    gpue,
+                },
+            );
+        }
+        // Long after the lease expired: it now enforces the 1.6 GPUe fallback.
+        st.set_now(60_000);
+        assert_eq!(st.lease.budget("a", 60_000), 1_600);
+        st.reclassify_once();
+        let borrowed: Vec<&str> = st.borrowed_keys().map(|k| k.as_str()).collect();
+        // a: 11 GPUe above 8.635: the last pod in name order (3 GPUe) covers it. b: its
+        // whole 3 GPUe lies above a budget of 0, although its borrow limit is 0 now. c:
+        // not preemptible, nothing.
+        assert_eq!(borrowed, ["a/p3", "b/q1"]);
+        assert_eq!(
+            (st.borrowed_gpue("a"), st.borrowed_gpue("b"), st.borrowed_gpue("c")),
+            (3_000, 3_000, 0)
+        );
+        // Once only.
+        st.set_now(61_000);
+        st.pod_gone("a/p3");
+        st.reclassify_once();
+        assert_eq!(st.borrowed_keys().count(), 1);
     }
 
     #[test]
