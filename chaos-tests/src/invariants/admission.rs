@@ -14,8 +14,10 @@
 //! 3. federation-wide, `sum_c true_inuse_tc` after the admission is at most
 //!    `max(sum before, maxShare_t * G)`, where `maxShare_t` is the largest this tenant had
 //!    under any policy in force during the last lease duration plus 5 s (a lease issued
-//!    under the old policy may be enforced that long): an admission never takes a
-//!    tenant above its cap, nor further above it.
+//!    under the old policy may be enforced that long), or under the policy the admitting
+//!    agent's lease was issued under (its ceiling: a cluster cut off since before a
+//!    policy change enforces that lease's safe budgets until it hears again, docs/guarantees.md
+//!    G11): an admission never takes a tenant above its cap, nor further above it.
 
 use std::collections::BTreeMap;
 
@@ -81,7 +83,9 @@ pub fn check(
                 ),
             );
         }
-        let cap = share_of(fed.capacity(), w.recent_max_share_bp(t));
+        // The lease's ceiling is `maxShare x G` of the policy it was issued under.
+        let ceiling = a.state.lease.lease().map_or(0, |l| l.ceiling(t));
+        let cap = share_of(fed.capacity(), w.recent_max_share_bp(t)).max(ceiling);
         let was = before.get(t).copied().unwrap_or(0);
         if after > was.max(cap) && w.max_share_binds_borrowing() {
             return fail(
