@@ -186,6 +186,10 @@ const FOUND: &[(u64, &str)] = &[
         128_764_911_200_570,
         "after a restart, only pods above the held lease's live budget are taken for borrowed, not all above its fallback",
     ),
+    (
+        203_255_342_143_234,
+        "a cluster cut off since before a policy change lowered maxShare admits under its old lease's cap (the check knows it)",
+    ),
 ];
 
 #[test]
