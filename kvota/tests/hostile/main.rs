@@ -62,6 +62,12 @@ struct Fed {
     extra: Vec<String>,
 }
 
+/// Election timeouts of 1 to 2 s (heartbeats stay at 50 ms), for the tests that take an
+/// unmoved term as evidence that an attack changed nothing: with the default 150 to
+/// 300 ms, a 2-core machine busy with other tests let a follower miss heartbeats and
+/// start an election of its own (the term moved from 2 to 4 with no attack to blame).
+const STEADY: &[&str] = &["--election-timeout-min-ms", "1000", "--election-timeout-max-ms", "2000"];
+
 impl Fed {
     async fn start() -> Fed {
         Fed::start_with(&[]).await
@@ -361,7 +367,7 @@ fn raw_channel(addr: &str, cert_pem: &str, key_pem: &str, trust: &GrpcTls) -> to
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strangers_and_wrong_roles_change_nothing() {
-    let fed = Fed::start().await;
+    let fed = Fed::start_with(STEADY).await;
     let mut east = Member::join(&fed, "east").await;
     let mut west = Member::join(&fed, "west").await;
     west.report().await;
@@ -509,7 +515,7 @@ async fn strangers_and_wrong_roles_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_huge_term_is_refused_and_a_killed_leader_is_replaced() {
-    let mut fed = Fed::start().await;
+    let mut fed = Fed::start_with(STEADY).await;
     let mut east = Member::join(&fed, "east").await;
     let (leader, term) = fed.one_leader().await;
     let seen = (leader, term, fed.ledger().await);
