@@ -190,6 +190,14 @@ const FOUND: &[(u64, &str)] = &[
         203_255_342_143_234,
         "a cluster cut off since before a policy change lowered maxShare admits under its old lease's cap (the check knows it)",
     ),
+    (
+        136_832_661_433_890,
+        "the same, admitting within the old lease's budget",
+    ),
+    (
+        190_966_787_523_356,
+        "the same, lending under the old lease's borrow limit",
+    ),
 ];
 
 #[test]
