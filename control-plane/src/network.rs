@@ -33,8 +33,8 @@ use kvota_proto::raft::v1::raft_client::RaftClient;
 use kvota_proto::raft::v1::raft_server::Raft as RaftService;
 use kvota_proto::raft::v1::{ClockReply, Empty};
 use kvota_tls::{Expect, PeerInfo};
-use openraft::error::{Fatal, InstallSnapshotError, RPCError, RaftError, RemoteError, Unreachable};
-use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::error::{Fatal, InstallSnapshotError, RPCError, RaftError, RemoteError, Timeout, Unreachable};
+use openraft::network::{RPCOption, RPCTypes, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
     VoteResponse,
@@ -57,8 +57,57 @@ pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 << 20;
 /// larger entry goes alone). openraft 0.9 gives an AppendEntries the heartbeat interval
 /// (50 ms by default) to be sent, appended, synced and answered, then sends the same
 /// range again: a follower behind on reports naming a thousand tenants (20-30 KiB an
-/// entry) was sent 6-9 MiB at a time, never made it, and never caught up.
+/// entry) was sent 6-9 MiB at a time, never made it, and never caught up. A slow peer
+/// gets less still (see [`AppendWindow`]).
 pub const MAX_APPEND_BYTES: usize = 128 << 10;
+
+/// The smallest byte limit [`AppendWindow`] shrinks to (one entry still goes alone).
+pub const MIN_APPEND_BYTES: usize = 8 << 10;
+
+/// How many bytes of log entries the next AppendEntries to one peer may carry.
+///
+/// A message that is not answered within openraft's deadline is dropped and the same
+/// range sent again; if the peer (or this node, converting and encrypting) is too slow
+/// for [`MAX_APPEND_BYTES`] in that time, it would be sent the same range for ever, and
+/// the follower, hearing no leader, would call elections. So a message that ran out of
+/// time halves the window (down to [`MIN_APPEND_BYTES`]); one answered within half
+/// the deadline widens it by a quarter again (up to [`MAX_APPEND_BYTES`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AppendWindow {
+    bytes: usize,
+}
+
+impl Default for AppendWindow {
+    fn default() -> Self {
+        AppendWindow {
+            bytes: MAX_APPEND_BYTES,
+        }
+    }
+}
+
+impl AppendWindow {
+    /// The current limit, bytes.
+    pub fn bytes(self) -> usize {
+        self.bytes
+    }
+
+    /// The last message ran out of time.
+    pub fn timed_out(&mut self) {
+        self.bytes = std::cmp::max(self.bytes / 2, MIN_APPEND_BYTES);
+    }
+
+    /// The last message was answered after `took`, of a deadline `deadline`.
+    pub fn answered(&mut self, took: Duration, deadline: Duration) {
+        if took >= deadline {
+            self.timed_out();
+        } else if took < deadline / 2 {
+            self.bytes = std::cmp::min(
+                self.bytes + std::cmp::max(self.bytes / 4, MIN_APPEND_BYTES),
+                MAX_APPEND_BYTES,
+            );
+        }
+    }
+}
 
 /// Connection timeout to a peer: long enough for a loaded loopback, short enough that an
 /// election is not held up by a dead peer.
@@ -126,6 +175,8 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             guard: Arc::clone(&self.guard),
             metrics: self.metrics.clone(),
             acked: self.acked.clone(),
+            window: AppendWindow::default(),
+            unanswered: false,
         }
     }
 }
@@ -142,6 +193,11 @@ pub struct PeerClient {
     guard: Arc<Guard>,
     metrics: Metrics,
     acked: Acked,
+    /// How much the next AppendEntries may carry.
+    window: AppendWindow,
+    /// An AppendEntries is under way: still set when the next one starts means openraft
+    /// dropped it at its deadline.
+    unanswered: bool,
 }
 
 type RpcResult<T, E> = Result<T, RPCError<NodeId, Node, E>>;
@@ -176,19 +232,35 @@ impl PeerClient {
         Ok(c)
     }
 
-    /// One call: send `request` with a deadline; a transport failure or a peer whose
-    /// Raft core has stopped is `Unreachable` (openraft backs off).
-    async fn call<Resp, E, F, Fut>(&mut self, option: &RPCOption, send: F) -> RpcResult<Resp, RaftError<NodeId, E>>
+    /// One call: send `request` with a deadline. A transport failure or a peer whose
+    /// Raft core has stopped is `Unreachable` (openraft then backs off for 500 ms); a
+    /// call that ran out of time is a `Timeout`, which openraft retries at once. A live
+    /// but slow follower must not be taken for an unreachable one: half a second
+    /// without heartbeats exceeds its election timeout, and it would call an election
+    /// that unseats a healthy leader.
+    async fn call<Resp, E, F, Fut>(
+        &mut self,
+        action: RPCTypes,
+        option: &RPCOption,
+        send: F,
+    ) -> RpcResult<Resp, RaftError<NodeId, E>>
     where
         E: std::error::Error,
         F: FnOnce(RaftClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
         let client = self.client().await?;
+        let timeout = || {
+            RPCError::Timeout(Timeout {
+                action,
+                id: self.guard.local().id,
+                target: self.target,
+                timeout: option.hard_ttl(),
+            })
+        };
         let reply = match tokio::time::timeout(option.hard_ttl(), send(client)).await {
-            Err(elapsed) => {
-                return Err(RPCError::Unreachable(Unreachable::new(&elapsed)));
-            }
+            Err(_) => return Err(timeout()),
+            Ok(Err(status)) if ran_out_of_time(&status) => return Err(timeout()),
             Ok(Err(status)) => {
                 // Drop the channel so the next call reconnects.
                 self.client = None;
@@ -198,6 +270,12 @@ impl PeerClient {
         };
         Ok(reply)
     }
+}
+
+/// Whether a call failed for its deadline (the client's or the server's), not for the
+/// peer or the connection.
+fn ran_out_of_time(status: &tonic::Status) -> bool {
+    matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled)
 }
 
 fn with_deadline<T>(msg: T, option: &RPCOption) -> tonic::Request<T> {
@@ -296,16 +374,24 @@ impl PeerClient {
         // openraft gives an AppendEntries one heartbeat interval to be answered (this
         // conversion included) and sends the same range again after a timeout, so a
         // message must be small enough for a follower to decode, append and sync in
-        // that time. Convert and send a prefix that fits MAX_APPEND_BYTES (at least one
-        // entry) and tell openraft how far it got; the commit index sent goes no further
-        // than the entries sent, nor than this leader's durable log (`flush`: a
+        // that time. Convert and send a prefix that fits this peer's window (at least
+        // one entry) and tell openraft how far it got; the commit index sent goes no
+        // further than the entries sent, nor than this leader's durable log (`flush`: a
         // follower must not apply an entry before the leader has synced it).
+        if std::mem::take(&mut self.unanswered) {
+            self.window.timed_out();
+            tracing::debug!(
+                peer = self.target,
+                bytes = self.window.bytes(),
+                "AppendEntries ran out of time: smaller messages"
+            );
+        }
         let mut entries = Vec::new();
         let mut size = 0;
         for e in &rpc.entries {
             let pe = wire::entry_to(e);
             size += pe.encoded_len();
-            if !entries.is_empty() && size > MAX_APPEND_BYTES {
+            if !entries.is_empty() && size > self.window.bytes() {
                 break;
             }
             entries.push(pe);
@@ -335,9 +421,19 @@ impl PeerClient {
         let mut msg = wire::append_to(&head);
         msg.entries = entries;
         let req = with_deadline(msg, &option);
+        let started = Instant::now();
+        let carries = !sent.entries.is_empty();
+        self.unanswered = carries;
         let reply = self
-            .call(&option, |mut c| async move { c.append_entries(req).await })
-            .await?;
+            .call(RPCTypes::AppendEntries, &option, |mut c| async move {
+                c.append_entries(req).await
+            })
+            .await;
+        self.unanswered = false;
+        if carries {
+            self.window.answered(started.elapsed(), option.hard_ttl());
+        }
+        let reply = reply?;
         let reply = wire::append_reply_from(reply).map_err(|e| self.undecodable("AppendEntries", &e))?;
         let acked = self.acked.get(self.target, &sent.vote);
         guard::check_append_reply(&sent, &reply, acked, &self.guard.local(), &self.guard)
@@ -372,7 +468,9 @@ impl PeerClient {
         let (done, last) = (rpc.done, rpc.meta.last_log_id);
         let req = with_deadline(wire::snapshot_to(&rpc), &option);
         let reply = self
-            .call(&option, |mut c| async move { c.install_snapshot(req).await })
+            .call(RPCTypes::InstallSnapshot, &option, |mut c| async move {
+                c.install_snapshot(req).await
+            })
             .await?;
         let reply = wire::snapshot_reply_from(reply).map_err(|e| self.undecodable("InstallSnapshot", &e))?;
         let reply = reply.map_err(|e| match e {
@@ -401,7 +499,9 @@ impl PeerClient {
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, RaftError<NodeId>> {
         let req = with_deadline(wire::vote_request_to(&rpc), &option);
-        let reply = self.call(&option, |mut c| async move { c.vote(req).await }).await?;
+        let reply = self
+            .call(RPCTypes::Vote, &option, |mut c| async move { c.vote(req).await })
+            .await?;
         let reply = wire::vote_reply_from(reply).map_err(|e| self.undecodable("Vote", &e))?;
         guard::check_vote_reply(&rpc, &reply, &self.guard.local(), &self.guard)
             .map_err(|r| self.refuse_reply("Vote", &r))?;
@@ -768,5 +868,37 @@ impl RaftService for RaftTransport {
             wall_ms: self.ctx.clock.wall_ms(),
             feature_level_max: self.ctx.clock.own_feature_max().get(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_append_window_halves_on_a_timeout_and_widens_on_quick_answers() {
+        let deadline = Duration::from_millis(50);
+        let mut w = AppendWindow::default();
+        assert_eq!(w.bytes(), MAX_APPEND_BYTES);
+        w.timed_out();
+        assert_eq!(w.bytes(), MAX_APPEND_BYTES / 2);
+        w.answered(deadline, deadline);
+        assert_eq!(
+            w.bytes(),
+            MAX_APPEND_BYTES / 4,
+            "an answer at the deadline counts as late"
+        );
+        w.answered(Duration::from_millis(30), deadline);
+        assert_eq!(w.bytes(), MAX_APPEND_BYTES / 4, "a slowish answer keeps the window");
+        w.answered(Duration::from_millis(5), deadline);
+        assert_eq!(w.bytes(), MAX_APPEND_BYTES / 4 + MAX_APPEND_BYTES / 16);
+        for _ in 0..20 {
+            w.timed_out();
+        }
+        assert_eq!(w.bytes(), MIN_APPEND_BYTES, "never below the floor");
+        for _ in 0..40 {
+            w.answered(Duration::from_millis(1), deadline);
+        }
+        assert_eq!(w.bytes(), MAX_APPEND_BYTES, "never above the ceiling");
     }
 }
