@@ -366,18 +366,9 @@ fn send_span(method: &'static str, peer: NodeId, vote: &Vote<NodeId>) -> tracing
 }
 
 impl PeerClient {
-    async fn send_append(
-        &mut self,
-        rpc: AppendEntriesRequest<TypeConfig>,
-        option: RPCOption,
-    ) -> RpcResult<AppendEntriesResponse<NodeId>, RaftError<NodeId>> {
-        // openraft gives an AppendEntries one heartbeat interval to be answered (this
-        // conversion included) and sends the same range again after a timeout, so a
-        // message must be small enough for a follower to decode, append and sync in
-        // that time. Convert and send a prefix that fits this peer's window (at least
-        // one entry) and tell openraft how far it got; the commit index sent goes no
-        // further than the entries sent, nor than this leader's durable log (`flush`: a
-        // follower must not apply an entry before the leader has synced it).
+    /// The leading entries of `rpc` that fit this peer's window (at least one), encoded;
+    /// first shrinks the window if the last AppendEntries was dropped at its deadline.
+    fn prefix(&mut self, rpc: &AppendEntriesRequest<TypeConfig>) -> Vec<pb::RaftEntry> {
         if std::mem::take(&mut self.unanswered) {
             self.window.timed_out();
             tracing::debug!(
@@ -396,6 +387,40 @@ impl PeerClient {
             }
             entries.push(pe);
         }
+        entries
+    }
+
+    /// The commit index to send with entries up to `sent_to` (all of them: `None`): no
+    /// further than those, nor than this leader's durable log.
+    fn commit_to_send(
+        &self,
+        leader_commit: Option<LogId<NodeId>>,
+        sent_to: Option<LogId<NodeId>>,
+    ) -> Option<LogId<NodeId>> {
+        let committed = match sent_to {
+            Some(last) => std::cmp::min(leader_commit, Some(last)),
+            None => leader_commit,
+        };
+        let clamped = clamp_commit(committed, &self.durable.borrow());
+        if clamped != committed {
+            self.held_back.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        clamped
+    }
+
+    async fn send_append(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<AppendEntriesResponse<NodeId>, RaftError<NodeId>> {
+        // openraft gives an AppendEntries one heartbeat interval to be answered (this
+        // conversion included) and sends the same range again after a timeout, so a
+        // message must be small enough for a follower to decode, append and sync in
+        // that time. Convert and send a prefix that fits this peer's window (at least
+        // one entry) and tell openraft how far it got; the commit index sent goes no
+        // further than the entries sent, nor than this leader's durable log (`flush`: a
+        // follower must not apply an entry before the leader has synced it).
+        let entries = self.prefix(&rpc);
         let sent = SentAppend {
             vote: rpc.vote,
             prev_log_id: rpc.prev_log_id,
@@ -404,14 +429,7 @@ impl PeerClient {
         let sent_to = (entries.len() < rpc.entries.len())
             .then(|| sent.entries.last().copied())
             .flatten();
-        let committed = match sent_to {
-            Some(last) => std::cmp::min(rpc.leader_commit, Some(last)),
-            None => rpc.leader_commit,
-        };
-        let leader_commit = clamp_commit(committed, &self.durable.borrow());
-        if leader_commit != committed {
-            self.held_back.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        let leader_commit = self.commit_to_send(rpc.leader_commit, sent_to);
         let head = AppendEntriesRequest {
             vote: rpc.vote,
             prev_log_id: rpc.prev_log_id,
