@@ -330,3 +330,60 @@ fn article_worked_example_across_three_clusters() {
     let text = e.to_string();
     assert!(text.contains("guarantee 19.2 + surplus 38.4 = 57.6"), "{text}");
 }
+
+proptest! {
+    /// Sharing the free room of a cluster among tenants' releasable pods
+    /// (`admission::share_room`): each tenant gets a prefix of its pods, never more than
+    /// the room; all of them when all fit; and no tenant is passed over while one using
+    /// a later place in line is served, unless its next pod did not fit.
+    #[test]
+    fn room_is_shared_smallest_fraction_of_budget_first(
+        raw in prop::collection::vec(((any::<bool>(), any::<bool>(), prop_oneof![Just(0u32), 1u32..5_000]), 0u64..20_000, 0u64..20_000, prop::collection::vec(1u64..4_000, 0..8)), 0..8),
+        room in 0u64..40_000,
+    ) {
+        use kvota_fairness::admission::{release_rank, share_room, RoomClaim};
+        let claims: Vec<RoomClaim> = raw
+            .into_iter()
+            .map(|((urgent, preemptible, min_share_bp), inuse, budget, pods)| RoomClaim { urgent, preemptible, min_share_bp, inuse, budget, pods })
+            .collect();
+        let got = share_room(&claims, room);
+        let mut taken = vec![0usize; claims.len()];
+        let mut given = vec![0u64; claims.len()];
+        let mut total = 0u64;
+        for &(i, p) in &got {
+            prop_assert_eq!(p, taken[i], "claim {} gets a prefix of its pods", i);
+            taken[i] += 1;
+            given[i] += claims[i].pods[p];
+            total += claims[i].pods[p];
+        }
+        prop_assert!(total <= room);
+        let all: u64 = claims.iter().flat_map(|c| c.pods.iter()).sum();
+        if all <= room {
+            prop_assert_eq!(got.len(), claims.iter().map(|c| c.pods.len()).sum::<usize>());
+        }
+        // Nothing left over that someone could still use: a tenant left with a pod
+        // has a next pod larger than the room left.
+        let left = room - total;
+        for (i, c) in claims.iter().enumerate() {
+            if let Some(&next) = c.pods.get(taken[i]) {
+                prop_assert!(next > left, "claim {}'s next pod ({}) fits the {} left", i, next, left);
+            }
+        }
+        // In line: whenever a tenant is served, every tenant served later stood no
+        // earlier in line at that moment (for non-preemptible tenants below budget: used
+        // at least as large a fraction of it).
+        let mut so_far = vec![0u64; claims.len()];
+        for (k, &(i, p)) in got.iter().enumerate() {
+            let key = |j: usize, so_far: &[u64]| {
+                let c = &claims[j];
+                release_rank(c.urgent, c.preemptible, c.min_share_bp, c.inuse + so_far[j], c.budget)
+            };
+            for &(j, _) in &got[k + 1..] {
+                if j != i {
+                    prop_assert!(key(j, &so_far) >= key(i, &so_far), "claim {} served before {} with a larger fraction", i, j);
+                }
+            }
+            so_far[i] += claims[i].pods[p];
+        }
+    }
+}
