@@ -986,41 +986,86 @@ impl AgentState {
         out
     }
 
-    /// Gated pods that fit their tenant's budget now, in release order (priority, then
-    /// age); they become reservations until they bind. The caller lifts their gates and
-    /// notes the wait of each one it could ([`Self::note_wait`]).
+    /// Gated pods that fit their tenant's budget now, in release order; they become
+    /// reservations until they bind. The caller lifts their gates and notes the wait of
+    /// each one it could ([`Self::note_wait`]).
+    ///
+    /// Within a tenant: priority, then age. Across tenants, when the pods that fit their
+    /// budgets ask for more than the cluster has free ([`Self::room`]), the free room
+    /// goes in the line of [`kvota_fairness::admission::release_rank`]: non-preemptible
+    /// tenants below their guarantee, then non-preemptible tenants with no guarantee
+    /// below budget, the one using the smallest fraction of it first, then the others
+    /// ([`kvota_fairness::admission::share_room`]); the rest stay gated for the next
+    /// round. The scheduler would otherwise seat released pods by age alone, and a
+    /// large service far below its budget would take every GPU that frees before a
+    /// small one got the few its budget holds for it.
     pub fn release_queue(&mut self) -> Vec<ReleasedPod> {
         let tenants: Vec<TenantName> = {
             let mut t: Vec<TenantName> = self.queue.values().map(|q| q.tenant.clone()).collect();
-            t.dedup();
             t.sort();
             t.dedup();
             t
         };
-        let mut out = Vec::new();
-        for t in tenants {
-            let keys: Vec<PodKey> = self
+        let mut keys: Vec<Vec<PodKey>> = Vec::with_capacity(tenants.len());
+        let mut claims = Vec::with_capacity(tenants.len());
+        for t in &tenants {
+            let mine: Vec<PodKey> = self
                 .queue
                 .iter()
-                .filter(|(_, q)| q.tenant == t)
+                .filter(|(_, q)| &q.tenant == t)
                 .map(|(k, _)| k.clone())
                 .collect();
-            let pods: Vec<QueuedPod> = keys.iter().map(|k| self.queue[k].pod.clone()).collect();
-            let budget = self.lease.budget(&t, self.now_ms);
-            for i in release_order(&pods, budget, self.inuse(&t), false) {
-                let key = &keys[i];
-                if let Some(q) = self.queue.remove(key) {
-                    self.reserved
-                        .insert(key.clone(), (t.clone(), q.pod.gpue, self.now_ms + RESERVATION_TTL_MS));
-                    out.push(ReleasedPod {
-                        key: key.clone(),
-                        tenant: t.clone(),
-                        queued_at_ms: q.pod.queued_at_ms,
-                    });
-                }
+            let pods: Vec<QueuedPod> = mine.iter().map(|k| self.queue[k].pod.clone()).collect();
+            let budget = self.lease.budget(t, self.now_ms);
+            let inuse = self.inuse(t);
+            let order = release_order(&pods, budget, inuse, false);
+            // A tenant the policy no longer names is taken as preemptible (last in line).
+            let (preemptible, min_share_bp) = self
+                .policy
+                .as_ref()
+                .and_then(|p| p.tenants.iter().find(|x| &x.name == t))
+                .map_or((true, 0), |x| (x.preemptible, x.min_share_bp));
+            let guarantee = inuse
+                .saturating_add(self.pending(t))
+                .min(kvota_fairness::entitlement::share_of(self.capacity_gpue, min_share_bp));
+            claims.push(kvota_fairness::admission::RoomClaim {
+                urgent: !preemptible && inuse < guarantee,
+                preemptible,
+                min_share_bp,
+                inuse,
+                budget,
+                pods: order.iter().map(|&i| pods[i].gpue).collect(),
+            });
+            keys.push(order.into_iter().map(|i| mine[i].clone()).collect());
+        }
+        let mut out = Vec::new();
+        for (c, p) in kvota_fairness::admission::share_room(&claims, self.room()) {
+            let key = &keys[c][p];
+            if let Some(q) = self.queue.remove(key) {
+                self.reserved.insert(
+                    key.clone(),
+                    (tenants[c].clone(), q.pod.gpue, self.now_ms + RESERVATION_TTL_MS),
+                );
+                out.push(ReleasedPod {
+                    key: key.clone(),
+                    tenant: tenants[c].clone(),
+                    queued_at_ms: q.pod.queued_at_ms,
+                });
             }
         }
         out
+    }
+
+    /// GPUe free in the cluster for released pods: its capacity less every bound pod
+    /// (of a tenant or not) and every reservation. Unbounded while the capacity is not
+    /// known (0).
+    pub fn room(&self) -> MilliGpue {
+        if self.capacity_gpue == 0 {
+            return MilliGpue::MAX;
+        }
+        let bound = self.bound.values().map(|r| r.gpue).fold(0u64, u64::saturating_add);
+        let reserved = self.reserved.values().map(|r| r.1).fold(0u64, u64::saturating_add);
+        self.capacity_gpue.saturating_sub(bound).saturating_sub(reserved)
     }
 }
 
@@ -1228,6 +1273,96 @@ mod tests {
             64_000,
             AgentLease::new(ClusterName::from_static("east")),
         )
+    }
+
+    /// When the pods that fit their budgets ask for more than the cluster has free, the
+    /// free GPUs go first to the non-preemptible tenant (no guarantee) using the
+    /// smallest fraction of its budget: a small service with nothing running gets its
+    /// two before a large one further below its budget in GPUs gets the rest; the
+    /// others stay gated for the next round. A preemptible tenant comes after both.
+    #[test]
+    fn short_room_goes_to_the_smallest_fraction_of_budget_first() {
+        use kvota_fairness::lease::{Lease, TenantBudget};
+        let mut st = AgentState::new(
+            ClusterName::from_static("east"),
+            10_000,
+            AgentLease::new(ClusterName::from_static("east")),
+        );
+        st.set_policy(
+            kvota_fairness::policy::Policy::from_yaml(
+                "apiVersion: kvota.dev/v1alpha1\nkind: FairnessPolicy\nmetadata: {name: p}\nspec:\n  tenants:\n  - {name: batch, weight: 1, preemptible: true}\n  - {name: big, weight: 1, minShare: 0, preemptible: false}\n  - {name: small, weight: 1, minShare: 0, preemptible: false}\n",
+            )
+            .expect("policy"),
+        );
+        let budget = |b: u64| TenantBudget {
+            budget: b,
+            fallback: b,
+            entitlement: b,
+            borrow: 0,
+            ceiling: 0,
+        };
+        st.lease.on_lease(
+            Lease {
+                cluster: ClusterName::from_static("east"),
+                epoch: 1,
+                duration_ms: 3_600_000,
+                margin_ms: 60_000,
+                issued_at_ms: 0,
+                budgets: [
+                    (TenantName::from_static("batch"), budget(4_000)),
+                    (TenantName::from_static("big"), budget(9_000)),
+                    (TenantName::from_static("small"), budget(2_000)),
+                ]
+                .into(),
+            },
+            0,
+        );
+        for i in 0..6 {
+            st.pod_bound(
+                &PodKey::new("big", &format!("run-{i}")).expect("key"),
+                PodRec {
+                    tenant: Some(TenantName::from_static("big")),
+                    gpue: 1_000,
+                },
+            );
+        }
+        // A pod of no tenant holds a GPU too.
+        st.pod_bound(
+            &PodKey::from_static("other/x"),
+            PodRec {
+                tenant: None,
+                gpue: 1_000,
+            },
+        );
+        for (tenant, n) in [("batch", 1), ("big", 2), ("small", 2)] {
+            for i in 0..n {
+                st.record(Effect::Enqueue {
+                    tenant: TenantName::from_static(tenant),
+                    pod: PodKey::new(tenant, &format!("wait-{i}")).expect("key"),
+                    gpue: 1_000,
+                    priority: 0,
+                });
+            }
+        }
+        assert_eq!(st.room(), 3_000);
+        let released: Vec<String> = st.release_queue().into_iter().map(|r| r.key.to_string()).collect();
+        assert_eq!(released, ["small/wait-0", "small/wait-1", "big/wait-0"]);
+        assert_eq!(st.room(), 0);
+        assert!(st.release_queue().is_empty(), "nothing more while the cluster is full");
+        st.pod_gone("big/run-0");
+        let released: Vec<String> = st.release_queue().into_iter().map(|r| r.key.to_string()).collect();
+        assert_eq!(released, ["big/wait-1"], "the rest once a GPU frees");
+        st.pod_gone("big/run-1");
+        let released: Vec<String> = st.release_queue().into_iter().map(|r| r.key.to_string()).collect();
+        assert_eq!(
+            released,
+            ["batch/wait-0"],
+            "the preemptible tenant last, 4 GPUs below its budget as it is"
+        );
+        // With the capacity not known, budgets alone decide.
+        let mut st = state();
+        st.set_capacity_gpue(0);
+        assert_eq!(st.room(), MilliGpue::MAX);
     }
 
     /// A report carries, per tenant, what waits in all and the largest single pod of it
