@@ -35,7 +35,9 @@
 
 use std::collections::BTreeMap;
 
-use kvota_fairness::admission::{borrow_room, judge, lendable, lends_now, LocalView, PodRequest, Reason, Verdict};
+use kvota_fairness::admission::{
+    borrow_room, judge, lendable, lends_now, release_rank, LocalView, PodRequest, Reason, Verdict,
+};
 use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
 use kvota_fairness::lease::AgentLease;
@@ -572,8 +574,11 @@ impl Scheduler for WfqDecay {
                 cl.capacity,
                 (0..w.tenants.len()).map(|t| (cl.inuse[t], cl.pending_owed(t), budgets[t])),
             );
-            // Latency-sensitive (non-preemptible) tenants below their guarantee here first,
-            // then the tenants furthest under their budget (the drift bias).
+            // In the line the agent releases gated pods in when the room is short
+            // (`release_rank`): latency-sensitive (non-preemptible) tenants below their
+            // guarantee here first; then non-preemptible tenants with no guarantee below
+            // budget, by the fraction of it they use; then the others furthest under
+            // budget first.
             let cl = &w.clusters[c];
             let urgent = |t: usize| {
                 let tp = &self.policy.tenants[t];
@@ -582,7 +587,13 @@ impl Scheduler for WfqDecay {
                 !tp.preemptible && cl.inuse[t] < guarantee
             };
             let mut order: Vec<usize> = (0..w.tenants.len()).collect();
-            order.sort_by_key(|&t| (!urgent(t), i128::from(cl.inuse[t]) - i128::from(budgets[t]), t));
+            order.sort_by_key(|&t| {
+                let tp = &self.policy.tenants[t];
+                (
+                    release_rank(urgent(t), tp.preemptible, tp.min_share_bp, cl.inuse[t], budgets[t]),
+                    t,
+                )
+            });
             for t in order {
                 if w.clusters[c].free == 0 {
                     break; // nothing more can start here (each tenant's loop would stop at once)
