@@ -893,6 +893,66 @@ impl RaftService for RaftTransport {
 mod tests {
     use super::*;
 
+    async fn peer_at(addr: &str) -> PeerClient {
+        let (_, durable) = tokio::sync::watch::channel(Durable::default());
+        let mut net = Network {
+            tls: None,
+            durable,
+            held_back: Arc::default(),
+            guard: Arc::new(Guard::default()),
+            metrics: Metrics::default(),
+            acked: Acked::default(),
+        };
+        let node = Node {
+            rpc_addr: addr.to_string(),
+            http_addr: String::new(),
+            raft_addr: addr.to_string(),
+        };
+        net.new_client(2, &node).await
+    }
+
+    fn heartbeat() -> AppendEntriesRequest<TypeConfig> {
+        AppendEntriesRequest {
+            vote: Vote::new_committed(1, 1),
+            prev_log_id: None,
+            leader_commit: None,
+            entries: Vec::new(),
+        }
+    }
+
+    /// A peer that accepts but does not answer within the deadline is a `Timeout`
+    /// (openraft retries at once), not `Unreachable` (openraft would leave it alone for
+    /// 500 ms, longer than its election timeout, and it would call an election); a
+    /// refused connection is `Unreachable`.
+    #[tokio::test]
+    async fn a_late_answer_is_a_timeout_and_a_refused_connection_unreachable() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let mut peer = peer_at(&addr).await;
+        let err = peer
+            .append_entries(heartbeat(), RPCOption::new(Duration::from_millis(50)))
+            .await
+            .expect_err("nobody answers");
+        assert!(matches!(err, RPCError::Timeout(_)), "{err:?}");
+        silent.abort();
+
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = closed.local_addr().expect("addr").to_string();
+        drop(closed);
+        let mut peer = peer_at(&addr).await;
+        let err = peer
+            .append_entries(heartbeat(), RPCOption::new(Duration::from_millis(300)))
+            .await
+            .expect_err("nothing listens");
+        assert!(matches!(err, RPCError::Unreachable(_)), "{err:?}");
+    }
+
     #[test]
     fn the_append_window_halves_on_a_timeout_and_widens_on_quick_answers() {
         let deadline = Duration::from_millis(50);

@@ -344,6 +344,16 @@ pub fn budget_use_ppm(inuse: MilliGpue, budget: MilliGpue) -> u64 {
     u64::try_from(u128::from(inuse) * 1_000_000 / u128::from(budget)).unwrap_or(u64::MAX)
 }
 
+/// Whether a tenant is *urgent* in a cluster of `capacity` ([`release_rank`]):
+/// non-preemptible and using less than its guarantee there, `min(inuse + pending,
+/// minShare x capacity)`.
+pub fn urgent(preemptible: bool, min_share_bp: u32, capacity: MilliGpue, inuse: MilliGpue, pending: MilliGpue) -> bool {
+    let guarantee = inuse
+        .saturating_add(pending)
+        .min(crate::entitlement::share_of(capacity, min_share_bp));
+    !preemptible && inuse < guarantee
+}
+
 /// A tenant's place in line for GPUs that free in a cluster whose budgets let more
 /// start than it has free (lower first; [`share_room`], and the simulator's pass).
 ///

@@ -1025,11 +1025,15 @@ impl AgentState {
                 .as_ref()
                 .and_then(|p| p.tenants.iter().find(|x| &x.name == t))
                 .map_or((true, 0), |x| (x.preemptible, x.min_share_bp));
-            let guarantee = inuse
-                .saturating_add(self.pending(t))
-                .min(kvota_fairness::entitlement::share_of(self.capacity_gpue, min_share_bp));
+            let pending = self.pending(t);
             claims.push(kvota_fairness::admission::RoomClaim {
-                urgent: !preemptible && inuse < guarantee,
+                urgent: kvota_fairness::admission::urgent(
+                    preemptible,
+                    min_share_bp,
+                    self.capacity_gpue,
+                    inuse,
+                    pending,
+                ),
                 preemptible,
                 min_share_bp,
                 inuse,

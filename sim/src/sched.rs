@@ -36,7 +36,7 @@
 use std::collections::BTreeMap;
 
 use kvota_fairness::admission::{
-    borrow_room, judge, lendable, lends_now, release_rank, LocalView, PodRequest, Reason, Verdict,
+    borrow_room, judge, lendable, lends_now, release_rank, urgent, LocalView, PodRequest, Reason, Verdict,
 };
 use kvota_fairness::entitlement::water_fill;
 use kvota_fairness::federation::{Applied, Command, Federation, TenantReport, UsageReport};
@@ -580,17 +580,21 @@ impl Scheduler for WfqDecay {
             // budget, by the fraction of it they use; then the others furthest under
             // budget first.
             let cl = &w.clusters[c];
-            let urgent = |t: usize| {
+            let is_urgent = |t: usize| {
                 let tp = &self.policy.tenants[t];
-                let guarantee = (cl.inuse[t] + cl.pending_owed(t))
-                    .min(kvota_fairness::entitlement::share_of(cl.capacity, tp.min_share_bp));
-                !tp.preemptible && cl.inuse[t] < guarantee
+                urgent(
+                    tp.preemptible,
+                    tp.min_share_bp,
+                    cl.capacity,
+                    cl.inuse[t],
+                    cl.pending_owed(t),
+                )
             };
             let mut order: Vec<usize> = (0..w.tenants.len()).collect();
             order.sort_by_key(|&t| {
                 let tp = &self.policy.tenants[t];
                 (
-                    release_rank(urgent(t), tp.preemptible, tp.min_share_bp, cl.inuse[t], budgets[t]),
+                    release_rank(is_urgent(t), tp.preemptible, tp.min_share_bp, cl.inuse[t], budgets[t]),
                     t,
                 )
             });
